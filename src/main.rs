@@ -1,0 +1,328 @@
+//! The command line: parse arguments, call the library, print, exit with a documented code.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use egress_fence::netns::Netns;
+use egress_fence::nft::Nft;
+use egress_fence::plan::{denied_answers, plan};
+use egress_fence::policy::{Policy, PolicyError};
+use egress_fence::resolve::{Resolution, resolve_policy};
+use egress_fence::ruleset::{Elements, TABLE, fmt_net, fmt_tuple};
+
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  failure: the kernel refused the change, netlink or the namespace failed, no resolver
+  2  invalid policy or command line (the message names file:line:column)
+  3  done, but some allowed names did not resolve: their entries are missing
+  4  status: the table is not installed";
+
+const SCHEMA: &str = "\
+Policy schema (YAML):
+  version: 1                      # required
+  action: reject                  # unmatched traffic: reject (fails fast) or drop
+  allow:                          # destinations that may be reached
+    - domain: api.example.com     # resolved to A and AAAA; or `cidr: 203.0.113.0/28`
+      ports: [443, \"8000-8080\"]   # default: every port
+      protocol: tcp               # tcp (default), udp or any (both)
+      comment: model API          # free text
+  deny:                           # checked before allow: deny wins
+    - preset: cloud-metadata      # or private-networks; or `cidr: 10.0.0.0/8`
+  dns:
+    resolvers: [192.0.2.53]       # default: the nameservers of resolv.conf
+  log:
+    prefix: \"EGRESS-DROP: \"       # default as shown
+    group: 100                    # NFLOG group for refused packets (default: kernel log)
+    rate: 10/second               # log rate limit, with `burst: 20`
+  essentials: [loopback, established, icmpv6-nd, dhcpv4, dhcpv6]   # default: all";
+
+/// A default-deny egress boundary for AI agent hosts, built on nftables.
+///
+/// egress-fence reads a YAML policy of allowed domains and networks, resolves the domains, and
+/// installs one nftables table (inet egress_fence) that refuses every other outgoing packet,
+/// logs refusals, and leaves every other table alone. Changes are atomic: the kernel applies
+/// the whole table or nothing.
+#[derive(Parser)]
+#[command(version, after_help = EXIT_CODES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct Target {
+    /// Work inside this network namespace: a name from `ip netns list` or a path such as
+    /// /proc/PID/ns/net. Resolution and netlink both happen there; a named namespace's
+    /// /etc/netns/NAME/resolv.conf is honoured as `ip netns exec` does.
+    #[arg(long, value_name = "NS")]
+    netns: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a policy without touching the network or the kernel.
+    #[command(after_help = SCHEMA)]
+    Check { policy: PathBuf },
+    /// Resolve the policy's names and print the ruleset as nft text (what `apply` installs;
+    /// `nft -c -f` checks it, `nft -f` would load it).
+    Plan {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: Target,
+        /// Print the resolution and the ruleset as JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Resolve the policy's names and install the ruleset in one atomic transaction.
+    #[command(after_help = EXIT_CODES)]
+    Apply {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: Target,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Read the installed table back from the kernel.
+    #[command(after_help = EXIT_CODES)]
+    Status {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete the tool's table (and nothing else); a no-op if it is absent.
+    Teardown {
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+const EXIT_FAILURE: u8 = 1;
+const EXIT_BAD_POLICY: u8 = 2;
+const EXIT_UNRESOLVED: u8 = 3;
+const EXIT_NOT_INSTALLED: u8 = 4;
+
+/// A failure and the exit code it maps to.
+struct Failure {
+    code: u8,
+    error: anyhow::Error,
+}
+
+impl<E: Into<anyhow::Error>> From<E> for Failure {
+    fn from(e: E) -> Failure {
+        let error = e.into();
+        let code = if error.is::<PolicyError>() {
+            EXIT_BAD_POLICY
+        } else {
+            EXIT_FAILURE
+        };
+        Failure { code, error }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
+        Ok(code) => ExitCode::from(code),
+        Err(f) => {
+            eprintln!("egress-fence: {:#}", f.error);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+/// Enters the namespace (before any thread exists) and returns the resolv.conf to use.
+fn enter(target: &Target) -> Result<PathBuf, Failure> {
+    let default = PathBuf::from("/etc/resolv.conf");
+    match &target.netns {
+        None => Ok(default),
+        Some(arg) => {
+            let ns = Netns::parse(arg);
+            ns.enter()?;
+            Ok(ns.resolv_conf().unwrap_or(default))
+        }
+    }
+}
+
+fn load(path: &Path) -> Result<Policy, Failure> {
+    let policy = Policy::load(path)?;
+    for w in policy.warnings() {
+        eprintln!("warning: {w}");
+    }
+    Ok(policy)
+}
+
+fn run(command: Command) -> Result<u8, Failure> {
+    match command {
+        Command::Check { policy: path } => {
+            let policy = load(&path)?;
+            println!(
+                "{}: valid ({} allow entries, {} names, {} deny entries)",
+                path.display(),
+                policy.allow.len(),
+                policy.domains().len(),
+                policy.deny.len()
+            );
+            Ok(0)
+        }
+        Command::Plan {
+            policy: path,
+            target,
+            json,
+        } => {
+            let resolv_conf = enter(&target)?;
+            let policy = load(&path)?;
+            let resolution = resolve_policy(&policy, &resolv_conf)?;
+            report_resolution(&policy, &resolution);
+            let ruleset = plan(&policy, &resolution);
+            if json {
+                let out = serde_json::json!({ "resolution": resolution, "ruleset": ruleset });
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else {
+                println!("# egress-fence plan for {}", path.display());
+                for host in &resolution.hosts {
+                    println!("# {}", describe_host(host));
+                }
+                print!("{}", ruleset.to_nft());
+            }
+            Ok(resolution_code(&resolution))
+        }
+        Command::Apply {
+            policy: path,
+            target,
+            json,
+        } => {
+            let resolv_conf = enter(&target)?;
+            let policy = load(&path)?;
+            let resolution = resolve_policy(&policy, &resolv_conf)?;
+            report_resolution(&policy, &resolution);
+            let ruleset = plan(&policy, &resolution);
+            Nft::open()?.apply(&ruleset)?;
+            let unresolved: Vec<String> = resolution
+                .unresolved()
+                .map(|h| h.name.to_string())
+                .collect();
+            if json {
+                let out = serde_json::json!({
+                    "applied": true,
+                    "table": format!("inet {TABLE}"),
+                    "elements": ruleset.element_count(),
+                    "rules": ruleset.output.len() + ruleset.refused.len(),
+                    "unresolved": unresolved,
+                });
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else {
+                println!(
+                    "applied table inet {TABLE}: {} rules, {} set elements, {} of {} names resolved",
+                    ruleset.output.len() + ruleset.refused.len(),
+                    ruleset.element_count(),
+                    resolution.hosts.len() - unresolved.len(),
+                    resolution.hosts.len()
+                );
+            }
+            Ok(resolution_code(&resolution))
+        }
+        Command::Status { target, json } => {
+            enter(&target)?;
+            let Some(live) = Nft::open()?.read_table()? else {
+                if json {
+                    println!("{}", serde_json::json!({ "installed": false }));
+                } else {
+                    println!("table inet {TABLE} is not installed");
+                }
+                return Ok(EXIT_NOT_INSTALLED);
+            };
+            let status = live.status();
+            if json {
+                let mut out = serde_json::to_value(&status)?;
+                out["installed"] = true.into();
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else {
+                print_status(&status);
+            }
+            Ok(0)
+        }
+        Command::Teardown { target } => {
+            enter(&target)?;
+            if Nft::open()?.teardown()? {
+                println!("deleted table inet {TABLE}");
+            } else {
+                println!("table inet {TABLE} was not installed; nothing to do");
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn resolution_code(resolution: &Resolution) -> u8 {
+    if resolution.unresolved().next().is_some() {
+        EXIT_UNRESOLVED
+    } else {
+        0
+    }
+}
+
+fn describe_host(host: &egress_fence::resolve::ResolvedHost) -> String {
+    if host.addrs.is_empty() {
+        return format!(
+            "{}: NOT RESOLVED ({}): its allow entries are left out",
+            host.name,
+            host.errors.join("; ")
+        );
+    }
+    let addrs: Vec<String> = host
+        .addrs
+        .iter()
+        .map(|a| format!("{} (ttl {})", a.addr, a.ttl))
+        .collect();
+    format!("{}: {}", host.name, addrs.join(", "))
+}
+
+/// Warnings about the resolution, on stderr so that stdout stays machine-readable.
+fn report_resolution(policy: &Policy, resolution: &Resolution) {
+    for host in &resolution.hosts {
+        if host.addrs.is_empty() {
+            eprintln!("warning: {}", describe_host(host));
+        } else if !host.errors.is_empty() {
+            eprintln!(
+                "warning: {} resolved only partly: {}",
+                host.name,
+                host.errors.join("; ")
+            );
+        }
+    }
+    for w in denied_answers(policy, resolution) {
+        eprintln!("warning: {w}");
+    }
+}
+
+fn print_status(status: &egress_fence::nft::live::Status) {
+    println!("table {}: installed", status.table);
+    for c in &status.chains {
+        match (&c.hook, c.priority, &c.policy) {
+            (Some(hook), Some(prio), Some(policy)) => println!(
+                "  chain {}: hook {hook} priority {prio} policy {policy}, {} rules",
+                c.name, c.rules
+            ),
+            _ => println!("  chain {}: {} rules", c.name, c.rules),
+        }
+    }
+    if let Some(r) = status.refused {
+        println!("  refused so far: {} packets, {} bytes", r.packets, r.bytes);
+    }
+    for s in &status.sets {
+        let items: Vec<String> = match &s.contents {
+            Some(Elements::Networks(n)) => n.iter().map(fmt_net).collect(),
+            Some(Elements::Tuples(t)) => t.iter().map(fmt_tuple).collect(),
+            None => vec![format!("({} kernel elements)", s.kernel_elements)],
+        };
+        if items.is_empty() {
+            println!("  set {}: empty", s.name);
+        } else {
+            println!("  set {}: {}", s.name, items.join(", "));
+        }
+    }
+}

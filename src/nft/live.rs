@@ -1,0 +1,299 @@
+//! The table as read back from the kernel, decoded into the ruleset's own terms.
+
+use std::net::IpAddr;
+
+use ipnet::{IpNet, Ipv4Subnets, Ipv6Subnets};
+use serde::Serialize;
+
+use super::sys::{LiveChain, LiveElem, LiveRule, LiveSet, NFT_SET_ELEM_INTERVAL_END};
+use crate::policy::{L4Proto, PortRange};
+use crate::ruleset::{Elements, Family, KeyShape, REFUSED_CHAIN, SetId, TABLE, Tuple};
+
+/// Everything in the tool's table, as the kernel reports it.
+#[derive(Debug, Clone)]
+pub struct LiveTable {
+    pub chains: Vec<LiveChain>,
+    pub rules: Vec<LiveRule>,
+    pub sets: Vec<(LiveSet, Vec<LiveElem>)>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    pub table: String,
+    pub chains: Vec<ChainStatus>,
+    /// Packets and bytes refused since the table was installed.
+    pub refused: Option<Counter>,
+    pub sets: Vec<SetStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChainStatus {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hook: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    pub rules: usize,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Counter {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SetStatus {
+    pub name: String,
+    /// Kernel elements (an interval counts its start and end where the set stores both).
+    pub kernel_elements: usize,
+    /// The decoded contents, for the sets egress-fence knows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub contents: Option<Elements>,
+}
+
+impl LiveTable {
+    pub fn status(&self) -> Status {
+        let chains = self
+            .chains
+            .iter()
+            .map(|c| ChainStatus {
+                name: c.name.clone(),
+                hook: c.hook.map(|(hook, _, _)| hook_name(hook).to_string()),
+                priority: c.hook.map(|(_, prio, _)| prio),
+                policy: c.hook.map(|(_, _, policy)| {
+                    if policy == libc::NF_DROP as u32 {
+                        "drop".to_string()
+                    } else {
+                        "accept".to_string()
+                    }
+                }),
+                rules: self.rules.iter().filter(|r| r.chain == c.name).count(),
+            })
+            .collect();
+        let refused = self
+            .rules
+            .iter()
+            .filter(|r| r.chain == REFUSED_CHAIN)
+            .find_map(|r| r.counter)
+            .map(|(packets, bytes)| Counter { packets, bytes });
+        let sets = self
+            .sets
+            .iter()
+            .map(|(set, elems)| SetStatus {
+                name: set.name.clone(),
+                kernel_elements: elems.len(),
+                contents: SetId::from_name(&set.name).map(|id| decode(id, elems)),
+            })
+            .collect();
+        Status {
+            table: format!("inet {TABLE}"),
+            chains,
+            refused,
+            sets,
+        }
+    }
+
+    /// The decoded contents of one of our sets.
+    pub fn contents(&self, id: SetId) -> Option<Elements> {
+        let name = id.name();
+        self.sets
+            .iter()
+            .find(|(s, _)| s.name == name)
+            .map(|(_, elems)| decode(id, elems))
+    }
+}
+
+fn hook_name(hook: u32) -> &'static str {
+    match hook as i32 {
+        libc::NF_INET_PRE_ROUTING => "prerouting",
+        libc::NF_INET_LOCAL_IN => "input",
+        libc::NF_INET_FORWARD => "forward",
+        libc::NF_INET_LOCAL_OUT => "output",
+        libc::NF_INET_POST_ROUTING => "postrouting",
+        _ => "other",
+    }
+}
+
+fn addr_of(family: Family, bytes: &[u8]) -> Option<IpAddr> {
+    match family {
+        Family::V4 => <[u8; 4]>::try_from(bytes.get(..4)?).ok().map(IpAddr::from),
+        Family::V6 => <[u8; 16]>::try_from(bytes.get(..16)?)
+            .ok()
+            .map(IpAddr::from),
+    }
+}
+
+/// The networks exactly covering `first..=last`.
+fn cover(first: IpAddr, last: IpAddr) -> Vec<IpNet> {
+    match (first, last) {
+        (IpAddr::V4(a), IpAddr::V4(b)) => Ipv4Subnets::new(a, b, 0).map(IpNet::V4).collect(),
+        (IpAddr::V6(a), IpAddr::V6(b)) => Ipv6Subnets::new(a, b, 0).map(IpNet::V6).collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn prev_addr(addr: IpAddr) -> IpAddr {
+    match addr {
+        IpAddr::V4(a) => IpAddr::from(u32::from(a).wrapping_sub(1).to_be_bytes()),
+        IpAddr::V6(a) => IpAddr::from(u128::from(a).wrapping_sub(1).to_be_bytes()),
+    }
+}
+
+fn top(family: Family) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::from([0xff; 4]),
+        Family::V6 => IpAddr::from([0xff; 16]),
+    }
+}
+
+fn decode(id: SetId, elems: &[LiveElem]) -> Elements {
+    match id.shape() {
+        KeyShape::Addr => Elements::Networks(decode_intervals(id.family, elems)),
+        KeyShape::Tuple => {
+            let mut tuples: Vec<Tuple> = elems
+                .iter()
+                .flat_map(|e| decode_tuple(id.family, e))
+                .collect();
+            tuples.sort();
+            Elements::Tuples(tuples)
+        }
+    }
+}
+
+/// Start and end elements of a plain interval set back into networks.
+fn decode_intervals(family: Family, elems: &[LiveElem]) -> Vec<IpNet> {
+    let mut points: Vec<(IpAddr, bool)> = elems
+        .iter()
+        .filter_map(|e| {
+            let is_end = e.flags & NFT_SET_ELEM_INTERVAL_END != 0;
+            addr_of(family, &e.key).map(|a| (a, is_end))
+        })
+        .collect();
+    // At an address where one interval ends and the next starts, close before opening.
+    points.sort_by_key(|(a, is_end)| (*a, !*is_end));
+    let mut nets = Vec::new();
+    let mut open: Option<IpAddr> = None;
+    for (addr, is_end) in points {
+        match (is_end, open) {
+            (false, None) => open = Some(addr),
+            (true, Some(start)) => {
+                nets.extend(cover(start, prev_addr(addr)));
+                open = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(start) = open {
+        nets.extend(cover(start, top(family)));
+    }
+    nets
+}
+
+fn decode_tuple(family: Family, e: &LiveElem) -> Vec<Tuple> {
+    let addr_len = match family {
+        Family::V4 => 4,
+        Family::V6 => 16,
+    };
+    let field = |key: &[u8]| -> Option<(IpAddr, u8, u16)> {
+        let addr = addr_of(family, key)?;
+        let proto = *key.get(addr_len)?;
+        let port = u16::from_be_bytes([*key.get(addr_len + 4)?, *key.get(addr_len + 5)?]);
+        Some((addr, proto, port))
+    };
+    let Some((first, proto, port_first)) = field(&e.key) else {
+        return Vec::new();
+    };
+    let (last, port_last) = match e.key_end.as_deref().and_then(field) {
+        Some((last, _, port_last)) => (last, port_last),
+        None => (first, port_first),
+    };
+    let Some(proto) = L4Proto::from_number(proto) else {
+        return Vec::new();
+    };
+    cover(first, last)
+        .into_iter()
+        .map(|net| Tuple {
+            net,
+            proto,
+            ports: PortRange {
+                first: port_first,
+                last: port_last,
+            },
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft::encode::set_elements;
+    use crate::ruleset::SetRole;
+
+    fn live(elems: Vec<super::super::sys::Elem>) -> Vec<LiveElem> {
+        elems
+            .into_iter()
+            .map(|e| LiveElem {
+                key: e.key,
+                key_end: e.key_end,
+                flags: e.flags,
+                timeout_ms: e.timeout_ms,
+                expires_ms: None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn interval_sets_decode_to_what_was_encoded() {
+        for family in Family::BOTH {
+            let nets: Vec<IpNet> = match family {
+                Family::V4 => vec![
+                    "0.0.0.0/8",
+                    "10.0.0.0/8",
+                    "11.0.0.0/8",
+                    "255.255.255.255/32",
+                ],
+                Family::V6 => vec!["2001:db8::/32", "fd00:ec2::254/128"],
+            }
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+            let id = SetId::new(SetRole::Deny, family);
+            let mut elems = live(set_elements(id, &Elements::Networks(nets.clone())));
+            elems.reverse(); // the kernel lists an rbtree backwards
+            let decoded = decode(id, &elems);
+            assert_eq!(decoded, Elements::Networks(nets), "{family:?}");
+        }
+    }
+
+    #[test]
+    fn tuple_sets_decode_to_what_was_encoded() {
+        let tuples = [
+            Tuple {
+                net: "192.0.2.10/32".parse().unwrap(),
+                proto: L4Proto::Tcp,
+                ports: PortRange::single(443),
+            },
+            Tuple {
+                net: "203.0.113.0/28".parse().unwrap(),
+                proto: L4Proto::Udp,
+                ports: PortRange {
+                    first: 8000,
+                    last: 8080,
+                },
+            },
+        ];
+        for role in [SetRole::Allow, SetRole::Resolved] {
+            let id = SetId::new(role, Family::V4);
+            let want: Vec<Tuple> = tuples
+                .iter()
+                .filter(|t| role == SetRole::Allow || t.ports.is_single())
+                .copied()
+                .collect();
+            let elems = live(set_elements(id, &Elements::Tuples(want.clone())));
+            assert_eq!(decode(id, &elems), Elements::Tuples(want));
+        }
+    }
+}

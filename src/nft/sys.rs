@@ -1,0 +1,825 @@
+//! What the `nftnl` crate (0.9) lacks, filled in over `nftnl-sys`: expressions with chosen
+//! registers (payload, meta, lookup, byteorder), log and limit; sets with flags, concatenated
+//! keys and elements that carry key ends, flags and timeouts; element messages with and without
+//! NLM_F_EXCL; and parsing of dumped sets, elements, chains and rules.
+//!
+//! This is the only module with `unsafe`. Every object here owns its libnftnl allocation and
+//! frees it on drop; every pointer handed to libnftnl is valid for the duration of the call.
+
+use std::cell::Cell;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ptr::NonNull;
+
+use nftnl::expr::Expression;
+use nftnl::nftnl_sys as sys;
+use nftnl::{MsgType, NlMsg, Rule};
+
+/// libc's `NFT_SET_CONCAT` (0x80), absent from the libc crate: the key is a concatenation
+/// whose field lengths are given in `NFTNL_SET_DESC_CONCAT`.
+pub const NFT_SET_CONCAT: u32 = 0x80;
+pub const NFT_SET_INTERVAL: u32 = libc::NFT_SET_INTERVAL as u32;
+pub const NFT_SET_TIMEOUT: u32 = libc::NFT_SET_TIMEOUT as u32;
+pub const NFT_SET_ELEM_INTERVAL_END: u32 = libc::NFT_SET_ELEM_INTERVAL_END as u32;
+
+/// Registers as nft numbers them: the four 128-bit registers and the 32-bit ones from 8.
+pub const REG_1: u32 = libc::NFT_REG_1 as u32;
+pub const REG_2: u32 = libc::NFT_REG_2 as u32;
+pub const fn reg32(n: u32) -> u32 {
+    libc::NFT_REG32_00 as u32 + n
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadBase {
+    Network,
+    Transport,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Attr {
+    U16(u16),
+    U32(u32),
+    U64(u64),
+    Str(CString),
+    Data(Vec<u8>),
+}
+
+/// An expression named by its libnftnl type and a list of attributes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expr {
+    name: &'static CStr,
+    attrs: Vec<(u32, Attr)>,
+}
+
+impl Expr {
+    /// Loads `len` bytes at `offset` of a header into register `dreg`.
+    pub fn payload(base: PayloadBase, offset: u32, len: u32, dreg: u32) -> Expr {
+        let base = match base {
+            PayloadBase::Network => libc::NFT_PAYLOAD_NETWORK_HEADER,
+            PayloadBase::Transport => libc::NFT_PAYLOAD_TRANSPORT_HEADER,
+        } as u32;
+        Expr {
+            name: c"payload",
+            attrs: vec![
+                (sys::NFTNL_EXPR_PAYLOAD_DREG, Attr::U32(dreg)),
+                (sys::NFTNL_EXPR_PAYLOAD_BASE, Attr::U32(base)),
+                (sys::NFTNL_EXPR_PAYLOAD_OFFSET, Attr::U32(offset)),
+                (sys::NFTNL_EXPR_PAYLOAD_LEN, Attr::U32(len)),
+            ],
+        }
+    }
+
+    /// Compares register 1 with `data` (`op` is one of `libc::NFT_CMP_*`).
+    pub fn cmp(op: c_int, data: &[u8]) -> Expr {
+        Expr {
+            name: c"cmp",
+            attrs: vec![
+                (sys::NFTNL_EXPR_CMP_SREG, Attr::U32(REG_1)),
+                (sys::NFTNL_EXPR_CMP_OP, Attr::U32(op as u32)),
+                (sys::NFTNL_EXPR_CMP_DATA, Attr::Data(data.to_vec())),
+            ],
+        }
+    }
+
+    /// Loads meta key `key` (`libc::NFT_META_*`) into register `dreg`.
+    pub fn meta(key: c_int, dreg: u32) -> Expr {
+        Expr {
+            name: c"meta",
+            attrs: vec![
+                (sys::NFTNL_EXPR_META_KEY, Attr::U32(key as u32)),
+                (sys::NFTNL_EXPR_META_DREG, Attr::U32(dreg)),
+            ],
+        }
+    }
+
+    /// Looks up the key starting at register `sreg` in the named set.
+    pub fn lookup(set: &CStr, set_id: u32, sreg: u32) -> Expr {
+        Expr {
+            name: c"lookup",
+            attrs: vec![
+                (sys::NFTNL_EXPR_LOOKUP_SREG, Attr::U32(sreg)),
+                (sys::NFTNL_EXPR_LOOKUP_SET, Attr::Str(set.to_owned())),
+                (sys::NFTNL_EXPR_LOOKUP_SET_ID, Attr::U32(set_id)),
+            ],
+        }
+    }
+
+    /// Converts `len` bytes of register `reg` in `size`-byte units to network byte order.
+    /// nft emits this for host-order fields of concatenated interval keys; we mirror it so
+    /// that `nft list` reads our rules back exactly as it reads its own.
+    pub fn hton(reg: u32, size: u32, len: u32) -> Expr {
+        Expr {
+            name: c"byteorder",
+            attrs: vec![
+                (sys::NFTNL_EXPR_BYTEORDER_SREG, Attr::U32(reg)),
+                (sys::NFTNL_EXPR_BYTEORDER_DREG, Attr::U32(reg)),
+                (
+                    sys::NFTNL_EXPR_BYTEORDER_OP,
+                    Attr::U32(libc::NFT_BYTEORDER_HTON as u32),
+                ),
+                (sys::NFTNL_EXPR_BYTEORDER_LEN, Attr::U32(len)),
+                (sys::NFTNL_EXPR_BYTEORDER_SIZE, Attr::U32(size)),
+            ],
+        }
+    }
+
+    /// Logs the packet with `prefix`, to NFLOG group `group` or, without one, the kernel log.
+    /// The prefix must not contain NUL (the policy validates that).
+    pub fn log(prefix: &CStr, group: Option<u16>) -> Expr {
+        let mut attrs = vec![(sys::NFTNL_EXPR_LOG_PREFIX, Attr::Str(prefix.to_owned()))];
+        if let Some(group) = group {
+            attrs.push((sys::NFTNL_EXPR_LOG_GROUP, Attr::U16(group)));
+        }
+        Expr {
+            name: c"log",
+            attrs,
+        }
+    }
+
+    /// Matches while fewer than `rate` packets per `unit_seconds` passed (plus `burst`).
+    pub fn limit_packets(rate: u64, unit_seconds: u64, burst: u32) -> Expr {
+        Expr {
+            name: c"limit",
+            attrs: vec![
+                (sys::NFTNL_EXPR_LIMIT_RATE, Attr::U64(rate)),
+                (sys::NFTNL_EXPR_LIMIT_UNIT, Attr::U64(unit_seconds)),
+                (sys::NFTNL_EXPR_LIMIT_BURST, Attr::U32(burst)),
+                (
+                    sys::NFTNL_EXPR_LIMIT_TYPE,
+                    Attr::U32(libc::NFT_LIMIT_PKTS as u32),
+                ),
+                (sys::NFTNL_EXPR_LIMIT_FLAGS, Attr::U32(0)),
+            ],
+        }
+    }
+}
+
+impl Expression for Expr {
+    fn to_expr(&self, _rule: &Rule) -> NonNull<sys::nftnl_expr> {
+        // SAFETY: `name` is a NUL-terminated static string; a NULL result (allocation failure)
+        // is turned into an abort below, as the nftnl crate does for its own expressions.
+        let expr = unsafe { sys::nftnl_expr_alloc(self.name.as_ptr()) };
+        let Some(expr) = NonNull::new(expr) else {
+            std::process::abort();
+        };
+        for (attr, value) in &self.attrs {
+            let attr = *attr as u16;
+            // SAFETY: `expr` is a live expression of the type whose attributes we set; string
+            // attributes are copied by libnftnl before `value` goes away.
+            unsafe {
+                match value {
+                    Attr::U16(v) => sys::nftnl_expr_set_u16(expr.as_ptr(), attr, *v),
+                    Attr::U32(v) => sys::nftnl_expr_set_u32(expr.as_ptr(), attr, *v),
+                    Attr::U64(v) => sys::nftnl_expr_set_u64(expr.as_ptr(), attr, *v),
+                    Attr::Str(s) => {
+                        sys::nftnl_expr_set_str(expr.as_ptr(), attr, s.as_ptr());
+                    }
+                    Attr::Data(d) => {
+                        sys::nftnl_expr_set(
+                            expr.as_ptr(),
+                            attr,
+                            d.as_ptr().cast::<c_void>(),
+                            d.len() as u32,
+                        );
+                    }
+                }
+            }
+        }
+        expr
+    }
+}
+
+/// The key of a set as the kernel sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeySpec {
+    /// nft's datatype id; for concatenations `(t1 << 6 | t2) << 6 | t3`.
+    pub datatype: u32,
+    /// Total key length in bytes, each field padded to 4.
+    pub len: u32,
+    /// Field lengths of a concatenation (unpadded); empty for a single field.
+    pub concat_fields: Vec<u8>,
+}
+
+/// How element messages treat existing elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ElemOp {
+    /// Add; an existing element is an error (EEXIST). Used for a fresh table.
+    Create,
+    /// Add or refresh: an existing element is kept and its timeout refreshed.
+    Upsert,
+    Delete,
+}
+
+/// One set element: a key, the inclusive end of its interval, flags and a timeout.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Elem {
+    pub key: Vec<u8>,
+    pub key_end: Option<Vec<u8>>,
+    pub flags: u32,
+    pub timeout_ms: Option<u64>,
+}
+
+/// A named set of table `table` (family inet) with its elements.
+pub struct NlSet {
+    set: NonNull<sys::nftnl_set>,
+    elements: usize,
+}
+
+impl NlSet {
+    pub fn new(table: &CStr, name: &CStr, id: u32, key: &KeySpec, flags: u32) -> NlSet {
+        // SAFETY: allocation failure aborts; all strings are copied by libnftnl.
+        let set = unsafe { sys::nftnl_set_alloc() };
+        let Some(set) = NonNull::new(set) else {
+            std::process::abort();
+        };
+        let s = set.as_ptr();
+        // SAFETY: `s` is a live set; attribute types match libnftnl's (u32 or string, and a
+        // u8 array for the concatenation's field lengths, which libnftnl copies).
+        unsafe {
+            sys::nftnl_set_set_u32(s, sys::NFTNL_SET_FAMILY as u16, libc::NFPROTO_INET as u32);
+            sys::nftnl_set_set_str(s, sys::NFTNL_SET_TABLE as u16, table.as_ptr());
+            sys::nftnl_set_set_str(s, sys::NFTNL_SET_NAME as u16, name.as_ptr());
+            sys::nftnl_set_set_u32(s, sys::NFTNL_SET_ID as u16, id);
+            sys::nftnl_set_set_u32(s, sys::NFTNL_SET_FLAGS as u16, flags);
+            sys::nftnl_set_set_u32(s, sys::NFTNL_SET_KEY_TYPE as u16, key.datatype);
+            sys::nftnl_set_set_u32(s, sys::NFTNL_SET_KEY_LEN as u16, key.len);
+            if !key.concat_fields.is_empty() {
+                sys::nftnl_set_set_data(
+                    s,
+                    sys::NFTNL_SET_DESC_CONCAT as u16,
+                    key.concat_fields.as_ptr().cast::<c_void>(),
+                    key.concat_fields.len() as u32,
+                );
+            }
+        }
+        NlSet { set, elements: 0 }
+    }
+
+    pub fn push(&mut self, elem: &Elem) {
+        // SAFETY: allocation failure aborts; key data is copied into the element; the
+        // element's ownership passes to the set with `nftnl_set_elem_add`.
+        unsafe {
+            let e = sys::nftnl_set_elem_alloc();
+            if e.is_null() {
+                std::process::abort();
+            }
+            set_elem_data(e, sys::NFTNL_SET_ELEM_KEY, &elem.key);
+            if let Some(end) = &elem.key_end {
+                set_elem_data(e, sys::NFTNL_SET_ELEM_KEY_END, end);
+            }
+            if elem.flags != 0 {
+                sys::nftnl_set_elem_set_u32(e, sys::NFTNL_SET_ELEM_FLAGS as u16, elem.flags);
+            }
+            if let Some(ms) = elem.timeout_ms {
+                sys::nftnl_set_elem_set_u64(e, sys::NFTNL_SET_ELEM_TIMEOUT as u16, ms);
+            }
+            sys::nftnl_set_elem_add(self.set.as_ptr(), e);
+        }
+        self.elements += 1;
+    }
+
+    pub fn len(&self) -> usize {
+        self.elements
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.elements == 0
+    }
+
+    /// Appends the messages carrying the elements to `batch` (as many as the 64 KiB netlink
+    /// attribute limit needs) and returns how many messages that took.
+    pub fn add_elements_to(&self, batch: &mut nftnl::Batch, op: ElemOp) -> usize {
+        if self.is_empty() {
+            return 0;
+        }
+        // SAFETY: the iterator borrows the set, which outlives it (dropped at the end of this
+        // function, before `self` can be).
+        let iter = unsafe { sys::nftnl_set_elems_iter_create(self.set.as_ptr()) };
+        let Some(iter) = NonNull::new(iter) else {
+            std::process::abort();
+        };
+        let mut messages = 0;
+        loop {
+            let chunk = ElemChunk {
+                set: self,
+                iter,
+                op,
+                more: Cell::new(0),
+            };
+            batch.add(&chunk, MsgType::Add);
+            messages += 1;
+            if chunk.more.get() <= 0 {
+                break;
+            }
+        }
+        // SAFETY: created above and not used after this.
+        unsafe { sys::nftnl_set_elems_iter_destroy(iter.as_ptr()) };
+        messages
+    }
+
+    #[cfg(test)]
+    fn get_u32(&self, attr: u32) -> u32 {
+        // SAFETY: reading an attribute of a live set.
+        unsafe { sys::nftnl_set_get_u32(self.set.as_ptr(), attr as u16) }
+    }
+}
+
+/// # Safety
+/// `e` must be a live set element.
+unsafe fn set_elem_data(e: *mut sys::nftnl_set_elem, attr: u32, data: &[u8]) {
+    // SAFETY: per the caller; libnftnl copies `data`.
+    unsafe {
+        sys::nftnl_set_elem_set(
+            e,
+            attr as u16,
+            data.as_ptr().cast::<c_void>(),
+            data.len() as u32,
+        );
+    }
+}
+
+impl Drop for NlSet {
+    fn drop(&mut self) {
+        // SAFETY: we own the set and its elements.
+        unsafe { sys::nftnl_set_free(self.set.as_ptr()) };
+    }
+}
+
+// SAFETY: writes one NEWSET or DELSET message, which libnftnl bounds by the set's attributes,
+// far below nft_nlmsg_maxsize.
+unsafe impl NlMsg for NlSet {
+    unsafe fn write(&self, buf: *mut c_void, seq: u32, msg_type: MsgType) {
+        let (kind, flags) = match msg_type {
+            MsgType::Add => (libc::NFT_MSG_NEWSET, libc::NLM_F_CREATE | libc::NLM_F_ACK),
+            MsgType::Del => (libc::NFT_MSG_DELSET, libc::NLM_F_ACK),
+        };
+        // SAFETY: the batch hands us a buffer of nft_nlmsg_maxsize bytes.
+        unsafe {
+            let nlh = sys::nftnl_nlmsg_build_hdr(
+                buf.cast::<c_char>(),
+                kind as u16,
+                libc::NFPROTO_INET as u16,
+                flags as u16,
+                seq,
+            );
+            sys::nftnl_set_nlmsg_build_payload(nlh, self.set.as_ptr());
+        }
+    }
+}
+
+struct ElemChunk<'a> {
+    set: &'a NlSet,
+    iter: NonNull<sys::nftnl_set_elems_iter>,
+    op: ElemOp,
+    /// libnftnl's answer: 1 when elements remain for another message.
+    more: Cell<c_int>,
+}
+
+// SAFETY: libnftnl stops filling the message before its element nest outgrows 64 KiB, inside
+// the nft_nlmsg_maxsize buffer the batch provides.
+unsafe impl NlMsg for ElemChunk<'_> {
+    unsafe fn write(&self, buf: *mut c_void, seq: u32, _: MsgType) {
+        let (kind, flags) = match self.op {
+            ElemOp::Create => (
+                libc::NFT_MSG_NEWSETELEM,
+                libc::NLM_F_CREATE | libc::NLM_F_EXCL | libc::NLM_F_ACK,
+            ),
+            ElemOp::Upsert => (
+                libc::NFT_MSG_NEWSETELEM,
+                libc::NLM_F_CREATE | libc::NLM_F_ACK,
+            ),
+            ElemOp::Delete => (libc::NFT_MSG_DELSETELEM, libc::NLM_F_ACK),
+        };
+        // SAFETY: buffer as above; the iterator is live and belongs to `self.set`.
+        unsafe {
+            let nlh = sys::nftnl_nlmsg_build_hdr(
+                buf.cast::<c_char>(),
+                kind as u16,
+                libc::NFPROTO_INET as u16,
+                flags as u16,
+                seq,
+            );
+            let _ = self.set;
+            self.more.set(sys::nftnl_set_elems_nlmsg_build_payload_iter(
+                nlh,
+                self.iter.as_ptr(),
+            ));
+        }
+    }
+}
+
+/// The socket's descriptor, borrowed for nix's safe socket calls.
+pub fn socket_fd(socket: &mnl::Socket) -> std::os::fd::BorrowedFd<'_> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the mnl socket owns this descriptor and keeps it open for as long as the
+    // borrow (tied to `socket`) lasts.
+    unsafe { std::os::fd::BorrowedFd::borrow_raw(socket.as_raw_fd()) }
+}
+
+// ---- reading back -------------------------------------------------------------------------
+
+/// What a dump request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dump {
+    Tables,
+    Chains,
+    Sets,
+    Rules,
+    /// The elements of one set (name given to [`dump_request`]).
+    Elements,
+}
+
+/// A dump request for the objects of `table` (family inet).
+pub fn dump_request(kind: Dump, table: &CStr, set: Option<&CStr>, seq: u32) -> Vec<u8> {
+    let mut buf = vec![0u8; nftnl::nft_nlmsg_maxsize() as usize];
+    let msg_type = match kind {
+        Dump::Tables => libc::NFT_MSG_GETTABLE,
+        Dump::Chains => libc::NFT_MSG_GETCHAIN,
+        Dump::Sets => libc::NFT_MSG_GETSET,
+        Dump::Rules => libc::NFT_MSG_GETRULE,
+        Dump::Elements => libc::NFT_MSG_GETSETELEM,
+    };
+    let flags = (libc::NLM_F_DUMP | libc::NLM_F_REQUEST) as u16;
+    // SAFETY: `buf` has nft_nlmsg_maxsize bytes; the temporary objects are freed after their
+    // payload is written; strings are copied by libnftnl.
+    let len = unsafe {
+        let nlh = sys::nftnl_nlmsg_build_hdr(
+            buf.as_mut_ptr().cast::<c_char>(),
+            msg_type as u16,
+            libc::NFPROTO_INET as u16,
+            flags,
+            seq,
+        );
+        match kind {
+            Dump::Tables => {}
+            Dump::Chains => {
+                let c = sys::nftnl_chain_alloc();
+                sys::nftnl_chain_set_str(c, sys::NFTNL_CHAIN_TABLE as u16, table.as_ptr());
+                sys::nftnl_chain_nlmsg_build_payload(nlh, c);
+                sys::nftnl_chain_free(c);
+            }
+            Dump::Rules => {
+                let r = sys::nftnl_rule_alloc();
+                sys::nftnl_rule_set_str(r, sys::NFTNL_RULE_TABLE as u16, table.as_ptr());
+                sys::nftnl_rule_nlmsg_build_payload(nlh, r);
+                sys::nftnl_rule_free(r);
+            }
+            Dump::Sets | Dump::Elements => {
+                let s = sys::nftnl_set_alloc();
+                sys::nftnl_set_set_str(s, sys::NFTNL_SET_TABLE as u16, table.as_ptr());
+                if let Some(name) = set {
+                    sys::nftnl_set_set_str(s, sys::NFTNL_SET_NAME as u16, name.as_ptr());
+                }
+                if kind == Dump::Sets {
+                    sys::nftnl_set_nlmsg_build_payload(nlh, s);
+                } else {
+                    sys::nftnl_set_elems_nlmsg_build_payload(nlh, s);
+                }
+                sys::nftnl_set_free(s);
+            }
+        }
+        (*nlh).nlmsg_len as usize
+    };
+    buf.truncate(len);
+    buf
+}
+
+/// A netlink message copied to 4-byte aligned storage, as libnftnl's parsers require.
+struct Aligned(Vec<u32>);
+
+impl Aligned {
+    fn new(msg: &[u8]) -> Aligned {
+        let mut words = vec![0u32; msg.len().div_ceil(4)];
+        for (w, chunk) in words.iter_mut().zip(msg.chunks(4)) {
+            let mut b = [0u8; 4];
+            b[..chunk.len()].copy_from_slice(chunk);
+            *w = u32::from_ne_bytes(b);
+        }
+        Aligned(words)
+    }
+
+    fn header(&self) -> *const libc::nlmsghdr {
+        self.0.as_ptr().cast()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveChain {
+    pub table: String,
+    pub name: String,
+    /// Hook number, priority and policy of a base chain.
+    pub hook: Option<(u32, i32, u32)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveSet {
+    pub table: String,
+    pub name: String,
+    pub flags: u32,
+    pub key_type: u32,
+    pub key_len: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveElem {
+    pub key: Vec<u8>,
+    pub key_end: Option<Vec<u8>>,
+    pub flags: u32,
+    pub timeout_ms: Option<u64>,
+    pub expires_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveRule {
+    pub table: String,
+    pub chain: String,
+    pub handle: u64,
+    /// Each expression as libnftnl prints it ("[ lookup reg 1 set allow4 ]" without brackets).
+    pub exprs: Vec<String>,
+    /// Packets and bytes of the rule's counter, if it has one.
+    pub counter: Option<(u64, u64)>,
+}
+
+/// Reads an optional string attribute that libnftnl returns as a C string.
+///
+/// # Safety
+/// `p` must be NULL or point to a NUL-terminated string valid for this call.
+unsafe fn owned_str(p: *const c_char) -> String {
+    if p.is_null() {
+        String::new()
+    } else {
+        // SAFETY: per the caller.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+/// Fills a fresh libnftnl object from one dumped message and reads it with `read`.
+///
+/// # Safety
+/// `alloc`, `parse` and `free` must be the matching libnftnl functions of one object type,
+/// and `read` may only use the object while it is called.
+unsafe fn parse_with<T, R>(
+    msg: &[u8],
+    alloc: unsafe extern "C" fn() -> *mut T,
+    parse: unsafe extern "C" fn(*const libc::nlmsghdr, *mut T) -> c_int,
+    free: unsafe extern "C" fn(*const T),
+    read: impl FnOnce(*mut T) -> R,
+) -> Option<R> {
+    let msg = Aligned::new(msg);
+    // SAFETY: per the caller; the object is freed on every path, after `read` copied out what
+    // it needs.
+    unsafe {
+        let obj = alloc();
+        if obj.is_null() {
+            std::process::abort();
+        }
+        let out = (parse(msg.header(), obj) >= 0).then(|| read(obj));
+        free(obj);
+        out
+    }
+}
+
+/// Parses one table message of a dump into its family and name.
+pub fn parse_table(msg: &[u8]) -> Option<(u32, String)> {
+    // SAFETY: the table functions belong together; attributes are read while `t` lives and
+    // strings copied.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_table_alloc,
+            sys::nftnl_table_nlmsg_parse,
+            sys::nftnl_table_free,
+            |t| {
+                (
+                    sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FAMILY as u16),
+                    owned_str(sys::nftnl_table_get_str(t, sys::NFTNL_TABLE_NAME as u16)),
+                )
+            },
+        )
+    }
+}
+
+/// Parses one chain message of a dump; `None` if libnftnl cannot read it.
+pub fn parse_chain(msg: &[u8]) -> Option<LiveChain> {
+    // SAFETY: as in `parse_table`, for chains.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_chain_alloc,
+            sys::nftnl_chain_nlmsg_parse,
+            sys::nftnl_chain_free,
+            |c| LiveChain {
+                table: owned_str(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_TABLE as u16)),
+                name: owned_str(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_NAME as u16)),
+                hook: sys::nftnl_chain_is_set(c, sys::NFTNL_CHAIN_HOOKNUM as u16).then(|| {
+                    (
+                        sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_HOOKNUM as u16),
+                        sys::nftnl_chain_get_s32(c, sys::NFTNL_CHAIN_PRIO as u16),
+                        sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_POLICY as u16),
+                    )
+                }),
+            },
+        )
+    }
+}
+
+/// Parses one set message of a dump.
+pub fn parse_set(msg: &[u8]) -> Option<LiveSet> {
+    // SAFETY: as in `parse_table`, for sets.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_set_alloc,
+            sys::nftnl_set_nlmsg_parse,
+            sys::nftnl_set_free,
+            |s| {
+                let get = |attr: u32| sys::nftnl_set_get_u32(s, attr as u16);
+                LiveSet {
+                    table: owned_str(sys::nftnl_set_get_str(s, sys::NFTNL_SET_TABLE as u16)),
+                    name: owned_str(sys::nftnl_set_get_str(s, sys::NFTNL_SET_NAME as u16)),
+                    flags: get(sys::NFTNL_SET_FLAGS),
+                    key_type: get(sys::NFTNL_SET_KEY_TYPE),
+                    key_len: get(sys::NFTNL_SET_KEY_LEN),
+                }
+            },
+        )
+    }
+}
+
+/// Parses one element message of a dump into its elements.
+pub fn parse_elems(msg: &[u8]) -> Option<Vec<LiveElem>> {
+    // SAFETY: as in `parse_table`, for a set holding the dumped elements; the iterator is
+    // destroyed before the set is freed, and element data is copied out with the length
+    // libnftnl reports.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_set_alloc,
+            sys::nftnl_set_elems_nlmsg_parse,
+            sys::nftnl_set_free,
+            |s| {
+                let mut out = Vec::new();
+                let iter = sys::nftnl_set_elems_iter_create(s);
+                if iter.is_null() {
+                    return out;
+                }
+                let mut e = sys::nftnl_set_elems_iter_next(iter);
+                while !e.is_null() {
+                    let is_set = |attr: u32| sys::nftnl_set_elem_is_set(e, attr as u16);
+                    let data = |attr: u32| {
+                        let mut len = 0u32;
+                        let p = sys::nftnl_set_elem_get(e, attr as u16, &mut len);
+                        (is_set(attr) && !p.is_null()).then(|| {
+                            std::slice::from_raw_parts(p.cast::<u8>(), len as usize).to_vec()
+                        })
+                    };
+                    let u64_attr = |attr: u32| {
+                        is_set(attr).then(|| sys::nftnl_set_elem_get_u64(e, attr as u16))
+                    };
+                    out.push(LiveElem {
+                        key: data(sys::NFTNL_SET_ELEM_KEY).unwrap_or_default(),
+                        key_end: data(sys::NFTNL_SET_ELEM_KEY_END),
+                        flags: if is_set(sys::NFTNL_SET_ELEM_FLAGS) {
+                            sys::nftnl_set_elem_get_u32(e, sys::NFTNL_SET_ELEM_FLAGS as u16)
+                        } else {
+                            0
+                        },
+                        timeout_ms: u64_attr(sys::NFTNL_SET_ELEM_TIMEOUT),
+                        expires_ms: u64_attr(sys::NFTNL_SET_ELEM_EXPIRATION),
+                    });
+                    e = sys::nftnl_set_elems_iter_next(iter);
+                }
+                sys::nftnl_set_elems_iter_destroy(iter);
+                out
+            },
+        )
+    }
+}
+
+/// Parses one rule message of a dump.
+pub fn parse_rule(msg: &[u8]) -> Option<LiveRule> {
+    // SAFETY: as in `parse_table`, for rules; expressions belong to the rule and are only
+    // read while it lives.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_rule_alloc,
+            sys::nftnl_rule_nlmsg_parse,
+            sys::nftnl_rule_free,
+            |r| {
+                let (exprs, counter) = rule_exprs(r);
+                LiveRule {
+                    table: owned_str(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_TABLE as u16)),
+                    chain: owned_str(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_CHAIN as u16)),
+                    handle: sys::nftnl_rule_get_u64(r, sys::NFTNL_RULE_HANDLE as u16),
+                    exprs,
+                    counter,
+                }
+            },
+        )
+    }
+}
+
+/// The expressions of a rule as text, and its counter.
+///
+/// # Safety
+/// `r` must be a live rule.
+unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> (Vec<String>, Option<(u64, u64)>) {
+    let mut exprs = Vec::new();
+    let mut counter = None;
+    // SAFETY: per the caller; the iterator is destroyed before returning.
+    unsafe {
+        let iter = sys::nftnl_expr_iter_create(r);
+        if iter.is_null() {
+            return (exprs, counter);
+        }
+        let mut e = sys::nftnl_expr_iter_next(iter);
+        while !e.is_null() {
+            let name = owned_str(sys::nftnl_expr_get_str(e, sys::NFTNL_EXPR_NAME as u16));
+            if name == "counter" {
+                counter = Some((
+                    sys::nftnl_expr_get_u64(e, sys::NFTNL_EXPR_CTR_PACKETS as u16),
+                    sys::nftnl_expr_get_u64(e, sys::NFTNL_EXPR_CTR_BYTES as u16),
+                ));
+            }
+            let mut buf = [0u8; 512];
+            let n = sys::nftnl_expr_snprintf(
+                buf.as_mut_ptr().cast::<c_char>(),
+                buf.len(),
+                e,
+                sys::NFTNL_OUTPUT_DEFAULT,
+                0,
+            );
+            let text = String::from_utf8_lossy(&buf[..(n.max(0) as usize).min(buf.len() - 1)]);
+            exprs.push(format!("{name} {}", text.trim()));
+            e = sys::nftnl_expr_iter_next(iter);
+        }
+        sys::nftnl_expr_iter_destroy(iter);
+    }
+    (exprs, counter)
+}
+
+/// The expressions of a message we built (a rule, say), as [`parse_rule`] reports them for
+/// a live one: lets tests and drift checks compare what we send with what the kernel holds.
+pub fn describe_rule(rule: &impl NlMsg) -> Option<LiveRule> {
+    let mut buf = vec![0u32; nftnl::nft_nlmsg_maxsize() as usize / 4];
+    // SAFETY: `buf` holds nft_nlmsg_maxsize bytes, the most one message may need; the length
+    // read back is the header's own, within the buffer.
+    let len = unsafe {
+        rule.write(buf.as_mut_ptr().cast::<c_void>(), 0, MsgType::Add);
+        (*buf.as_ptr().cast::<libc::nlmsghdr>()).nlmsg_len as usize
+    };
+    let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).take(len).collect();
+    parse_rule(&bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nftnl::{Chain, ProtoFamily, Table};
+
+    #[test]
+    fn set_attributes_read_back() {
+        let key = KeySpec {
+            datatype: 29453,
+            len: 12,
+            concat_fields: vec![4, 1, 2],
+        };
+        let mut set = NlSet::new(c"t", c"allow4", 3, &key, NFT_SET_INTERVAL | NFT_SET_CONCAT);
+        assert_eq!(set.get_u32(sys::NFTNL_SET_KEY_TYPE), 29453);
+        assert_eq!(set.get_u32(sys::NFTNL_SET_KEY_LEN), 12);
+        assert_eq!(set.get_u32(sys::NFTNL_SET_FLAGS), 0x84);
+        assert_eq!(set.get_u32(sys::NFTNL_SET_ID), 3);
+        assert!(set.is_empty());
+        set.push(&Elem {
+            key: vec![0; 12],
+            key_end: Some(vec![1; 12]),
+            ..Elem::default()
+        });
+        assert_eq!(set.len(), 1);
+    }
+
+    #[test]
+    fn large_element_lists_are_split_across_messages() {
+        let key = KeySpec {
+            datatype: 7,
+            len: 4,
+            concat_fields: vec![],
+        };
+        let mut set = NlSet::new(c"t", c"s", 1, &key, 0);
+        for i in 0..20_000u32 {
+            set.push(&Elem {
+                key: i.to_be_bytes().to_vec(),
+                ..Elem::default()
+            });
+        }
+        let table = Table::new(c"t", ProtoFamily::Inet);
+        let mut batch = nftnl::Batch::new();
+        batch.add(&table, MsgType::Add);
+        let messages = set.add_elements_to(&mut batch, ElemOp::Create);
+        assert!(
+            messages > 1,
+            "20,000 elements cannot fit one 64 KiB message"
+        );
+        let _ = Chain::new(c"c", &table);
+    }
+}

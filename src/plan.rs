@@ -1,0 +1,465 @@
+//! Policy + resolution -> ruleset. Pure: no network, no kernel.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipnet::IpNet;
+
+use crate::policy::{Essential, L4Proto, Policy, PortRange, Target};
+use crate::resolve::Resolution;
+use crate::ruleset::{
+    Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, Tuple,
+};
+
+/// DNS destinations are the resolvers on port 53, over UDP and TCP.
+const DNS_PORT: u16 = 53;
+
+/// Builds the table for `policy` with the addresses of `resolution`.
+///
+/// Names that did not resolve contribute nothing (fail closed). Addresses that fall into a
+/// denied network still go into the allow sets: the deny rule comes first, so they stay
+/// refused, and [`denied_answers`] reports them.
+pub fn plan(policy: &Policy, resolution: &Resolution) -> Ruleset {
+    let mut deny: Vec<IpNet> = Vec::new();
+    for d in &policy.deny {
+        deny.extend(d.networks.iter().copied());
+    }
+
+    let dns: Vec<Tuple> = resolution
+        .resolvers
+        .iter()
+        .flat_map(|r| {
+            [L4Proto::Tcp, L4Proto::Udp].map(|proto| Tuple {
+                net: IpNet::from(*r),
+                proto,
+                ports: PortRange::single(DNS_PORT),
+            })
+        })
+        .collect();
+
+    // Exact (address, protocol, port) keys go to the hash set a refresh updates; networks and
+    // port ranges to the interval set.
+    let mut ranged: Vec<Tuple> = Vec::new();
+    let mut exact: BTreeSet<Tuple> = BTreeSet::new();
+    for allow in &policy.allow {
+        let nets: Vec<IpNet> = match &allow.target {
+            Target::Cidr(net) => vec![*net],
+            Target::Domain(name) => resolution
+                .host(name)
+                .map(|h| h.addrs.iter().map(|a| IpNet::from(a.addr)).collect())
+                .unwrap_or_default(),
+        };
+        let is_domain = matches!(allow.target, Target::Domain(_));
+        for net in nets {
+            for &proto in allow.protocol.l4protos() {
+                for &ports in &allow.ports {
+                    let tuple = Tuple { net, proto, ports };
+                    if is_domain && ports.is_single() {
+                        exact.insert(tuple);
+                    } else {
+                        ranged.push(tuple);
+                    }
+                }
+            }
+        }
+    }
+
+    let mut sets = Vec::with_capacity(SetId::ALL.len());
+    for id in SetId::ALL {
+        let of_family = |t: &&Tuple| Family::of_net(&t.net) == id.family;
+        let elements = match id.role {
+            SetRole::Deny => Elements::Networks(merge_networks(
+                deny.iter()
+                    .filter(|n| Family::of_net(n) == id.family)
+                    .copied(),
+            )),
+            SetRole::Dns => Elements::Tuples(dns.iter().filter(of_family).copied().collect()),
+            SetRole::Allow => {
+                Elements::Tuples(disjoint_tuples(ranged.iter().filter(of_family).copied()))
+            }
+            SetRole::Resolved => {
+                Elements::Tuples(exact.iter().filter(of_family).copied().collect())
+            }
+        };
+        sets.push(Set { id, elements });
+    }
+
+    Ruleset {
+        sets,
+        output: output_rules(policy),
+        refused: vec![
+            Rule::Log(LogSpec {
+                prefix: policy.log.prefix.clone(),
+                group: policy.log.group,
+                rate: policy.log.rate,
+                burst: policy.log.burst,
+            }),
+            Rule::CountAnd(policy.action),
+        ],
+    }
+}
+
+fn output_rules(policy: &Policy) -> Vec<Rule> {
+    let has = |e| policy.essentials.contains(&e);
+    let mut rules = Vec::new();
+    // Replies first: the bulk of packets leaves here after one conntrack lookup.
+    if has(Essential::Established) {
+        rules.push(Rule::AcceptEstablished);
+    }
+    if has(Essential::Loopback) {
+        rules.push(Rule::AcceptLoopback);
+    }
+    if has(Essential::Icmpv6Nd) {
+        rules.extend(
+            [
+                Icmpv6Type::NdRouterSolicit,
+                Icmpv6Type::NdNeighborSolicit,
+                Icmpv6Type::NdNeighborAdvert,
+                Icmpv6Type::Mld2ListenerReport,
+            ]
+            .map(Rule::AcceptIcmpv6),
+        );
+    }
+    if has(Essential::Dhcpv4) {
+        rules.push(Rule::AcceptDhcpClient(Family::V4));
+    }
+    if has(Essential::Dhcpv6) {
+        rules.push(Rule::AcceptDhcpClient(Family::V6));
+    }
+    // Deny wins: checked before any allow, so a name that resolves into a denied network
+    // (DNS rebinding onto the metadata service) stays refused.
+    for family in Family::BOTH {
+        rules.push(Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, family)));
+    }
+    for role in [SetRole::Dns, SetRole::Allow, SetRole::Resolved] {
+        for family in Family::BOTH {
+            rules.push(Rule::AcceptTupleIn(SetId::new(role, family)));
+        }
+    }
+    rules.push(Rule::GotoRefused);
+    rules
+}
+
+/// Warnings for answers that land in a denied network.
+pub fn denied_answers(policy: &Policy, resolution: &Resolution) -> Vec<String> {
+    let mut out = Vec::new();
+    for host in &resolution.hosts {
+        for a in &host.addrs {
+            if let Some(deny) = policy.denied_by(a.addr) {
+                out.push(format!(
+                    "{} resolved to {}, inside the denied {}: it stays refused (deny wins)",
+                    host.name,
+                    a.addr,
+                    deny.describe()
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Overlapping and adjacent networks merged, sorted: an interval set refuses overlaps.
+fn merge_networks(nets: impl Iterator<Item = IpNet>) -> Vec<IpNet> {
+    let nets: Vec<IpNet> = nets.collect();
+    let mut merged = IpNet::aggregate(&nets);
+    merged.sort();
+    merged
+}
+
+/// Rewrites (network, protocol, port range) boxes into disjoint ones covering the same
+/// space: a concatenated interval set refuses overlapping elements.
+///
+/// Per protocol, the port axis is cut at every range boundary; each elementary port interval
+/// gets the merged networks of the entries covering it, and neighbouring intervals with the
+/// same networks are joined again.
+fn disjoint_tuples(tuples: impl Iterator<Item = Tuple>) -> Vec<Tuple> {
+    let mut by_proto: BTreeMap<L4Proto, Vec<(IpNet, PortRange)>> = BTreeMap::new();
+    for t in tuples {
+        by_proto.entry(t.proto).or_default().push((t.net, t.ports));
+    }
+    let mut out = Vec::new();
+    for (proto, entries) in by_proto {
+        let cuts: BTreeSet<u32> = entries
+            .iter()
+            .flat_map(|(_, p)| [u32::from(p.first), u32::from(p.last) + 1])
+            .collect();
+        let cuts: Vec<u32> = cuts.into_iter().collect();
+        // (port interval, merged networks), neighbours with equal networks joined.
+        let mut runs: Vec<(PortRange, Vec<IpNet>)> = Vec::new();
+        for w in cuts.windows(2) {
+            // Both bounds come from u16 ports (+1), so `w[1] - 1` fits in u16.
+            let (first, last) = (w[0] as u16, (w[1] - 1) as u16);
+            let covering = entries
+                .iter()
+                .filter(|(_, p)| p.first <= first && p.last >= last)
+                .map(|(n, _)| *n);
+            let nets = merge_networks(covering);
+            if nets.is_empty() {
+                continue;
+            }
+            match runs.last_mut() {
+                Some((ports, prev))
+                    if *prev == nets && ports.last.checked_add(1) == Some(first) =>
+                {
+                    ports.last = last;
+                }
+                _ => runs.push((PortRange { first, last }, nets)),
+            }
+        }
+        for (ports, nets) in runs {
+            out.extend(nets.into_iter().map(|net| Tuple { net, proto, ports }));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+    use std::path::Path;
+
+    use super::*;
+    use crate::resolve::{ResolvedAddr, ResolvedHost};
+
+    fn policy(src: &str) -> Policy {
+        Policy::parse(src, Path::new("t.yaml")).expect("valid policy")
+    }
+
+    fn resolution(hosts: &[(&str, &[&str])]) -> Resolution {
+        Resolution {
+            resolvers: vec![
+                "192.0.2.53".parse().unwrap(),
+                "2001:db8::53".parse().unwrap(),
+            ],
+            hosts: hosts
+                .iter()
+                .map(|(name, addrs)| ResolvedHost {
+                    name: name.parse().unwrap(),
+                    addrs: addrs
+                        .iter()
+                        .map(|a| ResolvedAddr {
+                            addr: a.parse().unwrap(),
+                            ttl: 60,
+                        })
+                        .collect(),
+                    errors: if addrs.is_empty() {
+                        vec!["the name does not exist (NXDOMAIN)".into()]
+                    } else {
+                        vec![]
+                    },
+                })
+                .collect(),
+        }
+    }
+
+    fn tuple(net: &str, proto: L4Proto, first: u16, last: u16) -> Tuple {
+        Tuple {
+            net: net.parse().unwrap(),
+            proto,
+            ports: PortRange { first, last },
+        }
+    }
+
+    fn tuples(rs: &Ruleset, role: SetRole, family: Family) -> Vec<Tuple> {
+        match &rs.set(SetId::new(role, family)).unwrap().elements {
+            Elements::Tuples(t) => t.clone(),
+            Elements::Networks(_) => panic!("not a tuple set"),
+        }
+    }
+
+    const POLICY: &str = r#"
+version: 1
+allow:
+  - domain: api.example.com
+    ports: [443, "8000-8001"]
+  - domain: gone.example.com
+    ports: [443]
+  - cidr: 203.0.113.0/28
+    ports: [22]
+    protocol: any
+deny:
+  - preset: cloud-metadata
+  - cidr: 10.0.0.0/8
+  - cidr: 10.1.0.0/16
+log:
+  group: 100
+"#;
+
+    #[test]
+    fn resolved_single_ports_go_to_the_hash_set_and_ranges_to_the_interval_set() {
+        let rs = plan(
+            &policy(POLICY),
+            &resolution(&[
+                ("api.example.com", &["192.0.2.10", "2001:db8:1::10"]),
+                ("gone.example.com", &[]),
+            ]),
+        );
+        assert_eq!(
+            tuples(&rs, SetRole::Resolved, Family::V4),
+            vec![tuple("192.0.2.10/32", L4Proto::Tcp, 443, 443)]
+        );
+        assert_eq!(
+            tuples(&rs, SetRole::Resolved, Family::V6),
+            vec![tuple("2001:db8:1::10/128", L4Proto::Tcp, 443, 443)]
+        );
+        assert_eq!(
+            tuples(&rs, SetRole::Allow, Family::V4),
+            vec![
+                tuple("203.0.113.0/28", L4Proto::Tcp, 22, 22),
+                tuple("192.0.2.10/32", L4Proto::Tcp, 8000, 8001),
+                tuple("203.0.113.0/28", L4Proto::Udp, 22, 22),
+            ]
+        );
+        assert_eq!(tuples(&rs, SetRole::Dns, Family::V4).len(), 2);
+        assert_eq!(tuples(&rs, SetRole::Dns, Family::V6).len(), 2);
+    }
+
+    #[test]
+    fn deny_networks_are_merged_per_family() {
+        let rs = plan(&policy(POLICY), &resolution(&[]));
+        let Elements::Networks(v4) = &rs
+            .set(SetId::new(SetRole::Deny, Family::V4))
+            .unwrap()
+            .elements
+        else {
+            panic!()
+        };
+        let want: Vec<IpNet> = [
+            "10.0.0.0/8",
+            "100.100.100.200/32",
+            "168.63.129.16/32",
+            "169.254.0.0/16",
+            "192.0.0.192/32",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+        assert_eq!(v4, &want);
+        let Elements::Networks(v6) = &rs
+            .set(SetId::new(SetRole::Deny, Family::V6))
+            .unwrap()
+            .elements
+        else {
+            panic!()
+        };
+        assert_eq!(v6, &vec!["fd00:ec2::254/128".parse::<IpNet>().unwrap()]);
+    }
+
+    #[test]
+    fn rules_put_established_first_and_deny_before_every_allow() {
+        let rs = plan(&policy(POLICY), &resolution(&[]));
+        assert_eq!(rs.output[0], Rule::AcceptEstablished);
+        let first_accept_set = rs
+            .output
+            .iter()
+            .position(|r| matches!(r, Rule::AcceptTupleIn(_)))
+            .unwrap();
+        let last_deny = rs
+            .output
+            .iter()
+            .rposition(|r| matches!(r, Rule::RefuseDaddrIn(_)))
+            .unwrap();
+        assert!(last_deny < first_accept_set);
+        assert_eq!(rs.output.last(), Some(&Rule::GotoRefused));
+        assert!(matches!(
+            rs.refused[0],
+            Rule::Log(LogSpec {
+                group: Some(100),
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn narrowed_essentials_leave_out_their_rules() {
+        let rs = plan(
+            &policy("version: 1\nessentials: [established]\n"),
+            &resolution(&[]),
+        );
+        assert!(!rs.output.contains(&Rule::AcceptLoopback));
+        assert!(
+            !rs.output
+                .iter()
+                .any(|r| matches!(r, Rule::AcceptIcmpv6(_) | Rule::AcceptDhcpClient(_)))
+        );
+    }
+
+    #[test]
+    fn planning_is_deterministic() {
+        let p = policy(POLICY);
+        let r = resolution(&[("api.example.com", &["192.0.2.11", "192.0.2.10"])]);
+        assert_eq!(plan(&p, &r), plan(&p, &r));
+        assert_eq!(plan(&p, &r).to_nft(), plan(&p, &r).to_nft());
+    }
+
+    #[test]
+    fn answers_in_denied_networks_are_reported() {
+        let p = policy(POLICY);
+        let r = resolution(&[("api.example.com", &["169.254.169.254", "192.0.2.10"])]);
+        let w = denied_answers(&p, &r);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("169.254.169.254") && w[0].contains("cloud-metadata"));
+    }
+
+    #[test]
+    fn overlapping_boxes_become_disjoint_and_cover_the_same_space() {
+        let input = vec![
+            tuple("10.0.0.0/8", L4Proto::Tcp, 443, 443),
+            tuple("10.1.0.0/16", L4Proto::Tcp, 400, 500),
+            tuple("10.1.0.0/16", L4Proto::Tcp, 501, 600),
+            tuple("192.0.2.0/25", L4Proto::Tcp, 80, 80),
+            tuple("192.0.2.128/25", L4Proto::Tcp, 80, 80),
+            tuple("192.0.2.7/32", L4Proto::Udp, 1, 65535),
+        ];
+        let out = disjoint_tuples(input.clone().into_iter());
+        assert_eq!(
+            out,
+            vec![
+                tuple("192.0.2.0/24", L4Proto::Tcp, 80, 80),
+                tuple("10.1.0.0/16", L4Proto::Tcp, 400, 442),
+                tuple("10.0.0.0/8", L4Proto::Tcp, 443, 443),
+                tuple("10.1.0.0/16", L4Proto::Tcp, 444, 600),
+                tuple("192.0.2.7/32", L4Proto::Udp, 1, 65535),
+            ]
+        );
+        // No two outputs overlap, and every probe point is covered by input iff by output.
+        for (i, a) in out.iter().enumerate() {
+            for b in &out[i + 1..] {
+                let ports_meet = a.ports.first <= b.ports.last && b.ports.first <= a.ports.last;
+                let nets_meet = a.net.contains(&b.net) || b.net.contains(&a.net);
+                assert!(
+                    a.proto != b.proto || !ports_meet || !nets_meet,
+                    "{a:?} {b:?}"
+                );
+            }
+        }
+        let covered = |set: &[Tuple], addr: IpAddr, proto, port| {
+            set.iter().any(|t| {
+                t.proto == proto
+                    && t.net.contains(&addr)
+                    && t.ports.first <= port
+                    && port <= t.ports.last
+            })
+        };
+        for addr in [
+            "10.0.0.1",
+            "10.1.2.3",
+            "192.0.2.5",
+            "192.0.2.200",
+            "192.0.2.7",
+            "11.0.0.1",
+        ] {
+            let addr: IpAddr = addr.parse().unwrap();
+            for port in [
+                1, 79, 80, 81, 399, 400, 442, 443, 444, 500, 501, 600, 601, 65535,
+            ] {
+                for proto in [L4Proto::Tcp, L4Proto::Udp] {
+                    assert_eq!(
+                        covered(&input, addr, proto, port),
+                        covered(&out, addr, proto, port),
+                        "{addr} {proto:?} {port}"
+                    );
+                }
+            }
+        }
+    }
+}

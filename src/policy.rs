@@ -1,0 +1,1125 @@
+//! The policy file: YAML schema, validation and the deny presets.
+//!
+//! Every check that concerns a single value lives in that value's `Deserialize` impl, so that
+//! serde_yaml attaches the line and column of the offending value to the error. Checks that
+//! relate two parts of the policy run afterwards and locate their subject in the source text.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The schema version this build reads.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// A validated policy: everything the planner needs, nothing left to check.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Policy {
+    /// What unmatched traffic gets.
+    pub action: Action,
+    pub allow: Vec<Allow>,
+    pub deny: Vec<Deny>,
+    pub dns: Dns,
+    pub log: Log,
+    /// The host essentials that stay allowed (all of them unless the policy narrows the list).
+    pub essentials: BTreeSet<Essential>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// Answer with ICMP administratively prohibited: clients fail at once.
+    Reject,
+    /// Silently discard: clients hang until their own timeout.
+    Drop,
+}
+
+/// One allowed destination with its ports and protocol.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Allow {
+    pub target: Target,
+    pub ports: Vec<PortRange>,
+    pub protocol: Protocol,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    Domain(DomainName),
+    Cidr(IpNet),
+}
+
+/// Denied networks, checked before anything is allowed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Deny {
+    pub networks: Vec<IpNet>,
+    /// Where the networks came from, for messages ("preset cloud-metadata", "cidr 10.0.0.0/8").
+    pub origin: DenyOrigin,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DenyOrigin {
+    Preset(Preset),
+    Cidr,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Dns {
+    /// The resolvers to ask and the only DNS destinations allowed. `None` means "the
+    /// nameservers of resolv.conf", read when the policy is planned.
+    pub resolvers: Option<Vec<IpAddr>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Log {
+    pub prefix: String,
+    /// NFLOG group of refused packets; without one, refusals go to the kernel log.
+    pub group: Option<u16>,
+    pub rate: Rate,
+    pub burst: u32,
+}
+
+pub const DEFAULT_LOG_PREFIX: &str = "EGRESS-DROP: ";
+const DEFAULT_RATE: Rate = Rate {
+    count: 10,
+    unit: RateUnit::Second,
+};
+const DEFAULT_BURST: u32 = 20;
+/// The kernel keeps at most 127 bytes of a log prefix (NF_LOG_PREFIXLEN with its NUL).
+const MAX_LOG_PREFIX: usize = 127;
+
+/// Transport protocols the allow sets distinguish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    /// Both TCP and UDP.
+    Any,
+}
+
+/// A single IP protocol number as the kernel sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum L4Proto {
+    Tcp,
+    Udp,
+}
+
+impl L4Proto {
+    pub fn number(self) -> u8 {
+        match self {
+            L4Proto::Tcp => 6,
+            L4Proto::Udp => 17,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            6 => Some(L4Proto::Tcp),
+            17 => Some(L4Proto::Udp),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            L4Proto::Tcp => "tcp",
+            L4Proto::Udp => "udp",
+        }
+    }
+}
+
+impl Protocol {
+    pub fn l4protos(self) -> &'static [L4Proto] {
+        match self {
+            Protocol::Tcp => &[L4Proto::Tcp],
+            Protocol::Udp => &[L4Proto::Udp],
+            Protocol::Any => &[L4Proto::Tcp, L4Proto::Udp],
+        }
+    }
+}
+
+/// The essentials a host needs to keep working behind the boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Essential {
+    /// Traffic to the loopback interface.
+    Loopback,
+    /// Replies and related traffic (ICMP errors) of connections already accepted.
+    Established,
+    /// ICMPv6 neighbour discovery, router solicitation and MLD reports.
+    Icmpv6Nd,
+    /// The DHCPv4 client (UDP 68 -> 67).
+    Dhcpv4,
+    /// The DHCPv6 client (UDP 546 -> 547).
+    Dhcpv6,
+}
+
+impl Essential {
+    pub const ALL: [Essential; 5] = [
+        Essential::Loopback,
+        Essential::Established,
+        Essential::Icmpv6Nd,
+        Essential::Dhcpv4,
+        Essential::Dhcpv6,
+    ];
+}
+
+/// Named lists of networks to deny.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Preset {
+    /// Cloud instance metadata services and their neighbours: AWS, GCP, Azure, OCI, Alibaba, ...
+    CloudMetadata,
+    /// RFC 1918, carrier-grade NAT and IPv6 unique local addresses.
+    PrivateNetworks,
+}
+
+impl Preset {
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::CloudMetadata => "cloud-metadata",
+            Preset::PrivateNetworks => "private-networks",
+        }
+    }
+
+    pub fn networks(self) -> Vec<IpNet> {
+        let list: &[&str] = match self {
+            // 169.254.0.0/16: every provider's link-local metadata (AWS, GCP, Azure, DO, ...)
+            // and the AWS DNS and time endpoints beside it; fd00:ec2::254 is AWS's IPv6 IMDS;
+            // 100.100.100.200 Alibaba; 192.0.0.192 Oracle (legacy); 168.63.129.16 Azure's
+            // wireserver.
+            Preset::CloudMetadata => &[
+                "169.254.0.0/16",
+                "fd00:ec2::254/128",
+                "100.100.100.200/32",
+                "192.0.0.192/32",
+                "168.63.129.16/32",
+            ],
+            Preset::PrivateNetworks => &[
+                "10.0.0.0/8",
+                "172.16.0.0/12",
+                "192.168.0.0/16",
+                "100.64.0.0/10",
+                "fc00::/7",
+            ],
+        };
+        list.iter()
+            .map(|s| s.parse().expect("preset networks are valid literals"))
+            .collect()
+    }
+}
+
+/// An inclusive range of ports; a single port has `first == last`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl PortRange {
+    pub const ALL: PortRange = PortRange {
+        first: 0,
+        last: u16::MAX,
+    };
+
+    pub fn single(port: u16) -> Self {
+        PortRange {
+            first: port,
+            last: port,
+        }
+    }
+
+    pub fn is_single(self) -> bool {
+        self.first == self.last
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_single() {
+            write!(f, "{}", self.first)
+        } else {
+            write!(f, "{}-{}", self.first, self.last)
+        }
+    }
+}
+
+impl Serialize for PortRange {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+const PORT_HINT: &str = "write a port from 1 to 65535, or a range such as \"8000-8080\"";
+
+fn parse_port(s: &str) -> Result<u16, String> {
+    let n: u32 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a port number; {PORT_HINT}"))?;
+    if !(1..=65535).contains(&n) {
+        return Err(format!("port `{n}` is out of range; {PORT_HINT}"));
+    }
+    Ok(n as u16)
+}
+
+impl FromStr for PortRange {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once('-') {
+            None => parse_port(s).map(PortRange::single),
+            Some((a, b)) => {
+                let (first, last) = (parse_port(a)?, parse_port(b)?);
+                if first > last {
+                    return Err(format!(
+                        "port range `{s}` runs backwards; write it as \"{last}-{first}\""
+                    ));
+                }
+                Ok(PortRange { first, last })
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for PortRange {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(i64),
+            Text(String),
+        }
+        let raw = Raw::deserialize(d)
+            .map_err(|_| serde::de::Error::custom(format!("expected a port; {PORT_HINT}")))?;
+        let text = match raw {
+            Raw::Number(n) => n.to_string(),
+            Raw::Text(t) => t,
+        };
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A fully qualified domain name, lower case, without the trailing dot.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DomainName(String);
+
+impl DomainName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for DomainName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Serialize for DomainName {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+impl FromStr for DomainName {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let name = s.trim().trim_end_matches('.').to_ascii_lowercase();
+        if name.contains('*') {
+            return Err(format!(
+                "wildcard names such as `{s}` are not supported yet: they need the DNS guard \
+                 mode; list each name you need (for example api.{})",
+                name.trim_start_matches("*.").trim_start_matches("**.")
+            ));
+        }
+        if name.parse::<IpAddr>().is_ok() || name.parse::<IpNet>().is_ok() {
+            return Err(format!(
+                "`{s}` is an address, not a name; write it as `cidr: {s}`"
+            ));
+        }
+        if name.is_empty() {
+            return Err("the domain name is empty; write a name such as api.example.com".into());
+        }
+        if name.len() > 253 {
+            return Err(format!(
+                "`{s}` is longer than the 253 characters a DNS name may have"
+            ));
+        }
+        for label in name.split('.') {
+            let ok_chars = label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if label.is_empty() || label.len() > 63 || !ok_chars {
+                return Err(format!(
+                    "`{s}` is not a valid domain name: each dot-separated label must be 1 to 63 \
+                     letters, digits, '-' or '_' (use punycode, xn--..., for international names)"
+                ));
+            }
+            if label.starts_with('-') || label.ends_with('-') {
+                return Err(format!(
+                    "`{s}` is not a valid domain name: the label `{label}` starts or ends with '-'"
+                ));
+            }
+        }
+        Ok(DomainName(name))
+    }
+}
+
+impl<'de> Deserialize<'de> for DomainName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// A network written as CIDR or as a single address (a /32 or /128).
+fn parse_network(s: &str) -> Result<IpNet, String> {
+    let s = s.trim();
+    let net = if let Ok(addr) = s.parse::<IpAddr>() {
+        IpNet::from(addr)
+    } else {
+        s.parse::<IpNet>().map_err(|_| {
+            format!(
+                "`{s}` is not an IP network; write an address (203.0.113.7, 2001:db8::7) or a \
+                 network in CIDR form (203.0.113.0/24, 2001:db8::/32)"
+            )
+        })?
+    };
+    if net.trunc() != net {
+        return Err(format!(
+            "`{s}` has host bits set below its prefix; did you mean {}?",
+            net.trunc()
+        ));
+    }
+    Ok(net)
+}
+
+struct Network(IpNet);
+
+impl<'de> Deserialize<'de> for Network {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_network(&s)
+            .map(Network)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+struct Resolver(IpAddr);
+
+impl<'de> Deserialize<'de> for Resolver {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.trim().parse().map(Resolver).map_err(|_| {
+            serde::de::Error::custom(format!(
+                "`{s}` is not an IP address; resolvers are addresses such as 192.0.2.53 \
+                 (DNS always uses port 53)"
+            ))
+        })
+    }
+}
+
+/// A log rate such as `10/second`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rate {
+    pub count: u64,
+    pub unit: RateUnit,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateUnit {
+    Second,
+    Minute,
+    Hour,
+    Day,
+}
+
+impl RateUnit {
+    pub fn seconds(self) -> u64 {
+        match self {
+            RateUnit::Second => 1,
+            RateUnit::Minute => 60,
+            RateUnit::Hour => 3600,
+            RateUnit::Day => 86400,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RateUnit::Second => "second",
+            RateUnit::Minute => "minute",
+            RateUnit::Hour => "hour",
+            RateUnit::Day => "day",
+        }
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.count, self.unit.name())
+    }
+}
+
+impl Serialize for Rate {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl FromStr for Rate {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let hint = "write a rate such as \"10/second\" (units: second, minute, hour, day)";
+        let (count, unit) = s
+            .split_once('/')
+            .ok_or_else(|| format!("`{s}` is not a rate; {hint}"))?;
+        let count: u64 = count
+            .trim()
+            .parse()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("`{count}` is not a positive count; {hint}"))?;
+        let unit = match unit.trim() {
+            "second" | "s" => RateUnit::Second,
+            "minute" | "m" => RateUnit::Minute,
+            "hour" | "h" => RateUnit::Hour,
+            "day" | "d" => RateUnit::Day,
+            other => return Err(format!("`{other}` is not a time unit; {hint}")),
+        };
+        Ok(Rate { count, unit })
+    }
+}
+
+impl<'de> Deserialize<'de> for Rate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+// ---- the file as written -------------------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPolicy {
+    version: u32,
+    #[serde(default = "default_action")]
+    action: Action,
+    #[serde(default)]
+    allow: Vec<RawAllow>,
+    #[serde(default)]
+    deny: Vec<RawDeny>,
+    #[serde(default)]
+    dns: RawDns,
+    #[serde(default)]
+    log: RawLog,
+    essentials: Option<Vec<Essential>>,
+}
+
+fn default_action() -> Action {
+    Action::Reject
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, try_from = "RawAllowFields")]
+struct RawAllow(Allow);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAllowFields {
+    domain: Option<DomainName>,
+    cidr: Option<Network>,
+    ports: Option<Vec<PortRange>>,
+    #[serde(default = "default_protocol")]
+    protocol: Protocol,
+    comment: Option<String>,
+}
+
+fn default_protocol() -> Protocol {
+    Protocol::Tcp
+}
+
+impl TryFrom<RawAllowFields> for RawAllow {
+    type Error = String;
+
+    fn try_from(raw: RawAllowFields) -> Result<Self, String> {
+        let target = match (raw.domain, raw.cidr) {
+            (Some(d), None) => Target::Domain(d),
+            (None, Some(Network(n))) => Target::Cidr(n),
+            (Some(_), Some(_)) => {
+                return Err("an allow entry has either `domain:` or `cidr:`, not both; \
+                            split it into two entries"
+                    .into());
+            }
+            (None, None) => {
+                return Err("an allow entry needs `domain: NAME` or `cidr: NETWORK`".into());
+            }
+        };
+        let ports = match raw.ports {
+            None => vec![PortRange::ALL],
+            Some(p) if p.is_empty() => {
+                return Err(
+                    "`ports: []` allows nothing; list ports, or leave `ports` out to \
+                            allow every port"
+                        .into(),
+                );
+            }
+            Some(p) => p,
+        };
+        Ok(RawAllow(Allow {
+            target,
+            ports,
+            protocol: raw.protocol,
+            comment: raw.comment,
+        }))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, try_from = "RawDenyFields")]
+struct RawDeny(Deny);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDenyFields {
+    preset: Option<Preset>,
+    cidr: Option<Network>,
+    comment: Option<String>,
+}
+
+impl TryFrom<RawDenyFields> for RawDeny {
+    type Error = String;
+
+    fn try_from(raw: RawDenyFields) -> Result<Self, String> {
+        let (networks, origin) = match (raw.preset, raw.cidr) {
+            (Some(p), None) => (p.networks(), DenyOrigin::Preset(p)),
+            (None, Some(Network(n))) => (vec![n], DenyOrigin::Cidr),
+            (Some(_), Some(_)) => {
+                return Err(
+                    "a deny entry has either `preset:` or `cidr:`, not both; split it \
+                            into two entries"
+                        .into(),
+                );
+            }
+            (None, None) => {
+                return Err(
+                    "a deny entry needs `preset: cloud-metadata` (or private-networks) or \
+                     `cidr: NETWORK`"
+                        .into(),
+                );
+            }
+        };
+        Ok(RawDeny(Deny {
+            networks,
+            origin,
+            comment: raw.comment,
+        }))
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDns {
+    resolvers: Option<Vec<Resolver>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawLog {
+    prefix: Option<String>,
+    group: Option<u16>,
+    rate: Option<Rate>,
+    burst: Option<u32>,
+}
+
+// ---- errors --------------------------------------------------------------------------------
+
+/// A policy that cannot be used, with where and why.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("{path}: cannot read the policy: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{}: {message}", location(path, *line, *column))]
+    Invalid {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+}
+
+fn location(path: &Path, line: usize, column: usize) -> String {
+    if line == 0 {
+        path.display().to_string()
+    } else {
+        format!("{}:{line}:{column}", path.display())
+    }
+}
+
+/// Where in the source text a later check should point.
+fn locate(source: &str, needle: &str) -> (usize, usize) {
+    source
+        .lines()
+        .enumerate()
+        .find_map(|(i, line)| {
+            let code = line.split('#').next().unwrap_or("");
+            code.find(needle).map(|col| (i + 1, col + 1))
+        })
+        .unwrap_or((0, 0))
+}
+
+impl Policy {
+    /// Reads and validates a policy file.
+    pub fn load(path: &Path) -> Result<Policy, PolicyError> {
+        let source = std::fs::read_to_string(path).map_err(|error| PolicyError::Read {
+            path: path.to_owned(),
+            error,
+        })?;
+        Policy::parse(&source, path)
+    }
+
+    /// Validates policy text; `path` only labels the errors.
+    pub fn parse(source: &str, path: &Path) -> Result<Policy, PolicyError> {
+        let invalid = |(line, column): (usize, usize), message: String| PolicyError::Invalid {
+            path: path.to_owned(),
+            line,
+            column,
+            message,
+        };
+        let raw: RawPolicy = serde_yaml::from_str(source).map_err(|e| {
+            let message = yaml_message(&e);
+            let at = e.location().map_or((0, 0), |l| {
+                refine_location(source, (l.line(), l.column()), &message)
+            });
+            invalid(at, message)
+        })?;
+        if raw.version != SCHEMA_VERSION {
+            return Err(invalid(
+                locate(source, "version"),
+                format!(
+                    "policy schema version {} is not known to this egress-fence, which reads \
+                     version {SCHEMA_VERSION}; write `version: {SCHEMA_VERSION}`",
+                    raw.version
+                ),
+            ));
+        }
+
+        let prefix = raw.log.prefix.unwrap_or_else(|| DEFAULT_LOG_PREFIX.into());
+        if prefix.len() > MAX_LOG_PREFIX || prefix.contains(['"', '\0', '\n']) {
+            return Err(invalid(
+                locate(source, "prefix"),
+                format!(
+                    "the log prefix must be at most {MAX_LOG_PREFIX} bytes without quotes or \
+                     line breaks"
+                ),
+            ));
+        }
+
+        let policy = Policy {
+            action: raw.action,
+            allow: raw.allow.into_iter().map(|a| a.0).collect(),
+            deny: raw.deny.into_iter().map(|d| d.0).collect(),
+            dns: Dns {
+                resolvers: raw
+                    .dns
+                    .resolvers
+                    .map(|r| r.into_iter().map(|r| r.0).collect()),
+            },
+            log: Log {
+                prefix,
+                group: raw.log.group,
+                rate: raw.log.rate.unwrap_or(DEFAULT_RATE),
+                burst: raw.log.burst.unwrap_or(DEFAULT_BURST),
+            },
+            essentials: raw.essentials.map_or_else(
+                || Essential::ALL.into_iter().collect(),
+                |e| e.into_iter().collect(),
+            ),
+        };
+
+        if let Some(resolvers) = &policy.dns.resolvers {
+            if resolvers.is_empty() {
+                return Err(invalid(
+                    locate(source, "resolvers"),
+                    "`resolvers: []` would leave no way to resolve names; list at least one \
+                     resolver or leave the key out to use /etc/resolv.conf"
+                        .into(),
+                ));
+            }
+            for r in resolvers {
+                if let Some(deny) = policy.denied_by(*r) {
+                    return Err(invalid(
+                        locate(source, &r.to_string()),
+                        format!(
+                            "resolver {r} lies in the denied {}; deny wins, so it could never \
+                             be reached: choose another resolver or narrow the deny list",
+                            deny.describe()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(policy)
+    }
+
+    /// The deny entry that covers `addr`, if any.
+    pub fn denied_by(&self, addr: IpAddr) -> Option<&Deny> {
+        self.deny
+            .iter()
+            .find(|d| d.networks.iter().any(|n| n.contains(&addr)))
+    }
+
+    /// The distinct domain names the policy allows, in a stable order.
+    pub fn domains(&self) -> BTreeSet<&DomainName> {
+        self.allow
+            .iter()
+            .filter_map(|a| match &a.target {
+                Target::Domain(d) => Some(d),
+                Target::Cidr(_) => None,
+            })
+            .collect()
+    }
+
+    /// Things that are allowed but probably not meant; printed, never fatal.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for allow in &self.allow {
+            if let Target::Cidr(net) = allow.target {
+                let shadowing = self
+                    .deny
+                    .iter()
+                    .find(|d| d.networks.iter().any(|dn| dn.contains(&net)));
+                if let Some(d) = shadowing {
+                    out.push(format!(
+                        "allowed network {net} lies inside the denied {}: deny wins, so this \
+                         entry allows nothing",
+                        d.describe()
+                    ));
+                }
+            }
+        }
+        if !self.essentials.contains(&Essential::Established) {
+            out.push(
+                "`essentials` leaves out `established`: replies of inbound connections (SSH \
+                 included) will be refused"
+                    .into(),
+            );
+        }
+        if let Some(resolvers) = &self.dns.resolvers
+            && resolvers.iter().all(|r| r.is_loopback())
+        {
+            out.push(
+                "every resolver is on loopback: a local stub (systemd-resolved, dnsmasq) needs \
+                 its own upstream servers allowed, or names stop resolving; list the upstream \
+                 resolvers instead"
+                    .into(),
+            );
+        }
+        out
+    }
+}
+
+impl Deny {
+    pub fn describe(&self) -> String {
+        match self.origin {
+            DenyOrigin::Preset(p) => format!("preset {}", p.name()),
+            DenyOrigin::Cidr => format!("network {}", self.networks[0]),
+        }
+    }
+}
+
+/// serde_yaml places errors raised by a value's own `Deserialize` at the start of the
+/// enclosing mapping or sequence. Our messages quote the offending text in backticks, so the
+/// first occurrence of it from there on is the value itself.
+fn refine_location(source: &str, at: (usize, usize), message: &str) -> (usize, usize) {
+    let Some(quoted) = message.split('`').nth(1).filter(|q| !q.is_empty()) else {
+        return at;
+    };
+    let (line, column) = at;
+    for (i, text) in source.lines().enumerate().skip(line.saturating_sub(1)) {
+        let from = if i + 1 == line {
+            column.saturating_sub(1)
+        } else {
+            0
+        };
+        if let Some(found) = text.get(from..).and_then(|rest| rest.find(quoted)) {
+            return (i + 1, from + found + 1);
+        }
+    }
+    at
+}
+
+/// serde_yaml's message without its own " at line L column C" tail (we print the location
+/// first, as compilers do).
+fn yaml_message(e: &serde_yaml::Error) -> String {
+    let text = e.to_string();
+    let text = match text.rsplit_once(" at line ") {
+        Some((head, _)) if e.location().is_some() => head.to_string(),
+        _ => text,
+    };
+    if text.contains("unknown field") {
+        format!("{text} (check the spelling; see `egress-fence check --help` for the schema)")
+    } else if text.contains("missing field `version`") {
+        format!("{text}: every policy starts with `version: {SCHEMA_VERSION}`")
+    } else {
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(src: &str) -> Result<Policy, PolicyError> {
+        Policy::parse(src, Path::new("p.yaml"))
+    }
+
+    fn err(src: &str) -> (usize, usize, String) {
+        match parse(src) {
+            Err(PolicyError::Invalid {
+                line,
+                column,
+                message,
+                ..
+            }) => (line, column, message),
+            other => panic!("expected an invalid policy, got {other:?}"),
+        }
+    }
+
+    const FULL: &str = r#"
+version: 1
+action: drop
+allow:
+  - domain: API.Example.com.
+    ports: [443, "8000-8080"]
+    protocol: any
+    comment: model API
+  - cidr: 203.0.113.0/28
+    ports: [22]
+deny:
+  - preset: cloud-metadata
+  - cidr: 10.0.0.0/8
+dns:
+  resolvers: [192.0.2.53, "2001:db8::53"]
+log:
+  prefix: "EF: "
+  group: 100
+  rate: 5/minute
+essentials: [loopback, established]
+"#;
+
+    #[test]
+    fn full_policy_parses_with_every_field() {
+        let p = parse(FULL).expect("valid");
+        assert_eq!(p.action, Action::Drop);
+        assert_eq!(
+            p.allow[0].target,
+            Target::Domain("api.example.com".parse().unwrap())
+        );
+        assert_eq!(
+            p.allow[0].ports,
+            vec![
+                PortRange::single(443),
+                PortRange {
+                    first: 8000,
+                    last: 8080
+                }
+            ]
+        );
+        assert_eq!(p.allow[0].protocol, Protocol::Any);
+        assert_eq!(p.allow[0].comment.as_deref(), Some("model API"));
+        assert_eq!(p.allow[1].protocol, Protocol::Tcp);
+        assert_eq!(p.deny[0].origin, DenyOrigin::Preset(Preset::CloudMetadata));
+        assert!(
+            p.deny[0]
+                .networks
+                .contains(&"169.254.0.0/16".parse().unwrap())
+        );
+        assert_eq!(p.dns.resolvers.as_ref().map(Vec::len), Some(2));
+        assert_eq!(p.log.group, Some(100));
+        assert_eq!(p.log.rate.to_string(), "5/minute");
+        assert_eq!(p.essentials.len(), 2);
+    }
+
+    #[test]
+    fn defaults_are_applied() {
+        let p = parse("version: 1\nallow:\n  - cidr: 192.0.2.1\n").expect("valid");
+        assert_eq!(p.action, Action::Reject);
+        assert_eq!(p.allow[0].ports, vec![PortRange::ALL]);
+        assert_eq!(
+            p.allow[0].target,
+            Target::Cidr("192.0.2.1/32".parse().unwrap())
+        );
+        assert_eq!(p.log.prefix, DEFAULT_LOG_PREFIX);
+        assert_eq!(p.log.rate, DEFAULT_RATE);
+        assert_eq!(p.log.group, None);
+        assert_eq!(p.dns.resolvers, None);
+        assert_eq!(p.essentials.len(), Essential::ALL.len());
+    }
+
+    #[test]
+    fn unknown_key_is_refused_with_its_position() {
+        let (line, col, msg) = err("version: 1\nallow:\n  - domain: a.example\n    prots: [1]\n");
+        assert_eq!((line, col), (4, 5), "{msg}");
+        assert!(msg.contains("unknown field `prots`"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_top_level_key_is_refused() {
+        let (line, _, msg) = err("version: 1\nalow: []\n");
+        assert_eq!(line, 2);
+        assert!(msg.contains("unknown field `alow`"), "{msg}");
+    }
+
+    #[test]
+    fn bad_cidr_points_at_the_value() {
+        let (line, col, msg) = err("version: 1\ndeny:\n  - cidr: 10.0.0.0/33\n");
+        assert_eq!((line, col), (3, 11), "{msg}");
+        assert!(msg.contains("not an IP network"), "{msg}");
+    }
+
+    #[test]
+    fn host_bits_are_refused_with_a_suggestion() {
+        let (_, _, msg) = err("version: 1\nallow:\n  - cidr: 203.0.113.9/24\n");
+        assert!(msg.contains("did you mean 203.0.113.0/24"), "{msg}");
+    }
+
+    #[test]
+    fn port_out_of_range_is_refused() {
+        let (line, col, msg) =
+            err("version: 1\nallow:\n  - domain: a.example\n    ports: [443, 70000]\n");
+        assert_eq!((line, col), (4, 18), "{msg}");
+        assert!(msg.contains("port `70000` is out of range"), "{msg}");
+        let (_, _, msg) = err("version: 1\nallow:\n  - cidr: 192.0.2.0/24\n    ports: [0]\n");
+        assert!(msg.contains("port `0` is out of range"), "{msg}");
+    }
+
+    #[test]
+    fn backwards_and_malformed_ranges_are_refused() {
+        let (_, _, msg) =
+            err("version: 1\nallow:\n  - cidr: 192.0.2.0/24\n    ports: [\"90-80\"]\n");
+        assert!(msg.contains("runs backwards"), "{msg}");
+        let (_, _, msg) =
+            err("version: 1\nallow:\n  - cidr: 192.0.2.0/24\n    ports: [\"http\"]\n");
+        assert!(msg.contains("not a port number"), "{msg}");
+    }
+
+    #[test]
+    fn malformed_domains_are_refused() {
+        for bad in ["bad..example", "-a.example", "a_b c.example", "a.example-"] {
+            let (line, _, msg) = err(&format!("version: 1\nallow:\n  - domain: \"{bad}\"\n"));
+            assert_eq!(line, 3, "{bad}: {msg}");
+            assert!(msg.contains("not a valid domain name"), "{bad}: {msg}");
+        }
+        let long = format!("{}.example", "a".repeat(64));
+        let (_, _, msg) = err(&format!("version: 1\nallow:\n  - domain: {long}\n"));
+        assert!(msg.contains("not a valid domain name"), "{msg}");
+    }
+
+    #[test]
+    fn wildcards_are_refused_as_not_yet_supported() {
+        let (line, col, msg) = err("version: 1\nallow:\n  - domain: \"*.example.com\"\n");
+        assert_eq!((line, col), (3, 14), "{msg}");
+        assert!(msg.contains("not supported yet"), "{msg}");
+    }
+
+    #[test]
+    fn address_as_domain_points_to_cidr() {
+        let (_, _, msg) = err("version: 1\nallow:\n  - domain: 192.0.2.1\n");
+        assert!(msg.contains("cidr: 192.0.2.1"), "{msg}");
+    }
+
+    #[test]
+    fn entry_needs_exactly_one_target() {
+        let (line, _, msg) =
+            err("version: 1\nallow:\n  - domain: a.example\n    cidr: 192.0.2.0/24\n");
+        assert!(line >= 3, "{msg}");
+        assert!(msg.contains("not both"), "{msg}");
+        let (_, _, msg) = err("version: 1\nallow:\n  - ports: [1]\n");
+        assert!(msg.contains("needs `domain: NAME`"), "{msg}");
+    }
+
+    #[test]
+    fn yaml_syntax_errors_carry_a_position() {
+        let (line, col, msg) = err("version: 1\nallow:\n  - domain: [a\n");
+        assert!(line >= 3 && col > 0, "{line}:{col} {msg}");
+    }
+
+    #[test]
+    fn wrong_version_and_missing_version_are_refused() {
+        let (line, _, msg) = err("version: 2\n");
+        assert_eq!(line, 1);
+        assert!(msg.contains("version 2 is not known"), "{msg}");
+        let (_, _, msg) = err("allow: []\n");
+        assert!(msg.contains("version: 1"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_preset_protocol_action_and_essential_are_refused() {
+        for src in [
+            "version: 1\ndeny:\n  - preset: cloud\n",
+            "version: 1\nallow:\n  - cidr: 192.0.2.1\n    protocol: icmp\n",
+            "version: 1\naction: allow\n",
+            "version: 1\nessentials: [ssh]\n",
+            "version: 1\nlog:\n  rate: 10/fortnight\n",
+            "version: 1\ndns:\n  resolvers: [dns.example]\n",
+        ] {
+            let (line, col, msg) = err(src);
+            assert!(line >= 2 && col > 0, "{src}: {line}:{col} {msg}");
+        }
+    }
+
+    #[test]
+    fn resolver_inside_a_denied_network_is_refused() {
+        let (line, _, msg) = err(
+            "version: 1\ndeny:\n  - preset: cloud-metadata\ndns:\n  resolvers: [169.254.169.253]\n",
+        );
+        assert_eq!(line, 5, "{msg}");
+        assert!(msg.contains("preset cloud-metadata"), "{msg}");
+    }
+
+    #[test]
+    fn empty_resolver_and_port_lists_are_refused() {
+        let (_, _, msg) = err("version: 1\ndns:\n  resolvers: []\n");
+        assert!(msg.contains("at least one"), "{msg}");
+        let (_, _, msg) = err("version: 1\nallow:\n  - cidr: 192.0.2.1\n    ports: []\n");
+        assert!(msg.contains("allows nothing"), "{msg}");
+    }
+
+    #[test]
+    fn shadowed_allow_and_missing_established_are_warned() {
+        let p = parse(
+            "version: 1\nallow:\n  - cidr: 10.1.0.0/16\ndeny:\n  - cidr: 10.0.0.0/8\nessentials: [loopback]\n",
+        )
+        .expect("valid");
+        let w = p.warnings();
+        assert!(w.iter().any(|w| w.contains("10.1.0.0/16")), "{w:?}");
+        assert!(w.iter().any(|w| w.contains("established")), "{w:?}");
+        assert!(parse(FULL).unwrap().warnings().is_empty());
+    }
+
+    #[test]
+    fn error_display_starts_with_file_line_column() {
+        let e = parse("version: 1\nbogus: 1\n").unwrap_err();
+        assert!(e.to_string().starts_with("p.yaml:2:1: "), "{e}");
+    }
+}

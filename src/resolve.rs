@@ -1,0 +1,253 @@
+//! Resolution of the policy's names: A and AAAA, all names at once, against the policy's
+//! resolvers, keeping each answer's TTL.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use hickory_resolver::Resolver;
+use hickory_resolver::config::{NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts};
+use hickory_resolver::net::NetError;
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::rr::RData;
+use serde::Serialize;
+
+use crate::policy::DomainName;
+
+/// What resolving the policy's names produced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Resolution {
+    /// The resolvers that were asked (and that the ruleset allows for DNS).
+    pub resolvers: Vec<IpAddr>,
+    /// One entry per distinct name, sorted by name.
+    pub hosts: Vec<ResolvedHost>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ResolvedHost {
+    pub name: DomainName,
+    /// Distinct addresses, sorted, each with the TTL of the record that carried it.
+    pub addrs: Vec<ResolvedAddr>,
+    /// Failures of the A or AAAA query ("AAAA: timed out"); a name with addresses and an
+    /// error resolved only partly.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct ResolvedAddr {
+    pub addr: IpAddr,
+    pub ttl: u32,
+}
+
+impl Resolution {
+    /// Names that produced no address at all: their allow entries are left out.
+    pub fn unresolved(&self) -> impl Iterator<Item = &ResolvedHost> {
+        self.hosts.iter().filter(|h| h.addrs.is_empty())
+    }
+
+    pub fn host(&self, name: &DomainName) -> Option<&ResolvedHost> {
+        self.hosts.iter().find(|h| &h.name == name)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("no resolvers: {path} lists no nameserver; set `dns.resolvers` in the policy")]
+    NoSystemResolvers { path: String },
+    #[error(
+        "cannot read {path} for the default resolvers: {error}; set `dns.resolvers` in the policy"
+    )]
+    ResolvConf { path: String, error: std::io::Error },
+    #[error("cannot start the resolver: {0}")]
+    Setup(String),
+}
+
+/// The nameservers of a resolv.conf file, in order.
+pub fn system_resolvers(path: &Path) -> Result<Vec<IpAddr>, ResolveError> {
+    let text = std::fs::read_to_string(path).map_err(|error| ResolveError::ResolvConf {
+        path: path.display().to_string(),
+        error,
+    })?;
+    let found = parse_resolv_conf(&text);
+    if found.is_empty() {
+        return Err(ResolveError::NoSystemResolvers {
+            path: path.display().to_string(),
+        });
+    }
+    Ok(found)
+}
+
+fn parse_resolv_conf(text: &str) -> Vec<IpAddr> {
+    let mut found = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if words.next() != Some("nameserver") {
+            continue;
+        }
+        // An IPv6 nameserver may carry a zone (fe80::1%eth0); the zone does not matter to a
+        // destination-address rule.
+        let Some(addr) = words.next().and_then(|w| w.split('%').next()?.parse().ok()) else {
+            continue;
+        };
+        if !found.contains(&addr) {
+            found.push(addr);
+        }
+    }
+    found
+}
+
+/// Resolves every allowed name of `policy` against its resolvers, or against the nameservers
+/// of `resolv_conf` when the policy names none.
+pub fn resolve_policy(
+    policy: &crate::policy::Policy,
+    resolv_conf: &Path,
+) -> Result<Resolution, ResolveError> {
+    let resolvers = match &policy.dns.resolvers {
+        Some(r) => r.clone(),
+        None => system_resolvers(resolv_conf)?,
+    };
+    let hosts = resolve_names(policy.domains(), &resolvers)?;
+    Ok(Resolution { resolvers, hosts })
+}
+
+/// How long one query may take, and how often it is tried.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(2);
+const QUERY_ATTEMPTS: usize = 2;
+
+/// Resolves every name (A and AAAA, all concurrently) on a single-threaded runtime, so a
+/// caller that entered a network namespace keeps every socket in it.
+pub fn resolve_names<'a>(
+    names: impl IntoIterator<Item = &'a DomainName>,
+    resolvers: &[IpAddr],
+) -> Result<Vec<ResolvedHost>, ResolveError> {
+    let names: Vec<&DomainName> = names.into_iter().collect();
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ResolveError::Setup(e.to_string()))?;
+    let resolver = build_resolver(resolvers)?;
+    let mut hosts = runtime.block_on(async {
+        let mut lookups = tokio::task::JoinSet::new();
+        for name in names {
+            let (resolver, name) = (resolver.clone(), name.clone());
+            lookups.spawn(async move { lookup_host(&resolver, &name).await });
+        }
+        let mut hosts = Vec::new();
+        while let Some(done) = lookups.join_next().await {
+            hosts.push(done.map_err(|e| ResolveError::Setup(e.to_string()))?);
+        }
+        Ok::<_, ResolveError>(hosts)
+    })?;
+    hosts.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(hosts)
+}
+
+fn build_resolver(resolvers: &[IpAddr]) -> Result<Resolver<TokioRuntimeProvider>, ResolveError> {
+    let config = ResolverConfig::from_name_servers(
+        resolvers
+            .iter()
+            .map(|ip| NameServerConfig::udp_and_tcp(*ip))
+            .collect(),
+    );
+    let mut builder = Resolver::builder_with_config(config, TokioRuntimeProvider::default());
+    let opts: &mut ResolverOpts = builder.options_mut();
+    opts.timeout = QUERY_TIMEOUT;
+    opts.attempts = QUERY_ATTEMPTS;
+    // The policy names hosts exactly: no search domains, no /etc/hosts, no cache between runs.
+    opts.ndots = 0;
+    opts.use_hosts_file = ResolveHosts::Never;
+    opts.cache_size = 0;
+    opts.try_tcp_on_error = true;
+    builder
+        .build()
+        .map_err(|e| ResolveError::Setup(e.to_string()))
+}
+
+async fn lookup_host(resolver: &Resolver<TokioRuntimeProvider>, name: &DomainName) -> ResolvedHost {
+    let fqdn = format!("{name}.");
+    let (v4, v6) = tokio::join!(
+        resolver.ipv4_lookup(fqdn.as_str()),
+        resolver.ipv6_lookup(fqdn.as_str())
+    );
+    let mut addrs: BTreeMap<IpAddr, u32> = BTreeMap::new();
+    let mut errors = Vec::new();
+    let mut absent = Vec::new();
+    for (kind, result) in [("A", v4), ("AAAA", v6)] {
+        match result {
+            Ok(lookup) => {
+                for record in lookup.answers() {
+                    let addr = match &record.data {
+                        RData::A(a) => IpAddr::V4(a.0),
+                        RData::AAAA(a) => IpAddr::V6(a.0),
+                        _ => continue, // CNAMEs on the way
+                    };
+                    let ttl = addrs.entry(addr).or_insert(record.ttl);
+                    *ttl = (*ttl).min(record.ttl);
+                }
+            }
+            Err(e) if e.is_no_records_found() => absent.push((kind, e)),
+            Err(e) => errors.push(format!("{kind}: {}", describe(&e))),
+        }
+    }
+    // "No AAAA record" is normal for an IPv4-only name; it only matters when nothing came back.
+    if addrs.is_empty() && errors.is_empty() {
+        let nx = absent.iter().any(|(_, e)| e.is_nx_domain());
+        errors.push(if nx {
+            "the name does not exist (NXDOMAIN)".to_string()
+        } else {
+            "no A or AAAA records".to_string()
+        });
+    }
+    ResolvedHost {
+        name: name.clone(),
+        addrs: addrs
+            .into_iter()
+            .map(|(addr, ttl)| ResolvedAddr { addr, ttl })
+            .collect(),
+        errors,
+    }
+}
+
+fn describe(e: &NetError) -> String {
+    match e {
+        NetError::Timeout => "timed out".into(),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolv_conf_nameservers_in_order_without_zones_or_duplicates() {
+        let text = "# comment\nsearch example\nnameserver 192.0.2.53\nnameserver fe80::1%eth0\n\
+                    nameserver 192.0.2.53\nnameserver not-an-address\noptions edns0\n";
+        let got = parse_resolv_conf(text);
+        assert_eq!(
+            got,
+            vec![
+                "192.0.2.53".parse::<IpAddr>().unwrap(),
+                "fe80::1".parse().unwrap()
+            ]
+        );
+    }
+
+    #[test]
+    fn empty_resolv_conf_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("resolv.conf");
+        std::fs::write(&path, "search example\n").unwrap();
+        let err = system_resolvers(&path).unwrap_err();
+        assert!(
+            err.to_string().contains("resolv.conf lists no nameserver"),
+            "{err}"
+        );
+        assert!(system_resolvers(&dir.path().join("missing")).is_err());
+    }
+}

@@ -1,0 +1,518 @@
+//! The ruleset as plain data, and its rendering as nft text.
+//!
+//! The same [`Ruleset`] value is rendered for `plan` and encoded into a netlink batch for
+//! `apply`, so what a reviewer reads is what the kernel gets. Every rule is one of a closed set
+//! of shapes ([`Rule`]); the renderer and the encoder each have one arm per shape.
+
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+use crate::policy::{Action, L4Proto, PortRange, Rate};
+
+/// The one table the tool owns, in family inet. Nothing else is ever touched.
+pub const TABLE: &str = "egress_fence";
+pub const OUTPUT_CHAIN: &str = "output";
+pub const REFUSED_CHAIN: &str = "refused";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum Family {
+    #[serde(rename = "ipv4")]
+    V4,
+    #[serde(rename = "ipv6")]
+    V6,
+}
+
+impl Family {
+    pub const BOTH: [Family; 2] = [Family::V4, Family::V6];
+
+    pub fn of(addr: IpAddr) -> Family {
+        match addr {
+            IpAddr::V4(_) => Family::V4,
+            IpAddr::V6(_) => Family::V6,
+        }
+    }
+
+    pub fn of_net(net: &IpNet) -> Family {
+        Family::of(net.addr())
+    }
+
+    fn digit(self) -> char {
+        match self {
+            Family::V4 => '4',
+            Family::V6 => '6',
+        }
+    }
+
+    /// The nft keyword for this family's destination address (`ip daddr`, `ip6 daddr`).
+    fn daddr(self) -> &'static str {
+        match self {
+            Family::V4 => "ip daddr",
+            Family::V6 => "ip6 daddr",
+        }
+    }
+
+    fn nfproto(self) -> &'static str {
+        match self {
+            Family::V4 => "ipv4",
+            Family::V6 => "ipv6",
+        }
+    }
+}
+
+/// What a set is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SetRole {
+    /// Denied networks (interval set of addresses), checked first.
+    Deny,
+    /// Allowed resolvers: address . protocol . port 53.
+    Dns,
+    /// Allowed networks and port ranges (concatenated interval set); only a full apply
+    /// rewrites it.
+    Allow,
+    /// Resolved addresses with single ports (hash set with element timeouts), the set a
+    /// refresh updates element by element.
+    Resolved,
+}
+
+/// One of the eight sets of the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct SetId {
+    pub role: SetRole,
+    pub family: Family,
+}
+
+/// How a set's key is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyShape {
+    /// `ipv4_addr` or `ipv6_addr`.
+    Addr,
+    /// `ipv4_addr . inet_proto . inet_service` (or ipv6).
+    Tuple,
+}
+
+impl SetId {
+    pub const ALL: [SetId; 8] = {
+        const fn id(role: SetRole, family: Family) -> SetId {
+            SetId { role, family }
+        }
+        use Family::*;
+        use SetRole::*;
+        [
+            id(Deny, V4),
+            id(Deny, V6),
+            id(Dns, V4),
+            id(Dns, V6),
+            id(Allow, V4),
+            id(Allow, V6),
+            id(Resolved, V4),
+            id(Resolved, V6),
+        ]
+    };
+
+    pub fn new(role: SetRole, family: Family) -> SetId {
+        SetId { role, family }
+    }
+
+    pub fn name(self) -> String {
+        let role = match self.role {
+            SetRole::Deny => "deny",
+            SetRole::Dns => "dns",
+            SetRole::Allow => "allow",
+            SetRole::Resolved => "resolved",
+        };
+        format!("{role}{}", self.family.digit())
+    }
+
+    pub fn from_name(name: &str) -> Option<SetId> {
+        SetId::ALL.into_iter().find(|id| id.name() == name)
+    }
+
+    pub fn shape(self) -> KeyShape {
+        match self.role {
+            SetRole::Deny => KeyShape::Addr,
+            SetRole::Dns | SetRole::Allow | SetRole::Resolved => KeyShape::Tuple,
+        }
+    }
+
+    /// Interval sets hold networks and port ranges; the others exact keys.
+    pub fn interval(self) -> bool {
+        matches!(self.role, SetRole::Deny | SetRole::Allow)
+    }
+
+    /// Whether elements may carry their own timeout.
+    pub fn timeout(self) -> bool {
+        self.role == SetRole::Resolved
+    }
+
+    fn nft_type(self) -> &'static str {
+        match (self.shape(), self.family) {
+            (KeyShape::Addr, Family::V4) => "ipv4_addr",
+            (KeyShape::Addr, Family::V6) => "ipv6_addr",
+            (KeyShape::Tuple, Family::V4) => "ipv4_addr . inet_proto . inet_service",
+            (KeyShape::Tuple, Family::V6) => "ipv6_addr . inet_proto . inet_service",
+        }
+    }
+}
+
+/// Destination network, protocol and destination ports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Tuple {
+    pub net: IpNet,
+    pub proto: L4Proto,
+    pub ports: PortRange,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Elements {
+    Networks(Vec<IpNet>),
+    Tuples(Vec<Tuple>),
+}
+
+impl Elements {
+    pub fn len(&self) -> usize {
+        match self {
+            Elements::Networks(n) => n.len(),
+            Elements::Tuples(t) => t.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Set {
+    pub id: SetId,
+    pub elements: Elements,
+}
+
+/// ICMPv6 messages a host must send to keep its link working.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Icmpv6Type {
+    NdRouterSolicit,
+    NdNeighborSolicit,
+    NdNeighborAdvert,
+    Mld2ListenerReport,
+}
+
+impl Icmpv6Type {
+    pub fn number(self) -> u8 {
+        match self {
+            Icmpv6Type::NdRouterSolicit => 133,
+            Icmpv6Type::NdNeighborSolicit => 135,
+            Icmpv6Type::NdNeighborAdvert => 136,
+            Icmpv6Type::Mld2ListenerReport => 143,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Icmpv6Type::NdRouterSolicit => "nd-router-solicit",
+            Icmpv6Type::NdNeighborSolicit => "nd-neighbor-solicit",
+            Icmpv6Type::NdNeighborAdvert => "nd-neighbor-advert",
+            Icmpv6Type::Mld2ListenerReport => "mld2-listener-report",
+        }
+    }
+}
+
+/// How refused packets are logged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LogSpec {
+    pub prefix: String,
+    pub group: Option<u16>,
+    pub rate: Rate,
+    pub burst: u32,
+}
+
+/// The shapes of rule the table uses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rule {
+    /// `ct state established,related accept`
+    AcceptEstablished,
+    /// `oif "lo" accept`
+    AcceptLoopback,
+    /// `icmpv6 type T accept`
+    AcceptIcmpv6(Icmpv6Type),
+    /// The DHCP client's requests: UDP 68 -> 67, or 546 -> 547 for IPv6.
+    AcceptDhcpClient(Family),
+    /// `ip daddr @deny4 goto refused`
+    RefuseDaddrIn(SetId),
+    /// `ip daddr . meta l4proto . th dport @set accept`
+    AcceptTupleIn(SetId),
+    /// `goto refused`
+    GotoRefused,
+    /// `limit rate R burst B packets log prefix P [group G]`
+    Log(LogSpec),
+    /// `counter reject with icmpx admin-prohibited`, or `counter drop`
+    CountAnd(Action),
+}
+
+impl Rule {
+    fn fmt_nft(&self, out: &mut String) {
+        match self {
+            Rule::AcceptEstablished => out.push_str("ct state established,related accept"),
+            Rule::AcceptLoopback => out.push_str("oif \"lo\" accept"),
+            Rule::AcceptIcmpv6(t) => {
+                let _ = write!(out, "icmpv6 type {} accept", t.name());
+            }
+            Rule::AcceptDhcpClient(family) => {
+                let (sport, dport) = dhcp_ports(*family);
+                let _ = write!(
+                    out,
+                    "meta nfproto {} udp sport {sport} udp dport {dport} accept",
+                    family.nfproto()
+                );
+            }
+            Rule::RefuseDaddrIn(set) => {
+                let _ = write!(
+                    out,
+                    "{} @{} goto {REFUSED_CHAIN}",
+                    set.family.daddr(),
+                    set.name()
+                );
+            }
+            Rule::AcceptTupleIn(set) => {
+                let _ = write!(
+                    out,
+                    "{} . meta l4proto . th dport @{} accept",
+                    set.family.daddr(),
+                    set.name()
+                );
+            }
+            Rule::GotoRefused => {
+                let _ = write!(out, "goto {REFUSED_CHAIN}");
+            }
+            Rule::Log(log) => {
+                let _ = write!(
+                    out,
+                    "limit rate {} burst {} packets log prefix \"{}\"",
+                    log.rate, log.burst, log.prefix
+                );
+                if let Some(group) = log.group {
+                    let _ = write!(out, " group {group}");
+                }
+            }
+            Rule::CountAnd(Action::Reject) => {
+                out.push_str("counter reject with icmpx admin-prohibited")
+            }
+            Rule::CountAnd(Action::Drop) => out.push_str("counter drop"),
+        }
+    }
+}
+
+/// Source and destination port of the DHCP client's requests.
+pub fn dhcp_ports(family: Family) -> (u16, u16) {
+    match family {
+        Family::V4 => (68, 67),
+        Family::V6 => (546, 547),
+    }
+}
+
+/// The whole table as a value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Ruleset {
+    /// All eight sets, in [`SetId::ALL`] order.
+    pub sets: Vec<Set>,
+    /// The base chain on the output hook (policy drop).
+    pub output: Vec<Rule>,
+    /// Where refused packets are logged, counted and rejected or dropped.
+    pub refused: Vec<Rule>,
+}
+
+impl Ruleset {
+    pub fn set(&self, id: SetId) -> Option<&Set> {
+        self.sets.iter().find(|s| s.id == id)
+    }
+
+    pub fn element_count(&self) -> usize {
+        self.sets.iter().map(|s| s.elements.len()).sum()
+    }
+
+    /// nft text that replaces the table atomically when loaded with `nft -f` (the same
+    /// transaction `apply` sends): create-if-missing, delete, then the new table.
+    pub fn to_nft(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "table inet {TABLE}");
+        let _ = writeln!(out, "delete table inet {TABLE}");
+        let _ = writeln!(out, "table inet {TABLE} {{");
+        for set in &self.sets {
+            fmt_set(set, &mut out);
+        }
+        let _ = writeln!(out, "\tchain {OUTPUT_CHAIN} {{");
+        let _ = writeln!(
+            out,
+            "\t\ttype filter hook output priority filter; policy drop;"
+        );
+        fmt_rules(&self.output, &mut out);
+        let _ = writeln!(out, "\t}}\n");
+        let _ = writeln!(out, "\tchain {REFUSED_CHAIN} {{");
+        fmt_rules(&self.refused, &mut out);
+        let _ = writeln!(out, "\t}}");
+        let _ = writeln!(out, "}}");
+        out
+    }
+}
+
+fn fmt_rules(rules: &[Rule], out: &mut String) {
+    for rule in rules {
+        out.push_str("\t\t");
+        rule.fmt_nft(out);
+        out.push('\n');
+    }
+}
+
+fn fmt_set(set: &Set, out: &mut String) {
+    let _ = writeln!(out, "\tset {} {{", set.id.name());
+    let _ = writeln!(out, "\t\ttype {}", set.id.nft_type());
+    let flags: Vec<&str> = [
+        set.id.interval().then_some("interval"),
+        set.id.timeout().then_some("timeout"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !flags.is_empty() {
+        let _ = writeln!(out, "\t\tflags {}", flags.join(","));
+    }
+    if !set.elements.is_empty() {
+        let items: Vec<String> = match &set.elements {
+            Elements::Networks(nets) => nets.iter().map(fmt_net).collect(),
+            Elements::Tuples(tuples) => tuples.iter().map(fmt_tuple).collect(),
+        };
+        let _ = writeln!(out, "\t\telements = {{ {} }}", items.join(",\n\t\t\t"));
+    }
+    let _ = writeln!(out, "\t}}\n");
+}
+
+/// A host network prints as its address, as nft itself does.
+pub fn fmt_net(net: &IpNet) -> String {
+    if net.prefix_len() == net.max_prefix_len() {
+        net.addr().to_string()
+    } else {
+        net.to_string()
+    }
+}
+
+pub fn fmt_tuple(t: &Tuple) -> String {
+    format!("{} . {} . {}", fmt_net(&t.net), t.proto.name(), t.ports)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_ids_are_distinct_and_named() {
+        let names: std::collections::BTreeSet<String> =
+            SetId::ALL.iter().map(|s| s.name()).collect();
+        assert_eq!(names.len(), 8);
+        for id in SetId::ALL {
+            assert_eq!(SetId::from_name(&id.name()), Some(id));
+        }
+        assert_eq!(
+            SetId::new(SetRole::Resolved, Family::V6).name(),
+            "resolved6"
+        );
+        assert_eq!(SetId::from_name("nope"), None);
+    }
+
+    #[test]
+    fn renders_every_rule_shape_as_nft_writes_it() {
+        let v4 = |role| SetId::new(role, Family::V4);
+        let cases = [
+            (
+                Rule::AcceptEstablished,
+                "ct state established,related accept",
+            ),
+            (Rule::AcceptLoopback, "oif \"lo\" accept"),
+            (
+                Rule::AcceptIcmpv6(Icmpv6Type::NdNeighborSolicit),
+                "icmpv6 type nd-neighbor-solicit accept",
+            ),
+            (
+                Rule::AcceptDhcpClient(Family::V6),
+                "meta nfproto ipv6 udp sport 546 udp dport 547 accept",
+            ),
+            (
+                Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6)),
+                "ip6 daddr @deny6 goto refused",
+            ),
+            (
+                Rule::AcceptTupleIn(v4(SetRole::Dns)),
+                "ip daddr . meta l4proto . th dport @dns4 accept",
+            ),
+            (Rule::GotoRefused, "goto refused"),
+            (
+                Rule::Log(LogSpec {
+                    prefix: "X: ".into(),
+                    group: Some(7),
+                    rate: "3/minute".parse().unwrap(),
+                    burst: 5,
+                }),
+                "limit rate 3/minute burst 5 packets log prefix \"X: \" group 7",
+            ),
+            (
+                Rule::CountAnd(Action::Reject),
+                "counter reject with icmpx admin-prohibited",
+            ),
+            (Rule::CountAnd(Action::Drop), "counter drop"),
+        ];
+        for (rule, want) in cases {
+            let mut s = String::new();
+            rule.fmt_nft(&mut s);
+            assert_eq!(s, want);
+        }
+    }
+
+    #[test]
+    fn renders_sets_with_flags_and_elements() {
+        let set = Set {
+            id: SetId::new(SetRole::Allow, Family::V4),
+            elements: Elements::Tuples(vec![
+                Tuple {
+                    net: "203.0.113.0/28".parse().unwrap(),
+                    proto: L4Proto::Tcp,
+                    ports: PortRange::single(22),
+                },
+                Tuple {
+                    net: "198.51.100.7/32".parse().unwrap(),
+                    proto: L4Proto::Udp,
+                    ports: PortRange {
+                        first: 8000,
+                        last: 8080,
+                    },
+                },
+            ]),
+        };
+        let mut out = String::new();
+        fmt_set(&set, &mut out);
+        assert!(
+            out.contains("type ipv4_addr . inet_proto . inet_service\n"),
+            "{out}"
+        );
+        assert!(out.contains("flags interval\n"), "{out}");
+        assert!(
+            out.contains("203.0.113.0/28 . tcp . 22,\n\t\t\t198.51.100.7 . udp . 8000-8080 }"),
+            "{out}"
+        );
+
+        let mut out = String::new();
+        fmt_set(
+            &Set {
+                id: SetId::new(SetRole::Resolved, Family::V6),
+                elements: Elements::Tuples(vec![]),
+            },
+            &mut out,
+        );
+        assert!(out.contains("flags timeout\n"), "{out}");
+        assert!(!out.contains("elements"), "{out}");
+    }
+}
