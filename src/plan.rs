@@ -125,12 +125,18 @@ fn output_rules(policy: &Policy) -> Vec<Rule> {
     if has(Essential::Dhcpv6) {
         rules.push(Rule::AcceptDhcpClient(Family::V6));
     }
-    // Deny wins: checked before any allow, so a name that resolves into a denied network
-    // (DNS rebinding onto the metadata service) stays refused.
+    // DNS to the resolvers (port 53 only) comes before the deny list: a cloud host's
+    // resolver usually lives in a network the deny presets cover (AWS 169.254.169.253 or the
+    // VPC's .2, GCP 169.254.169.254, Azure 168.63.129.16), and the host must keep resolving.
+    for family in Family::BOTH {
+        rules.push(Rule::AcceptTupleIn(SetId::new(SetRole::Dns, family)));
+    }
+    // Deny wins over every allow entry: a name that resolves into a denied network (DNS
+    // rebinding onto the metadata service) stays refused.
     for family in Family::BOTH {
         rules.push(Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, family)));
     }
-    for role in [SetRole::Dns, SetRole::Allow, SetRole::Resolved] {
+    for role in [SetRole::Allow, SetRole::Resolved] {
         for family in Family::BOTH {
             rules.push(Rule::AcceptTupleIn(SetId::new(role, family)));
         }
@@ -345,14 +351,28 @@ log:
     }
 
     #[test]
-    fn rules_put_established_first_and_deny_before_every_allow() {
+    fn rules_put_established_first_dns_before_deny_and_deny_before_every_allow() {
         let rs = plan(&policy(POLICY), &resolution(&[]));
         assert_eq!(rs.output[0], Rule::AcceptEstablished);
         let first_accept_set = rs
             .output
             .iter()
-            .position(|r| matches!(r, Rule::AcceptTupleIn(_)))
+            .position(|r| matches!(r, Rule::AcceptTupleIn(s) if s.role != SetRole::Dns))
             .unwrap();
+        let last_dns = rs
+            .output
+            .iter()
+            .rposition(|r| matches!(r, Rule::AcceptTupleIn(s) if s.role == SetRole::Dns))
+            .unwrap();
+        let first_deny = rs
+            .output
+            .iter()
+            .position(|r| matches!(r, Rule::RefuseDaddrIn(_)))
+            .unwrap();
+        assert!(
+            last_dns < first_deny,
+            "resolvers stay reachable behind the deny presets"
+        );
         let last_deny = rs
             .output
             .iter()

@@ -765,18 +765,6 @@ impl Policy {
                         .into(),
                 ));
             }
-            for r in resolvers {
-                if let Some(deny) = policy.denied_by(*r) {
-                    return Err(invalid(
-                        locate(source, &r.to_string()),
-                        format!(
-                            "resolver {r} lies in the denied {}; deny wins, so it could never \
-                             be reached: choose another resolver or narrow the deny list",
-                            deny.describe()
-                        ),
-                    ));
-                }
-            }
         }
         Ok(policy)
     }
@@ -815,6 +803,15 @@ impl Policy {
                         d.describe()
                     ));
                 }
+            }
+        }
+        for r in self.dns.resolvers.iter().flatten() {
+            if let Some(d) = self.denied_by(*r) {
+                out.push(format!(
+                    "resolver {r} lies in the denied {}: DNS to it (port 53) stays allowed, \
+                     everything else to it is refused",
+                    d.describe()
+                ));
             }
         }
         if !self.essentials.contains(&Essential::Established) {
@@ -1089,12 +1086,17 @@ essentials: [loopback, established]
     }
 
     #[test]
-    fn resolver_inside_a_denied_network_is_refused() {
-        let (line, _, msg) = err(
+    fn resolver_inside_a_denied_network_is_warned_about() {
+        let p = parse(
             "version: 1\ndeny:\n  - preset: cloud-metadata\ndns:\n  resolvers: [169.254.169.253]\n",
+        )
+        .expect("valid: DNS to a resolver is allowed before the deny list");
+        let w = p.warnings();
+        assert!(
+            w.iter()
+                .any(|w| w.contains("169.254.169.253") && w.contains("cloud-metadata")),
+            "{w:?}"
         );
-        assert_eq!(line, 5, "{msg}");
-        assert!(msg.contains("preset cloud-metadata"), "{msg}");
     }
 
     #[test]

@@ -216,6 +216,7 @@ async fn lookup_host(resolver: &Resolver<TokioRuntimeProvider>, name: &DomainNam
 fn describe(e: &NetError) -> String {
     match e {
         NetError::Timeout => "timed out".into(),
+        NetError::NoConnections => "no resolver could be reached".into(),
         other => other.to_string(),
     }
 }
