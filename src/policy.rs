@@ -756,15 +756,13 @@ impl Policy {
             ),
         };
 
-        if let Some(resolvers) = &policy.dns.resolvers {
-            if resolvers.is_empty() {
-                return Err(invalid(
-                    locate(source, "resolvers"),
-                    "`resolvers: []` would leave no way to resolve names; list at least one \
-                     resolver or leave the key out to use /etc/resolv.conf"
-                        .into(),
-                ));
-            }
+        if policy.dns.resolvers.as_ref().is_some_and(Vec::is_empty) {
+            return Err(invalid(
+                locate(source, "resolvers"),
+                "`resolvers: []` would leave no way to resolve names; list at least one \
+                 resolver or leave the key out to use /etc/resolv.conf"
+                    .into(),
+            ));
         }
         Ok(policy)
     }
