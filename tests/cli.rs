@@ -31,7 +31,11 @@ fn every_shipped_policy_passes_check() {
             path.display(),
             text(&out.stderr)
         );
-        assert!(text(&out.stdout).contains(": valid ("), "{}", text(&out.stdout));
+        assert!(
+            text(&out.stdout).contains(": valid ("),
+            "{}",
+            text(&out.stdout)
+        );
     }
     assert!(seen >= 1, "no policy found in {}", dir.display());
 }
@@ -68,7 +72,12 @@ fn usage_errors_exit_2_and_help_documents_exit_codes() {
     let help = egress_fence(&["--help"]);
     assert!(help.status.success());
     let help = text(&help.stdout);
-    for needle in ["Exit codes", "invalid policy", "did not resolve", "not installed"] {
+    for needle in [
+        "Exit codes",
+        "invalid policy",
+        "did not resolve",
+        "not installed",
+    ] {
         assert!(help.contains(needle), "--help lacks {needle:?}:\n{help}");
     }
     let check_help = text(&egress_fence(&["check", "--help"]).stdout);

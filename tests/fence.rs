@@ -1,0 +1,441 @@
+//! The boundary end to end: a policy applied in a throwaway sandbox namespace, proved with
+//! real connections from inside it, read back by `nft` (an independent reader), torn down.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use egress_fence::nft::{Nft, NftError};
+use egress_fence::plan::plan;
+use egress_fence::policy::Policy;
+use egress_fence::resolve::Resolution;
+use egress_fence::ruleset::{Elements, Family, SetId, SetRole};
+use serde_json::Value;
+
+const POLICY: &str = r#"
+version: 1
+action: reject
+allow:
+  - domain: api.example.com        # HOST_V4 and HOST_V6
+    ports: [443]
+  - domain: rebind.example.com     # resolves onto the metadata service
+    ports: [80]
+  - domain: missing.example.com    # NXDOMAIN
+    ports: [443]
+  - cidr: 203.0.113.10/32          # OTHER_V4; its neighbour OTHER2_V4 is not allowed
+    ports: [22]
+deny:
+  - preset: cloud-metadata
+dns:
+  resolvers: [192.0.2.53, "2001:db8:1::53"]
+log:
+  group: 100
+"#;
+
+/// A world whose DNS answers the policy's names, and the policy file.
+fn world() -> (World, PathBuf) {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4, HOST_V6], DEFAULT_DNS_TTL);
+    w.dns_set(
+        "rebind.example.com",
+        &[METADATA_V4, METADATA_V6],
+        DEFAULT_DNS_TTL,
+    );
+    let policy = w.write_file("policy.yaml", POLICY);
+    (w, policy)
+}
+
+fn path(p: &std::path::Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// Applies the policy; exit code 3 because missing.example.com does not resolve.
+fn apply(w: &World, policy: &std::path::Path) -> CmdOutput {
+    let out = w.egress_fence(&["apply", path(policy)]);
+    assert_eq!(out.code(), 3, "apply: {out}");
+    assert!(out.stderr.contains("missing.example.com"), "{out}");
+    out
+}
+
+/// `nft -j list ruleset` without what legitimately differs between two loads of the same
+/// table: handles, and the order in which the kernel lists set elements.
+fn normalized(mut v: Value) -> Value {
+    fn walk(v: &mut Value) {
+        match v {
+            Value::Object(map) => {
+                map.remove("handle");
+                for (key, value) in map.iter_mut() {
+                    walk(value);
+                    if key == "elem"
+                        && let Value::Array(items) = value
+                    {
+                        items.sort_by_key(|i| i.to_string());
+                    }
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    walk(&mut v);
+    v
+}
+
+/// The objects of the ruleset that belong to table `name`.
+fn objects_of_table(ruleset: &Value, name: &str) -> Vec<Value> {
+    ruleset["nftables"]
+        .as_array()
+        .expect("nftables array")
+        .iter()
+        .filter(|o| {
+            o.as_object()
+                .and_then(|m| m.values().next())
+                .is_some_and(|body| body["table"] == name || body["name"] == name)
+        })
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn the_policy_allows_exactly_what_it_lists() {
+    let (w, policy) = world();
+    let api4 = w.listen_tcp(HOST_V4, 443);
+    let api6 = w.listen_tcp(HOST_V6, 443);
+    let api_other_port = w.listen_tcp(HOST_V4, 8443);
+    let api_udp = w.listen_udp(HOST_V4, 443);
+    let cidr = w.listen_tcp(OTHER_V4, 22);
+    let neighbour = w.listen_tcp(OTHER2_V4, 22);
+    let unlisted4 = w.listen_tcp(HOST3_V4, 443);
+    let unlisted6 = w.listen_tcp(HOST3_V6, 443);
+    let metadata4 = w.listen_tcp(METADATA_V4, 80);
+    let metadata6 = w.listen_tcp(METADATA_V6, 80);
+
+    // Without the fence every target answers, so a refusal below is the fence's doing.
+    for (host, port) in [
+        (HOST_V4, 8443),
+        (OTHER2_V4, 22),
+        (HOST3_V4, 443),
+        (HOST3_V6, 443),
+        (METADATA_V4, 80),
+        (METADATA_V6, 80),
+    ] {
+        assert!(w.tcp_connects(host, port), "{host}:{port} before the fence");
+    }
+    assert!(
+        w.dig(Some(ROGUE_DNS_V4), "api.example.com", "A", false)
+            .answered()
+    );
+
+    let out = apply(&w, &policy);
+    assert!(
+        out.stderr
+            .contains("rebind.example.com resolved to 169.254.169.254"),
+        "{out}"
+    );
+    let before = [
+        api_other_port.count(),
+        neighbour.count(),
+        unlisted4.count(),
+        unlisted6.count(),
+        metadata4.count(),
+        metadata6.count(),
+    ];
+
+    // The allowed name and port, by name, over IPv4 and IPv6.
+    for (flag, want) in [("-4", "192.0.2.10:443"), ("-6", "[2001:db8:1::10]:443")] {
+        let url = "http://api.example.com:443/";
+        let out = w.sandbox_cmd(&["curl", flag, "-sS", "--max-time", "5", url]);
+        assert!(out.success(), "allowed name, curl {flag}: {out}");
+        assert!(out.stdout.contains(&format!("hello from {want}")), "{out}");
+    }
+    assert!(api4.peers().contains(&SANDBOX_V4));
+    assert!(api6.peers().contains(&SANDBOX_V6));
+
+    // The same host on another port, or over UDP: refused.
+    assert!(!w.tcp_connects(HOST_V4, 8443));
+    let udp = w.udp_send(HOST_V4, 443, b"exfil");
+    assert!(
+        !udp.success(),
+        "UDP to an allowed TCP port left the host: {udp}"
+    );
+    assert!(!api_udp.wait_for(1, Duration::from_millis(300)));
+
+    // Unlisted hosts, both families.
+    assert!(!w.tcp_connects(HOST3_V4, 443));
+    assert!(!w.tcp_connects(HOST3_V6, 443));
+
+    // The allowed CIDR, and its neighbour.
+    assert!(w.tcp_connects(OTHER_V4, 22));
+    assert!(cidr.peers().contains(&SANDBOX_V4));
+    assert!(!w.tcp_connects(OTHER2_V4, 22));
+
+    // The metadata service: directly, and through an allowed name that resolves onto it.
+    assert!(!w.tcp_connects(METADATA_V4, 80));
+    assert!(!w.tcp_connects(METADATA_V6, 80));
+    assert!(w.curl("http://rebind.example.com:80/").is_err());
+
+    // None of the refused attempts reached a listener.
+    let after = [
+        api_other_port.count(),
+        neighbour.count(),
+        unlisted4.count(),
+        unlisted6.count(),
+        metadata4.count(),
+        metadata6.count(),
+    ];
+    assert_eq!(before, after, "a refused connection got through");
+
+    // DNS: the allowed resolver over UDP and TCP, both families; no other resolver.
+    for tcp in [false, true] {
+        assert!(
+            w.dig(Some(DNS_V4), "api.example.com", "A", tcp).answered(),
+            "allowed resolver, tcp={tcp}"
+        );
+        assert!(
+            w.dig(Some(DNS_V6), "api.example.com", "AAAA", tcp)
+                .answered(),
+            "allowed resolver over IPv6, tcp={tcp}"
+        );
+        assert!(
+            !w.dig(Some(ROGUE_DNS_V4), "api.example.com", "A", tcp)
+                .answered(),
+            "rogue resolver, tcp={tcp}"
+        );
+        assert!(
+            !w.dig(Some(ROGUE_DNS_V6), "api.example.com", "A", tcp)
+                .answered(),
+            "rogue resolver over IPv6, tcp={tcp}"
+        );
+    }
+}
+
+#[test]
+fn nft_reads_back_exactly_the_table_that_plan_renders() {
+    let (w, policy) = world();
+    apply(&w, &policy);
+    let applied = normalized(w.nft_json());
+
+    // Only our table, with the expected shape.
+    let tables: Vec<&Value> = applied["nftables"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|o| o.get("table"))
+        .collect();
+    assert_eq!(tables.len(), 1, "{applied}");
+    assert_eq!(tables[0]["family"], "inet");
+    assert_eq!(tables[0]["name"], "egress_fence");
+    let output = applied["nftables"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .find_map(|o| o.get("chain").filter(|c| c["name"] == "output"))
+        .expect("output chain");
+    assert_eq!(output["hook"], "output");
+    assert_eq!(output["policy"], "drop");
+    let sets = applied["nftables"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter(|o| o.get("set").is_some())
+        .count();
+    assert_eq!(sets, 8);
+
+    // The same text, loaded by nft itself, reads back identically.
+    let plan = w.egress_fence(&["plan", path(&policy)]);
+    assert_eq!(plan.code(), 3, "{plan}");
+    let check = w.sandbox_cmd_with_input(&["nft", "-c", "-f", "-"], plan.stdout.as_bytes());
+    assert!(check.success(), "nft -c -f rejects the plan: {check}");
+    assert!(w.egress_fence(&["teardown"]).success());
+    let load = w.sandbox_cmd_with_input(&["nft", "-f", "-"], plan.stdout.as_bytes());
+    assert!(load.success(), "nft -f: {load}");
+    assert_eq!(normalized(w.nft_json()), applied);
+}
+
+#[test]
+fn a_second_apply_changes_nothing() {
+    let (w, policy) = world();
+    apply(&w, &policy);
+    let first = normalized(w.nft_json());
+    apply(&w, &policy);
+    assert_eq!(normalized(w.nft_json()), first);
+}
+
+#[test]
+fn other_tables_survive_apply_and_teardown_unchanged() {
+    let (w, policy) = world();
+    let foreign = "table ip keepme {
+        set s { type ipv4_addr; elements = { 192.0.2.99 }; }
+        chain c {
+            type filter hook output priority 10; policy accept;
+            ip daddr @s counter
+        }
+    }
+    table inet other {
+        chain c { type filter hook input priority 0; policy accept; }
+    }";
+    let load = w.sandbox_cmd_with_input(&["nft", "-f", "-"], foreign.as_bytes());
+    assert!(load.success(), "{load}");
+    let snapshot = |w: &World| {
+        let v = normalized(w.nft_json());
+        [
+            objects_of_table(&v, "keepme"),
+            objects_of_table(&v, "other"),
+        ]
+    };
+    let before = snapshot(&w);
+    assert!(!before[0].is_empty() && !before[1].is_empty());
+
+    apply(&w, &policy);
+    assert_eq!(snapshot(&w), before);
+    let down = w.egress_fence(&["teardown"]);
+    assert!(down.success() && down.stdout.contains("deleted"), "{down}");
+    assert_eq!(snapshot(&w), before);
+
+    // Nothing of ours is left, and a second teardown is a no-op.
+    let rest = normalized(w.nft_json());
+    assert!(objects_of_table(&rest, "egress_fence").is_empty(), "{rest}");
+    let again = w.egress_fence(&["teardown"]);
+    assert!(
+        again.success() && again.stdout.contains("nothing to do"),
+        "{again}"
+    );
+}
+
+#[test]
+fn teardown_restores_the_previous_reachability() {
+    let (w, policy) = world();
+    let _unlisted = w.listen_tcp(HOST3_V4, 443);
+    let _metadata = w.listen_tcp(METADATA_V4, 80);
+    assert!(w.tcp_connects(HOST3_V4, 443));
+    assert!(w.tcp_connects(METADATA_V4, 80));
+    assert_eq!(w.egress_fence(&["status"]).code(), 4);
+
+    apply(&w, &policy);
+    assert!(!w.tcp_connects(HOST3_V4, 443));
+    assert!(!w.tcp_connects(METADATA_V4, 80));
+
+    assert!(w.egress_fence(&["teardown"]).success());
+    assert!(w.tcp_connects(HOST3_V4, 443));
+    assert!(w.tcp_connects(METADATA_V4, 80));
+    let status = w.egress_fence(&["status"]);
+    assert_eq!(status.code(), 4, "{status}");
+    assert!(status.stdout.contains("not installed"), "{status}");
+}
+
+#[test]
+fn status_reads_the_live_table_and_counts_refusals() {
+    let (w, policy) = world();
+    let _unlisted = w.listen_tcp(HOST3_V4, 443);
+    apply(&w, &policy);
+    assert!(!w.tcp_connects(HOST3_V4, 443));
+
+    let out = w.egress_fence(&["status", "--json"]);
+    assert!(out.success(), "{out}");
+    let status: Value = serde_json::from_str(&out.stdout).expect("status --json is JSON");
+    assert_eq!(status["installed"], true);
+    assert_eq!(status["table"], "inet egress_fence");
+    assert!(
+        status["refused"]["packets"].as_u64().unwrap_or(0) >= 1,
+        "{status}"
+    );
+    let set = |name: &str| -> Value {
+        status["sets"]
+            .as_array()
+            .expect("sets")
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("no set {name} in {status}"))["contents"]
+            .clone()
+    };
+    let resolved4 = set("resolved4")["tuples"].to_string();
+    assert!(
+        resolved4.contains("192.0.2.10/32") && resolved4.contains("443"),
+        "{resolved4}"
+    );
+    let allow4 = set("allow4")["tuples"].to_string();
+    assert!(allow4.contains("203.0.113.10/32"), "{allow4}");
+    let deny4 = set("deny4")["networks"].to_string();
+    assert!(deny4.contains("169.254.0.0/16"), "{deny4}");
+
+    let human = w.egress_fence(&["status"]);
+    assert!(human.success(), "{human}");
+    assert!(
+        human.stdout.contains("hook output priority 0 policy drop"),
+        "{human}"
+    );
+    assert!(
+        human
+            .stdout
+            .contains("set resolved6: 2001:db8:1::10 . tcp . 443"),
+        "{human}"
+    );
+}
+
+/// Plans the test policy against the world's resolver from inside the sandbox.
+fn planned(w: &World) -> egress_fence::ruleset::Ruleset {
+    let policy = Policy::parse(POLICY, std::path::Path::new("policy.yaml")).expect("valid");
+    let resolution: Resolution = w.in_sandbox_ns(|| {
+        let hosts = egress_fence::resolve::resolve_names(policy.domains(), &[DNS_V4])
+            .expect("resolver starts");
+        Resolution {
+            resolvers: vec![DNS_V4],
+            hosts,
+        }
+    });
+    plan(&policy, &resolution)
+}
+
+#[test]
+fn a_refused_transaction_leaves_the_running_table_untouched() {
+    let (w, policy) = world();
+    apply(&w, &policy);
+    let before = normalized(w.nft_json());
+
+    // A ruleset the kernel must refuse: two overlapping intervals in the deny set.
+    let mut bad = planned(&w);
+    let deny4 = bad
+        .sets
+        .iter_mut()
+        .find(|s| s.id == SetId::new(SetRole::Deny, Family::V4))
+        .expect("deny4");
+    let Elements::Networks(nets) = &mut deny4.elements else {
+        panic!("deny4 holds networks")
+    };
+    nets.push("169.254.169.0/24".parse().expect("network"));
+    let err = w
+        .in_sandbox_ns(|| Nft::open().and_then(|mut nft| nft.apply(&bad)))
+        .expect_err("the kernel refuses overlapping intervals");
+    assert!(
+        matches!(&err, NftError::Refused { what, .. } if what.contains("set deny4")),
+        "{err}"
+    );
+    assert_eq!(
+        normalized(w.nft_json()),
+        before,
+        "a refused batch changed the table"
+    );
+}
+
+#[test]
+fn netns_may_be_given_as_a_path() {
+    let (w, policy) = world();
+    let holder = w.spawn_in_sandbox(&["sleep", "60"]);
+    let ns = format!("/proc/{}/ns/net", holder.pid());
+    let out = Command::new(EGRESS_FENCE_BIN)
+        .args(["apply", path(&policy), "--netns", &ns])
+        .output()
+        .expect("run egress-fence");
+    // The path form has no /etc/netns resolv.conf, but this policy names its resolvers.
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tables = objects_of_table(&w.nft_json(), "egress_fence");
+    assert!(!tables.is_empty(), "the table is not in the sandbox");
+}
