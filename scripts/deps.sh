@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what egress-fence needs to build, test and demo on Debian 12: the C libraries the
+# nftnl and mnl crates link against, nftables (nft, the independent reader in tests), a real
+# DNS server (dnsmasq), real clients (dig, nc, curl), tcpdump, ipset (benchmark baseline) and
+# python3 (the demo's web servers). Only missing packages are installed.
+set -euo pipefail
+
+packages=(
+  pkg-config libnftnl-dev libmnl-dev nftables
+  dnsmasq-base dnsutils netcat-openbsd curl iproute2 tcpdump ipset python3 util-linux procps
+)
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "egress-fence: run this as root: it installs packages and makes network namespaces" >&2
+  exit 1
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "egress-fence: cargo is missing; install a Rust toolchain (1.85 or newer, https://rustup.rs)" >&2
+  exit 1
+fi
