@@ -9,3 +9,4 @@ pub mod plan;
 pub mod policy;
 pub mod resolve;
 pub mod ruleset;
+pub mod watch;

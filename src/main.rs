@@ -10,6 +10,7 @@ use egress_fence::plan::{denied_answers, plan};
 use egress_fence::policy::{Policy, PolicyError};
 use egress_fence::resolve::{Resolution, resolve_policy};
 use egress_fence::ruleset::{Elements, TABLE, fmt_net, fmt_tuple};
+use egress_fence::watch::Watcher;
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -90,6 +91,21 @@ enum Command {
     Status {
         #[command(flatten)]
         target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print every refused packet as it happens, read from the table's NFLOG group (works
+    /// inside any network namespace; no kernel log needed).
+    Watch {
+        #[command(flatten)]
+        target: Target,
+        /// The NFLOG group to read (default: the group of the installed table's log rule).
+        #[arg(long)]
+        group: Option<u16>,
+        /// Exit after this many events.
+        #[arg(long)]
+        count: Option<u64>,
+        /// Print JSON lines instead.
         #[arg(long)]
         json: bool,
     },
@@ -242,6 +258,51 @@ fn run(command: Command) -> Result<u8, Failure> {
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
                 print_status(&status);
+            }
+            Ok(0)
+        }
+        Command::Watch {
+            target,
+            group,
+            count,
+            json,
+        } => {
+            enter(&target)?;
+            let group = match group {
+                Some(g) => g,
+                None => match Nft::open()?.log_group()? {
+                    Some(Some(g)) => g,
+                    Some(None) => {
+                        return Err(anyhow::anyhow!(
+                            "the installed table logs refusals to the kernel log, not to an NFLOG \
+                         group: set `log.group` in the policy, or give --group"
+                        )
+                        .into());
+                    }
+                    None => return Err(anyhow::anyhow!(
+                        "table inet {TABLE} is not installed: apply a policy first, or give --group"
+                    )
+                    .into()),
+                },
+            };
+            let mut watcher = Watcher::subscribe(group)?;
+            eprintln!("watching NFLOG group {group} for refused packets");
+            let mut seen = 0;
+            while count.is_none_or(|c| seen < c) {
+                let event = match watcher.next_event() {
+                    Ok(e) => e,
+                    Err(e) if e.is_transient() => {
+                        eprintln!("warning: {e}");
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                if json {
+                    println!("{}", serde_json::to_string(&event)?);
+                } else {
+                    println!("{event}");
+                }
+                seen += 1;
             }
             Ok(0)
         }

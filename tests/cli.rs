@@ -1,4 +1,5 @@
-//! The command line without root: policy checking, exit codes and help.
+//! The command line: policy checks, exit codes, help, and the README's demo (which, like the
+//! namespace tests, needs root).
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -82,4 +83,58 @@ fn usage_errors_exit_2_and_help_documents_exit_codes() {
     }
     let check_help = text(&egress_fence(&["check", "--help"]).stdout);
     assert!(check_help.contains("version: 1"), "{check_help}");
+}
+
+/// The README's first command, on the binary under test (so it needs root, like the
+/// namespace tests): the demo must keep showing what it says it shows, and leave nothing.
+#[test]
+fn the_demo_shows_an_allowed_and_a_refused_connection_and_cleans_up() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(root.join("scripts/demo.sh"))
+        .env("EGRESS_FENCE_BIN", env!("CARGO_BIN_EXE_egress-fence"))
+        .output()
+        .expect("run scripts/demo.sh");
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let allowed = stdout
+        .split("-- allowed: the model API")
+        .nth(1)
+        .expect("allowed step");
+    assert!(
+        allowed
+            .trim_start()
+            .lines()
+            .nth(1)
+            .is_some_and(|l| l.contains("OK: hello")),
+        "{stdout}"
+    );
+    let refused = stdout
+        .split("-- refused: the paste site")
+        .nth(1)
+        .expect("refused step");
+    assert!(
+        refused
+            .trim_start()
+            .lines()
+            .nth(1)
+            .is_some_and(|l| l.contains("REFUSED")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("REFUSED tcp 198.51.100.2:"),
+        "no watch line: {stdout}"
+    );
+    assert!(stdout.contains("-> 203.0.113.66:443"), "{stdout}");
+    assert!(
+        stdout.contains("table inet egress_fence is not installed"),
+        "{stdout}"
+    );
+    let netns = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
+    assert!(
+        !text(&netns.stdout).contains("efdemo-"),
+        "the demo left namespaces behind"
+    );
 }

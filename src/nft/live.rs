@@ -106,6 +106,14 @@ impl LiveTable {
     }
 }
 
+/// The NFLOG group refused packets are logged to, if the table's rules log to one.
+pub fn log_group(rules: &[LiveRule]) -> Option<u16> {
+    rules
+        .iter()
+        .filter(|r| r.chain == REFUSED_CHAIN)
+        .find_map(|r| r.log_group)
+}
+
 fn hook_name(hook: u32) -> &'static str {
     match hook as i32 {
         libc::NF_INET_PRE_ROUTING => "prerouting",

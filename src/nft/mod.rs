@@ -243,6 +243,16 @@ impl Nft {
             .any(|(_, name)| name == TABLE))
     }
 
+    /// The NFLOG group the installed table logs refusals to: `None` when no table is
+    /// installed, `Some(None)` when it logs to the kernel log instead.
+    pub fn log_group(&mut self) -> Result<Option<Option<u16>>, NftError> {
+        if !self.table_exists()? {
+            return Ok(None);
+        }
+        let rules = self.dump_own(Dump::Rules, "rules", sys::parse_rule, |r| &r.table)?;
+        Ok(Some(live::log_group(&rules)))
+    }
+
     /// Reads the table back from the kernel; `None` if it is not installed.
     pub fn read_table(&mut self) -> Result<Option<LiveTable>, NftError> {
         if !self.table_exists()? {

@@ -537,6 +537,8 @@ pub struct LiveRule {
     pub exprs: Vec<String>,
     /// Packets and bytes of the rule's counter, if it has one.
     pub counter: Option<(u64, u64)>,
+    /// The NFLOG group of the rule's log expression, if it logs to one.
+    pub log_group: Option<u16>,
 }
 
 /// Reads an optional string attribute that libnftnl returns as a C string.
@@ -706,40 +708,62 @@ pub fn parse_rule(msg: &[u8]) -> Option<LiveRule> {
             sys::nftnl_rule_nlmsg_parse,
             sys::nftnl_rule_free,
             |r| {
-                let (exprs, counter) = rule_exprs(r);
+                let RuleExprs {
+                    text: exprs,
+                    counter,
+                    log_group,
+                } = rule_exprs(r);
                 LiveRule {
                     table: owned_str(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_TABLE as u16)),
                     chain: owned_str(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_CHAIN as u16)),
                     handle: sys::nftnl_rule_get_u64(r, sys::NFTNL_RULE_HANDLE as u16),
                     exprs,
                     counter,
+                    log_group,
                 }
             },
         )
     }
 }
 
-/// The expressions of a rule as text, and its counter.
+/// What a rule's expressions say.
+struct RuleExprs {
+    text: Vec<String>,
+    counter: Option<(u64, u64)>,
+    log_group: Option<u16>,
+}
+
+/// The expressions of a rule as text, its counter and its log group.
 ///
 /// # Safety
 /// `r` must be a live rule.
-unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> (Vec<String>, Option<(u64, u64)>) {
-    let mut exprs = Vec::new();
-    let mut counter = None;
+unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> RuleExprs {
+    let mut out = RuleExprs {
+        text: Vec::new(),
+        counter: None,
+        log_group: None,
+    };
     // SAFETY: per the caller; the iterator is destroyed before returning.
     unsafe {
         let iter = sys::nftnl_expr_iter_create(r);
         if iter.is_null() {
-            return (exprs, counter);
+            return out;
         }
         let mut e = sys::nftnl_expr_iter_next(iter);
         while !e.is_null() {
             let name = owned_str(sys::nftnl_expr_get_str(e, sys::NFTNL_EXPR_NAME as u16));
-            if name == "counter" {
-                counter = Some((
-                    sys::nftnl_expr_get_u64(e, sys::NFTNL_EXPR_CTR_PACKETS as u16),
-                    sys::nftnl_expr_get_u64(e, sys::NFTNL_EXPR_CTR_BYTES as u16),
-                ));
+            match name.as_str() {
+                "counter" => {
+                    out.counter = Some((
+                        sys::nftnl_expr_get_u64(e, sys::NFTNL_EXPR_CTR_PACKETS as u16),
+                        sys::nftnl_expr_get_u64(e, sys::NFTNL_EXPR_CTR_BYTES as u16),
+                    ));
+                }
+                "log" if sys::nftnl_expr_is_set(e, sys::NFTNL_EXPR_LOG_GROUP as u16) => {
+                    out.log_group =
+                        Some(sys::nftnl_expr_get_u16(e, sys::NFTNL_EXPR_LOG_GROUP as u16));
+                }
+                _ => {}
             }
             let mut buf = [0u8; 512];
             let n = sys::nftnl_expr_snprintf(
@@ -750,12 +774,12 @@ unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> (Vec<String>, Option<(u64, u6
                 0,
             );
             let text = String::from_utf8_lossy(&buf[..(n.max(0) as usize).min(buf.len() - 1)]);
-            exprs.push(format!("{name} {}", text.trim()));
+            out.text.push(format!("{name} {}", text.trim()));
             e = sys::nftnl_expr_iter_next(iter);
         }
         sys::nftnl_expr_iter_destroy(iter);
     }
-    (exprs, counter)
+    out
 }
 
 /// The expressions of a message we built (a rule, say), as [`parse_rule`] reports them for
