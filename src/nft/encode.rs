@@ -97,14 +97,18 @@ pub fn replace_table(ruleset: &Ruleset) -> Encoded {
     for (i, set) in ruleset.sets.iter().enumerate() {
         let id = i as u32 + 1;
         set_ids.insert(set.id, id);
-        let nl = nl_set(set.id, id, &set.elements);
-        let name = set.id.name();
-        b.add(&nl, MsgType::Add, format!("set {name}"));
-        let messages = nl.add_elements_to(&mut b.batch, ElemOp::Create);
-        for k in 0..messages {
-            b.labels
-                .push(format!("elements of set {name} (message {})", k + 1));
-        }
+        b.add(
+            &nl_set(set.id, id),
+            MsgType::Add,
+            format!("set {}", set.id.name()),
+        );
+        add_elements(
+            &mut b,
+            set.id,
+            id,
+            set_elements(set.id, &set.elements),
+            ElemOp::Create,
+        );
     }
 
     let output_name = cstring(OUTPUT_CHAIN);
@@ -183,18 +187,44 @@ pub fn set_flags(id: SetId) -> u32 {
     flags
 }
 
-fn nl_set(id: SetId, batch_id: u32, elements: &Elements) -> NlSet {
-    let mut set = NlSet::new(
+/// Set `id` as created in a batch under `batch_id`, without elements.
+fn nl_set(id: SetId, batch_id: u32) -> NlSet {
+    NlSet::new(
         &table_name(),
         &cstring(&id.name()),
         batch_id,
         &key_spec(id),
         set_flags(id),
-    );
-    for elem in set_elements(id, elements) {
-        set.push(&elem);
+    )
+}
+
+/// How many elements one short-lived libnftnl set carries into the batch. libnftnl keeps
+/// about 270 bytes per element; holding a 100,000-element set at once would triple the peak
+/// memory of an apply, while the batch itself needs about 25 bytes per element.
+const ELEMS_PER_CHUNK: usize = 2048;
+
+/// Appends the element messages of set `id` (known to the batch as `batch_id`).
+fn add_elements(
+    b: &mut Builder,
+    id: SetId,
+    batch_id: u32,
+    elems: impl Iterator<Item = Elem>,
+    op: ElemOp,
+) {
+    let name = id.name();
+    let mut messages = 0;
+    let mut elems = elems.peekable();
+    while elems.peek().is_some() {
+        let mut chunk = nl_set(id, batch_id);
+        for elem in elems.by_ref().take(ELEMS_PER_CHUNK) {
+            chunk.push(&elem);
+        }
+        for _ in 0..chunk.add_elements_to(&mut b.batch, op) {
+            messages += 1;
+            b.labels
+                .push(format!("elements of set {name} (message {messages})"));
+        }
     }
-    set
 }
 
 fn addr_bytes(addr: IpAddr) -> Vec<u8> {
@@ -213,11 +243,12 @@ pub fn tuple_key(addr: IpAddr, proto: u8, port: u16) -> Vec<u8> {
     key
 }
 
-/// The kernel elements for a set's contents.
-pub fn set_elements(id: SetId, elements: &Elements) -> Vec<Elem> {
+/// The kernel elements for a set's contents, one at a time.
+pub fn set_elements(id: SetId, elements: &Elements) -> Box<dyn Iterator<Item = Elem> + '_> {
     match elements {
-        Elements::Networks(nets) => interval_elements(nets),
-        Elements::Tuples(tuples) => tuples.iter().map(|t| tuple_elem(id, t)).collect(),
+        // Deny lists are short; their start/end pairs are simplest built whole.
+        Elements::Networks(nets) => Box::new(interval_elements(nets).into_iter()),
+        Elements::Tuples(tuples) => Box::new(tuples.iter().map(move |t| tuple_elem(id, t))),
     }
 }
 

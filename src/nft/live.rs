@@ -269,7 +269,7 @@ mod tests {
             .map(|s| s.parse().unwrap())
             .collect();
             let id = SetId::new(SetRole::Deny, family);
-            let mut elems = live(set_elements(id, &Elements::Networks(nets.clone())));
+            let mut elems = live(set_elements(id, &Elements::Networks(nets.clone())).collect());
             elems.reverse(); // the kernel lists an rbtree backwards
             let decoded = decode(id, &elems);
             assert_eq!(decoded, Elements::Networks(nets), "{family:?}");
@@ -300,7 +300,7 @@ mod tests {
                 .filter(|t| role == SetRole::Allow || t.ports.is_single())
                 .copied()
                 .collect();
-            let elems = live(set_elements(id, &Elements::Tuples(want.clone())));
+            let elems = live(set_elements(id, &Elements::Tuples(want.clone())).collect());
             assert_eq!(decode(id, &elems), Elements::Tuples(want));
         }
     }
