@@ -4,7 +4,7 @@
 //! `apply`, so what a reviewer reads is what the kernel gets. Every rule is one of a closed set
 //! of shapes ([`Rule`]); the renderer and the encoder each have one arm per shape.
 
-use std::fmt::Write as _;
+use std::fmt;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
@@ -255,55 +255,44 @@ pub enum Rule {
     CountAnd(Action),
 }
 
-impl Rule {
-    fn fmt_nft(&self, out: &mut String) {
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Rule::AcceptEstablished => out.push_str("ct state established,related accept"),
-            Rule::AcceptLoopback => out.push_str("oif \"lo\" accept"),
-            Rule::AcceptIcmpv6(t) => {
-                let _ = write!(out, "icmpv6 type {} accept", t.name());
-            }
+            Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
+            Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
+            Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
             Rule::AcceptDhcpClient(family) => {
                 let (sport, dport) = dhcp_ports(*family);
-                let _ = write!(
-                    out,
-                    "meta nfproto {} udp sport {sport} udp dport {dport} accept",
-                    family.nfproto()
-                );
+                let nfproto = family.nfproto();
+                write!(
+                    f,
+                    "meta nfproto {nfproto} udp sport {sport} udp dport {dport} accept"
+                )
             }
             Rule::RefuseDaddrIn(set) => {
-                let _ = write!(
-                    out,
-                    "{} @{} goto {REFUSED_CHAIN}",
-                    set.family.daddr(),
-                    set.name()
-                );
+                let (daddr, name) = (set.family.daddr(), set.name());
+                write!(f, "{daddr} @{name} goto {REFUSED_CHAIN}")
             }
             Rule::AcceptTupleIn(set) => {
-                let _ = write!(
-                    out,
-                    "{} . meta l4proto . th dport @{} accept",
-                    set.family.daddr(),
-                    set.name()
-                );
+                let (daddr, name) = (set.family.daddr(), set.name());
+                write!(f, "{daddr} . meta l4proto . th dport @{name} accept")
             }
-            Rule::GotoRefused => {
-                let _ = write!(out, "goto {REFUSED_CHAIN}");
-            }
+            Rule::GotoRefused => write!(f, "goto {REFUSED_CHAIN}"),
             Rule::Log(log) => {
-                let _ = write!(
-                    out,
+                write!(
+                    f,
                     "limit rate {} burst {} packets log prefix \"{}\"",
                     log.rate, log.burst, log.prefix
-                );
-                if let Some(group) = log.group {
-                    let _ = write!(out, " group {group}");
+                )?;
+                match log.group {
+                    Some(group) => write!(f, " group {group}"),
+                    None => Ok(()),
                 }
             }
             Rule::CountAnd(Action::Reject) => {
-                out.push_str("counter reject with icmpx admin-prohibited")
+                f.write_str("counter reject with icmpx admin-prohibited")
             }
-            Rule::CountAnd(Action::Drop) => out.push_str("counter drop"),
+            Rule::CountAnd(Action::Drop) => f.write_str("counter drop"),
         }
     }
 }
@@ -339,57 +328,59 @@ impl Ruleset {
     /// nft text that replaces the table atomically when loaded with `nft -f` (the same
     /// transaction `apply` sends): create-if-missing, delete, then the new table.
     pub fn to_nft(&self) -> String {
-        let mut out = String::new();
-        let _ = writeln!(out, "table inet {TABLE}");
-        let _ = writeln!(out, "delete table inet {TABLE}");
-        let _ = writeln!(out, "table inet {TABLE} {{");
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Ruleset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "table inet {TABLE}")?;
+        writeln!(f, "delete table inet {TABLE}")?;
+        writeln!(f, "table inet {TABLE} {{")?;
         for set in &self.sets {
-            fmt_set(set, &mut out);
+            write!(f, "{set}")?;
         }
-        let _ = writeln!(out, "\tchain {OUTPUT_CHAIN} {{");
-        let _ = writeln!(
-            out,
+        writeln!(f, "\tchain {OUTPUT_CHAIN} {{")?;
+        writeln!(
+            f,
             "\t\ttype filter hook output priority filter; policy drop;"
-        );
-        fmt_rules(&self.output, &mut out);
-        let _ = writeln!(out, "\t}}\n");
-        let _ = writeln!(out, "\tchain {REFUSED_CHAIN} {{");
-        fmt_rules(&self.refused, &mut out);
-        let _ = writeln!(out, "\t}}");
-        let _ = writeln!(out, "}}");
-        out
+        )?;
+        for rule in &self.output {
+            writeln!(f, "\t\t{rule}")?;
+        }
+        writeln!(f, "\t}}\n")?;
+        writeln!(f, "\tchain {REFUSED_CHAIN} {{")?;
+        for rule in &self.refused {
+            writeln!(f, "\t\t{rule}")?;
+        }
+        writeln!(f, "\t}}")?;
+        writeln!(f, "}}")
     }
 }
 
-fn fmt_rules(rules: &[Rule], out: &mut String) {
-    for rule in rules {
-        out.push_str("\t\t");
-        rule.fmt_nft(out);
-        out.push('\n');
+impl fmt::Display for Set {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "\tset {} {{", self.id.name())?;
+        writeln!(f, "\t\ttype {}", self.id.nft_type())?;
+        let flags: Vec<&str> = [
+            self.id.interval().then_some("interval"),
+            self.id.timeout().then_some("timeout"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !flags.is_empty() {
+            writeln!(f, "\t\tflags {}", flags.join(","))?;
+        }
+        if !self.elements.is_empty() {
+            let items: Vec<String> = match &self.elements {
+                Elements::Networks(nets) => nets.iter().map(fmt_net).collect(),
+                Elements::Tuples(tuples) => tuples.iter().map(fmt_tuple).collect(),
+            };
+            writeln!(f, "\t\telements = {{ {} }}", items.join(",\n\t\t\t"))?;
+        }
+        writeln!(f, "\t}}\n")
     }
-}
-
-fn fmt_set(set: &Set, out: &mut String) {
-    let _ = writeln!(out, "\tset {} {{", set.id.name());
-    let _ = writeln!(out, "\t\ttype {}", set.id.nft_type());
-    let flags: Vec<&str> = [
-        set.id.interval().then_some("interval"),
-        set.id.timeout().then_some("timeout"),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    if !flags.is_empty() {
-        let _ = writeln!(out, "\t\tflags {}", flags.join(","));
-    }
-    if !set.elements.is_empty() {
-        let items: Vec<String> = match &set.elements {
-            Elements::Networks(nets) => nets.iter().map(fmt_net).collect(),
-            Elements::Tuples(tuples) => tuples.iter().map(fmt_tuple).collect(),
-        };
-        let _ = writeln!(out, "\t\telements = {{ {} }}", items.join(",\n\t\t\t"));
-    }
-    let _ = writeln!(out, "\t}}\n");
 }
 
 /// A host network prints as its address, as nft itself does.
@@ -466,9 +457,7 @@ mod tests {
             (Rule::CountAnd(Action::Drop), "counter drop"),
         ];
         for (rule, want) in cases {
-            let mut s = String::new();
-            rule.fmt_nft(&mut s);
-            assert_eq!(s, want);
+            assert_eq!(rule.to_string(), want);
         }
     }
 
@@ -492,8 +481,7 @@ mod tests {
                 },
             ]),
         };
-        let mut out = String::new();
-        fmt_set(&set, &mut out);
+        let out = set.to_string();
         assert!(
             out.contains("type ipv4_addr . inet_proto . inet_service\n"),
             "{out}"
@@ -504,14 +492,11 @@ mod tests {
             "{out}"
         );
 
-        let mut out = String::new();
-        fmt_set(
-            &Set {
-                id: SetId::new(SetRole::Resolved, Family::V6),
-                elements: Elements::Tuples(vec![]),
-            },
-            &mut out,
-        );
+        let out = Set {
+            id: SetId::new(SetRole::Resolved, Family::V6),
+            elements: Elements::Tuples(vec![]),
+        }
+        .to_string();
         assert!(out.contains("flags timeout\n"), "{out}");
         assert!(!out.contains("elements"), "{out}");
     }
