@@ -135,14 +135,16 @@ fn the_policy_allows_exactly_what_it_lists() {
             .contains("rebind.example.com resolved to 169.254.169.254"),
         "{out}"
     );
-    let before = [
-        api_other_port.count(),
-        neighbour.count(),
-        unlisted4.count(),
-        unlisted6.count(),
-        metadata4.count(),
-        metadata6.count(),
+    let refused_targets = [
+        &api_other_port,
+        &neighbour,
+        &unlisted4,
+        &unlisted6,
+        &metadata4,
+        &metadata6,
     ];
+    let hits = || refused_targets.map(|l| l.count());
+    let before = hits();
 
     // The allowed name and port, by name, over IPv4 and IPv6.
     for (flag, want) in [("-4", "192.0.2.10:443"), ("-6", "[2001:db8:1::10]:443")] {
@@ -178,15 +180,7 @@ fn the_policy_allows_exactly_what_it_lists() {
     assert!(w.curl("http://rebind.example.com:80/").is_err());
 
     // None of the refused attempts reached a listener.
-    let after = [
-        api_other_port.count(),
-        neighbour.count(),
-        unlisted4.count(),
-        unlisted6.count(),
-        metadata4.count(),
-        metadata6.count(),
-    ];
-    assert_eq!(before, after, "a refused connection got through");
+    assert_eq!(hits(), before, "a refused connection got through");
 
     // DNS: the allowed resolver over UDP and TCP, both families; no other resolver.
     for tcp in [false, true] {

@@ -300,7 +300,7 @@ impl NlSet {
         let mut messages = 0;
         loop {
             let chunk = ElemChunk {
-                set: self,
+                set: std::marker::PhantomData,
                 iter,
                 op,
                 more: Cell::new(0),
@@ -354,20 +354,37 @@ unsafe impl NlMsg for NlSet {
         };
         // SAFETY: the batch hands us a buffer of nft_nlmsg_maxsize bytes.
         unsafe {
-            let nlh = sys::nftnl_nlmsg_build_hdr(
-                buf.cast::<c_char>(),
-                kind as u16,
-                libc::NFPROTO_INET as u16,
-                flags as u16,
-                seq,
-            );
+            let nlh = inet_header(buf, kind, flags, seq);
             sys::nftnl_set_nlmsg_build_payload(nlh, self.set.as_ptr());
         }
     }
 }
 
+/// Writes the header of an nf_tables message for family inet.
+///
+/// # Safety
+/// `buf` must have room for nft_nlmsg_maxsize bytes.
+unsafe fn inet_header(
+    buf: *mut c_void,
+    kind: c_int,
+    flags: c_int,
+    seq: u32,
+) -> *mut libc::nlmsghdr {
+    // SAFETY: per the caller.
+    unsafe {
+        sys::nftnl_nlmsg_build_hdr(
+            buf.cast::<c_char>(),
+            kind as u16,
+            libc::NFPROTO_INET as u16,
+            flags as u16,
+            seq,
+        )
+    }
+}
+
 struct ElemChunk<'a> {
-    set: &'a NlSet,
+    /// The iterator walks this set's elements, so the set must outlive the chunk.
+    set: std::marker::PhantomData<&'a NlSet>,
     iter: NonNull<sys::nftnl_set_elems_iter>,
     op: ElemOp,
     /// libnftnl's answer: 1 when elements remain for another message.
@@ -389,16 +406,9 @@ unsafe impl NlMsg for ElemChunk<'_> {
             ),
             ElemOp::Delete => (libc::NFT_MSG_DELSETELEM, libc::NLM_F_ACK),
         };
-        // SAFETY: buffer as above; the iterator is live and belongs to `self.set`.
+        // SAFETY: buffer as above; the iterator is live and belongs to the borrowed set.
         unsafe {
-            let nlh = sys::nftnl_nlmsg_build_hdr(
-                buf.cast::<c_char>(),
-                kind as u16,
-                libc::NFPROTO_INET as u16,
-                flags as u16,
-                seq,
-            );
-            let _ = self.set;
+            let nlh = inet_header(buf, kind, flags, seq);
             self.more.set(sys::nftnl_set_elems_nlmsg_build_payload_iter(
                 nlh,
                 self.iter.as_ptr(),
