@@ -9,7 +9,7 @@ use egress_fence::nft::Nft;
 use egress_fence::plan::{denied_answers, plan};
 use egress_fence::policy::{Policy, PolicyError};
 use egress_fence::resolve::{Resolution, resolve_policy};
-use egress_fence::ruleset::{Elements, TABLE, fmt_net, fmt_tuple};
+use egress_fence::ruleset::TABLE;
 use egress_fence::watch::Watcher;
 
 const EXIT_CODES: &str = "\
@@ -375,9 +375,8 @@ fn print_status(status: &egress_fence::nft::live::Status) {
         println!("  refused so far: {} packets, {} bytes", r.packets, r.bytes);
     }
     for s in &status.sets {
-        let items: Vec<String> = match &s.contents {
-            Some(Elements::Networks(n)) => n.iter().map(fmt_net).collect(),
-            Some(Elements::Tuples(t)) => t.iter().map(fmt_tuple).collect(),
+        let items = match &s.contents {
+            Some(elements) => elements.to_nft(),
             None => vec![format!("({} kernel elements)", s.kernel_elements)],
         };
         if items.is_empty() {

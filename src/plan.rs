@@ -1,24 +1,61 @@
 //! Policy + resolution -> ruleset. Pure: no network, no kernel.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::Duration;
 
 use ipnet::IpNet;
 
-use crate::policy::{Essential, L4Proto, Policy, PortRange, Target};
+use crate::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::resolve::Resolution;
 use crate::ruleset::{
-    Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, Tuple,
+    Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, Timed, Tuple,
 };
 
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
 const DNS_PORT: u16 = 53;
 
-/// Builds the table for `policy` with the addresses of `resolution`.
+/// Builds the table for `policy` with the addresses of `resolution`, resolved elements
+/// without timeouts (nothing refreshes them).
 ///
 /// Names that did not resolve contribute nothing (fail closed). Addresses that fall into a
 /// denied network still go into the allow sets: the deny rule comes first, so they stay
 /// refused, and [`denied_answers`] reports them.
 pub fn plan(policy: &Policy, resolution: &Resolution) -> Ruleset {
+    plan_with(policy, resolution, |_, _| None)
+}
+
+/// The resolved-set elements of one address of `name`: one per port of every entry that
+/// allows the name.
+pub fn tuples_for<'a>(
+    policy: &'a Policy,
+    name: &'a DomainName,
+    addr: IpAddr,
+) -> impl Iterator<Item = Tuple> + 'a {
+    policy
+        .allow
+        .iter()
+        .filter(move |a| matches!(&a.target, Target::Domain(d) if d == name))
+        .flat_map(move |a| {
+            a.protocol.l4protos().iter().flat_map(move |&proto| {
+                a.ports.iter().flat_map(move |range| {
+                    range.ports().map(move |port| Tuple {
+                        net: IpNet::from(addr),
+                        proto,
+                        ports: PortRange::single(port),
+                    })
+                })
+            })
+        })
+}
+
+/// Like [`plan`], with each resolved address's element timeout given by `timeout_of`
+/// (`None`: permanent).
+pub fn plan_with(
+    policy: &Policy,
+    resolution: &Resolution,
+    timeout_of: impl Fn(&DomainName, IpAddr) -> Option<Duration>,
+) -> Ruleset {
     let mut deny: Vec<IpNet> = Vec::new();
     for d in &policy.deny {
         deny.extend(d.networks.iter().copied());
@@ -36,29 +73,27 @@ pub fn plan(policy: &Policy, resolution: &Resolution) -> Ruleset {
         })
         .collect();
 
-    // Exact (address, protocol, port) keys go to the hash set a refresh updates; networks and
-    // port ranges to the interval set.
+    // Networks go to the interval sets only a full apply rewrites; resolved addresses, one
+    // element per port, to the hash sets a refresh updates element by element.
     let mut ranged: Vec<Tuple> = Vec::new();
-    let mut exact: BTreeSet<Tuple> = BTreeSet::new();
     for allow in &policy.allow {
-        let nets: Vec<IpNet> = match &allow.target {
-            Target::Cidr(net) => vec![*net],
-            Target::Domain(name) => resolution
-                .host(name)
-                .map(|h| h.addrs.iter().map(|a| IpNet::from(a.addr)).collect())
-                .unwrap_or_default(),
-        };
-        let is_domain = matches!(allow.target, Target::Domain(_));
-        for net in nets {
+        if let Target::Cidr(net) = allow.target {
             for &proto in allow.protocol.l4protos() {
-                for &ports in &allow.ports {
-                    let tuple = Tuple { net, proto, ports };
-                    if is_domain && ports.is_single() {
-                        exact.insert(tuple);
-                    } else {
-                        ranged.push(tuple);
-                    }
-                }
+                ranged.extend(allow.ports.iter().map(|&ports| Tuple { net, proto, ports }));
+            }
+        }
+    }
+    let mut exact: BTreeMap<Tuple, Option<u64>> = BTreeMap::new();
+    for host in &resolution.hosts {
+        for a in &host.addrs {
+            let timeout = timeout_of(&host.name, a.addr).map(|d| d.as_millis() as u64);
+            for tuple in tuples_for(policy, &host.name, a.addr) {
+                // An address shared by names lives as long as the longest-lived of them.
+                let entry = exact.entry(tuple).or_insert(timeout);
+                *entry = match (*entry, timeout) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    _ => None,
+                };
             }
         }
     }
@@ -76,9 +111,17 @@ pub fn plan(policy: &Policy, resolution: &Resolution) -> Ruleset {
             SetRole::Allow => {
                 Elements::Tuples(disjoint_tuples(ranged.iter().filter(of_family).copied()))
             }
-            SetRole::Resolved => {
-                Elements::Tuples(exact.iter().filter(of_family).copied().collect())
-            }
+            SetRole::Resolved => Elements::Timed(
+                exact
+                    .iter()
+                    .filter(|(t, _)| Family::of_net(&t.net) == id.family)
+                    .map(|(&tuple, &timeout_ms)| Timed {
+                        tuple,
+                        timeout_ms,
+                        expires_ms: None,
+                    })
+                    .collect(),
+            ),
         };
         sets.push(Set { id, elements });
     }
@@ -268,6 +311,7 @@ mod tests {
     fn tuples(rs: &Ruleset, role: SetRole, family: Family) -> Vec<Tuple> {
         match &rs.set(SetId::new(role, family)).unwrap().elements {
             Elements::Tuples(t) => t.clone(),
+            Elements::Timed(t) => t.iter().map(|t| t.tuple).collect(),
             Elements::Networks(_) => panic!("not a tuple set"),
         }
     }
@@ -291,7 +335,7 @@ log:
 "#;
 
     #[test]
-    fn resolved_single_ports_go_to_the_hash_set_and_ranges_to_the_interval_set() {
+    fn resolved_addresses_go_to_the_hash_set_port_by_port_and_networks_to_the_interval_set() {
         let rs = plan(
             &policy(POLICY),
             &resolution(&[
@@ -301,17 +345,20 @@ log:
         );
         assert_eq!(
             tuples(&rs, SetRole::Resolved, Family::V4),
-            vec![tuple("192.0.2.10/32", L4Proto::Tcp, 443, 443)]
+            vec![
+                tuple("192.0.2.10/32", L4Proto::Tcp, 443, 443),
+                tuple("192.0.2.10/32", L4Proto::Tcp, 8000, 8000),
+                tuple("192.0.2.10/32", L4Proto::Tcp, 8001, 8001),
+            ]
         );
         assert_eq!(
-            tuples(&rs, SetRole::Resolved, Family::V6),
-            vec![tuple("2001:db8:1::10/128", L4Proto::Tcp, 443, 443)]
+            tuples(&rs, SetRole::Resolved, Family::V6)[0],
+            tuple("2001:db8:1::10/128", L4Proto::Tcp, 443, 443)
         );
         assert_eq!(
             tuples(&rs, SetRole::Allow, Family::V4),
             vec![
                 tuple("203.0.113.0/28", L4Proto::Tcp, 22, 22),
-                tuple("192.0.2.10/32", L4Proto::Tcp, 8000, 8001),
                 tuple("203.0.113.0/28", L4Proto::Udp, 22, 22),
             ]
         );
@@ -409,6 +456,39 @@ log:
         let r = resolution(&[("api.example.com", &["192.0.2.11", "192.0.2.10"])]);
         assert_eq!(plan(&p, &r), plan(&p, &r));
         assert_eq!(plan(&p, &r).to_nft(), plan(&p, &r).to_nft());
+    }
+
+    #[test]
+    fn timeouts_follow_the_longest_lived_name_of_a_shared_address() {
+        let p = policy(
+            "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - domain: b.example\n    ports: [443]\n",
+        );
+        let r = resolution(&[("a.example", &["192.0.2.7"]), ("b.example", &["192.0.2.7"])]);
+        let rs = plan_with(&p, &r, |name, _| {
+            Some(Duration::from_secs(if name.as_str() == "a.example" {
+                10
+            } else {
+                20
+            }))
+        });
+        let Elements::Timed(t) = &rs
+            .set(SetId::new(SetRole::Resolved, Family::V4))
+            .unwrap()
+            .elements
+        else {
+            panic!("resolved sets hold timed elements")
+        };
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0].timeout_ms, Some(20_000));
+        let plain = plan(&p, &r);
+        let Elements::Timed(t) = &plain
+            .set(SetId::new(SetRole::Resolved, Family::V4))
+            .unwrap()
+            .elements
+        else {
+            panic!()
+        };
+        assert_eq!(t[0].timeout_ms, None, "plain plans are permanent");
     }
 
     #[test]

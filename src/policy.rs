@@ -9,6 +9,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -77,7 +78,17 @@ pub struct Dns {
     /// The resolvers to ask and the only DNS destinations allowed. `None` means "the
     /// nameservers of resolv.conf", read when the policy is planned.
     pub resolvers: Option<Vec<IpAddr>>,
+    /// The daemon re-resolves a name after its answer's TTL, clamped to these bounds.
+    pub refresh_min: Duration,
+    pub refresh_max: Duration,
+    /// How long an address stays allowed after it was last seen in an answer (clients cache
+    /// answers), and how long the last good answer survives a failing resolver.
+    pub grace: Duration,
 }
+
+pub const DEFAULT_REFRESH_MIN: Duration = Duration::from_secs(30);
+pub const DEFAULT_REFRESH_MAX: Duration = Duration::from_secs(3600);
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Log {
@@ -243,7 +254,20 @@ impl PortRange {
     pub fn is_single(self) -> bool {
         self.first == self.last
     }
+
+    /// How many ports the range holds.
+    pub fn width(self) -> u32 {
+        u32::from(self.last) - u32::from(self.first) + 1
+    }
+
+    pub fn ports(self) -> impl Iterator<Item = u16> {
+        self.first..=self.last
+    }
 }
+
+/// Domain entries become one set element per address and port, refreshed as answers change;
+/// wider ranges belong in `cidr:` entries.
+pub const MAX_DOMAIN_PORT_RANGE: u32 = 256;
 
 impl fmt::Display for PortRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -571,16 +595,32 @@ impl TryFrom<RawAllowFields> for RawAllow {
                 return Err("an allow entry needs `domain: NAME` or `cidr: NETWORK`".into());
             }
         };
-        let ports = match raw.ports {
-            None => vec![PortRange::ALL],
-            Some(p) if p.is_empty() => {
+        let ports = match (raw.ports, &target) {
+            (None, Target::Cidr(_)) => vec![PortRange::ALL],
+            (None, Target::Domain(name)) => {
+                return Err(format!(
+                    "the entry for `{name}` needs `ports:`: a name's addresses are often shared \
+                     (CDNs), so allow only the ports you use, e.g. `ports: [443]`"
+                ));
+            }
+            (Some(p), Target::Domain(name)) => {
+                if let Some(wide) = p.iter().find(|r| r.width() > MAX_DOMAIN_PORT_RANGE) {
+                    return Err(format!(
+                        "the port range `{wide}` of `{name}` spans more than \
+                         {MAX_DOMAIN_PORT_RANGE} ports: a name's addresses are refreshed port \
+                         by port, so split it, or allow the addresses with a `cidr:` entry"
+                    ));
+                }
+                p
+            }
+            (Some(p), _) if p.is_empty() => {
                 return Err(
                     "`ports: []` allows nothing; list ports, or leave `ports` out to \
                             allow every port"
                         .into(),
                 );
             }
-            Some(p) => p,
+            (Some(p), _) => p,
         };
         Ok(RawAllow(Allow {
             target,
@@ -637,6 +677,53 @@ impl TryFrom<RawDenyFields> for RawDeny {
 #[serde(deny_unknown_fields)]
 struct RawDns {
     resolvers: Option<Vec<Resolver>>,
+    #[serde(default)]
+    refresh: RawRefresh,
+    grace: Option<Interval>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRefresh {
+    min: Option<Interval>,
+    max: Option<Interval>,
+}
+
+/// A duration written as `30s`, `10m`, `1h` or `1d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interval(pub Duration);
+
+impl FromStr for Interval {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let hint = "write a duration such as \"30s\", \"10m\", \"1h\" or \"1d\"";
+        let t = s.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (n, unit) = t.split_at(split);
+        let n: u64 = n
+            .parse()
+            .map_err(|_| format!("`{s}` is not a duration; {hint}"))?;
+        let secs = match unit {
+            "s" => n,
+            "m" => n.saturating_mul(60),
+            "h" => n.saturating_mul(3600),
+            "d" => n.saturating_mul(86400),
+            _ => return Err(format!("`{s}` is not a duration; {hint}")),
+        };
+        if secs == 0 {
+            return Err(format!("`{s}` is zero; {hint}"));
+        }
+        Ok(Interval(Duration::from_secs(secs)))
+    }
+}
+
+impl<'de> Deserialize<'de> for Interval {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -743,6 +830,9 @@ impl Policy {
                     .dns
                     .resolvers
                     .map(|r| r.into_iter().map(|r| r.0).collect()),
+                refresh_min: raw.dns.refresh.min.map_or(DEFAULT_REFRESH_MIN, |i| i.0),
+                refresh_max: raw.dns.refresh.max.map_or(DEFAULT_REFRESH_MAX, |i| i.0),
+                grace: raw.dns.grace.map_or(DEFAULT_GRACE, |i| i.0),
             },
             log: Log {
                 prefix,
@@ -756,6 +846,12 @@ impl Policy {
             ),
         };
 
+        if policy.dns.refresh_min > policy.dns.refresh_max {
+            return Err(invalid(
+                locate(source, "refresh"),
+                "`dns.refresh.min` is longer than `dns.refresh.max`; swap them".into(),
+            ));
+        }
         if policy.dns.resolvers.as_ref().is_some_and(Vec::is_empty) {
             return Err(invalid(
                 locate(source, "resolvers"),
@@ -1115,6 +1211,40 @@ essentials: [loopback, established]
         assert!(w.iter().any(|w| w.contains("10.1.0.0/16")), "{w:?}");
         assert!(w.iter().any(|w| w.contains("established")), "{w:?}");
         assert!(parse(FULL).unwrap().warnings().is_empty());
+    }
+
+    #[test]
+    fn domain_entries_need_ports_and_narrow_ranges() {
+        let (line, col, msg) = err("version: 1\nallow:\n  - domain: api.example.com\n");
+        assert_eq!((line, col), (3, 13), "{msg}");
+        assert!(msg.contains("needs `ports:`"), "{msg}");
+        let (line, col, msg) =
+            err("version: 1\nallow:\n  - domain: api.example.com\n    ports: [\"1000-2000\"]\n");
+        assert_eq!((line, col), (4, 14), "{msg}");
+        assert!(msg.contains("spans more than 256 ports"), "{msg}");
+        let p = parse("version: 1\nallow:\n  - domain: a.example\n    ports: [\"8000-8255\"]\n");
+        assert!(p.is_ok(), "{p:?}");
+    }
+
+    #[test]
+    fn refresh_and_grace_durations() {
+        let p = parse("version: 1\ndns:\n  refresh: { min: 5s, max: 2h }\n  grace: 1m\n")
+            .expect("valid");
+        assert_eq!(p.dns.refresh_min, Duration::from_secs(5));
+        assert_eq!(p.dns.refresh_max, Duration::from_secs(7200));
+        assert_eq!(p.dns.grace, Duration::from_secs(60));
+        let d = parse("version: 1\n").expect("valid");
+        assert_eq!(
+            (d.dns.refresh_min, d.dns.refresh_max, d.dns.grace),
+            (DEFAULT_REFRESH_MIN, DEFAULT_REFRESH_MAX, DEFAULT_GRACE)
+        );
+        let (line, col, msg) = err("version: 1\ndns:\n  grace: 10 minutes\n");
+        assert_eq!((line, col), (3, 10), "{msg}");
+        assert!(msg.contains("not a duration"), "{msg}");
+        let (_, _, msg) = err("version: 1\ndns:\n  refresh: { min: 2h, max: 1h }\n");
+        assert!(msg.contains("swap them"), "{msg}");
+        let (_, _, msg) = err("version: 1\ndns:\n  grace: 0s\n");
+        assert!(msg.contains("is zero"), "{msg}");
     }
 
     #[test]

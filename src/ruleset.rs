@@ -166,11 +166,38 @@ pub struct Tuple {
     pub ports: PortRange,
 }
 
+/// An element of a resolved set: a tuple and, when the daemon keeps it fresh, how long the
+/// kernel keeps it without another refresh (so a dead daemon's addresses still expire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Timed {
+    #[serde(flatten)]
+    pub tuple: Tuple,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Read back from the kernel only: how long until it expires.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_ms: Option<u64>,
+}
+
+impl Timed {
+    pub fn permanent(tuple: Tuple) -> Timed {
+        Timed {
+            tuple,
+            timeout_ms: None,
+            expires_ms: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Elements {
+    /// Deny sets.
     Networks(Vec<IpNet>),
+    /// DNS and allow sets.
     Tuples(Vec<Tuple>),
+    /// Resolved sets.
+    Timed(Vec<Timed>),
 }
 
 impl Elements {
@@ -178,6 +205,16 @@ impl Elements {
         match self {
             Elements::Networks(n) => n.len(),
             Elements::Tuples(t) => t.len(),
+            Elements::Timed(t) => t.len(),
+        }
+    }
+
+    /// The elements as nft writes them.
+    pub fn to_nft(&self) -> Vec<String> {
+        match self {
+            Elements::Networks(nets) => nets.iter().map(fmt_net).collect(),
+            Elements::Tuples(tuples) => tuples.iter().map(fmt_tuple).collect(),
+            Elements::Timed(timed) => timed.iter().map(fmt_timed).collect(),
         }
     }
 
@@ -373,10 +410,7 @@ impl fmt::Display for Set {
             writeln!(f, "\t\tflags {}", flags.join(","))?;
         }
         if !self.elements.is_empty() {
-            let items: Vec<String> = match &self.elements {
-                Elements::Networks(nets) => nets.iter().map(fmt_net).collect(),
-                Elements::Tuples(tuples) => tuples.iter().map(fmt_tuple).collect(),
-            };
+            let items = self.elements.to_nft();
             writeln!(f, "\t\telements = {{ {} }}", items.join(",\n\t\t\t"))?;
         }
         writeln!(f, "\t}}\n")
@@ -394,6 +428,16 @@ pub fn fmt_net(net: &IpNet) -> String {
 
 pub fn fmt_tuple(t: &Tuple) -> String {
     format!("{} . {} . {}", fmt_net(&t.net), t.proto.name(), t.ports)
+}
+
+/// `tuple timeout 610s expires 610s`: nft resets an element's expiry only when told both.
+pub fn fmt_timed(t: &Timed) -> String {
+    let mut out = fmt_tuple(&t.tuple);
+    if let Some(ms) = t.timeout_ms {
+        let expires = t.expires_ms.unwrap_or(ms);
+        out.push_str(&format!(" timeout {ms}ms expires {expires}ms"));
+    }
+    out
 }
 
 #[cfg(test)]

@@ -345,7 +345,7 @@ fn status_reads_the_live_table_and_counts_refusals() {
             .unwrap_or_else(|| panic!("no set {name} in {status}"))["contents"]
             .clone()
     };
-    let resolved4 = set("resolved4")["tuples"].to_string();
+    let resolved4 = set("resolved4")["timed"].to_string();
     assert!(
         resolved4.contains("192.0.2.10/32") && resolved4.contains("443"),
         "{resolved4}"

@@ -249,6 +249,10 @@ pub fn set_elements(id: SetId, elements: &Elements) -> Box<dyn Iterator<Item = E
         // Deny lists are short; their start/end pairs are simplest built whole.
         Elements::Networks(nets) => Box::new(interval_elements(nets).into_iter()),
         Elements::Tuples(tuples) => Box::new(tuples.iter().map(move |t| tuple_elem(id, t))),
+        Elements::Timed(timed) => Box::new(timed.iter().map(move |t| Elem {
+            timeout_ms: t.timeout_ms,
+            ..tuple_elem(id, &t.tuple)
+        })),
     }
 }
 

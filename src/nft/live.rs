@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::sys::{LiveChain, LiveElem, LiveRule, LiveSet, NFT_SET_ELEM_INTERVAL_END};
 use crate::policy::{L4Proto, PortRange};
-use crate::ruleset::{Elements, Family, KeyShape, REFUSED_CHAIN, SetId, TABLE, Tuple};
+use crate::ruleset::{Elements, Family, KeyShape, REFUSED_CHAIN, SetId, TABLE, Timed, Tuple};
 
 /// Everything in the tool's table, as the kernel reports it.
 #[derive(Debug, Clone)]
@@ -160,6 +160,20 @@ fn top(family: Family) -> IpAddr {
 fn decode(id: SetId, elems: &[LiveElem]) -> Elements {
     match id.shape() {
         KeyShape::Addr => Elements::Networks(decode_intervals(id.family, elems)),
+        KeyShape::Tuple if id.timeout() => {
+            let mut timed: Vec<Timed> = elems
+                .iter()
+                .flat_map(|e| {
+                    decode_tuple(id.family, e).into_iter().map(|tuple| Timed {
+                        tuple,
+                        timeout_ms: e.timeout_ms,
+                        expires_ms: e.expires_ms,
+                    })
+                })
+                .collect();
+            timed.sort();
+            Elements::Timed(timed)
+        }
         KeyShape::Tuple => {
             let mut tuples: Vec<Tuple> = elems
                 .iter()
@@ -293,15 +307,18 @@ mod tests {
                 },
             },
         ];
-        for role in [SetRole::Allow, SetRole::Resolved] {
-            let id = SetId::new(role, Family::V4);
-            let want: Vec<Tuple> = tuples
-                .iter()
-                .filter(|t| role == SetRole::Allow || t.ports.is_single())
-                .copied()
-                .collect();
-            let elems = live(set_elements(id, &Elements::Tuples(want.clone())).collect());
-            assert_eq!(decode(id, &elems), Elements::Tuples(want));
-        }
+        let id = SetId::new(SetRole::Allow, Family::V4);
+        let want = Elements::Tuples(tuples.to_vec());
+        assert_eq!(decode(id, &live(set_elements(id, &want).collect())), want);
+
+        let id = SetId::new(SetRole::Resolved, Family::V4);
+        let want = Elements::Timed(vec![Timed {
+            tuple: tuples[0],
+            timeout_ms: Some(5000),
+            expires_ms: None,
+        }]);
+        let elems = live(set_elements(id, &want).collect());
+        assert_eq!(elems[0].timeout_ms, Some(5000));
+        assert_eq!(decode(id, &elems), want);
     }
 }

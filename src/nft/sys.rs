@@ -215,6 +215,7 @@ pub struct Elem {
     pub key: Vec<u8>,
     pub key_end: Option<Vec<u8>>,
     pub flags: u32,
+    /// The element expires this long from now; sending it again restarts the count.
     pub timeout_ms: Option<u64>,
 }
 
@@ -270,7 +271,10 @@ impl NlSet {
                 sys::nftnl_set_elem_set_u32(e, sys::NFTNL_SET_ELEM_FLAGS as u16, elem.flags);
             }
             if let Some(ms) = elem.timeout_ms {
+                // The kernel restarts an existing element's expiry only when given one
+                // explicitly (re-adding the same timeout alone leaves it running).
                 sys::nftnl_set_elem_set_u64(e, sys::NFTNL_SET_ELEM_TIMEOUT as u16, ms);
+                sys::nftnl_set_elem_set_u64(e, sys::NFTNL_SET_ELEM_EXPIRATION as u16, ms);
             }
             sys::nftnl_set_elem_add(self.set.as_ptr(), e);
         }
