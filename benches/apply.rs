@@ -92,6 +92,7 @@ fn resolution(n: usize) -> Resolution {
         .map(|i| ResolvedHost {
             name: name(i).parse::<DomainName>().expect("a valid name"),
             addrs: Vec::new(),
+            nxdomain: false,
             errors: Vec::new(),
         })
         .collect();

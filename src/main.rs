@@ -331,7 +331,7 @@ fn describe_host(host: &egress_fence::resolve::ResolvedHost) -> String {
         return format!(
             "{}: NOT RESOLVED ({}): its allow entries are left out",
             host.name,
-            host.errors.join("; ")
+            host.why_unresolved()
         );
     }
     let addrs: Vec<String> = host

@@ -290,11 +290,8 @@ mod tests {
                             ttl: 60,
                         })
                         .collect(),
-                    errors: if addrs.is_empty() {
-                        vec!["the name does not exist (NXDOMAIN)".into()]
-                    } else {
-                        vec![]
-                    },
+                    nxdomain: addrs.is_empty(),
+                    errors: vec![],
                 })
                 .collect(),
         }

@@ -29,10 +29,26 @@ pub struct ResolvedHost {
     pub name: DomainName,
     /// Distinct addresses, sorted, each with the TTL of the record that carried it.
     pub addrs: Vec<ResolvedAddr>,
-    /// Failures of the A or AAAA query ("AAAA: timed out"); a name with addresses and an
-    /// error resolved only partly.
+    /// The server says the name does not exist.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub nxdomain: bool,
+    /// Failures of the A or AAAA query ("AAAA: timed out"): no answer came for it. A name
+    /// with addresses and an error resolved only partly.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<String>,
+}
+
+impl ResolvedHost {
+    /// Why the name has no address, for messages.
+    pub fn why_unresolved(&self) -> String {
+        if !self.errors.is_empty() {
+            self.errors.join("; ")
+        } else if self.nxdomain {
+            "the name does not exist (NXDOMAIN)".into()
+        } else {
+            "no A or AAAA records".into()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -122,7 +138,7 @@ pub fn resolve_names<'a>(
     names: impl IntoIterator<Item = &'a DomainName>,
     resolvers: &[IpAddr],
 ) -> Result<Vec<ResolvedHost>, ResolveError> {
-    let names: Vec<&DomainName> = names.into_iter().collect();
+    let names: Vec<DomainName> = names.into_iter().cloned().collect();
     if names.is_empty() {
         return Ok(Vec::new());
     }
@@ -130,86 +146,95 @@ pub fn resolve_names<'a>(
         .enable_all()
         .build()
         .map_err(|e| ResolveError::Setup(e.to_string()))?;
-    let resolver = build_resolver(resolvers)?;
-    let mut hosts = runtime.block_on(async {
+    runtime.block_on(async { NameResolver::new(resolvers)?.lookup_all(names).await })
+}
+
+/// A resolver bound to the policy's servers, for lookups from async code (the daemon).
+#[derive(Clone)]
+pub struct NameResolver {
+    inner: Resolver<TokioRuntimeProvider>,
+}
+
+impl NameResolver {
+    /// Must be called inside a tokio runtime.
+    pub fn new(resolvers: &[IpAddr]) -> Result<NameResolver, ResolveError> {
+        let config = ResolverConfig::from_name_servers(
+            resolvers
+                .iter()
+                .map(|ip| NameServerConfig::udp_and_tcp(*ip))
+                .collect(),
+        );
+        let mut builder = Resolver::builder_with_config(config, TokioRuntimeProvider::default());
+        let opts: &mut ResolverOpts = builder.options_mut();
+        opts.timeout = QUERY_TIMEOUT;
+        opts.attempts = QUERY_ATTEMPTS;
+        // The policy names hosts exactly: no search domains, no /etc/hosts, and no cache, so
+        // every answer carries the TTL the server gives now.
+        opts.ndots = 0;
+        opts.use_hosts_file = ResolveHosts::Never;
+        opts.cache_size = 0;
+        opts.try_tcp_on_error = true;
+        let inner = builder
+            .build()
+            .map_err(|e| ResolveError::Setup(e.to_string()))?;
+        Ok(NameResolver { inner })
+    }
+
+    /// Looks up every name concurrently; the answers come back sorted by name.
+    pub async fn lookup_all(
+        &self,
+        names: impl IntoIterator<Item = DomainName>,
+    ) -> Result<Vec<ResolvedHost>, ResolveError> {
         let mut lookups = tokio::task::JoinSet::new();
         for name in names {
-            let (resolver, name) = (resolver.clone(), name.clone());
-            lookups.spawn(async move { lookup_host(&resolver, &name).await });
+            let resolver = self.clone();
+            lookups.spawn(async move { resolver.lookup(&name).await });
         }
         let mut hosts = Vec::new();
         while let Some(done) = lookups.join_next().await {
             hosts.push(done.map_err(|e| ResolveError::Setup(e.to_string()))?);
         }
-        Ok::<_, ResolveError>(hosts)
-    })?;
-    hosts.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(hosts)
-}
+        hosts.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(hosts)
+    }
 
-fn build_resolver(resolvers: &[IpAddr]) -> Result<Resolver<TokioRuntimeProvider>, ResolveError> {
-    let config = ResolverConfig::from_name_servers(
-        resolvers
-            .iter()
-            .map(|ip| NameServerConfig::udp_and_tcp(*ip))
-            .collect(),
-    );
-    let mut builder = Resolver::builder_with_config(config, TokioRuntimeProvider::default());
-    let opts: &mut ResolverOpts = builder.options_mut();
-    opts.timeout = QUERY_TIMEOUT;
-    opts.attempts = QUERY_ATTEMPTS;
-    // The policy names hosts exactly: no search domains, no /etc/hosts, no cache between runs.
-    opts.ndots = 0;
-    opts.use_hosts_file = ResolveHosts::Never;
-    opts.cache_size = 0;
-    opts.try_tcp_on_error = true;
-    builder
-        .build()
-        .map_err(|e| ResolveError::Setup(e.to_string()))
-}
-
-async fn lookup_host(resolver: &Resolver<TokioRuntimeProvider>, name: &DomainName) -> ResolvedHost {
-    let fqdn = format!("{name}.");
-    let (v4, v6) = tokio::join!(
-        resolver.ipv4_lookup(fqdn.as_str()),
-        resolver.ipv6_lookup(fqdn.as_str())
-    );
-    let mut addrs: BTreeMap<IpAddr, u32> = BTreeMap::new();
-    let mut errors = Vec::new();
-    let mut absent = Vec::new();
-    for (kind, result) in [("A", v4), ("AAAA", v6)] {
-        match result {
-            Ok(lookup) => {
-                for record in lookup.answers() {
-                    let addr = match &record.data {
-                        RData::A(a) => IpAddr::V4(a.0),
-                        RData::AAAA(a) => IpAddr::V6(a.0),
-                        _ => continue, // CNAMEs on the way
-                    };
-                    let ttl = addrs.entry(addr).or_insert(record.ttl);
-                    *ttl = (*ttl).min(record.ttl);
+    /// A and AAAA of one name.
+    pub async fn lookup(&self, name: &DomainName) -> ResolvedHost {
+        let fqdn = format!("{name}.");
+        let (v4, v6) = tokio::join!(
+            self.inner.ipv4_lookup(fqdn.as_str()),
+            self.inner.ipv6_lookup(fqdn.as_str())
+        );
+        let mut addrs: BTreeMap<IpAddr, u32> = BTreeMap::new();
+        let mut errors = Vec::new();
+        let mut nxdomain = false;
+        for (kind, result) in [("A", v4), ("AAAA", v6)] {
+            match result {
+                Ok(lookup) => {
+                    for record in lookup.answers() {
+                        let addr = match &record.data {
+                            RData::A(a) => IpAddr::V4(a.0),
+                            RData::AAAA(a) => IpAddr::V6(a.0),
+                            _ => continue, // CNAMEs on the way
+                        };
+                        let ttl = addrs.entry(addr).or_insert(record.ttl);
+                        *ttl = (*ttl).min(record.ttl);
+                    }
                 }
+                // An answer without records is an answer: an IPv4-only name has no AAAA.
+                Err(e) if e.is_no_records_found() => nxdomain |= e.is_nx_domain(),
+                Err(e) => errors.push(format!("{kind}: {}", describe(&e))),
             }
-            Err(e) if e.is_no_records_found() => absent.push((kind, e)),
-            Err(e) => errors.push(format!("{kind}: {}", describe(&e))),
         }
-    }
-    // "No AAAA record" is normal for an IPv4-only name; it only matters when nothing came back.
-    if addrs.is_empty() && errors.is_empty() {
-        let nx = absent.iter().any(|(_, e)| e.is_nx_domain());
-        errors.push(if nx {
-            "the name does not exist (NXDOMAIN)".to_string()
-        } else {
-            "no A or AAAA records".to_string()
-        });
-    }
-    ResolvedHost {
-        name: name.clone(),
-        addrs: addrs
-            .into_iter()
-            .map(|(addr, ttl)| ResolvedAddr { addr, ttl })
-            .collect(),
-        errors,
+        ResolvedHost {
+            name: name.clone(),
+            addrs: addrs
+                .into_iter()
+                .map(|(addr, ttl)| ResolvedAddr { addr, ttl })
+                .collect(),
+            nxdomain,
+            errors,
+        }
     }
 }
 
