@@ -3,6 +3,7 @@
 //! The data flows one way: [`policy`] (YAML, validated) -> [`resolve`] (DNS) -> [`plan`]
 //! (a [`ruleset::Ruleset`] value) -> [`nft`] (one netlink batch to the kernel).
 
+pub mod daemon;
 pub mod netns;
 pub mod nft;
 pub mod plan;

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use egress_fence::daemon;
 use egress_fence::netns::Netns;
 use egress_fence::nft::Nft;
 use egress_fence::plan::{denied_answers, plan};
@@ -94,6 +95,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Apply the policy and keep it current, as a service: names are re-resolved as their
+    /// TTLs run out and changed answers are sent as small element batches (the table is never
+    /// reloaded for them); if anyone else changes or deletes the table, it is put back.
+    /// SIGHUP reloads the policy (an invalid one is refused and the running one stays);
+    /// SIGTERM and SIGINT stop and leave the boundary in place. Speaks systemd's notify
+    /// protocol (READY once the table is live, STATUS, WATCHDOG).
+    Run {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: Target,
+        /// Delete the table when stopped (for throwaway hosts); by default it stays.
+        #[arg(long)]
+        teardown_on_exit: bool,
+        /// Log lines as text or as JSON objects.
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
+    },
     /// Print every refused packet as it happens, read from the table's NFLOG group (works
     /// inside any network namespace; no kernel log needed).
     Watch {
@@ -114,6 +132,27 @@ enum Command {
         #[command(flatten)]
         target: Target,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Structured logs on stderr (the journal when run by systemd); RUST_LOG overrides the level.
+fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    match format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => builder.json().init(),
+    }
 }
 
 const EXIT_FAILURE: u8 = 1;
@@ -260,6 +299,25 @@ fn run(command: Command) -> Result<u8, Failure> {
                 print_status(&status);
             }
             Ok(0)
+        }
+        Command::Run {
+            policy,
+            target,
+            teardown_on_exit,
+            log_format,
+        } => {
+            let resolv_conf = enter(&target)?;
+            init_logging(log_format);
+            let options = daemon::Options {
+                policy_path: policy,
+                resolv_conf,
+                teardown_on_exit,
+            };
+            match daemon::run(options) {
+                Ok(()) => Ok(0),
+                Err(daemon::DaemonError::Policy(e)) => Err(e.into()),
+                Err(e) => Err(e.into()),
+            }
         }
         Command::Watch {
             target,

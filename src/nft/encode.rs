@@ -17,8 +17,8 @@ use super::sys::{
 };
 use crate::policy::Action;
 use crate::ruleset::{
-    Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, TABLE, Tuple,
-    dhcp_ports,
+    Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, TABLE,
+    Timed, Tuple, dhcp_ports,
 };
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
@@ -134,6 +134,25 @@ pub fn replace_table(ruleset: &Ruleset) -> Encoded {
                 format!("rule {} of chain {chain_name} ({rule:?})", i + 1),
             );
         }
+    }
+    b.finish()
+}
+
+/// The transaction that adds resolved elements or renews their timeouts, leaving everything
+/// else as it is: what a refresh sends instead of reloading the table.
+pub fn upsert_resolved(elements: &[Timed]) -> Encoded {
+    let mut b = Builder::new();
+    for family in Family::BOTH {
+        let id = SetId::new(SetRole::Resolved, family);
+        let of_family = elements
+            .iter()
+            .filter(|t| Family::of_net(&t.tuple.net) == family)
+            .map(|t| Elem {
+                timeout_ms: t.timeout_ms,
+                ..tuple_elem(id, &t.tuple)
+            });
+        // The set already exists, so its batch id is not used: 0 means "by name".
+        add_elements(&mut b, id, 0, of_family, ElemOp::Upsert);
     }
     b.finish()
 }

@@ -3,6 +3,7 @@
 
 pub mod encode;
 pub mod live;
+pub mod monitor;
 pub mod sys;
 
 use std::collections::BTreeSet;
@@ -13,7 +14,7 @@ use std::time::Duration;
 use nix::errno::Errno;
 use nix::sys::socket::{self, MsgFlags, NetlinkAddr, sockopt};
 
-use crate::ruleset::{Ruleset, TABLE};
+use crate::ruleset::{Ruleset, TABLE, Timed};
 use encode::Encoded;
 pub use live::LiveTable;
 use sys::Dump;
@@ -108,6 +109,19 @@ impl Nft {
             socket,
             recv_buf: vec![0; 2 * nftnl::nft_nlmsg_maxsize() as usize],
         })
+    }
+
+    /// The netlink port of this socket: change notifications name it as their origin.
+    pub fn portid(&self) -> u32 {
+        self.socket.portid()
+    }
+
+    /// Adds or renews resolved elements (a refresh) in one transaction.
+    pub fn upsert_resolved(&mut self, elements: &[Timed]) -> Result<(), NftError> {
+        if elements.is_empty() {
+            return Ok(());
+        }
+        self.send(&encode::upsert_resolved(elements))
     }
 
     /// Replaces the table with `ruleset` in one transaction.

@@ -226,6 +226,8 @@ pub struct NlSet {
 }
 
 impl NlSet {
+    /// `id` names the set within one batch (so rules can refer to a set created in the same
+    /// transaction); 0 for a set that exists already.
     pub fn new(table: &CStr, name: &CStr, id: u32, key: &KeySpec, flags: u32) -> NlSet {
         // SAFETY: allocation failure aborts; all strings are copied by libnftnl.
         let set = unsafe { sys::nftnl_set_alloc() };
@@ -239,7 +241,10 @@ impl NlSet {
             sys::nftnl_set_set_u32(s, sys::NFTNL_SET_FAMILY as u16, libc::NFPROTO_INET as u32);
             sys::nftnl_set_set_str(s, sys::NFTNL_SET_TABLE as u16, table.as_ptr());
             sys::nftnl_set_set_str(s, sys::NFTNL_SET_NAME as u16, name.as_ptr());
-            sys::nftnl_set_set_u32(s, sys::NFTNL_SET_ID as u16, id);
+            // Id 0: a set that exists already, found by name.
+            if id != 0 {
+                sys::nftnl_set_set_u32(s, sys::NFTNL_SET_ID as u16, id);
+            }
             sys::nftnl_set_set_u32(s, sys::NFTNL_SET_FLAGS as u16, flags);
             sys::nftnl_set_set_u32(s, sys::NFTNL_SET_KEY_TYPE as u16, key.datatype);
             sys::nftnl_set_set_u32(s, sys::NFTNL_SET_KEY_LEN as u16, key.len);
@@ -427,6 +432,16 @@ pub fn socket_fd(socket: &mnl::Socket) -> std::os::fd::BorrowedFd<'_> {
     // SAFETY: the mnl socket owns this descriptor and keeps it open for as long as the
     // borrow (tied to `socket`) lasts.
     unsafe { std::os::fd::BorrowedFd::borrow_raw(socket.as_raw_fd()) }
+}
+
+/// Registers the change monitor with the tokio reactor of the current runtime.
+pub fn async_monitor(
+    monitor: super::monitor::Monitor,
+) -> std::io::Result<tokio::io::unix::AsyncFd<super::monitor::Monitor>> {
+    // SAFETY: the monitor owns its netlink socket (closed when the monitor drops), and the
+    // AsyncFd owns the monitor, so the descriptor stays open and unshared for as long as it
+    // is registered.
+    unsafe { tokio::io::unix::AsyncFd::register(monitor) }.map_err(std::io::Error::from)
 }
 
 // ---- reading back -------------------------------------------------------------------------

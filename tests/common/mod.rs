@@ -505,9 +505,15 @@ impl World {
     /// Starts the egress-fence binary with `args` + `--netns <sandbox>` in the background
     /// (daemon, watch); it is killed when the handle drops.
     pub fn spawn_egress_fence(&self, args: &[&str]) -> Background {
+        self.spawn_egress_fence_with_env(args, &[])
+    }
+
+    /// Like [`World::spawn_egress_fence`], with extra environment variables (NOTIFY_SOCKET).
+    pub fn spawn_egress_fence_with_env(&self, args: &[&str], env: &[(&str, &str)]) -> Background {
         let mut cmd = Command::new(EGRESS_FENCE_BIN);
         cmd.args(args).args(["--netns", &self.sandbox]);
         clean_env(&mut cmd);
+        cmd.envs(env.iter().copied());
         self.spawn_background(cmd, format!("egress-fence {}", args.join(" ")))
     }
 

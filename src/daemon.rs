@@ -1,0 +1,680 @@
+//! `egress-fence run`: apply the policy, then follow each name's answers as they change.
+//!
+//! A name is re-resolved after its answer's TTL (clamped to `dns.refresh`). Addresses it
+//! answers are added to, or renewed in, the resolved sets with an element timeout of that
+//! interval plus `dns.grace`, in one small batch per refresh; the table is never reloaded for
+//! it. An address no longer answered is simply not renewed: the kernel drops it when its
+//! timeout runs out, which also bounds what a dead daemon leaves open. Deleting elements
+//! instead would race that expiry (deleting an expired element fails the whole batch).
+//!
+//! Failures never open anything: a failing resolver leaves the last good addresses to their
+//! timeouts and is retried with backoff; a policy that fails validation on SIGHUP is refused
+//! and the running one stays. When anyone else changes the table (`nft flush ruleset`), the
+//! change notification brings it back at once.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use tokio::io::unix::AsyncFd;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep_until};
+use tracing::{error, info, warn};
+
+use crate::nft::monitor::{Change, Monitor};
+use crate::nft::{Nft, NftError};
+use crate::plan::{denied_answers, plan_with, tuples_for};
+use crate::policy::{Dns, DomainName, Policy, PolicyError};
+use crate::resolve::{NameResolver, Resolution, ResolveError, ResolvedAddr, ResolvedHost};
+use crate::ruleset::{TABLE, Timed, Tuple};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+    #[error(transparent)]
+    Nft(#[from] NftError),
+    #[error("{doing}: {source}")]
+    Io {
+        doing: &'static str,
+        source: std::io::Error,
+    },
+}
+
+fn io(doing: &'static str) -> impl FnOnce(std::io::Error) -> DaemonError {
+    move |source| DaemonError::Io { doing, source }
+}
+
+pub struct Options {
+    pub policy_path: PathBuf,
+    /// Where the resolvers come from when the policy names none.
+    pub resolv_conf: PathBuf,
+    /// Delete the table when stopped by a signal (for throwaway hosts).
+    pub teardown_on_exit: bool,
+}
+
+/// Runs the daemon until SIGTERM or SIGINT. The calling thread must already be in the
+/// target network namespace; the runtime is single-threaded so every socket stays there.
+pub fn run(options: Options) -> Result<(), DaemonError> {
+    let policy = Policy::load(&options.policy_path)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(io("start the runtime"))?;
+    runtime.block_on(async move {
+        // Subscribed before the first apply, so no change made after it goes unseen.
+        let monitor = crate::nft::sys::async_monitor(Monitor::open()?)
+            .map_err(io("watch for nftables changes"))?;
+        let daemon = Daemon::start(options, policy).await?;
+        daemon.serve(monitor).await
+    })
+}
+
+/// How long after an answer a name is asked again.
+fn interval(ttl: u32, dns: &Dns) -> Duration {
+    Duration::from_secs(ttl.into()).clamp(dns.refresh_min, dns.refresh_max)
+}
+
+/// Retry delay after `failures` failed lookups in a row: 1 s, 2 s, 4 s ... up to `cap`.
+fn backoff(failures: u32, cap: Duration) -> Duration {
+    Duration::from_secs(1u64 << failures.clamp(1, 16).saturating_sub(1)).min(cap)
+}
+
+/// What the daemon knows of one name.
+#[derive(Debug, Clone)]
+struct NameState {
+    /// Each address and when it stops being allowed unless an answer renews it.
+    addrs: BTreeMap<IpAddr, Instant>,
+    next_due: Instant,
+    failures: u32,
+    last_error: Option<String>,
+}
+
+impl NameState {
+    fn new(now: Instant) -> NameState {
+        NameState {
+            addrs: BTreeMap::new(),
+            next_due: now,
+            failures: 0,
+            last_error: None,
+        }
+    }
+
+    /// Takes in an answer received at `now`; returns the addresses it added.
+    fn answer(&mut self, host: &ResolvedHost, now: Instant, dns: &Dns) -> Vec<IpAddr> {
+        self.addrs.retain(|_, expires| *expires > now);
+        let mut added = Vec::new();
+        for a in &host.addrs {
+            let expires = now + interval(a.ttl, dns) + dns.grace;
+            let entry = self.addrs.entry(a.addr).or_insert_with(|| {
+                added.push(a.addr);
+                expires
+            });
+            *entry = (*entry).max(expires);
+        }
+        if host.errors.is_empty() {
+            self.failures = 0;
+            self.last_error = None;
+            let ttl = host.addrs.iter().map(|a| a.ttl).min();
+            self.next_due = now + ttl.map_or(dns.refresh_min, |t| interval(t, dns));
+        } else {
+            // A partial answer still renews what it named; the rest keeps its expiry.
+            self.failures += 1;
+            self.last_error = Some(host.errors.join("; "));
+            self.next_due = now + backoff(self.failures, dns.refresh_min);
+        }
+        added
+    }
+}
+
+/// The resolved elements every live address needs, each with the latest expiry any name
+/// gives it.
+fn desired(
+    policy: &Policy,
+    names: &BTreeMap<DomainName, NameState>,
+    now: Instant,
+) -> BTreeMap<Tuple, Instant> {
+    let mut out: BTreeMap<Tuple, Instant> = BTreeMap::new();
+    for (name, state) in names {
+        for (&addr, &expires) in state.addrs.iter().filter(|(_, e)| **e > now) {
+            for tuple in tuples_for(policy, name, addr) {
+                let e = out.entry(tuple).or_insert(expires);
+                *e = (*e).max(expires);
+            }
+        }
+    }
+    out
+}
+
+/// The elements to send so the kernel holds every desired element at least until its
+/// desired expiry: new ones, and those whose expiry moved later.
+fn renewals(
+    desired: &BTreeMap<Tuple, Instant>,
+    installed: &BTreeMap<Tuple, Instant>,
+) -> Vec<(Tuple, Instant)> {
+    desired
+        .iter()
+        .filter(|(t, e)| installed.get(t).is_none_or(|i| *e > i))
+        .map(|(t, e)| (*t, *e))
+        .collect()
+}
+
+fn timed(tuple: Tuple, expires: Instant, now: Instant) -> Timed {
+    Timed {
+        tuple,
+        timeout_ms: Some(expires.saturating_duration_since(now).as_millis().max(1) as u64),
+        expires_ms: None,
+    }
+}
+
+struct Daemon {
+    options: Options,
+    policy: Policy,
+    resolvers: Vec<IpAddr>,
+    resolver: NameResolver,
+    names: BTreeMap<DomainName, NameState>,
+    /// What the kernel was last told about each resolved element: its expiry.
+    installed: BTreeMap<Tuple, Instant>,
+    nft: Nft,
+    /// When a failed full apply is tried again.
+    retry_apply: Option<Instant>,
+    last_refresh: Option<SystemTime>,
+}
+
+impl Daemon {
+    async fn start(options: Options, policy: Policy) -> Result<Daemon, DaemonError> {
+        let (resolvers, resolver) = resolver_for(&policy, &options)?;
+        let now = Instant::now();
+        let names = policy
+            .domains()
+            .into_iter()
+            .map(|n| (n.clone(), NameState::new(now)))
+            .collect();
+        let mut daemon = Daemon {
+            options,
+            policy,
+            resolvers,
+            resolver,
+            names,
+            installed: BTreeMap::new(),
+            nft: Nft::open()?,
+            retry_apply: None,
+            last_refresh: None,
+        };
+        daemon.resolve_all().await?;
+        // The first apply must work: a daemon that cannot install its boundary exits, and
+        // systemd's Restart= tries again.
+        daemon.apply_all()?;
+        Ok(daemon)
+    }
+
+    async fn resolve_all(&mut self) -> Result<(), DaemonError> {
+        let names: Vec<DomainName> = self.names.keys().cloned().collect();
+        let hosts = self.resolver.lookup_all(names).await?;
+        self.take_answers(&hosts);
+        Ok(())
+    }
+
+    /// Records answers, logging what changed.
+    fn take_answers(&mut self, hosts: &[ResolvedHost]) {
+        let now = Instant::now();
+        self.last_refresh = Some(SystemTime::now());
+        for host in hosts {
+            let Some(state) = self.names.get_mut(&host.name) else {
+                continue;
+            };
+            let before: Vec<IpAddr> = state.addrs.keys().copied().collect();
+            let added = state.answer(host, now, &self.policy.dns);
+            let answered: Vec<IpAddr> = host.addrs.iter().map(|a| a.addr).collect();
+            let fading: Vec<&IpAddr> = before.iter().filter(|a| !answered.contains(a)).collect();
+            if let Some(err) = &state.last_error {
+                warn!(name = %host.name, error = %err, failures = state.failures,
+                      retry_in_s = state.next_due.saturating_duration_since(now).as_secs(),
+                      "lookup failed; the last good addresses stay until their grace ends");
+            }
+            if !added.is_empty() {
+                info!(name = %host.name, added = ?added, "new addresses allowed");
+            }
+            if !fading.is_empty() && state.last_error.is_none() {
+                info!(name = %host.name, gone = ?fading, grace_s = self.policy.dns.grace.as_secs(),
+                      "addresses no longer answered stay allowed until their grace ends");
+            }
+        }
+        let resolution = self.resolution(now);
+        for w in denied_answers(&self.policy, &resolution) {
+            warn!("{w}");
+        }
+    }
+
+    /// The live addresses as a resolution, for planning.
+    fn resolution(&self, now: Instant) -> Resolution {
+        Resolution {
+            resolvers: self.resolvers.clone(),
+            hosts: self
+                .names
+                .iter()
+                .map(|(name, state)| ResolvedHost {
+                    name: name.clone(),
+                    addrs: state
+                        .addrs
+                        .iter()
+                        .filter(|(_, e)| **e > now)
+                        .map(|(&addr, _)| ResolvedAddr { addr, ttl: 0 })
+                        .collect(),
+                    nxdomain: false,
+                    errors: Vec::new(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Replaces the whole table with the current policy and addresses, each resolved element
+    /// with its remaining lifetime.
+    fn apply_all(&mut self) -> Result<(), NftError> {
+        let now = Instant::now();
+        let names = &self.names;
+        let ruleset = plan_with(&self.policy, &self.resolution(now), |name, addr| {
+            let expires = names.get(name)?.addrs.get(&addr)?;
+            Some(
+                expires
+                    .saturating_duration_since(now)
+                    .max(Duration::from_millis(1)),
+            )
+        });
+        match self.nft.apply(&ruleset) {
+            Ok(()) => {
+                self.installed = desired(&self.policy, &self.names, now);
+                self.retry_apply = None;
+                info!(
+                    table = %format!("inet {TABLE}"),
+                    names = self.names.len(),
+                    elements = ruleset.element_count(),
+                    "applied the table"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                self.retry_apply = Some(now + Duration::from_secs(1));
+                Err(e)
+            }
+        }
+    }
+
+    /// The names whose refresh is due, now marked as being looked up.
+    fn take_due(&mut self) -> Vec<DomainName> {
+        let now = Instant::now();
+        let mut due = Vec::new();
+        for (name, state) in self.names.iter_mut().filter(|(_, s)| s.next_due <= now) {
+            // Rescheduled when the answer arrives; until then nothing is due again.
+            state.next_due = now + self.policy.dns.refresh_max;
+            due.push(name.clone());
+        }
+        due
+    }
+
+    /// Sends, as one batch, the resolved elements that are new or live longer now.
+    fn renew(&mut self) {
+        let now = Instant::now();
+        self.installed.retain(|_, e| *e > now);
+        let want = desired(&self.policy, &self.names, now);
+        let send = renewals(&want, &self.installed);
+        if send.is_empty() {
+            return;
+        }
+        let elements: Vec<Timed> = send.iter().map(|&(t, e)| timed(t, e, now)).collect();
+        match self.nft.upsert_resolved(&elements) {
+            Ok(()) => self.installed.extend(send),
+            Err(e) => {
+                // Someone may have removed our set under us: the full apply puts it back.
+                error!(error = %e, "refresh batch refused; reapplying the table");
+                self.reapply();
+            }
+        }
+    }
+
+    fn reapply(&mut self) {
+        if let Err(e) = self.apply_all() {
+            error!(error = %e, "applying the table failed; retrying in 1 s");
+        }
+    }
+
+    /// SIGHUP: a valid new policy replaces the running one at once (with the addresses known
+    /// for the names it keeps; its new names follow as their answers arrive); an invalid one
+    /// changes nothing.
+    fn reload(&mut self) {
+        let path = self.options.policy_path.clone();
+        info!(policy = %path.display(), "reloading the policy");
+        let policy = match Policy::load(&path) {
+            Ok(p) => p,
+            Err(e) => {
+                error!(error = %e, "the new policy is invalid; the running one stays");
+                return;
+            }
+        };
+        let (resolvers, resolver) = match resolver_for(&policy, &self.options) {
+            Ok(r) => r,
+            Err(e) => {
+                error!(error = %e, "the new policy's resolvers are unusable; the running one stays");
+                return;
+            }
+        };
+        let now = Instant::now();
+        let mut names: BTreeMap<DomainName, NameState> = BTreeMap::new();
+        for name in policy.domains() {
+            let mut state = self
+                .names
+                .remove(name)
+                .unwrap_or_else(|| NameState::new(now));
+            state.next_due = now;
+            names.insert(name.clone(), state);
+        }
+        self.policy = policy;
+        self.resolvers = resolvers;
+        self.resolver = resolver;
+        self.names = names;
+        self.reapply();
+    }
+
+    /// Someone else changed the table: put it back.
+    fn heal(&mut self, changes: &[Change]) {
+        for c in changes {
+            warn!(change = %c, "table inet {TABLE} was changed by someone else; restoring it");
+        }
+        self.reapply();
+    }
+
+    fn next_wakeup(&self) -> Instant {
+        let far = Instant::now() + Duration::from_secs(3600);
+        self.names
+            .values()
+            .map(|s| s.next_due)
+            .chain(self.retry_apply)
+            .min()
+            .unwrap_or(far)
+            .min(far)
+    }
+
+    fn status_line(&self) -> String {
+        let now = Instant::now();
+        let addresses: usize = self
+            .names
+            .values()
+            .map(|s| s.addrs.values().filter(|e| **e > now).count())
+            .sum();
+        let failing = self.names.values().filter(|s| s.failures > 0).count();
+        let last = self
+            .last_refresh
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map_or("never".to_string(), |d| {
+                let s = d.as_secs() % 86400;
+                format!("{:02}:{:02}:{:02} UTC", s / 3600, s / 60 % 60, s % 60)
+            });
+        format!(
+            "{} names, {addresses} addresses, {failing} failing, last refresh {last}",
+            self.names.len()
+        )
+    }
+
+    async fn serve(mut self, mut monitor: AsyncFd<Monitor>) -> Result<(), DaemonError> {
+        let mut hangup = signal(SignalKind::hangup()).map_err(io("install SIGHUP handler"))?;
+        let mut terminate =
+            signal(SignalKind::terminate()).map_err(io("install SIGTERM handler"))?;
+        let mut interrupt =
+            signal(SignalKind::interrupt()).map_err(io("install SIGINT handler"))?;
+        let watchdog = sd_notify::watchdog_enabled().map(|d| d / 2);
+        let mut watchdog_tick =
+            tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
+        let _ = sd_notify::notify(&[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status(&self.status_line()),
+        ]);
+        info!(status = %self.status_line(), "running");
+
+        // Lookups run beside the loop, so a slow resolver never delays healing or signals.
+        let mut lookup: Option<JoinHandle<Result<Vec<ResolvedHost>, ResolveError>>> = None;
+        loop {
+            tokio::select! {
+                _ = sleep_until(self.next_wakeup()), if lookup.is_none() => {
+                    if self.retry_apply.is_some_and(|t| t <= Instant::now()) {
+                        self.reapply();
+                    }
+                    let due = self.take_due();
+                    if due.is_empty() {
+                        self.renew();
+                    } else {
+                        let resolver = self.resolver.clone();
+                        lookup = Some(tokio::spawn(async move { resolver.lookup_all(due).await }));
+                    }
+                }
+                done = async { lookup.as_mut().expect("guarded").await }, if lookup.is_some() => {
+                    lookup = None;
+                    match done {
+                        Ok(Ok(hosts)) => self.take_answers(&hosts),
+                        Ok(Err(e)) => error!(error = %e, "resolver failure"),
+                        Err(e) => error!(error = %e, "lookup task failed"),
+                    }
+                    self.renew();
+                }
+                _ = hangup.recv() => {
+                    if let Some(pending) = lookup.take() {
+                        pending.abort();
+                    }
+                    self.reload();
+                }
+                _ = terminate.recv() => break,
+                _ = interrupt.recv() => break,
+                ready = monitor.readable_mut() => {
+                    let mut guard = ready.map_err(io("wait for nftables changes"))?;
+                    let ours = self.nft.portid();
+                    let mut changes = guard.get_inner_mut().drain(ours)?;
+                    guard.clear_ready();
+                    drop(guard);
+                    if !changes.is_empty() {
+                        // A flush or a script's reset arrives as a burst: take it whole.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        changes.extend(monitor.get_mut().drain(ours)?);
+                        self.heal(&changes);
+                    }
+                }
+                _ = watchdog_tick.tick(), if watchdog.is_some() => {
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+                }
+            }
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&self.status_line())]);
+        }
+
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        if self.options.teardown_on_exit {
+            self.nft.teardown()?;
+            info!("stopped; table inet {TABLE} deleted (--teardown-on-exit)");
+        } else {
+            info!("stopped; table inet {TABLE} stays in place");
+        }
+        Ok(())
+    }
+}
+
+fn resolver_for(
+    policy: &Policy,
+    options: &Options,
+) -> Result<(Vec<IpAddr>, NameResolver), ResolveError> {
+    let resolvers = match &policy.dns.resolvers {
+        Some(r) => r.clone(),
+        None => crate::resolve::system_resolvers(&options.resolv_conf)?,
+    };
+    let resolver = NameResolver::new(&resolvers)?;
+    Ok((resolvers, resolver))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::policy::{L4Proto, PortRange};
+
+    fn policy() -> Policy {
+        Policy::parse(
+            "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - domain: b.example\n    ports: [443, 80]\ndns:\n  refresh: { min: 30s, max: 1h }\n  grace: 10m\n",
+            Path::new("p.yaml"),
+        )
+        .expect("valid")
+    }
+
+    fn host(name: &str, addrs: &[(&str, u32)], errors: &[&str]) -> ResolvedHost {
+        ResolvedHost {
+            name: name.parse().unwrap(),
+            addrs: addrs
+                .iter()
+                .map(|(a, ttl)| ResolvedAddr {
+                    addr: a.parse().unwrap(),
+                    ttl: *ttl,
+                })
+                .collect(),
+            nxdomain: addrs.is_empty() && errors.is_empty(),
+            errors: errors.iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn intervals_follow_the_ttl_within_bounds() {
+        let dns = policy().dns;
+        assert_eq!(interval(5, &dns), Duration::from_secs(30));
+        assert_eq!(interval(300, &dns), Duration::from_secs(300));
+        assert_eq!(interval(86_400, &dns), Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let cap = Duration::from_secs(30);
+        let got: Vec<u64> = (1..=7).map(|f| backoff(f, cap).as_secs()).collect();
+        assert_eq!(got, vec![1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(backoff(100, cap), cap);
+    }
+
+    #[test]
+    fn an_answer_sets_expiry_and_schedule() {
+        let dns = policy().dns;
+        let now = Instant::now();
+        let mut s = NameState::new(now);
+        let added = s.answer(&host("a.example", &[("192.0.2.1", 300)], &[]), now, &dns);
+        assert_eq!(added, vec!["192.0.2.1".parse::<IpAddr>().unwrap()]);
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        assert_eq!(s.addrs[&ip], now + Duration::from_secs(300) + dns.grace);
+        assert_eq!(s.next_due, now + Duration::from_secs(300));
+
+        // The address leaves the answer: it keeps its expiry, nothing renews it.
+        let later = now + Duration::from_secs(300);
+        let added = s.answer(&host("a.example", &[("192.0.2.2", 300)], &[]), later, &dns);
+        assert_eq!(added.len(), 1);
+        assert_eq!(s.addrs[&ip], now + Duration::from_secs(300) + dns.grace);
+        // ...and is forgotten once that has passed.
+        let much_later = now + Duration::from_secs(300) + dns.grace + Duration::from_secs(1);
+        s.answer(
+            &host("a.example", &[("192.0.2.2", 300)], &[]),
+            much_later,
+            &dns,
+        );
+        assert!(!s.addrs.contains_key(&ip));
+    }
+
+    #[test]
+    fn failures_keep_the_last_good_addresses_and_back_off() {
+        let dns = policy().dns;
+        let now = Instant::now();
+        let mut s = NameState::new(now);
+        s.answer(&host("a.example", &[("192.0.2.1", 60)], &[]), now, &dns);
+        let kept = s.addrs.clone();
+        let t = now + Duration::from_secs(60);
+        s.answer(&host("a.example", &[], &["A: timed out"]), t, &dns);
+        assert_eq!(
+            s.addrs, kept,
+            "a failure renews nothing and removes nothing"
+        );
+        assert_eq!(s.failures, 1);
+        assert_eq!(s.next_due, t + Duration::from_secs(1));
+        s.answer(&host("a.example", &[], &["A: timed out"]), t, &dns);
+        assert_eq!(s.next_due, t + Duration::from_secs(2));
+        // NXDOMAIN is an answer: no backoff.
+        s.answer(&host("a.example", &[], &[]), t, &dns);
+        assert_eq!(s.failures, 0);
+        assert_eq!(s.next_due, t + dns.refresh_min);
+    }
+
+    #[test]
+    fn desired_elements_take_the_latest_expiry_and_renewals_only_move_forward() {
+        let p = policy();
+        let now = Instant::now();
+        let ip: IpAddr = "192.0.2.9".parse().unwrap();
+        let mut names = BTreeMap::new();
+        let mut a = NameState::new(now);
+        a.addrs.insert(ip, now + Duration::from_secs(100));
+        let mut b = NameState::new(now);
+        b.addrs.insert(ip, now + Duration::from_secs(200));
+        names.insert("a.example".parse().unwrap(), a);
+        names.insert("b.example".parse().unwrap(), b);
+
+        let want = desired(&p, &names, now);
+        let t443 = Tuple {
+            net: ip.into(),
+            proto: L4Proto::Tcp,
+            ports: PortRange::single(443),
+        };
+        let t80 = Tuple {
+            ports: PortRange::single(80),
+            ..t443
+        };
+        assert_eq!(want.len(), 2);
+        assert_eq!(want[&t443], now + Duration::from_secs(200));
+        assert_eq!(want[&t80], now + Duration::from_secs(200));
+
+        let mut installed = BTreeMap::new();
+        assert_eq!(
+            renewals(&want, &installed).len(),
+            2,
+            "new elements are sent"
+        );
+        installed.extend(want.clone());
+        assert!(
+            renewals(&want, &installed).is_empty(),
+            "nothing changed, nothing sent"
+        );
+        installed.insert(t80, now + Duration::from_secs(250));
+        assert!(
+            renewals(&want, &installed).is_empty(),
+            "a later expiry in the kernel is never shortened"
+        );
+        installed.insert(t443, now + Duration::from_secs(150));
+        assert_eq!(
+            renewals(&want, &installed),
+            vec![(t443, now + Duration::from_secs(200))]
+        );
+
+        // Expired addresses want nothing.
+        let much_later = now + Duration::from_secs(201);
+        assert!(desired(&p, &names, much_later).is_empty());
+    }
+
+    #[test]
+    fn timed_elements_carry_the_remaining_lifetime() {
+        let now = Instant::now();
+        let t = Tuple {
+            net: "192.0.2.9/32".parse().unwrap(),
+            proto: L4Proto::Tcp,
+            ports: PortRange::single(443),
+        };
+        assert_eq!(
+            timed(t, now + Duration::from_secs(90), now).timeout_ms,
+            Some(90_000)
+        );
+        assert_eq!(
+            timed(t, now, now).timeout_ms,
+            Some(1),
+            "never zero: zero means none"
+        );
+    }
+}

@@ -1,0 +1,379 @@
+//! `egress-fence run`: the service follows answers as they change, without gaps, keeps the
+//! last good addresses through resolver failures for their grace only, reloads on SIGHUP,
+//! heals a table someone else changed, and speaks systemd's notify protocol.
+
+mod common;
+
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+/// Short TTLs, refresh and grace so that a test sees several refreshes in seconds.
+fn policy(names: &[&str]) -> String {
+    let mut p = String::from("version: 1\nallow:\n");
+    for n in names {
+        p.push_str(&format!("  - domain: {n}\n    ports: [443]\n"));
+    }
+    p.push_str(
+        "dns:\n  resolvers: [192.0.2.53]\n  refresh: { min: 1s, max: 2s }\n  grace: 3s\nlog:\n  group: 100\n",
+    );
+    p
+}
+
+/// A systemd-style notify socket the daemon reports to.
+struct Notify {
+    socket: UnixDatagram,
+    path: String,
+}
+
+impl Notify {
+    fn new(w: &World) -> Notify {
+        let path = w.dir().join("notify.sock");
+        let socket = UnixDatagram::bind(&path).expect("bind the notify socket");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("set timeout");
+        Notify {
+            socket,
+            path: path.to_str().expect("utf-8 path").to_string(),
+        }
+    }
+
+    /// Waits for a datagram containing `needle`; returns it.
+    fn wait_for(&self, needle: &str, timeout: Duration) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        let mut buf = [0u8; 4096];
+        while Instant::now() < deadline {
+            if let Ok(n) = self.socket.recv(&mut buf) {
+                let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+                if msg.contains(needle) {
+                    return Some(msg);
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Starts the daemon on `policy_path` and waits for READY.
+fn start(w: &World, notify: &Notify, policy_path: &Path, extra: &[&str]) -> Background {
+    let mut args = vec!["run", policy_path.to_str().expect("utf-8 path")];
+    args.extend_from_slice(extra);
+    let mut daemon = w.spawn_egress_fence_with_env(&args, &[("NOTIFY_SOCKET", &notify.path)]);
+    if notify
+        .wait_for("READY=1", Duration::from_secs(10))
+        .is_none()
+    {
+        let _ = daemon.terminate();
+        panic!("no READY=1 from the daemon:\n{}", daemon.stderr());
+    }
+    daemon
+}
+
+fn has_table(w: &World) -> bool {
+    w.nft_json()["nftables"]
+        .as_array()
+        .is_some_and(|a| a.iter().any(|o| o["table"]["name"] == "egress_fence"))
+}
+
+/// The kernel handle of our table: a reload creates a new table with a new handle.
+fn table_handle(w: &World) -> Option<u64> {
+    w.nft_json()["nftables"].as_array().and_then(|a| {
+        a.iter()
+            .find(|o| o["table"]["name"] == "egress_fence")
+            .and_then(|o| o["table"]["handle"].as_u64())
+    })
+}
+
+/// A plain TCP connect from the sandbox, with a short timeout.
+fn connects(w: &World, addr: IpAddr, port: u16) -> bool {
+    w.in_sandbox_ns(|| {
+        TcpStream::connect_timeout(&SocketAddr::new(addr, port), Duration::from_millis(500)).is_ok()
+    })
+}
+
+/// Polls until `f` holds, for at most `timeout`; returns how long it took.
+fn within(timeout: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if f() {
+            return Some(start.elapsed());
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+#[test]
+fn ready_comes_once_the_table_is_live_and_sigterm_leaves_it() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
+    let notify = Notify::new(&w);
+    assert!(!has_table(&w));
+
+    let mut daemon = w.spawn_egress_fence_with_env(
+        &["run", path.to_str().expect("utf-8")],
+        &[("NOTIFY_SOCKET", &notify.path)],
+    );
+    let ready = notify.wait_for("READY=1", Duration::from_secs(10));
+    // Checked at once: READY may only come after the boundary is in place.
+    let live = has_table(&w);
+    assert!(ready.is_some(), "no READY=1: {}", daemon.stderr());
+    assert!(live, "READY=1 arrived before the table was live");
+    assert!(connects(&w, HOST_V4, 443));
+    let status = notify
+        .wait_for("STATUS=", Duration::from_secs(5))
+        .or(ready.filter(|r| r.contains("STATUS=")))
+        .expect("a STATUS= line");
+    assert!(status.contains("1 names, 1 addresses"), "{status}");
+
+    let status = daemon.terminate();
+    assert!(status.success(), "{status:?}: {}", daemon.stderr());
+    assert!(has_table(&w), "SIGTERM must leave the boundary in place");
+    assert!(
+        daemon.stderr().contains("stays in place"),
+        "{}",
+        daemon.stderr()
+    );
+
+    let mut daemon = start(&w, &notify, &path, &["--teardown-on-exit"]);
+    assert!(daemon.terminate().success());
+    assert!(
+        !has_table(&w),
+        "--teardown-on-exit leaves the table: {}",
+        daemon.stderr()
+    );
+}
+
+#[test]
+fn a_changed_answer_is_followed_without_a_gap_and_the_old_address_fades_after_grace() {
+    let w = World::new();
+    w.dns_set_ttl(1);
+    w.dns_set("api.example.com", &[HOST_V4], 1);
+    w.dns_set("steady.example.com", &[HOST2_V4], 1);
+    let _old = w.listen_tcp(HOST_V4, 443);
+    let _steady = w.listen_tcp(HOST2_V4, 443);
+    let _new = w.listen_tcp(HOST3_V4, 443);
+    let path = w.write_file(
+        "policy.yaml",
+        &policy(&["api.example.com", "steady.example.com"]),
+    );
+    let notify = Notify::new(&w);
+    let daemon = start(&w, &notify, &path, &[]);
+    let handle = table_handle(&w);
+    assert!(connects(&w, HOST_V4, 443));
+    assert!(
+        !connects(&w, HOST3_V4, 443),
+        "not allowed before the answer names it"
+    );
+
+    // A client connecting to another name over and over through all the refreshes.
+    let stop = AtomicBool::new(false);
+    let (attempts, failures) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    thread::scope(|s| {
+        s.spawn(|| {
+            w.in_sandbox_ns(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let to = SocketAddr::new(HOST2_V4, 443);
+                    if TcpStream::connect_timeout(&to, Duration::from_millis(500)).is_err() {
+                        failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    attempts.fetch_add(1, Ordering::Relaxed);
+                    thread::sleep(Duration::from_millis(20));
+                }
+            })
+        });
+
+        w.dns_set("api.example.com", &[HOST3_V4], 1);
+        let changed = Instant::now();
+        // TTL 1 s + refresh 1 s, with room for a loaded machine.
+        let took = within(Duration::from_secs(6), || connects(&w, HOST3_V4, 443));
+        assert!(took.is_some(), "the new address never became reachable");
+        // The old address was last answered about a second ago: grace (3 s) keeps it.
+        assert!(
+            connects(&w, HOST_V4, 443),
+            "the old address went before its grace"
+        );
+        // It was last seen at most ~2 s before the change; interval (1 s) + grace (3 s) later
+        // it is gone.
+        let gone = within(Duration::from_secs(10), || !connects(&w, HOST_V4, 443));
+        assert!(gone.is_some(), "the old address stayed after its grace");
+        let fade = changed.elapsed();
+        assert!(fade >= Duration::from_secs(2), "gone too early: {fade:?}");
+        stop.store(true, Ordering::Relaxed);
+    });
+    let (a, f) = (
+        attempts.load(Ordering::Relaxed),
+        failures.load(Ordering::Relaxed),
+    );
+    assert!(a > 50, "the client barely ran ({a} attempts)");
+    assert_eq!(
+        f, 0,
+        "{f} of {a} connects to the steady name failed during refreshes"
+    );
+    assert_eq!(
+        table_handle(&w),
+        handle,
+        "the table was reloaded instead of updated: {}",
+        daemon.stderr()
+    );
+    assert!(
+        daemon.stderr().contains("new addresses allowed"),
+        "{}",
+        daemon.stderr()
+    );
+}
+
+#[test]
+fn a_failing_resolver_keeps_the_last_good_addresses_for_their_grace_only() {
+    let w = World::new();
+    w.dns_set_ttl(1);
+    w.dns_set("api.example.com", &[HOST_V4], 1);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let _unlisted = w.listen_tcp(HOST3_V4, 443);
+    let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
+    let notify = Notify::new(&w);
+    let mut daemon = start(&w, &notify, &path, &[]);
+    assert!(connects(&w, HOST_V4, 443));
+
+    w.dns_stop();
+    let stopped = Instant::now();
+    thread::sleep(Duration::from_millis(1500));
+    assert!(connects(&w, HOST_V4, 443), "dropped before its grace ended");
+    let gone = within(Duration::from_secs(10), || !connects(&w, HOST_V4, 443));
+    assert!(
+        gone.is_some(),
+        "kept past its grace while the resolver was down"
+    );
+    assert!(stopped.elapsed() >= Duration::from_secs(2));
+    assert!(!connects(&w, HOST3_V4, 443), "a failure opened something");
+    assert!(
+        daemon.wait_for_output("lookup failed", Duration::from_secs(10)),
+        "{}",
+        daemon.stderr()
+    );
+
+    // The resolver returns: retried with backoff, the address comes back.
+    w.dns_start();
+    let back = within(Duration::from_secs(8), || connects(&w, HOST_V4, 443));
+    assert!(back.is_some(), "not restored after the resolver came back");
+}
+
+#[test]
+fn sighup_refuses_a_broken_policy_and_applies_a_good_one() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    w.dns_set("other.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let _other = w.listen_tcp(HOST2_V4, 443);
+    let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
+    let notify = Notify::new(&w);
+    let mut daemon = start(&w, &notify, &path, &[]);
+    let handle = table_handle(&w);
+
+    std::fs::write(&path, "version: 1\nallow:\n  - domain: [broken\n").expect("write");
+    daemon.signal(Signal::SIGHUP);
+    assert!(
+        daemon.wait_for_output("the running one stays", Duration::from_secs(5)),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(connects(&w, HOST_V4, 443));
+    assert!(!connects(&w, HOST2_V4, 443));
+    assert_eq!(
+        table_handle(&w),
+        handle,
+        "a refused policy touched the table"
+    );
+
+    std::fs::write(&path, policy(&["other.example.com"])).expect("write");
+    daemon.signal(Signal::SIGHUP);
+    let switched = within(Duration::from_secs(5), || {
+        connects(&w, HOST2_V4, 443) && !connects(&w, HOST_V4, 443)
+    });
+    assert!(
+        switched.is_some(),
+        "the new policy did not take: {}",
+        daemon.stderr()
+    );
+}
+
+#[test]
+fn the_table_comes_back_within_a_second_after_a_flush_or_a_delete() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let _unlisted = w.listen_tcp(HOST3_V4, 443);
+    let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
+    let notify = Notify::new(&w);
+    let daemon = start(&w, &notify, &path, &[]);
+
+    for vandalism in [
+        vec!["nft", "flush", "ruleset"],
+        vec!["nft", "delete", "table", "inet", "egress_fence"],
+        vec!["nft", "flush", "chain", "inet", "egress_fence", "output"],
+        vec!["nft", "flush", "set", "inet", "egress_fence", "resolved4"],
+    ] {
+        let out = w.sandbox_cmd(&vandalism);
+        assert!(out.success(), "{vandalism:?}: {out}");
+        let healed = within(Duration::from_secs(1), || {
+            has_table(&w) && !connects(&w, HOST3_V4, 443) && connects(&w, HOST_V4, 443)
+        });
+        assert!(
+            healed.is_some(),
+            "not restored within a second after {vandalism:?}: {}",
+            daemon.stderr()
+        );
+    }
+    assert!(
+        daemon.stderr().contains("changed by someone else"),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(
+        daemon.stderr().contains("(nft)"),
+        "the process is named: {}",
+        daemon.stderr()
+    );
+}
+
+#[test]
+fn a_killed_daemon_leaves_a_consistent_table_that_the_next_start_takes_over() {
+    let w = World::new();
+    w.dns_set_ttl(1);
+    w.dns_set("api.example.com", &[HOST_V4], 1);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
+    let notify = Notify::new(&w);
+    let mut daemon = start(&w, &notify, &path, &[]);
+    // Let it refresh a few times, then kill it without warning.
+    thread::sleep(Duration::from_millis(2500));
+    daemon.signal(Signal::SIGKILL);
+    let _ = daemon.wait_timeout(Duration::from_secs(5));
+
+    let live = w.egress_fence(&["status", "--json"]);
+    assert!(live.success(), "{live}");
+    let status: Value = serde_json::from_str(&live.stdout).expect("json");
+    assert_eq!(
+        status["chains"].as_array().map(Vec::len),
+        Some(2),
+        "{status}"
+    );
+    assert_eq!(status["sets"].as_array().map(Vec::len), Some(8), "{status}");
+    assert!(connects(&w, HOST_V4, 443));
+    // The dead daemon's addresses expire on their own (interval 1 s + grace 3 s).
+    let expired = within(Duration::from_secs(8), || !connects(&w, HOST_V4, 443));
+    assert!(expired.is_some(), "a dead daemon's addresses never expired");
+
+    let _next = start(&w, &notify, &path, &[]);
+    assert!(within(Duration::from_secs(3), || connects(&w, HOST_V4, 443)).is_some());
+}
