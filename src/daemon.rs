@@ -79,9 +79,14 @@ fn interval(ttl: u32, dns: &Dns) -> Duration {
     Duration::from_secs(ttl.into()).clamp(dns.refresh_min, dns.refresh_max)
 }
 
-/// Retry delay after `failures` failed lookups in a row: 1 s, 2 s, 4 s ... up to `cap`.
+/// Retry delay after `failures` failed lookups in a row: 1 s, 2 s, 4 s, 8 s, then every 10 s
+/// (or `cap`, the refresh floor, if shorter): a host that boots before its network resolves
+/// its names soon after the resolver answers.
 fn backoff(failures: u32, cap: Duration) -> Duration {
-    Duration::from_secs(1u64 << failures.clamp(1, 16).saturating_sub(1)).min(cap)
+    const MAX_BACKOFF: Duration = Duration::from_secs(10);
+    Duration::from_secs(1u64 << failures.clamp(1, 16).saturating_sub(1))
+        .min(cap)
+        .min(MAX_BACKOFF)
 }
 
 /// What the daemon knows of one name.
@@ -551,9 +556,10 @@ mod tests {
     #[test]
     fn backoff_doubles_up_to_the_cap() {
         let cap = Duration::from_secs(30);
-        let got: Vec<u64> = (1..=7).map(|f| backoff(f, cap).as_secs()).collect();
-        assert_eq!(got, vec![1, 2, 4, 8, 16, 30, 30]);
-        assert_eq!(backoff(100, cap), cap);
+        let got: Vec<u64> = (1..=6).map(|f| backoff(f, cap).as_secs()).collect();
+        assert_eq!(got, vec![1, 2, 4, 8, 10, 10]);
+        assert_eq!(backoff(100, cap), Duration::from_secs(10));
+        assert_eq!(backoff(4, Duration::from_secs(3)), Duration::from_secs(3));
     }
 
     #[test]
