@@ -28,6 +28,93 @@ pub struct Policy {
     pub log: Log,
     /// The host essentials that stay allowed (all of them unless the policy narrows the list).
     pub essentials: BTreeSet<Essential>,
+    /// What `probe` checks besides the policy's own entries.
+    pub probe: ProbeSettings,
+}
+
+/// The `probe:` section.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProbeSettings {
+    /// Destinations that must be refused (a paste site, an attacker-simulation host).
+    pub blocked: Vec<ProbeTarget>,
+    /// Resolvers the host must not reach (DNS over UDP and TCP).
+    pub rogue_resolvers: Vec<IpAddr>,
+    /// A domain whose random subnames show whether DNS can carry data out.
+    pub exfil_domain: Option<DomainName>,
+}
+
+/// Well-known public resolvers: an agent told to use one would bypass the allowed resolvers.
+pub const DEFAULT_ROGUE_RESOLVERS: [&str; 6] = [
+    "1.1.1.1",
+    "8.8.8.8",
+    "9.9.9.9",
+    "2606:4700:4700::1111",
+    "2001:4860:4860::8888",
+    "2620:fe::fe",
+];
+
+/// `HOST:PORT`: a name, an IPv4 address or a bracketed IPv6 address, and a port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeTarget {
+    pub host: ProbeHost,
+    pub port: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeHost {
+    Name(DomainName),
+    Addr(IpAddr),
+}
+
+impl fmt::Display for ProbeTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.host {
+            ProbeHost::Name(n) => write!(f, "{n}:{}", self.port),
+            ProbeHost::Addr(IpAddr::V6(a)) => write!(f, "[{a}]:{}", self.port),
+            ProbeHost::Addr(a) => write!(f, "{a}:{}", self.port),
+        }
+    }
+}
+
+impl Serialize for ProbeTarget {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl FromStr for ProbeTarget {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let hint = "write HOST:PORT, e.g. \"paste.example:443\", \"203.0.113.9:80\" or \
+                    \"[2001:db8::9]:443\"";
+        let (host, port) = s
+            .trim()
+            .rsplit_once(':')
+            .ok_or_else(|| format!("`{s}` has no port; {hint}"))?;
+        let port = parse_port(port).map_err(|e| format!("{e} (in `{s}`)"))?;
+        let host = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+            ProbeHost::Addr(IpAddr::V6(
+                v6.parse()
+                    .map_err(|_| format!("`{v6}` is not an IPv6 address; {hint}"))?,
+            ))
+        } else if let Ok(addr) = host.parse::<std::net::Ipv4Addr>() {
+            ProbeHost::Addr(IpAddr::V4(addr))
+        } else if host.contains(':') {
+            return Err(format!("`{s}`: put an IPv6 address in brackets; {hint}"));
+        } else {
+            ProbeHost::Name(host.parse()?)
+        };
+        Ok(ProbeTarget { host, port })
+    }
+}
+
+impl<'de> Deserialize<'de> for ProbeTarget {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -554,6 +641,17 @@ struct RawPolicy {
     #[serde(default)]
     log: RawLog,
     essentials: Option<Vec<Essential>>,
+    #[serde(default)]
+    probe: RawProbe,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawProbe {
+    #[serde(default)]
+    blocked: Vec<ProbeTarget>,
+    rogue_resolvers: Option<Vec<Resolver>>,
+    exfil_domain: Option<DomainName>,
 }
 
 fn default_action() -> Action {
@@ -839,6 +937,19 @@ impl Policy {
                 group: raw.log.group,
                 rate: raw.log.rate.unwrap_or(DEFAULT_RATE),
                 burst: raw.log.burst.unwrap_or(DEFAULT_BURST),
+            },
+            probe: ProbeSettings {
+                blocked: raw.probe.blocked,
+                rogue_resolvers: raw.probe.rogue_resolvers.map_or_else(
+                    || {
+                        DEFAULT_ROGUE_RESOLVERS
+                            .iter()
+                            .map(|r| r.parse().expect("valid literal"))
+                            .collect()
+                    },
+                    |r| r.into_iter().map(|r| r.0).collect(),
+                ),
+                exfil_domain: raw.probe.exfil_domain,
             },
             essentials: raw.essentials.map_or_else(
                 || Essential::ALL.into_iter().collect(),
@@ -1245,6 +1356,37 @@ essentials: [loopback, established]
         assert!(msg.contains("swap them"), "{msg}");
         let (_, _, msg) = err("version: 1\ndns:\n  grace: 0s\n");
         assert!(msg.contains("is zero"), "{msg}");
+    }
+
+    #[test]
+    fn probe_section_parses_targets_and_defaults() {
+        let p = parse(
+            "version: 1\nprobe:\n  blocked: [\"paste.example:443\", \"203.0.113.9:80\", \"[2001:db8::9]:443\"]\n  rogue_resolvers: [198.51.100.53]\n  exfil_domain: exfil.example.com\n",
+        )
+        .expect("valid");
+        let shown: Vec<String> = p.probe.blocked.iter().map(|t| t.to_string()).collect();
+        assert_eq!(
+            shown,
+            ["paste.example:443", "203.0.113.9:80", "[2001:db8::9]:443"]
+        );
+        assert_eq!(
+            p.probe.rogue_resolvers,
+            vec!["198.51.100.53".parse::<IpAddr>().unwrap()]
+        );
+        assert_eq!(p.probe.exfil_domain.unwrap().as_str(), "exfil.example.com");
+        let d = parse("version: 1\n").expect("valid");
+        assert!(d.probe.blocked.is_empty());
+        assert_eq!(d.probe.rogue_resolvers.len(), DEFAULT_ROGUE_RESOLVERS.len());
+        assert_eq!(d.probe.exfil_domain, None);
+        for bad in [
+            "\"paste.example\"",
+            "\"2001:db8::9:443\"",
+            "\"a.example:0\"",
+            "\"[zz]:1\"",
+        ] {
+            let (line, _, msg) = err(&format!("version: 1\nprobe:\n  blocked: [{bad}]\n"));
+            assert_eq!(line, 3, "{bad}: {msg}");
+        }
     }
 
     #[test]
