@@ -8,6 +8,7 @@ pub mod netns;
 pub mod nft;
 pub mod plan;
 pub mod policy;
+pub mod probe;
 pub mod resolve;
 pub mod ruleset;
 pub mod watch;

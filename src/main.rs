@@ -429,9 +429,11 @@ fn print_status(status: &egress_fence::nft::live::Status) {
             _ => println!("  chain {}: {} rules", c.name, c.rules),
         }
     }
-    if let Some(r) = status.refused {
-        println!("  refused so far: {} packets, {} bytes", r.packets, r.bytes);
-    }
+    let r = status.refused;
+    println!(
+        "  refused so far: IPv4 {} packets ({} bytes), IPv6 {} packets ({} bytes)",
+        r.ipv4.packets, r.ipv4.bytes, r.ipv6.packets, r.ipv6.bytes
+    );
     for s in &status.sets {
         let items = match &s.contents {
             Some(elements) => elements.to_nft(),

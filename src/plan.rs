@@ -136,7 +136,9 @@ pub fn plan_with(
                 rate: policy.log.rate,
                 burst: policy.log.burst,
             }),
-            Rule::CountAnd(policy.action),
+            Rule::CountFamily(Family::V4),
+            Rule::CountFamily(Family::V6),
+            Rule::Refuse(policy.action),
         ],
     }
 }

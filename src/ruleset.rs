@@ -288,8 +288,10 @@ pub enum Rule {
     GotoRefused,
     /// `limit rate R burst B packets log prefix P [group G]`
     Log(LogSpec),
-    /// `counter reject with icmpx admin-prohibited`, or `counter drop`
-    CountAnd(Action),
+    /// `meta nfproto ipv4 counter`: refusals counted per family.
+    CountFamily(Family),
+    /// `reject with icmpx admin-prohibited`, or `drop`
+    Refuse(Action),
 }
 
 impl fmt::Display for Rule {
@@ -326,10 +328,9 @@ impl fmt::Display for Rule {
                     None => Ok(()),
                 }
             }
-            Rule::CountAnd(Action::Reject) => {
-                f.write_str("counter reject with icmpx admin-prohibited")
-            }
-            Rule::CountAnd(Action::Drop) => f.write_str("counter drop"),
+            Rule::CountFamily(family) => write!(f, "meta nfproto {} counter", family.nfproto()),
+            Rule::Refuse(Action::Reject) => f.write_str("reject with icmpx admin-prohibited"),
+            Rule::Refuse(Action::Drop) => f.write_str("drop"),
         }
     }
 }
@@ -494,11 +495,12 @@ mod tests {
                 }),
                 "limit rate 3/minute burst 5 packets log prefix \"X: \" group 7",
             ),
+            (Rule::CountFamily(Family::V6), "meta nfproto ipv6 counter"),
             (
-                Rule::CountAnd(Action::Reject),
-                "counter reject with icmpx admin-prohibited",
+                Rule::Refuse(Action::Reject),
+                "reject with icmpx admin-prohibited",
             ),
-            (Rule::CountAnd(Action::Drop), "counter drop"),
+            (Rule::Refuse(Action::Drop), "drop"),
         ];
         for (rule, want) in cases {
             assert_eq!(rule.to_string(), want);

@@ -324,6 +324,7 @@ fn teardown_restores_the_previous_reachability() {
 fn status_reads_the_live_table_and_counts_refusals() {
     let (w, policy) = world();
     let _unlisted = w.listen_tcp(HOST3_V4, 443);
+    let _unlisted6 = w.listen_tcp(HOST3_V6, 443);
     apply(&w, &policy);
     assert!(!w.tcp_connects(HOST3_V4, 443));
 
@@ -332,9 +333,16 @@ fn status_reads_the_live_table_and_counts_refusals() {
     let status: Value = serde_json::from_str(&out.stdout).expect("status --json is JSON");
     assert_eq!(status["installed"], true);
     assert_eq!(status["table"], "inet egress_fence");
+    // One refused IPv4 connection (a SYN, and perhaps its retransmission), no IPv6 one.
+    let v4 = status["refused"]["ipv4"]["packets"].as_u64().unwrap_or(0);
+    assert!((1..=3).contains(&v4), "{status}");
+    assert_eq!(status["refused"]["ipv6"]["packets"], 0, "{status}");
+    assert!(!w.tcp_connects(HOST3_V6, 443));
+    let again: Value = serde_json::from_str(&w.egress_fence(&["status", "--json"]).stdout)
+        .expect("status --json is JSON");
     assert!(
-        status["refused"]["packets"].as_u64().unwrap_or(0) >= 1,
-        "{status}"
+        again["refused"]["ipv6"]["packets"].as_u64().unwrap_or(0) >= 1,
+        "{again}"
     );
     let set = |name: &str| -> Value {
         status["sets"]
@@ -419,6 +427,17 @@ fn netns_may_be_given_as_a_path() {
     let (w, policy) = world();
     let holder = w.spawn_in_sandbox(&["sleep", "60"]);
     let ns = format!("/proc/{}/ns/net", holder.pid());
+    // `ip netns exec` enters the namespace only after it started: until then the holder is
+    // still in the machine's own namespace, where nothing may ever be applied. Wait until
+    // its namespace is the sandbox's, and refuse to go on otherwise.
+    use std::os::unix::fs::MetadataExt;
+    let sandbox = std::fs::metadata(w.sandbox_path()).expect("stat the sandbox").ino();
+    let entered = (0..200).any(|_| {
+        let now = std::fs::metadata(&ns).map(|m| m.ino()).ok();
+        std::thread::sleep(Duration::from_millis(10));
+        now == Some(sandbox)
+    });
+    assert!(entered, "the holder never entered the sandbox namespace");
     let out = Command::new(EGRESS_FENCE_BIN)
         .args(["apply", path(&policy), "--netns", &ns])
         .output()

@@ -481,13 +481,14 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             )));
             e.push(own(Expr::log(&prefix, log.group)));
         }
-        Rule::CountAnd(action) => {
+        Rule::CountFamily(family) => {
+            e.extend(is_family(*family));
             e.push(crate_expr(Counter));
-            e.push(crate_expr(match action {
-                Action::Reject => Verdict::Reject(RejectionType::Icmp(IcmpCode::AdminProhibited)),
-                Action::Drop => Verdict::Drop,
-            }));
         }
+        Rule::Refuse(action) => e.push(crate_expr(match action {
+            Action::Reject => Verdict::Reject(RejectionType::Icmp(IcmpCode::AdminProhibited)),
+            Action::Drop => Verdict::Drop,
+        })),
     }
     e
 }
@@ -635,13 +636,18 @@ mod tests {
             ]
         );
         assert_eq!(
-            exprs(&Rule::CountAnd(Action::Reject)),
-            ["counter pkts 0 bytes 0", "reject type 2 code 3"]
+            exprs(&Rule::CountFamily(Family::V4)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "counter pkts 0 bytes 0"
+            ]
         );
         assert_eq!(
-            exprs(&Rule::CountAnd(Action::Drop)),
-            ["counter pkts 0 bytes 0", "immediate reg 0 drop"]
+            exprs(&Rule::Refuse(Action::Reject)),
+            ["reject type 2 code 3"]
         );
+        assert_eq!(exprs(&Rule::Refuse(Action::Drop)), ["immediate reg 0 drop"]);
     }
 
     #[test]

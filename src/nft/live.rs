@@ -1,5 +1,6 @@
 //! The table as read back from the kernel, decoded into the ruleset's own terms.
 
+use std::ffi::c_int;
 use std::net::IpAddr;
 
 use ipnet::{IpNet, Ipv4Subnets, Ipv6Subnets};
@@ -21,8 +22,8 @@ pub struct LiveTable {
 pub struct Status {
     pub table: String,
     pub chains: Vec<ChainStatus>,
-    /// Packets and bytes refused since the table was installed.
-    pub refused: Option<Counter>,
+    /// Packets and bytes refused since the table was installed, per family.
+    pub refused: Refused,
     pub sets: Vec<SetStatus>,
 }
 
@@ -38,10 +39,16 @@ pub struct ChainStatus {
     pub rules: usize,
 }
 
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Counter {
     pub packets: u64,
     pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Refused {
+    pub ipv4: Counter,
+    pub ipv6: Counter,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -73,12 +80,20 @@ impl LiveTable {
                 rules: self.rules.iter().filter(|r| r.chain == c.name).count(),
             })
             .collect();
-        let refused = self
-            .rules
-            .iter()
-            .filter(|r| r.chain == REFUSED_CHAIN)
-            .find_map(|r| r.counter)
-            .map(|(packets, bytes)| Counter { packets, bytes });
+        let counter = |family: c_int| {
+            self.rules
+                .iter()
+                .filter(|r| r.chain == REFUSED_CHAIN && r.nfproto == Some(family as u8))
+                .find_map(|r| r.counter)
+                .map_or_else(Counter::default, |(packets, bytes)| Counter {
+                    packets,
+                    bytes,
+                })
+        };
+        let refused = Refused {
+            ipv4: counter(libc::NFPROTO_IPV4),
+            ipv6: counter(libc::NFPROTO_IPV6),
+        };
         let sets = self
             .sets
             .iter()

@@ -568,6 +568,8 @@ pub struct LiveRule {
     pub counter: Option<(u64, u64)>,
     /// The NFLOG group of the rule's log expression, if it logs to one.
     pub log_group: Option<u16>,
+    /// The `meta nfproto` value the rule matches, if it matches one.
+    pub nfproto: Option<u8>,
 }
 
 /// Reads an optional string attribute that libnftnl returns as a C string.
@@ -741,6 +743,7 @@ pub fn parse_rule(msg: &[u8]) -> Option<LiveRule> {
                     text: exprs,
                     counter,
                     log_group,
+                    nfproto,
                 } = rule_exprs(r);
                 LiveRule {
                     table: owned_str(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_TABLE as u16)),
@@ -749,6 +752,7 @@ pub fn parse_rule(msg: &[u8]) -> Option<LiveRule> {
                     exprs,
                     counter,
                     log_group,
+                    nfproto,
                 }
             },
         )
@@ -760,6 +764,7 @@ struct RuleExprs {
     text: Vec<String>,
     counter: Option<(u64, u64)>,
     log_group: Option<u16>,
+    nfproto: Option<u8>,
 }
 
 /// The expressions of a rule as text, its counter and its log group.
@@ -771,7 +776,10 @@ unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> RuleExprs {
         text: Vec::new(),
         counter: None,
         log_group: None,
+        nfproto: None,
     };
+    // Whether the last meta expression loaded the family, for the comparison after it.
+    let mut loaded_nfproto = false;
     // SAFETY: per the caller; the iterator is destroyed before returning.
     unsafe {
         let iter = sys::nftnl_expr_iter_create(r);
@@ -791,6 +799,18 @@ unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> RuleExprs {
                 "log" if sys::nftnl_expr_is_set(e, sys::NFTNL_EXPR_LOG_GROUP as u16) => {
                     out.log_group =
                         Some(sys::nftnl_expr_get_u16(e, sys::NFTNL_EXPR_LOG_GROUP as u16));
+                }
+                "meta" => {
+                    let key = sys::nftnl_expr_get_u32(e, sys::NFTNL_EXPR_META_KEY as u16);
+                    loaded_nfproto = key == libc::NFT_META_NFPROTO as u32;
+                }
+                "cmp" if loaded_nfproto => {
+                    let mut len = 0u32;
+                    let data = sys::nftnl_expr_get(e, sys::NFTNL_EXPR_CMP_DATA as u16, &mut len);
+                    if len == 1 && !data.is_null() {
+                        out.nfproto = Some(*data.cast::<u8>());
+                    }
+                    loaded_nfproto = false;
                 }
                 _ => {}
             }

@@ -1,0 +1,1 @@
+//! The boundary check (being written).
