@@ -12,13 +12,14 @@
 //! and the running one stays. When anyone else changes the table (`nft flush ruleset`), the
 //! change notification brings it back at once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
@@ -29,6 +30,7 @@ use crate::plan::{denied_answers, plan_with, tuples_for};
 use crate::policy::{Dns, DomainName, Policy, PolicyError};
 use crate::resolve::{NameResolver, Resolution, ResolveError, ResolvedAddr, ResolvedHost};
 use crate::ruleset::{TABLE, Timed, Tuple};
+use crate::watch::{DropEvent, WatchError, Watcher};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -38,6 +40,12 @@ pub enum DaemonError {
     Resolve(#[from] ResolveError),
     #[error(transparent)]
     Nft(#[from] NftError),
+    #[error(transparent)]
+    Watch(#[from] WatchError),
+    #[error(
+        "--log-drops needs `log.group` in the policy: refused packets are read from that NFLOG group"
+    )]
+    NoLogGroup,
     #[error("{doing}: {source}")]
     Io {
         doing: &'static str,
@@ -55,6 +63,9 @@ pub struct Options {
     pub resolv_conf: PathBuf,
     /// Delete the table when stopped by a signal (for throwaway hosts).
     pub teardown_on_exit: bool,
+    /// Log every refused packet (from the policy's NFLOG group) with what the daemon knows
+    /// about its destination.
+    pub log_drops: bool,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT. The calling thread must already be in the
@@ -69,9 +80,51 @@ pub fn run(options: Options) -> Result<(), DaemonError> {
         // Subscribed before the first apply, so no change made after it goes unseen.
         let monitor = crate::nft::sys::async_monitor(Monitor::open()?)
             .map_err(io("watch for nftables changes"))?;
+        let drops = match (options.log_drops, policy.log.group) {
+            (false, _) => None,
+            (true, Some(group)) => Some(drop_events(group)?),
+            (true, None) => return Err(DaemonError::NoLogGroup),
+        };
         let daemon = Daemon::start(options, policy).await?;
-        daemon.serve(monitor).await
+        daemon.serve(monitor, drops).await
     })
+}
+
+/// Refused packets from NFLOG `group`, read on a thread of their own (the kernel's log rule
+/// already limits their rate).
+fn drop_events(group: u16) -> Result<mpsc::Receiver<DropEvent>, DaemonError> {
+    let mut watcher = Watcher::subscribe(group)?;
+    let (tx, rx) = mpsc::channel(1024);
+    std::thread::Builder::new()
+        .name("refused-packets".into())
+        .spawn(move || {
+            loop {
+                match watcher.next_event() {
+                    Ok(event) => {
+                        if tx.blocking_send(event).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) if e.is_transient() => warn!(error = %e, "reading refused packets"),
+                    Err(e) => {
+                        error!(error = %e, "refused packets are no longer logged");
+                        return;
+                    }
+                }
+            }
+        })
+        .map_err(io("start the refused-packet reader"))?;
+    Ok(rx)
+}
+
+/// "4m10s", "12s".
+fn ago(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 60 {
+        format!("{}m{}s", s / 60, s % 60)
+    } else {
+        format!("{s}s")
+    }
 }
 
 /// How long after an answer a name is asked again.
@@ -92,8 +145,11 @@ fn backoff(failures: u32, cap: Duration) -> Duration {
 /// What the daemon knows of one name.
 #[derive(Debug, Clone)]
 struct NameState {
-    /// Each address and when it stops being allowed unless an answer renews it.
+    /// Each address and when it stops being allowed unless an answer renews it (expired
+    /// ones are remembered for an hour).
     addrs: BTreeMap<IpAddr, Instant>,
+    /// The addresses of the last successful answer.
+    answered: BTreeSet<IpAddr>,
     next_due: Instant,
     failures: u32,
     last_error: Option<String>,
@@ -103,25 +159,32 @@ impl NameState {
     fn new(now: Instant) -> NameState {
         NameState {
             addrs: BTreeMap::new(),
+            answered: BTreeSet::new(),
             next_due: now,
             failures: 0,
             last_error: None,
         }
     }
 
-    /// Takes in an answer received at `now`; returns the addresses it added.
-    fn answer(&mut self, host: &ResolvedHost, now: Instant, dns: &Dns) -> Vec<IpAddr> {
-        self.addrs.retain(|_, expires| *expires > now);
-        let mut added = Vec::new();
+    /// Takes in an answer received at `now`; returns the addresses it brought and, for a
+    /// successful answer, those the previous one had and this one lacks.
+    fn answer(&mut self, host: &ResolvedHost, now: Instant, dns: &Dns) -> AnswerChanges {
+        // Expired addresses are kept a while to explain refusals ("was NAME until ...").
+        self.addrs
+            .retain(|_, expires| now.saturating_duration_since(*expires) < REMEMBER_EXPIRED);
+        let mut changes = AnswerChanges::default();
         for a in &host.addrs {
             let expires = now + interval(a.ttl, dns) + dns.grace;
-            let entry = self.addrs.entry(a.addr).or_insert_with(|| {
-                added.push(a.addr);
-                expires
-            });
+            let entry = self.addrs.entry(a.addr).or_insert(now);
+            if *entry <= now {
+                changes.added.push(a.addr);
+            }
             *entry = (*entry).max(expires);
         }
         if host.errors.is_empty() {
+            let answered: BTreeSet<IpAddr> = host.addrs.iter().map(|a| a.addr).collect();
+            changes.gone = self.answered.difference(&answered).copied().collect();
+            self.answered = answered;
             self.failures = 0;
             self.last_error = None;
             let ttl = host.addrs.iter().map(|a| a.ttl).min();
@@ -132,9 +195,23 @@ impl NameState {
             self.last_error = Some(host.errors.join("; "));
             self.next_due = now + backoff(self.failures, dns.refresh_min);
         }
-        added
+        changes
+    }
+
+    /// Addresses allowed at `now`.
+    fn live(&self, now: Instant) -> impl Iterator<Item = (&IpAddr, &Instant)> {
+        self.addrs.iter().filter(move |(_, e)| **e > now)
     }
 }
+
+#[derive(Debug, Default, PartialEq, Eq)]
+struct AnswerChanges {
+    added: Vec<IpAddr>,
+    gone: Vec<IpAddr>,
+}
+
+/// How long an expired address is remembered, to explain refusals of it.
+const REMEMBER_EXPIRED: Duration = Duration::from_secs(3600);
 
 /// The resolved elements every live address needs, each with the latest expiry any name
 /// gives it.
@@ -145,7 +222,7 @@ fn desired(
 ) -> BTreeMap<Tuple, Instant> {
     let mut out: BTreeMap<Tuple, Instant> = BTreeMap::new();
     for (name, state) in names {
-        for (&addr, &expires) in state.addrs.iter().filter(|(_, e)| **e > now) {
+        for (&addr, &expires) in state.live(now) {
             for tuple in tuples_for(policy, name, addr) {
                 let e = out.entry(tuple).or_insert(expires);
                 *e = (*e).max(expires);
@@ -232,10 +309,7 @@ impl Daemon {
             let Some(state) = self.names.get_mut(&host.name) else {
                 continue;
             };
-            let before: Vec<IpAddr> = state.addrs.keys().copied().collect();
-            let added = state.answer(host, now, &self.policy.dns);
-            let answered: Vec<IpAddr> = host.addrs.iter().map(|a| a.addr).collect();
-            let fading: Vec<&IpAddr> = before.iter().filter(|a| !answered.contains(a)).collect();
+            let AnswerChanges { added, gone } = state.answer(host, now, &self.policy.dns);
             if let Some(err) = &state.last_error {
                 warn!(name = %host.name, error = %err, failures = state.failures,
                       retry_in_s = state.next_due.saturating_duration_since(now).as_secs(),
@@ -244,8 +318,8 @@ impl Daemon {
             if !added.is_empty() {
                 info!(name = %host.name, added = ?added, "new addresses allowed");
             }
-            if !fading.is_empty() && state.last_error.is_none() {
-                info!(name = %host.name, gone = ?fading, grace_s = self.policy.dns.grace.as_secs(),
+            if !gone.is_empty() {
+                info!(name = %host.name, gone = ?gone, grace_s = self.policy.dns.grace.as_secs(),
                       "addresses no longer answered stay allowed until their grace ends");
             }
         }
@@ -265,9 +339,7 @@ impl Daemon {
                 .map(|(name, state)| ResolvedHost {
                     name: name.clone(),
                     addrs: state
-                        .addrs
-                        .iter()
-                        .filter(|(_, e)| **e > now)
+                        .live(now)
                         .map(|(&addr, _)| ResolvedAddr { addr, ttl: 0 })
                         .collect(),
                     nxdomain: false,
@@ -405,11 +477,7 @@ impl Daemon {
 
     fn status_line(&self) -> String {
         let now = Instant::now();
-        let addresses: usize = self
-            .names
-            .values()
-            .map(|s| s.addrs.values().filter(|e| **e > now).count())
-            .sum();
+        let addresses: usize = self.names.values().map(|s| s.live(now).count()).sum();
         let failing = self.names.values().filter(|s| s.failures > 0).count();
         let last = self
             .last_refresh
@@ -424,7 +492,55 @@ impl Daemon {
         )
     }
 
-    async fn serve(mut self, mut monitor: AsyncFd<Monitor>) -> Result<(), DaemonError> {
+    /// What the daemon knows of a refused packet's destination.
+    fn describe_destination(&self, dst: IpAddr) -> String {
+        let now = Instant::now();
+        if let Some(deny) = self.policy.denied_by(dst) {
+            return format!("denied: {}", deny.describe());
+        }
+        let mut live = Vec::new();
+        let mut former: Option<(&DomainName, Instant)> = None;
+        for (name, state) in &self.names {
+            match state.addrs.get(&dst) {
+                Some(&e) if e > now => live.push(name.as_str()),
+                Some(&e) if former.is_none_or(|(_, f)| e > f) => former = Some((name, e)),
+                _ => {}
+            }
+        }
+        if !live.is_empty() {
+            format!(
+                "an address of {}, allowed on other ports or protocols only",
+                live.join(", ")
+            )
+        } else if let Some((name, expired)) = former {
+            format!(
+                "was an address of {name} until {} ago (its grace ended)",
+                ago(now.saturating_duration_since(expired))
+            )
+        } else {
+            "not in the policy".to_string()
+        }
+    }
+
+    fn log_drop(&self, mut event: DropEvent) {
+        event.note = Some(self.describe_destination(event.dst));
+        info!(
+            protocol = %event.protocol,
+            src = %event.src,
+            sport = ?event.sport,
+            dst = %event.dst,
+            dport = ?event.dport,
+            uid = ?event.uid,
+            note = event.note.as_deref().unwrap_or(""),
+            "refused packet"
+        );
+    }
+
+    async fn serve(
+        mut self,
+        mut monitor: AsyncFd<Monitor>,
+        mut drops: Option<mpsc::Receiver<DropEvent>>,
+    ) -> Result<(), DaemonError> {
         let mut hangup = signal(SignalKind::hangup()).map_err(io("install SIGHUP handler"))?;
         let mut terminate =
             signal(SignalKind::terminate()).map_err(io("install SIGTERM handler"))?;
@@ -433,9 +549,10 @@ impl Daemon {
         let watchdog = sd_notify::watchdog_enabled().map(|d| d / 2);
         let mut watchdog_tick =
             tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
+        let mut last_status = self.status_line();
         let _ = sd_notify::notify(&[
             sd_notify::NotifyState::Ready,
-            sd_notify::NotifyState::Status(&self.status_line()),
+            sd_notify::NotifyState::Status(&last_status),
         ]);
         info!(status = %self.status_line(), "running");
 
@@ -485,11 +602,19 @@ impl Daemon {
                         self.heal(&changes);
                     }
                 }
+                Some(event) = async { drops.as_mut().expect("guarded").recv().await }, if drops.is_some() => {
+                    self.log_drop(event);
+                }
                 _ = watchdog_tick.tick(), if watchdog.is_some() => {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
                 }
             }
-            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&self.status_line())]);
+            // Only changes: the notify socket is a datagram queue that a slow reader fills.
+            let status = self.status_line();
+            if status != last_status {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+                last_status = status;
+            }
         }
 
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
@@ -567,24 +692,29 @@ mod tests {
         let dns = policy().dns;
         let now = Instant::now();
         let mut s = NameState::new(now);
-        let added = s.answer(&host("a.example", &[("192.0.2.1", 300)], &[]), now, &dns);
-        assert_eq!(added, vec!["192.0.2.1".parse::<IpAddr>().unwrap()]);
+        let changes = s.answer(&host("a.example", &[("192.0.2.1", 300)], &[]), now, &dns);
+        assert_eq!(changes.added, vec!["192.0.2.1".parse::<IpAddr>().unwrap()]);
         let ip: IpAddr = "192.0.2.1".parse().unwrap();
         assert_eq!(s.addrs[&ip], now + Duration::from_secs(300) + dns.grace);
         assert_eq!(s.next_due, now + Duration::from_secs(300));
 
         // The address leaves the answer: it keeps its expiry, nothing renews it.
         let later = now + Duration::from_secs(300);
-        let added = s.answer(&host("a.example", &[("192.0.2.2", 300)], &[]), later, &dns);
-        assert_eq!(added.len(), 1);
+        let changes = s.answer(&host("a.example", &[("192.0.2.2", 300)], &[]), later, &dns);
+        assert_eq!(changes.added.len(), 1);
+        assert_eq!(changes.gone, vec![ip]);
         assert_eq!(s.addrs[&ip], now + Duration::from_secs(300) + dns.grace);
-        // ...and is forgotten once that has passed.
-        let much_later = now + Duration::from_secs(300) + dns.grace + Duration::from_secs(1);
-        s.answer(
-            &host("a.example", &[("192.0.2.2", 300)], &[]),
-            much_later,
-            &dns,
+        // ...stops being live once that has passed, is remembered an hour, then forgotten.
+        let expired = now + Duration::from_secs(300) + dns.grace + Duration::from_secs(1);
+        let again = host("a.example", &[("192.0.2.2", 300)], &[]);
+        let changes = s.answer(&again, expired, &dns);
+        assert!(
+            changes.gone.is_empty(),
+            "reported once, not on every answer"
         );
+        assert!(!s.live(expired).any(|(a, _)| *a == ip));
+        assert!(s.addrs.contains_key(&ip));
+        s.answer(&again, expired + REMEMBER_EXPIRED, &dns);
         assert!(!s.addrs.contains_key(&ip));
     }
 

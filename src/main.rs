@@ -8,7 +8,7 @@ use egress_fence::daemon;
 use egress_fence::netns::Netns;
 use egress_fence::nft::Nft;
 use egress_fence::plan::{denied_answers, plan};
-use egress_fence::policy::{Policy, PolicyError};
+use egress_fence::policy::{Policy, PolicyError, Preset};
 use egress_fence::resolve::{Resolution, resolve_policy};
 use egress_fence::ruleset::TABLE;
 use egress_fence::watch::Watcher;
@@ -111,6 +111,10 @@ enum Command {
         /// Log lines as text or as JSON objects.
         #[arg(long, value_enum, default_value_t = LogFormat::Text)]
         log_format: LogFormat,
+        /// Also log every refused packet (read from the policy's `log.group`) with what the
+        /// daemon knows of its destination.
+        #[arg(long)]
+        log_drops: bool,
     },
     /// Print every refused packet as it happens, read from the table's NFLOG group (works
     /// inside any network namespace; no kernel log needed).
@@ -305,6 +309,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             target,
             teardown_on_exit,
             log_format,
+            log_drops,
         } => {
             let resolv_conf = enter(&target)?;
             init_logging(log_format);
@@ -312,6 +317,7 @@ fn run(command: Command) -> Result<u8, Failure> {
                 policy_path: policy,
                 resolv_conf,
                 teardown_on_exit,
+                log_drops,
             };
             match daemon::run(options) {
                 Ok(()) => Ok(0),
@@ -347,7 +353,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             eprintln!("watching NFLOG group {group} for refused packets");
             let mut seen = 0;
             while count.is_none_or(|c| seen < c) {
-                let event = match watcher.next_event() {
+                let mut event = match watcher.next_event() {
                     Ok(e) => e,
                     Err(e) if e.is_transient() => {
                         eprintln!("warning: {e}");
@@ -355,6 +361,8 @@ fn run(command: Command) -> Result<u8, Failure> {
                     }
                     Err(e) => return Err(e.into()),
                 };
+                event.note = Preset::containing(event.dst)
+                    .map(|p| format!("{} (preset {})", p.describe(), p.name()));
                 if json {
                     println!("{}", serde_json::to_string(&event)?);
                 } else {

@@ -291,6 +291,21 @@ impl Preset {
         }
     }
 
+    /// What a destination in this preset is, for messages about refused packets.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Preset::CloudMetadata => "a cloud metadata service",
+            Preset::PrivateNetworks => "a private network",
+        }
+    }
+
+    /// The preset whose networks hold `addr`, if any.
+    pub fn containing(addr: IpAddr) -> Option<Preset> {
+        [Preset::CloudMetadata, Preset::PrivateNetworks]
+            .into_iter()
+            .find(|p| p.networks().iter().any(|n| n.contains(&addr)))
+    }
+
     pub fn networks(self) -> Vec<IpNet> {
         let list: &[&str] = match self {
             // 169.254.0.0/16: every provider's link-local metadata (AWS, GCP, Azure, DO, ...)

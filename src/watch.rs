@@ -181,6 +181,10 @@ pub struct DropEvent {
     pub gid: Option<u32>,
     /// Always "refused": egress-fence logs only packets it refuses.
     pub verdict: &'static str,
+    /// What egress-fence knows about the destination ("the cloud metadata service", "was
+    /// api.example.com until 4 minutes ago"), filled in by the caller.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 impl fmt::Display for DropEvent {
@@ -205,6 +209,9 @@ impl fmt::Display for DropEvent {
         let prefix = self.prefix.trim();
         if !prefix.is_empty() {
             write!(f, " {prefix}")?;
+        }
+        if let Some(note) = &self.note {
+            write!(f, " [{note}]")?;
         }
         Ok(())
     }
@@ -600,6 +607,7 @@ fn decode_packet(msg: &[u8], now: SystemTime) -> Result<DropEvent, WatchError> {
         uid: attrs.uid,
         gid: attrs.gid,
         verdict: "refused",
+        note: None,
     })
 }
 
@@ -873,6 +881,7 @@ mod tests {
                 uid: Some(1000),
                 gid: Some(1001),
                 verdict: "refused",
+                note: None,
             }
         );
         assert_eq!(

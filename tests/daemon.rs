@@ -8,6 +8,7 @@ use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -27,10 +28,12 @@ fn policy(names: &[&str]) -> String {
     p
 }
 
-/// A systemd-style notify socket the daemon reports to.
+/// A systemd-style notify socket the daemon reports to, drained continuously as systemd
+/// does (a datagram socket nobody reads fills up and blocks the sender).
 struct Notify {
-    socket: UnixDatagram,
     path: String,
+    received: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Notify {
@@ -38,27 +41,46 @@ impl Notify {
         let path = w.dir().join("notify.sock");
         let socket = UnixDatagram::bind(&path).expect("bind the notify socket");
         socket
-            .set_read_timeout(Some(Duration::from_millis(200)))
+            .set_read_timeout(Some(Duration::from_millis(100)))
             .expect("set timeout");
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sink, done) = (received.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while !done.load(Ordering::Relaxed) {
+                if let Ok(n) = socket.recv(&mut buf) {
+                    let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    sink.lock().unwrap_or_else(|e| e.into_inner()).push(msg);
+                }
+            }
+        });
         Notify {
-            socket,
             path: path.to_str().expect("utf-8 path").to_string(),
+            received,
+            stop,
         }
     }
 
-    /// Waits for a datagram containing `needle`; returns it.
+    /// Waits for a datagram containing `needle`, taking the datagrams up to it; returns it.
     fn wait_for(&self, needle: &str, timeout: Duration) -> Option<String> {
         let deadline = Instant::now() + timeout;
-        let mut buf = [0u8; 4096];
         while Instant::now() < deadline {
-            if let Ok(n) = self.socket.recv(&mut buf) {
-                let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
-                if msg.contains(needle) {
-                    return Some(msg);
+            {
+                let mut got = self.received.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(i) = got.iter().position(|m| m.contains(needle)) {
+                    return Some(got.drain(..=i).next_back().expect("non-empty"));
                 }
             }
+            thread::sleep(Duration::from_millis(10));
         }
         None
+    }
+}
+
+impl Drop for Notify {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -376,4 +398,45 @@ fn a_killed_daemon_leaves_a_consistent_table_that_the_next_start_takes_over() {
 
     let _next = start(&w, &notify, &path, &[]);
     assert!(within(Duration::from_secs(3), || connects(&w, HOST_V4, 443)).is_some());
+}
+
+#[test]
+fn refusals_are_logged_with_what_the_daemon_knows_of_their_destination() {
+    let w = World::new();
+    w.dns_set_ttl(1);
+    w.dns_set("api.example.com", &[HOST_V4], 1);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let mut text = policy(&["api.example.com"]);
+    text.push_str("deny:\n  - preset: cloud-metadata\n");
+    let path = w.write_file("policy.yaml", &text);
+    let notify = Notify::new(&w);
+    let mut daemon = start(&w, &notify, &path, &["--log-drops"]);
+
+    let expect = |daemon: &mut Background, note: &str| {
+        assert!(
+            daemon.wait_for_output(note, Duration::from_secs(5)),
+            "no refusal logged with {note:?}:\n{}",
+            daemon.stderr()
+        );
+    };
+    assert!(!connects(&w, HOST3_V4, 443));
+    expect(&mut daemon, "not in the policy");
+    assert!(!connects(&w, METADATA_V4, 80));
+    expect(&mut daemon, "denied: preset cloud-metadata");
+    assert!(!connects(&w, HOST_V4, 8443));
+    expect(
+        &mut daemon,
+        "an address of api.example.com, allowed on other ports",
+    );
+
+    // The name moves; once the old address's grace is over, a refusal names its past.
+    w.dns_set("api.example.com", &[HOST2_V4], 1);
+    let gone = within(Duration::from_secs(10), || !connects(&w, HOST_V4, 443));
+    assert!(gone.is_some(), "{}", daemon.stderr());
+    expect(&mut daemon, "was an address of api.example.com until");
+    assert!(
+        daemon.stderr().contains("dst=192.0.2.10"),
+        "{}",
+        daemon.stderr()
+    );
 }

@@ -431,7 +431,9 @@ fn netns_may_be_given_as_a_path() {
     // still in the machine's own namespace, where nothing may ever be applied. Wait until
     // its namespace is the sandbox's, and refuse to go on otherwise.
     use std::os::unix::fs::MetadataExt;
-    let sandbox = std::fs::metadata(w.sandbox_path()).expect("stat the sandbox").ino();
+    let sandbox = std::fs::metadata(w.sandbox_path())
+        .expect("stat the sandbox")
+        .ino();
     let entered = (0..200).any(|_| {
         let now = std::fs::metadata(&ns).map(|m| m.ino()).ok();
         std::thread::sleep(Duration::from_millis(10));
