@@ -9,6 +9,7 @@ use egress_fence::netns::Netns;
 use egress_fence::nft::Nft;
 use egress_fence::plan::{denied_answers, plan};
 use egress_fence::policy::{Policy, PolicyError, Preset};
+use egress_fence::probe::{self, ProbeOptions};
 use egress_fence::resolve::{Resolution, resolve_policy};
 use egress_fence::ruleset::TABLE;
 use egress_fence::watch::Watcher;
@@ -19,7 +20,8 @@ Exit codes:
   1  failure: the kernel refused the change, netlink or the namespace failed, no resolver
   2  invalid policy or command line (the message names file:line:column)
   3  done, but some allowed names did not resolve: their entries are missing
-  4  status: the table is not installed";
+  4  status: the table is not installed
+  5  probe: at least one check failed (the boundary does not hold as the policy says)";
 
 const SCHEMA: &str = "\
 Policy schema (YAML):
@@ -131,6 +133,20 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Prove the boundary from inside it: allowed names resolve and their ports connect;
+    /// deny presets, `probe.blocked` targets and rogue resolvers are refused (TCP and UDP,
+    /// IPv4 and IPv6); a random name under `probe.exfil_domain` does not resolve. One line
+    /// per check (PASS, FAIL, WARN, SKIP), then a summary; exits 0 only if nothing failed,
+    /// so CI can gate on it: `egress-fence probe policy.yaml --netns sandbox || exit 1`.
+    #[command(after_help = EXIT_CODES)]
+    Probe {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: Target,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete the tool's table (and nothing else); a no-op if it is absent.
     Teardown {
         #[command(flatten)]
@@ -163,6 +179,7 @@ const EXIT_FAILURE: u8 = 1;
 const EXIT_BAD_POLICY: u8 = 2;
 const EXIT_UNRESOLVED: u8 = 3;
 const EXIT_NOT_INSTALLED: u8 = 4;
+const EXIT_PROBE_FAILED: u8 = 5;
 
 /// A failure and the exit code it maps to.
 struct Failure {
@@ -371,6 +388,34 @@ fn run(command: Command) -> Result<u8, Failure> {
                 seen += 1;
             }
             Ok(0)
+        }
+        Command::Probe {
+            policy: path,
+            target,
+            json,
+        } => {
+            let resolv_conf = enter(&target)?;
+            let policy = load(&path)?;
+            let options = ProbeOptions::for_policy(&policy, &resolv_conf)?;
+            let report = probe::run(&policy, &options)?;
+            if json {
+                let out = serde_json::json!({
+                    "passed": report.passed(),
+                    "summary": report.summary(),
+                    "checks": report.checks,
+                });
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else {
+                for check in &report.checks {
+                    println!("{check}");
+                }
+                println!("{}", report.summary());
+            }
+            Ok(if report.passed() {
+                0
+            } else {
+                EXIT_PROBE_FAILED
+            })
         }
         Command::Teardown { target } => {
             enter(&target)?;

@@ -185,8 +185,8 @@ impl World {
         {
             let mut dns = world.dns_state();
             world.write_hosts_file(&dns);
-            let main = world.spawn_dnsmasq(Role::Main, dns.ttl);
-            let rogue = world.spawn_dnsmasq(Role::Rogue, dns.ttl);
+            let main = world.spawn_dnsmasq(Role::Main, dns.ttl, &[]);
+            let rogue = world.spawn_dnsmasq(Role::Rogue, dns.ttl, &[]);
             dns.main = Some(world.wait_dnsmasq_ready(main));
             dns.rogue = Some(world.wait_dnsmasq_ready(rogue));
         }
@@ -340,7 +340,7 @@ impl World {
         let mut dns = self.dns_state();
         if dns.main.is_none() {
             self.write_hosts_file(&dns);
-            let d = self.spawn_dnsmasq(Role::Main, dns.ttl);
+            let d = self.spawn_dnsmasq(Role::Main, dns.ttl, &[]);
             dns.main = Some(self.wait_dnsmasq_ready(d));
         }
     }
@@ -634,7 +634,7 @@ impl World {
                 };
                 if let Some(d) = slot.take() {
                     stop_child(d.child, "dnsmasq");
-                    let d = self.spawn_dnsmasq(role, ttl);
+                    let d = self.spawn_dnsmasq(role, ttl, &[]);
                     *slot = Some(self.wait_dnsmasq_ready(d));
                 }
             }
@@ -663,7 +663,8 @@ impl World {
         }
     }
 
-    fn spawn_dnsmasq(&self, role: Role, ttl: u32) -> Dnsmasq {
+    /// Starts one resolver; `extra` adds dnsmasq flags (a wildcard record).
+    fn spawn_dnsmasq(&self, role: Role, ttl: u32, extra: &[String]) -> Dnsmasq {
         let mut args: Vec<String> = [
             "dnsmasq",
             "--keep-in-foreground",
@@ -686,6 +687,7 @@ impl World {
         args.push(format!("--addn-hosts={}", self.hosts_path().display()));
         args.push(format!("--local-ttl={ttl}"));
         args.push(format!("--log-facility={}", self.log_path(role).display()));
+        args.extend(extra.iter().cloned());
 
         let stderr_path = self.dir().join(format!("dnsmasq-{}.stderr", role.name()));
         let stderr = File::create(&stderr_path).expect("create dnsmasq stderr file");
@@ -1596,5 +1598,33 @@ fn sweep_stale_worlds() {
                 eprintln!("warning: remove {}: {e}", entry.path().display());
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wildcard records (appended for the probe tests)
+// ---------------------------------------------------------------------------------------------
+
+impl World {
+    /// Makes the allowed resolver answer every name under `domain` (and `domain` itself) with
+    /// the A record `addr`, as an attacker's zone with a wildcard would: random subnames
+    /// resolve. dnsmasq reads wildcards only from its command line (`--address=/DOMAIN/ADDR`),
+    /// so this restarts the allowed resolver with that flag (~25 ms without DNS); the records
+    /// of [`World::dns_set`] stay. The rogue resolver is not changed. A later restart by the
+    /// other methods (a TTL change, [`World::dns_stop`] then [`World::dns_start`]) drops the
+    /// wildcard.
+    pub fn dns_wildcard(&self, domain: &str, addr: IpAddr) {
+        let domain = normalize_name(domain);
+        let mut dns = self.dns_state();
+        if let Some(d) = dns.main.take() {
+            stop_child(d.child, "dnsmasq");
+        }
+        self.write_hosts_file(&dns);
+        let d = self.spawn_dnsmasq(
+            Role::Main,
+            dns.ttl,
+            &[format!("--address=/{domain}/{addr}")],
+        );
+        dns.main = Some(self.wait_dnsmasq_ready(d));
     }
 }
