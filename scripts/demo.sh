@@ -25,6 +25,10 @@ pids=()
 
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  # Whatever still runs inside the namespaces would keep them alive after `ip netns del`.
+  for ns in "$sb" "$net"; do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
+  done
   wait 2>/dev/null || true
   ip netns del "$sb" 2>/dev/null || true
   ip netns del "$net" 2>/dev/null || true
@@ -72,7 +76,7 @@ for name in $(sed -n 's/^ *- domain: *\([^ #]*\).*/\1/p' policies/default.yaml);
   records+=("--address=/$name/192.0.2.10")
 done
 records+=("--address=/paste.example.net/203.0.113.66")
-in_net dnsmasq --keep-in-foreground --conf-file=/dev/null --no-resolv --no-hosts \
+ip netns exec "$net" dnsmasq --keep-in-foreground --conf-file=/dev/null --no-resolv --no-hosts \
   --bind-interfaces --listen-address=192.0.2.53 --local=/#/ --user=root --group=root \
   --pid-file= "${records[@]}" 2>"$tmp/dnsmasq.log" &
 pids+=($!)
@@ -80,7 +84,7 @@ mkdir -p "/etc/netns/$sb" "$tmp/www"
 echo "nameserver 192.0.2.53" >"/etc/netns/$sb/resolv.conf"
 echo "hello from the internet" >"$tmp/www/index.html"
 for target in 192.0.2.10:443 203.0.113.66:443 169.254.169.254:80; do
-  in_net python3 -m http.server "${target##*:}" --bind "${target%:*}" \
+  ip netns exec "$net" python3 -m http.server "${target##*:}" --bind "${target%:*}" \
     --directory "$tmp/www" >/dev/null 2>&1 &
   pids+=($!)
 done

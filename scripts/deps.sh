@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs what egress-fence needs to build, test and demo on Debian 12: the C libraries the
 # nftnl and mnl crates link against, nftables (nft, the independent reader in tests), a real
-# DNS server (dnsmasq), real clients (dig, nc, curl), tcpdump, ipset (benchmark baseline) and
-# python3 (the demo's web servers). Only missing packages are installed.
+# DNS server (dnsmasq), real clients (dig, nc, curl), tcpdump, ipset (benchmark baseline),
+# python3 (the demo's web servers) and systemd (systemd-analyze checks the unit). Only
+# missing packages are installed.
 set -euo pipefail
 
 packages=(
   pkg-config libnftnl-dev libmnl-dev nftables
   dnsmasq-base dnsutils netcat-openbsd curl iproute2 tcpdump ipset python3 util-linux procps
+  systemd
 )
 
 if [ "$(id -u)" -ne 0 ]; then

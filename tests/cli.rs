@@ -137,4 +137,14 @@ fn the_demo_shows_an_allowed_and_a_refused_connection_and_cleans_up() {
         !text(&netns.stdout).contains("efdemo-"),
         "the demo left namespaces behind"
     );
+    // A process left running would keep its namespace alive, unnamed.
+    let left = Command::new("pgrep")
+        .args(["-f", "paste.example.net/203.0.113.66|http.server"])
+        .output()
+        .expect("pgrep");
+    assert!(
+        left.stdout.is_empty(),
+        "the demo left processes: {}",
+        text(&left.stdout)
+    );
 }
