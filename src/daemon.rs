@@ -257,19 +257,31 @@ struct Daemon {
     options: Options,
     policy: Policy,
     resolvers: Vec<IpAddr>,
-    resolver: NameResolver,
+    /// `None` until the resolvers are known (resolv.conf may not exist yet at boot).
+    resolver: Option<NameResolver>,
     names: BTreeMap<DomainName, NameState>,
     /// What the kernel was last told about each resolved element: its expiry.
     installed: BTreeMap<Tuple, Instant>,
     nft: Nft,
     /// When a failed full apply is tried again.
     retry_apply: Option<Instant>,
+    /// The ruleset generation right after our last transaction: when change notifications
+    /// were lost, a different current generation means someone else committed since.
+    our_generation: Option<u32>,
     last_refresh: Option<SystemTime>,
 }
 
 impl Daemon {
     async fn start(options: Options, policy: Policy) -> Result<Daemon, DaemonError> {
-        let (resolvers, resolver) = resolver_for(&policy, &options)?;
+        let (resolvers, resolver) = match resolver_for(&policy, &options) {
+            Ok((r, resolver)) => (r, Some(resolver)),
+            // At boot resolv.conf may not be written yet: the boundary goes up without names
+            // and the resolvers are looked for again.
+            Err(e) => {
+                warn!(error = %e, "no resolvers yet; applying the boundary without names");
+                (Vec::new(), None)
+            }
+        };
         let now = Instant::now();
         let names = policy
             .domains()
@@ -285,20 +297,48 @@ impl Daemon {
             installed: BTreeMap::new(),
             nft: Nft::open()?,
             retry_apply: None,
+            our_generation: None,
             last_refresh: None,
         };
-        daemon.resolve_all().await?;
+        // A running boundary (a restart) is replaced only once its names are resolved, so
+        // that nothing allowed goes missing for a moment. Without one (boot), the
+        // deny-by-default skeleton goes up at once: it needs no DNS, and names follow as they
+        // resolve.
+        if daemon.nft.table_exists()? {
+            daemon.resolve_all().await;
+        }
         // The first apply must work: a daemon that cannot install its boundary exits, and
         // systemd's Restart= tries again.
         daemon.apply_all()?;
         Ok(daemon)
     }
 
-    async fn resolve_all(&mut self) -> Result<(), DaemonError> {
+    async fn resolve_all(&mut self) {
+        let Some(resolver) = self.resolver.clone() else {
+            return;
+        };
         let names: Vec<DomainName> = self.names.keys().cloned().collect();
-        let hosts = self.resolver.lookup_all(names).await?;
-        self.take_answers(&hosts);
-        Ok(())
+        match resolver.lookup_all(names).await {
+            Ok(hosts) => self.take_answers(&hosts),
+            Err(e) => error!(error = %e, "resolver failure"),
+        }
+    }
+
+    /// The resolver, looking for the resolvers again if they were not known; when they
+    /// appear, the DNS sets change, so the table is applied anew.
+    fn resolver(&mut self) -> Option<NameResolver> {
+        if self.resolver.is_none() {
+            match resolver_for(&self.policy, &self.options) {
+                Ok((resolvers, resolver)) => {
+                    info!(resolvers = ?resolvers, "resolvers found");
+                    self.resolvers = resolvers;
+                    self.resolver = Some(resolver);
+                    self.reapply();
+                }
+                Err(e) => warn!(error = %e, "still no resolvers"),
+            }
+        }
+        self.resolver.clone()
     }
 
     /// Records answers, logging what changed.
@@ -364,6 +404,7 @@ impl Daemon {
         });
         match self.nft.apply(&ruleset) {
             Ok(()) => {
+                self.our_generation = self.nft.generation().ok();
                 self.installed = desired(&self.policy, &self.names, now);
                 self.retry_apply = None;
                 info!(
@@ -404,7 +445,10 @@ impl Daemon {
         }
         let elements: Vec<Timed> = send.iter().map(|&(t, e)| timed(t, e, now)).collect();
         match self.nft.upsert_resolved(&elements) {
-            Ok(()) => self.installed.extend(send),
+            Ok(()) => {
+                self.our_generation = self.nft.generation().ok();
+                self.installed.extend(send);
+            }
             Err(e) => {
                 // Someone may have removed our set under us: the full apply puts it back.
                 error!(error = %e, "refresh batch refused; reapplying the table");
@@ -451,17 +495,46 @@ impl Daemon {
         }
         self.policy = policy;
         self.resolvers = resolvers;
-        self.resolver = resolver;
+        self.resolver = Some(resolver);
         self.names = names;
         self.reapply();
     }
 
     /// Someone else changed the table: put it back.
     fn heal(&mut self, changes: &[Change]) {
-        for c in changes {
-            warn!(change = %c, "table inet {TABLE} was changed by someone else; restoring it");
-        }
+        let mut who: Vec<String> = changes
+            .iter()
+            .map(|c| match &c.process {
+                Some(p) => format!("{p} (netlink port {})", c.portid),
+                None => format!("netlink port {}", c.portid),
+            })
+            .collect();
+        who.dedup();
+        let first = changes.first().map_or("changes lost", |c| c.what);
+        warn!(
+            first = first,
+            changes = changes.len(),
+            by = %who.join(", "),
+            "table inet {TABLE} was changed by someone else; restoring it"
+        );
         self.reapply();
+    }
+
+    /// Notifications were lost: heal only if the ruleset moved on since our last transaction.
+    fn check_after_overrun(&mut self) {
+        match self.nft.generation() {
+            Ok(g) if Some(g) == self.our_generation => {
+                info!(
+                    "nftables notifications overran; the ruleset generation shows only our own transactions since"
+                );
+            }
+            Ok(_) | Err(_) => {
+                warn!(
+                    "nftables notifications were lost and the ruleset changed since our last transaction; restoring the table"
+                );
+                self.reapply();
+            }
+        }
     }
 
     fn next_wakeup(&self) -> Instant {
@@ -567,9 +640,13 @@ impl Daemon {
                     let due = self.take_due();
                     if due.is_empty() {
                         self.renew();
-                    } else {
-                        let resolver = self.resolver.clone();
+                    } else if let Some(resolver) = self.resolver() {
                         lookup = Some(tokio::spawn(async move { resolver.lookup_all(due).await }));
+                    } else {
+                        let retry = Instant::now() + backoff(1, self.policy.dns.refresh_min).max(Duration::from_secs(2));
+                        for state in self.names.values_mut() {
+                            state.next_due = state.next_due.min(retry);
+                        }
                     }
                 }
                 done = async { lookup.as_mut().expect("guarded").await }, if lookup.is_some() => {
@@ -585,21 +662,32 @@ impl Daemon {
                     if let Some(pending) = lookup.take() {
                         pending.abort();
                     }
+                    // Lets `systemctl reload` wait for the reload (Type=notify-reload).
+                    let mut reloading = vec![sd_notify::NotifyState::Reloading];
+                    reloading.extend(sd_notify::NotifyState::monotonic_usec_now().ok());
+                    let _ = sd_notify::notify(&reloading);
                     self.reload();
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
                 }
                 _ = terminate.recv() => break,
                 _ = interrupt.recv() => break,
                 ready = monitor.readable_mut() => {
                     let mut guard = ready.map_err(io("wait for nftables changes"))?;
                     let ours = self.nft.portid();
-                    let mut changes = guard.get_inner_mut().drain(ours)?;
+                    let mut drained = guard.get_inner_mut().drain(ours)?;
                     guard.clear_ready();
                     drop(guard);
-                    if !changes.is_empty() {
+                    if !drained.changes.is_empty() || drained.overrun {
                         // A flush or a script's reset arrives as a burst: take it whole.
                         tokio::time::sleep(Duration::from_millis(50)).await;
-                        changes.extend(monitor.get_mut().drain(ours)?);
-                        self.heal(&changes);
+                        let more = monitor.get_mut().drain(ours)?;
+                        drained.changes.extend(more.changes);
+                        drained.overrun |= more.overrun;
+                        if !drained.changes.is_empty() {
+                            self.heal(&drained.changes);
+                        } else {
+                            self.check_after_overrun();
+                        }
                     }
                 }
                 Some(event) = async { drops.as_mut().expect("guarded").recv().await }, if drops.is_some() => {

@@ -64,6 +64,14 @@ struct Target {
     netns: Option<String>,
 }
 
+#[derive(Args)]
+struct Resolving {
+    /// Where the resolvers come from when the policy names none (default: the named
+    /// namespace's /etc/netns/NS/resolv.conf if it exists, else /etc/resolv.conf).
+    #[arg(long, value_name = "FILE")]
+    resolv_conf: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Validate a policy without touching the network or the kernel.
@@ -75,6 +83,8 @@ enum Command {
         policy: PathBuf,
         #[command(flatten)]
         target: Target,
+        #[command(flatten)]
+        resolving: Resolving,
         /// Print the resolution and the ruleset as JSON instead.
         #[arg(long)]
         json: bool,
@@ -85,6 +95,8 @@ enum Command {
         policy: PathBuf,
         #[command(flatten)]
         target: Target,
+        #[command(flatten)]
+        resolving: Resolving,
         /// Print the outcome as JSON.
         #[arg(long)]
         json: bool,
@@ -107,6 +119,8 @@ enum Command {
         policy: PathBuf,
         #[command(flatten)]
         target: Target,
+        #[command(flatten)]
+        resolving: Resolving,
         /// Delete the table when stopped (for throwaway hosts); by default it stays.
         #[arg(long)]
         teardown_on_exit: bool,
@@ -143,6 +157,8 @@ enum Command {
         policy: PathBuf,
         #[command(flatten)]
         target: Target,
+        #[command(flatten)]
+        resolving: Resolving,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -211,16 +227,15 @@ fn main() -> ExitCode {
 }
 
 /// Enters the namespace (before any thread exists) and returns the resolv.conf to use.
-fn enter(target: &Target) -> Result<PathBuf, Failure> {
-    let default = PathBuf::from("/etc/resolv.conf");
-    match &target.netns {
-        None => Ok(default),
-        Some(arg) => {
-            let ns = Netns::parse(arg);
-            ns.enter()?;
-            Ok(ns.resolv_conf().unwrap_or(default))
-        }
+fn enter(target: &Target, resolving: Option<&Resolving>) -> Result<PathBuf, Failure> {
+    let ns = target.netns.as_deref().map(Netns::parse);
+    if let Some(ns) = &ns {
+        ns.enter()?;
     }
+    let given = resolving.and_then(|r| r.resolv_conf.clone());
+    Ok(given
+        .or_else(|| ns.and_then(|ns| ns.resolv_conf()))
+        .unwrap_or_else(|| PathBuf::from("/etc/resolv.conf")))
 }
 
 fn load(path: &Path) -> Result<Policy, Failure> {
@@ -247,9 +262,10 @@ fn run(command: Command) -> Result<u8, Failure> {
         Command::Plan {
             policy: path,
             target,
+            resolving,
             json,
         } => {
-            let resolv_conf = enter(&target)?;
+            let resolv_conf = enter(&target, Some(&resolving))?;
             let policy = load(&path)?;
             let resolution = resolve_policy(&policy, &resolv_conf)?;
             report_resolution(&policy, &resolution);
@@ -269,9 +285,10 @@ fn run(command: Command) -> Result<u8, Failure> {
         Command::Apply {
             policy: path,
             target,
+            resolving,
             json,
         } => {
-            let resolv_conf = enter(&target)?;
+            let resolv_conf = enter(&target, Some(&resolving))?;
             let policy = load(&path)?;
             let resolution = resolve_policy(&policy, &resolv_conf)?;
             report_resolution(&policy, &resolution);
@@ -302,7 +319,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             Ok(resolution_code(&resolution))
         }
         Command::Status { target, json } => {
-            enter(&target)?;
+            enter(&target, None)?;
             let Some(live) = Nft::open()?.read_table()? else {
                 if json {
                     println!("{}", serde_json::json!({ "installed": false }));
@@ -324,11 +341,12 @@ fn run(command: Command) -> Result<u8, Failure> {
         Command::Run {
             policy,
             target,
+            resolving,
             teardown_on_exit,
             log_format,
             log_drops,
         } => {
-            let resolv_conf = enter(&target)?;
+            let resolv_conf = enter(&target, Some(&resolving))?;
             init_logging(log_format);
             let options = daemon::Options {
                 policy_path: policy,
@@ -348,7 +366,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             count,
             json,
         } => {
-            enter(&target)?;
+            enter(&target, None)?;
             let group = match group {
                 Some(g) => g,
                 None => match Nft::open()?.log_group()? {
@@ -392,9 +410,10 @@ fn run(command: Command) -> Result<u8, Failure> {
         Command::Probe {
             policy: path,
             target,
+            resolving,
             json,
         } => {
-            let resolv_conf = enter(&target)?;
+            let resolv_conf = enter(&target, Some(&resolving))?;
             let policy = load(&path)?;
             let options = ProbeOptions::for_policy(&policy, &resolv_conf)?;
             let report = probe::run(&policy, &options)?;
@@ -418,7 +437,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             })
         }
         Command::Teardown { target } => {
-            enter(&target)?;
+            enter(&target, None)?;
             if Nft::open()?.teardown()? {
                 println!("deleted table inet {TABLE}");
             } else {

@@ -96,6 +96,12 @@ fn start(w: &World, notify: &Notify, policy_path: &Path, extra: &[&str]) -> Back
         let _ = daemon.terminate();
         panic!("no READY=1 from the daemon:\n{}", daemon.stderr());
     }
+    // On a fresh namespace READY comes with the deny-by-default skeleton; the names follow.
+    assert!(
+        daemon.wait_for_output("new addresses allowed", Duration::from_secs(10)),
+        "the names never resolved:\n{}",
+        daemon.stderr()
+    );
     daemon
 }
 
@@ -151,12 +157,12 @@ fn ready_comes_once_the_table_is_live_and_sigterm_leaves_it() {
     let live = has_table(&w);
     assert!(ready.is_some(), "no READY=1: {}", daemon.stderr());
     assert!(live, "READY=1 arrived before the table was live");
-    assert!(connects(&w, HOST_V4, 443));
+    // A fresh boundary starts as the deny-by-default skeleton; the name follows at once.
+    assert!(within(Duration::from_secs(5), || connects(&w, HOST_V4, 443)).is_some());
     let status = notify
-        .wait_for("STATUS=", Duration::from_secs(5))
-        .or(ready.filter(|r| r.contains("STATUS=")))
-        .expect("a STATUS= line");
-    assert!(status.contains("1 names, 1 addresses"), "{status}");
+        .wait_for("STATUS=1 names, 1 addresses", Duration::from_secs(5))
+        .expect("a STATUS= line with the resolved name");
+    assert!(status.contains("0 failing"), "{status}");
 
     let status = daemon.terminate();
     assert!(status.success(), "{status:?}: {}", daemon.stderr());
@@ -362,7 +368,7 @@ fn the_table_comes_back_within_a_second_after_a_flush_or_a_delete() {
         daemon.stderr()
     );
     assert!(
-        daemon.stderr().contains("(nft)"),
+        daemon.stderr().contains("by=nft (netlink port"),
         "the process is named: {}",
         daemon.stderr()
     );
@@ -439,4 +445,94 @@ fn refusals_are_logged_with_what_the_daemon_knows_of_their_destination() {
         "{}",
         daemon.stderr()
     );
+}
+
+#[test]
+fn a_large_table_does_not_mistake_its_own_notifications_for_tampering() {
+    let w = World::new();
+    // 16 addresses x 8 x 256 ports x 2 protocols: 65,536 elements, one notification each on
+    // every full apply of ours, far more than the notification socket holds.
+    let addrs: Vec<IpAddr> = (20..36u8).map(|i| IpAddr::from([203, 0, 113, i])).collect();
+    w.dns_set("big.example.com", &addrs, DEFAULT_DNS_TTL);
+    let ranges: Vec<String> = (1..=8).map(|k| format!("\"{k}000-{k}255\"")).collect();
+    let text = policy(&["big.example.com"]).replace(
+        "ports: [443]",
+        &format!("ports: [{}]\n    protocol: any", ranges.join(", ")),
+    );
+    let path = w.write_file("policy.yaml", &text);
+    let notify = Notify::new(&w);
+    let mut daemon = start(&w, &notify, &path, &[]);
+    // A reload applies the whole table: our own flood of notifications.
+    daemon.signal(Signal::SIGHUP);
+    assert!(daemon.wait_for_output("notifications overran", Duration::from_secs(10)));
+    thread::sleep(Duration::from_secs(1));
+    let log = daemon.stderr();
+    assert!(!log.contains("someone else"), "{log}");
+    assert!(!log.contains("notifications were lost"), "{log}");
+    assert!(
+        log.contains("notifications overran"),
+        "no overrun to handle: {log}"
+    );
+    assert_eq!(
+        log.matches("applied the table").count(),
+        2,
+        "start and reload only: {log}"
+    );
+
+    // A real change is still seen.
+    let out = w.sandbox_cmd(&["nft", "delete", "table", "inet", "egress_fence"]);
+    assert!(out.success(), "{out}");
+    assert!(
+        within(Duration::from_secs(2), || has_table(&w)).is_some(),
+        "{}",
+        daemon.stderr()
+    );
+}
+
+#[test]
+fn at_boot_without_resolvers_the_skeleton_goes_up_and_names_follow() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let _unlisted = w.listen_tcp(HOST3_V4, 443);
+    // No dns.resolvers in the policy, and the resolv.conf it falls back to is not written
+    // yet, as early in a boot.
+    let text = policy(&["api.example.com"]).replace("  resolvers: [192.0.2.53]\n", "");
+    let path = w.write_file("policy.yaml", &text);
+    let resolv = w.dir().join("resolv.conf");
+    let notify = Notify::new(&w);
+    let resolv_arg = resolv.to_str().expect("utf-8 path");
+    let mut daemon = w.spawn_egress_fence_with_env(
+        &[
+            "run",
+            path.to_str().expect("utf-8"),
+            "--resolv-conf",
+            resolv_arg,
+        ],
+        &[("NOTIFY_SOCKET", &notify.path)],
+    );
+    assert!(
+        notify
+            .wait_for("READY=1", Duration::from_secs(10))
+            .is_some(),
+        "no READY without resolvers: {}",
+        daemon.stderr()
+    );
+    assert!(has_table(&w), "READY without a boundary");
+    assert!(!connects(&w, HOST3_V4, 443));
+    assert!(
+        !connects(&w, HOST_V4, 443),
+        "a name allowed before it resolved"
+    );
+
+    std::fs::write(&resolv, "nameserver 192.0.2.53\n").expect("write resolv.conf");
+    let up = within(Duration::from_secs(10), || connects(&w, HOST_V4, 443));
+    assert!(up.is_some(), "the name never followed: {}", daemon.stderr());
+    assert!(!connects(&w, HOST3_V4, 443));
+    assert!(
+        daemon.stderr().contains("resolvers found"),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(daemon.terminate().success());
 }

@@ -23,7 +23,7 @@ use sys::Dump;
 pub enum NftError {
     #[error("cannot open a netlink socket to nf_tables")]
     Socket(#[source] io::Error),
-    #[error("the kernel refused {what}: {} ({errno}){}", errno.desc(), hint(*errno))]
+    #[error("the kernel refused {what}: {errno}{}", hint(*errno))]
     Refused { what: String, errno: Errno },
     #[error("netlink {doing} failed: {source}")]
     Io {
@@ -39,7 +39,11 @@ pub enum NftError {
 
 fn hint(errno: Errno) -> &'static str {
     match errno {
-        Errno::EPERM => "; changing nftables needs CAP_NET_ADMIN: run egress-fence as root",
+        Errno::EPERM => {
+            "; nftables needs CAP_NET_ADMIN (run as root, or grant it as the systemd unit \
+             does; capabilities inside a private user namespace, such as PrivateUsers=yes \
+             gives, do not count)"
+        }
         Errno::EOPNOTSUPP | Errno::ENOENT => {
             "; the kernel may lack an nftables feature egress-fence needs \
              (nf_tables with inet, set, log, limit, reject)"
@@ -248,6 +252,55 @@ impl Nft {
         Ok(out)
     }
 
+    /// The ruleset's generation: the kernel counts every committed transaction, anyone's.
+    pub fn generation(&mut self) -> Result<u32, NftError> {
+        const NFT_MSG_GETGEN: u16 = 16;
+        const NFT_MSG_NEWGEN: u16 = 15;
+        const NFTA_GEN_ID: u16 = 1;
+        let subsys = u16::from(NFNL_SUBSYS_NFTABLES) << 8;
+        // nlmsghdr, then nfgenmsg (family unspec, version 0, resource 0).
+        let mut request = 20u32.to_ne_bytes().to_vec();
+        request.extend_from_slice(&(subsys | NFT_MSG_GETGEN).to_ne_bytes());
+        request.extend_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
+        request.extend_from_slice(&0u32.to_ne_bytes());
+        request.extend_from_slice(&0u32.to_ne_bytes());
+        request.extend_from_slice(&[0, 0, 0, 0]);
+        let fd = sys::socket_fd(&self.socket);
+        socket::sendto(
+            fd.as_raw_fd(),
+            &request,
+            &NetlinkAddr::new(0, 0),
+            MsgFlags::empty(),
+        )
+        .map_err(|e| io_error("generation request", e))?;
+        loop {
+            let n = match socket::recv(fd.as_raw_fd(), &mut self.recv_buf, MsgFlags::empty()) {
+                Ok(n) => n,
+                Err(Errno::EAGAIN) => return Err(NftError::Timeout("the generation request")),
+                Err(e) => return Err(io_error("receive", e)),
+            };
+            for msg in mnl::NlMessages::new(&self.recv_buf[..n]) {
+                let msg = msg.map_err(|e| NftError::Malformed(e.to_string()))?;
+                let h = header(msg)?;
+                if h.kind == NLMSG_ERROR && h.error != 0 {
+                    return Err(NftError::Refused {
+                        what: "reading the ruleset generation".into(),
+                        errno: Errno::from_raw(h.error),
+                    });
+                }
+                if h.kind == subsys | NFT_MSG_NEWGEN {
+                    let id = msg
+                        .get(NFGEN_PAYLOAD..)
+                        .and_then(|attrs| attr(attrs, NFTA_GEN_ID))
+                        .and_then(|v| v.try_into().ok())
+                        .map(u32::from_be_bytes)
+                        .ok_or_else(|| NftError::Malformed("a generation message".into()))?;
+                    return Ok(id);
+                }
+            }
+        }
+    }
+
     pub fn table_exists(&mut self) -> Result<bool, NftError> {
         let request = sys::dump_request(Dump::Tables, &encode::table_name(), None, 0);
         let tables = self.dump(&request, "tables")?;
@@ -293,6 +346,28 @@ impl Nft {
             sets: with_elements,
         }))
     }
+}
+
+/// nf_tables messages carry their attributes after the netlink header and the nfgenmsg.
+const NFGEN_PAYLOAD: usize = 16 + 4;
+/// libc's NFNL_SUBSYS_NFTABLES.
+const NFNL_SUBSYS_NFTABLES: u8 = 10;
+
+/// The value of netlink attribute `kind` among `attrs`, if present.
+fn attr(attrs: &[u8], kind: u16) -> Option<&[u8]> {
+    let mut at = 0;
+    while at + 4 <= attrs.len() {
+        let len = usize::from(u16::from_ne_bytes([attrs[at], attrs[at + 1]]));
+        if len < 4 || at + len > attrs.len() {
+            return None;
+        }
+        // Without NLA_F_NESTED and NLA_F_NET_BYTEORDER.
+        if u16::from_ne_bytes([attrs[at + 2], attrs[at + 3]]) & 0x3fff == kind {
+            return Some(&attrs[at + 4..at + len]);
+        }
+        at += len.div_ceil(4) * 4;
+    }
+    None
 }
 
 fn malformed(what: &str) -> NftError {

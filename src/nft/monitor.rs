@@ -16,13 +16,15 @@ use crate::ruleset::TABLE;
 
 /// libc's NFNLGRP_NFTABLES.
 const NFNLGRP_NFTABLES: u32 = 7;
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFT_MSG_NEWGEN: u16 = 15;
 /// The first attribute of table, chain, rule, set and element messages names the table.
 const ATTR_TABLE: u16 = 1;
 const NFTA_GEN_PROC_NAME: u16 = 3;
 const NLMSG_HDRLEN: usize = 16;
 const NFGENMSG_LEN: usize = 4;
+/// Our own full apply of a large table is one notification per element: room for a few
+/// thousand; beyond that an overrun is resolved by the ruleset generation (see `Drained`).
+const RECV_BUFFER: usize = 4 << 20;
 
 /// A change to our table made by someone else.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,28 +64,37 @@ impl Monitor {
         let socket = mnl::Socket::open(mnl::Bus::Netfilter).map_err(NftError::Socket)?;
         socket
             .bind(1 << (NFNLGRP_NFTABLES - 1), 0)
-            .map_err(NftError::Socket)?;
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EPERM) => NftError::Refused {
+                    what: "a subscription to nftables change notifications".into(),
+                    errno: Errno::EPERM,
+                },
+                _ => NftError::Socket(e),
+            })?;
+        // Best effort: without it the overrun path still keeps us right.
+        let _ = socket::setsockopt(
+            &sys::socket_fd(&socket),
+            nix::sys::socket::sockopt::RcvBufForce,
+            &RECV_BUFFER,
+        );
         Ok(Monitor {
             socket,
             buf: vec![0; 2 * nftnl::nft_nlmsg_maxsize() as usize],
         })
     }
 
-    /// Reads every pending notification without blocking; returns the changes to our table
-    /// that a port other than `ours` made. Lost notifications count as a change.
-    pub fn drain(&mut self, ours: u32) -> Result<Vec<Change>, NftError> {
-        let mut changes = Vec::new();
+    /// Reads every pending notification without blocking: the changes to our table that a
+    /// port other than `ours` made, and whether notifications were lost.
+    pub fn drain(&mut self, ours: u32) -> Result<Drained, NftError> {
+        let mut drained = Drained::default();
+        let changes = &mut drained.changes;
         let fd = sys::socket_fd(&self.socket);
         loop {
             let n = match socket::recv(fd.as_raw_fd(), &mut self.buf, MsgFlags::MSG_DONTWAIT) {
                 Ok(n) => n,
-                Err(Errno::EAGAIN) => return Ok(changes),
+                Err(Errno::EAGAIN) => return Ok(drained),
                 Err(Errno::ENOBUFS) => {
-                    changes.push(Change {
-                        what: "notifications lost (receive buffer overrun)",
-                        portid: 0,
-                        process: None,
-                    });
+                    drained.overrun = true;
                     continue;
                 }
                 Err(e) => {
@@ -109,6 +120,15 @@ impl Monitor {
     }
 }
 
+/// What one drain of the notification socket found.
+#[derive(Debug, Default)]
+pub struct Drained {
+    pub changes: Vec<Change>,
+    /// The socket overflowed and notifications were lost: whether anyone but us changed
+    /// anything is then told by the ruleset generation (`Nft::generation`).
+    pub overrun: bool,
+}
+
 enum Notification {
     Change(Change),
     /// The end of a transaction, with the name of the process that committed it.
@@ -128,27 +148,15 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 
 /// The string attribute `kind` of a message's attributes, if present.
 fn string_attr(attrs: &[u8], kind: u16) -> Option<String> {
-    let mut at = 0;
-    while at + 4 <= attrs.len() {
-        let len = usize::from(u16_at(attrs, at)?);
-        if len < 4 || at + len > attrs.len() {
-            return None;
-        }
-        // Mask NLA_F_NESTED and NLA_F_NET_BYTEORDER.
-        if u16_at(attrs, at + 2)? & 0x3fff == kind {
-            let value = &attrs[at + 4..at + len];
-            let end = value.iter().position(|&b| b == 0).unwrap_or(value.len());
-            return Some(String::from_utf8_lossy(&value[..end]).into_owned());
-        }
-        at += len.div_ceil(4) * 4;
-    }
-    None
+    let value = super::attr(attrs, kind)?;
+    let end = value.iter().position(|&b| b == 0).unwrap_or(value.len());
+    Some(String::from_utf8_lossy(&value[..end]).into_owned())
 }
 
 fn parse(msg: &[u8]) -> Option<Notification> {
     let kind = u16_at(msg, 4)?;
     let portid = u32_at(msg, 12)?;
-    if kind >> 8 != NFNL_SUBSYS_NFTABLES {
+    if kind >> 8 != u16::from(super::NFNL_SUBSYS_NFTABLES) {
         return None;
     }
     let family = *msg.get(NLMSG_HDRLEN)?;
@@ -198,7 +206,9 @@ mod tests {
         let body: Vec<u8> = attrs.concat();
         let len = (NLMSG_HDRLEN + NFGENMSG_LEN + body.len()) as u32;
         let mut m = len.to_ne_bytes().to_vec();
-        m.extend_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | msg_type).to_ne_bytes());
+        m.extend_from_slice(
+            &((u16::from(crate::nft::NFNL_SUBSYS_NFTABLES) << 8) | msg_type).to_ne_bytes(),
+        );
         m.extend_from_slice(&0u16.to_ne_bytes());
         m.extend_from_slice(&1u32.to_ne_bytes());
         m.extend_from_slice(&portid.to_ne_bytes());
