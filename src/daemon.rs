@@ -26,8 +26,8 @@ use tracing::{error, info, warn};
 
 use crate::nft::monitor::{Change, Monitor};
 use crate::nft::{Nft, NftError};
-use crate::plan::{denied_answers, plan_with, tuples_for};
-use crate::policy::{Dns, DomainName, Policy, PolicyError};
+use crate::plan::{plan_with, resolved_tuple, services_of};
+use crate::policy::{Dns, DomainName, L4Proto, Policy, PolicyError};
 use crate::resolve::{NameResolver, Resolution, ResolveError, ResolvedAddr, ResolvedHost};
 use crate::ruleset::{TABLE, Timed, Tuple};
 use crate::watch::{DropEvent, WatchError, Watcher};
@@ -210,21 +210,38 @@ struct AnswerChanges {
     gone: Vec<IpAddr>,
 }
 
+/// How often expired elements are dropped from the record of what the kernel holds.
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
+
 /// How long an expired address is remembered, to explain refusals of it.
 const REMEMBER_EXPIRED: Duration = Duration::from_secs(3600);
 
-/// The resolved elements every live address needs, each with the latest expiry any name
-/// gives it.
-fn desired(
-    policy: &Policy,
-    names: &BTreeMap<DomainName, NameState>,
+/// The protocols and ports of every allowed name, indexed once per policy.
+type Services = BTreeMap<DomainName, Vec<(L4Proto, u16)>>;
+
+fn services(policy: &Policy) -> Services {
+    policy
+        .domains()
+        .into_iter()
+        .map(|n| (n.clone(), services_of(policy, n).collect()))
+        .collect()
+}
+
+/// The resolved elements the live addresses of `names` need, each with the latest expiry
+/// any of them gives it.
+fn desired<'a>(
+    names: impl Iterator<Item = (&'a DomainName, &'a NameState)>,
+    services: &Services,
     now: Instant,
 ) -> BTreeMap<Tuple, Instant> {
     let mut out: BTreeMap<Tuple, Instant> = BTreeMap::new();
     for (name, state) in names {
+        let Some(ports) = services.get(name) else {
+            continue;
+        };
         for (&addr, &expires) in state.live(now) {
-            for tuple in tuples_for(policy, name, addr) {
-                let e = out.entry(tuple).or_insert(expires);
+            for &service in ports {
+                let e = out.entry(resolved_tuple(addr, service)).or_insert(expires);
                 *e = (*e).max(expires);
             }
         }
@@ -233,7 +250,8 @@ fn desired(
 }
 
 /// The elements to send so the kernel holds every desired element at least until its
-/// desired expiry: new ones, and those whose expiry moved later.
+/// desired expiry: new ones, and those whose expiry moved later. An element shared with
+/// names not in `desired` is never shortened: the kernel already holds their later expiry.
 fn renewals(
     desired: &BTreeMap<Tuple, Instant>,
     installed: &BTreeMap<Tuple, Instant>,
@@ -260,8 +278,11 @@ struct Daemon {
     /// `None` until the resolvers are known (resolv.conf may not exist yet at boot).
     resolver: Option<NameResolver>,
     names: BTreeMap<DomainName, NameState>,
+    services: Services,
     /// What the kernel was last told about each resolved element: its expiry.
     installed: BTreeMap<Tuple, Instant>,
+    /// When expired entries are next dropped from `installed`.
+    next_prune: Instant,
     nft: Nft,
     /// When a failed full apply is tried again.
     retry_apply: Option<Instant>,
@@ -290,11 +311,13 @@ impl Daemon {
             .collect();
         let mut daemon = Daemon {
             options,
+            services: services(&policy),
             policy,
             resolvers,
             resolver,
             names,
             installed: BTreeMap::new(),
+            next_prune: now,
             nft: Nft::open()?,
             retry_apply: None,
             our_generation: None,
@@ -363,9 +386,13 @@ impl Daemon {
                       "addresses no longer answered stay allowed until their grace ends");
             }
         }
-        let resolution = self.resolution(now);
-        for w in denied_answers(&self.policy, &resolution) {
-            warn!("{w}");
+        for host in hosts {
+            for a in &host.addrs {
+                if let Some(deny) = self.policy.denied_by(a.addr) {
+                    warn!(name = %host.name, addr = %a.addr, denied_by = %deny.describe(),
+                          "an answer lies in a denied network; it stays refused (deny wins)");
+                }
+            }
         }
     }
 
@@ -405,7 +432,7 @@ impl Daemon {
         match self.nft.apply(&ruleset) {
             Ok(()) => {
                 self.our_generation = self.nft.generation().ok();
-                self.installed = desired(&self.policy, &self.names, now);
+                self.installed = desired(self.names.iter(), &self.services, now);
                 self.retry_apply = None;
                 info!(
                     table = %format!("inet {TABLE}"),
@@ -434,11 +461,16 @@ impl Daemon {
         due
     }
 
-    /// Sends, as one batch, the resolved elements that are new or live longer now.
-    fn renew(&mut self) {
+    /// Sends, as one batch, the elements of `answered` that are new or live longer now. The
+    /// cost follows the answers, not the size of the table.
+    fn renew(&mut self, answered: &[DomainName]) {
         let now = Instant::now();
-        self.installed.retain(|_, e| *e > now);
-        let want = desired(&self.policy, &self.names, now);
+        if now >= self.next_prune {
+            self.installed.retain(|_, e| *e > now);
+            self.next_prune = now + PRUNE_EVERY;
+        }
+        let names = answered.iter().filter_map(|n| self.names.get_key_value(n));
+        let want = desired(names, &self.services, now);
         let send = renewals(&want, &self.installed);
         if send.is_empty() {
             return;
@@ -493,6 +525,7 @@ impl Daemon {
             state.next_due = now;
             names.insert(name.clone(), state);
         }
+        self.services = services(&policy);
         self.policy = policy;
         self.resolvers = resolvers;
         self.resolver = Some(resolver);
@@ -623,6 +656,8 @@ impl Daemon {
         let mut watchdog_tick =
             tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
         let mut last_status = self.status_line();
+        let mut status_at = Instant::now();
+        let mut status_tick = tokio::time::interval(Duration::from_secs(1));
         let _ = sd_notify::notify(&[
             sd_notify::NotifyState::Ready,
             sd_notify::NotifyState::Status(&last_status),
@@ -639,7 +674,7 @@ impl Daemon {
                     }
                     let due = self.take_due();
                     if due.is_empty() {
-                        self.renew();
+                        // Only a retried apply woke us.
                     } else if let Some(resolver) = self.resolver() {
                         lookup = Some(tokio::spawn(async move { resolver.lookup_all(due).await }));
                     } else {
@@ -652,11 +687,15 @@ impl Daemon {
                 done = async { lookup.as_mut().expect("guarded").await }, if lookup.is_some() => {
                     lookup = None;
                     match done {
-                        Ok(Ok(hosts)) => self.take_answers(&hosts),
+                        Ok(Ok(hosts)) => {
+                            self.take_answers(&hosts);
+                            let answered: Vec<DomainName> =
+                                hosts.into_iter().map(|h| h.name).collect();
+                            self.renew(&answered);
+                        }
                         Ok(Err(e)) => error!(error = %e, "resolver failure"),
                         Err(e) => error!(error = %e, "lookup task failed"),
                     }
-                    self.renew();
                 }
                 _ = hangup.recv() => {
                     if let Some(pending) = lookup.take() {
@@ -693,15 +732,21 @@ impl Daemon {
                 Some(event) = async { drops.as_mut().expect("guarded").recv().await }, if drops.is_some() => {
                     self.log_drop(event);
                 }
+                // Brings the status line below up to date even when nothing else happens.
+                _ = status_tick.tick() => {}
                 _ = watchdog_tick.tick(), if watchdog.is_some() => {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
                 }
             }
-            // Only changes: the notify socket is a datagram queue that a slow reader fills.
-            let status = self.status_line();
-            if status != last_status {
-                let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
-                last_status = status;
+            // Only changes, at most once a second: the notify socket is a datagram queue
+            // that a slow reader fills, and counting addresses is not free.
+            if status_at.elapsed() >= Duration::from_secs(1) {
+                status_at = Instant::now();
+                let status = self.status_line();
+                if status != last_status {
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+                    last_status = status;
+                }
             }
         }
 
@@ -842,7 +887,8 @@ mod tests {
         names.insert("a.example".parse().unwrap(), a);
         names.insert("b.example".parse().unwrap(), b);
 
-        let want = desired(&p, &names, now);
+        let svc = services(&p);
+        let want = desired(names.iter(), &svc, now);
         let t443 = Tuple {
             net: ip.into(),
             proto: L4Proto::Tcp,
@@ -880,7 +926,16 @@ mod tests {
 
         // Expired addresses want nothing.
         let much_later = now + Duration::from_secs(201);
-        assert!(desired(&p, &names, much_later).is_empty());
+        assert!(desired(names.iter(), &svc, much_later).is_empty());
+        // A refresh of name a alone cannot shorten what b gave the shared element.
+        let only_a = desired(
+            names.iter().filter(|(n, _)| n.as_str() == "a.example"),
+            &svc,
+            now,
+        );
+        let mut kernel = BTreeMap::from([(t443, now + Duration::from_secs(200))]);
+        kernel.insert(t80, now + Duration::from_secs(200));
+        assert!(renewals(&only_a, &kernel).is_empty());
     }
 
     #[test]

@@ -25,28 +25,31 @@ pub fn plan(policy: &Policy, resolution: &Resolution) -> Ruleset {
     plan_with(policy, resolution, |_, _| None)
 }
 
-/// The resolved-set elements of one address of `name`: one per port of every entry that
-/// allows the name.
-pub fn tuples_for<'a>(
+/// The protocols and ports `name` is allowed on: one per port of every entry that allows it.
+pub fn services_of<'a>(
     policy: &'a Policy,
     name: &'a DomainName,
-    addr: IpAddr,
-) -> impl Iterator<Item = Tuple> + 'a {
+) -> impl Iterator<Item = (L4Proto, u16)> + 'a {
     policy
         .allow
         .iter()
         .filter(move |a| matches!(&a.target, Target::Domain(d) if d == name))
         .flat_map(move |a| {
             a.protocol.l4protos().iter().flat_map(move |&proto| {
-                a.ports.iter().flat_map(move |range| {
-                    range.ports().map(move |port| Tuple {
-                        net: IpNet::from(addr),
-                        proto,
-                        ports: PortRange::single(port),
-                    })
-                })
+                a.ports
+                    .iter()
+                    .flat_map(move |range| range.ports().map(move |port| (proto, port)))
             })
         })
+}
+
+/// The resolved-set element of `addr` for one protocol and port.
+pub fn resolved_tuple(addr: IpAddr, (proto, port): (L4Proto, u16)) -> Tuple {
+    Tuple {
+        net: IpNet::from(addr),
+        proto,
+        ports: PortRange::single(port),
+    }
 }
 
 /// Like [`plan`], with each resolved address's element timeout given by `timeout_of`
@@ -87,7 +90,7 @@ pub fn plan_with(
     for host in &resolution.hosts {
         for a in &host.addrs {
             let timeout = timeout_of(&host.name, a.addr).map(|d| d.as_millis() as u64);
-            for tuple in tuples_for(policy, &host.name, a.addr) {
+            for tuple in services_of(policy, &host.name).map(|s| resolved_tuple(a.addr, s)) {
                 // An address shared by names lives as long as the longest-lived of them.
                 let entry = exact.entry(tuple).or_insert(timeout);
                 *entry = match (*entry, timeout) {

@@ -109,6 +109,9 @@ impl Nft {
             &nix::sys::time::TimeVal::new(RECV_TIMEOUT.as_secs() as _, 0),
         )
         .map_err(|e| NftError::Socket(e.into()))?;
+        sys::cap_acks(&socket).map_err(NftError::Socket)?;
+        // Room for the acknowledgements of a large batch (best effort).
+        let _ = socket::setsockopt(&sys::socket_fd(&socket), sockopt::RcvBufForce, &(1 << 20));
         Ok(Nft {
             socket,
             recv_buf: vec![0; 2 * nftnl::nft_nlmsg_maxsize() as usize],

@@ -434,6 +434,31 @@ pub fn socket_fd(socket: &mnl::Socket) -> std::os::fd::BorrowedFd<'_> {
     unsafe { std::os::fd::BorrowedFd::borrow_raw(socket.as_raw_fd()) }
 }
 
+/// Makes the kernel's error replies carry only the failing message's header, not the whole
+/// message: a refused batch of large element messages would otherwise overflow the socket
+/// with copies of them, and the acknowledgements behind them would be lost.
+pub fn cap_acks(socket: &mnl::Socket) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    const NETLINK_CAP_ACK: c_int = 10;
+    let on: c_int = 1;
+    // SAFETY: a plain int option on a live socket descriptor; the pointer and length describe
+    // `on`, which outlives the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_NETLINK,
+            NETLINK_CAP_ACK,
+            (&on as *const c_int).cast::<c_void>(),
+            std::mem::size_of::<c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Registers the change monitor with the tokio reactor of the current runtime.
 pub fn async_monitor(
     monitor: super::monitor::Monitor,
