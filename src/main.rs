@@ -2,11 +2,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use egress_fence::daemon;
 use egress_fence::netns::Netns;
 use egress_fence::nft::Nft;
+use egress_fence::nft::live::Destinations;
 use egress_fence::plan::{denied_answers, plan};
 use egress_fence::policy::{Policy, PolicyError, Preset};
 use egress_fence::probe::{self, ProbeOptions};
@@ -190,6 +192,9 @@ fn init_logging(format: LogFormat) {
         LogFormat::Json => builder.json().init(),
     }
 }
+
+/// How often `watch` reads the table again for its notes.
+const WATCH_REREAD: Duration = Duration::from_secs(10);
 
 const EXIT_FAILURE: u8 = 1;
 const EXIT_BAD_POLICY: u8 = 2;
@@ -386,6 +391,10 @@ fn run(command: Command) -> Result<u8, Failure> {
             };
             let mut watcher = Watcher::subscribe(group)?;
             eprintln!("watching NFLOG group {group} for refused packets");
+            // What the table says of destinations, read again now and then: a daemon keeps
+            // changing the resolved sets.
+            let mut nft = Nft::open()?;
+            let mut known: Option<(Instant, Destinations)> = None;
             let mut seen = 0;
             while count.is_none_or(|c| seen < c) {
                 let mut event = match watcher.next_event() {
@@ -396,8 +405,21 @@ fn run(command: Command) -> Result<u8, Failure> {
                     }
                     Err(e) => return Err(e.into()),
                 };
-                event.note = Preset::containing(event.dst)
-                    .map(|p| format!("{} (preset {})", p.describe(), p.name()));
+                if known
+                    .as_ref()
+                    .is_none_or(|(at, _)| at.elapsed() > WATCH_REREAD)
+                {
+                    let table = nft.read_table()?;
+                    known = Some((
+                        Instant::now(),
+                        table.as_ref().map(Destinations::of).unwrap_or_default(),
+                    ));
+                }
+                let table_note = known.as_ref().map(|(_, d)| d.note(event.dst));
+                event.note = match Preset::containing(event.dst) {
+                    Some(p) => Some(format!("{} (preset {})", p.describe(), p.name())),
+                    None => table_note,
+                };
                 if json {
                     println!("{}", serde_json::to_string(&event)?);
                 } else {

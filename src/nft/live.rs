@@ -129,6 +129,46 @@ pub fn log_group(rules: &[LiveRule]) -> Option<u16> {
         .find_map(|r| r.log_group)
 }
 
+/// What the installed table says about destinations, for notes on refused packets.
+#[derive(Debug, Clone, Default)]
+pub struct Destinations {
+    denied: Vec<IpNet>,
+    allowed: Vec<IpNet>,
+}
+
+impl Destinations {
+    pub fn of(table: &LiveTable) -> Destinations {
+        let mut d = Destinations::default();
+        for id in SetId::ALL {
+            let Some(contents) = table.contents(id) else {
+                continue;
+            };
+            let nets: Vec<IpNet> = match contents {
+                Elements::Networks(n) => n,
+                Elements::Tuples(t) => t.into_iter().map(|t| t.net).collect(),
+                Elements::Timed(t) => t.into_iter().map(|t| t.tuple.net).collect(),
+            };
+            match id.role {
+                crate::ruleset::SetRole::Deny => d.denied.extend(nets),
+                _ => d.allowed.extend(nets),
+            }
+        }
+        d
+    }
+
+    /// "denied (169.254.0.0/16)", "allowed on other ports or protocols only", or "not in the
+    /// policy".
+    pub fn note(&self, dst: IpAddr) -> String {
+        if let Some(net) = self.denied.iter().find(|n| n.contains(&dst)) {
+            format!("denied ({})", crate::ruleset::fmt_net(net))
+        } else if self.allowed.iter().any(|n| n.contains(&dst)) {
+            "allowed on other ports or protocols only".to_string()
+        } else {
+            "not in the policy".to_string()
+        }
+    }
+}
+
 fn hook_name(hook: u32) -> &'static str {
     match hook as i32 {
         libc::NF_INET_PRE_ROUTING => "prerouting",
