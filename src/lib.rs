@@ -11,4 +11,5 @@ pub mod policy;
 pub mod probe;
 pub mod resolve;
 pub mod ruleset;
+pub mod state;
 pub mod watch;

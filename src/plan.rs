@@ -267,7 +267,7 @@ fn disjoint_tuples(tuples: impl Iterator<Item = Tuple>) -> Vec<Tuple> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::net::IpAddr;
     use std::path::Path;
 
@@ -278,7 +278,9 @@ mod tests {
         Policy::parse(src, Path::new("t.yaml")).expect("valid policy")
     }
 
-    fn resolution(hosts: &[(&str, &[&str])]) -> Resolution {
+    /// Names and their addresses (TTL 60), resolved by 192.0.2.53 and 2001:db8::53; a name
+    /// without addresses is NXDOMAIN. Shared by the tests of other modules.
+    pub(crate) fn resolution(hosts: &[(&str, &[&str])]) -> Resolution {
         Resolution {
             resolvers: vec![
                 "192.0.2.53".parse().unwrap(),

@@ -206,7 +206,7 @@ pub enum Protocol {
 }
 
 /// A single IP protocol number as the kernel sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum L4Proto {
     Tcp,
@@ -890,11 +890,18 @@ fn locate(source: &str, needle: &str) -> (usize, usize) {
 impl Policy {
     /// Reads and validates a policy file.
     pub fn load(path: &Path) -> Result<Policy, PolicyError> {
+        Policy::load_with_text(path).map(|(policy, _)| policy)
+    }
+
+    /// Reads and validates a policy file; also returns the text that was validated (what a
+    /// generation records: the file may change right after).
+    pub fn load_with_text(path: &Path) -> Result<(Policy, String), PolicyError> {
         let source = std::fs::read_to_string(path).map_err(|error| PolicyError::Read {
             path: path.to_owned(),
             error,
         })?;
-        Policy::parse(&source, path)
+        let policy = Policy::parse(&source, path)?;
+        Ok((policy, source))
     }
 
     /// Validates policy text; `path` only labels the errors.

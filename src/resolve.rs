@@ -11,12 +11,12 @@ use hickory_resolver::config::{NameServerConfig, ResolveHosts, ResolverConfig, R
 use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::proto::rr::RData;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::policy::DomainName;
 
 /// What resolving the policy's names produced.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resolution {
     /// The resolvers that were asked (and that the ruleset allows for DNS).
     pub resolvers: Vec<IpAddr>,
@@ -24,17 +24,17 @@ pub struct Resolution {
     pub hosts: Vec<ResolvedHost>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResolvedHost {
     pub name: DomainName,
     /// Distinct addresses, sorted, each with the TTL of the record that carried it.
     pub addrs: Vec<ResolvedAddr>,
     /// The server says the name does not exist.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub nxdomain: bool,
     /// Failures of the A or AAAA query ("AAAA: timed out"): no answer came for it. A name
     /// with addresses and an error resolved only partly.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<String>,
 }
 
@@ -51,7 +51,7 @@ impl ResolvedHost {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ResolvedAddr {
     pub addr: IpAddr,
     pub ttl: u32,

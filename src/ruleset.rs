@@ -8,7 +8,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use serde::Serialize;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::policy::{Action, L4Proto, PortRange, Rate};
 
@@ -17,7 +17,7 @@ pub const TABLE: &str = "egress_fence";
 pub const OUTPUT_CHAIN: &str = "output";
 pub const REFUSED_CHAIN: &str = "refused";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Family {
     #[serde(rename = "ipv4")]
     V4,
@@ -63,7 +63,7 @@ impl Family {
 }
 
 /// What a set is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SetRole {
     /// Denied networks (interval set of addresses), checked first.
@@ -79,7 +79,7 @@ pub enum SetRole {
 }
 
 /// One of the eight sets of the table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct SetId {
     pub role: SetRole,
     pub family: Family,
@@ -148,6 +148,27 @@ impl SetId {
         self.role == SetRole::Resolved
     }
 
+    /// The set's flags as nft writes them.
+    pub fn flag_names(self) -> Vec<&'static str> {
+        [
+            self.interval().then_some("interval"),
+            self.timeout().then_some("timeout"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    /// `type ipv4_addr; flags interval`: what nft says of the set besides its elements.
+    pub fn definition(self) -> String {
+        let flags = self.flag_names();
+        if flags.is_empty() {
+            format!("type {}", self.nft_type())
+        } else {
+            format!("type {}; flags {}", self.nft_type(), flags.join(","))
+        }
+    }
+
     fn nft_type(self) -> &'static str {
         match (self.shape(), self.family) {
             (KeyShape::Addr, Family::V4) => "ipv4_addr",
@@ -159,23 +180,42 @@ impl SetId {
 }
 
 /// Destination network, protocol and destination ports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Tuple {
     pub net: IpNet,
     pub proto: L4Proto,
+    #[serde(deserialize_with = "stored_ports")]
     pub ports: PortRange,
+}
+
+/// Port ranges as a stored ruleset holds them: unlike a policy's, they may start at port 0
+/// (`0-65535`, every port of a `cidr:` entry).
+fn stored_ports<'de, D: Deserializer<'de>>(d: D) -> Result<PortRange, D::Error> {
+    let text = String::deserialize(d)?;
+    let port = |s: &str| s.parse::<u16>().map_err(serde::de::Error::custom);
+    let (first, last) = match text.split_once('-') {
+        Some((a, b)) => (port(a)?, port(b)?),
+        None => (port(&text)?, port(&text)?),
+    };
+    if first > last {
+        return Err(serde::de::Error::custom(format!(
+            "port range `{text}` runs backwards"
+        )));
+    }
+    Ok(PortRange { first, last })
 }
 
 /// An element of a resolved set: a tuple and, when the daemon keeps it fresh, how long the
 /// kernel keeps it without another refresh (so a dead daemon's addresses still expire).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Timed {
     #[serde(flatten)]
     pub tuple: Tuple,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub timeout_ms: Option<u64>,
     /// Read back from the kernel only: how long until it expires.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_ms: Option<u64>,
 }
 
@@ -189,7 +229,7 @@ impl Timed {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Elements {
     /// Deny sets.
@@ -223,14 +263,14 @@ impl Elements {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Set {
     pub id: SetId,
     pub elements: Elements,
 }
 
 /// ICMPv6 messages a host must send to keep its link working.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Icmpv6Type {
     NdRouterSolicit,
@@ -260,7 +300,7 @@ impl Icmpv6Type {
 }
 
 /// How refused packets are logged.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogSpec {
     pub prefix: String,
     pub group: Option<u16>,
@@ -269,7 +309,7 @@ pub struct LogSpec {
 }
 
 /// The shapes of rule the table uses.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Rule {
     /// `ct state established,related accept`
@@ -344,7 +384,7 @@ pub fn dhcp_ports(family: Family) -> (u16, u16) {
 }
 
 /// The whole table as a value.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ruleset {
     /// All eight sets, in [`SetId::ALL`] order.
     pub sets: Vec<Set>,
@@ -400,13 +440,7 @@ impl fmt::Display for Set {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "\tset {} {{", self.id.name())?;
         writeln!(f, "\t\ttype {}", self.id.nft_type())?;
-        let flags: Vec<&str> = [
-            self.id.interval().then_some("interval"),
-            self.id.timeout().then_some("timeout"),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
+        let flags = self.id.flag_names();
         if !flags.is_empty() {
             writeln!(f, "\t\tflags {}", flags.join(","))?;
         }
