@@ -4,6 +4,7 @@
 //! (a [`ruleset::Ruleset`] value) -> [`nft`] (one netlink batch to the kernel).
 
 pub mod daemon;
+pub mod diff;
 pub mod netns;
 pub mod nft;
 pub mod plan;

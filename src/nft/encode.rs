@@ -493,6 +493,18 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     e
 }
 
+/// The expressions of `rule` as libnftnl prints them, the form [`sys::parse_rule`] gives
+/// for a rule read back from the kernel: lets a comparison match planned rules with live ones.
+pub fn rule_text(rule: &Rule) -> Vec<String> {
+    let table = table();
+    // The chain's name is not part of a rule's expressions.
+    let name = cstring(OUTPUT_CHAIN);
+    let chain = Chain::new(&name, &table);
+    // Set ids only matter within one batch; the text names sets by name.
+    let nl = nl_rule(&chain, rule, &BTreeMap::new());
+    sys::describe_rule(&nl).map_or_else(|| vec![format!("unreadable rule: {rule}")], |r| r.exprs)
+}
+
 fn nl_rule<'a>(
     chain: &'a Chain<'a>,
     rule: &Rule,
@@ -511,18 +523,8 @@ mod tests {
     use crate::policy::{L4Proto, PortRange};
     use crate::ruleset::{Icmpv6Type, LogSpec, SetRole};
 
-    /// The libnftnl text of one rule as we encode it.
     fn exprs(rule: &Rule) -> Vec<String> {
-        let table = table();
-        let name = cstring(OUTPUT_CHAIN);
-        let chain = Chain::new(&name, &table);
-        let ids: BTreeMap<SetId, u32> = SetId::ALL
-            .iter()
-            .enumerate()
-            .map(|(i, id)| (*id, i as u32 + 1))
-            .collect();
-        let nl = nl_rule(&chain, rule, &ids);
-        sys::describe_rule(&nl).expect("our own rule parses").exprs
+        rule_text(rule)
     }
 
     // Expected texts are those `nft --debug=netlink` prints for the same rule written as

@@ -70,13 +70,7 @@ impl LiveTable {
                 name: c.name.clone(),
                 hook: c.hook.map(|(hook, _, _)| hook_name(hook).to_string()),
                 priority: c.hook.map(|(_, prio, _)| prio),
-                policy: c.hook.map(|(_, _, policy)| {
-                    if policy == libc::NF_DROP as u32 {
-                        "drop".to_string()
-                    } else {
-                        "accept".to_string()
-                    }
-                }),
+                policy: c.hook.map(|(_, _, policy)| policy_name(policy).to_string()),
                 rules: self.rules.iter().filter(|r| r.chain == c.name).count(),
             })
             .collect();
@@ -166,6 +160,27 @@ impl Destinations {
         } else {
             "not in the policy".to_string()
         }
+    }
+}
+
+/// A chain's hook as nft writes it: "hook output priority 0 policy drop", or "no hook" for a
+/// regular chain.
+pub fn describe_hook(hook: Option<(u32, i32, u32)>) -> String {
+    match hook {
+        Some((hook, priority, policy)) => format!(
+            "hook {} priority {priority} policy {}",
+            hook_name(hook),
+            policy_name(policy)
+        ),
+        None => "no hook".to_string(),
+    }
+}
+
+fn policy_name(policy: u32) -> &'static str {
+    if policy == libc::NF_DROP as u32 {
+        "drop"
+    } else {
+        "accept"
     }
 }
 

@@ -1,0 +1,829 @@
+//! What applying a ruleset would change in the table the kernel holds: the comparison behind
+//! `diff`, `apply`'s "unchanged" and `status`'s drift report.
+//!
+//! Pure: both sides are values. The live side is what [`crate::nft::Nft::read_table`] read
+//! back over netlink. Rules are compared in libnftnl's expression text, the one form both
+//! sides have: planned rules are encoded exactly as `apply` sends them and described by
+//! libnftnl ([`encode::rule_text`]), live rules as the kernel returned them. Counter values
+//! and element timeouts are state, not configuration, and are ignored.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+use crate::nft::LiveTable;
+use crate::nft::encode::{self, key_spec, set_flags};
+use crate::nft::live::describe_hook;
+use crate::policy::Action;
+use crate::ruleset::{
+    Elements, Family, Icmpv6Type, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
+    TABLE, Tuple, fmt_net, fmt_tuple,
+};
+
+/// What to leave out of a comparison.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CompareOptions {
+    /// Leave the contents of the resolved sets out: the daemon changes them all the time.
+    pub ignore_resolved_contents: bool,
+}
+
+/// Whether an object exists on both sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Presence {
+    Both,
+    /// Wanted, not in the kernel: applying creates it.
+    Missing,
+    /// In the kernel, not wanted: applying removes it.
+    Extra,
+}
+
+/// A property that differs: what the kernel has, and what is wanted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Changed {
+    pub live: String,
+    pub want: String,
+}
+
+/// The differences of one set; `added` are wanted elements the kernel lacks, `removed` live
+/// ones that are not wanted (as nft writes them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SetDiff {
+    pub name: String,
+    pub presence: Presence,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub definition: Option<Changed>,
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+}
+
+/// The differences of one chain; rules as nft writes them where they are known, else as
+/// libnftnl prints their expressions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChainDiff {
+    pub name: String,
+    pub presence: Presence,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub definition: Option<Changed>,
+    pub added_rules: Vec<String>,
+    pub removed_rules: Vec<String>,
+}
+
+/// Everything that differs between a wanted ruleset and the live table; only objects with
+/// differences are listed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct TableDiff {
+    /// The table is not installed at all.
+    pub table_missing: bool,
+    pub sets: Vec<SetDiff>,
+    pub chains: Vec<ChainDiff>,
+}
+
+impl TableDiff {
+    pub fn is_empty(&self) -> bool {
+        !self.table_missing && self.sets.is_empty() && self.chains.is_empty()
+    }
+
+    /// One line per changed object: "set allow4: +2 -1 elements".
+    pub fn summary(&self) -> Vec<String> {
+        if self.table_missing {
+            return vec![format!("table inet {TABLE} is new (it was not installed)")];
+        }
+        let mut out = Vec::new();
+        for s in &self.sets {
+            out.push(format!(
+                "set {}: {}",
+                s.name,
+                describe_change(s.presence, &s.definition, &s.added, &s.removed, "elements")
+            ));
+        }
+        for c in &self.chains {
+            out.push(format!(
+                "chain {}: {}",
+                c.name,
+                describe_change(
+                    c.presence,
+                    &c.definition,
+                    &c.added_rules,
+                    &c.removed_rules,
+                    "rules"
+                )
+            ));
+        }
+        out
+    }
+}
+
+fn describe_change(
+    presence: Presence,
+    definition: &Option<Changed>,
+    added: &[String],
+    removed: &[String],
+    what: &str,
+) -> String {
+    let mut parts = Vec::new();
+    match presence {
+        Presence::Missing => parts.push("missing".to_string()),
+        Presence::Extra => parts.push("not egress-fence's".to_string()),
+        Presence::Both => {}
+    }
+    if let Some(d) = definition {
+        parts.push(format!("{} (wanted: {})", d.live, d.want));
+    }
+    if !added.is_empty() || !removed.is_empty() {
+        parts.push(format!("+{} -{} {what}", added.len(), removed.len()));
+    }
+    parts.join(", ")
+}
+
+/// The full list, one object per paragraph, `+` for what applying adds and `-` for what it
+/// removes.
+impl fmt::Display for TableDiff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.table_missing {
+            writeln!(f, "table inet {TABLE}: not installed")?;
+        }
+        for s in &self.sets {
+            let what = describe_change(s.presence, &s.definition, &s.added, &s.removed, "elements");
+            writeln!(f, "set {}: {what}", s.name)?;
+            write_items(f, &s.added, &s.removed)?;
+        }
+        for c in &self.chains {
+            let what = describe_change(
+                c.presence,
+                &c.definition,
+                &c.added_rules,
+                &c.removed_rules,
+                "rules",
+            );
+            writeln!(f, "chain {}: {what}", c.name)?;
+            write_items(f, &c.added_rules, &c.removed_rules)?;
+        }
+        Ok(())
+    }
+}
+
+fn write_items(f: &mut fmt::Formatter<'_>, added: &[String], removed: &[String]) -> fmt::Result {
+    for a in added {
+        writeln!(f, "  + {a}")?;
+    }
+    for r in removed {
+        writeln!(f, "  - {r}")?;
+    }
+    Ok(())
+}
+
+/// Compares `want` with the live table (`None`: not installed).
+pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions) -> TableDiff {
+    let empty = LiveTable {
+        chains: Vec::new(),
+        rules: Vec::new(),
+        sets: Vec::new(),
+    };
+    let table_missing = live.is_none();
+    let live = live.unwrap_or(&empty);
+    TableDiff {
+        table_missing,
+        sets: compare_sets(want, live, options),
+        chains: compare_chains(want, live),
+    }
+}
+
+fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Vec<SetDiff> {
+    let mut out = Vec::new();
+    for set in &want.sets {
+        let name = set.id.name();
+        let ignore_contents = options.ignore_resolved_contents && set.id.role == SetRole::Resolved;
+        let wanted_keys = element_keys(&set.elements);
+        let Some((live_set, _)) = live.sets.iter().find(|(s, _)| s.name == name) else {
+            out.push(SetDiff {
+                name,
+                presence: Presence::Missing,
+                definition: None,
+                added: if ignore_contents {
+                    Vec::new()
+                } else {
+                    render(&wanted_keys)
+                },
+                removed: Vec::new(),
+            });
+            continue;
+        };
+        let live_definition = definition_of(live_set.flags, live_set.key_type, live_set.key_len);
+        let definition = (live_definition != set.id.definition()).then(|| Changed {
+            live: live_definition,
+            want: set.id.definition(),
+        });
+        let (added, removed) = if ignore_contents {
+            (Vec::new(), Vec::new())
+        } else {
+            let live_keys = live
+                .contents(set.id)
+                .map(|e| element_keys(&e))
+                .unwrap_or_default();
+            (
+                render(&wanted_keys.difference(&live_keys).cloned().collect()),
+                render(&live_keys.difference(&wanted_keys).cloned().collect()),
+            )
+        };
+        if definition.is_some() || !added.is_empty() || !removed.is_empty() {
+            out.push(SetDiff {
+                name,
+                presence: Presence::Both,
+                definition,
+                added,
+                removed,
+            });
+        }
+    }
+    let wanted: BTreeSet<String> = want.sets.iter().map(|s| s.id.name()).collect();
+    for (live_set, _) in &live.sets {
+        if !wanted.contains(&live_set.name) {
+            out.push(SetDiff {
+                name: live_set.name.clone(),
+                presence: Presence::Extra,
+                definition: None,
+                added: Vec::new(),
+                removed: Vec::new(),
+            });
+        }
+    }
+    out
+}
+
+/// A set's type and flags as nft writes them, when they are those of one of ours; else the
+/// kernel's numbers.
+fn definition_of(flags: u32, key_type: u32, key_len: u32) -> String {
+    SetId::ALL
+        .into_iter()
+        .find(|id| {
+            let key = key_spec(*id);
+            set_flags(*id) == flags && key.datatype == key_type && key.len == key_len
+        })
+        .map_or_else(
+            || format!("key type {key_type:#x} of {key_len} bytes, flags {flags:#x}"),
+            SetId::definition,
+        )
+}
+
+/// An element, without what is state rather than configuration (timeouts).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum ElementKey {
+    Net(IpNet),
+    Tuple(Tuple),
+}
+
+fn element_keys(elements: &Elements) -> BTreeSet<ElementKey> {
+    match elements {
+        // Adjacent networks may be stored merged or apart: compare the space they cover.
+        Elements::Networks(nets) => IpNet::aggregate(nets)
+            .into_iter()
+            .map(ElementKey::Net)
+            .collect(),
+        Elements::Tuples(tuples) => tuples.iter().copied().map(ElementKey::Tuple).collect(),
+        Elements::Timed(timed) => timed.iter().map(|t| ElementKey::Tuple(t.tuple)).collect(),
+    }
+}
+
+fn render(keys: &BTreeSet<ElementKey>) -> Vec<String> {
+    keys.iter()
+        .map(|k| match k {
+            ElementKey::Net(n) => fmt_net(n),
+            ElementKey::Tuple(t) => fmt_tuple(t),
+        })
+        .collect()
+}
+
+/// The hook each of our chains has.
+fn wanted_hook(chain: &str) -> Option<(u32, i32, u32)> {
+    (chain == OUTPUT_CHAIN).then_some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32))
+}
+
+fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
+    let known = known_rules(want);
+    let describe_live = |exprs: &[String]| -> String {
+        let key = rule_key(exprs);
+        known
+            .get(&key)
+            .cloned()
+            .unwrap_or_else(|| format!("[{}]", key.join("; ")))
+    };
+    let mut out = Vec::new();
+    for (name, rules) in [(OUTPUT_CHAIN, &want.output), (REFUSED_CHAIN, &want.refused)] {
+        let wanted: Vec<(Vec<String>, String)> = rules
+            .iter()
+            .map(|r| (rule_key(&encode::rule_text(r)), r.to_string()))
+            .collect();
+        let Some(live_chain) = live.chains.iter().find(|c| c.name == name) else {
+            out.push(ChainDiff {
+                name: name.to_string(),
+                presence: Presence::Missing,
+                definition: None,
+                added_rules: wanted.into_iter().map(|(_, text)| text).collect(),
+                removed_rules: Vec::new(),
+            });
+            continue;
+        };
+        let definition = (live_chain.hook != wanted_hook(name)).then(|| Changed {
+            live: describe_hook(live_chain.hook),
+            want: describe_hook(wanted_hook(name)),
+        });
+        let live_rules: Vec<Vec<String>> = live
+            .rules
+            .iter()
+            .filter(|r| r.chain == name)
+            .map(|r| rule_key(&r.exprs))
+            .collect();
+        let wanted_keys: Vec<&Vec<String>> = wanted.iter().map(|(k, _)| k).collect();
+        let live_keys: Vec<&Vec<String>> = live_rules.iter().collect();
+        let (added, removed) = unmatched(&wanted_keys, &live_keys);
+        let added_rules: Vec<String> = added.iter().map(|&i| wanted[i].1.clone()).collect();
+        let removed_rules: Vec<String> = removed
+            .iter()
+            .map(|&i| describe_live(&live_rules[i]))
+            .collect();
+        if definition.is_some() || !added_rules.is_empty() || !removed_rules.is_empty() {
+            out.push(ChainDiff {
+                name: name.to_string(),
+                presence: Presence::Both,
+                definition,
+                added_rules,
+                removed_rules,
+            });
+        }
+    }
+    for chain in &live.chains {
+        if chain.name != OUTPUT_CHAIN && chain.name != REFUSED_CHAIN {
+            out.push(ChainDiff {
+                name: chain.name.clone(),
+                presence: Presence::Extra,
+                definition: None,
+                added_rules: Vec::new(),
+                removed_rules: live
+                    .rules
+                    .iter()
+                    .filter(|r| r.chain == chain.name)
+                    .map(|r| describe_live(&r.exprs))
+                    .collect(),
+            });
+        }
+    }
+    out
+}
+
+/// A rule's expressions as configuration: without counter values (they count packets), and
+/// without the defaults the kernel reports back although our messages leave them out.
+fn rule_key(exprs: &[String]) -> Vec<String> {
+    exprs.iter().map(|e| normalize_expr(e)).collect()
+}
+
+fn normalize_expr(e: &str) -> String {
+    if e.starts_with("counter ") {
+        return "counter".to_string();
+    }
+    let kernel_default = if e.starts_with("lookup ") {
+        // The lookup's flags: 0 unless the match is inverted (`!= @set`).
+        Some(" 0x0")
+    } else if e.starts_with("log ") {
+        // The kernel log's level when a rule names no NFLOG group: 4 (warning), nft's default.
+        Some(" level 4")
+    } else {
+        None
+    };
+    // Trimmed again: libnftnl's text is trimmed at its end, which takes a log prefix's own
+    // trailing space ("EGRESS-DROP: ") unless the kernel's default level follows it.
+    kernel_default
+        .and_then(|suffix| e.strip_suffix(suffix))
+        .unwrap_or(e)
+        .trim_end()
+        .to_string()
+}
+
+/// Every rule shape egress-fence writes, and the wanted ruleset's own rules (log rules have
+/// parameters), by their expressions: lets a live rule the plan no longer has be shown as nft
+/// writes it.
+fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
+    let mut shapes = vec![
+        Rule::AcceptEstablished,
+        Rule::AcceptLoopback,
+        Rule::GotoRefused,
+        Rule::Refuse(Action::Reject),
+        Rule::Refuse(Action::Drop),
+    ];
+    shapes.extend(
+        [
+            Icmpv6Type::NdRouterSolicit,
+            Icmpv6Type::NdNeighborSolicit,
+            Icmpv6Type::NdNeighborAdvert,
+            Icmpv6Type::Mld2ListenerReport,
+        ]
+        .map(Rule::AcceptIcmpv6),
+    );
+    for family in Family::BOTH {
+        shapes.push(Rule::AcceptDhcpClient(family));
+        shapes.push(Rule::CountFamily(family));
+    }
+    for id in SetId::ALL {
+        shapes.push(Rule::RefuseDaddrIn(id));
+        shapes.push(Rule::AcceptTupleIn(id));
+    }
+    shapes
+        .iter()
+        .chain(&want.output)
+        .chain(&want.refused)
+        .map(|r| (rule_key(&encode::rule_text(r)), r.to_string()))
+        .collect()
+}
+
+/// The positions in `want` and in `live` outside a longest common subsequence: the rules to
+/// add and to remove, order respected (a moved rule is one of each).
+fn unmatched<T: PartialEq>(want: &[T], live: &[T]) -> (Vec<usize>, Vec<usize>) {
+    let (n, m) = (want.len(), live.len());
+    // lcs[i][j]: the longest common subsequence of want[i..] and live[j..].
+    let mut lcs = vec![vec![0usize; m + 1]; n + 1];
+    for i in (0..n).rev() {
+        for j in (0..m).rev() {
+            lcs[i][j] = if want[i] == live[j] {
+                lcs[i + 1][j + 1] + 1
+            } else {
+                lcs[i + 1][j].max(lcs[i][j + 1])
+            };
+        }
+    }
+    let (mut added, mut removed) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    while i < n && j < m {
+        if want[i] == live[j] {
+            i += 1;
+            j += 1;
+        } else if lcs[i + 1][j] >= lcs[i][j + 1] {
+            added.push(i);
+            i += 1;
+        } else {
+            removed.push(j);
+            j += 1;
+        }
+    }
+    added.extend(i..n);
+    removed.extend(j..m);
+    (added, removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::nft::encode::set_elements;
+    use crate::nft::sys::{LiveChain, LiveElem, LiveRule, LiveSet};
+    use crate::plan::{plan, plan_with};
+    use crate::policy::{L4Proto, Policy, PortRange};
+    use crate::resolve::Resolution;
+    use crate::ruleset::Timed;
+
+    const POLICY: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndeny:\n  - preset: cloud-metadata\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n";
+
+    fn resolution(addrs: &[&str]) -> Resolution {
+        crate::plan::tests::resolution(&[("a.example", addrs)])
+    }
+
+    fn ruleset_for(policy: &str, addrs: &[&str]) -> Ruleset {
+        let policy = Policy::parse(policy, Path::new("p.yaml")).expect("valid");
+        plan(&policy, &resolution(addrs))
+    }
+
+    /// How the kernel reports an expression we sent: with counts, and with the defaults it
+    /// fills in (seen on Linux 6.18 with libnftnl 1.2.4).
+    fn as_the_kernel_reports(e: String) -> String {
+        if e.starts_with("counter ") {
+            "counter pkts 12 bytes 960".to_string()
+        } else if e.starts_with("lookup ") {
+            format!("{e} 0x0")
+        } else if e.starts_with("log ") && !e.contains(" group ") {
+            // After the default prefix's own trailing space, which the trimmed text lost.
+            format!("{e}  level 4")
+        } else {
+            e
+        }
+    }
+
+    /// The table as the kernel would report `rs` after an apply: the same encoding, read back
+    /// through the same libnftnl parser, with counters that have counted something.
+    fn live_of(rs: &Ruleset) -> LiveTable {
+        let chain = |name: &str| LiveChain {
+            table: TABLE.into(),
+            name: name.into(),
+            hook: wanted_hook(name),
+        };
+        let mut rules = Vec::new();
+        for (name, chain_rules) in [(OUTPUT_CHAIN, &rs.output), (REFUSED_CHAIN, &rs.refused)] {
+            for (i, r) in chain_rules.iter().enumerate() {
+                let exprs = encode::rule_text(r)
+                    .into_iter()
+                    .map(as_the_kernel_reports)
+                    .collect();
+                rules.push(LiveRule {
+                    table: TABLE.into(),
+                    chain: name.into(),
+                    handle: i as u64 + 1,
+                    exprs,
+                    counter: None,
+                    log_group: None,
+                    nfproto: None,
+                });
+            }
+        }
+        let sets = rs
+            .sets
+            .iter()
+            .map(|s| {
+                let key = key_spec(s.id);
+                let live_set = LiveSet {
+                    table: TABLE.into(),
+                    name: s.id.name(),
+                    flags: set_flags(s.id),
+                    key_type: key.datatype,
+                    key_len: key.len,
+                };
+                let elems = set_elements(s.id, &s.elements)
+                    .map(|e| LiveElem {
+                        key: e.key,
+                        key_end: e.key_end,
+                        flags: e.flags,
+                        timeout_ms: e.timeout_ms,
+                        expires_ms: e.timeout_ms.map(|t| t / 2),
+                    })
+                    .collect();
+                (live_set, elems)
+            })
+            .collect();
+        LiveTable {
+            chains: vec![chain(OUTPUT_CHAIN), chain(REFUSED_CHAIN)],
+            rules,
+            sets,
+        }
+    }
+
+    #[test]
+    fn an_applied_ruleset_compares_equal_counters_and_timeouts_aside() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10", "2001:db8:1::10"]);
+        let diff = compare(&rs, Some(&live_of(&rs)), CompareOptions::default());
+        assert!(diff.is_empty(), "{diff}");
+        assert!(diff.summary().is_empty());
+
+        // Timeouts and expiry are state: a daemon's timed elements equal the plain plan's.
+        let policy = Policy::parse(POLICY, Path::new("p.yaml")).unwrap();
+        let timed = plan_with(&policy, &resolution(&["192.0.2.10"]), |_, _| {
+            Some(std::time::Duration::from_secs(600))
+        });
+        let plain = ruleset_for(POLICY, &["192.0.2.10"]);
+        assert!(compare(&plain, Some(&live_of(&timed)), CompareOptions::default()).is_empty());
+    }
+
+    #[test]
+    fn kernel_defaults_and_counts_are_not_differences() {
+        for policy in [
+            POLICY.to_string(),
+            POLICY.replace("log:\n  group: 100\n", ""),
+        ] {
+            let rs = ruleset_for(&policy, &["192.0.2.10"]);
+            let diff = compare(&rs, Some(&live_of(&rs)), CompareOptions::default());
+            assert!(diff.is_empty(), "{diff}");
+        }
+        assert_eq!(
+            normalize_expr("lookup reg 1 set deny4 0x1"),
+            "lookup reg 1 set deny4 0x1"
+        );
+        assert_eq!(
+            normalize_expr("log prefix X:  level 5"),
+            "log prefix X:  level 5"
+        );
+    }
+
+    #[test]
+    fn a_missing_table_is_all_new() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        let diff = compare(&rs, None, CompareOptions::default());
+        assert!(diff.table_missing && !diff.is_empty());
+        assert_eq!(diff.sets.len(), 8);
+        assert!(diff.sets.iter().all(|s| s.presence == Presence::Missing));
+        let resolved4 = diff.sets.iter().find(|s| s.name == "resolved4").unwrap();
+        assert_eq!(resolved4.added, vec!["192.0.2.10 . tcp . 443"]);
+        let output = diff.chains.iter().find(|c| c.name == "output").unwrap();
+        assert_eq!(output.added_rules.len(), rs.output.len());
+        assert_eq!(output.added_rules[0], "ct state established,related accept");
+        assert_eq!(
+            diff.summary(),
+            vec!["table inet egress_fence is new (it was not installed)"]
+        );
+        assert!(
+            diff.to_string()
+                .starts_with("table inet egress_fence: not installed\n")
+        );
+    }
+
+    #[test]
+    fn changed_addresses_and_ports_show_as_added_and_removed_elements() {
+        let before = ruleset_for(POLICY, &["192.0.2.10"]);
+        let after = ruleset_for(
+            &POLICY.replace("ports: [22]", "ports: [22, 2222]"),
+            &["192.0.2.11"],
+        );
+        let diff = compare(&after, Some(&live_of(&before)), CompareOptions::default());
+        let by_name: BTreeMap<&str, &SetDiff> =
+            diff.sets.iter().map(|s| (s.name.as_str(), s)).collect();
+        assert_eq!(by_name.len(), 2, "{diff}");
+        assert_eq!(by_name["resolved4"].added, vec!["192.0.2.11 . tcp . 443"]);
+        assert_eq!(by_name["resolved4"].removed, vec!["192.0.2.10 . tcp . 443"]);
+        assert_eq!(by_name["allow4"].added, vec!["203.0.113.0/28 . tcp . 2222"]);
+        assert!(by_name["allow4"].removed.is_empty());
+        assert!(diff.chains.is_empty());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "set allow4: +1 -0 elements",
+                "set resolved4: +1 -1 elements"
+            ]
+        );
+        let text = diff.to_string();
+        assert!(
+            text.contains("set resolved4: +1 -1 elements\n  + 192.0.2.11 . tcp . 443\n  - 192.0.2.10 . tcp . 443\n"),
+            "{text}"
+        );
+
+        // The daemon's view: resolved contents are its business.
+        let ignoring = CompareOptions {
+            ignore_resolved_contents: true,
+        };
+        let diff = compare(&after, Some(&live_of(&before)), ignoring);
+        assert_eq!(diff.sets.len(), 1);
+        assert_eq!(diff.sets[0].name, "allow4");
+    }
+
+    #[test]
+    fn changed_rules_show_as_nft_writes_them() {
+        let before = ruleset_for(POLICY, &[]);
+        let after = ruleset_for(
+            &POLICY
+                .replace("group: 100", "group: 7")
+                .replace("version: 1\n", "version: 1\naction: drop\n"),
+            &[],
+        );
+        let diff = compare(&after, Some(&live_of(&before)), CompareOptions::default());
+        assert!(diff.sets.is_empty(), "{diff}");
+        assert_eq!(diff.chains.len(), 1, "{diff}");
+        let refused = &diff.chains[0];
+        assert_eq!(refused.name, "refused");
+        assert_eq!(
+            refused.added_rules,
+            vec![
+                "limit rate 10/second burst 20 packets log prefix \"EGRESS-DROP: \" group 7",
+                "drop"
+            ]
+        );
+        assert_eq!(refused.removed_rules.len(), 2);
+        // The old log rule is not a shape of the new plan: libnftnl's words, still readable.
+        assert!(
+            refused.removed_rules[0].contains("group 100"),
+            "{:?}",
+            refused.removed_rules
+        );
+        assert_eq!(
+            refused.removed_rules[1],
+            "reject with icmpx admin-prohibited"
+        );
+    }
+
+    #[test]
+    fn hand_edits_are_found() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        let mut live = live_of(&rs);
+        // `nft add element inet egress_fence allow4 { 198.51.100.9 . tcp . 80 }`
+        let extra = Elements::Tuples(vec![Tuple {
+            net: "198.51.100.9/32".parse().unwrap(),
+            proto: L4Proto::Tcp,
+            ports: PortRange::single(80),
+        }]);
+        let allow4 = SetId::new(SetRole::Allow, Family::V4);
+        let (_, elems) = live
+            .sets
+            .iter_mut()
+            .find(|(s, _)| s.name == "allow4")
+            .unwrap();
+        elems.extend(set_elements(allow4, &extra).map(|e| LiveElem {
+            key: e.key,
+            key_end: e.key_end,
+            flags: e.flags,
+            timeout_ms: None,
+            expires_ms: None,
+        }));
+        // `nft delete rule ...` of the deny4 lookup, and a policy flipped to accept.
+        let deny4 = rule_key(&encode::rule_text(&Rule::RefuseDaddrIn(SetId::new(
+            SetRole::Deny,
+            Family::V4,
+        ))));
+        live.rules.retain(|r| rule_key(&r.exprs) != deny4);
+        live.chains[0].hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_ACCEPT as u32));
+        // A chain and a set of someone else's inside our table.
+        live.chains.push(LiveChain {
+            table: TABLE.into(),
+            name: "mine".into(),
+            hook: None,
+        });
+        live.rules.push(LiveRule {
+            table: TABLE.into(),
+            chain: "mine".into(),
+            handle: 99,
+            exprs: encode::rule_text(&Rule::AcceptLoopback),
+            counter: None,
+            log_group: None,
+            nfproto: None,
+        });
+        live.sets.push((
+            LiveSet {
+                table: TABLE.into(),
+                name: "theirs".into(),
+                flags: 0,
+                key_type: 7,
+                key_len: 4,
+            },
+            Vec::new(),
+        ));
+
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        let text = diff.to_string();
+        assert!(
+            text.contains("set allow4: +0 -1 elements\n  - 198.51.100.9 . tcp . 80\n"),
+            "{text}"
+        );
+        assert!(text.contains("set theirs: not egress-fence's\n"), "{text}");
+        assert!(
+            text.contains("chain output: hook output priority 0 policy accept (wanted: hook output priority 0 policy drop), +1 -0 rules\n  + ip daddr @deny4 goto refused\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("chain mine: not egress-fence's, +0 -1 rules\n  - oif \"lo\" accept\n"),
+            "{text}"
+        );
+        let json = serde_json::to_value(&diff).unwrap();
+        assert_eq!(json["table_missing"], false);
+        assert_eq!(json["sets"][0]["removed"][0], "198.51.100.9 . tcp . 80");
+        assert_eq!(json["chains"][1]["presence"], "extra");
+    }
+
+    #[test]
+    fn adjacent_networks_compare_by_the_space_they_cover() {
+        let nets =
+            |list: &[&str]| Elements::Networks(list.iter().map(|n| n.parse().unwrap()).collect());
+        assert_eq!(
+            element_keys(&nets(&["10.0.0.0/8", "11.0.0.0/8"])),
+            element_keys(&nets(&["10.0.0.0/7"]))
+        );
+        let timed = Elements::Timed(vec![Timed {
+            tuple: Tuple {
+                net: "192.0.2.1/32".parse().unwrap(),
+                proto: L4Proto::Udp,
+                ports: PortRange::single(53),
+            },
+            timeout_ms: Some(1),
+            expires_ms: Some(1),
+        }]);
+        assert_eq!(render(&element_keys(&timed)), vec!["192.0.2.1 . udp . 53"]);
+    }
+
+    #[test]
+    fn a_changed_set_definition_is_reported() {
+        let rs = ruleset_for(POLICY, &[]);
+        let mut live = live_of(&rs);
+        let (deny4, _) = live
+            .sets
+            .iter_mut()
+            .find(|(s, _)| s.name == "deny4")
+            .unwrap();
+        deny4.flags = 0;
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.sets[0].definition,
+            Some(Changed {
+                live: "key type 0x7 of 4 bytes, flags 0x0".into(),
+                want: "type ipv4_addr; flags interval".into(),
+            })
+        );
+    }
+
+    #[test]
+    fn unmatched_positions_follow_a_longest_common_subsequence() {
+        let (a, r) = unmatched(&["a", "b", "c"], &["a", "b", "c"]);
+        assert!(a.is_empty() && r.is_empty());
+        assert_eq!(
+            unmatched(&["a", "x", "c"], &["a", "b", "c"]),
+            (vec![1], vec![1])
+        );
+        // A swap keeps one of the two in place and moves the other.
+        assert_eq!(unmatched(&["a", "b"], &["b", "a"]), (vec![0], vec![1]));
+        assert_eq!(unmatched::<&str>(&[], &["a"]), (vec![], vec![0]));
+        assert_eq!(unmatched(&["a", "b", "c"], &[]), (vec![0, 1, 2], vec![]));
+    }
+}
