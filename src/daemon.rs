@@ -11,6 +11,11 @@
 //! timeouts and is retried with backoff; a policy that fails validation on SIGHUP is refused
 //! and the running one stays. When anyone else changes the table (`nft flush ruleset`), the
 //! change notification brings it back at once.
+//!
+//! The daemon holds the namespace's writers' lock for its whole life: a CLI `apply` beside
+//! it would only be undone by its healing, so such writers are told to reload the service
+//! instead. It records a generation when it starts, on each reload and when its resolvers
+//! appear: whenever the configuration it applies changes, never for a refresh.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -29,7 +34,8 @@ use crate::nft::{Nft, NftError};
 use crate::plan::{plan_with, resolved_tuple, services_of};
 use crate::policy::{Dns, DomainName, L4Proto, Policy, PolicyError};
 use crate::resolve::{NameResolver, Resolution, ResolveError, ResolvedAddr, ResolvedHost};
-use crate::ruleset::{TABLE, Timed, Tuple};
+use crate::ruleset::{Ruleset, TABLE, Timed, Tuple};
+use crate::state::{NewGeneration, Recorder, StateDir, StateError, WriterLock};
 use crate::watch::{DropEvent, WatchError, Watcher};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +48,8 @@ pub enum DaemonError {
     Nft(#[from] NftError),
     #[error(transparent)]
     Watch(#[from] WatchError),
+    #[error(transparent)]
+    State(#[from] StateError),
     #[error(
         "--log-drops needs `log.group` in the policy: refused packets are read from that NFLOG group"
     )]
@@ -66,12 +74,22 @@ pub struct Options {
     /// Log every refused packet (from the policy's NFLOG group) with what the daemon knows
     /// about its destination.
     pub log_drops: bool,
+    /// The namespace's state directory: its lock, and where generations are recorded.
+    pub state: StateDir,
+    /// How many generations to keep.
+    pub keep: usize,
+    /// How long to wait for another writer's lock at start.
+    pub lock_timeout: Duration,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT. The calling thread must already be in the
 /// target network namespace; the runtime is single-threaded so every socket stays there.
 pub fn run(options: Options) -> Result<(), DaemonError> {
-    let policy = Policy::load(&options.policy_path)?;
+    let lock = options.state.lock("run", options.lock_timeout, |holder| {
+        warn!(holder = %holder, "waiting for the lock of another egress-fence writer");
+    })?;
+    drop_pending_confirmation(&options.state, &lock);
+    let (policy, policy_text) = Policy::load_with_text(&options.policy_path)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -85,9 +103,28 @@ pub fn run(options: Options) -> Result<(), DaemonError> {
             (true, Some(group)) => Some(drop_events(group)?),
             (true, None) => return Err(DaemonError::NoLogGroup),
         };
-        let daemon = Daemon::start(options, policy).await?;
+        let daemon = Daemon::start(options, lock, policy, policy_text).await?;
         daemon.serve(monitor, drops).await
     })
+}
+
+/// The service's policy replaces whatever a CLI `apply --confirm-within` left awaiting
+/// confirmation: from now on the service owns the table, and a revert timer acting later would
+/// fight it. The timer finds its record gone and stands down.
+fn drop_pending_confirmation(state: &StateDir, lock: &WriterLock) {
+    match state.pending() {
+        Ok(Some(p)) if p.reverted.is_none() => warn!(
+            generation = p.generation,
+            "generation {} awaited confirmation; the service's policy replaces it and it will \
+             not be reverted",
+            p.generation
+        ),
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "removing an unreadable pending confirmation"),
+    }
+    if let Err(e) = state.clear_pending(lock) {
+        error!(error = %e, "cannot remove the pending confirmation");
+    }
 }
 
 /// Refused packets from NFLOG `group`, read on a thread of their own (the kernel's log rule
@@ -273,7 +310,13 @@ fn timed(tuple: Tuple, expires: Instant, now: Instant) -> Timed {
 
 struct Daemon {
     options: Options,
+    /// Held until the daemon exits.
+    lock: WriterLock,
     policy: Policy,
+    /// The text `policy` was read from, for the generation record.
+    policy_text: String,
+    /// The next successful full apply records a generation (the configuration changed).
+    record_next_apply: bool,
     resolvers: Vec<IpAddr>,
     /// `None` until the resolvers are known (resolv.conf may not exist yet at boot).
     resolver: Option<NameResolver>,
@@ -293,7 +336,12 @@ struct Daemon {
 }
 
 impl Daemon {
-    async fn start(options: Options, policy: Policy) -> Result<Daemon, DaemonError> {
+    async fn start(
+        options: Options,
+        lock: WriterLock,
+        policy: Policy,
+        policy_text: String,
+    ) -> Result<Daemon, DaemonError> {
         let (resolvers, resolver) = match resolver_for(&policy, &options) {
             Ok((r, resolver)) => (r, Some(resolver)),
             // At boot resolv.conf may not be written yet: the boundary goes up without names
@@ -311,8 +359,11 @@ impl Daemon {
             .collect();
         let mut daemon = Daemon {
             options,
+            lock,
             services: services(&policy),
             policy,
+            policy_text,
+            record_next_apply: true,
             resolvers,
             resolver,
             names,
@@ -356,6 +407,8 @@ impl Daemon {
                     info!(resolvers = ?resolvers, "resolvers found");
                     self.resolvers = resolvers;
                     self.resolver = Some(resolver);
+                    // The DNS sets change with them: a new configuration.
+                    self.record_next_apply = true;
                     self.reapply();
                 }
                 Err(e) => warn!(error = %e, "still no resolvers"),
@@ -440,12 +493,40 @@ impl Daemon {
                     elements = ruleset.element_count(),
                     "applied the table"
                 );
+                if std::mem::take(&mut self.record_next_apply) {
+                    self.record(ruleset, now);
+                }
                 Ok(())
             }
             Err(e) => {
                 self.retry_apply = Some(now + Duration::from_secs(1));
                 Err(e)
             }
+        }
+    }
+
+    /// Records the applied configuration as a generation. A failure is logged, never fatal:
+    /// the boundary matters more than its record.
+    fn record(&mut self, ruleset: Ruleset, now: Instant) {
+        let new = NewGeneration {
+            recorder: Recorder::Run,
+            source_generation: None,
+            policy_path: std::path::absolute(&self.options.policy_path)
+                .unwrap_or_else(|_| self.options.policy_path.clone()),
+            policy_text: self.policy_text.clone(),
+            resolution: self.resolution(now),
+            ruleset,
+        };
+        match self
+            .options
+            .state
+            .record(&self.lock, new, self.options.keep)
+        {
+            Ok(g) => info!(
+                generation = g.generation,
+                "recorded generation {}", g.generation
+            ),
+            Err(e) => error!(error = %e, "the applied table could not be recorded as a generation"),
         }
     }
 
@@ -501,7 +582,7 @@ impl Daemon {
     fn reload(&mut self) {
         let path = self.options.policy_path.clone();
         info!(policy = %path.display(), "reloading the policy");
-        let policy = match Policy::load(&path) {
+        let (policy, policy_text) = match Policy::load_with_text(&path) {
             Ok(p) => p,
             Err(e) => {
                 error!(error = %e, "the new policy is invalid; the running one stays");
@@ -527,9 +608,11 @@ impl Daemon {
         }
         self.services = services(&policy);
         self.policy = policy;
+        self.policy_text = policy_text;
         self.resolvers = resolvers;
         self.resolver = Some(resolver);
         self.names = names;
+        self.record_next_apply = true;
         self.reapply();
     }
 
@@ -587,11 +670,7 @@ impl Daemon {
         let failing = self.names.values().filter(|s| s.failures > 0).count();
         let last = self
             .last_refresh
-            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
-            .map_or("never".to_string(), |d| {
-                let s = d.as_secs() % 86400;
-                format!("{:02}:{:02}:{:02} UTC", s / 3600, s / 60 % 60, s % 60)
-            });
+            .map_or("never".to_string(), crate::state::clock_utc);
         format!(
             "{} names, {addresses} addresses, {failing} failing, last refresh {last}",
             self.names.len()

@@ -2,7 +2,13 @@
 //!
 //! The data flows one way: [`policy`] (YAML, validated) -> [`resolve`] (DNS) -> [`plan`]
 //! (a [`ruleset::Ruleset`] value) -> [`nft`] (one netlink batch to the kernel).
+//!
+//! Changes are made safe around that: [`diff`] compares a ruleset with the live table,
+//! [`state`] keeps the applied generations, the writers' lock and the pending confirmation on
+//! disk, and [`change`] puts them together for `apply`, `rollback`, `confirm` and the revert
+//! timer.
 
+pub mod change;
 pub mod daemon;
 pub mod diff;
 pub mod netns;

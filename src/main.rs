@@ -1,29 +1,45 @@
 //! The command line: parse arguments, call the library, print, exit with a documented code.
 
+use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
+use clap::builder::TypedValueParser;
 use clap::{Args, Parser, Subcommand};
+use egress_fence::change::{
+    self, ApplyOutcome, ConfirmOutcome, ConfirmRequest, Drift, Planned, RevertOutcome, TimerWake,
+    Writer,
+};
 use egress_fence::daemon;
+use egress_fence::diff::{CompareOptions, TableDiff, compare};
 use egress_fence::netns::Netns;
 use egress_fence::nft::Nft;
 use egress_fence::nft::live::Destinations;
 use egress_fence::plan::{denied_answers, plan};
-use egress_fence::policy::{Policy, PolicyError, Preset};
+use egress_fence::policy::{Interval, Policy, PolicyError, Preset};
 use egress_fence::probe::{self, ProbeOptions};
 use egress_fence::resolve::{Resolution, resolve_policy};
 use egress_fence::ruleset::TABLE;
+use egress_fence::state::{
+    self, CRASH_BEFORE_RENAME_ENV, DEFAULT_KEEP, DEFAULT_STATE_DIR, PendingConfirm, StateDir,
+    WriterLock,
+};
 use egress_fence::watch::Watcher;
+use tracing::{error, info, warn};
 
 const EXIT_CODES: &str = "\
 Exit codes:
-  0  success
-  1  failure: the kernel refused the change, netlink or the namespace failed, no resolver
+  0  success; diff: nothing would change
+  1  failure: the kernel refused the change, netlink or the namespace failed, no resolver,
+     another writer kept the lock, a generation is corrupt;
+     diff: something would change; confirm: too late, the change was already reverted
   2  invalid policy or command line (the message names file:line:column)
   3  done, but some allowed names did not resolve: their entries are missing
   4  status: the table is not installed
-  5  probe: at least one check failed (the boundary does not hold as the policy says)";
+  5  probe: at least one check failed (the boundary does not hold as the policy says)
+  6  diff: the comparison itself failed (netlink, namespace, resolver)";
 
 const SCHEMA: &str = "\
 Policy schema (YAML):
@@ -67,6 +83,39 @@ struct Target {
 }
 
 #[derive(Args)]
+struct StateArgs {
+    /// Where generations, the writers' lock and pending confirmations are kept, in one
+    /// subdirectory per network namespace.
+    #[arg(
+        long,
+        value_name = "DIR",
+        env = "EGRESS_FENCE_STATE_DIR",
+        default_value = DEFAULT_STATE_DIR
+    )]
+    state_dir: PathBuf,
+}
+
+#[derive(Args)]
+struct LockArgs {
+    /// How long to wait while another egress-fence writer (apply, rollback, confirm, the
+    /// service) holds this namespace's lock, e.g. 30s or 2m.
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    lock_timeout: Interval,
+}
+
+#[derive(Args)]
+struct WriterArgs {
+    #[command(flatten)]
+    state: StateArgs,
+    #[command(flatten)]
+    lock: LockArgs,
+    /// How many generations to keep (the newest ones).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_KEEP,
+          value_parser = clap::value_parser!(u16).range(1..).map(usize::from))]
+    keep: usize,
+}
+
+#[derive(Args)]
 struct Resolving {
     /// Where the resolvers come from when the policy names none (default: the named
     /// namespace's /etc/netns/NS/resolv.conf if it exists, else /etc/resolv.conf).
@@ -91,7 +140,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Resolve the policy's names and install the ruleset in one atomic transaction.
+    /// Resolve the policy's names and install the ruleset in one atomic transaction, unless
+    /// the live table already matches it (then nothing is sent and it says "unchanged").
+    /// Each change is recorded as a generation (see `history`, `rollback`).
     #[command(after_help = EXIT_CODES)]
     Apply {
         policy: PathBuf,
@@ -99,15 +150,78 @@ enum Command {
         target: Target,
         #[command(flatten)]
         resolving: Resolving,
+        #[command(flatten)]
+        writer: WriterArgs,
+        /// Revert to the previous generation by itself unless `egress-fence confirm` runs
+        /// within this time (e.g. 60s, 5m): for changes that could cut off the host's own
+        /// management access. The revert runs in a process of its own that does not depend
+        /// on this terminal.
+        #[arg(long, value_name = "DURATION")]
+        confirm_within: Option<Interval>,
         /// Print the outcome as JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Read the installed table back from the kernel.
+    /// Show what applying the policy would change in the live table (read back from the
+    /// kernel): added and removed addresses, ports and rules. Exits 0 when nothing would
+    /// change and 1 when something would, so provisioning can report "changed" honestly;
+    /// 2 for an invalid policy, 6 when the comparison itself failed.
+    #[command(after_help = EXIT_CODES)]
+    Diff {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        resolving: Resolving,
+        /// Print the differences as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Reinstate the previous generation (or the one given with --to) exactly as it was
+    /// applied, in one transaction, and record that as a new generation. A second rollback
+    /// undoes the first.
+    #[command(after_help = EXIT_CODES)]
+    Rollback {
+        /// The generation to reinstate (see `history`); default: the one before the newest.
+        #[arg(long, value_name = "GEN")]
+        to: Option<u64>,
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        writer: WriterArgs,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the recorded generations, oldest first, and any change awaiting confirmation.
+    History {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        state: StateArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Keep the change applied with `apply --confirm-within`: its revert timer stands down.
+    /// Exits 0 also when nothing awaits confirmation, and 1 when it is too late (the change
+    /// was already reverted).
+    #[command(after_help = EXIT_CODES)]
+    Confirm {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        state: StateArgs,
+        #[command(flatten)]
+        lock: LockArgs,
+    },
+    /// Read the installed table back from the kernel, and say whether it still matches the
+    /// newest generation (someone may have edited it with nft).
     #[command(after_help = EXIT_CODES)]
     Status {
         #[command(flatten)]
         target: Target,
+        #[command(flatten)]
+        state: StateArgs,
         #[arg(long)]
         json: bool,
     },
@@ -133,6 +247,8 @@ enum Command {
         /// daemon knows of its destination.
         #[arg(long)]
         log_drops: bool,
+        #[command(flatten)]
+        writer: WriterArgs,
     },
     /// Print every refused packet as it happens, read from the table's NFLOG group (works
     /// inside any network namespace; no kernel log needed).
@@ -165,10 +281,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Delete the tool's table (and nothing else); a no-op if it is absent.
+    /// Delete the tool's table (and nothing else); a no-op if it is absent. The emergency
+    /// exit: it takes no lock and records nothing (a running service puts the table back;
+    /// stop it first).
     Teardown {
         #[command(flatten)]
         target: Target,
+    },
+    /// Started by `apply --confirm-within`: waits for the deadline in a session of its own,
+    /// then reverts unless the change was confirmed. Not for direct use.
+    #[command(hide = true)]
+    RevertTimer {
+        #[arg(long)]
+        token: String,
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        writer: WriterArgs,
     },
 }
 
@@ -201,6 +330,9 @@ const EXIT_BAD_POLICY: u8 = 2;
 const EXIT_UNRESOLVED: u8 = 3;
 const EXIT_NOT_INSTALLED: u8 = 4;
 const EXIT_PROBE_FAILED: u8 = 5;
+const EXIT_DIFF_FAILED: u8 = 6;
+/// `diff`: something would change.
+const EXIT_CHANGES: u8 = 1;
 
 /// A failure and the exit code it maps to.
 struct Failure {
@@ -244,11 +376,81 @@ fn enter(target: &Target, resolving: Option<&Resolving>) -> Result<PathBuf, Fail
 }
 
 fn load(path: &Path) -> Result<Policy, Failure> {
-    let policy = Policy::load(path)?;
+    load_with_text(path).map(|(policy, _)| policy)
+}
+
+fn load_with_text(path: &Path) -> Result<(Policy, String), Failure> {
+    let (policy, text) = Policy::load_with_text(path)?;
     for w in policy.warnings() {
         eprintln!("warning: {w}");
     }
-    Ok(policy)
+    Ok((policy, text))
+}
+
+/// The state directory of the namespace `target` names. Worked out before entering it: a
+/// namespace given as a path is named by its file's inode.
+fn state_dir(target: &Target, args: &StateArgs) -> Result<StateDir, Failure> {
+    let ns = target.netns.as_deref().map(Netns::parse);
+    let name = state::namespace_dir_name(ns.as_ref())?;
+    Ok(StateDir::new(&args.state_dir, &name))
+}
+
+/// Takes the namespace's writers' lock, saying once on stderr whom it waits for.
+fn lock(state: &StateDir, command: &str, args: &LockArgs) -> Result<WriterLock, Failure> {
+    Ok(state.lock(command, args.lock_timeout.0, |holder| {
+        eprintln!("waiting for the lock held by {holder}");
+    })?)
+}
+
+/// Resolves and plans `path`, warning about names on stderr.
+fn resolve_and_plan(path: &Path, resolv_conf: &Path) -> Result<Planned, Failure> {
+    let (policy, policy_text) = load_with_text(path)?;
+    let resolution = resolve_policy(&policy, resolv_conf)?;
+    report_resolution(&policy, &resolution);
+    let ruleset = plan(&policy, &resolution);
+    Ok(Planned {
+        policy_path: std::path::absolute(path).unwrap_or_else(|_| path.to_owned()),
+        policy_text,
+        resolution,
+        ruleset,
+    })
+}
+
+/// The command that starts a revert timer: this very binary (/proc/self/exe stays the running
+/// one even if an upgrade replaced the file), with the namespace and state directory of the
+/// change it guards.
+fn revert_timer_command(
+    token: &str,
+    target: &Target,
+    writer: &WriterArgs,
+) -> std::process::Command {
+    let mut cmd = std::process::Command::new("/proc/self/exe");
+    cmd.arg0("egress-fence")
+        .args(["revert-timer", "--token", token, "--state-dir"])
+        .arg(&writer.state.state_dir)
+        .args(["--keep", &writer.keep.to_string()])
+        .args([
+            "--lock-timeout",
+            &format!("{}s", writer.lock.lock_timeout.0.as_secs()),
+        ]);
+    if let Some(ns) = &target.netns {
+        cmd.args(["--netns", ns]);
+    }
+    // The fault injection is for the process a test gives it to, not for its timer.
+    cmd.env_remove(CRASH_BEFORE_RENAME_ENV).current_dir("/");
+    cmd
+}
+
+/// `egress-fence confirm` with the options that find this change's state.
+fn confirm_command(target: &Target, state: &StateArgs) -> String {
+    let mut cmd = "egress-fence confirm".to_string();
+    if let Some(ns) = &target.netns {
+        cmd.push_str(&format!(" --netns {ns}"));
+    }
+    if state.state_dir != Path::new(DEFAULT_STATE_DIR) {
+        cmd.push_str(&format!(" --state-dir {}", state.state_dir.display()));
+    }
+    cmd
 }
 
 fn run(command: Command) -> Result<u8, Failure> {
@@ -291,55 +493,254 @@ fn run(command: Command) -> Result<u8, Failure> {
             policy: path,
             target,
             resolving,
+            writer,
+            confirm_within,
             json,
         } => {
+            let state = state_dir(&target, &writer.state)?;
             let resolv_conf = enter(&target, Some(&resolving))?;
-            let policy = load(&path)?;
-            let resolution = resolve_policy(&policy, &resolv_conf)?;
-            report_resolution(&policy, &resolution);
-            let ruleset = plan(&policy, &resolution);
-            Nft::open()?.apply(&ruleset)?;
-            let unresolved: Vec<String> = resolution
+            let lock = lock(&state, "apply", &writer.lock)?;
+            let planned = resolve_and_plan(&path, &resolv_conf)?;
+            let code = resolution_code(&planned.resolution);
+            let unresolved: Vec<String> = planned
+                .resolution
                 .unresolved()
                 .map(|h| h.name.to_string())
                 .collect();
+            let names = planned.resolution.hosts.len();
+            let (rules, elements) = (
+                planned.ruleset.output.len() + planned.ruleset.refused.len(),
+                planned.ruleset.element_count(),
+            );
+            let timer_command = |token: &str| revert_timer_command(token, &target, &writer);
+            let confirm = confirm_within.map(|within| ConfirmRequest {
+                within: within.0,
+                timer_command: &timer_command,
+            });
+            let writer_ctx = Writer {
+                state: &state,
+                lock: &lock,
+                keep: writer.keep,
+            };
+            let outcome = change::apply(&mut Nft::open()?, &writer_ctx, planned, confirm)?;
+            drop(lock);
+            let confirm_hint = confirm_command(&target, &writer.state);
+            report_pending_notes(&outcome.awaiting, &outcome.noted_revert, &confirm_hint);
             if json {
                 let out = serde_json::json!({
                     "applied": true,
+                    "changed": outcome.changed(),
+                    "generation": outcome.current,
+                    "recorded": outcome.recorded.as_ref().map(|g| g.generation),
                     "table": format!("inet {TABLE}"),
-                    "elements": ruleset.element_count(),
-                    "rules": ruleset.output.len() + ruleset.refused.len(),
+                    "elements": elements,
+                    "rules": rules,
                     "unresolved": unresolved,
+                    "differences": outcome.diff,
+                    "confirm": outcome.armed,
                 });
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
+                print_apply(&outcome, &path, &confirm_hint);
+                if confirm_within.is_some() && !outcome.changed() {
+                    println!("nothing changed, so nothing awaits confirmation");
+                }
                 println!(
-                    "applied table inet {TABLE}: {} rules, {} set elements, {} of {} names resolved",
-                    ruleset.output.len() + ruleset.refused.len(),
-                    ruleset.element_count(),
-                    resolution.hosts.len() - unresolved.len(),
-                    resolution.hosts.len()
+                    "table inet {TABLE}: {rules} rules, {elements} set elements, {} of {names} names resolved",
+                    names - unresolved.len(),
                 );
             }
-            Ok(resolution_code(&resolution))
+            Ok(code)
         }
-        Command::Status { target, json } => {
+        Command::Diff {
+            policy: path,
+            target,
+            resolving,
+            json,
+        } => diff_command(&path, &target, &resolving, json).map_err(|f| Failure {
+            // Exit code 1 means "something would change"; a failed comparison must not look
+            // like one.
+            code: if f.code == EXIT_FAILURE {
+                EXIT_DIFF_FAILED
+            } else {
+                f.code
+            },
+            error: f.error,
+        }),
+        Command::Rollback {
+            to,
+            target,
+            writer,
+            json,
+        } => {
+            let state = state_dir(&target, &writer.state)?;
             enter(&target, None)?;
+            let lock = lock(&state, "rollback", &writer.lock)?;
+            let writer_ctx = Writer {
+                state: &state,
+                lock: &lock,
+                keep: writer.keep,
+            };
+            let outcome = change::rollback(&mut Nft::open()?, &writer_ctx, to)?;
+            drop(lock);
+            report_pending_notes(
+                &outcome.awaiting,
+                &outcome.noted_revert,
+                &confirm_command(&target, &writer.state),
+            );
+            if json {
+                let out = serde_json::json!({
+                    "changed": !outcome.diff.is_empty(),
+                    "reinstated": outcome.source.generation,
+                    "generation": outcome.recorded.generation,
+                    "differences": outcome.diff,
+                });
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else {
+                let (from, recorded) = (outcome.source.generation, outcome.recorded.generation);
+                if outcome.diff.is_empty() {
+                    println!(
+                        "the table already matched generation {from}; recorded the rollback as generation {recorded}"
+                    );
+                } else {
+                    println!("rolled back to generation {from}, recorded as generation {recorded}");
+                    print_summary(&outcome.diff);
+                }
+            }
+            Ok(0)
+        }
+        Command::History {
+            target,
+            state: state_args,
+            json,
+        } => {
+            let state = state_dir(&target, &state_args)?;
+            let entries = state.generations()?;
+            let pending = state.pending();
+            if json {
+                let generations: Vec<serde_json::Value> = entries
+                    .iter()
+                    .map(|e| match &e.record {
+                        Ok(g) => serde_json::to_value(g.summary()).unwrap_or_default(),
+                        Err(reason) => serde_json::json!({
+                            "generation": e.number,
+                            "corrupt": reason,
+                            "path": e.path,
+                        }),
+                    })
+                    .collect();
+                let out = serde_json::json!({
+                    "state_dir": state.path(),
+                    "generations": generations,
+                    "pending_confirmation": pending.as_ref().ok().cloned().flatten(),
+                });
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else if entries.is_empty() {
+                println!("no generation is recorded in {}", state.path().display());
+            } else {
+                for e in &entries {
+                    match &e.record {
+                        Ok(g) => println!(
+                            "{:>6}  {}  uid {:<5}  {:<14}  {}  ({} rules, {} set elements)",
+                            g.generation,
+                            g.time,
+                            g.uid,
+                            g.describe(),
+                            g.policy_path.display(),
+                            g.rule_count(),
+                            g.ruleset.element_count()
+                        ),
+                        Err(reason) => println!(
+                            "{:>6}  CORRUPT: {}: {reason} (never used)",
+                            e.number,
+                            e.path.display()
+                        ),
+                    }
+                }
+            }
+            if !json {
+                match &pending {
+                    Ok(Some(p)) => println!("{}", p.describe(SystemTime::now())),
+                    Ok(None) => {}
+                    Err(e) => println!("{e}"),
+                }
+            }
+            Ok(0)
+        }
+        Command::Confirm {
+            target,
+            state: state_args,
+            lock: lock_args,
+        } => {
+            let state = state_dir(&target, &state_args)?;
+            let lock = lock(&state, "confirm", &lock_args)?;
+            match change::confirm(&state, &lock)? {
+                ConfirmOutcome::Confirmed(p) => {
+                    println!(
+                        "confirmed generation {}: it stays, its revert timer stands down",
+                        p.generation
+                    );
+                    Ok(0)
+                }
+                ConfirmOutcome::NothingPending => {
+                    println!("nothing awaits confirmation");
+                    Ok(0)
+                }
+                ConfirmOutcome::TooLate(p) => {
+                    eprintln!(
+                        "egress-fence: too late: {}; apply it again to retry",
+                        p.describe(SystemTime::now())
+                    );
+                    Ok(EXIT_FAILURE)
+                }
+            }
+        }
+        Command::Status {
+            target,
+            state: state_args,
+            json,
+        } => {
+            let state = state_dir(&target, &state_args)?;
+            enter(&target, None)?;
+            let pending = state.pending().ok().flatten();
             let Some(live) = Nft::open()?.read_table()? else {
                 if json {
-                    println!("{}", serde_json::json!({ "installed": false }));
+                    println!(
+                        "{}",
+                        serde_json::json!({ "installed": false, "pending_confirmation": pending })
+                    );
                 } else {
                     println!("table inet {TABLE} is not installed");
+                    if let Some(p) = &pending {
+                        println!("{}", p.describe(SystemTime::now()));
+                    }
                 }
                 return Ok(EXIT_NOT_INSTALLED);
             };
             let status = live.status();
+            let drift = change::drift(&state, &live);
             if json {
                 let mut out = serde_json::to_value(&status)?;
                 out["installed"] = true.into();
+                let (generation, drifted, differences) = match &drift {
+                    Drift::NoGeneration | Drift::Unreadable(_) => (None, None, None),
+                    Drift::InSync(g) => (Some(g.summary()), Some(false), None),
+                    Drift::Drifted(g, d) => (Some(g.summary()), Some(true), Some(d)),
+                };
+                out["generation"] = serde_json::to_value(generation)?;
+                out["drift"] = serde_json::to_value(drifted)?;
+                out["differences"] = serde_json::to_value(differences)?;
+                if let Drift::Unreadable(e) = &drift {
+                    out["generation_error"] = e.to_string().into();
+                }
+                out["pending_confirmation"] = serde_json::to_value(&pending)?;
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
                 print_status(&status);
+                print_drift(&drift, &state);
+                if let Some(p) = &pending {
+                    println!("{}", p.describe(SystemTime::now()));
+                }
             }
             Ok(0)
         }
@@ -350,7 +751,9 @@ fn run(command: Command) -> Result<u8, Failure> {
             teardown_on_exit,
             log_format,
             log_drops,
+            writer,
         } => {
+            let state = state_dir(&target, &writer.state)?;
             let resolv_conf = enter(&target, Some(&resolving))?;
             init_logging(log_format);
             let options = daemon::Options {
@@ -358,6 +761,9 @@ fn run(command: Command) -> Result<u8, Failure> {
                 resolv_conf,
                 teardown_on_exit,
                 log_drops,
+                state,
+                keep: writer.keep,
+                lock_timeout: writer.lock.lock_timeout.0,
             };
             match daemon::run(options) {
                 Ok(()) => Ok(0),
@@ -467,6 +873,188 @@ fn run(command: Command) -> Result<u8, Failure> {
             }
             Ok(0)
         }
+        Command::RevertTimer {
+            token,
+            target,
+            writer,
+        } => {
+            // First of all: no signal of the terminal that ran `apply` may reach us.
+            change::detach_from_session()?;
+            let state = state_dir(&target, &writer.state)?;
+            enter(&target, None)?;
+            init_logging(LogFormat::Text);
+            revert_timer(&state, &token, &writer).inspect_err(|f| {
+                error!(error = format!("{:#}", f.error), "the revert timer failed");
+            })
+        }
+    }
+}
+
+/// The revert timer's life: armed (said on stdout, which `apply` reads), then asleep until
+/// the deadline or a confirmation, then the revert under the lock. Its stderr is the state
+/// directory's revert-timer.log.
+fn revert_timer(state: &StateDir, token: &str, writer: &WriterArgs) -> Result<u8, Failure> {
+    let pending = change::arm_timer(state, token)?;
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "{}", change::TIMER_ARMED)
+        .and_then(|()| stdout.flush())
+        .map_err(|e| anyhow::anyhow!("cannot report to apply: {e}"))?;
+    info!(
+        pid = std::process::id(),
+        "armed: {}",
+        pending.describe(SystemTime::now())
+    );
+    if change::wait_for_deadline(state, &pending) == TimerWake::StandDown {
+        info!(
+            generation = pending.generation,
+            "confirmed or replaced; standing down"
+        );
+        return Ok(0);
+    }
+    let lock = state.lock("revert-timer", writer.lock.lock_timeout.0, |holder| {
+        warn!(holder = %holder, "the deadline came; waiting for the lock");
+    })?;
+    let writer_ctx = Writer {
+        state,
+        lock: &lock,
+        keep: writer.keep,
+    };
+    match change::revert(&mut Nft::open()?, &writer_ctx, token)? {
+        RevertOutcome::StoodDown => {
+            info!(
+                generation = pending.generation,
+                "confirmed at the deadline; standing down"
+            );
+        }
+        RevertOutcome::Reinstated {
+            source, recorded, ..
+        } => info!(
+            generation = pending.generation,
+            "not confirmed: reverted to generation {source}, recorded as generation {recorded}"
+        ),
+        RevertOutcome::Deleted => warn!(
+            generation = pending.generation,
+            "not confirmed and there was no earlier generation: table inet {TABLE} deleted"
+        ),
+    }
+    Ok(0)
+}
+
+fn diff_command(
+    path: &Path,
+    target: &Target,
+    resolving: &Resolving,
+    json: bool,
+) -> Result<u8, Failure> {
+    let resolv_conf = enter(target, Some(resolving))?;
+    let planned = resolve_and_plan(path, &resolv_conf)?;
+    let live = Nft::open()?.read_table()?;
+    let diff = compare(&planned.ruleset, live.as_ref(), CompareOptions::default());
+    if json {
+        let out = serde_json::json!({ "changed": !diff.is_empty(), "differences": diff });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else if diff.is_empty() {
+        println!("no changes: table inet {TABLE} matches {}", path.display());
+    } else {
+        println!(
+            "applying {} would change table inet {TABLE} (+ adds, - removes):",
+            path.display()
+        );
+        print!("{diff}");
+    }
+    Ok(if diff.is_empty() { 0 } else { EXIT_CHANGES })
+}
+
+fn print_summary(diff: &TableDiff) {
+    for line in diff.summary() {
+        println!("  {line}");
+    }
+}
+
+fn print_apply(outcome: &ApplyOutcome, path: &Path, confirm_hint: &str) {
+    let current = outcome
+        .current
+        .map_or(String::new(), |g| format!(" (generation {g})"));
+    if !outcome.changed() {
+        match &outcome.recorded {
+            Some(g) => println!(
+                "unchanged: the live table already matches {}; recorded as generation {}",
+                path.display(),
+                g.generation
+            ),
+            None => println!(
+                "unchanged: the live table already matches {}{current}",
+                path.display()
+            ),
+        }
+        return;
+    }
+    println!("applied {}{current}; changed:", path.display());
+    print_summary(&outcome.diff);
+    if let Some(p) = &outcome.armed {
+        let left = p.seconds_left(SystemTime::now());
+        let when = format!("at {} (in {left} s)", state::clock_utc(p.deadline()));
+        match p.revert_to {
+            Some(n) => println!(
+                "generation {} reverts to generation {n} {when} unless `{confirm_hint}` runs before",
+                p.generation
+            ),
+            None => println!(
+                "generation {} has no earlier generation to revert to: unless `{confirm_hint}` \
+                 runs before, table inet {TABLE} is DELETED {when} and the host is left unfenced",
+                p.generation
+            ),
+        }
+    }
+}
+
+/// What a writer learnt about an earlier confirm-or-revert, on stderr.
+fn report_pending_notes(
+    awaiting: &Option<PendingConfirm>,
+    noted_revert: &Option<PendingConfirm>,
+    confirm_hint: &str,
+) {
+    let now = SystemTime::now();
+    if let Some(p) = noted_revert {
+        eprintln!("note: {}", p.describe(now));
+    }
+    if let Some(p) = awaiting {
+        eprintln!(
+            "warning: {}; that revert undoes this change too (`{confirm_hint}` keeps both)",
+            p.describe(now)
+        );
+    }
+}
+
+fn print_drift(drift: &Drift, state: &StateDir) {
+    match drift {
+        Drift::NoGeneration => println!(
+            "no generation is recorded in {} (applied by hand, or by an older egress-fence)",
+            state.path().display()
+        ),
+        Drift::Unreadable(e) => println!("cannot check for drift: {e}"),
+        Drift::InSync(g) => println!(
+            "in sync with generation {} ({} at {})",
+            g.generation,
+            g.describe(),
+            g.time
+        ),
+        Drift::Drifted(g, diff) => {
+            println!(
+                "DRIFT from generation {} ({} at {}): the live table was changed beside \
+                 egress-fence; applying the generation again would change (+ adds, - removes):",
+                g.generation,
+                g.describe(),
+                g.time
+            );
+            for line in diff.to_string().lines() {
+                println!("  {line}");
+            }
+            println!(
+                "  `egress-fence apply` of the policy, or `egress-fence rollback --to {}`, puts it back",
+                g.generation
+            );
+        }
     }
 }
 
@@ -538,5 +1126,72 @@ fn print_status(status: &egress_fence::nft::live::Status) {
         } else {
             println!("  set {}: {}", s.name, items.join(", "));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The command line `apply` starts a revert timer with parses back into the same options,
+    /// so the two can never drift apart.
+    #[test]
+    fn the_revert_timer_command_line_parses_back() {
+        let target = Target {
+            netns: Some("sandbox".into()),
+        };
+        let writer = WriterArgs {
+            state: StateArgs {
+                state_dir: PathBuf::from("/tmp/state dir"),
+            },
+            lock: LockArgs {
+                lock_timeout: "2m".parse().expect("a duration"),
+            },
+            keep: 4,
+        };
+        let cmd = revert_timer_command("123-456", &target, &writer);
+        assert_eq!(cmd.get_program(), "/proc/self/exe");
+        assert!(
+            cmd.get_envs()
+                .any(|(k, v)| k == CRASH_BEFORE_RENAME_ENV && v.is_none()),
+            "the fault injection is not passed on"
+        );
+        let mut argv = vec![std::ffi::OsString::from("egress-fence")];
+        argv.extend(cmd.get_args().map(|a| a.to_owned()));
+        let Command::RevertTimer {
+            token,
+            target,
+            writer,
+        } = Cli::try_parse_from(argv).expect("parses").command
+        else {
+            panic!("not the revert-timer command");
+        };
+        assert_eq!(token, "123-456");
+        assert_eq!(target.netns.as_deref(), Some("sandbox"));
+        assert_eq!(writer.state.state_dir, Path::new("/tmp/state dir"));
+        assert_eq!(writer.lock.lock_timeout.0, Duration::from_secs(120));
+        assert_eq!(writer.keep, 4);
+    }
+
+    #[test]
+    fn the_revert_timer_is_hidden_and_keep_must_be_positive() {
+        use clap::CommandFactory;
+        let help = Cli::command().render_help().to_string();
+        assert!(!help.contains("revert-timer"), "{help}");
+        assert!(
+            help.contains("rollback") && help.contains("confirm"),
+            "{help}"
+        );
+        assert!(Cli::try_parse_from(["egress-fence", "rollback", "--keep", "0"]).is_err());
+        assert!(
+            Cli::try_parse_from([
+                "egress-fence",
+                "apply",
+                "p.yaml",
+                "--confirm-within",
+                "soon"
+            ])
+            .is_err()
+        );
     }
 }

@@ -111,15 +111,6 @@ fn has_table(w: &World) -> bool {
         .is_some_and(|a| a.iter().any(|o| o["table"]["name"] == "egress_fence"))
 }
 
-/// The kernel handle of our table: a reload creates a new table with a new handle.
-fn table_handle(w: &World) -> Option<u64> {
-    w.nft_json()["nftables"].as_array().and_then(|a| {
-        a.iter()
-            .find(|o| o["table"]["name"] == "egress_fence")
-            .and_then(|o| o["table"]["handle"].as_u64())
-    })
-}
-
 /// A plain TCP connect from the sandbox, with a short timeout.
 fn connects(w: &World, addr: IpAddr, port: u16) -> bool {
     w.in_sandbox_ns(|| {
@@ -197,7 +188,7 @@ fn a_changed_answer_is_followed_without_a_gap_and_the_old_address_fades_after_gr
     );
     let notify = Notify::new(&w);
     let daemon = start(&w, &notify, &path, &[]);
-    let handle = table_handle(&w);
+    let handle = w.table_handle();
     assert!(connects(&w, HOST_V4, 443));
     assert!(
         !connects(&w, HOST3_V4, 443),
@@ -249,7 +240,7 @@ fn a_changed_answer_is_followed_without_a_gap_and_the_old_address_fades_after_gr
         "{f} of {a} connects to the steady name failed during refreshes"
     );
     assert_eq!(
-        table_handle(&w),
+        w.table_handle(),
         handle,
         "the table was reloaded instead of updated: {}",
         daemon.stderr()
@@ -306,7 +297,7 @@ fn sighup_refuses_a_broken_policy_and_applies_a_good_one() {
     let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
     let notify = Notify::new(&w);
     let mut daemon = start(&w, &notify, &path, &[]);
-    let handle = table_handle(&w);
+    let handle = w.table_handle();
 
     std::fs::write(&path, "version: 1\nallow:\n  - domain: [broken\n").expect("write");
     daemon.signal(Signal::SIGHUP);
@@ -318,7 +309,7 @@ fn sighup_refuses_a_broken_policy_and_applies_a_good_one() {
     assert!(connects(&w, HOST_V4, 443));
     assert!(!connects(&w, HOST2_V4, 443));
     assert_eq!(
-        table_handle(&w),
+        w.table_handle(),
         handle,
         "a refused policy touched the table"
     );

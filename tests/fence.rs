@@ -60,30 +60,6 @@ fn apply(w: &World, policy: &std::path::Path) -> CmdOutput {
     out
 }
 
-/// `nft -j list ruleset` without what legitimately differs between two loads of the same
-/// table: handles, and the order in which the kernel lists set elements.
-fn normalized(mut v: Value) -> Value {
-    fn walk(v: &mut Value) {
-        match v {
-            Value::Object(map) => {
-                map.remove("handle");
-                for (key, value) in map.iter_mut() {
-                    walk(value);
-                    if key == "elem"
-                        && let Value::Array(items) = value
-                    {
-                        items.sort_by_key(|i| i.to_string());
-                    }
-                }
-            }
-            Value::Array(items) => items.iter_mut().for_each(walk),
-            _ => {}
-        }
-    }
-    walk(&mut v);
-    v
-}
-
 /// The objects of the ruleset that belong to table `name`.
 fn objects_of_table(ruleset: &Value, name: &str) -> Vec<Value> {
     ruleset["nftables"]
@@ -210,7 +186,7 @@ fn the_policy_allows_exactly_what_it_lists() {
 fn nft_reads_back_exactly_the_table_that_plan_renders() {
     let (w, policy) = world();
     apply(&w, &policy);
-    let applied = normalized(w.nft_json());
+    let applied = normalized_ruleset(w.nft_json());
 
     // Only our table, with the expected shape.
     let tables: Vec<&Value> = applied["nftables"]
@@ -246,16 +222,16 @@ fn nft_reads_back_exactly_the_table_that_plan_renders() {
     assert!(w.egress_fence(&["teardown"]).success());
     let load = w.sandbox_cmd_with_input(&["nft", "-f", "-"], plan.stdout.as_bytes());
     assert!(load.success(), "nft -f: {load}");
-    assert_eq!(normalized(w.nft_json()), applied);
+    assert_eq!(normalized_ruleset(w.nft_json()), applied);
 }
 
 #[test]
 fn a_second_apply_changes_nothing() {
     let (w, policy) = world();
     apply(&w, &policy);
-    let first = normalized(w.nft_json());
+    let first = normalized_ruleset(w.nft_json());
     apply(&w, &policy);
-    assert_eq!(normalized(w.nft_json()), first);
+    assert_eq!(normalized_ruleset(w.nft_json()), first);
 }
 
 #[test]
@@ -274,7 +250,7 @@ fn other_tables_survive_apply_and_teardown_unchanged() {
     let load = w.sandbox_cmd_with_input(&["nft", "-f", "-"], foreign.as_bytes());
     assert!(load.success(), "{load}");
     let snapshot = |w: &World| {
-        let v = normalized(w.nft_json());
+        let v = normalized_ruleset(w.nft_json());
         [
             objects_of_table(&v, "keepme"),
             objects_of_table(&v, "other"),
@@ -290,7 +266,7 @@ fn other_tables_survive_apply_and_teardown_unchanged() {
     assert_eq!(snapshot(&w), before);
 
     // Nothing of ours is left, and a second teardown is a no-op.
-    let rest = normalized(w.nft_json());
+    let rest = normalized_ruleset(w.nft_json());
     assert!(objects_of_table(&rest, "egress_fence").is_empty(), "{rest}");
     let again = w.egress_fence(&["teardown"]);
     assert!(
@@ -395,7 +371,7 @@ fn planned(w: &World) -> egress_fence::ruleset::Ruleset {
 fn a_refused_transaction_leaves_the_running_table_untouched() {
     let (w, policy) = world();
     apply(&w, &policy);
-    let before = normalized(w.nft_json());
+    let before = normalized_ruleset(w.nft_json());
 
     // A ruleset the kernel must refuse: two overlapping intervals in the deny set.
     let mut bad = planned(&w);
@@ -416,7 +392,7 @@ fn a_refused_transaction_leaves_the_running_table_untouched() {
         "{err}"
     );
     assert_eq!(
-        normalized(w.nft_json()),
+        normalized_ruleset(w.nft_json()),
         before,
         "a refused batch changed the table"
     );
@@ -442,6 +418,7 @@ fn netns_may_be_given_as_a_path() {
     assert!(entered, "the holder never entered the sandbox namespace");
     let out = Command::new(EGRESS_FENCE_BIN)
         .args(["apply", path(&policy), "--netns", &ns])
+        .env(STATE_DIR_ENV, w.state_dir())
         .output()
         .expect("run egress-fence");
     // The path form has no /etc/netns resolv.conf, but this policy names its resolvers.

@@ -20,7 +20,6 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -492,6 +491,19 @@ impl Stage {
         }
     }
 
+    /// The state directory as `StateDirectory=` with `DynamicUser=` hands it to the daemon:
+    /// owned by its user, mode 0700 (in the world's directory instead of /var/lib).
+    fn state_dir(&self, grant: &Grant) -> PathBuf {
+        let dir = self.bin.with_file_name("state");
+        if !dir.exists() {
+            fs::create_dir(&dir).expect("create the state directory");
+            std::os::unix::fs::chown(&dir, Some(grant.uid), Some(grant.uid))
+                .expect("give the state directory to the unit's user");
+            chmod(&dir, 0o700);
+        }
+        dir
+    }
+
     /// Starts `egress-fence run POLICY` in the sandbox the way systemd would start the unit:
     /// the namespace entered as root, then `setpriv` takes the process to `grant`, then the
     /// daemon runs, without --netns, with `env` around it.
@@ -504,6 +516,8 @@ impl Stage {
         args.push(self.bin.to_str().expect("utf-8 path").into());
         args.push("run".into());
         args.push(self.policy.to_str().expect("utf-8 path").into());
+        args.push("--state-dir".into());
+        args.push(self.state_dir(grant).to_str().expect("utf-8 path").into());
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         w.spawn_in_sandbox(&args)
     }
@@ -526,20 +540,6 @@ fn has_table(w: &World) -> bool {
         a.iter()
             .any(|o| o["table"]["family"] == "inet" && o["table"]["name"] == "egress_fence")
     })
-}
-
-/// Polls `f` every 100 ms until it holds or `timeout` passes.
-fn within(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// A field of /proc/PID/status, e.g. "CapEff".

@@ -111,6 +111,11 @@ pub const DEFAULT_DNS_TTL: u32 = 60;
 /// The egress-fence binary built by cargo for these tests.
 pub const EGRESS_FENCE_BIN: &str = env!("CARGO_BIN_EXE_egress-fence");
 
+/// The variable egress-fence takes its state directory from when `--state-dir` is not given.
+/// The harness sets it for every process it starts, to [`World::state_dir`], so no test ever
+/// writes generations or locks to the machine's /var/lib.
+pub const STATE_DIR_ENV: &str = "EGRESS_FENCE_STATE_DIR";
+
 /// Upper bound for any command the helpers run, so a hung client fails the test instead of
 /// hanging it.
 const COMMAND_TIMEOUT_SECS: &str = "60";
@@ -230,6 +235,18 @@ impl World {
     /// The world's temporary directory (removed on drop), e.g. for policy files.
     pub fn dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// The state directory every egress-fence started by this world uses (inside
+    /// [`World::dir`]; created by egress-fence on first write).
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir().join("state")
+    }
+
+    /// Where egress-fence keeps the sandbox's generations, lock and pending confirmation
+    /// (its named-namespace directory below [`World::state_dir`]).
+    pub fn sandbox_state_dir(&self) -> PathBuf {
+        self.state_dir().join(format!("netns-{}", self.sandbox))
     }
 
     /// Writes `contents` to `name` inside [`World::dir`] and returns the full path.
@@ -388,30 +405,33 @@ impl World {
     /// A `Command` that runs `args` inside the sandbox (`ip netns exec`, so it sees the
     /// world's resolv.conf), with proxy variables removed. Not started; no timeout.
     pub fn sandbox_command(&self, args: &[&str]) -> Command {
-        ns_command(&self.sandbox, args)
+        self.ns_command(&self.sandbox, args)
     }
 
     /// Runs `args` inside the sandbox and waits for it (killed after 60 s).
     pub fn sandbox_cmd(&self, args: &[&str]) -> CmdOutput {
-        run(&mut ns_command(&self.sandbox, &with_timeout(args)), None)
+        run(
+            &mut self.ns_command(&self.sandbox, &with_timeout(args)),
+            None,
+        )
     }
 
     /// Like [`World::sandbox_cmd`], feeding `input` to its standard input.
     pub fn sandbox_cmd_with_input(&self, args: &[&str], input: &[u8]) -> CmdOutput {
         run(
-            &mut ns_command(&self.sandbox, &with_timeout(args)),
+            &mut self.ns_command(&self.sandbox, &with_timeout(args)),
             Some(input),
         )
     }
 
     /// Runs `args` inside the net namespace and waits for it (killed after 60 s).
     pub fn net_cmd(&self, args: &[&str]) -> CmdOutput {
-        run(&mut ns_command(&self.net, &with_timeout(args)), None)
+        run(&mut self.ns_command(&self.net, &with_timeout(args)), None)
     }
 
     /// Starts `args` inside the sandbox in the background; killed when the handle drops.
     pub fn spawn_in_sandbox(&self, args: &[&str]) -> Background {
-        self.spawn_background(ns_command(&self.sandbox, args), args.join(" "))
+        self.spawn_background(self.ns_command(&self.sandbox, args), args.join(" "))
     }
 
     /// `nc -z -v -w <timeout_secs>` from the sandbox: the full output, e.g. to tell
@@ -484,6 +504,16 @@ impl World {
         }
     }
 
+    /// The kernel handle of table inet egress_fence in the sandbox (`None`: not installed).
+    /// A full apply replaces the table, and the new one gets a new handle.
+    pub fn table_handle(&self) -> Option<u64> {
+        self.nft_json()["nftables"].as_array().and_then(|a| {
+            a.iter()
+                .find(|o| o["table"]["family"] == "inet" && o["table"]["name"] == "egress_fence")
+                .and_then(|o| o["table"]["handle"].as_u64())
+        })
+    }
+
     /// `nft -j list ruleset` inside the sandbox, parsed.
     pub fn nft_json(&self) -> serde_json::Value {
         let out = self.sandbox_cmd(&["nft", "-j", "list", "ruleset"]);
@@ -495,11 +525,19 @@ impl World {
     /// Runs the egress-fence binary (from the root namespace) with `args` followed by
     /// `--netns <sandbox>`, and waits for it (killed after 60 s).
     pub fn egress_fence(&self, args: &[&str]) -> CmdOutput {
+        self.egress_fence_with_env(args, &[])
+    }
+
+    /// Like [`World::egress_fence`], with extra environment variables (fault injection).
+    pub fn egress_fence_with_env(&self, args: &[&str], env: &[(&str, &str)]) -> CmdOutput {
         let mut cmd = Command::new("timeout");
         cmd.args(["-k", "5", COMMAND_TIMEOUT_SECS, EGRESS_FENCE_BIN])
             .args(args)
             .args(["--netns", &self.sandbox]);
-        run(clean_env(&mut cmd), None)
+        clean_env(&mut cmd)
+            .env(STATE_DIR_ENV, self.state_dir())
+            .envs(env.iter().copied());
+        run(&mut cmd, None)
     }
 
     /// Starts the egress-fence binary with `args` + `--netns <sandbox>` in the background
@@ -512,12 +550,21 @@ impl World {
     pub fn spawn_egress_fence_with_env(&self, args: &[&str], env: &[(&str, &str)]) -> Background {
         let mut cmd = Command::new(EGRESS_FENCE_BIN);
         cmd.args(args).args(["--netns", &self.sandbox]);
-        clean_env(&mut cmd);
-        cmd.envs(env.iter().copied());
+        clean_env(&mut cmd)
+            .env(STATE_DIR_ENV, self.state_dir())
+            .envs(env.iter().copied());
         self.spawn_background(cmd, format!("egress-fence {}", args.join(" ")))
     }
 
     // --- internals ------------------------------------------------------------------------
+
+    /// `ip netns exec NS ARGS`, with the world's egress-fence state directory in the
+    /// environment.
+    fn ns_command(&self, ns: &str, args: &[&str]) -> Command {
+        let mut cmd = ns_command(ns, args);
+        cmd.env(STATE_DIR_ENV, self.state_dir());
+        cmd
+    }
 
     fn dns_state(&self) -> MutexGuard<'_, Dns> {
         self.dns.lock().unwrap_or_else(|e| e.into_inner())
@@ -1238,6 +1285,37 @@ impl DigResult {
     }
 }
 
+/// `nft -j list ruleset` output without what legitimately differs between two loads of the
+/// same table: handles, the order in which the kernel lists set elements, and counter values.
+pub fn normalized_ruleset(mut v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    fn walk(v: &mut Value) {
+        match v {
+            Value::Object(map) => {
+                map.remove("handle");
+                for (key, value) in map.iter_mut() {
+                    walk(value);
+                    match (key.as_str(), value) {
+                        ("elem", Value::Array(items)) => items.sort_by_key(|i| i.to_string()),
+                        ("counter", Value::Object(counter)) => {
+                            for count in ["packets", "bytes"] {
+                                if let Some(n) = counter.get_mut(count) {
+                                    *n = 0.into();
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    walk(&mut v);
+    v
+}
+
 // ---------------------------------------------------------------------------------------------
 // Background processes
 // ---------------------------------------------------------------------------------------------
@@ -1381,8 +1459,18 @@ fn dns_probe(server: IpAddr, bind: IpAddr, timeout: Duration) -> bool {
     }
 }
 
+/// Polls `f` every 100 ms until it holds (true) or `timeout` passes (false): for checks that
+/// run commands.
+pub fn within(timeout: Duration, f: impl FnMut() -> bool) -> bool {
+    poll(timeout, Duration::from_millis(100), f)
+}
+
 /// Polls `f` every 2 ms until it is true (true) or `timeout` passes (false).
-fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+fn wait_until(timeout: Duration, f: impl FnMut() -> bool) -> bool {
+    poll(timeout, Duration::from_millis(2), f)
+}
+
+fn poll(timeout: Duration, every: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
         if f() {
@@ -1391,7 +1479,7 @@ fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         if Instant::now() >= deadline {
             return false;
         }
-        thread::sleep(Duration::from_millis(2));
+        thread::sleep(every);
     }
 }
 

@@ -1,0 +1,504 @@
+//! Safe changes to the live table: every write happens under the namespace's writers' lock,
+//! is compared with what the kernel holds first (nothing is sent when nothing would change),
+//! and is recorded as a generation that `rollback` can reinstate.
+//!
+//! Confirm-or-revert (`apply --confirm-within`) is ordered so that no failure, and no death
+//! of the applying process, leaves an unconfirmed change in place for good: the pending
+//! confirmation is written and a revert timer started and heard from *before* the table is
+//! touched. The timer is a process of its own, in a session of its own, so it outlives the
+//! terminal and the shell that ran `apply`; it reverts at the deadline unless the pending
+//! record has been confirmed (removed) or replaced by then.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::diff::{CompareOptions, TableDiff, compare};
+use crate::nft::{LiveTable, Nft, NftError};
+use crate::resolve::Resolution;
+use crate::ruleset::Ruleset;
+use crate::state::{
+    Generation, NewGeneration, PendingConfirm, Recorder, Reverted, StateDir, StateError,
+    WriterLock, current_netns_inode, rfc3339,
+};
+
+/// How long `apply` waits for a revert timer to say it is armed.
+const TIMER_HANDSHAKE: Duration = Duration::from_secs(10);
+/// What a revert timer prints on its standard output once armed; nothing else goes there.
+pub const TIMER_ARMED: &str = "armed";
+/// How often a waiting revert timer looks whether its change was confirmed.
+const TIMER_POLL: Duration = Duration::from_millis(200);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ChangeError {
+    #[error(transparent)]
+    Nft(#[from] NftError),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(
+        "the revert timer did not start ({reason}; its log: {}); nothing was applied",
+        .log.display()
+    )]
+    TimerStart { reason: String, log: PathBuf },
+    #[error(
+        "the table was applied but generation {generation} could not be recorded: {source}{}",
+        if *.pending { "; the change still reverts at its deadline unless confirmed" } else { "" }
+    )]
+    NotRecorded {
+        generation: u64,
+        pending: bool,
+        #[source]
+        source: StateError,
+    },
+    #[error("the revert timer cannot leave the session that started it: {0}")]
+    Detach(nix::Error),
+    #[error("the revert timer has nothing to guard: {0}")]
+    NothingToGuard(String),
+    #[error(
+        "refusing to revert: this process is in network namespace {current}, the change was applied in {applied_in}"
+    )]
+    WrongNamespace { current: u64, applied_in: u64 },
+}
+
+/// One writer at work: the namespace's state directory, its lock, and how many generations
+/// to keep.
+pub struct Writer<'a> {
+    pub state: &'a StateDir,
+    pub lock: &'a WriterLock,
+    pub keep: usize,
+}
+
+/// A policy resolved and planned, ready to apply.
+pub struct Planned {
+    pub policy_path: PathBuf,
+    pub policy_text: String,
+    pub resolution: Resolution,
+    pub ruleset: Ruleset,
+}
+
+/// `--confirm-within`: the window, and how to start a revert timer for a token (the caller
+/// knows the command line; the timer must print [`TIMER_ARMED`] once armed).
+pub struct ConfirmRequest<'a> {
+    pub within: Duration,
+    pub timer_command: &'a dyn Fn(&str) -> Command,
+}
+
+/// What an `apply` did.
+#[derive(Debug)]
+pub struct ApplyOutcome {
+    /// What differed from the live table (empty: nothing was sent).
+    pub diff: TableDiff,
+    /// The generation recorded, if one was: a change, or a table that matched the plan
+    /// without the newest generation saying so.
+    pub recorded: Option<Generation>,
+    /// The generation that describes the live table now.
+    pub current: Option<u64>,
+    /// The confirmation this apply armed.
+    pub armed: Option<PendingConfirm>,
+    /// An earlier change that still awaits confirmation: its deadline also undoes this one.
+    pub awaiting: Option<PendingConfirm>,
+    /// A revert that happened since the last writer, now taken note of.
+    pub noted_revert: Option<PendingConfirm>,
+}
+
+impl ApplyOutcome {
+    pub fn changed(&self) -> bool {
+        !self.diff.is_empty()
+    }
+}
+
+/// Applies `planned` unless the live table already matches it, and records it.
+pub fn apply(
+    nft: &mut Nft,
+    writer: &Writer<'_>,
+    planned: Planned,
+    confirm: Option<ConfirmRequest<'_>>,
+) -> Result<ApplyOutcome, ChangeError> {
+    let (awaiting, noted_revert) = take_note_of_pending(writer)?;
+    let live = nft.read_table()?;
+    let diff = compare(&planned.ruleset, live.as_ref(), CompareOptions::default());
+    let newest = writer.state.newest();
+    let newest_matches = matches!(&newest, Ok(Some(g)) if g.ruleset == planned.ruleset);
+    if diff.is_empty() && newest_matches {
+        let current = newest.ok().flatten().map(|g| g.generation);
+        return Ok(ApplyOutcome {
+            diff,
+            recorded: None,
+            current,
+            armed: None,
+            awaiting,
+            noted_revert,
+        });
+    }
+
+    let number = writer.state.next_number(writer.lock)?;
+    // Nothing changes in the kernel when nothing differs, so there is nothing to confirm.
+    let armed = match confirm.filter(|_| !diff.is_empty()) {
+        Some(request) => Some(arm(writer, number, awaiting.as_ref(), &request)?),
+        None => None,
+    };
+    if !diff.is_empty()
+        && let Err(e) = nft.apply(&planned.ruleset)
+    {
+        if armed.is_some() {
+            // Nothing changed: the timer finds its record gone and stands down.
+            writer.state.clear_pending(writer.lock)?;
+        }
+        return Err(e.into());
+    }
+    let new = NewGeneration {
+        recorder: Recorder::Apply,
+        source_generation: None,
+        policy_path: planned.policy_path,
+        policy_text: planned.policy_text,
+        resolution: planned.resolution,
+        ruleset: planned.ruleset,
+    };
+    let recorded = writer
+        .state
+        .record_as(writer.lock, number, new, writer.keep)
+        .map_err(|source| ChangeError::NotRecorded {
+            generation: number,
+            pending: armed.is_some(),
+            source,
+        })?;
+    Ok(ApplyOutcome {
+        diff,
+        current: Some(recorded.generation),
+        recorded: Some(recorded),
+        // A new confirmation replaces the one that was awaited (and keeps what it reverts to).
+        awaiting: if armed.is_some() { None } else { awaiting },
+        armed,
+        noted_revert,
+    })
+}
+
+/// The pending record as a writer finds it: a change still awaiting confirmation (it stays:
+/// only `confirm` or its deadline ends it), or a revert to take note of (the record goes).
+/// An abandoned record (its timer died, a reboot) goes too: nothing will act on it.
+fn take_note_of_pending(
+    writer: &Writer<'_>,
+) -> Result<(Option<PendingConfirm>, Option<PendingConfirm>), ChangeError> {
+    let Some(pending) = writer.state.pending()? else {
+        return Ok((None, None));
+    };
+    if pending.is_awaiting(SystemTime::now()) {
+        return Ok((Some(pending), None));
+    }
+    writer.state.clear_pending(writer.lock)?;
+    Ok((None, pending.reverted.is_some().then_some(pending)))
+}
+
+/// Writes the pending confirmation and starts its revert timer; returns once the timer said
+/// it is armed. What it reverts to: the last confirmed state, which is what an earlier
+/// unconfirmed change reverts to, else the newest generation, else no table.
+fn arm(
+    writer: &Writer<'_>,
+    generation: u64,
+    awaiting: Option<&PendingConfirm>,
+    request: &ConfirmRequest<'_>,
+) -> Result<PendingConfirm, ChangeError> {
+    let revert_to = match awaiting {
+        Some(earlier) => earlier.revert_to,
+        None => writer.state.generation_numbers()?.last().copied(),
+    };
+    if let Some(n) = revert_to {
+        // Refuse now rather than find out at the deadline that there is nothing to revert to.
+        writer.state.load(n)?;
+    }
+    let deadline = SystemTime::now() + request.within;
+    let pending = PendingConfirm::new(generation, revert_to, deadline, current_netns_inode()?);
+    writer.state.write_pending(writer.lock, &pending)?;
+    if let Err(e) = start_timer(writer.state, &pending.token, request.timer_command) {
+        writer.state.clear_pending(writer.lock)?;
+        return Err(e);
+    }
+    Ok(pending)
+}
+
+/// Starts the revert timer and waits for its [`TIMER_ARMED`] line. Its standard error goes to
+/// the state directory's log, its standard input is /dev/null: it needs no terminal.
+fn start_timer(
+    state: &StateDir,
+    token: &str,
+    timer_command: &dyn Fn(&str) -> Command,
+) -> Result<(), ChangeError> {
+    let log_path = state.revert_timer_log();
+    let failed = |reason: String| ChangeError::TimerStart {
+        reason,
+        log: log_path.clone(),
+    };
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|e| failed(format!("cannot open its log: {e}")))?;
+    let mut child = timer_command(token)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| failed(format!("cannot start it: {e}")))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| failed("no pipe to it".into()))?;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    match rx.recv_timeout(TIMER_HANDSHAKE) {
+        Ok(line) if line.trim() == TIMER_ARMED => Ok(()),
+        outcome => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(failed(match outcome {
+                Ok(_) => "it exited before it was armed".into(),
+                Err(_) => format!("it did not report within {} s", TIMER_HANDSHAKE.as_secs()),
+            }))
+        }
+    }
+}
+
+/// What a `rollback` did.
+#[derive(Debug)]
+pub struct RollbackOutcome {
+    /// The generation reinstated.
+    pub source: Generation,
+    /// The generation recorded for the rollback.
+    pub recorded: Generation,
+    /// What differed from the live table (empty: nothing was sent).
+    pub diff: TableDiff,
+    pub awaiting: Option<PendingConfirm>,
+    pub noted_revert: Option<PendingConfirm>,
+}
+
+/// Reinstates generation `to`, or the one before the newest, exactly as it was applied
+/// (one transaction), and records that as a new generation.
+pub fn rollback(
+    nft: &mut Nft,
+    writer: &Writer<'_>,
+    to: Option<u64>,
+) -> Result<RollbackOutcome, ChangeError> {
+    let source = match to {
+        Some(n) => writer.state.load(n)?,
+        None => writer.state.before_newest()?,
+    };
+    let (awaiting, noted_revert) = take_note_of_pending(writer)?;
+    let (diff, recorded) = reinstate(nft, writer, &source, Recorder::Rollback)?;
+    Ok(RollbackOutcome {
+        source,
+        recorded,
+        diff,
+        awaiting,
+        noted_revert,
+    })
+}
+
+/// Puts `generation`'s ruleset in place (unless the live table already matches it) and
+/// records that.
+fn reinstate(
+    nft: &mut Nft,
+    writer: &Writer<'_>,
+    generation: &Generation,
+    recorder: Recorder,
+) -> Result<(TableDiff, Generation), ChangeError> {
+    let live = nft.read_table()?;
+    let diff = compare(
+        &generation.ruleset,
+        live.as_ref(),
+        CompareOptions::default(),
+    );
+    if !diff.is_empty() {
+        nft.apply(&generation.ruleset)?;
+    }
+    let number = writer.state.next_number(writer.lock)?;
+    let recorded = writer
+        .state
+        .record_as(
+            writer.lock,
+            number,
+            NewGeneration::reinstating(generation, recorder),
+            writer.keep,
+        )
+        .map_err(|source| ChangeError::NotRecorded {
+            generation: number,
+            pending: false,
+            source,
+        })?;
+    Ok((diff, recorded))
+}
+
+/// What `confirm` found.
+#[derive(Debug)]
+pub enum ConfirmOutcome {
+    /// The change is kept; its timer stands down.
+    Confirmed(PendingConfirm),
+    /// The deadline passed and the change was reverted before the confirmation came.
+    TooLate(PendingConfirm),
+    NothingPending,
+}
+
+/// Confirms the change awaiting confirmation, if any.
+pub fn confirm(state: &StateDir, lock: &WriterLock) -> Result<ConfirmOutcome, ChangeError> {
+    let Some(pending) = state.pending()? else {
+        return Ok(ConfirmOutcome::NothingPending);
+    };
+    state.clear_pending(lock)?;
+    Ok(if pending.reverted.is_some() {
+        ConfirmOutcome::TooLate(pending)
+    } else {
+        ConfirmOutcome::Confirmed(pending)
+    })
+}
+
+/// The revert timer's first step, in its own process: checks that `token` is pending and
+/// that this process is in the namespace the change was applied in.
+pub fn arm_timer(state: &StateDir, token: &str) -> Result<PendingConfirm, ChangeError> {
+    let pending = state
+        .pending()?
+        .filter(|p| p.token == token && p.reverted.is_none())
+        .ok_or_else(|| ChangeError::NothingToGuard(format!("no pending confirmation {token}")))?;
+    check_namespace(&pending)?;
+    Ok(pending)
+}
+
+fn check_namespace(pending: &PendingConfirm) -> Result<(), ChangeError> {
+    let current = current_netns_inode()?;
+    if current != pending.netns_inode {
+        return Err(ChangeError::WrongNamespace {
+            current,
+            applied_in: pending.netns_inode,
+        });
+    }
+    Ok(())
+}
+
+/// Why a revert timer woke.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TimerWake {
+    /// The record was confirmed (removed) or replaced by a newer confirmation.
+    StandDown,
+    /// The deadline came.
+    Deadline,
+}
+
+/// Sleeps until the deadline, waking early when the record is confirmed or replaced. The
+/// deadline is measured on the monotonic clock from now, so a clock step does not move it.
+pub fn wait_for_deadline(state: &StateDir, pending: &PendingConfirm) -> TimerWake {
+    let left = pending
+        .deadline()
+        .duration_since(SystemTime::now())
+        .unwrap_or_default();
+    let deadline = Instant::now() + left;
+    loop {
+        match state.pending() {
+            Ok(Some(p)) if p.token == pending.token => {}
+            // A record that cannot be read right now is no confirmation: keep the deadline.
+            Err(_) => {}
+            Ok(_) => return TimerWake::StandDown,
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return TimerWake::Deadline;
+        }
+        std::thread::sleep(TIMER_POLL.min(deadline - now));
+    }
+}
+
+/// What a revert timer did at its deadline.
+#[derive(Debug)]
+pub enum RevertOutcome {
+    /// Confirmed or replaced while the timer waited for the lock.
+    StoodDown,
+    /// Reinstated generation `source`, recorded as generation `recorded`.
+    Reinstated {
+        source: u64,
+        recorded: u64,
+        diff: TableDiff,
+    },
+    /// There was no earlier generation: the table was deleted.
+    Deleted,
+}
+
+/// The deadline came: reverts the change unless it was confirmed meanwhile, and marks the
+/// record reverted.
+pub fn revert(
+    nft: &mut Nft,
+    writer: &Writer<'_>,
+    token: &str,
+) -> Result<RevertOutcome, ChangeError> {
+    let Some(mut pending) = writer
+        .state
+        .pending()?
+        .filter(|p| p.token == token && p.reverted.is_none())
+    else {
+        return Ok(RevertOutcome::StoodDown);
+    };
+    check_namespace(&pending)?;
+    let outcome = match pending.revert_to {
+        Some(n) => {
+            let source = writer.state.load(n)?;
+            let (diff, recorded) = reinstate(nft, writer, &source, Recorder::Revert)?;
+            RevertOutcome::Reinstated {
+                source: source.generation,
+                recorded: recorded.generation,
+                diff,
+            }
+        }
+        None => {
+            nft.teardown()?;
+            RevertOutcome::Deleted
+        }
+    };
+    pending.reverted = Some(Reverted {
+        time: rfc3339(SystemTime::now()),
+        generation: match &outcome {
+            RevertOutcome::Reinstated { recorded, .. } => Some(*recorded),
+            _ => None,
+        },
+    });
+    writer.state.write_pending(writer.lock, &pending)?;
+    Ok(outcome)
+}
+
+/// Leaves the session of whoever started this process (the terminal of `apply`), so that
+/// closing it signals nothing here.
+pub fn detach_from_session() -> Result<(), ChangeError> {
+    nix::unistd::setsid().map(drop).map_err(ChangeError::Detach)
+}
+
+/// How the live table relates to the newest generation.
+#[derive(Debug)]
+pub enum Drift {
+    /// Nothing is recorded: the table was applied by hand or by an older egress-fence.
+    NoGeneration,
+    /// The newest generation cannot be read; nothing is compared with it.
+    Unreadable(StateError),
+    InSync(Generation),
+    Drifted(Generation, TableDiff),
+}
+
+/// Compares the live table with the newest generation. For a generation the daemon recorded,
+/// the resolved sets' contents are left out: it changes them all the time.
+pub fn drift(state: &StateDir, live: &LiveTable) -> Drift {
+    match state.newest() {
+        Ok(None) => Drift::NoGeneration,
+        Err(e) => Drift::Unreadable(e),
+        Ok(Some(generation)) => {
+            let options = CompareOptions {
+                ignore_resolved_contents: generation.recorder == Recorder::Run,
+            };
+            let diff = compare(&generation.ruleset, Some(live), options);
+            if diff.is_empty() {
+                Drift::InSync(generation)
+            } else {
+                Drift::Drifted(generation, diff)
+            }
+        }
+    }
+}
