@@ -149,7 +149,7 @@ pub fn apply(
         return Err(e.into());
     }
     let new = NewGeneration {
-        recorder: Recorder::Apply,
+        command: Recorder::Apply,
         source_generation: None,
         policy_path: planned.policy_path,
         policy_text: planned.policy_text,
@@ -305,7 +305,7 @@ fn reinstate(
     nft: &mut Nft,
     writer: &Writer<'_>,
     generation: &Generation,
-    recorder: Recorder,
+    command: Recorder,
 ) -> Result<(TableDiff, Generation), ChangeError> {
     let live = nft.read_table()?;
     let diff = compare(
@@ -322,7 +322,7 @@ fn reinstate(
         .record_as(
             writer.lock,
             number,
-            NewGeneration::reinstating(generation, recorder),
+            NewGeneration::reinstating(generation, command),
             writer.keep,
         )
         .map_err(|source| ChangeError::NotRecorded {
@@ -491,7 +491,7 @@ pub fn drift(state: &StateDir, live: &LiveTable) -> Drift {
         Err(e) => Drift::Unreadable(e),
         Ok(Some(generation)) => {
             let options = CompareOptions {
-                ignore_resolved_contents: generation.recorder == Recorder::Run,
+                ignore_resolved_contents: generation.command == Recorder::Run,
             };
             let diff = compare(&generation.ruleset, Some(live), options);
             if diff.is_empty() {

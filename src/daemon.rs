@@ -509,7 +509,7 @@ impl Daemon {
     /// the boundary matters more than its record.
     fn record(&mut self, ruleset: Ruleset, now: Instant) {
         let new = NewGeneration {
-            recorder: Recorder::Run,
+            command: Recorder::Run,
             source_generation: None,
             policy_path: std::path::absolute(&self.options.policy_path)
                 .unwrap_or_else(|_| self.options.policy_path.clone()),

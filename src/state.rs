@@ -142,7 +142,7 @@ pub struct StateDir {
 
 // ---- generations ----------------------------------------------------------------------------
 
-/// Who recorded a generation.
+/// The command that recorded a generation (the `command` field of its file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Recorder {
@@ -170,7 +170,7 @@ impl Recorder {
 /// What a generation is made of, before it has a number.
 #[derive(Debug, Clone)]
 pub struct NewGeneration {
-    pub recorder: Recorder,
+    pub command: Recorder,
     /// For a rollback or revert: the generation it reinstated.
     pub source_generation: Option<u64>,
     pub policy_path: PathBuf,
@@ -180,10 +180,10 @@ pub struct NewGeneration {
 }
 
 impl NewGeneration {
-    /// `generation` reinstated by `recorder`: the same policy, resolution and ruleset.
-    pub fn reinstating(generation: &Generation, recorder: Recorder) -> NewGeneration {
+    /// `generation` reinstated by `command`: the same policy, resolution and ruleset.
+    pub fn reinstating(generation: &Generation, command: Recorder) -> NewGeneration {
         NewGeneration {
-            recorder,
+            command,
             source_generation: Some(generation.generation),
             policy_path: generation.policy_path.clone(),
             policy_text: generation.policy_text.clone(),
@@ -201,7 +201,7 @@ pub struct Generation {
     /// RFC 3339, UTC.
     pub time: String,
     pub uid: u32,
-    pub recorder: Recorder,
+    pub command: Recorder,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_generation: Option<u64>,
     pub policy_path: PathBuf,
@@ -216,8 +216,8 @@ impl Generation {
     /// What the generation is, for lists: "apply", "rollback to 3", "revert to 6".
     pub fn describe(&self) -> String {
         match self.source_generation {
-            Some(from) => format!("{} to {from}", self.recorder.name()),
-            None => self.recorder.name().to_string(),
+            Some(from) => format!("{} to {from}", self.command.name()),
+            None => self.command.name().to_string(),
         }
     }
 
@@ -231,7 +231,7 @@ impl Generation {
             generation: self.generation,
             time: self.time.clone(),
             uid: self.uid,
-            recorder: self.recorder,
+            command: self.command,
             source_generation: self.source_generation,
             policy_path: self.policy_path.clone(),
             rules: self.rule_count(),
@@ -245,7 +245,7 @@ pub struct GenerationSummary {
     pub generation: u64,
     pub time: String,
     pub uid: u32,
-    pub recorder: Recorder,
+    pub command: Recorder,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub source_generation: Option<u64>,
     pub policy_path: PathBuf,
@@ -710,7 +710,7 @@ impl StateDir {
             generation: number,
             time: rfc3339(now),
             uid: nix::unistd::getuid().as_raw(),
-            recorder: new.recorder,
+            command: new.command,
             source_generation: new.source_generation,
             policy_path: new.policy_path,
             policy_text: new.policy_text,
@@ -917,9 +917,9 @@ mod tests {
         plan(&policy, &resolution)
     }
 
-    fn new_generation(recorder: Recorder) -> NewGeneration {
+    fn new_generation(command: Recorder) -> NewGeneration {
         NewGeneration {
-            recorder,
+            command,
             source_generation: None,
             policy_path: PathBuf::from("/etc/egress-fence/policy.yaml"),
             policy_text: "version: 1\n".into(),

@@ -60,7 +60,7 @@ fn live_is(w: &World, policy: &Path) -> bool {
     out.code() == 0
 }
 
-/// (number, recorder, source generation) of every generation, from `history --json`; panics
+/// (number, command, source generation) of every generation, from `history --json`; panics
 /// on a corrupt one.
 fn generations(w: &World) -> Vec<(u64, String, Option<u64>)> {
     let history = json(&ok(w, &["history", "--json"]));
@@ -72,7 +72,7 @@ fn generations(w: &World) -> Vec<(u64, String, Option<u64>)> {
             assert!(g["corrupt"].is_null(), "corrupt generation: {g}");
             (
                 g["generation"].as_u64().expect("a number"),
-                g["recorder"].as_str().expect("a recorder").to_string(),
+                g["command"].as_str().expect("a command").to_string(),
                 g["source_generation"].as_u64(),
             )
         })
