@@ -542,6 +542,15 @@ impl Daemon {
         due
     }
 
+    /// A lookup that produced no answers at all: the names it took are due again soon
+    /// (take_due pushed them a whole refresh_max away while they were being looked up).
+    fn retry_lookups(&mut self) {
+        let retry = Instant::now() + backoff(1, self.policy.dns.refresh_min);
+        for state in self.names.values_mut() {
+            state.next_due = state.next_due.min(retry);
+        }
+    }
+
     /// Sends, as one batch, the elements of `answered` that are new or live longer now. The
     /// cost follows the answers, not the size of the table.
     fn renew(&mut self, answered: &[DomainName]) {
@@ -757,10 +766,7 @@ impl Daemon {
                     } else if let Some(resolver) = self.resolver() {
                         lookup = Some(tokio::spawn(async move { resolver.lookup_all(due).await }));
                     } else {
-                        let retry = Instant::now() + backoff(1, self.policy.dns.refresh_min).max(Duration::from_secs(2));
-                        for state in self.names.values_mut() {
-                            state.next_due = state.next_due.min(retry);
-                        }
+                        self.retry_lookups();
                     }
                 }
                 done = async { lookup.as_mut().expect("guarded").await }, if lookup.is_some() => {
@@ -772,8 +778,14 @@ impl Daemon {
                                 hosts.into_iter().map(|h| h.name).collect();
                             self.renew(&answered);
                         }
-                        Ok(Err(e)) => error!(error = %e, "resolver failure"),
-                        Err(e) => error!(error = %e, "lookup task failed"),
+                        Ok(Err(e)) => {
+                            error!(error = %e, "resolver failure; retrying");
+                            self.retry_lookups();
+                        }
+                        Err(e) => {
+                            error!(error = %e, "lookup task failed; retrying");
+                            self.retry_lookups();
+                        }
                     }
                 }
                 _ = hangup.recv() => {

@@ -357,7 +357,9 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(code) => ExitCode::from(code),
         Err(f) => {
-            eprintln!("egress-fence: {:#}", f.error);
+            // Our errors carry their causes in their own messages: the outermost one is the
+            // whole story (the alternate form would repeat each cause).
+            eprintln!("egress-fence: {}", f.error);
             ExitCode::from(f.code)
         }
     }

@@ -112,7 +112,7 @@ pub enum WatchError {
          run egress-fence as root"
     )]
     Permission { group: u16 },
-    #[error("the kernel refused to bind NFLOG group {group}: {} ({errno}){}", errno.desc(), bind_hint(*errno))]
+    #[error("the kernel refused to bind NFLOG group {group}: {errno}{}", bind_hint(*errno))]
     Refused { group: u16, errno: Errno },
     #[error("no answer from the kernel to the NFLOG bind of group {group} within {ACK_TIMEOUT:?}")]
     Timeout { group: u16 },

@@ -21,7 +21,7 @@ use sys::Dump;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
-    #[error("cannot open a netlink socket to nf_tables")]
+    #[error("cannot open a netlink socket to nf_tables: {0}")]
     Socket(#[source] io::Error),
     #[error("the kernel refused {what}: {errno}{}", hint(*errno))]
     Refused { what: String, errno: Errno },
