@@ -29,94 +29,38 @@
 //! 1000,10000,100000), `--reps 5` (default 3), `--ipset 1000` (addresses for the ipset
 //! measurement).
 
-use std::fs::File;
-use std::io::Read;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+#![deny(unsafe_code)]
+
+#[allow(unsafe_code)] // its blocks, each with its SAFETY comment, are the benches' only ones
+mod common;
+
 use std::path::Path;
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use egress_fence::netns::Netns;
+use common::{
+    DEFAULT_SIZES, Measured, NAMES, TempNetns, V6_PER_10, enter, field, forked, initial_address,
+    initial_answers, kernel_release, measure, median, policy, require_root, resolution, run,
+    run_parent, self_command,
+};
 use egress_fence::nft::{Nft, encode};
 use egress_fence::plan::plan;
-use egress_fence::policy::{DomainName, Policy};
-use egress_fence::resolve::{Resolution, ResolvedAddr, ResolvedHost};
 use egress_fence::ruleset::{Family, Ruleset, SetId, SetRole, TABLE};
-use nix::sched::{CloneFlags, setns};
 
-/// Allowed names the addresses are spread over.
-const NAMES: usize = 100;
-/// Of every 10 addresses (by block of [`NAMES`]), this many are IPv6.
-const V6_PER_10: usize = 1;
-const RESOLVER: &str = "192.0.2.53";
-const TTL: u32 = 300;
-const DEFAULT_SIZES: [usize; 3] = [1_000, 10_000, 100_000];
+/// This bench's namespaces are `efb-<pid>-<n>`.
+const NS_PREFIX: &str = "efb-";
 
 // ---- the workload --------------------------------------------------------------------------
 
-/// The `j`th synthetic address: blocks of [`NAMES`] consecutive indices share a family.
-fn address(j: usize) -> IpAddr {
-    if (j / NAMES) % 10 < V6_PER_10 {
-        IpAddr::V6(Ipv6Addr::from((0x2001_0db8_u128 << 96) | j as u128))
-    } else {
-        let base = u32::from(Ipv4Addr::new(198, 18, 0, 0));
-        assert!(j < 1 << 17, "198.18.0.0/15 holds 131,072 addresses");
-        IpAddr::V4(Ipv4Addr::from(base + j as u32))
-    }
-}
-
 /// How many of the first `n` addresses are IPv4 and IPv6.
 fn family_counts(n: usize) -> (usize, usize) {
-    let v6 = (0..n).filter(|&j| address(j).is_ipv6()).count();
+    let v6 = (0..n).filter(|&j| initial_address(j).is_ipv6()).count();
     (n - v6, v6)
-}
-
-fn name(i: usize) -> String {
-    format!("h{i}.bench.example")
-}
-
-fn policy_text() -> String {
-    let mut text = format!("version: 1\ndns:\n  resolvers: [{RESOLVER}]\nallow:\n");
-    for i in 0..NAMES {
-        text.push_str(&format!("  - domain: {}\n    ports: [443]\n", name(i)));
-    }
-    text
-}
-
-fn resolution(n: usize) -> Resolution {
-    let mut hosts: Vec<ResolvedHost> = (0..NAMES)
-        .map(|i| ResolvedHost {
-            name: name(i).parse::<DomainName>().expect("a valid name"),
-            addrs: Vec::new(),
-            nxdomain: false,
-            errors: Vec::new(),
-        })
-        .collect();
-    for j in 0..n {
-        hosts[j % NAMES].addrs.push(ResolvedAddr {
-            addr: address(j),
-            ttl: TTL,
-        });
-    }
-    for h in &mut hosts {
-        h.addrs.sort();
-    }
-    hosts.sort_by(|a, b| a.name.cmp(&b.name));
-    Resolution {
-        resolvers: vec![RESOLVER.parse().expect("an address")],
-        hosts,
-    }
 }
 
 /// Policy parse + synthetic resolution + plan: what the CLI does before `apply`, minus DNS.
 fn build(n: usize) -> Ruleset {
-    let policy = Policy::parse(&policy_text(), Path::new("bench-policy.yaml"))
-        .unwrap_or_else(|e| panic!("the bench policy is invalid: {e}"));
-    let ruleset = plan(&policy, &resolution(n));
+    let ruleset = plan(&policy(), &resolution(&initial_answers(n)));
     let (v4, v6) = family_counts(n);
     let len = |family| {
         ruleset
@@ -134,24 +78,6 @@ fn usage() -> ! {
     std::process::exit(2)
 }
 
-/// Enters the namespace and makes sure we really are there and not in the one we came from.
-fn enter(ns: &str) {
-    let before = ns_inode(Path::new("/proc/thread-self/ns/net"));
-    Netns::parse(ns).enter().unwrap_or_else(|e| panic!("{e}"));
-    let now = ns_inode(Path::new("/proc/thread-self/ns/net"));
-    let wanted = ns_inode(&Path::new("/run/netns").join(ns));
-    assert!(
-        now == wanted && now != before,
-        "not inside netns {ns} after setns; refusing to touch nftables"
-    );
-}
-
-fn ns_inode(path: &Path) -> u64 {
-    std::fs::metadata(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .ino()
-}
-
 fn micros(d: Duration) -> u128 {
     d.as_micros()
 }
@@ -161,7 +87,7 @@ fn child_apply(n: usize, ns: &str) {
     let t = Instant::now();
     let ruleset = build(n);
     let build_us = micros(t.elapsed());
-    enter(ns);
+    enter(NS_PREFIX, ns);
     let t = Instant::now();
     let mut nft = Nft::open().unwrap_or_else(|e| panic!("{e}"));
     let open_us = micros(t.elapsed());
@@ -177,7 +103,7 @@ fn child_breakdown(n: usize, ns: &str) {
     let ruleset = build(n);
     let build_us = micros(t.elapsed());
     let hwm_built = vm_hwm_kib();
-    enter(ns);
+    enter(NS_PREFIX, ns);
     let mut nft = Nft::open().unwrap_or_else(|e| panic!("{e}"));
     let t = Instant::now();
     let encoded = encode::replace_table(&ruleset);
@@ -214,7 +140,7 @@ fn child_render(n: usize, file: &str) {
 /// `--child-count NETNS`: the element counts of resolved4/resolved6, read back twice: by the
 /// library and by `nft -j list set`. Prints `lib4=.. lib6=.. nft4=.. nft6=..`.
 fn child_count(ns: &str) {
-    enter(ns);
+    enter(NS_PREFIX, ns);
     let live = Nft::open()
         .and_then(|mut n| n.read_table())
         .unwrap_or_else(|e| panic!("{e}"))
@@ -251,203 +177,12 @@ fn child_count(ns: &str) {
     );
 }
 
-// ---- namespaces, processes ---------------------------------------------------------------------
-
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
-
-/// SIGINT/SIGTERM/SIGHUP only set a flag (without SA_RESTART, so a blocked `wait4` returns);
-/// the next check panics and unwinding removes the namespaces.
-fn install_signal_handlers() {
-    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
-    let action = SigAction::new(
-        SigHandler::Handler(on_signal),
-        SaFlags::empty(),
-        SigSet::empty(),
-    );
-    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { sigaction(signal, &action) }.expect("sigaction");
-    }
-}
-
-fn check_interrupted() {
-    if INTERRUPTED.load(Ordering::SeqCst) {
-        panic!("interrupted; removing the benchmark's namespaces");
-    }
-}
-
-static NS_COUNTER: AtomicU32 = AtomicU32::new(0);
-
-fn ns_prefix() -> String {
-    format!("efb-{}-", std::process::id())
-}
-
-/// A fresh network namespace, deleted on drop.
-struct TempNetns {
-    name: String,
-    file: Option<File>,
-}
-
-impl TempNetns {
-    fn new() -> TempNetns {
-        let name = format!(
-            "{}{}",
-            ns_prefix(),
-            NS_COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        run(Command::new("ip").args(["netns", "add", &name]));
-        let mut ns = TempNetns { name, file: None };
-        let path = Path::new("/run/netns").join(&ns.name);
-        ns.file = Some(File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())));
-        ns
-    }
-
-    /// `cmd` set up to run inside this namespace: `setns` in the forked child before exec.
-    fn command(&self, program: &str) -> Command {
-        let fd = self
-            .file
-            .as_ref()
-            .expect("the namespace is open")
-            .as_raw_fd();
-        let mut cmd = Command::new(program);
-        // SAFETY: between fork and exec we only call setns(2), which is async-signal-safe; the
-        // descriptor stays open in the parent (it owns it) for the whole spawn.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
-                setns(fd.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
-            });
-        }
-        cmd
-    }
-}
-
-impl Drop for TempNetns {
-    fn drop(&mut self) {
-        self.file = None;
-        // In its own process group, so a Ctrl-C on the terminal cannot kill the cleanup.
-        let status = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .process_group(0)
-            .status();
-        if !matches!(status, Ok(s) if s.success()) {
-            eprintln!("warning: could not delete netns {}", self.name);
-        }
-    }
-}
-
-fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// What `wait4` reports about a finished child.
-struct Measured {
-    wall: Duration,
-    user: Duration,
-    sys: Duration,
-    /// Peak resident set, KiB.
-    maxrss_kib: u64,
-    stdout: String,
-}
-
-fn timeval(tv: libc::timeval) -> Duration {
-    Duration::from_secs(tv.tv_sec as u64) + Duration::from_micros(tv.tv_usec as u64)
-}
-
-/// Spawns `cmd`, collects its output and reaps it with `wait4` for its resource usage.
-fn measure(cmd: &mut Command) -> Measured {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let start = Instant::now();
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    let mut stdout = String::new();
-    let mut stderr = String::new();
-    // Small outputs: reading one pipe to the end cannot block on the other filling up.
-    let _ = child
-        .stdout
-        .take()
-        .expect("piped")
-        .read_to_string(&mut stdout);
-    let _ = child
-        .stderr
-        .take()
-        .expect("piped")
-        .read_to_string(&mut stderr);
-    let pid = child.id() as libc::pid_t;
-    let mut status: libc::c_int = 0;
-    // SAFETY: an all-zero rusage is a valid value to be overwritten.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    loop {
-        // SAFETY: `pid` is our unreaped child; both out-pointers are valid.
-        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-        if r == pid {
-            break;
-        }
-        let err = std::io::Error::last_os_error();
-        assert_eq!(err.kind(), std::io::ErrorKind::Interrupted, "wait4: {err}");
-    }
-    let wall = start.elapsed();
-    // `child` was reaped by wait4; dropping it neither waits nor kills.
-    drop(child);
-    let status = ExitStatus::from_raw(status);
-    check_interrupted();
-    assert!(
-        status.success(),
-        "{cmd:?} failed ({status}): {}{}",
-        stdout,
-        stderr
-    );
-    Measured {
-        wall,
-        user: timeval(usage.ru_utime),
-        sys: timeval(usage.ru_stime),
-        maxrss_kib: usage.ru_maxrss as u64,
-        stdout,
-    }
-}
-
-/// `key=value` pairs of a child's report.
-fn field(report: &str, key: &str) -> u64 {
-    report
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key} in child report {report:?}"))
-}
-
-/// A command that std spawns with fork+exec, as [`TempNetns::command`] does. Without a
-/// `pre_exec` hook std would use posix_spawn (vfork), and the child's `ru_maxrss` would start
-/// from the parent's high-water mark instead of the parent's anonymous pages at fork: every
-/// measured process must be spawned the same way.
-fn forked(program: impl AsRef<std::ffi::OsStr>) -> Command {
-    let mut cmd = Command::new(program);
-    // SAFETY: the hook does nothing.
-    unsafe { cmd.pre_exec(|| Ok(())) };
-    cmd
-}
-
-fn self_command(args: &[&str]) -> Command {
-    let mut cmd = forked(std::env::current_exe().expect("current_exe"));
-    cmd.args(args);
-    cmd
-}
-
 /// Fails unless the namespace holds exactly the expected resolved elements.
 fn verify(ns: &TempNetns, n: usize, what: &str) {
     let (v4, v6) = family_counts(n);
     let report = measure(&mut self_command(&["--child-count", &ns.name])).stdout;
     for (key, want) in [("lib4", v4), ("lib6", v6), ("nft4", v4), ("nft6", v6)] {
-        let got = field(&report, key) as usize;
+        let got: usize = field(&report, key);
         assert_eq!(
             got, want,
             "{what} at N={n}: {key} holds {got} elements, expected {want} ({report})"
@@ -464,7 +199,7 @@ struct OursRun {
 }
 
 fn run_ours(n: usize) -> OursRun {
-    let ns = TempNetns::new();
+    let ns = TempNetns::new(NS_PREFIX);
     let proc = measure(&mut self_command(&[
         "--child-apply",
         &n.to_string(),
@@ -479,7 +214,7 @@ fn run_ours(n: usize) -> OursRun {
 }
 
 fn run_nft(n: usize, file: &Path) -> Measured {
-    let ns = TempNetns::new();
+    let ns = TempNetns::new(NS_PREFIX);
     let m = measure(ns.command("nft").arg("-f").arg(file));
     verify(&ns, n, "nft -f");
     m
@@ -495,7 +230,7 @@ struct Breakdown {
 }
 
 fn run_breakdown(n: usize) -> Breakdown {
-    let ns = TempNetns::new();
+    let ns = TempNetns::new(NS_PREFIX);
     let r = measure(&mut self_command(&[
         "--child-breakdown",
         &n.to_string(),
@@ -523,7 +258,7 @@ struct IpsetRun {
 
 /// One `ipset add` process per address, sequentially, into hash:ip sets of a fresh namespace.
 fn run_ipset(n: usize) -> IpsetRun {
-    let ns = TempNetns::new();
+    let ns = TempNetns::new(NS_PREFIX);
     run(ns.command("ipset").args(["create", "efb4", "hash:ip"]));
     run(ns
         .command("ipset")
@@ -531,7 +266,7 @@ fn run_ipset(n: usize) -> IpsetRun {
     let mut total = Duration::ZERO;
     let mut max_rss_kib = 0;
     for j in 0..n {
-        let addr = address(j);
+        let addr = initial_address(j);
         let set = if addr.is_ipv4() { "efb4" } else { "efb6" };
         let m = measure(ns.command("ipset").args(["add", set, &addr.to_string()]));
         total += m.wall;
@@ -554,11 +289,6 @@ fn run_ipset(n: usize) -> IpsetRun {
         per_addr: total / n as u32,
         max_rss_kib,
     }
-}
-
-fn median<T: Copy + Ord>(mut v: Vec<T>) -> T {
-    v.sort();
-    v[v.len() / 2]
 }
 
 fn ms(d: Duration) -> f64 {
@@ -684,11 +414,7 @@ fn tool_version(program: &str, arg: &str) -> String {
 
 fn bench(args: &[String]) {
     let o = options(args);
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "run as root: the benchmark creates network namespaces"
-    );
-    install_signal_handlers();
+    require_root();
     let dir = tempfile::tempdir().expect("a temp dir");
     println!(
         "egress-fence apply benchmark: {NAMES} names, tcp/443, ~{}% IPv6; median of {} runs; \
@@ -700,9 +426,7 @@ fn bench(args: &[String]) {
         "{} | {} | kernel {}",
         tool_version("nft", "--version"),
         tool_version("ipset", "--version"),
-        nix::sys::utsname::uname()
-            .map(|u| u.release().to_string_lossy().into_owned())
-            .unwrap_or_default()
+        kernel_release()
     );
 
     // What a spawned child's ru_maxrss starts from: the kernel carries the RSS of the forked
@@ -839,18 +563,6 @@ fn bench(args: &[String]) {
     );
 }
 
-/// Namespaces of this run still present (there should be none once the guards dropped).
-fn leftover_namespaces() -> Vec<String> {
-    let prefix = ns_prefix();
-    std::fs::read_dir("/run/netns")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&prefix))
-        .collect()
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or_else(|| usage());
@@ -860,15 +572,6 @@ fn main() {
         Some("--child-breakdown") => child_breakdown(size(1), arg(2)),
         Some("--child-render") => child_render(size(1), arg(2)),
         Some("--child-count") => child_count(arg(1)),
-        _ => {
-            let result = std::panic::catch_unwind(|| bench(&args));
-            let left = leftover_namespaces();
-            if !left.is_empty() {
-                eprintln!("warning: namespaces left behind: {left:?}");
-            }
-            if result.is_err() {
-                std::process::exit(1);
-            }
-        }
+        _ => run_parent(NS_PREFIX, || bench(&args)),
     }
 }

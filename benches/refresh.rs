@@ -46,54 +46,38 @@
 //! `--sizes 1000,10000` (default 1000,10000,100000), `--refreshes 200` (batches of each
 //! refresh kind per N, default 200), `--reloads 5` (rounds, default 5), `--gap-us 5000`.
 
+#![deny(unsafe_code)]
+
+#[allow(unsafe_code)] // its blocks, each with its SAFETY comment, are the benches' only ones
+mod common;
+
 use std::collections::HashSet;
 use std::ffi::CString;
-use std::io::Read;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::Path;
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::net::{IpAddr, Ipv6Addr};
 use std::time::{Duration, Instant};
 
-use egress_fence::netns::Netns;
+use common::{
+    DEFAULT_SIZES, NAMES, PORT, TempNetns, V4_POOL, V6_PER_10, enter, field, initial_address,
+    initial_answers, kernel_release, measure, name, percentile, policy, require_root, resolution,
+    run_parent, self_command, v4,
+};
 use egress_fence::nft::encode::{self, Encoded};
 use egress_fence::nft::sys::{Elem, ElemOp, NlSet};
 use egress_fence::nft::{LiveTable, Nft};
 use egress_fence::plan::{plan_with, resolved_tuple, services_of};
-use egress_fence::policy::{DomainName, L4Proto, Policy, PortRange};
-use egress_fence::resolve::{Resolution, ResolvedAddr, ResolvedHost};
+use egress_fence::policy::{L4Proto, Policy, PortRange};
 use egress_fence::ruleset::{Elements, Family, Ruleset, SetId, SetRole, Timed, Tuple};
 
-/// Allowed names the addresses are spread over.
-const NAMES: usize = 100;
-/// Of every 10 initial addresses (by block of [`NAMES`]), this many are IPv6.
-const V6_PER_10: usize = 1;
 /// Addresses that change in one refresh.
 const CHANGES: usize = 10;
-const PORT: u16 = 443;
-const RESOLVER: &str = "192.0.2.53";
-const TTL: u32 = 300;
 /// The element timeout of every resolved element.
 const TIMEOUT: Duration = Duration::from_secs(600);
-const DEFAULT_SIZES: [usize; 3] = [1_000, 10_000, 100_000];
-/// 198.18.0.0/15.
-const V4_POOL: usize = 1 << 17;
+/// This bench's namespaces are `efr-<pid>-<n>`.
 const NS_PREFIX: &str = "efr-";
 /// The issue's aim for one refresh batch, at every N.
 const TARGET_MS: f64 = 0.2;
 
 // ---- the workload --------------------------------------------------------------------------
-
-/// The `j`th initial address: blocks of [`NAMES`] consecutive indices share a family.
-fn initial_address(j: usize) -> IpAddr {
-    if (j / NAMES) % 10 < V6_PER_10 {
-        IpAddr::V6(Ipv6Addr::from((0x2001_0db8_u128 << 96) | j as u128))
-    } else {
-        v4(j)
-    }
-}
 
 /// The `m`th address that joins an answer during the run at size `n`: unused so far, one in
 /// ten IPv6 (so every refresh of 10 touches both sets).
@@ -103,26 +87,6 @@ fn fresh_address(n: usize, m: usize) -> IpAddr {
     } else {
         v4(n + m)
     }
-}
-
-fn v4(i: usize) -> IpAddr {
-    assert!(i < V4_POOL, "198.18.0.0/15 holds {V4_POOL} addresses");
-    IpAddr::V4(Ipv4Addr::from(
-        u32::from(Ipv4Addr::new(198, 18, 0, 0)) + i as u32,
-    ))
-}
-
-fn name(i: usize) -> DomainName {
-    format!("h{i}.bench.example").parse().expect("a valid name")
-}
-
-fn policy() -> Policy {
-    let mut text = format!("version: 1\ndns:\n  resolvers: [{RESOLVER}]\nallow:\n");
-    for i in 0..NAMES {
-        text.push_str(&format!("  - domain: {}\n    ports: [{PORT}]\n", name(i)));
-    }
-    Policy::parse(&text, Path::new("bench-policy.yaml"))
-        .unwrap_or_else(|e| panic!("the bench policy is invalid: {e}"))
 }
 
 /// The one resolved element of an address (every name allows tcp/443 only).
@@ -139,32 +103,6 @@ fn timed(t: Tuple) -> Timed {
         tuple: t,
         timeout_ms: Some(TIMEOUT.as_millis() as u64),
         expires_ms: None,
-    }
-}
-
-/// The current answer of every name, as a resolution to plan from.
-fn resolution(answers: &[Vec<IpAddr>]) -> Resolution {
-    let mut hosts: Vec<ResolvedHost> = answers
-        .iter()
-        .enumerate()
-        .map(|(i, addrs)| {
-            let mut addrs: Vec<ResolvedAddr> = addrs
-                .iter()
-                .map(|&addr| ResolvedAddr { addr, ttl: TTL })
-                .collect();
-            addrs.sort();
-            ResolvedHost {
-                name: name(i),
-                addrs,
-                nxdomain: false,
-                errors: Vec::new(),
-            }
-        })
-        .collect();
-    hosts.sort_by(|a, b| a.name.cmp(&b.name));
-    Resolution {
-        resolvers: vec![RESOLVER.parse().expect("an address")],
-        hosts,
     }
 }
 
@@ -235,28 +173,6 @@ fn upsert_and_delete(add: &[Timed], delete: &[Tuple]) -> Encoded {
 
 // ---- the child: one N, one namespace, one socket ------------------------------------------
 
-/// Enters the namespace and makes sure we really are there and not in the one we came from.
-fn enter(ns: &str) {
-    assert!(
-        ns.starts_with(NS_PREFIX) && !ns.contains('/'),
-        "refusing to enter {ns:?}: not a namespace of this benchmark"
-    );
-    let before = ns_inode(Path::new("/proc/thread-self/ns/net"));
-    Netns::parse(ns).enter().unwrap_or_else(|e| panic!("{e}"));
-    let now = ns_inode(Path::new("/proc/thread-self/ns/net"));
-    let wanted = ns_inode(&Path::new("/run/netns").join(ns));
-    assert!(
-        now == wanted && now != before,
-        "not inside netns {ns} after setns; refusing to touch nftables"
-    );
-}
-
-fn ns_inode(path: &Path) -> u64 {
-    std::fs::metadata(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .ino()
-}
-
 /// The timings of one kind of batch.
 #[derive(Default)]
 struct Series {
@@ -296,14 +212,6 @@ impl Series {
     }
 }
 
-/// Nearest-rank percentile.
-fn percentile(samples: &[Duration], p: f64) -> Duration {
-    let mut v = samples.to_vec();
-    v.sort();
-    let rank = ((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len().max(1));
-    v.get(rank - 1).copied().unwrap_or_default()
-}
-
 /// The benchmark's own knowledge of the table: never read back from the kernel.
 struct World {
     policy: Policy,
@@ -326,14 +234,10 @@ struct Change {
 
 impl World {
     fn new(n: usize) -> World {
-        let mut answers = vec![Vec::new(); NAMES];
-        for j in 0..n {
-            answers[j % NAMES].push(initial_address(j));
-        }
         World {
             policy: policy(),
             n,
-            answers,
+            answers: initial_answers(n),
             installed: HashSet::new(),
             fresh: 0,
             rng: Rng(0x9e37_79b9_7f4a_7c15 ^ n as u64),
@@ -518,7 +422,7 @@ fn child(n: usize, ns: &str, refreshes: usize, reloads: usize, gap: Duration) {
     );
     let initial = full_table(&w.policy, &w.answers);
 
-    enter(ns);
+    enter(NS_PREFIX, ns);
     let mut nft = Nft::open().unwrap_or_else(|e| panic!("{e}"));
     nft.apply(&initial)
         .unwrap_or_else(|e| panic!("initial apply: {e}"));
@@ -568,132 +472,25 @@ fn child(n: usize, ns: &str, refreshes: usize, reloads: usize, gap: Duration) {
     );
 }
 
-// ---- the parent: namespaces, processes ---------------------------------------------------------
-
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
-
-/// SIGINT/SIGTERM/SIGHUP only set a flag (without SA_RESTART, so a blocked `wait4` returns);
-/// the parent then ends its child and panics, and unwinding removes the namespaces.
-fn install_signal_handlers() {
-    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
-    let action = SigAction::new(
-        SigHandler::Handler(on_signal),
-        SaFlags::empty(),
-        SigSet::empty(),
-    );
-    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { sigaction(signal, &action) }.expect("sigaction");
-    }
-}
-
-static NS_COUNTER: AtomicU32 = AtomicU32::new(0);
-
-fn ns_prefix() -> String {
-    format!("{NS_PREFIX}{}-", std::process::id())
-}
-
-/// A fresh network namespace, deleted on drop.
-struct TempNetns {
-    name: String,
-}
-
-impl TempNetns {
-    fn new() -> TempNetns {
-        let name = format!(
-            "{}{}",
-            ns_prefix(),
-            NS_COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let out = Command::new("ip")
-            .args(["netns", "add", &name])
-            .output()
-            .expect("running ip");
-        assert!(
-            out.status.success(),
-            "ip netns add {name} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        TempNetns { name }
-    }
-}
-
-impl Drop for TempNetns {
-    fn drop(&mut self) {
-        // In its own process group, so a Ctrl-C on the terminal cannot kill the cleanup.
-        let status = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .process_group(0)
-            .status();
-        if !matches!(status, Ok(s) if s.success()) {
-            eprintln!("warning: could not delete netns {}", self.name);
-        }
-    }
-}
+// ---- the parent ------------------------------------------------------------------------------
 
 /// Runs this binary as `--child` for size `n` in a fresh namespace; returns its report.
 fn run_child(n: usize, o: &Options) -> String {
-    let ns = TempNetns::new();
-    let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
-    cmd.args([
+    let ns = TempNetns::new(NS_PREFIX);
+    measure(&mut self_command(&[
         "--child",
         &n.to_string(),
         &ns.name,
         &o.refreshes.to_string(),
         &o.reloads.to_string(),
         &o.gap.as_micros().to_string(),
-    ])
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    let mut stdout = String::new();
-    let _ = child
-        .stdout
-        .take()
-        .expect("piped")
-        .read_to_string(&mut stdout);
-    let pid = child.id() as libc::pid_t;
-    let mut status: libc::c_int = 0;
-    loop {
-        // SAFETY: `pid` is our unreaped child; the out-pointer is valid.
-        let r = unsafe { libc::wait4(pid, &mut status, 0, std::ptr::null_mut()) };
-        if r == pid {
-            break;
-        }
-        let err = std::io::Error::last_os_error();
-        assert_eq!(err.kind(), std::io::ErrorKind::Interrupted, "wait4: {err}");
-        if INTERRUPTED.load(Ordering::SeqCst) {
-            // Our own child, by its pid; reaped below before the namespace goes.
-            // SAFETY: plain kill(2) of a child we have not reaped yet.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
-    // `child` was reaped by wait4; dropping it neither waits nor kills.
-    drop(child);
-    let status = ExitStatus::from_raw(status);
-    if INTERRUPTED.load(Ordering::SeqCst) {
-        panic!("interrupted; removing the benchmark's namespaces");
-    }
-    assert!(status.success(), "child for N={n} failed ({status})");
-    stdout
+    ]))
+    .stdout
 }
 
-/// A number from a child's `key=value` report.
-fn field(report: &str, key: &str) -> f64 {
-    report
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key} in child report {report:?}"))
-}
-
+/// A child's figure in ns, in ms.
 fn ms(report: &str, key: &str) -> f64 {
-    field(report, key) / 1e6
+    field::<f64>(report, key) / 1e6
 }
 
 struct Options {
@@ -752,14 +549,8 @@ fn options(args: &[String]) -> Options {
 
 fn bench(args: &[String]) {
     let o = options(args);
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "run as root: the benchmark creates network namespaces"
-    );
-    install_signal_handlers();
-    let kernel = nix::sys::utsname::uname()
-        .map(|u| u.release().to_string_lossy().into_owned())
-        .unwrap_or_default();
+    require_root();
+    let kernel = kernel_release();
     println!(
         "egress-fence refresh benchmark: {NAMES} names, tcp/443, ~{}% IPv6, element timeout \
          {} min; kernel {kernel}",
@@ -816,9 +607,9 @@ fn bench(args: &[String]) {
             n,
             ms(r, "up_median_ns"),
             ms(r, "up_p99_ns"),
-            field(r, "up_msgs"),
+            field::<f64>(r, "up_msgs"),
             ms(r, "reload_median_ns"),
-            field(r, "reload_msgs"),
+            field::<f64>(r, "reload_msgs"),
             ms(r, "up_median_ns") / ms(r, "reload_median_ns"),
         );
     }
@@ -863,9 +654,9 @@ fn bench(args: &[String]) {
                 "{:>8} {:<14} {:>8} {:>9.1} {:>8.2} {:>8.3} {:>8.3} {:>11.3} {:>9.3} {:>13.6}",
                 n,
                 label,
-                field(r, &k("batches")),
-                field(r, &k("elems")),
-                field(r, &k("msgs")),
+                field::<f64>(r, &k("batches")),
+                field::<f64>(r, &k("elems")),
+                field::<f64>(r, &k("msgs")),
                 ms(r, &k("median_ns")),
                 ms(r, &k("p99_ns")),
                 ms(r, &k("max_ns")),
@@ -880,8 +671,8 @@ fn bench(args: &[String]) {
         println!(
             "N={n}: read back once at the end: {} resolved elements = N + {} added since the \
              last reload (new ones, and ones that left but were not deleted), as recorded",
-            field(r, "held"),
-            field(r, "added_since_reload"),
+            field::<f64>(r, "held"),
+            field::<f64>(r, "added_since_reload"),
         );
     }
     let worst = rows
@@ -899,18 +690,6 @@ fn bench(args: &[String]) {
     );
 }
 
-/// Namespaces of this run still present (there should be none once the guards dropped).
-fn leftover_namespaces() -> Vec<String> {
-    let prefix = ns_prefix();
-    std::fs::read_dir("/run/netns")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&prefix))
-        .collect()
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("--child") {
@@ -920,12 +699,5 @@ fn main() {
         child(num(1), arg(2), num(3), num(4), gap);
         return;
     }
-    let result = std::panic::catch_unwind(|| bench(&args));
-    let left = leftover_namespaces();
-    if !left.is_empty() {
-        eprintln!("warning: namespaces left behind: {left:?}");
-    }
-    if result.is_err() {
-        std::process::exit(1);
-    }
+    run_parent(NS_PREFIX, || bench(&args));
 }
