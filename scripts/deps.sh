@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Installs what egress-fence needs to build, test and demo on Debian 12: the C libraries the
-# nftnl and mnl crates link against, nftables (nft, the independent reader in tests), a real
-# DNS server (dnsmasq), real clients (dig, nc, curl), tcpdump, ipset (benchmark baseline),
-# python3 (the demo's web servers) and systemd (systemd-analyze checks the unit). Only
-# missing packages are installed.
+# Installs what egress-fence needs to build, test and demo on Debian 12: a C toolchain (the
+# linker), the C libraries the nftnl and mnl crates link against, nftables (nft, the
+# independent reader in tests), a real DNS server (dnsmasq), real clients (dig, nc, curl),
+# ipset (benchmark baseline), python3 (the demo's web servers) and systemd (systemd-analyze
+# checks the unit). Only missing packages are installed.
 set -euo pipefail
 
 packages=(
-  pkg-config libnftnl-dev libmnl-dev nftables
-  dnsmasq-base dnsutils netcat-openbsd curl iproute2 tcpdump ipset python3 util-linux procps
+  gcc libc6-dev pkg-config libnftnl-dev libmnl-dev nftables
+  dnsmasq-base dnsutils netcat-openbsd curl iproute2 ipset python3 util-linux procps
   systemd
 )
 
@@ -32,3 +32,14 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "egress-fence: cargo is missing; install a Rust toolchain (1.85 or newer, https://rustup.rs)" >&2
   exit 1
 fi
+# The test command also runs rustfmt and clippy, which a minimal toolchain may lack.
+for tool in fmt clippy; do
+  if ! cargo "$tool" --version >/dev/null 2>&1; then
+    if command -v rustup >/dev/null 2>&1; then
+      rustup component add "$( [ "$tool" = fmt ] && echo rustfmt || echo clippy )"
+    else
+      echo "egress-fence: cargo $tool is missing; install the rustfmt and clippy components" >&2
+      exit 1
+    fi
+  fi
+done
