@@ -31,7 +31,7 @@ use tracing::{error, info, warn};
 
 use crate::nft::monitor::{Change, Monitor};
 use crate::nft::{Nft, NftError};
-use crate::plan::{plan_with, resolved_tuple, services_of};
+use crate::plan::{denied_answers, plan_with, resolved_tuple, services_of};
 use crate::policy::{Dns, DomainName, L4Proto, Policy, PolicyError};
 use crate::resolve::{NameResolver, Resolution, ResolveError, ResolvedAddr, ResolvedHost};
 use crate::ruleset::{Ruleset, TABLE, Timed, Tuple};
@@ -439,13 +439,8 @@ impl Daemon {
                       "addresses no longer answered stay allowed until their grace ends");
             }
         }
-        for host in hosts {
-            for a in &host.addrs {
-                if let Some(deny) = self.policy.denied_by(a.addr) {
-                    warn!(name = %host.name, addr = %a.addr, denied_by = %deny.describe(),
-                          "an answer lies in a denied network; it stays refused (deny wins)");
-                }
-            }
+        for w in denied_answers(&self.policy, hosts) {
+            warn!("{w}");
         }
     }
 

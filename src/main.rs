@@ -1097,7 +1097,7 @@ fn report_resolution(policy: &Policy, resolution: &Resolution) {
             );
         }
     }
-    for w in denied_answers(policy, resolution) {
+    for w in denied_answers(policy, &resolution.hosts) {
         eprintln!("warning: {w}");
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 
 use crate::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
-use crate::resolve::Resolution;
+use crate::resolve::{Resolution, ResolvedHost};
 use crate::ruleset::{
     Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, Timed, Tuple,
 };
@@ -194,9 +194,9 @@ fn output_rules(policy: &Policy) -> Vec<Rule> {
 }
 
 /// Warnings for answers that land in a denied network.
-pub fn denied_answers(policy: &Policy, resolution: &Resolution) -> Vec<String> {
+pub fn denied_answers(policy: &Policy, hosts: &[ResolvedHost]) -> Vec<String> {
     let mut out = Vec::new();
-    for host in &resolution.hosts {
+    for host in hosts {
         for a in &host.addrs {
             if let Some(deny) = policy.denied_by(a.addr) {
                 out.push(format!(
@@ -272,7 +272,7 @@ pub(crate) mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::resolve::{ResolvedAddr, ResolvedHost};
+    use crate::resolve::ResolvedAddr;
 
     fn policy(src: &str) -> Policy {
         Policy::parse(src, Path::new("t.yaml")).expect("valid policy")
@@ -499,7 +499,7 @@ log:
     fn answers_in_denied_networks_are_reported() {
         let p = policy(POLICY);
         let r = resolution(&[("api.example.com", &["169.254.169.254", "192.0.2.10"])]);
-        let w = denied_answers(&p, &r);
+        let w = denied_answers(&p, &r.hosts);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(w[0].contains("169.254.169.254") && w[0].contains("cloud-metadata"));
     }
