@@ -431,3 +431,26 @@ fn netns_may_be_given_as_a_path() {
     let tables = objects_of_table(&w.nft_json(), "egress_fence");
     assert!(!tables.is_empty(), "the table is not in the sandbox");
 }
+
+#[test]
+fn an_unreachable_resolver_still_installs_the_boundary_and_exits_3() {
+    let (w, _) = world();
+    let _unlisted = w.listen_tcp(HOST3_V4, 443);
+    let _cidr = w.listen_tcp(OTHER_V4, 22);
+    // No DNS server answers at 192.0.2.99: every name fails, nothing of them is allowed.
+    let text = POLICY.replace("[192.0.2.53, \"2001:db8:1::53\"]", "[192.0.2.99]");
+    let policy = w.write_file("dead-dns.yaml", &text);
+    let out = w.egress_fence(&["apply", path(&policy)]);
+    assert_eq!(out.code(), 3, "{out}");
+    assert!(
+        out.stderr.contains("api.example.com: NOT RESOLVED"),
+        "{out}"
+    );
+    assert!(!objects_of_table(&w.nft_json(), "egress_fence").is_empty());
+    assert!(
+        !w.tcp_connects(HOST_V4, 443),
+        "a name that never resolved is allowed"
+    );
+    assert!(!w.tcp_connects(HOST3_V4, 443));
+    assert!(w.tcp_connects(OTHER_V4, 22), "the cidr entry needs no DNS");
+}
