@@ -333,6 +333,8 @@ struct Daemon {
     /// were lost, a different current generation means someone else committed since.
     our_generation: Option<u32>,
     last_refresh: Option<SystemTime>,
+    /// In guard mode, this process's uid: its sockets alone may reach the upstream resolvers.
+    guard_uid: Option<u32>,
 }
 
 impl Daemon {
@@ -373,6 +375,7 @@ impl Daemon {
             retry_apply: None,
             our_generation: None,
             last_refresh: None,
+            guard_uid: None,
         };
         // A running boundary (a restart) is replaced only once its names are resolved, so
         // that nothing allowed goes missing for a moment. Without one (boot), the
@@ -461,6 +464,7 @@ impl Daemon {
                     errors: Vec::new(),
                 })
                 .collect(),
+            guard_uid: self.guard_uid,
         }
     }
 

@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::nft::LiveTable;
 use crate::nft::encode::{self, key_spec, set_flags};
 use crate::nft::live::describe_hook;
-use crate::policy::Action;
+use crate::policy::{Action, L4Proto};
 use crate::ruleset::{
     Elements, Family, Icmpv6Type, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
     TABLE, Tuple, fmt_net, fmt_tuple,
@@ -421,6 +421,11 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
         ]
         .map(Rule::AcceptIcmpv6),
     );
+    for proto in [L4Proto::Tcp, L4Proto::Udp] {
+        for port in crate::plan::GUARDED_DNS_PORTS {
+            shapes.push(Rule::RefuseService(proto, port));
+        }
+    }
     for family in Family::BOTH {
         shapes.push(Rule::AcceptDhcpClient(family));
         shapes.push(Rule::CountFamily(family));

@@ -15,6 +15,14 @@ use crate::ruleset::{
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
 const DNS_PORT: u16 = 53;
 
+/// In guard mode: DNS and DNS over TLS, which only the guard may send, and only to its
+/// upstream resolvers.
+pub const GUARDED_DNS_PORTS: [u16; 2] = [53, 853];
+
+/// The uid a guard-mode table names when none was given: no socket has it, so nothing
+/// reaches the upstream resolvers (fail closed).
+const NO_UID: u32 = u32::MAX;
+
 /// Builds the table for `policy` with the addresses of `resolution`, resolved elements
 /// without timeouts (nothing refreshes them).
 ///
@@ -33,7 +41,7 @@ pub fn services_of<'a>(
     policy
         .allow
         .iter()
-        .filter(move |a| matches!(&a.target, Target::Domain(d) if d == name))
+        .filter(move |a| a.target.matches(name))
         .flat_map(move |a| {
             a.protocol.l4protos().iter().flat_map(move |&proto| {
                 a.ports
@@ -64,15 +72,23 @@ pub fn plan_with(
         deny.extend(d.networks.iter().copied());
     }
 
+    let dns_ports: &[u16] = match policy.dns.guard {
+        Some(_) => &GUARDED_DNS_PORTS,
+        None => &[DNS_PORT],
+    };
     let dns: Vec<Tuple> = resolution
         .resolvers
         .iter()
         .flat_map(|r| {
-            [L4Proto::Tcp, L4Proto::Udp].map(|proto| Tuple {
-                net: IpNet::from(*r),
-                proto,
-                ports: PortRange::single(DNS_PORT),
-            })
+            [L4Proto::Tcp, L4Proto::Udp]
+                .into_iter()
+                .flat_map(move |proto| {
+                    dns_ports.iter().map(move |&port| Tuple {
+                        net: IpNet::from(*r),
+                        proto,
+                        ports: PortRange::single(port),
+                    })
+                })
         })
         .collect();
 
@@ -131,7 +147,7 @@ pub fn plan_with(
 
     Ruleset {
         sets,
-        output: output_rules(policy),
+        output: output_rules(policy, resolution.guard_uid),
         refused: vec![
             Rule::Log(LogSpec {
                 prefix: policy.log.prefix.clone(),
@@ -146,7 +162,7 @@ pub fn plan_with(
     }
 }
 
-fn output_rules(policy: &Policy) -> Vec<Rule> {
+fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     let has = |e| policy.essentials.contains(&e);
     let mut rules = Vec::new();
     // Replies first: the bulk of packets leaves here after one conntrack lookup.
@@ -176,13 +192,33 @@ fn output_rules(policy: &Policy) -> Vec<Rule> {
     // DNS to the resolvers (port 53 only) comes before the deny list: a cloud host's
     // resolver usually lives in a network the deny presets cover (AWS 169.254.169.253 or the
     // VPC's .2, GCP 169.254.169.254, Azure 168.63.129.16), and the host must keep resolving.
+    // In guard mode only the guard's own sockets may ask them: every other process asks the
+    // guard, which answers only the policy's names.
+    let guard_uid = policy
+        .dns
+        .guard
+        .as_ref()
+        .map(|_| guard_uid.unwrap_or(NO_UID));
     for family in Family::BOTH {
-        rules.push(Rule::AcceptTupleIn(SetId::new(SetRole::Dns, family)));
+        let set = SetId::new(SetRole::Dns, family);
+        rules.push(match guard_uid {
+            Some(uid) => Rule::AcceptTupleFromUid { set, uid },
+            None => Rule::AcceptTupleIn(set),
+        });
     }
     // Deny wins over every allow entry: a name that resolves into a denied network (DNS
     // rebinding onto the metadata service) stays refused.
     for family in Family::BOTH {
         rules.push(Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, family)));
+    }
+    // ...and in guard mode DNS to anywhere else is refused even where an allow entry covers
+    // it (a `cidr:` with every port, say).
+    if guard_uid.is_some() {
+        for proto in [L4Proto::Udp, L4Proto::Tcp] {
+            for port in GUARDED_DNS_PORTS {
+                rules.push(Rule::RefuseService(proto, port));
+            }
+        }
     }
     for role in [SetRole::Allow, SetRole::Resolved] {
         for family in Family::BOTH {
@@ -301,6 +337,7 @@ pub(crate) mod tests {
                     errors: vec![],
                 })
                 .collect(),
+            guard_uid: None,
         }
     }
 
@@ -565,5 +602,57 @@ log:
                 }
             }
         }
+    }
+
+    #[test]
+    fn guard_mode_lets_only_the_guard_ask_upstream_and_refuses_other_dns() {
+        let p = policy(
+            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\n  - cidr: 0.0.0.0/0\n    ports: [53, 443]\n    protocol: any\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n",
+        );
+        let mut res = resolution(&[]);
+        res.resolvers = vec!["192.0.2.53".parse().unwrap()];
+        res.guard_uid = Some(993);
+        let rs = plan(&p, &res);
+        let dns4 = tuples(&rs, SetRole::Dns, Family::V4);
+        assert_eq!(dns4.len(), 4, "tcp and udp, 53 and 853: {dns4:?}");
+        assert!(dns4.contains(&tuple("192.0.2.53/32", L4Proto::Tcp, 853, 853)));
+        let at = |want: &Rule| rs.output.iter().position(|r| r == want);
+        let guard = at(&Rule::AcceptTupleFromUid {
+            set: SetId::new(SetRole::Dns, Family::V4),
+            uid: 993,
+        })
+        .expect("the guard's rule");
+        assert!(
+            !rs.output
+                .iter()
+                .any(|r| matches!(r, Rule::AcceptTupleIn(s) if s.role == SetRole::Dns)),
+            "nobody else may ask the resolvers"
+        );
+        let deny = at(&Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V4))).unwrap();
+        let refuse_dns = at(&Rule::RefuseService(L4Proto::Udp, 53)).expect("DNS refused");
+        let refuse_dot = at(&Rule::RefuseService(L4Proto::Tcp, 853)).expect("DoT refused");
+        let allow = at(&Rule::AcceptTupleIn(SetId::new(SetRole::Allow, Family::V4))).unwrap();
+        assert!(guard < deny && deny < refuse_dns && refuse_dns.max(refuse_dot) < allow);
+        // DNS over HTTPS to public resolvers goes to the deny set, where no allow reaches.
+        let Elements::Networks(deny4) = &rs
+            .set(SetId::new(SetRole::Deny, Family::V4))
+            .unwrap()
+            .elements
+        else {
+            panic!("deny4 holds networks");
+        };
+        assert!(
+            deny4
+                .iter()
+                .any(|n| n.contains(&"8.8.8.8".parse::<IpAddr>().unwrap()))
+        );
+
+        // Without the guard's uid the table lets no socket reach upstream.
+        res.guard_uid = None;
+        let rs = plan(&p, &res);
+        assert!(rs.output.contains(&Rule::AcceptTupleFromUid {
+            set: SetId::new(SetRole::Dns, Family::V6),
+            uid: u32::MAX,
+        }));
     }
 }

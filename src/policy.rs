@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -140,8 +140,92 @@ pub struct Allow {
 #[serde(rename_all = "lowercase")]
 pub enum Target {
     Domain(DomainName),
+    /// `*.example.com` or `**.example.com`: only the DNS guard can follow these, since no
+    /// timer can resolve every name they cover.
+    #[serde(rename = "domain")]
+    Wildcard(Wildcard),
     Cidr(IpNet),
 }
+
+impl Target {
+    /// Whether a query for `name` is allowed by this entry.
+    pub fn matches(&self, name: &DomainName) -> bool {
+        match self {
+            Target::Domain(d) => d == name,
+            Target::Wildcard(w) => w.matches(name),
+            Target::Cidr(_) => false,
+        }
+    }
+}
+
+/// A name pattern: `*.SUFFIX` stands for exactly one more label, `**.SUFFIX` for one or more.
+/// Neither covers SUFFIX itself.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Wildcard {
+    pub suffix: DomainName,
+    pub any_depth: bool,
+}
+
+impl Wildcard {
+    pub fn matches(&self, name: &DomainName) -> bool {
+        let head = name
+            .as_str()
+            .strip_suffix(self.suffix.as_str())
+            .and_then(|h| h.strip_suffix('.'));
+        match head {
+            Some(head) if !head.is_empty() => self.any_depth || !head.contains('.'),
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Wildcard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let stars = if self.any_depth { "**" } else { "*" };
+        write!(f, "{stars}.{}", self.suffix)
+    }
+}
+
+impl Serialize for Wildcard {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// Shared hosting suffixes where anyone can own a name: a wildcard over one of them lets
+/// anybody's server in.
+const SHARED_SUFFIXES: [&str; 30] = [
+    "amazonaws.com",
+    "s3.amazonaws.com",
+    "cloudfront.net",
+    "elasticbeanstalk.com",
+    "azurewebsites.net",
+    "blob.core.windows.net",
+    "cloudapp.net",
+    "azureedge.net",
+    "appspot.com",
+    "googleusercontent.com",
+    "storage.googleapis.com",
+    "web.app",
+    "firebaseapp.com",
+    "run.app",
+    "herokuapp.com",
+    "github.io",
+    "githubusercontent.com",
+    "gitlab.io",
+    "vercel.app",
+    "netlify.app",
+    "pages.dev",
+    "workers.dev",
+    "r2.dev",
+    "fly.dev",
+    "onrender.com",
+    "railway.app",
+    "ngrok.io",
+    "ngrok-free.app",
+    "trycloudflare.com",
+    "glitch.me",
+];
 
 /// Denied networks, checked before anything is allowed.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -171,7 +255,41 @@ pub struct Dns {
     /// How long an address stays allowed after it was last seen in an answer (clients cache
     /// answers), and how long the last good answer survives a failing resolver.
     pub grace: Duration,
+    /// `mode: guard`: egress-fence is the host's resolver. `None`: `mode: resolve`, names are
+    /// resolved on a timer.
+    pub guard: Option<Guard>,
 }
+
+/// The DNS guard: where it listens, where it forwards allowed names, how it refuses the rest.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Guard {
+    pub listen: Vec<SocketAddr>,
+    /// The resolvers the guard forwards to, and that only the guard may reach.
+    pub upstream: Vec<IpAddr>,
+    pub refuse_with: RefuseWith,
+    /// The shortest time an answered address stays allowed, whatever its TTL (before grace).
+    pub floor: Duration,
+}
+
+/// The DNS answer to a name outside the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RefuseWith {
+    /// REFUSED: the client knows a policy said no, and tries no other server.
+    Refused,
+    /// NXDOMAIN: the name "does not exist"; some clients give up faster.
+    Nxdomain,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum DnsMode {
+    Resolve,
+    Guard,
+}
+
+pub const DEFAULT_GUARD_LISTEN: &str = "127.0.0.53:53";
+pub const DEFAULT_FLOOR: Duration = Duration::from_secs(30);
 
 pub const DEFAULT_REFRESH_MIN: Duration = Duration::from_secs(30);
 pub const DEFAULT_REFRESH_MAX: Duration = Duration::from_secs(3600);
@@ -281,6 +399,8 @@ pub enum Preset {
     CloudMetadata,
     /// RFC 1918, carrier-grade NAT and IPv6 unique local addresses.
     PrivateNetworks,
+    /// Well-known public DNS-over-HTTPS (and DNS-over-TLS) resolvers; implied in guard mode.
+    DnsOverHttps,
 }
 
 impl Preset {
@@ -288,6 +408,7 @@ impl Preset {
         match self {
             Preset::CloudMetadata => "cloud-metadata",
             Preset::PrivateNetworks => "private-networks",
+            Preset::DnsOverHttps => "dns-over-https",
         }
     }
 
@@ -296,14 +417,19 @@ impl Preset {
         match self {
             Preset::CloudMetadata => "a cloud metadata service",
             Preset::PrivateNetworks => "a private network",
+            Preset::DnsOverHttps => "a public DNS-over-HTTPS resolver",
         }
     }
 
     /// The preset whose networks hold `addr`, if any.
     pub fn containing(addr: IpAddr) -> Option<Preset> {
-        [Preset::CloudMetadata, Preset::PrivateNetworks]
-            .into_iter()
-            .find(|p| p.networks().iter().any(|n| n.contains(&addr)))
+        [
+            Preset::CloudMetadata,
+            Preset::PrivateNetworks,
+            Preset::DnsOverHttps,
+        ]
+        .into_iter()
+        .find(|p| p.networks().iter().any(|n| n.contains(&addr)))
     }
 
     pub fn networks(self) -> Vec<IpNet> {
@@ -325,6 +451,87 @@ impl Preset {
                 "192.168.0.0/16",
                 "100.64.0.0/10",
                 "fc00::/7",
+            ],
+            // Answers from these would bypass the guard: HTTPS to them looks like any other
+            // HTTPS. The well-known anycast addresses of public resolvers, by operator.
+            Preset::DnsOverHttps => &[
+                // Cloudflare (1.1.1.1, families, cloudflare-dns.com)
+                "1.1.1.1/32",
+                "1.0.0.1/32",
+                "1.1.1.2/32",
+                "1.0.0.2/32",
+                "1.1.1.3/32",
+                "1.0.0.3/32",
+                "104.16.248.249/32",
+                "104.16.249.249/32",
+                "2606:4700:4700::1111/128",
+                "2606:4700:4700::1001/128",
+                "2606:4700:4700::1112/128",
+                "2606:4700:4700::1002/128",
+                "2606:4700:4700::1113/128",
+                "2606:4700:4700::1003/128",
+                // Google
+                "8.8.8.8/32",
+                "8.8.4.4/32",
+                "2001:4860:4860::8888/128",
+                "2001:4860:4860::8844/128",
+                // Quad9
+                "9.9.9.9/32",
+                "9.9.9.10/32",
+                "9.9.9.11/32",
+                "149.112.112.112/32",
+                "149.112.112.10/32",
+                "149.112.112.11/32",
+                "2620:fe::fe/128",
+                "2620:fe::9/128",
+                "2620:fe::10/128",
+                "2620:fe::11/128",
+                // OpenDNS / Cisco Umbrella
+                "208.67.222.222/32",
+                "208.67.220.220/32",
+                "208.67.222.123/32",
+                "208.67.220.123/32",
+                "146.112.41.2/32",
+                "2620:119:35::35/128",
+                "2620:119:53::53/128",
+                // AdGuard
+                "94.140.14.14/32",
+                "94.140.15.15/32",
+                "94.140.14.15/32",
+                "94.140.15.16/32",
+                "94.140.14.140/32",
+                "94.140.14.141/32",
+                "2a10:50c0::ad1:ff/128",
+                "2a10:50c0::ad2:ff/128",
+                // CleanBrowsing
+                "185.228.168.9/32",
+                "185.228.169.9/32",
+                "185.228.168.10/32",
+                "185.228.169.11/32",
+                "185.228.168.168/32",
+                "185.228.169.168/32",
+                // NextDNS, Control D and Mullvad serve DNS from whole networks
+                "45.90.28.0/24",
+                "45.90.30.0/24",
+                "76.76.2.0/24",
+                "76.76.10.0/24",
+                "194.242.2.0/28",
+                // DNS.SB, Alibaba, DNSPod, 114DNS, Comodo, Yandex
+                "185.222.222.222/32",
+                "45.11.45.11/32",
+                "223.5.5.5/32",
+                "223.6.6.6/32",
+                "2400:3200::1/128",
+                "2400:3200:baba::1/128",
+                "119.29.29.29/32",
+                "1.12.12.12/32",
+                "120.53.53.53/32",
+                "114.114.114.114/32",
+                "114.114.115.115/32",
+                "8.26.56.26/32",
+                "8.20.247.20/32",
+                "77.88.8.8/32",
+                "77.88.8.1/32",
             ],
         };
         list.iter()
@@ -466,9 +673,8 @@ impl FromStr for DomainName {
         let name = s.trim().trim_end_matches('.').to_ascii_lowercase();
         if name.contains('*') {
             return Err(format!(
-                "wildcard names such as `{s}` are not supported yet: they need the DNS guard \
-                 mode; list each name you need (for example api.{})",
-                name.trim_start_matches("*.").trim_start_matches("**.")
+                "`{s}` is not a name: `*` may stand only as the whole first label, `*.example.com` \
+                 (one label) or `**.example.com` (any depth), and needs `dns.mode: guard`"
             ));
         }
         if name.parse::<IpAddr>().is_ok() || name.parse::<IpNet>().is_ok() {
@@ -509,6 +715,30 @@ impl<'de> Deserialize<'de> for DomainName {
         String::deserialize(d)?
             .parse()
             .map_err(serde::de::Error::custom)
+    }
+}
+
+/// What `domain:` holds: a name, or in guard mode a wildcard.
+struct DomainTarget(Target);
+
+impl<'de> Deserialize<'de> for DomainTarget {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let t = s.trim();
+        let wildcard = |rest: &str, any_depth| -> Result<Target, String> {
+            Ok(Target::Wildcard(Wildcard {
+                suffix: rest.parse()?,
+                any_depth,
+            }))
+        };
+        let target = if let Some(rest) = t.strip_prefix("**.") {
+            wildcard(rest, true)
+        } else if let Some(rest) = t.strip_prefix("*.") {
+            wildcard(rest, false)
+        } else {
+            t.parse().map(Target::Domain)
+        };
+        target.map(DomainTarget).map_err(serde::de::Error::custom)
     }
 }
 
@@ -680,7 +910,7 @@ struct RawAllow(Allow);
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawAllowFields {
-    domain: Option<DomainName>,
+    domain: Option<DomainTarget>,
     cidr: Option<Network>,
     ports: Option<Vec<PortRange>>,
     #[serde(default = "default_protocol")]
@@ -697,7 +927,7 @@ impl TryFrom<RawAllowFields> for RawAllow {
 
     fn try_from(raw: RawAllowFields) -> Result<Self, String> {
         let target = match (raw.domain, raw.cidr) {
-            (Some(d), None) => Target::Domain(d),
+            (Some(DomainTarget(d)), None) => d,
             (None, Some(Network(n))) => Target::Cidr(n),
             (Some(_), Some(_)) => {
                 return Err("an allow entry has either `domain:` or `cidr:`, not both; \
@@ -708,15 +938,20 @@ impl TryFrom<RawAllowFields> for RawAllow {
                 return Err("an allow entry needs `domain: NAME` or `cidr: NETWORK`".into());
             }
         };
+        let name = match &target {
+            Target::Domain(d) => d.to_string(),
+            Target::Wildcard(w) => w.to_string(),
+            Target::Cidr(_) => String::new(),
+        };
         let ports = match (raw.ports, &target) {
             (None, Target::Cidr(_)) => vec![PortRange::ALL],
-            (None, Target::Domain(name)) => {
+            (None, _) => {
                 return Err(format!(
                     "the entry for `{name}` needs `ports:`: a name's addresses are often shared \
                      (CDNs), so allow only the ports you use, e.g. `ports: [443]`"
                 ));
             }
-            (Some(p), Target::Domain(name)) => {
+            (Some(p), Target::Domain(_) | Target::Wildcard(_)) => {
                 if let Some(wide) = p.iter().find(|r| r.width() > MAX_DOMAIN_PORT_RANGE) {
                     return Err(format!(
                         "the port range `{wide}` of `{name}` spans more than \
@@ -789,10 +1024,33 @@ impl TryFrom<RawDenyFields> for RawDeny {
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawDns {
+    mode: Option<DnsMode>,
     resolvers: Option<Vec<Resolver>>,
     #[serde(default)]
     refresh: RawRefresh,
     grace: Option<Interval>,
+    listen: Option<Vec<ListenAddr>>,
+    upstream: Option<Vec<Resolver>>,
+    refuse_with: Option<RefuseWith>,
+    floor: Option<Interval>,
+}
+
+/// `127.0.0.53:53`, `[::1]:53`, or an address alone (port 53).
+struct ListenAddr(SocketAddr);
+
+impl<'de> Deserialize<'de> for ListenAddr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let t = s.trim();
+        t.parse::<SocketAddr>()
+            .or_else(|_| t.parse::<IpAddr>().map(|ip| SocketAddr::new(ip, 53)))
+            .map(ListenAddr)
+            .map_err(|_| {
+                serde::de::Error::custom(format!(
+                    "`{s}` is not an address to listen on; write 127.0.0.53:53, [::1]:53 or an                      address alone for port 53"
+                ))
+            })
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -941,10 +1199,85 @@ impl Policy {
             ));
         }
 
+        let guard = match raw.dns.mode {
+            Some(DnsMode::Guard) => {
+                if raw.dns.resolvers.is_some() {
+                    return Err(invalid(
+                        locate(source, "resolvers"),
+                        "in `dns.mode: guard` the guard forwards to `dns.upstream`, and nothing \
+                         else may ask any resolver; rename `resolvers` to `upstream`"
+                            .into(),
+                    ));
+                }
+                let upstream: Vec<IpAddr> = raw
+                    .dns
+                    .upstream
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|r| r.0)
+                    .collect();
+                if upstream.is_empty() {
+                    return Err(invalid(
+                        locate(source, "mode"),
+                        "`dns.mode: guard` forwards allowed names to `dns.upstream`: list at \
+                         least one resolver, e.g. `upstream: [192.0.2.53]`"
+                            .into(),
+                    ));
+                }
+                let listen: Vec<SocketAddr> = match raw.dns.listen {
+                    Some(l) => l.into_iter().map(|l| l.0).collect(),
+                    None => vec![DEFAULT_GUARD_LISTEN.parse().expect("valid literal")],
+                };
+                if listen.is_empty() {
+                    return Err(invalid(
+                        locate(source, "listen"),
+                        "`listen: []` leaves the guard deaf; list an address such as \
+                         127.0.0.53:53, or leave the key out for that default"
+                            .into(),
+                    ));
+                }
+                Some(Guard {
+                    listen,
+                    upstream,
+                    refuse_with: raw.dns.refuse_with.unwrap_or(RefuseWith::Refused),
+                    floor: raw.dns.floor.map_or(DEFAULT_FLOOR, |i| i.0),
+                })
+            }
+            Some(DnsMode::Resolve) | None => {
+                let guard_only = [
+                    ("listen", raw.dns.listen.is_some()),
+                    ("upstream", raw.dns.upstream.is_some()),
+                    ("refuse_with", raw.dns.refuse_with.is_some()),
+                    ("floor", raw.dns.floor.is_some()),
+                ];
+                if let Some((key, _)) = guard_only.iter().find(|(_, given)| *given) {
+                    return Err(invalid(
+                        locate(source, key),
+                        format!(
+                            "`dns.{key}` belongs to the DNS guard; add `mode: guard` to `dns:` \
+                             or remove `{key}`"
+                        ),
+                    ));
+                }
+                None
+            }
+        };
+        let mut deny: Vec<Deny> = raw.deny.into_iter().map(|d| d.0).collect();
+        // The guard is only a boundary if no other resolver answers: DNS over HTTPS to the
+        // public resolvers would look like any HTTPS.
+        let doh = DenyOrigin::Preset(Preset::DnsOverHttps);
+        if guard.is_some() && !deny.iter().any(|d| d.origin == doh) {
+            deny.push(Deny {
+                networks: Preset::DnsOverHttps.networks(),
+                origin: doh,
+                comment: Some("implied by dns.mode: guard".into()),
+            });
+        }
+
         let policy = Policy {
             action: raw.action,
             allow: raw.allow.into_iter().map(|a| a.0).collect(),
-            deny: raw.deny.into_iter().map(|d| d.0).collect(),
+            deny,
             dns: Dns {
                 resolvers: raw
                     .dns
@@ -953,6 +1286,7 @@ impl Policy {
                 refresh_min: raw.dns.refresh.min.map_or(DEFAULT_REFRESH_MIN, |i| i.0),
                 refresh_max: raw.dns.refresh.max.map_or(DEFAULT_REFRESH_MAX, |i| i.0),
                 grace: raw.dns.grace.map_or(DEFAULT_GRACE, |i| i.0),
+                guard,
             },
             log: Log {
                 prefix,
@@ -979,6 +1313,20 @@ impl Policy {
             ),
         };
 
+        if policy.dns.guard.is_none()
+            && let Some(w) = policy.allow.iter().find_map(|a| match &a.target {
+                Target::Wildcard(w) => Some(w),
+                _ => None,
+            })
+        {
+            return Err(invalid(
+                locate(source, &w.to_string()),
+                format!(
+                    "the wildcard `{w}` can only be followed by the DNS guard, which sees every \
+                     name asked: set `dns.mode: guard` (with `upstream:`), or list the names"
+                ),
+            ));
+        }
         if policy.dns.refresh_min > policy.dns.refresh_max {
             return Err(invalid(
                 locate(source, "refresh"),
@@ -1009,7 +1357,7 @@ impl Policy {
             .iter()
             .filter_map(|a| match &a.target {
                 Target::Domain(d) => Some(d),
-                Target::Cidr(_) => None,
+                Target::Wildcard(_) | Target::Cidr(_) => None,
             })
             .collect()
     }
@@ -1030,6 +1378,35 @@ impl Policy {
                         d.describe()
                     ));
                 }
+            }
+        }
+        for allow in &self.allow {
+            let Target::Wildcard(w) = &allow.target else {
+                continue;
+            };
+            let suffix = w.suffix.as_str();
+            if !suffix.contains('.') {
+                out.push(format!(
+                    "`{w}` allows every name under the top-level domain `{suffix}`: anyone can \
+                     register one; list the domains you use"
+                ));
+            } else if let Some(shared) = SHARED_SUFFIXES.iter().find(|s| {
+                // `**.googleapis.com` reaches storage.googleapis.com's tenants too; a name
+                // below a tenant (`*.mine.herokuapp.com`) is that tenant's own.
+                suffix == **s || (w.any_depth && s.ends_with(&format!(".{suffix}")))
+            }) {
+                out.push(format!(
+                    "`{w}` lies under `{shared}`, where anyone can own a name (shared hosting): \
+                     it lets strangers' servers in; list the exact names you use"
+                ));
+            }
+        }
+        for r in self.dns.guard.iter().flat_map(|g| &g.upstream) {
+            if r.is_loopback() {
+                out.push(format!(
+                    "upstream {r} is on loopback, which every local process may reach: a \
+                     resolver there lets them around the guard"
+                ));
             }
         }
         for r in self.dns.resolvers.iter().flatten() {
@@ -1260,13 +1637,6 @@ essentials: [loopback, established]
     }
 
     #[test]
-    fn wildcards_are_refused_as_not_yet_supported() {
-        let (line, col, msg) = err("version: 1\nallow:\n  - domain: \"*.example.com\"\n");
-        assert_eq!((line, col), (3, 14), "{msg}");
-        assert!(msg.contains("not supported yet"), "{msg}");
-    }
-
-    #[test]
     fn address_as_domain_points_to_cidr() {
         let (_, _, msg) = err("version: 1\nallow:\n  - domain: 192.0.2.1\n");
         assert!(msg.contains("cidr: 192.0.2.1"), "{msg}");
@@ -1415,5 +1785,118 @@ essentials: [loopback, established]
     fn error_display_starts_with_file_line_column() {
         let e = parse("version: 1\nbogus: 1\n").unwrap_err();
         assert!(e.to_string().starts_with("p.yaml:2:1: "), "{e}");
+    }
+
+    const GUARD: &str = "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\n  - domain: \"**.cdn.example\"\n    ports: [80, 443]\n  - domain: api.example\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n";
+
+    #[test]
+    fn guard_mode_reads_its_settings_with_defaults() {
+        let p = parse(GUARD).expect("valid");
+        let g = p.dns.guard.as_ref().expect("guard mode");
+        assert_eq!(g.listen, vec!["127.0.0.53:53".parse().unwrap()]);
+        assert_eq!(g.upstream, vec!["192.0.2.53".parse::<IpAddr>().unwrap()]);
+        assert_eq!(g.refuse_with, RefuseWith::Refused);
+        assert_eq!(g.floor, DEFAULT_FLOOR);
+        // DNS over HTTPS to public resolvers is denied without being asked for.
+        let doh = p.denied_by("1.1.1.1".parse().unwrap()).expect("denied");
+        assert_eq!(doh.origin, DenyOrigin::Preset(Preset::DnsOverHttps));
+
+        let p = parse(&GUARD.replace(
+            "  upstream: [192.0.2.53]\n",
+            "  upstream: [192.0.2.53]\n  listen: [\"[::1]:5353\", 127.0.0.1]\n  refuse_with: nxdomain\n  floor: 2m\n",
+        ))
+        .expect("valid");
+        let g = p.dns.guard.expect("guard mode");
+        assert_eq!(
+            g.listen,
+            vec![
+                "[::1]:5353".parse().unwrap(),
+                "127.0.0.1:53".parse().unwrap()
+            ]
+        );
+        assert_eq!(g.refuse_with, RefuseWith::Nxdomain);
+        assert_eq!(g.floor, Duration::from_secs(120));
+        assert!(parse(FULL).expect("valid").dns.guard.is_none());
+    }
+
+    #[test]
+    fn guard_mode_settings_are_checked() {
+        let (line, _, msg) = err("version: 1\ndns:\n  mode: guard\n");
+        assert_eq!(line, 3);
+        assert!(msg.contains("upstream: [192.0.2.53]"), "{msg}");
+        let (line, _, msg) = err(
+            "version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  resolvers: [192.0.2.53]\n",
+        );
+        assert_eq!(line, 5);
+        assert!(msg.contains("rename `resolvers` to `upstream`"), "{msg}");
+        let (line, _, msg) = err("version: 1\ndns:\n  upstream: [192.0.2.53]\n");
+        assert_eq!(line, 3);
+        assert!(msg.contains("add `mode: guard`"), "{msg}");
+        let (line, col, msg) = err(
+            "version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  listen: [localhost]\n",
+        );
+        assert_eq!((line, col), (5, 12), "{msg}");
+        assert!(msg.contains("127.0.0.53:53"), "{msg}");
+        let (line, _, msg) = err("version: 1\ndns:\n  mode: proxy\n");
+        assert_eq!(line, 3, "{msg}");
+    }
+
+    #[test]
+    fn wildcards_need_guard_mode_and_match_by_depth() {
+        let (line, col, msg) = err(
+            "version: 1\nallow:\n  - domain: api.example\n    ports: [443]\n  - domain: \"*.pool.example\"\n    ports: [443]\n",
+        );
+        assert_eq!((line, col), (5, 14), "{msg}");
+        assert!(msg.contains("dns.mode: guard"), "{msg}");
+        let (_, _, msg) = err(&GUARD.replace("*.pool", "a.*.pool"));
+        assert!(msg.contains("whole first label"), "{msg}");
+
+        let p = parse(GUARD).expect("valid");
+        let allowed = |name: &str| {
+            let name: DomainName = name.parse().unwrap();
+            p.allow.iter().any(|a| a.target.matches(&name))
+        };
+        assert!(allowed("a.pool.example"));
+        assert!(!allowed("a.b.pool.example"), "`*` is one label");
+        assert!(
+            !allowed("pool.example"),
+            "a wildcard never covers its suffix"
+        );
+        assert!(!allowed("xpool.example"));
+        assert!(allowed("a.cdn.example"));
+        assert!(allowed("a.b.c.cdn.example"), "`**` is any depth");
+        assert!(!allowed("cdn.example"));
+        assert!(allowed("api.example"));
+        assert!(
+            !allowed("x.api.example"),
+            "an exact name covers no subdomain"
+        );
+        assert!(p.domains().iter().all(|d| d.as_str() == "api.example"));
+    }
+
+    #[test]
+    fn wildcards_over_shared_suffixes_warn() {
+        let with = |pattern: &str| {
+            parse(&GUARD.replace("*.pool.example", pattern))
+                .expect("valid")
+                .warnings()
+        };
+        let w = with("*.herokuapp.com");
+        assert!(
+            w.iter().any(|w| w.contains("under `herokuapp.com`")),
+            "{w:?}"
+        );
+        let w = with("**.googleapis.com");
+        assert!(
+            w.iter().any(|w| w.contains("storage.googleapis.com")),
+            "{w:?}"
+        );
+        let w = with("*.com");
+        assert!(
+            w.iter().any(|w| w.contains("top-level domain `com`")),
+            "{w:?}"
+        );
+        assert!(with("*.mine.herokuapp.com").is_empty());
+        assert!(with("*.pool.example").is_empty());
     }
 }

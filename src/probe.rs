@@ -403,6 +403,11 @@ impl<'a> Plan<'a> {
                     format!("allowed network {net}"),
                     "not probed: the probe tries names and single addresses, not networks",
                 )),
+                Target::Wildcard(w) => self.done(Check::new(
+                    Outcome::Skip,
+                    format!("allowed names {w}"),
+                    "not probed: a wildcard names no single host",
+                )),
             }
         }
     }

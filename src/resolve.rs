@@ -22,6 +22,9 @@ pub struct Resolution {
     pub resolvers: Vec<IpAddr>,
     /// One entry per distinct name, sorted by name.
     pub hosts: Vec<ResolvedHost>,
+    /// In guard mode, the uid whose sockets alone may reach the resolvers: the guard's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guard_uid: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,12 +123,25 @@ pub fn resolve_policy(
     policy: &crate::policy::Policy,
     resolv_conf: &Path,
 ) -> Result<Resolution, ResolveError> {
+    // In guard mode names are allowed only as the guard answers them; the table allows its
+    // upstream resolvers to this process's uid, the uid `run` keeps.
+    if let Some(guard) = &policy.dns.guard {
+        return Ok(Resolution {
+            resolvers: guard.upstream.clone(),
+            hosts: Vec::new(),
+            guard_uid: Some(nix::unistd::geteuid().as_raw()),
+        });
+    }
     let resolvers = match &policy.dns.resolvers {
         Some(r) => r.clone(),
         None => system_resolvers(resolv_conf)?,
     };
     let hosts = resolve_names(policy.domains(), &resolvers)?;
-    Ok(Resolution { resolvers, hosts })
+    Ok(Resolution {
+        resolvers,
+        hosts,
+        guard_uid: None,
+    })
 }
 
 /// How long one query may take, and how often it is tried.

@@ -324,6 +324,12 @@ pub enum Rule {
     RefuseDaddrIn(SetId),
     /// `ip daddr . meta l4proto . th dport @set accept`
     AcceptTupleIn(SetId),
+    /// `meta skuid U ip daddr . meta l4proto . th dport @set accept`: the DNS guard's own
+    /// sockets to its upstream resolvers, and nobody else's.
+    AcceptTupleFromUid { set: SetId, uid: u32 },
+    /// `meta l4proto udp th dport 53 goto refused`: a service refused whatever the allow
+    /// entries say (DNS and DNS over TLS, in guard mode).
+    RefuseService(L4Proto, u16),
     /// `goto refused`
     GotoRefused,
     /// `limit rate R burst B packets log prefix P [group G]`
@@ -356,6 +362,18 @@ impl fmt::Display for Rule {
                 let (daddr, name) = (set.family.daddr(), set.name());
                 write!(f, "{daddr} . meta l4proto . th dport @{name} accept")
             }
+            Rule::AcceptTupleFromUid { set, uid } => {
+                let (daddr, name) = (set.family.daddr(), set.name());
+                write!(
+                    f,
+                    "meta skuid {uid} {daddr} . meta l4proto . th dport @{name} accept"
+                )
+            }
+            Rule::RefuseService(proto, port) => write!(
+                f,
+                "meta l4proto {} th dport {port} goto {REFUSED_CHAIN}",
+                proto.name()
+            ),
             Rule::GotoRefused => write!(f, "goto {REFUSED_CHAIN}"),
             Rule::Log(log) => {
                 write!(
@@ -518,6 +536,17 @@ mod tests {
             (
                 Rule::AcceptTupleIn(v4(SetRole::Dns)),
                 "ip daddr . meta l4proto . th dport @dns4 accept",
+            ),
+            (
+                Rule::AcceptTupleFromUid {
+                    set: SetId::new(SetRole::Dns, Family::V6),
+                    uid: 993,
+                },
+                "meta skuid 993 ip6 daddr . meta l4proto . th dport @dns6 accept",
+            ),
+            (
+                Rule::RefuseService(L4Proto::Udp, 853),
+                "meta l4proto udp th dport 853 goto refused",
             ),
             (Rule::GotoRefused, "goto refused"),
             (

@@ -926,6 +926,7 @@ mod tests {
             resolution: Resolution {
                 resolvers: vec![],
                 hosts: vec![],
+                guard_uid: None,
             },
             ruleset: ruleset(),
         }

@@ -362,6 +362,7 @@ fn planned(w: &World) -> egress_fence::ruleset::Ruleset {
         Resolution {
             resolvers: vec![DNS_V4],
             hosts,
+            guard_uid: None,
         }
     });
     plan(&policy, &resolution)

@@ -116,6 +116,7 @@ pub fn resolution(answers: &[Vec<IpAddr>]) -> Resolution {
     Resolution {
         resolvers: vec![RESOLVER.parse().expect("an address")],
         hosts,
+        guard_uid: None,
     }
 }
 

@@ -418,6 +418,20 @@ fn goto_refused() -> AnyExpr {
     })
 }
 
+/// `ip daddr . meta l4proto . th dport @set`: the family check, the key and its lookup.
+fn tuple_in(set: SetId, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
+    let (proto_reg, port_reg) = tuple_registers(set.family);
+    let mut e = Vec::from(is_family(set.family));
+    e.push(daddr_into_reg1(set.family));
+    e.push(own(Expr::meta(libc::NFT_META_L4PROTO, proto_reg)));
+    if set.interval() {
+        e.push(own(Expr::hton(proto_reg, 2, 1)));
+    }
+    e.push(own(Expr::payload(PayloadBase::Transport, 2, 2, port_reg)));
+    e.push(lookup(set, set_ids));
+    e
+}
+
 /// The expressions of one rule, in nft's order.
 fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     let accept = crate_expr(Verdict::Accept);
@@ -460,16 +474,20 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(goto_refused());
         }
         Rule::AcceptTupleIn(set) => {
-            let (proto_reg, port_reg) = tuple_registers(set.family);
-            e.extend(is_family(set.family));
-            e.push(daddr_into_reg1(set.family));
-            e.push(own(Expr::meta(libc::NFT_META_L4PROTO, proto_reg)));
-            if set.interval() {
-                e.push(own(Expr::hton(proto_reg, 2, 1)));
-            }
-            e.push(own(Expr::payload(PayloadBase::Transport, 2, 2, port_reg)));
-            e.push(lookup(*set, set_ids));
+            e.extend(tuple_in(*set, set_ids));
             e.push(accept);
+        }
+        Rule::AcceptTupleFromUid { set, uid } => {
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(eq(&uid.to_ne_bytes()));
+            e.extend(tuple_in(*set, set_ids));
+            e.push(accept);
+        }
+        Rule::RefuseService(proto, port) => {
+            e.extend(l4proto_is(proto.number()));
+            e.push(own(Expr::payload(PayloadBase::Transport, 2, 2, sys::REG_1)));
+            e.push(eq(&port.to_be_bytes()));
+            e.push(goto_refused());
         }
         Rule::GotoRefused => e.push(goto_refused()),
         Rule::Log(log) => {
@@ -564,6 +582,38 @@ mod tests {
                 "payload load 2b @ transport header + 2 => reg 13",
                 "lookup reg 1 set resolved6",
                 "immediate reg 0 accept",
+            ]
+        );
+    }
+
+    #[test]
+    fn guard_rules_match_nft() {
+        let from_uid = Rule::AcceptTupleFromUid {
+            set: SetId::new(SetRole::Dns, Family::V4),
+            uid: 993,
+        };
+        assert_eq!(
+            exprs(&from_uid),
+            [
+                "meta load skuid => reg 1",
+                "cmp eq reg 1 0x000003e1",
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "payload load 4b @ network header + 16 => reg 1",
+                "meta load l4proto => reg 9",
+                "payload load 2b @ transport header + 2 => reg 10",
+                "lookup reg 1 set dns4",
+                "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseService(L4Proto::Udp, 853)),
+            [
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000011",
+                "payload load 2b @ transport header + 2 => reg 1",
+                "cmp eq reg 1 0x00005503",
+                "immediate reg 0 goto -> refused",
             ]
         );
     }
