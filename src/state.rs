@@ -532,6 +532,12 @@ impl StateDir {
         self.dir.join(name)
     }
 
+    /// The Unix socket where a running DNS guard streams the queries it refuses (one
+    /// [`crate::watch::QueryEvent`] JSON object per line) to `watch`.
+    pub fn guard_events(&self) -> PathBuf {
+        self.file("guard-events.sock")
+    }
+
     /// Takes the writers' lock, waiting up to `timeout` for another holder; `on_wait` is
     /// called once, with the holder, if it has to wait. Records `command` as the holder.
     pub fn lock(

@@ -40,7 +40,7 @@ use nix::sys::socket::{
     self, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, sockopt,
 };
 use nix::sys::time::TimeVal;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Bytes of each packet the kernel copies to us: an IPv4 header with options (60) or an IPv6
 /// header (40) with a few extension headers, plus the 4 bytes of ports. Copying no more keeps
@@ -214,6 +214,72 @@ impl fmt::Display for DropEvent {
             write!(f, " [{note}]")?;
         }
         Ok(())
+    }
+}
+
+/// A DNS query the guard refused: its name never left the host. The guard streams these, one
+/// JSON object per line, on [`crate::state::StateDir::guard_events`]; `watch` prints them
+/// beside refused packets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueryEvent {
+    /// RFC 3339, UTC, milliseconds: when the query was answered.
+    pub time: String,
+    /// Always "refused".
+    pub verdict: String,
+    /// Always "dns", which tells these lines from refused packets.
+    pub protocol: String,
+    /// The name asked, lower case, without the trailing dot.
+    pub name: String,
+    /// "A", "AAAA", "TXT", ... ("TYPE65534" for unknown types).
+    pub qtype: String,
+    /// Who asked: the address and port the query came from.
+    pub client: SocketAddr,
+    /// "udp" or "tcp".
+    pub transport: String,
+    /// The response code the client got: "REFUSED" or "NXDOMAIN".
+    pub answer: String,
+    /// Why: "not in the policy".
+    pub note: String,
+}
+
+impl QueryEvent {
+    pub fn refused(
+        name: String,
+        qtype: String,
+        client: SocketAddr,
+        transport: &str,
+        answer: &str,
+    ) -> QueryEvent {
+        QueryEvent {
+            time: system_time_rfc3339(SystemTime::now()),
+            verdict: "refused".into(),
+            protocol: "dns".into(),
+            name,
+            qtype,
+            client,
+            transport: transport.into(),
+            answer: answer.into(),
+            note: "not in the policy".into(),
+        }
+    }
+}
+
+impl fmt::Display for QueryEvent {
+    /// `TIME REFUSED dns query NAME TYPE from CLIENT (TRANSPORT), answered ANSWER [NOTE]`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} {} query {} {} from {} ({}), answered {} [{}]",
+            self.time,
+            self.verdict.to_uppercase(),
+            self.protocol,
+            self.name,
+            self.qtype,
+            self.client,
+            self.transport,
+            self.answer,
+            self.note
+        )
     }
 }
 
