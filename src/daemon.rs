@@ -18,23 +18,26 @@
 //! appear: whenever the configuration it applies changes, never for a refresh.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
+use crate::guard::{Answered, Counters, Guard, GuardError, Rules};
 use crate::nft::monitor::{Change, Monitor};
 use crate::nft::{Nft, NftError};
 use crate::plan::{denied_answers, plan_with, resolved_tuple, services_of};
 use crate::policy::{Dns, DomainName, L4Proto, Policy, PolicyError};
 use crate::resolve::{NameResolver, Resolution, ResolveError, ResolvedAddr, ResolvedHost};
-use crate::ruleset::{Ruleset, TABLE, Timed, Tuple};
+use crate::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Timed, Tuple};
 use crate::state::{NewGeneration, Recorder, StateDir, StateError, WriterLock};
 use crate::watch::{DropEvent, WatchError, Watcher};
 
@@ -50,6 +53,8 @@ pub enum DaemonError {
     Watch(#[from] WatchError),
     #[error(transparent)]
     State(#[from] StateError),
+    #[error(transparent)]
+    Guard(#[from] GuardError),
     #[error(
         "--log-drops needs `log.group` in the policy: refused packets are read from that NFLOG group"
     )]
@@ -103,8 +108,15 @@ pub fn run(options: Options) -> Result<(), DaemonError> {
             (true, Some(group)) => Some(drop_events(group)?),
             (true, None) => return Err(DaemonError::NoLogGroup),
         };
-        let daemon = Daemon::start(options, lock, policy, policy_text).await?;
-        daemon.serve(monitor, drops).await
+        // Bound before the table goes up, so that a taken port stops the daemon at once; the
+        // queries that arrive meanwhile wait in the socket buffers.
+        let guard = match &policy.dns.guard {
+            Some(g) => Some(Guard::bind(&g.listen).await?),
+            None => None,
+        };
+        let mut daemon = Daemon::start(options, lock, policy, policy_text).await?;
+        let answers = guard.map(|g| daemon.start_guard(g));
+        daemon.serve(monitor, drops, answers).await
     })
 }
 
@@ -169,6 +181,22 @@ fn interval(ttl: u32, dns: &Dns) -> Duration {
     Duration::from_secs(ttl.into()).clamp(dns.refresh_min, dns.refresh_max)
 }
 
+/// How long an address in a guard's answer stays allowed: at least as long as the client may
+/// cache it (its TTL), at least the floor, then the grace.
+fn guard_lifetime(ttl: u32, guard: &crate::policy::Guard, grace: Duration) -> Duration {
+    Duration::from_secs(ttl.into()).max(guard.floor) + grace
+}
+
+/// A guard's answer renews an element only when the element would otherwise expire within
+/// this fraction of the grace: a name asked a thousand times a second costs one batch, not a
+/// thousand, and every released answer still outlives its TTL by half the grace or more.
+fn renew_slack(grace: Duration) -> Duration {
+    grace / 2
+}
+
+/// How many waiting answers go into one batch.
+const MAX_ANSWER_BATCH: usize = 256;
+
 /// Retry delay after `failures` failed lookups in a row: 1 s, 2 s, 4 s, 8 s, then every 10 s
 /// (or `cap`, the refresh floor, if shorter): a host that boots before its network resolves
 /// its names soon after the resolver answers.
@@ -203,21 +231,36 @@ impl NameState {
         }
     }
 
-    /// Takes in an answer received at `now`; returns the addresses it brought and, for a
-    /// successful answer, those the previous one had and this one lacks.
-    fn answer(&mut self, host: &ResolvedHost, now: Instant, dns: &Dns) -> AnswerChanges {
+    /// Takes in addresses answered at `now`, each allowed for `life(ttl)` from now (or longer,
+    /// if it already was); returns those that were not allowed before.
+    fn extend(
+        &mut self,
+        addrs: &[ResolvedAddr],
+        now: Instant,
+        life: impl Fn(u32) -> Duration,
+    ) -> Vec<IpAddr> {
         // Expired addresses are kept a while to explain refusals ("was NAME until ...").
         self.addrs
             .retain(|_, expires| now.saturating_duration_since(*expires) < REMEMBER_EXPIRED);
-        let mut changes = AnswerChanges::default();
-        for a in &host.addrs {
-            let expires = now + interval(a.ttl, dns) + dns.grace;
+        let mut added = Vec::new();
+        for a in addrs {
+            let expires = now + life(a.ttl);
             let entry = self.addrs.entry(a.addr).or_insert(now);
             if *entry <= now {
-                changes.added.push(a.addr);
+                added.push(a.addr);
             }
             *entry = (*entry).max(expires);
         }
+        added
+    }
+
+    /// Takes in an answer received at `now`; returns the addresses it brought and, for a
+    /// successful answer, those the previous one had and this one lacks.
+    fn answer(&mut self, host: &ResolvedHost, now: Instant, dns: &Dns) -> AnswerChanges {
+        let mut changes = AnswerChanges {
+            added: self.extend(&host.addrs, now, |ttl| interval(ttl, dns) + dns.grace),
+            gone: Vec::new(),
+        };
         if host.errors.is_empty() {
             let answered: BTreeSet<IpAddr> = host.addrs.iter().map(|a| a.addr).collect();
             changes.gone = self.answered.difference(&answered).copied().collect();
@@ -289,15 +332,48 @@ fn desired<'a>(
 /// The elements to send so the kernel holds every desired element at least until its
 /// desired expiry: new ones, and those whose expiry moved later. An element shared with
 /// names not in `desired` is never shortened: the kernel already holds their later expiry.
+/// With `slack`, an element is renewed only if its expiry would move later by more than that.
 fn renewals(
     desired: &BTreeMap<Tuple, Instant>,
     installed: &BTreeMap<Tuple, Instant>,
+    slack: Duration,
 ) -> Vec<(Tuple, Instant)> {
     desired
         .iter()
-        .filter(|(t, e)| installed.get(t).is_none_or(|i| *e > i))
+        .filter(|(t, e)| installed.get(t).is_none_or(|i| **e > *i + slack))
         .map(|(t, e)| (*t, *e))
         .collect()
+}
+
+/// Puts carried elements into the resolved sets of `ruleset`; an element both have lives as
+/// long as the later of the two says.
+fn add_carried(ruleset: &mut Ruleset, carried: &BTreeMap<Tuple, Instant>, now: Instant) {
+    if carried.is_empty() {
+        return;
+    }
+    for set in &mut ruleset.sets {
+        let Elements::Timed(elements) = &mut set.elements else {
+            continue;
+        };
+        let family = set.id.family;
+        let mut merged: BTreeMap<Tuple, Timed> = elements.drain(..).map(|t| (t.tuple, t)).collect();
+        for (&tuple, &expires) in carried {
+            if crate::ruleset::Family::of_net(&tuple.net) != family {
+                continue;
+            }
+            let new = timed(tuple, expires, now);
+            merged
+                .entry(tuple)
+                .and_modify(|t| {
+                    // `None` is permanent, which no carried element shortens.
+                    if let (Some(a), Some(b)) = (t.timeout_ms, new.timeout_ms) {
+                        t.timeout_ms = Some(a.max(b));
+                    }
+                })
+                .or_insert(new);
+        }
+        elements.extend(merged.into_values());
+    }
 }
 
 fn timed(tuple: Tuple, expires: Instant, now: Instant) -> Timed {
@@ -335,6 +411,18 @@ struct Daemon {
     last_refresh: Option<SystemTime>,
     /// In guard mode, this process's uid: its sockets alone may reach the upstream resolvers.
     guard_uid: Option<u32>,
+    /// The DNS guard, once it serves.
+    guard: Option<GuardLink>,
+    /// Elements a restarted guard found in the running table, kept until they expire (clients
+    /// still hold the answers that allowed them).
+    carried: BTreeMap<Tuple, Instant>,
+}
+
+/// The daemon's side of the DNS guard.
+struct GuardLink {
+    rules: watch::Sender<Arc<Rules>>,
+    counters: Arc<Counters>,
+    events_path: PathBuf,
 }
 
 impl Daemon {
@@ -344,21 +432,27 @@ impl Daemon {
         policy: Policy,
         policy_text: String,
     ) -> Result<Daemon, DaemonError> {
-        let (resolvers, resolver) = match resolver_for(&policy, &options) {
-            Ok((r, resolver)) => (r, Some(resolver)),
+        let guard_mode = policy.dns.guard.is_some();
+        let (resolvers, resolver) = match (&policy.dns.guard, resolver_for(&policy, &options)) {
+            // The guard learns names from the questions it forwards; it never looks any up.
+            (Some(guard), _) => (guard.upstream.clone(), None),
+            (None, Ok((r, resolver))) => (r, Some(resolver)),
             // At boot resolv.conf may not be written yet: the boundary goes up without names
             // and the resolvers are looked for again.
-            Err(e) => {
+            (None, Err(e)) => {
                 warn!(error = %e, "no resolvers yet; applying the boundary without names");
                 (Vec::new(), None)
             }
         };
         let now = Instant::now();
-        let names = policy
-            .domains()
-            .into_iter()
-            .map(|n| (n.clone(), NameState::new(now)))
-            .collect();
+        let names = match guard_mode {
+            true => BTreeMap::new(),
+            false => policy
+                .domains()
+                .into_iter()
+                .map(|n| (n.clone(), NameState::new(now)))
+                .collect(),
+        };
         let mut daemon = Daemon {
             options,
             lock,
@@ -375,19 +469,191 @@ impl Daemon {
             retry_apply: None,
             our_generation: None,
             last_refresh: None,
-            guard_uid: None,
+            guard_uid: guard_mode.then(|| nix::unistd::geteuid().as_raw()),
+            guard: None,
+            carried: BTreeMap::new(),
         };
         // A running boundary (a restart) is replaced only once its names are resolved, so
         // that nothing allowed goes missing for a moment. Without one (boot), the
         // deny-by-default skeleton goes up at once: it needs no DNS, and names follow as they
         // resolve.
         if daemon.nft.table_exists()? {
-            daemon.resolve_all().await;
+            match guard_mode {
+                true => daemon.carry_over(),
+                false => daemon.resolve_all().await,
+            }
         }
         // The first apply must work: a daemon that cannot install its boundary exits, and
         // systemd's Restart= tries again.
         daemon.apply_all()?;
         Ok(daemon)
+    }
+
+    /// Starts serving DNS, now that the table is up; returns where answers wait for their
+    /// addresses to be installed.
+    fn start_guard(&mut self, guard: Guard) -> mpsc::Receiver<Answered> {
+        let rules = Rules::of(&self.policy).expect("the policy is in guard mode");
+        let (rules_tx, rules_rx) = watch::channel(Arc::new(rules));
+        let (answered_tx, answered_rx) = mpsc::channel(1024);
+        let (events, _) = broadcast::channel(1024);
+        let counters = Arc::new(Counters::default());
+        let events_path = self.options.state.guard_events();
+        // Without it `watch` misses refused queries; the log still has them.
+        if let Err(e) = crate::guard::serve_events(events_path.clone(), events.clone()) {
+            warn!(error = %e, "refused queries will be in the log only");
+        }
+        guard.serve(crate::guard::Context {
+            rules: rules_rx,
+            answered: answered_tx,
+            events,
+            counters: counters.clone(),
+        });
+        let listen: Vec<SocketAddr> = self
+            .policy
+            .dns
+            .guard
+            .iter()
+            .flat_map(|g| g.listen.clone())
+            .collect();
+        info!(listen = ?listen, upstream = ?self.resolvers, "the DNS guard is serving");
+        self.guard = Some(GuardLink {
+            rules: rules_tx,
+            counters,
+            events_path,
+        });
+        answered_rx
+    }
+
+    /// Installs the addresses of guard answers, this one and whatever else is waiting, in one
+    /// batch, then releases them all: with the kernel's acknowledgement, or as failures
+    /// (SERVFAIL) if it refused.
+    fn install_answers(&mut self, first: Answered, waiting: &mut mpsc::Receiver<Answered>) {
+        let mut batch = vec![first];
+        while batch.len() < MAX_ANSWER_BATCH {
+            match waiting.try_recv() {
+                Ok(a) => batch.push(a),
+                Err(_) => break,
+            }
+        }
+        let Some(guard) = self.policy.dns.guard.clone() else {
+            // Only a reload could end guard mode, and reload refuses to.
+            for a in batch {
+                let _ = a.done.send(false);
+            }
+            return;
+        };
+        let now = Instant::now();
+        let grace = self.policy.dns.grace;
+        let mut names = BTreeSet::new();
+        for a in &batch {
+            if !self.services.contains_key(&a.name) {
+                let services = services_of(&self.policy, &a.name).collect();
+                self.services.insert(a.name.clone(), services);
+            }
+            let state = self
+                .names
+                .entry(a.name.clone())
+                .or_insert_with(|| NameState::new(now));
+            let added = state.extend(&a.addrs, now, |ttl| guard_lifetime(ttl, &guard, grace));
+            if !added.is_empty() {
+                info!(name = %a.name, added = ?added, "new addresses allowed");
+            }
+            names.insert(a.name.clone());
+        }
+        self.last_refresh = Some(SystemTime::now());
+        let hosts: Vec<ResolvedHost> = batch
+            .iter()
+            .map(|a| ResolvedHost {
+                name: a.name.clone(),
+                addrs: a.addrs.clone(),
+                nxdomain: false,
+                errors: Vec::new(),
+            })
+            .collect();
+        for w in denied_answers(&self.policy, &hosts) {
+            warn!("{w}");
+        }
+        let ok = self.install(&names, now, renew_slack(grace));
+        for a in batch {
+            let _ = a.done.send(ok);
+        }
+    }
+
+    /// Sends, as one batch, the elements of `names` that are new or live longer now by more
+    /// than `slack`; `false` if the kernel refused (the table is then applied anew).
+    fn install(&mut self, names: &BTreeSet<DomainName>, now: Instant, slack: Duration) -> bool {
+        if now >= self.next_prune {
+            self.prune(now);
+        }
+        let states = names.iter().filter_map(|n| self.names.get_key_value(n));
+        let want = desired(states, &self.services, now);
+        let send = renewals(&want, &self.installed, slack);
+        if send.is_empty() {
+            return true;
+        }
+        let elements: Vec<Timed> = send.iter().map(|&(t, e)| timed(t, e, now)).collect();
+        match self.nft.upsert_resolved(&elements) {
+            Ok(()) => {
+                self.our_generation = self.nft.generation().ok();
+                self.installed.extend(send);
+                true
+            }
+            Err(e) => {
+                // Someone may have removed our set under us: the full apply puts it back.
+                error!(error = %e, "adding addresses refused; reapplying the table");
+                self.reapply();
+                false
+            }
+        }
+    }
+
+    /// Forgets expired elements, and in guard mode the names nothing is remembered of.
+    fn prune(&mut self, now: Instant) {
+        self.installed.retain(|_, e| *e > now);
+        self.carried.retain(|_, e| *e > now);
+        if self.guard.is_some() {
+            self.names.retain(|_, s| {
+                s.addrs
+                    .values()
+                    .any(|e| now.saturating_duration_since(*e) < REMEMBER_EXPIRED)
+            });
+            let names = &self.names;
+            self.services.retain(|n, _| names.contains_key(n));
+        }
+        self.next_prune = now + PRUNE_EVERY;
+    }
+
+    /// A restarted guard keeps what the running table allows until it expires: clients still
+    /// hold the answers behind it, and the guard has no way to ask them.
+    fn carry_over(&mut self) {
+        let now = Instant::now();
+        let table = match self.nft.read_table() {
+            Ok(Some(t)) => t,
+            Ok(None) => return,
+            Err(e) => {
+                warn!(error = %e, "cannot read the running table; its resolved addresses are dropped");
+                return;
+            }
+        };
+        for family in crate::ruleset::Family::BOTH {
+            let id = SetId::new(SetRole::Resolved, family);
+            let Some(Elements::Timed(elements)) = table.contents(id) else {
+                continue;
+            };
+            for t in elements {
+                // Permanent elements (a CLI apply in resolve mode) get the grace, no more.
+                let left = t
+                    .expires_ms
+                    .map_or(self.policy.dns.grace, Duration::from_millis);
+                self.carried.insert(t.tuple, now + left);
+            }
+        }
+        if !self.carried.is_empty() {
+            info!(
+                elements = self.carried.len(),
+                "keeping the addresses the running table allows until they expire"
+            );
+        }
     }
 
     async fn resolve_all(&mut self) {
@@ -473,7 +739,7 @@ impl Daemon {
     fn apply_all(&mut self) -> Result<(), NftError> {
         let now = Instant::now();
         let names = &self.names;
-        let ruleset = plan_with(&self.policy, &self.resolution(now), |name, addr| {
+        let mut ruleset = plan_with(&self.policy, &self.resolution(now), |name, addr| {
             let expires = names.get(name)?.addrs.get(&addr)?;
             Some(
                 expires
@@ -481,10 +747,16 @@ impl Daemon {
                     .max(Duration::from_millis(1)),
             )
         });
+        self.carried.retain(|_, e| *e > now);
+        add_carried(&mut ruleset, &self.carried, now);
         match self.nft.apply(&ruleset) {
             Ok(()) => {
                 self.our_generation = self.nft.generation().ok();
                 self.installed = desired(self.names.iter(), &self.services, now);
+                for (t, e) in &self.carried {
+                    let i = self.installed.entry(*t).or_insert(*e);
+                    *i = (*i).max(*e);
+                }
                 self.retry_apply = None;
                 info!(
                     table = %format!("inet {TABLE}"),
@@ -531,6 +803,9 @@ impl Daemon {
 
     /// The names whose refresh is due, now marked as being looked up.
     fn take_due(&mut self) -> Vec<DomainName> {
+        if self.policy.dns.guard.is_some() {
+            return Vec::new();
+        }
         let now = Instant::now();
         let mut due = Vec::new();
         for (name, state) in self.names.iter_mut().filter(|(_, s)| s.next_due <= now) {
@@ -553,29 +828,8 @@ impl Daemon {
     /// Sends, as one batch, the elements of `answered` that are new or live longer now. The
     /// cost follows the answers, not the size of the table.
     fn renew(&mut self, answered: &[DomainName]) {
-        let now = Instant::now();
-        if now >= self.next_prune {
-            self.installed.retain(|_, e| *e > now);
-            self.next_prune = now + PRUNE_EVERY;
-        }
-        let names = answered.iter().filter_map(|n| self.names.get_key_value(n));
-        let want = desired(names, &self.services, now);
-        let send = renewals(&want, &self.installed);
-        if send.is_empty() {
-            return;
-        }
-        let elements: Vec<Timed> = send.iter().map(|&(t, e)| timed(t, e, now)).collect();
-        match self.nft.upsert_resolved(&elements) {
-            Ok(()) => {
-                self.our_generation = self.nft.generation().ok();
-                self.installed.extend(send);
-            }
-            Err(e) => {
-                // Someone may have removed our set under us: the full apply puts it back.
-                error!(error = %e, "refresh batch refused; reapplying the table");
-                self.reapply();
-            }
-        }
+        let names: BTreeSet<DomainName> = answered.iter().cloned().collect();
+        self.install(&names, Instant::now(), Duration::ZERO);
     }
 
     fn reapply(&mut self) {
@@ -597,6 +851,24 @@ impl Daemon {
                 return;
             }
         };
+        // The guard's sockets and the table's uid rule are set up once.
+        let (old, new) = (&self.policy.dns.guard, &policy.dns.guard);
+        let restart = match (old, new) {
+            (Some(_), None) | (None, Some(_)) => Some("`dns.mode`"),
+            (Some(o), Some(n)) if o.listen != n.listen => Some("`dns.listen`"),
+            _ => None,
+        };
+        if let Some(what) = restart {
+            error!(
+                "the new policy changes {what}, which takes a restart (`systemctl restart \
+                 egress-fence`); the running policy stays"
+            );
+            return;
+        }
+        if let Some(guard) = &policy.dns.guard {
+            self.reload_guard(policy.clone(), policy_text, guard.upstream.clone());
+            return;
+        }
         let (resolvers, resolver) = match resolver_for(&policy, &self.options) {
             Ok(r) => r,
             Err(e) => {
@@ -620,6 +892,27 @@ impl Daemon {
         self.resolvers = resolvers;
         self.resolver = Some(resolver);
         self.names = names;
+        self.record_next_apply = true;
+        self.reapply();
+    }
+
+    /// A reload in guard mode: learned names the new policy still allows keep their addresses,
+    /// on the ports it now gives them; the others go with the old table. The guard answers by
+    /// the new rules from now on.
+    fn reload_guard(&mut self, policy: Policy, policy_text: String, upstream: Vec<IpAddr>) {
+        self.names
+            .retain(|name, _| policy.allow.iter().any(|a| a.target.matches(name)));
+        self.services = self
+            .names
+            .keys()
+            .map(|n| (n.clone(), services_of(&policy, n).collect()))
+            .collect();
+        if let (Some(link), Some(rules)) = (&self.guard, Rules::of(&policy)) {
+            link.rules.send_replace(Arc::new(rules));
+        }
+        self.policy = policy;
+        self.policy_text = policy_text;
+        self.resolvers = upstream;
         self.record_next_apply = true;
         self.reapply();
     }
@@ -663,8 +956,11 @@ impl Daemon {
 
     fn next_wakeup(&self) -> Instant {
         let far = Instant::now() + Duration::from_secs(3600);
+        // Guard answers come as they come; nothing is looked up on a timer.
+        let timed = self.policy.dns.guard.is_none();
         self.names
             .values()
+            .filter(|_| timed)
             .map(|s| s.next_due)
             .chain(self.retry_apply)
             .min()
@@ -679,6 +975,18 @@ impl Daemon {
         let last = self
             .last_refresh
             .map_or("never".to_string(), crate::state::clock_utc);
+        if let Some(link) = &self.guard {
+            let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+            let c = &link.counters;
+            return format!(
+                "guard: {} names, {addresses} addresses; {} answered, {} refused, {} failed; \
+                 last answer {last}",
+                self.names.len(),
+                count(&c.answered),
+                count(&c.refused),
+                count(&c.failed)
+            );
+        }
         format!(
             "{} names, {addresses} addresses, {failing} failing, last refresh {last}",
             self.names.len()
@@ -733,6 +1041,7 @@ impl Daemon {
         mut self,
         mut monitor: AsyncFd<Monitor>,
         mut drops: Option<mpsc::Receiver<DropEvent>>,
+        mut answers: Option<mpsc::Receiver<Answered>>,
     ) -> Result<(), DaemonError> {
         let mut hangup = signal(SignalKind::hangup()).map_err(io("install SIGHUP handler"))?;
         let mut terminate =
@@ -822,6 +1131,10 @@ impl Daemon {
                 Some(event) = async { drops.as_mut().expect("guarded").recv().await }, if drops.is_some() => {
                     self.log_drop(event);
                 }
+                Some(answer) = async { answers.as_mut().expect("guarded").recv().await }, if answers.is_some() => {
+                    let waiting = answers.as_mut().expect("guarded");
+                    self.install_answers(answer, waiting);
+                }
                 // Brings the status line below up to date even when nothing else happens.
                 _ = status_tick.tick() => {}
                 _ = watchdog_tick.tick(), if watchdog.is_some() => {
@@ -841,6 +1154,9 @@ impl Daemon {
         }
 
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        if let Some(link) = &self.guard {
+            let _ = std::fs::remove_file(&link.events_path);
+        }
         if self.options.teardown_on_exit {
             self.nft.teardown()?;
             info!("stopped; table inet {TABLE} deleted (--teardown-on-exit)");
@@ -994,23 +1310,23 @@ mod tests {
 
         let mut installed = BTreeMap::new();
         assert_eq!(
-            renewals(&want, &installed).len(),
+            renewals(&want, &installed, Duration::ZERO).len(),
             2,
             "new elements are sent"
         );
         installed.extend(want.clone());
         assert!(
-            renewals(&want, &installed).is_empty(),
+            renewals(&want, &installed, Duration::ZERO).is_empty(),
             "nothing changed, nothing sent"
         );
         installed.insert(t80, now + Duration::from_secs(250));
         assert!(
-            renewals(&want, &installed).is_empty(),
+            renewals(&want, &installed, Duration::ZERO).is_empty(),
             "a later expiry in the kernel is never shortened"
         );
         installed.insert(t443, now + Duration::from_secs(150));
         assert_eq!(
-            renewals(&want, &installed),
+            renewals(&want, &installed, Duration::ZERO),
             vec![(t443, now + Duration::from_secs(200))]
         );
 
@@ -1025,7 +1341,7 @@ mod tests {
         );
         let mut kernel = BTreeMap::from([(t443, now + Duration::from_secs(200))]);
         kernel.insert(t80, now + Duration::from_secs(200));
-        assert!(renewals(&only_a, &kernel).is_empty());
+        assert!(renewals(&only_a, &kernel, Duration::ZERO).is_empty());
     }
 
     #[test]
@@ -1045,5 +1361,82 @@ mod tests {
             Some(1),
             "never zero: zero means none"
         );
+    }
+
+    #[test]
+    fn guard_answers_live_for_their_ttl_or_the_floor_plus_grace_and_renew_with_slack() {
+        let p = Policy::parse(
+            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  floor: 30s\n  grace: 10m\n",
+            Path::new("p.yaml"),
+        )
+        .expect("valid");
+        let guard = p.dns.guard.as_ref().unwrap();
+        let grace = p.dns.grace;
+        assert_eq!(
+            guard_lifetime(5, guard, grace),
+            Duration::from_secs(30 + 600)
+        );
+        assert_eq!(
+            guard_lifetime(3600, guard, grace),
+            Duration::from_secs(3600 + 600)
+        );
+
+        let now = Instant::now();
+        let t = Tuple {
+            net: "192.0.2.9/32".parse().unwrap(),
+            proto: L4Proto::Tcp,
+            ports: PortRange::single(443),
+        };
+        let installed = BTreeMap::from([(t, now + Duration::from_secs(630))]);
+        let slack = renew_slack(grace);
+        // Asked again a minute later: the element still outlives the new TTL by far.
+        let later = BTreeMap::from([(t, now + Duration::from_secs(690))]);
+        assert!(renewals(&later, &installed, slack).is_empty());
+        // Asked again after six minutes: less than half the grace would be left.
+        let much_later = BTreeMap::from([(t, now + Duration::from_secs(630 + 301))]);
+        assert_eq!(renewals(&much_later, &installed, slack).len(), 1);
+    }
+
+    #[test]
+    fn carried_elements_join_the_resolved_sets_without_shortening_any() {
+        let p = policy();
+        let now = Instant::now();
+        let mut rs = plan_with(
+            &p,
+            &crate::plan::tests::resolution(&[("a.example", &["192.0.2.1"])]),
+            |_, _| Some(Duration::from_secs(100)),
+        );
+        let tuple = |ip: &str| Tuple {
+            net: ip.parse().unwrap(),
+            proto: L4Proto::Tcp,
+            ports: PortRange::single(443),
+        };
+        let carried = BTreeMap::from([
+            (tuple("192.0.2.1/32"), now + Duration::from_secs(50)),
+            (tuple("192.0.2.2/32"), now + Duration::from_secs(70)),
+            (tuple("2001:db8::2/128"), now + Duration::from_secs(70)),
+        ]);
+        add_carried(&mut rs, &carried, now);
+        let timed_in = |family| match &rs
+            .set(SetId::new(SetRole::Resolved, family))
+            .unwrap()
+            .elements
+        {
+            Elements::Timed(t) => t.clone(),
+            other => panic!("{other:?}"),
+        };
+        let v4 = timed_in(crate::ruleset::Family::V4);
+        let of = |ip: &str| {
+            v4.iter()
+                .find(|t| t.tuple == tuple(ip))
+                .map(|t| t.timeout_ms)
+        };
+        assert_eq!(
+            of("192.0.2.1/32"),
+            Some(Some(100_000)),
+            "the later expiry wins"
+        );
+        assert_eq!(of("192.0.2.2/32"), Some(Some(70_000)));
+        assert_eq!(timed_in(crate::ruleset::Family::V6).len(), 1);
     }
 }

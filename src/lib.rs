@@ -7,10 +7,15 @@
 //! [`state`] keeps the applied generations, the writers' lock and the pending confirmation on
 //! disk, and [`change`] puts them together for `apply`, `rollback`, `confirm` and the revert
 //! timer.
+//!
+//! At the edges: [`daemon`] keeps the table current (`run`); in `dns.mode: guard` its
+//! [`guard`] is the host's resolver, which allows exactly the addresses it answers. [`watch`]
+//! shows what was refused and [`probe`] proves the boundary from inside.
 
 pub mod change;
 pub mod daemon;
 pub mod diff;
+pub mod guard;
 pub mod netns;
 pub mod nft;
 pub mod plan;

@@ -1,0 +1,720 @@
+//! The DNS guard (`dns.mode: guard`): the sandbox's resolver, and the only way out for DNS.
+//!
+//! A query for a name the policy allows is forwarded to an upstream resolver as it came. The
+//! A and AAAA addresses of the answer (along the CNAME chain from the asked name) go to the
+//! daemon, which adds them to the table in one batch; the answer is released only once the
+//! kernel has acknowledged that batch, so a client connecting right after its answer is never
+//! refused. If the kernel refuses, the client gets SERVFAIL: never an answer it cannot use.
+//!
+//! A query for any other name is answered REFUSED (or NXDOMAIN) here and never leaves the
+//! host: `<secret>.attacker.example` is a question nobody else hears. Each one is logged and
+//! streamed to `watch` as a [`QueryEvent`].
+//!
+//! The table lets only this process's uid reach the upstream resolvers (see `plan`), so the
+//! guard is the one path for names. Each upstream exchange uses a fresh socket (a random source
+//! port) and a random query id, and an answer is taken only if it carries that id and the
+//! question that was asked.
+
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
+use hickory_proto::rr::{DNSClass, Name, RData};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::time::timeout;
+use tracing::{debug, info, warn};
+
+use crate::policy::{DomainName, Policy, RefuseWith, Target};
+use crate::resolve::ResolvedAddr;
+use crate::watch::QueryEvent;
+
+/// How long one upstream resolver has to answer before the next is asked.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a TCP client may stay idle between queries.
+const TCP_IDLE: Duration = Duration::from_secs(10);
+/// The largest UDP datagram read: EDNS allows up to 64 KiB, clients ask for 1232 to 4096.
+const MAX_UDP: usize = 65_535;
+/// CNAME hops followed from the asked name, as resolvers bound them.
+const MAX_CHAIN: usize = 16;
+const DNS_PORT: u16 = 53;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    #[error(
+        "the DNS guard cannot listen on {addr} ({transport}): {source}{}",
+        bind_hint(source)
+    )]
+    Bind {
+        addr: SocketAddr,
+        transport: &'static str,
+        source: io::Error,
+    },
+    #[error("the DNS guard cannot serve its events on {}: {source}", path.display())]
+    Events { path: PathBuf, source: io::Error },
+}
+
+fn bind_hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::AddrInUse => {
+            "; another resolver (systemd-resolved's stub, dnsmasq) holds it: stop it or choose \
+             another `dns.listen`"
+        }
+        io::ErrorKind::PermissionDenied => {
+            "; ports below 1024 need CAP_NET_BIND_SERVICE (the systemd unit grants it)"
+        }
+        io::ErrorKind::AddrNotAvailable => "; no interface of this host has that address",
+        _ => "",
+    }
+}
+
+/// What the guard answers, from the policy; the daemon replaces it on reload.
+#[derive(Debug, Clone)]
+pub struct Rules {
+    allow: Vec<Target>,
+    upstream: Vec<SocketAddr>,
+    refuse_with: RefuseWith,
+}
+
+impl Rules {
+    /// `None` unless the policy is in guard mode.
+    pub fn of(policy: &Policy) -> Option<Rules> {
+        let guard = policy.dns.guard.as_ref()?;
+        Some(Rules {
+            allow: policy
+                .allow
+                .iter()
+                .filter(|a| !matches!(a.target, Target::Cidr(_)))
+                .map(|a| a.target.clone())
+                .collect(),
+            upstream: guard
+                .upstream
+                .iter()
+                .map(|&ip| SocketAddr::new(ip, DNS_PORT))
+                .collect(),
+            refuse_with: guard.refuse_with,
+        })
+    }
+
+    pub fn allows(&self, name: &DomainName) -> bool {
+        self.allow.iter().any(|t| t.matches(name))
+    }
+}
+
+/// An answer for an allowed name, waiting for its addresses to be in the table. `done`
+/// carries whether the kernel took them.
+#[derive(Debug)]
+pub struct Answered {
+    pub name: DomainName,
+    pub addrs: Vec<ResolvedAddr>,
+    pub done: oneshot::Sender<bool>,
+}
+
+/// What the guard has done since it started, for the status line.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub answered: AtomicU64,
+    pub refused: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+/// What the serving tasks share.
+pub struct Context {
+    pub rules: watch::Receiver<Arc<Rules>>,
+    pub answered: mpsc::Sender<Answered>,
+    pub events: broadcast::Sender<QueryEvent>,
+    pub counters: Arc<Counters>,
+}
+
+/// The guard's listening sockets, bound before the table goes up so that a port already taken
+/// stops the daemon at once.
+pub struct Guard {
+    udp: Vec<UdpSocket>,
+    tcp: Vec<TcpListener>,
+}
+
+impl Guard {
+    /// Must be called inside the runtime, in the target network namespace.
+    pub async fn bind(listen: &[SocketAddr]) -> Result<Guard, GuardError> {
+        let mut guard = Guard {
+            udp: Vec::new(),
+            tcp: Vec::new(),
+        };
+        for &addr in listen {
+            let bind = |transport| {
+                move |source| GuardError::Bind {
+                    addr,
+                    transport,
+                    source,
+                }
+            };
+            guard
+                .udp
+                .push(UdpSocket::bind(addr).await.map_err(bind("udp"))?);
+            guard
+                .tcp
+                .push(TcpListener::bind(addr).await.map_err(bind("tcp"))?);
+        }
+        Ok(guard)
+    }
+
+    /// Serves every socket on tasks of the current runtime.
+    pub fn serve(self, context: Context) {
+        let context = Arc::new(context);
+        for socket in self.udp {
+            tokio::spawn(serve_udp(Arc::new(socket), context.clone()));
+        }
+        for listener in self.tcp {
+            tokio::spawn(serve_tcp(listener, context.clone()));
+        }
+    }
+}
+
+async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
+    let mut buf = vec![0u8; MAX_UDP];
+    loop {
+        let (len, client) = match socket.recv_from(&mut buf).await {
+            Ok(r) => r,
+            Err(e) => {
+                // ICMP errors of earlier replies surface here; the socket itself is fine.
+                debug!(error = %e, "receiving a DNS query");
+                continue;
+            }
+        };
+        let query = buf[..len].to_vec();
+        let (socket, context) = (socket.clone(), context.clone());
+        tokio::spawn(async move {
+            if let Some(reply) = answer(&context, &query, client, Transport::Udp).await
+                && let Err(e) = socket.send_to(&reply, client).await
+            {
+                debug!(error = %e, client = %client, "sending a DNS answer");
+            }
+        });
+    }
+}
+
+async fn serve_tcp(listener: TcpListener, context: Arc<Context>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, client)) => {
+                tokio::spawn(serve_tcp_client(stream, client, context.clone()));
+            }
+            Err(e) => {
+                // Out of descriptors, say: keep serving UDP and try again shortly.
+                warn!(error = %e, "accepting a DNS connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Queries on one connection are answered in turn (RFC 7766 allows pipelining; clients that
+/// pipeline still get every answer, in order).
+async fn serve_tcp_client(mut stream: TcpStream, client: SocketAddr, context: Arc<Context>) {
+    while let Ok(Ok(query)) = timeout(TCP_IDLE, read_framed(&mut stream)).await {
+        let Some(reply) = answer(&context, &query, client, Transport::Tcp).await else {
+            return;
+        };
+        if write_framed(&mut stream, &reply).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn read_framed(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
+    let len = stream.read_u16().await?;
+    let mut msg = vec![0u8; len.into()];
+    stream.read_exact(&mut msg).await?;
+    Ok(msg)
+}
+
+async fn write_framed(stream: &mut TcpStream, msg: &[u8]) -> io::Result<()> {
+    let len = u16::try_from(msg.len()).map_err(|_| io::Error::other("message over 64 KiB"))?;
+    let mut framed = Vec::with_capacity(msg.len() + 2);
+    framed.extend_from_slice(&len.to_be_bytes());
+    framed.extend_from_slice(msg);
+    stream.write_all(&framed).await
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Udp,
+    Tcp,
+}
+
+impl Transport {
+    fn name(self) -> &'static str {
+        match self {
+            Transport::Udp => "udp",
+            Transport::Tcp => "tcp",
+        }
+    }
+}
+
+/// The asked name as a policy name: lower case, no trailing dot. `None` for what no policy
+/// can name (the root, escaped dots, wildcard labels): such names are refused.
+pub fn policy_name(name: &Name) -> Option<DomainName> {
+    let text = name.to_ascii().to_ascii_lowercase();
+    if text.contains('\\') {
+        return None;
+    }
+    text.parse().ok()
+}
+
+/// What to do with one query, decided from the message alone.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not a query we answer (a response, or not even a header): no reply.
+    Ignore,
+    /// Answer at once with this code.
+    Reply(ResponseCode),
+    /// A name outside the policy: refuse, and report it.
+    Refuse { name: String, qtype: String },
+    /// An allowed name: forward it.
+    Forward(DomainName),
+}
+
+pub fn judge(query: &Message, rules: &Rules) -> Verdict {
+    if query.metadata.message_type != MessageType::Query {
+        return Verdict::Ignore;
+    }
+    if query.metadata.op_code != OpCode::Query {
+        return Verdict::Reply(ResponseCode::NotImp);
+    }
+    let [question] = query.queries.as_slice() else {
+        return Verdict::Reply(ResponseCode::FormErr);
+    };
+    let name = policy_name(question.name());
+    match name {
+        Some(name) if question.query_class() == DNSClass::IN && rules.allows(&name) => {
+            Verdict::Forward(name)
+        }
+        _ => Verdict::Refuse {
+            name: question
+                .name()
+                .to_ascii()
+                .trim_end_matches('.')
+                .to_ascii_lowercase(),
+            qtype: question.query_type().to_string(),
+        },
+    }
+}
+
+/// The reply to `raw` (`None`: send nothing).
+async fn answer(
+    context: &Context,
+    raw: &[u8],
+    client: SocketAddr,
+    transport: Transport,
+) -> Option<Vec<u8>> {
+    let Ok(query) = Message::from_vec(raw) else {
+        // Answer FORMERR only when there is a header to answer.
+        let id = u16::from_be_bytes([*raw.first()?, *raw.get(1)?]);
+        return encode(&Message::error_msg(
+            id,
+            OpCode::Query,
+            ResponseCode::FormErr,
+        ));
+    };
+    let rules = context.rules.borrow().clone();
+    match judge(&query, &rules) {
+        Verdict::Ignore => None,
+        Verdict::Reply(code) => encode(&reply_to(&query, code)),
+        Verdict::Refuse { name, qtype } => {
+            context.counters.refused.fetch_add(1, Ordering::Relaxed);
+            let (code, answer) = match rules.refuse_with {
+                RefuseWith::Refused => (ResponseCode::Refused, "REFUSED"),
+                RefuseWith::Nxdomain => (ResponseCode::NXDomain, "NXDOMAIN"),
+            };
+            info!(name = %name, qtype = %qtype, client = %client, transport = transport.name(),
+                  answer = answer, "refused DNS query: the name is not in the policy");
+            // Nobody listening is fine.
+            let _ = context.events.send(QueryEvent::refused(
+                name,
+                qtype,
+                client,
+                transport.name(),
+                answer,
+            ));
+            encode(&reply_to(&query, code))
+        }
+        Verdict::Forward(name) => {
+            let reply = match forward(context, &rules, &query, raw, name, transport).await {
+                Ok(reply) => {
+                    context.counters.answered.fetch_add(1, Ordering::Relaxed);
+                    reply
+                }
+                Err(why) => {
+                    context.counters.failed.fetch_add(1, Ordering::Relaxed);
+                    warn!(client = %client, "answering SERVFAIL: {why}");
+                    return encode(&reply_to(&query, ResponseCode::ServFail));
+                }
+            };
+            Some(reply)
+        }
+    }
+}
+
+/// Asks upstream, has the answer's addresses installed, and returns the answer with the
+/// client's id.
+async fn forward(
+    context: &Context,
+    rules: &Rules,
+    query: &Message,
+    raw: &[u8],
+    name: DomainName,
+    transport: Transport,
+) -> Result<Vec<u8>, String> {
+    let (mut reply, parsed) = ask_upstream(&rules.upstream, query, raw, transport).await?;
+    let addrs = answer_addresses(query, &parsed);
+    if !addrs.is_empty() {
+        let (done, installed) = oneshot::channel();
+        let request = Answered {
+            name: name.clone(),
+            addrs,
+            done,
+        };
+        if context.answered.send(request).await.is_err() {
+            return Err("the daemon is stopping".into());
+        }
+        match installed.await {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(format!(
+                    "the kernel refused the addresses of {name}; the client would be refused"
+                ));
+            }
+            Err(_) => return Err("the daemon dropped the request".into()),
+        }
+    }
+    reply[..2].copy_from_slice(&query.metadata.id.to_be_bytes());
+    Ok(reply)
+}
+
+/// The first upstream answer that matches the question, raw and parsed.
+async fn ask_upstream(
+    upstream: &[SocketAddr],
+    query: &Message,
+    raw: &[u8],
+    transport: Transport,
+) -> Result<(Vec<u8>, Message), String> {
+    let mut errors = Vec::new();
+    for &server in upstream {
+        let id = random_id();
+        let mut ours = raw.to_vec();
+        ours[..2].copy_from_slice(&id.to_be_bytes());
+        let exchange = async {
+            match transport {
+                Transport::Udp => exchange_udp(server, &ours, id).await,
+                Transport::Tcp => exchange_tcp(server, &ours).await,
+            }
+        };
+        let reply = match timeout(UPSTREAM_TIMEOUT, exchange).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => {
+                errors.push(format!("{server}: {e}"));
+                continue;
+            }
+            Err(_) => {
+                errors.push(format!("{server}: no answer in {UPSTREAM_TIMEOUT:?}"));
+                continue;
+            }
+        };
+        match Message::from_vec(&reply) {
+            Ok(parsed)
+                if parsed.metadata.id == id
+                    && parsed.metadata.message_type == MessageType::Response
+                    && parsed.queries == query.queries =>
+            {
+                return Ok((reply, parsed));
+            }
+            Ok(_) => errors.push(format!("{server}: an answer to another question")),
+            Err(e) => errors.push(format!("{server}: a malformed answer ({e})")),
+        }
+    }
+    Err(format!("no upstream answered: {}", errors.join("; ")))
+}
+
+async fn exchange_udp(server: SocketAddr, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
+    let local: SocketAddr = match server {
+        SocketAddr::V4(_) => (IpAddr::from([0u8; 4]), 0).into(),
+        SocketAddr::V6(_) => (IpAddr::from([0u16; 8]), 0).into(),
+    };
+    let socket = UdpSocket::bind(local).await?;
+    // connect(): datagrams from any other address never reach us.
+    socket.connect(server).await?;
+    socket.send(query).await?;
+    let mut buf = vec![0u8; MAX_UDP];
+    loop {
+        let len = socket.recv(&mut buf).await?;
+        // A stray datagram with another id is skipped, not taken for the answer.
+        if len >= 2 && buf[..2] == id.to_be_bytes() {
+            buf.truncate(len);
+            return Ok(buf);
+        }
+    }
+}
+
+async fn exchange_tcp(server: SocketAddr, query: &[u8]) -> io::Result<Vec<u8>> {
+    let mut stream = TcpStream::connect(server).await?;
+    write_framed(&mut stream, query).await?;
+    read_framed(&mut stream).await
+}
+
+fn random_id() -> u16 {
+    // A failing getrandom (no entropy at early boot) still yields an id; the fresh random
+    // source port of each exchange keeps guessing hard.
+    getrandom::u32().map_or(0x5a5a, |r| r as u16)
+}
+
+/// The A and AAAA addresses that answer the question: records owned by the asked name or by a
+/// name the CNAME chain from it reaches. Records for unrelated names are ignored.
+pub fn answer_addresses(query: &Message, answer: &Message) -> Vec<ResolvedAddr> {
+    let Some(question) = query.queries.first() else {
+        return Vec::new();
+    };
+    let mut chain: Vec<&Name> = vec![question.name()];
+    for _ in 0..MAX_CHAIN {
+        let next = answer.answers.iter().find_map(|r| match &r.data {
+            RData::CNAME(target) if chain.iter().any(|n| **n == r.name) => {
+                (!chain.contains(&&target.0)).then_some(&target.0)
+            }
+            _ => None,
+        });
+        match next {
+            Some(target) => chain.push(target),
+            None => break,
+        }
+    }
+    let mut addrs: Vec<ResolvedAddr> = answer
+        .answers
+        .iter()
+        .filter(|r| chain.contains(&&r.name))
+        .filter_map(|r| {
+            Some(ResolvedAddr {
+                addr: r.data.ip_addr()?,
+                ttl: r.ttl,
+            })
+        })
+        .collect();
+    addrs.sort();
+    addrs.dedup_by_key(|a| a.addr);
+    addrs
+}
+
+/// A reply to `query` with `code`, the question echoed and no records.
+fn reply_to(query: &Message, code: ResponseCode) -> Message {
+    let mut reply = Message::error_msg(query.metadata.id, query.metadata.op_code, code);
+    reply.metadata.recursion_desired = query.metadata.recursion_desired;
+    reply.metadata.recursion_available = true;
+    reply.add_queries(query.queries.iter().cloned());
+    reply
+}
+
+fn encode(msg: &Message) -> Option<Vec<u8>> {
+    msg.to_vec()
+        .inspect_err(|e| warn!(error = %e, "encoding a DNS reply"))
+        .ok()
+}
+
+/// Streams refused queries, one JSON line each, to every client of the Unix socket at `path`
+/// (`watch`). A client too slow to keep up misses events rather than slowing the guard.
+pub fn serve_events(
+    path: PathBuf,
+    events: broadcast::Sender<QueryEvent>,
+) -> Result<(), GuardError> {
+    // A socket file left by an earlier daemon would make bind fail.
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).map_err(|source| GuardError::Events {
+        path: path.clone(),
+        source,
+    })?;
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            let mut rx = events.subscribe();
+            tokio::spawn(async move {
+                loop {
+                    let event = match rx.recv().await {
+                        Ok(e) => e,
+                        Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    };
+                    let Ok(mut line) = serde_json::to_vec(&event) else {
+                        continue;
+                    };
+                    line.push(b'\n');
+                    if stream.write_all(&line).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::str::FromStr;
+
+    use hickory_proto::op::Query;
+    use hickory_proto::rr::rdata::{A, AAAA, CNAME};
+    use hickory_proto::rr::{Record, RecordType};
+
+    use super::*;
+
+    fn rules() -> Rules {
+        let policy = Policy::parse(
+            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\n  - domain: api.example\n    ports: [443]\n  - cidr: 192.0.2.0/24\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n",
+            Path::new("p.yaml"),
+        )
+        .expect("valid");
+        Rules::of(&policy).expect("guard mode")
+    }
+
+    fn query(name: &str, rtype: RecordType) -> Message {
+        let mut m = Message::query();
+        m.metadata.recursion_desired = true;
+        m.add_query(Query::query(Name::from_str(name).unwrap(), rtype));
+        m
+    }
+
+    #[test]
+    fn allowed_names_are_forwarded_and_others_refused_with_their_name() {
+        let r = rules();
+        assert_eq!(
+            judge(&query("API.Example.", RecordType::A), &r),
+            Verdict::Forward("api.example".parse().unwrap())
+        );
+        assert_eq!(
+            judge(&query("x.pool.example.", RecordType::AAAA), &r),
+            Verdict::Forward("x.pool.example".parse().unwrap())
+        );
+        assert_eq!(
+            judge(&query("c2VjcmV0.attacker.example.", RecordType::TXT), &r),
+            Verdict::Refuse {
+                name: "c2vjcmv0.attacker.example".into(),
+                qtype: "TXT".into()
+            }
+        );
+        // Deeper than the one label `*` stands for, and the suffix itself.
+        for name in ["a.b.pool.example.", "pool.example."] {
+            assert!(matches!(
+                judge(&query(name, RecordType::A), &r),
+                Verdict::Refuse { .. }
+            ));
+        }
+        // A CIDR entry allows no name, reverse lookups included.
+        assert!(matches!(
+            judge(&query("1.2.0.192.in-addr.arpa.", RecordType::PTR), &r),
+            Verdict::Refuse { .. }
+        ));
+    }
+
+    #[test]
+    fn odd_messages_are_not_forwarded() {
+        let r = rules();
+        let mut two = query("api.example.", RecordType::A);
+        two.add_query(Query::query(
+            Name::from_str("api.example.").unwrap(),
+            RecordType::AAAA,
+        ));
+        assert_eq!(judge(&two, &r), Verdict::Reply(ResponseCode::FormErr));
+        let mut notify = query("api.example.", RecordType::A);
+        notify.metadata.op_code = OpCode::Notify;
+        assert_eq!(judge(&notify, &r), Verdict::Reply(ResponseCode::NotImp));
+        let mut response = query("api.example.", RecordType::A);
+        response.metadata.message_type = MessageType::Response;
+        assert_eq!(judge(&response, &r), Verdict::Ignore);
+        let mut chaos = query("api.example.", RecordType::TXT);
+        chaos.queries[0].set_query_class(DNSClass::CH);
+        assert!(matches!(judge(&chaos, &r), Verdict::Refuse { .. }));
+        // A label with an escaped dot is no name a policy can hold.
+        let escaped = Name::from_labels(vec![&b"a.b"[..], b"pool", b"example"]).unwrap();
+        assert_eq!(policy_name(&escaped), None);
+    }
+
+    fn record(name: &str, ttl: u32, data: RData) -> Record {
+        Record::from_rdata(Name::from_str(name).unwrap(), ttl, data)
+    }
+
+    #[test]
+    fn addresses_follow_the_cname_chain_and_ignore_strangers() {
+        let q = query("www.pool.example.", RecordType::A);
+        let mut a = q.clone();
+        a.metadata.message_type = MessageType::Response;
+        let name = |s: &str| Name::from_str(s).unwrap();
+        a.add_answer(record(
+            "www.pool.example.",
+            300,
+            RData::CNAME(CNAME(name("edge.cdn.example."))),
+        ));
+        a.add_answer(record(
+            "edge.cdn.example.",
+            60,
+            RData::CNAME(CNAME(name("e1.cdn.example."))),
+        ));
+        a.add_answer(record(
+            "e1.cdn.example.",
+            20,
+            RData::A(A::new(192, 0, 2, 7)),
+        ));
+        a.add_answer(record(
+            "E1.CDN.example.",
+            20,
+            RData::AAAA(AAAA::from_str("2001:db8::7").unwrap()),
+        ));
+        // Not on the chain: an injected record for a name the client never asked.
+        a.add_answer(record(
+            "evil.example.",
+            20,
+            RData::A(A::new(203, 0, 113, 66)),
+        ));
+        let got = answer_addresses(&q, &a);
+        let want: Vec<ResolvedAddr> = [("192.0.2.7", 20), ("2001:db8::7", 20)]
+            .iter()
+            .map(|(ip, ttl)| ResolvedAddr {
+                addr: ip.parse().unwrap(),
+                ttl: *ttl,
+            })
+            .collect();
+        assert_eq!(got, want);
+
+        // A CNAME loop ends.
+        let mut looped = q.clone();
+        looped.add_answer(record(
+            "www.pool.example.",
+            5,
+            RData::CNAME(CNAME(name("x.example."))),
+        ));
+        looped.add_answer(record(
+            "x.example.",
+            5,
+            RData::CNAME(CNAME(name("www.pool.example."))),
+        ));
+        assert!(answer_addresses(&q, &looped).is_empty());
+    }
+
+    #[test]
+    fn refusals_echo_the_question_and_the_flags() {
+        let q = query("secret.attacker.example.", RecordType::A);
+        let bytes = encode(&reply_to(&q, ResponseCode::Refused)).expect("encodes");
+        let back = Message::from_vec(&bytes).expect("parses");
+        assert_eq!(back.metadata.id, q.metadata.id);
+        assert_eq!(back.metadata.message_type, MessageType::Response);
+        assert_eq!(back.metadata.response_code, ResponseCode::Refused);
+        assert!(back.metadata.recursion_desired && back.metadata.recursion_available);
+        assert_eq!(back.queries, q.queries);
+        assert!(back.answers.is_empty());
+    }
+}
