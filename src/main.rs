@@ -231,6 +231,13 @@ enum Command {
     /// SIGHUP reloads the policy (an invalid one is refused and the running one stays);
     /// SIGTERM and SIGINT stop and leave the boundary in place. Speaks systemd's notify
     /// protocol (READY once the table is live, STATUS, WATCHDOG).
+    ///
+    /// With `dns.mode: guard` it is the host's resolver instead (point resolv.conf at
+    /// `dns.listen`): a query for an allowed name (wildcards too) is forwarded to
+    /// `dns.upstream`, and the answer is released only once its addresses are in the table;
+    /// any other name is answered REFUSED (or NXDOMAIN) and never leaves the host. Only this
+    /// process's uid may reach the upstream resolvers, so run the agent under another user.
+    /// Changing `dns.mode` or `dns.listen` takes a restart, not a reload.
     Run {
         policy: PathBuf,
         #[command(flatten)]
@@ -455,12 +462,34 @@ fn confirm_command(target: &Target, state: &StateArgs) -> String {
     cmd
 }
 
+fn join_display<T: std::fmt::Display>(items: &[T]) -> String {
+    items
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn run(command: Command) -> Result<u8, Failure> {
     match command {
         Command::Check { policy: path } => {
             let policy = load(&path)?;
+            let wildcards = policy
+                .allow
+                .iter()
+                .filter(|a| matches!(a.target, egress_fence::policy::Target::Wildcard(_)))
+                .count();
+            let mode = match &policy.dns.guard {
+                Some(g) => format!(
+                    "; DNS guard on {} forwarding to {}",
+                    join_display(&g.listen),
+                    join_display(&g.upstream)
+                ),
+                None => String::new(),
+            };
             println!(
-                "{}: valid ({} allow entries, {} names, {} deny entries)",
+                "{}: valid ({} allow entries, {} names, {wildcards} wildcards, {} deny \
+                 entries{mode})",
                 path.display(),
                 policy.allow.len(),
                 policy.domains().len(),
@@ -484,6 +513,14 @@ fn run(command: Command) -> Result<u8, Failure> {
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
                 println!("# egress-fence plan for {}", path.display());
+                if let (Some(g), Some(uid)) = (&policy.dns.guard, resolution.guard_uid) {
+                    println!(
+                        "# DNS guard mode: names are allowed as `egress-fence run` answers them \
+                         on {}; only uid {uid} (the uid `run` keeps) may ask {}",
+                        join_display(&g.listen),
+                        join_display(&g.upstream)
+                    );
+                }
                 for host in &resolution.hosts {
                     println!("# {}", describe_host(host));
                 }
