@@ -277,6 +277,12 @@ enum Command {
     /// IPv4 and IPv6); a random name under `probe.exfil_domain` does not resolve. One line
     /// per check (PASS, FAIL, WARN, SKIP), then a summary; exits 0 only if nothing failed,
     /// so CI can gate on it: `egress-fence probe policy.yaml --netns sandbox || exit 1`.
+    ///
+    /// In `dns.mode: guard`: names are asked of the guard, which must refuse a random name
+    /// outside the policy without forwarding it, and DNS straight to the upstream resolvers
+    /// (UDP/TCP 53, TCP 853) must be refused. Only the guard's uid may reach them, so run the
+    /// probe as the agent's user (as that uid it cannot tell, and warns), e.g. `ip netns exec
+    /// sandbox setpriv --reuid=agent --regid=agent --clear-groups egress-fence probe ...`.
     #[command(after_help = EXIT_CODES)]
     Probe {
         policy: PathBuf,

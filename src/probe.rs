@@ -7,7 +7,27 @@
 //!   refused, over TCP and UDP, on every address they have.
 //! - DNS to `probe.rogue_resolvers` is refused, over UDP and TCP.
 //! - A random name under `probe.exfil_domain` does not resolve through the allowed resolvers
-//!   (if it does, DNS can carry data out: a warning until DNS filtering exists).
+//!   (if it does, DNS can carry data out: a warning in resolve mode, which cannot filter
+//!   names).
+//!
+//! In `dns.mode: guard` the guard is the resolver, and the checks follow it:
+//!
+//! - resolv.conf names the guard, and the guard answers on each `listen` address over UDP and
+//!   TCP; allowed names are resolved by asking the guard itself (a small client here, so that
+//!   REFUSED and NXDOMAIN stay apart), and their addresses then connect, since the guard added
+//!   them to the table before it answered;
+//! - DNS straight to each upstream resolver (UDP and TCP 53, TCP 853) is refused. The table
+//!   lets one uid through (`meta skuid U`, the guard's): a probe running as that uid cannot
+//!   tell, and says so (WARN) instead of trying; run it as the agent's user. The uid comes from
+//!   the installed table, or, when this probe may not read it (an unprivileged user), from the
+//!   owner of the guard's listening socket;
+//! - a random name under `probe.exfil_domain` (else under `egress-fence-probe.invalid`) is asked
+//!   of the guard: answered REFUSED or NXDOMAIN and covered by no allow entry, it was refused
+//!   without being forwarded (PASS); any address in the answer, or an allow entry (a wildcard)
+//!   that covers the name, means the guard forwards such names, so DNS questions can carry data
+//!   to whoever serves that zone (FAIL);
+//! - the `dns-over-https` preset (implied by guard mode) is checked in the installed table's
+//!   deny sets, never with traffic: its addresses are public resolvers.
 //!
 //! Everything runs in the caller's network namespace: the CLI enters `--netns` first, and the
 //! probe's threads inherit the namespace of the thread that calls [`run`].
@@ -35,21 +55,36 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use hickory_proto::op::Message;
+use ipnet::IpNet;
 use serde::Serialize;
 
+use crate::nft::{LiveTable, Nft};
 use crate::policy::{
-    Allow, DenyOrigin, DomainName, L4Proto, Policy, PortRange, Preset, ProbeHost, Target,
+    Allow, DenyOrigin, DomainName, Guard, L4Proto, Policy, PortRange, Preset, ProbeHost, Target,
 };
-use crate::resolve::{ResolveError, ResolvedHost, resolve_names, system_resolvers};
+use crate::resolve::{ResolveError, ResolvedAddr, ResolvedHost, resolve_names, system_resolvers};
+use crate::ruleset::{Elements, Family, OUTPUT_CHAIN, SetId, SetRole, TABLE};
 
 /// What [`run`] needs besides the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeOptions {
-    /// The allowed resolvers: names are resolved through them, and DNS to them must work.
+    /// Resolve mode: the allowed resolvers; names are resolved through them, and DNS to them
+    /// must work. Guard mode: the guard's upstream resolvers, which only the guard may reach.
     pub resolvers: Vec<IpAddr>,
     /// How long one connection attempt may take. A UDP attempt waits for a reply at most
     /// this long, and never more than [`MAX_UDP_WAIT`]: silence is an answer for UDP.
     pub timeout: Duration,
+    /// The effective uid of this probe, which its sockets carry (what `meta skuid` matches).
+    pub uid: u32,
+    /// What the installed table says, for the checks no traffic may settle (guard mode, the
+    /// `dns-over-https` preset).
+    pub table: TableView,
+    /// Guard mode: the nameservers of resolv.conf, which should be the guard.
+    pub system: Option<SystemResolvers>,
+    /// Guard mode: the uid owning the guard's listening socket and its address, read from
+    /// /proc: the guard's uid when the table cannot be read.
+    pub guard_socket: Option<(u32, SocketAddr)>,
 }
 
 impl ProbeOptions {
@@ -59,8 +94,36 @@ impl ProbeOptions {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
     /// The policy's `dns.resolvers`, else the nameservers of `resolv_conf` (the resolvers
-    /// `apply` allows), with the default timeout.
+    /// `apply` allows), with the default timeout. In guard mode: the upstream resolvers, what
+    /// resolv.conf names, the installed table (read from the current network namespace) and
+    /// the owner of the guard's socket.
     pub fn for_policy(policy: &Policy, resolv_conf: &Path) -> Result<ProbeOptions, ProbeError> {
+        let doh_preset = policy
+            .deny
+            .iter()
+            .any(|d| d.origin == DenyOrigin::Preset(Preset::DnsOverHttps));
+        let table = if policy.dns.guard.is_some() || doh_preset {
+            TableView::read()
+        } else {
+            TableView::NotRead
+        };
+        let uid = nix::unistd::geteuid().as_raw();
+        if let Some(guard) = &policy.dns.guard {
+            return Ok(ProbeOptions {
+                resolvers: guard.upstream.clone(),
+                timeout: Self::DEFAULT_TIMEOUT,
+                uid,
+                table,
+                system: Some(SystemResolvers {
+                    path: resolv_conf.display().to_string(),
+                    nameservers: system_resolvers(resolv_conf).map_err(|e| e.to_string()),
+                }),
+                guard_socket: guard
+                    .listen
+                    .iter()
+                    .find_map(|&l| socket_owner(l).map(|uid| (uid, l))),
+            });
+        }
         let resolvers = match &policy.dns.resolvers {
             Some(r) => r.clone(),
             None => system_resolvers(resolv_conf)?,
@@ -68,8 +131,139 @@ impl ProbeOptions {
         Ok(ProbeOptions {
             resolvers,
             timeout: Self::DEFAULT_TIMEOUT,
+            uid,
+            table,
+            system: None,
+            guard_socket: None,
         })
     }
+}
+
+/// resolv.conf as the probe found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SystemResolvers {
+    pub path: String,
+    /// Its nameservers, or why they could not be read.
+    pub nameservers: Result<Vec<IpAddr>, String>,
+}
+
+/// The installed table, as far as the probe needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TableView {
+    /// Not read: nothing in the policy needs it.
+    NotRead,
+    /// Table inet egress_fence is not installed.
+    NotInstalled,
+    /// Reading it failed, e.g. without CAP_NET_ADMIN (a probe run as an unprivileged user).
+    Unreadable(String),
+    Read(TableFacts),
+}
+
+/// What the installed table says about DNS and denied networks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TableFacts {
+    /// The uids of the rules `meta skuid U ... @dns4/@dns6 accept`: in guard mode only their
+    /// sockets may reach the resolvers.
+    pub dns_uids: Vec<u32>,
+    /// A rule accepts DNS to the resolvers from every uid (a resolve-mode table).
+    pub dns_for_everyone: bool,
+    /// The networks of the deny sets.
+    pub denied: Vec<IpNet>,
+}
+
+impl TableView {
+    /// Reads table inet egress_fence of the current network namespace.
+    pub fn read() -> TableView {
+        match Nft::open().and_then(|mut nft| nft.read_table()) {
+            Ok(None) => TableView::NotInstalled,
+            Ok(Some(table)) => TableView::Read(TableFacts::of(&table)),
+            Err(e) if e.is_permission() => TableView::Unreadable(
+                "reading nftables needs CAP_NET_ADMIN, which this user lacks".into(),
+            ),
+            Err(e) => TableView::Unreadable(e.to_string()),
+        }
+    }
+}
+
+impl TableFacts {
+    pub fn of(table: &LiveTable) -> TableFacts {
+        let mut facts = TableFacts::default();
+        let dns_sets = Family::BOTH.map(|f| SetId::new(SetRole::Dns, f).name());
+        for rule in table.rules.iter().filter(|r| r.chain == OUTPUT_CHAIN) {
+            let dns_lookup = rule.exprs.iter().any(|e| {
+                e.starts_with("lookup ")
+                    && e.split_whitespace()
+                        .any(|w| dns_sets.iter().any(|s| s == w))
+            });
+            if !dns_lookup {
+                continue;
+            }
+            match skuid(&rule.exprs) {
+                Some(uid) if !facts.dns_uids.contains(&uid) => facts.dns_uids.push(uid),
+                Some(_) => {}
+                None => facts.dns_for_everyone = true,
+            }
+        }
+        for family in Family::BOTH {
+            if let Some(Elements::Networks(nets)) =
+                table.contents(SetId::new(SetRole::Deny, family))
+            {
+                facts.denied.extend(nets);
+            }
+        }
+        facts
+    }
+}
+
+/// The uid a rule's `meta skuid U` compares with: libnftnl prints it as `meta load skuid =>
+/// reg N` followed by `cmp eq reg N 0x...` (the uid in host byte order).
+fn skuid(exprs: &[String]) -> Option<u32> {
+    exprs.windows(2).find_map(|pair| {
+        let reg = pair[0].strip_prefix("meta load skuid => reg ")?;
+        let hex = pair[1]
+            .strip_prefix(&format!("cmp eq reg {reg} 0x"))?
+            .trim();
+        u32::from_str_radix(hex, 16).ok()
+    })
+}
+
+/// The uid owning a socket bound to `addr` (or to the unspecified address on its port) in
+/// the calling thread's network namespace, from /proc/thread-self/net (readable by anyone).
+fn socket_owner(addr: SocketAddr) -> Option<u32> {
+    let files: &[&str] = match addr {
+        SocketAddr::V4(_) => &["udp", "tcp"],
+        SocketAddr::V6(_) => &["udp6", "tcp6"],
+    };
+    files.iter().find_map(|f| {
+        let text = std::fs::read_to_string(format!("/proc/thread-self/net/{f}")).ok()?;
+        text.lines().skip(1).find_map(|line| {
+            let (local, uid) = proc_net_socket(line)?;
+            let matches = local.port() == addr.port()
+                && (local.ip() == addr.ip() || local.ip().is_unspecified());
+            matches.then_some(uid)
+        })
+    })
+}
+
+/// The local address and owner uid of one line of /proc/net/{udp,tcp}{,6}: `sl local_address
+/// rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid ...`, addresses as hex words in
+/// host byte order.
+fn proc_net_socket(line: &str) -> Option<(SocketAddr, u32)> {
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    let (addr, port) = fields.get(1)?.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let uid = fields.get(7)?.parse().ok()?;
+    let mut bytes = Vec::with_capacity(16);
+    for i in (0..addr.len()).step_by(8) {
+        let word = u32::from_str_radix(addr.get(i..i + 8)?, 16).ok()?;
+        bytes.extend_from_slice(&word.to_ne_bytes());
+    }
+    let ip = match bytes.len() {
+        4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+        _ => return None,
+    };
+    Some((SocketAddr::new(ip, port), uid))
 }
 
 /// The longest a UDP attempt waits for a reply. UDP gives no confirmation, so silence is a
@@ -87,7 +281,15 @@ const MAX_WORKERS: usize = 64;
 /// every public resolver.
 const DNS_TEST_NAME: &str = "example.com";
 
+/// In guard mode without `probe.exfil_domain`, the random exfiltration name goes under this
+/// zone: `.invalid` can never exist (RFC 6761), so no answer can be a real one.
+pub const DEFAULT_EXFIL_ZONE: &str = "egress-fence-probe.invalid";
+
 const DNS_PORT: u16 = 53;
+/// DNS over TLS, which only the guard may use towards its upstream resolvers.
+const DOT_PORT: u16 = 853;
+const QTYPE_A: u16 = 1;
+const QTYPE_AAAA: u16 = 28;
 
 /// The payload of a UDP attempt, so a listener's owner can tell what it saw.
 const UDP_PAYLOAD: &[u8] = b"egress-fence probe\n";
@@ -215,7 +417,22 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
     if options.timeout.is_zero() {
         return Err(ProbeError::ZeroTimeout);
     }
-    let exfil_name = policy.probe.exfil_domain.as_ref().map(random_name_under);
+    let ctx = Ctx {
+        timeout: options.timeout,
+        udp_wait: options.timeout.min(MAX_UDP_WAIT),
+    };
+    let guard = policy.dns.guard.as_ref();
+    // The guard refuses every name outside the policy, so it can always be checked: under a
+    // zone that cannot exist when the policy names none.
+    let exfil_name = match (&policy.probe.exfil_domain, guard) {
+        (Some(domain), _) => Some(random_name_under(domain)),
+        (None, Some(_)) => Some(
+            DEFAULT_EXFIL_ZONE
+                .parse::<DomainName>()
+                .and_then(|zone| random_name_under(&zone)),
+        ),
+        (None, None) => None,
+    };
 
     // Every name at once: allowed, blocked and the exfiltration test name.
     let mut names: Vec<&DomainName> = policy.domains().into_iter().collect();
@@ -228,20 +445,36 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
     }
     names.sort();
     names.dedup();
-    let hosts = resolve_names(names, &options.resolvers)?;
-
-    let mut plan = Plan::new(policy, options, &hosts);
-    plan.resolvers();
-    plan.allowed();
-    plan.denied();
-    plan.blocked();
-    plan.rogue_resolvers();
-    plan.exfiltration(exfil_name);
-
-    let ctx = Ctx {
-        timeout: options.timeout,
-        udp_wait: options.timeout.min(MAX_UDP_WAIT),
+    let (hosts, lookups) = match guard {
+        None => (resolve_names(names, &options.resolvers)?, Vec::new()),
+        Some(g) => {
+            let lookups = guard_lookups(&names, &g.listen, &ctx)?;
+            (lookups.iter().map(GuardLookup::host).collect(), lookups)
+        }
     };
+
+    let mut plan = Plan::new(policy, options, &hosts, &lookups);
+    match guard {
+        None => {
+            plan.resolvers();
+            plan.allowed();
+            plan.denied();
+            plan.blocked();
+            plan.rogue_resolvers();
+            plan.exfiltration(exfil_name);
+        }
+        Some(g) => {
+            plan.system_resolver(g);
+            plan.guard_servers(g);
+            plan.upstream();
+            plan.allowed();
+            plan.denied();
+            plan.blocked();
+            plan.rogue_resolvers();
+            plan.guarded_exfiltration(exfil_name);
+        }
+    }
+
     let attempts: Vec<&Attempt> = plan
         .steps
         .iter()
@@ -295,6 +528,8 @@ struct Attempt {
     note: Option<String>,
     /// Added only when the check fails: the allow entry that opens the hole, if one does.
     on_fail: Option<String>,
+    /// The name a DNS attempt asks ([`DNS_TEST_NAME`] when `None`).
+    dns_name: Option<String>,
 }
 
 enum Step {
@@ -308,16 +543,24 @@ struct Plan<'a> {
     policy: &'a Policy,
     options: &'a ProbeOptions,
     hosts: &'a [ResolvedHost],
+    /// Guard mode: how the guard answered each name (`hosts` holds the same, as addresses).
+    lookups: &'a [GuardLookup],
     steps: Vec<Step>,
     seen: HashSet<String>,
 }
 
 impl<'a> Plan<'a> {
-    fn new(policy: &'a Policy, options: &'a ProbeOptions, hosts: &'a [ResolvedHost]) -> Self {
+    fn new(
+        policy: &'a Policy,
+        options: &'a ProbeOptions,
+        hosts: &'a [ResolvedHost],
+        lookups: &'a [GuardLookup],
+    ) -> Self {
         Plan {
             policy,
             options,
             hosts,
+            lookups,
             steps: Vec::new(),
             seen: HashSet::new(),
         }
@@ -339,8 +582,175 @@ impl<'a> Plan<'a> {
         self.hosts.iter().find(|h| &h.name == name)
     }
 
+    /// Where names were resolved: "192.0.2.53", or "the guard 127.0.0.53:53".
     fn resolver_list(&self) -> String {
-        join(&self.options.resolvers)
+        match &self.policy.dns.guard {
+            Some(g) => format!("the guard {}", join_sockets(&g.listen)),
+            None => join(&self.options.resolvers),
+        }
+    }
+
+    fn lookup(&self, name: &DomainName) -> Option<&'a GuardLookup> {
+        self.lookups.iter().find(|l| &l.name == name)
+    }
+
+    /// The allow entry whose name or wildcard covers `name`, as the policy writes it.
+    fn covering_entry(&self, name: &DomainName) -> Option<String> {
+        self.policy.allow.iter().find_map(|a| match &a.target {
+            Target::Domain(d) if d == name => Some(format!("domain {d}")),
+            Target::Wildcard(w) if w.matches(name) => Some(format!("domain {w}")),
+            _ => None,
+        })
+    }
+
+    /// Guard mode: resolv.conf should name the guard, or programs here resolve nothing.
+    fn system_resolver(&mut self, guard: &Guard) {
+        let Some(system) = &self.options.system else {
+            return;
+        };
+        let label = "system resolver";
+        let guard_ips: Vec<IpAddr> = guard
+            .listen
+            .iter()
+            .filter(|l| l.port() == DNS_PORT)
+            .map(SocketAddr::ip)
+            .collect();
+        let serves = |ns: &IpAddr| {
+            guard_ips
+                .iter()
+                .any(|g| g == ns || (g.is_unspecified() && g.is_ipv4() == ns.is_ipv4()))
+        };
+        let check = match &system.nameservers {
+            Err(e) => Check::new(
+                Outcome::Warn,
+                label,
+                format!("cannot tell whether programs here ask the guard: {e}"),
+            ),
+            Ok(ns) => {
+                let others: Vec<IpAddr> = ns.iter().filter(|n| !serves(n)).copied().collect();
+                if others.is_empty() {
+                    Check::new(
+                        Outcome::Pass,
+                        label,
+                        format!("{} names only the guard ({})", system.path, join(ns)),
+                    )
+                } else {
+                    let fix = if guard_ips.is_empty() {
+                        format!(
+                            "the guard listens on {} only, and resolv.conf can name port 53 \
+                             only",
+                            join_sockets(&guard.listen)
+                        )
+                    } else {
+                        format!("list only {} there", join(&guard_ips))
+                    };
+                    Check::new(
+                        Outcome::Warn,
+                        label,
+                        format!(
+                            "{} names {}, which is not the guard: programs here that ask it get \
+                             no answer (only the guard may reach resolvers); {fix}",
+                            system.path,
+                            join(&others)
+                        ),
+                    )
+                }
+            }
+        };
+        self.done(check);
+    }
+
+    /// Guard mode: the guard answers on each listen address, over UDP and TCP. It is asked an
+    /// allowed name when the policy has one (else [`DNS_TEST_NAME`], which it refuses: any
+    /// answer shows that it serves).
+    fn guard_servers(&mut self, guard: &Guard) {
+        let name = self
+            .policy
+            .domains()
+            .into_iter()
+            .next()
+            .map(|n| n.to_string());
+        for &target in &guard.listen {
+            for proto in [L4Proto::Udp, L4Proto::Tcp] {
+                self.attempt(Attempt {
+                    check: format!("guard {} {target}", proto.name()),
+                    kind: Kind::Dns(proto),
+                    target,
+                    expect: Expect::Answer,
+                    note: None,
+                    on_fail: Some(
+                        "the guard does not serve there: is `egress-fence run` running with \
+                         this policy?"
+                            .into(),
+                    ),
+                    dns_name: name.clone(),
+                });
+            }
+        }
+    }
+
+    /// Who the table lets reach the upstream resolvers.
+    fn upstream_access(&self) -> UpstreamAccess {
+        let from_socket = |why: String| match self.options.guard_socket {
+            Some((uid, addr)) => UpstreamAccess::Uids {
+                uids: vec![uid],
+                source: format!("the owner of the guard's socket on {addr}, since the table {why}"),
+            },
+            None => UpstreamAccess::Unknown(why),
+        };
+        match &self.options.table {
+            TableView::Read(facts) if facts.dns_for_everyone => UpstreamAccess::Everyone,
+            TableView::Read(facts) => UpstreamAccess::Uids {
+                uids: facts.dns_uids.clone(),
+                source: "the installed table's `meta skuid` rule".into(),
+            },
+            TableView::NotInstalled => UpstreamAccess::NoTable,
+            TableView::Unreadable(e) => from_socket(format!("cannot be read here: {e}")),
+            TableView::NotRead => from_socket("was not read".into()),
+        }
+    }
+
+    /// Guard mode: DNS (UDP and TCP 53) and DNS over TLS (TCP 853) straight to each upstream
+    /// resolver are refused for this probe's uid, unless it is the guard's uid.
+    fn upstream(&mut self) {
+        let access = self.upstream_access();
+        let uid = self.options.uid;
+        let servers = self.options.resolvers.clone();
+        for server in servers {
+            for (kind, proto, port) in [
+                (Kind::Dns(L4Proto::Udp), L4Proto::Udp, DNS_PORT),
+                (Kind::Dns(L4Proto::Tcp), L4Proto::Tcp, DNS_PORT),
+                (Kind::Tcp, L4Proto::Tcp, DOT_PORT),
+            ] {
+                let target = SocketAddr::new(server, port);
+                let check = format!("upstream {} {target}", proto.name());
+                if let UpstreamAccess::Uids { uids, source } = &access
+                    && uids.contains(&uid)
+                {
+                    self.done(Check::new(
+                        Outcome::Warn,
+                        check,
+                        format!(
+                            "not probed: this probe runs as uid {uid}, the guard's uid, the only \
+                             one that may reach the upstream resolvers (learned from {source}), \
+                             so it cannot tell whether anyone else is refused; run the probe as \
+                             the agent's user (e.g. `setpriv --reuid=USER --regid=GROUP \
+                             --clear-groups egress-fence probe ...`)"
+                        ),
+                    ));
+                    continue;
+                }
+                self.attempt(Attempt {
+                    check,
+                    kind,
+                    target,
+                    expect: Expect::Refuse,
+                    note: None,
+                    on_fail: Some(access.why_through(uid)),
+                    dns_name: None,
+                });
+            }
+        }
     }
 
     /// DNS to each allowed resolver works over UDP and TCP (TCP carries large answers).
@@ -355,6 +765,7 @@ impl<'a> Plan<'a> {
                     expect: Expect::Answer,
                     note: None,
                     on_fail: None,
+                    dns_name: None,
                 });
             }
         }
@@ -443,6 +854,7 @@ impl<'a> Plan<'a> {
                         },
                         note: denied.clone(),
                         on_fail: None,
+                        dns_name: None,
                     });
                 }
             }
@@ -460,6 +872,7 @@ impl<'a> Plan<'a> {
                 expect: Expect::Refuse,
                 note: None,
                 on_fail: self.allowed_by(target, proto),
+                dns_name: None,
             });
         }
     }
@@ -487,6 +900,15 @@ impl<'a> Plan<'a> {
                 {
                     format!("domain {name}")
                 }
+                // The guard allows the addresses it answers for any name the wildcard covers.
+                Target::Wildcard(w)
+                    if self
+                        .hosts
+                        .iter()
+                        .any(|h| w.matches(&h.name) && h.addrs.iter().any(|a| a.addr == addr)) =>
+                {
+                    format!("domain {w}")
+                }
                 _ => return None,
             };
             port_ok.then(|| format!("the policy allows it: allow entry {entry}"))
@@ -502,6 +924,7 @@ impl<'a> Plan<'a> {
                         self.refused_pair("denied", Some("cloud-metadata"), target);
                     }
                 }
+                DenyOrigin::Preset(Preset::DnsOverHttps) => self.doh_preset(),
                 DenyOrigin::Preset(preset) => self.done(Check::new(
                     Outcome::Skip,
                     format!("denied preset {}", preset.name()),
@@ -517,6 +940,71 @@ impl<'a> Plan<'a> {
         }
     }
 
+    /// The public DNS-over-HTTPS resolvers are never contacted: the installed table's deny
+    /// sets must hold every network of the preset.
+    fn doh_preset(&mut self) {
+        let preset = Preset::DnsOverHttps;
+        let label = format!("denied preset {}", preset.name());
+        let not_probed = "not probed: its addresses are public resolvers, which the probe never \
+                          contacts";
+        let check = match &self.options.table {
+            TableView::Read(facts) => {
+                let networks = preset.networks();
+                let missing: Vec<&IpNet> = networks
+                    .iter()
+                    .filter(|n| !facts.denied.iter().any(|d| d.contains(*n)))
+                    .collect();
+                if missing.is_empty() {
+                    Check::new(
+                        Outcome::Pass,
+                        label,
+                        format!(
+                            "the installed table denies all {} of its networks ({not_probed})",
+                            networks.len()
+                        ),
+                    )
+                } else {
+                    Check::new(
+                        Outcome::Fail,
+                        label,
+                        format!(
+                            "the installed table does not deny {} of its {} networks ({}{}): \
+                             DNS over HTTPS to them gets around the guard",
+                            missing.len(),
+                            networks.len(),
+                            missing
+                                .iter()
+                                .take(4)
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            if missing.len() > 4 { ", ..." } else { "" }
+                        ),
+                    )
+                }
+            }
+            TableView::NotInstalled => Check::new(
+                Outcome::Fail,
+                label,
+                format!("table inet {TABLE} is not installed, so nothing denies it"),
+            ),
+            TableView::Unreadable(e) => Check::new(
+                Outcome::Skip,
+                label,
+                format!(
+                    "{not_probed}, and the table that denies them cannot be read here ({e}); run \
+                     the probe as root once to check the table"
+                ),
+            ),
+            TableView::NotRead => Check::new(
+                Outcome::Skip,
+                label,
+                format!("{not_probed}; the table was not read"),
+            ),
+        };
+        self.done(check);
+    }
+
     fn blocked(&mut self) {
         let policy = self.policy;
         for blocked in &policy.probe.blocked {
@@ -528,6 +1016,20 @@ impl<'a> Plan<'a> {
                     let Some(host) = self.host(name) else {
                         continue;
                     };
+                    let refused = self.lookup(name).and_then(GuardLookup::refusal);
+                    if let Some(rcode) = refused.filter(|_| self.covering_entry(name).is_none()) {
+                        let reason = format!(
+                            "{} refused it ({rcode}): nothing here can look it up; list its \
+                             addresses as HOST:PORT to check them too",
+                            self.resolver_list()
+                        );
+                        self.done(Check::new(
+                            Outcome::Pass,
+                            format!("blocked name {name}"),
+                            reason,
+                        ));
+                        continue;
+                    }
                     if host.addrs.is_empty() {
                         let reason = format!(
                             "did not resolve through {} ({}): nothing to probe; list its \
@@ -555,10 +1057,14 @@ impl<'a> Plan<'a> {
         let policy = self.policy;
         for &server in &policy.probe.rogue_resolvers {
             if self.options.resolvers.contains(&server) {
+                let which = match policy.dns.guard {
+                    Some(_) => "the guard's upstream resolvers (checked above)",
+                    None => "the allowed resolvers",
+                };
                 self.done(Check::new(
                     Outcome::Warn,
                     format!("rogue resolver {server}"),
-                    "not probed: it is one of the allowed resolvers",
+                    format!("not probed: it is one of {which}"),
                 ));
                 continue;
             }
@@ -571,6 +1077,7 @@ impl<'a> Plan<'a> {
                     expect: Expect::Refuse,
                     note: None,
                     on_fail: None,
+                    dns_name: None,
                 });
             }
         }
@@ -597,7 +1104,8 @@ impl<'a> Plan<'a> {
                             format!(
                                 "a random name resolved to {} through {}: the allowed \
                                  resolvers answer arbitrary names, so DNS queries can carry \
-                                 data out (a warning until DNS filtering exists)",
+                                 data out (a warning in resolve mode; `dns.mode: guard` \
+                                 closes it)",
                                 join(&addrs),
                                 self.resolver_list()
                             ),
@@ -622,6 +1130,113 @@ impl<'a> Plan<'a> {
         };
         self.done(check);
     }
+
+    /// Guard mode: a random name outside the policy must be refused by the guard itself,
+    /// never forwarded. An answer with addresses, or an allow entry covering the name (the
+    /// guard forwards what the policy allows, so the zone's servers hear every question under
+    /// it), is an open channel.
+    fn guarded_exfiltration(&mut self, name: Option<Result<DomainName, String>>) {
+        let check = match name {
+            None => return,
+            Some(Err(e)) => Check::new(Outcome::Warn, "dns exfiltration", e),
+            Some(Ok(name)) => {
+                let label = format!("dns exfiltration {name}");
+                let via = self.resolver_list();
+                let covered = self.covering_entry(&name);
+                let default_zone = match &self.policy.probe.exfil_domain {
+                    Some(_) => String::new(),
+                    None => format!(
+                        " (no probe.exfil_domain: a name under the reserved {DEFAULT_EXFIL_ZONE})"
+                    ),
+                };
+                match (self.lookup(&name), self.host(&name)) {
+                    (Some(_), Some(host)) if !host.addrs.is_empty() => {
+                        let addrs: Vec<IpAddr> = host.addrs.iter().map(|a| a.addr).collect();
+                        let why = match &covered {
+                            Some(entry) => format!("the allow entry {entry} covers it"),
+                            None => "no allow entry covers it".into(),
+                        };
+                        Check::new(
+                            Outcome::Fail,
+                            label,
+                            format!(
+                                "a random name resolved to {} through {via} ({why}): the guard \
+                                 forwarded it, so DNS queries can carry data out",
+                                join(&addrs)
+                            ),
+                        )
+                    }
+                    (Some(lookup), _) if covered.is_some() => Check::new(
+                        Outcome::Fail,
+                        label,
+                        format!(
+                            "the allow entry {} covers it, so {via} forwards it upstream ({}): \
+                             every question under it carries data to that zone's name servers",
+                            covered.unwrap_or_default(),
+                            lookup.outcome()
+                        ),
+                    ),
+                    (Some(lookup), _) => match lookup.refusal() {
+                        Some(rcode) => Check::new(
+                            Outcome::Pass,
+                            label,
+                            format!(
+                                "DNS exfiltration closed: the guard refused {name} without \
+                                 forwarding it ({rcode}){default_zone}"
+                            ),
+                        ),
+                        None => Check::new(
+                            Outcome::Warn,
+                            label,
+                            format!("inconclusive: {}", lookup.outcome()),
+                        ),
+                    },
+                    (None, _) => Check::new(Outcome::Warn, label, "the name was not looked up"),
+                }
+            }
+        };
+        self.done(check);
+    }
+}
+
+/// Who the installed table lets reach the upstream resolvers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum UpstreamAccess {
+    /// Only sockets of these uids (`meta skuid`); `source` says where that was learned.
+    Uids { uids: Vec<u32>, source: String },
+    /// Every uid: the table is a resolve-mode one.
+    Everyone,
+    /// No table: nothing is refused.
+    NoTable,
+    /// Not known, and why.
+    Unknown(String),
+}
+
+impl UpstreamAccess {
+    /// Said when an attempt of `uid` got through.
+    fn why_through(&self, uid: u32) -> String {
+        match self {
+            UpstreamAccess::Uids { uids, source } if uids.is_empty() => {
+                format!("no uid may reach it (learned from {source}), yet uid {uid} did")
+            }
+            UpstreamAccess::Uids { uids, source } => format!(
+                "only uid {} may reach it (learned from {source}), yet this probe (uid {uid}) \
+                 got through: another rule lets it",
+                uids.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            UpstreamAccess::Everyone => "the installed table lets every uid reach the \
+                 resolvers: it is not the guard's table (applied in resolve mode?); \
+                 `egress-fence run` in guard mode installs it"
+                .into(),
+            UpstreamAccess::NoTable => format!("table inet {TABLE} is not installed"),
+            UpstreamAccess::Unknown(why) => format!(
+                "this probe's uid {uid} could not be compared with the guard's: the table {why}"
+            ),
+        }
+    }
 }
 
 /// Single ports strictly; a range at both ends (port 0 cannot be connected to).
@@ -635,6 +1250,14 @@ fn ports_to_probe(range: PortRange) -> Vec<(u16, bool)> {
         ports.push((range.last, false));
     }
     ports
+}
+
+fn join_sockets(addrs: &[SocketAddr]) -> String {
+    addrs
+        .iter()
+        .map(SocketAddr::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn join(addrs: &[IpAddr]) -> String {
@@ -735,8 +1358,13 @@ impl Attempt {
         let seen = match self.kind {
             Kind::Tcp => tcp_attempt(self.target, ctx),
             Kind::Udp => udp_attempt(self.target, UDP_PAYLOAD, ctx, |_| Some("answered".into())),
-            Kind::Dns(L4Proto::Udp) => dns_udp_attempt(self.target, ctx),
-            Kind::Dns(L4Proto::Tcp) => dns_tcp_attempt(self.target, ctx),
+            Kind::Dns(proto) => {
+                let name = self.dns_name.as_deref().unwrap_or(DNS_TEST_NAME);
+                match proto {
+                    L4Proto::Udp => dns_udp_attempt(self.target, name, ctx),
+                    L4Proto::Tcp => dns_tcp_attempt(self.target, name, ctx),
+                }
+            }
         };
         let (outcome, mut reason) = judge(&seen, self.expect, self.kind, ctx);
         let fail_note = self.on_fail.as_ref().filter(|_| outcome == Outcome::Fail);
@@ -899,21 +1527,21 @@ fn udp_attempt(
     }
 }
 
-fn dns_udp_attempt(target: SocketAddr, ctx: &Ctx) -> Seen {
+fn dns_udp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen {
     let id = random_u64() as u16;
-    let query = dns_query(id, DNS_TEST_NAME);
+    let query = dns_query(id, name, QTYPE_A);
     udp_attempt(target, &query, ctx, |reply| {
         dns_rcode(id, reply).map(|rcode| format!("answered ({rcode})"))
     })
 }
 
-fn dns_tcp_attempt(target: SocketAddr, ctx: &Ctx) -> Seen {
+fn dns_tcp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen {
     let mut stream = match tcp_connect(target, ctx) {
         Ok(s) => s,
         Err(seen) => return seen,
     };
     let id = random_u64() as u16;
-    let query = dns_query(id, DNS_TEST_NAME);
+    let query = dns_query(id, name, QTYPE_A);
     let Ok(len) = u16::try_from(query.len()) else {
         return Seen::Connected;
     };
@@ -935,16 +1563,19 @@ fn dns_tcp_attempt(target: SocketAddr, ctx: &Ctx) -> Seen {
     }
 }
 
-/// A standard query for the A record of `name`, recursion desired.
-fn dns_query(id: u16, name: &str) -> Vec<u8> {
+/// A standard query for the `qtype` records of `name` (a valid name: labels of at most 63
+/// bytes), recursion desired.
+fn dns_query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
     let mut q = Vec::with_capacity(18 + name.len());
     q.extend_from_slice(&id.to_be_bytes());
     q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]); // RD; one question
     for label in name.split('.').filter(|l| !l.is_empty()) {
-        q.push(label.len() as u8); // DNS_TEST_NAME's labels are short literals
-        q.extend_from_slice(label.as_bytes());
+        q.push(label.len().min(63) as u8);
+        q.extend_from_slice(&label.as_bytes()[..label.len().min(63)]);
     }
-    q.extend_from_slice(&[0, 0, 1, 0, 1]); // root; type A; class IN
+    q.push(0); // the root
+    q.extend_from_slice(&qtype.to_be_bytes());
+    q.extend_from_slice(&[0, 1]); // class IN
     q
 }
 
@@ -963,6 +1594,248 @@ fn dns_rcode(id: u16, reply: &[u8]) -> Option<&'static str> {
         5 => "REFUSED",
         _ => "other response code",
     })
+}
+
+// ---- asking the guard ----------------------------------------------------------------------
+
+/// How one question to the guard ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Asked {
+    /// A response: its code ("NOERROR", "REFUSED", ...) and the A/AAAA addresses it carries.
+    Answered {
+        rcode: &'static str,
+        addrs: Vec<ResolvedAddr>,
+    },
+    /// No response from any listen address, and why.
+    Failed(String),
+}
+
+/// A name asked of the guard, A and AAAA.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct GuardLookup {
+    name: DomainName,
+    a: Asked,
+    aaaa: Asked,
+}
+
+impl GuardLookup {
+    fn asked(&self) -> [(&'static str, &Asked); 2] {
+        [("A", &self.a), ("AAAA", &self.aaaa)]
+    }
+
+    /// The lookup as the rest of the probe reads names: addresses, NXDOMAIN, and as errors
+    /// every question that got no response or another refusal.
+    fn host(&self) -> ResolvedHost {
+        let mut host = ResolvedHost {
+            name: self.name.clone(),
+            addrs: Vec::new(),
+            nxdomain: false,
+            errors: Vec::new(),
+        };
+        for (qtype, asked) in self.asked() {
+            match asked {
+                Asked::Answered { rcode, addrs } => {
+                    host.addrs.extend(addrs);
+                    match *rcode {
+                        "NOERROR" => {}
+                        "NXDOMAIN" => host.nxdomain = true,
+                        other => host.errors.push(format!("{qtype}: answered {other}")),
+                    }
+                }
+                Asked::Failed(e) => host.errors.push(format!("{qtype}: {e}")),
+            }
+        }
+        host.addrs.sort();
+        host.addrs.dedup_by_key(|a| a.addr);
+        host
+    }
+
+    /// The guard's refusal: both questions answered REFUSED or NXDOMAIN, without addresses.
+    fn refusal(&self) -> Option<&'static str> {
+        let mut code = None;
+        for (_, asked) in self.asked() {
+            match asked {
+                Asked::Answered { rcode, addrs }
+                    if addrs.is_empty() && matches!(*rcode, "REFUSED" | "NXDOMAIN") =>
+                {
+                    code = Some(*rcode);
+                }
+                _ => return None,
+            }
+        }
+        code
+    }
+
+    /// "A: REFUSED, AAAA: no answer within 2s", for reasons.
+    fn outcome(&self) -> String {
+        self.asked()
+            .iter()
+            .map(|(qtype, asked)| match asked {
+                Asked::Answered { rcode, .. } => format!("{qtype}: answered {rcode}"),
+                Asked::Failed(e) => format!("{qtype}: {e}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// Asks the guard for the A and AAAA records of every name, a few names at a time.
+fn guard_lookups(
+    names: &[&DomainName],
+    listen: &[SocketAddr],
+    ctx: &Ctx,
+) -> Result<Vec<GuardLookup>, ProbeError> {
+    let mut lookups = Vec::with_capacity(names.len());
+    for chunk in names.chunks(MAX_WORKERS) {
+        let done: Vec<GuardLookup> = thread::scope(|s| {
+            let mut handles = Vec::with_capacity(chunk.len());
+            for &name in chunk {
+                let handle = thread::Builder::new()
+                    .name("probe-dns".into())
+                    .spawn_scoped(s, move || guard_lookup(name, listen, ctx))
+                    .map_err(ProbeError::Thread)?;
+                handles.push(handle);
+            }
+            Ok::<_, ProbeError>(
+                handles
+                    .into_iter()
+                    .zip(chunk)
+                    .map(|(h, &name)| {
+                        h.join().unwrap_or_else(|_| GuardLookup {
+                            name: name.clone(),
+                            a: Asked::Failed("the lookup thread panicked".into()),
+                            aaaa: Asked::Failed("the lookup thread panicked".into()),
+                        })
+                    })
+                    .collect(),
+            )
+        })?;
+        lookups.extend(done);
+    }
+    Ok(lookups)
+}
+
+fn guard_lookup(name: &DomainName, listen: &[SocketAddr], ctx: &Ctx) -> GuardLookup {
+    let (server, a) = ask_guard(listen, name.as_str(), QTYPE_A, ctx);
+    // The AAAA question goes first to the address that answered the A question.
+    let order: Vec<SocketAddr> = server
+        .into_iter()
+        .chain(listen.iter().copied().filter(|l| Some(*l) != server))
+        .collect();
+    let (_, aaaa) = ask_guard(&order, name.as_str(), QTYPE_AAAA, ctx);
+    GuardLookup {
+        name: name.clone(),
+        a,
+        aaaa,
+    }
+}
+
+/// One question to the first listen address that responds.
+fn ask_guard(
+    listen: &[SocketAddr],
+    name: &str,
+    qtype: u16,
+    ctx: &Ctx,
+) -> (Option<SocketAddr>, Asked) {
+    let mut failures = Vec::new();
+    for &server in listen {
+        match dns_exchange(server, name, qtype, ctx) {
+            Ok(asked) => return (Some(server), asked),
+            Err(e) => failures.push(format!("{server}: {e}")),
+        }
+    }
+    (None, Asked::Failed(failures.join("; ")))
+}
+
+/// Asks `server` over UDP, and again over TCP when the response is truncated.
+fn dns_exchange(server: SocketAddr, name: &str, qtype: u16, ctx: &Ctx) -> Result<Asked, String> {
+    let id = random_u64() as u16;
+    let query = dns_query(id, name, qtype);
+    let mut reply = udp_exchange(server, &query, id, ctx.timeout)?;
+    if reply.get(2).is_some_and(|flags| flags & 0x02 != 0) {
+        reply = tcp_exchange(server, &query, id, ctx)?;
+    }
+    let rcode = dns_rcode(id, &reply).ok_or("the response does not match the query")?;
+    let message = Message::from_vec(&reply).map_err(|e| format!("an unreadable response ({e})"))?;
+    let addrs = message
+        .answers
+        .iter()
+        .filter_map(|r| {
+            Some(ResolvedAddr {
+                addr: r.data.ip_addr()?,
+                ttl: r.ttl,
+            })
+        })
+        .collect();
+    Ok(Asked::Answered { rcode, addrs })
+}
+
+fn udp_exchange(
+    server: SocketAddr,
+    query: &[u8],
+    id: u16,
+    timeout: Duration,
+) -> Result<Vec<u8>, String> {
+    let bind = match server {
+        SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+        SocketAddr::V6(_) => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0),
+    };
+    let socket = UdpSocket::bind(bind)
+        .and_then(|s| s.connect(server).map(|()| s))
+        .map_err(|e| describe(&e))?;
+    socket.send(query).map_err(|e| describe(&e))?;
+    let deadline = Instant::now() + timeout;
+    let mut buf = vec![0u8; 65_535];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("no answer within {}", fmt_duration(timeout)));
+        }
+        socket
+            .set_read_timeout(Some(left))
+            .map_err(|e| describe(&e))?;
+        match socket.recv(&mut buf) {
+            Ok(n) if dns_rcode(id, &buf[..n]).is_some() => return Ok(buf[..n].to_vec()),
+            Ok(_) => {} // not the response to this query
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(format!("no answer within {}", fmt_duration(timeout)));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
+                return Err("nothing answers there (port unreachable)".into());
+            }
+            Err(e) => return Err(describe(&e)),
+        }
+    }
+}
+
+fn tcp_exchange(server: SocketAddr, query: &[u8], id: u16, ctx: &Ctx) -> Result<Vec<u8>, String> {
+    let mut stream = tcp_connect(server, ctx).map_err(|seen| match seen {
+        Seen::RefusedRemotely(d) | Seen::RefusedHere(d) | Seen::NotSent(d) => d,
+        _ => format!("no TCP connection within {}", fmt_duration(ctx.timeout)),
+    })?;
+    let len = u16::try_from(query.len()).map_err(|_| "the query is too long".to_string())?;
+    let mut framed = len.to_be_bytes().to_vec();
+    framed.extend_from_slice(query);
+    let exchange = (|| -> io::Result<Vec<u8>> {
+        stream.set_read_timeout(Some(ctx.timeout))?;
+        stream.set_write_timeout(Some(ctx.timeout))?;
+        stream.write_all(&framed)?;
+        let mut len = [0u8; 2];
+        stream.read_exact(&mut len)?;
+        let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        stream.read_exact(&mut reply)?;
+        Ok(reply)
+    })();
+    let reply = exchange.map_err(|e| format!("over TCP: {}", describe(&e)))?;
+    match dns_rcode(id, &reply) {
+        Some(_) => Ok(reply),
+        None => Err("the TCP response does not match the query".into()),
+    }
 }
 
 /// The errors a probe meets, in words that say what happened on the wire.
@@ -996,9 +1869,14 @@ mod tests {
 
     #[test]
     fn dns_query_is_well_formed_and_answers_are_matched_by_id() {
-        let q = dns_query(0x1234, "example.com");
+        let q = dns_query(0x1234, "example.com", QTYPE_A);
         assert_eq!(&q[..4], &[0x12, 0x34, 0x01, 0x00]);
         assert_eq!(&q[12..], b"\x07example\x03com\x00\x00\x01\x00\x01");
+        let aaaa = dns_query(1, "a.example", QTYPE_AAAA);
+        assert_eq!(&aaaa[12..], b"\x01a\x07example\x00\x00\x1c\x00\x01");
+        // What the probe sends, hickory reads as the same question.
+        let parsed = Message::from_vec(&aaaa).expect("a valid message");
+        assert_eq!(parsed.queries[0].name().to_string(), "a.example.");
         // The query itself is not an answer (QR clear); a response with another id is not ours.
         assert_eq!(dns_rcode(0x1234, &q), None);
         let mut reply = q.clone();
@@ -1129,15 +2007,354 @@ mod tests {
     #[test]
     fn setup_errors_come_before_any_traffic() {
         let p = policy("version: 1\n");
-        let none = ProbeOptions {
-            resolvers: vec![],
-            timeout: Duration::from_secs(1),
-        };
+        let none = options(&[], TableView::NotRead);
         assert!(matches!(run(&p, &none), Err(ProbeError::NoResolvers)));
         let zero = ProbeOptions {
-            resolvers: vec!["192.0.2.53".parse().unwrap()],
             timeout: Duration::ZERO,
+            ..options(&["192.0.2.53"], TableView::NotRead)
         };
         assert!(matches!(run(&p, &zero), Err(ProbeError::ZeroTimeout)));
+    }
+
+    fn options(resolvers: &[&str], table: TableView) -> ProbeOptions {
+        ProbeOptions {
+            resolvers: resolvers.iter().map(|r| r.parse().unwrap()).collect(),
+            timeout: Duration::from_secs(1),
+            uid: 65534,
+            table,
+            system: None,
+            guard_socket: None,
+        }
+    }
+
+    const GUARD_POLICY: &str = "version: 1\nallow:\n  - domain: api.example.com\n    ports: [443]\n  - domain: \"*.cdn.example.com\"\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\nprobe:\n  rogue_resolvers: [192.0.2.54]\n  blocked: [\"paste.example.com:443\"]\n";
+
+    fn guard_options(table: TableView) -> ProbeOptions {
+        ProbeOptions {
+            system: Some(SystemResolvers {
+                path: "/etc/resolv.conf".into(),
+                nameservers: Ok(vec!["127.0.0.53".parse().unwrap()]),
+            }),
+            ..options(&["192.0.2.53"], table)
+        }
+    }
+
+    fn table_with_uid(uid: u32) -> TableView {
+        TableView::Read(TableFacts {
+            dns_uids: vec![uid],
+            dns_for_everyone: false,
+            denied: Preset::DnsOverHttps.networks(),
+        })
+    }
+
+    fn answered(rcode: &'static str, addrs: &[&str]) -> Asked {
+        Asked::Answered {
+            rcode,
+            addrs: addrs
+                .iter()
+                .map(|a| ResolvedAddr {
+                    addr: a.parse().unwrap(),
+                    ttl: 60,
+                })
+                .collect(),
+        }
+    }
+
+    fn lookup(name: &str, a: Asked, aaaa: Asked) -> GuardLookup {
+        GuardLookup {
+            name: name.parse().unwrap(),
+            a,
+            aaaa,
+        }
+    }
+
+    /// The guard-mode plan's checks: (outcome or "attempt", check, reason or on_fail note).
+    fn guard_plan(
+        p: &Policy,
+        options: &ProbeOptions,
+        lookups: &[GuardLookup],
+        exfil: &str,
+    ) -> Vec<(String, String, String)> {
+        let hosts: Vec<ResolvedHost> = lookups.iter().map(GuardLookup::host).collect();
+        let mut plan = Plan::new(p, options, &hosts, lookups);
+        let guard = p.dns.guard.as_ref().expect("guard mode");
+        plan.system_resolver(guard);
+        plan.guard_servers(guard);
+        plan.upstream();
+        plan.allowed();
+        plan.denied();
+        plan.blocked();
+        plan.rogue_resolvers();
+        plan.guarded_exfiltration(Some(Ok(exfil.parse().unwrap())));
+        plan.steps
+            .into_iter()
+            .map(|s| match s {
+                Step::Done(c) => (c.outcome.to_string(), c.check, c.reason),
+                Step::Attempt(a) => ("attempt".into(), a.check, a.on_fail.unwrap_or_default()),
+            })
+            .collect()
+    }
+
+    fn find<'a>(
+        checks: &'a [(String, String, String)],
+        name: &str,
+    ) -> &'a (String, String, String) {
+        checks
+            .iter()
+            .find(|c| c.1 == name)
+            .unwrap_or_else(|| panic!("no check {name} in {checks:#?}"))
+    }
+
+    #[test]
+    fn guard_mode_checks_the_guard_its_upstream_and_the_exfiltration_channel() {
+        let p = policy(GUARD_POLICY);
+        let exfil = "ef-probe-1.egress-fence-probe.invalid";
+        let lookups = [
+            lookup(
+                "api.example.com",
+                answered("NOERROR", &["192.0.2.10"]),
+                answered("NOERROR", &[]),
+            ),
+            lookup(
+                "paste.example.com",
+                answered("REFUSED", &[]),
+                answered("REFUSED", &[]),
+            ),
+            lookup(exfil, answered("REFUSED", &[]), answered("REFUSED", &[])),
+        ];
+        let checks = guard_plan(&p, &guard_options(table_with_uid(0)), &lookups, exfil);
+        let names: Vec<&str> = checks.iter().map(|c| c.1.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "system resolver",
+                "guard udp 127.0.0.53:53",
+                "guard tcp 127.0.0.53:53",
+                "upstream udp 192.0.2.53:53",
+                "upstream tcp 192.0.2.53:53",
+                "upstream tcp 192.0.2.53:853",
+                "allowed name api.example.com",
+                "allowed tcp api.example.com 192.0.2.10:443",
+                "allowed names *.cdn.example.com",
+                "denied preset dns-over-https",
+                "blocked name paste.example.com",
+                "rogue resolver udp 192.0.2.54:53",
+                "rogue resolver tcp 192.0.2.54:53",
+                "dns exfiltration ef-probe-1.egress-fence-probe.invalid",
+            ]
+        );
+        assert_eq!(find(&checks, "system resolver").0, "PASS");
+        let allowed = find(&checks, "allowed name api.example.com");
+        assert_eq!(allowed.0, "PASS");
+        assert!(
+            allowed.2.contains("through the guard 127.0.0.53:53"),
+            "{allowed:?}"
+        );
+        // Another uid than the guard's: the upstream is tried, and must be refused.
+        assert_eq!(find(&checks, "upstream tcp 192.0.2.53:853").0, "attempt");
+        let blocked = find(&checks, "blocked name paste.example.com");
+        assert_eq!(blocked.0, "PASS", "{blocked:?}");
+        let doh = find(&checks, "denied preset dns-over-https");
+        assert_eq!(doh.0, "PASS", "{doh:?}");
+        let exfil_check = checks.last().expect("checks");
+        assert_eq!(exfil_check.0, "PASS", "{exfil_check:?}");
+        assert!(
+            exfil_check.2.starts_with(
+                "DNS exfiltration closed: the guard refused \
+                 ef-probe-1.egress-fence-probe.invalid without forwarding it (REFUSED)"
+            ),
+            "{exfil_check:?}"
+        );
+    }
+
+    #[test]
+    fn the_guards_own_uid_cannot_tell_and_other_tables_are_named() {
+        let p = policy(GUARD_POLICY);
+        let exfil = "ef-probe-1.egress-fence-probe.invalid";
+        let refused = || lookup(exfil, answered("NXDOMAIN", &[]), answered("NXDOMAIN", &[]));
+        let same_uid = ProbeOptions {
+            uid: 0,
+            ..guard_options(table_with_uid(0))
+        };
+        let checks = guard_plan(&p, &same_uid, &[refused()], exfil);
+        let up = find(&checks, "upstream udp 192.0.2.53:53");
+        assert_eq!(up.0, "WARN", "{up:?}");
+        assert!(up.2.contains("runs as uid 0, the guard's uid"), "{up:?}");
+        assert!(up.2.contains("meta skuid"), "{up:?}");
+
+        // A resolve-mode table lets everyone through: said when the attempt fails.
+        let everyone = TableView::Read(TableFacts {
+            dns_for_everyone: true,
+            ..TableFacts::default()
+        });
+        let checks = guard_plan(&p, &guard_options(everyone), &[refused()], exfil);
+        let up = find(&checks, "upstream tcp 192.0.2.53:53");
+        assert_eq!(up.0, "attempt");
+        assert!(up.2.contains("resolve mode"), "{up:?}");
+        let doh = find(&checks, "denied preset dns-over-https");
+        assert_eq!(doh.0, "FAIL", "{doh:?}");
+        assert!(doh.2.contains("1.1.1.1/32"), "{doh:?}");
+
+        // An unprivileged probe: the guard's socket owner stands in for the table.
+        let unreadable = ProbeOptions {
+            uid: 1000,
+            guard_socket: Some((1000, "127.0.0.53:53".parse().unwrap())),
+            ..guard_options(TableView::Unreadable("EPERM".into()))
+        };
+        let checks = guard_plan(&p, &unreadable, &[refused()], exfil);
+        let up = find(&checks, "upstream tcp 192.0.2.53:853");
+        assert_eq!(up.0, "WARN", "{up:?}");
+        assert!(up.2.contains("guard's socket on 127.0.0.53:53"), "{up:?}");
+        assert_eq!(find(&checks, "denied preset dns-over-https").0, "SKIP");
+        let unknown = ProbeOptions {
+            guard_socket: None,
+            ..unreadable
+        };
+        let checks = guard_plan(&p, &unknown, &[refused()], exfil);
+        let up = find(&checks, "upstream udp 192.0.2.53:53");
+        assert_eq!(up.0, "attempt");
+        assert!(up.2.contains("could not be compared"), "{up:?}");
+    }
+
+    #[test]
+    fn a_forwarded_exfiltration_name_fails() {
+        let exfil = "ef-probe-2.exfil.example.com";
+        let covering = policy(&GUARD_POLICY.replace(
+            "  - domain: api.example.com\n",
+            "  - domain: \"**.exfil.example.com\"\n    ports: [443]\n  - domain: api.example.com\n",
+        ));
+        let opts = guard_options(table_with_uid(0));
+        // Resolved: the name went out and came back with an address.
+        let resolved = lookup(
+            exfil,
+            answered("NOERROR", &["203.0.113.10"]),
+            answered("NOERROR", &[]),
+        );
+        let checks = guard_plan(&covering, &opts, &[resolved], exfil);
+        let c = checks.last().expect("checks");
+        assert_eq!(c.0, "FAIL", "{c:?}");
+        assert!(c.2.contains("203.0.113.10"), "{c:?}");
+        assert!(
+            c.2.contains("domain **.exfil.example.com covers it"),
+            "{c:?}"
+        );
+        // Covered but NXDOMAIN upstream: it was still forwarded.
+        let nx = lookup(exfil, answered("NXDOMAIN", &[]), answered("NXDOMAIN", &[]));
+        let checks = guard_plan(&covering, &opts, &[nx], exfil);
+        let c = checks.last().expect("checks");
+        assert_eq!(c.0, "FAIL", "{c:?}");
+        assert!(c.2.contains("forwards it upstream"), "{c:?}");
+        // Not covered, yet answered with an address: something else answers arbitrary names.
+        let p = policy(GUARD_POLICY);
+        let rogue = lookup(
+            exfil,
+            answered("NOERROR", &["203.0.113.10"]),
+            answered("NOERROR", &[]),
+        );
+        let checks = guard_plan(&p, &opts, &[rogue], exfil);
+        assert_eq!(checks.last().expect("checks").0, "FAIL");
+        // No answer at all: inconclusive.
+        let silent = lookup(
+            exfil,
+            Asked::Failed("no answer within 1s".into()),
+            Asked::Failed("no answer within 1s".into()),
+        );
+        let checks = guard_plan(&p, &opts, &[silent], exfil);
+        let c = checks.last().expect("checks");
+        assert_eq!(c.0, "WARN", "{c:?}");
+        assert!(c.2.contains("inconclusive"), "{c:?}");
+    }
+
+    #[test]
+    fn resolv_conf_must_name_the_guard() {
+        let p = policy(GUARD_POLICY);
+        let exfil = "ef-probe-1.egress-fence-probe.invalid";
+        let elsewhere = ProbeOptions {
+            system: Some(SystemResolvers {
+                path: "/etc/resolv.conf".into(),
+                nameservers: Ok(vec!["192.0.2.53".parse().unwrap()]),
+            }),
+            ..guard_options(table_with_uid(0))
+        };
+        let checks = guard_plan(&p, &elsewhere, &[], exfil);
+        let c = find(&checks, "system resolver");
+        assert_eq!(c.0, "WARN", "{c:?}");
+        assert!(
+            c.2.contains("names 192.0.2.53") && c.2.contains("127.0.0.53"),
+            "{c:?}"
+        );
+    }
+
+    #[test]
+    fn the_guard_uid_is_read_from_the_table_rules() {
+        let rule = |exprs: &[&str]| crate::nft::sys::LiveRule {
+            table: TABLE.into(),
+            chain: OUTPUT_CHAIN.into(),
+            handle: 1,
+            exprs: exprs.iter().map(|e| e.to_string()).collect(),
+            counter: None,
+            log_group: None,
+            nfproto: None,
+        };
+        let guard_rule = rule(&[
+            "meta load skuid => reg 1",
+            "cmp eq reg 1 0x000003e1",
+            "meta load nfproto => reg 1",
+            "cmp eq reg 1 0x00000002",
+            "payload load 4b @ network header + 16 => reg 1",
+            "meta load l4proto => reg 9",
+            "payload load 2b @ transport header + 2 => reg 10",
+            "lookup reg 1 set dns4",
+            "immediate reg 0 accept",
+        ]);
+        let table = LiveTable {
+            chains: Vec::new(),
+            rules: vec![guard_rule.clone()],
+            sets: Vec::new(),
+        };
+        let facts = TableFacts::of(&table);
+        assert_eq!(facts.dns_uids, vec![993]);
+        assert!(!facts.dns_for_everyone);
+        let resolve_rule = rule(&[
+            "meta load nfproto => reg 1",
+            "cmp eq reg 1 0x00000002",
+            "payload load 4b @ network header + 16 => reg 1",
+            "lookup reg 1 set dns4",
+            "immediate reg 0 accept",
+        ]);
+        let table = LiveTable {
+            chains: Vec::new(),
+            rules: vec![resolve_rule],
+            sets: Vec::new(),
+        };
+        assert!(TableFacts::of(&table).dns_for_everyone);
+    }
+
+    #[test]
+    fn proc_net_lines_give_the_socket_owner() {
+        let v4 = format!(
+            "   0: {:08X}:0035 00000000:0000 07 00000000:00000000 00:00000000 00000000   993        0 4242 2 0000000000000000 0",
+            u32::from_ne_bytes([127, 0, 0, 53])
+        );
+        assert_eq!(
+            proc_net_socket(&v4),
+            Some(("127.0.0.53:53".parse().unwrap(), 993))
+        );
+        let loopback6: String = Ipv6Addr::LOCALHOST
+            .octets()
+            .chunks(4)
+            .map(|w| format!("{:08X}", u32::from_ne_bytes(w.try_into().unwrap())))
+            .collect();
+        let v6 = format!(
+            "   1: {loopback6}:14E9 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4243 1 0000000000000000 100 0 0 10 0"
+        );
+        assert_eq!(
+            proc_net_socket(&v6),
+            Some(("[::1]:5353".parse().unwrap(), 0))
+        );
+        assert_eq!(
+            proc_net_socket("  sl  local_address rem_address   st"),
+            None
+        );
     }
 }

@@ -487,3 +487,356 @@ fn the_probe_command_gates_on_the_boundary() {
     assert_eq!(v["passed"], false);
     assert!(v["checks"].as_array().is_some_and(|c| !c.is_empty()));
 }
+
+// ---- guard mode --------------------------------------------------------------------------------
+
+/// Guard mode: the guard on 127.0.0.53 forwards to the world's resolver. One exact name with
+/// listeners, one wildcard (not probed), the metadata preset (the dns-over-https one is
+/// implied), the world's rogue resolver and an exfiltration zone. `EXTRA_ALLOW` is replaced.
+const GUARD_POLICY: &str = r#"
+version: 1
+allow:
+  - domain: api.example.com        # HOST_V4 and HOST_V6, TCP 443
+    ports: [443]
+  - domain: "*.cdn.example.com"
+    ports: [443]
+EXTRA_ALLOW
+deny:
+  - preset: cloud-metadata
+dns:
+  mode: guard
+  listen: [127.0.0.53:53]
+  upstream: [192.0.2.53]
+log:
+  group: 100
+probe:
+  rogue_resolvers: [192.0.2.54]
+  exfil_domain: exfil.example.com
+"#;
+
+fn guard_policy(extra_allow: &str) -> String {
+    GUARD_POLICY.replace("EXTRA_ALLOW\n", extra_allow)
+}
+
+/// The sandbox's resolv.conf (what `ip netns exec` shows as /etc/resolv.conf, and what
+/// `--netns` reads): after [`use_the_guard`], the guard.
+fn resolv_conf(w: &World) -> std::path::PathBuf {
+    Path::new("/etc/netns")
+        .join(w.sandbox_name())
+        .join("resolv.conf")
+}
+
+/// Points the sandbox's resolv.conf at the guard, as a guard-mode host is set up.
+fn use_the_guard(w: &World) {
+    std::fs::write(
+        resolv_conf(w),
+        "nameserver 127.0.0.53\noptions timeout:2 attempts:1\n",
+    )
+    .expect("write the sandbox's resolv.conf");
+}
+
+/// Writes `text` where an unprivileged probe can read it (the world's directory is private).
+fn readable_policy(w: &World, name: &str, text: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o755))
+        .expect("open the world's directory to other users");
+    let path = w.write_file(name, text);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+        .expect("make the policy readable");
+    path.to_str().expect("utf-8 path").to_string()
+}
+
+/// `egress-fence run` in guard mode (as root, so the table lets uid 0 reach the upstream),
+/// once the guard serves.
+fn start_guard(w: &World, policy_path: &str) -> Background {
+    let mut daemon = w.spawn_egress_fence(&["run", policy_path]);
+    if !daemon.wait_for_output("the DNS guard is serving", Duration::from_secs(10)) {
+        let _ = daemon.terminate();
+        panic!("the guard did not start:\n{}", daemon.stderr());
+    }
+    daemon
+}
+
+/// The library's probe from inside the sandbox, as root, with the options the CLI would
+/// build there (the table is read, resolv.conf is the sandbox's).
+fn guard_probe(w: &World, policy: &Policy) -> Report {
+    let conf = resolv_conf(w);
+    let started = Instant::now();
+    let report = w
+        .in_sandbox_ns(|| {
+            let options = ProbeOptions {
+                timeout: TIMEOUT,
+                ..ProbeOptions::for_policy(policy, &conf).expect("options")
+            };
+            probe::run(policy, &options)
+        })
+        .expect("the probe runs");
+    for check in &report.checks {
+        eprintln!("{check}");
+    }
+    eprintln!("{} ({:?})", report.summary(), started.elapsed());
+    report
+}
+
+/// `egress-fence probe POLICY --json` inside the sandbox as uid/gid 65534 (the agent's user
+/// stands in), through `ip netns exec`, so resolv.conf is the sandbox's. Returns the exit code
+/// and the checks as (outcome, check, reason).
+fn probe_as_nobody(w: &World, policy_path: &str) -> (i32, Vec<(String, String, String)>) {
+    let out = w.sandbox_cmd(&[
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        EGRESS_FENCE_BIN,
+        "probe",
+        policy_path,
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|e| panic!("probe --json is not JSON ({e}): {out}"));
+    let checks = v["checks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no checks: {out}"))
+        .iter()
+        .map(|c| {
+            let s = |k: &str| c[k].as_str().unwrap_or_default().to_string();
+            (s("outcome"), s("check"), s("reason"))
+        })
+        .collect::<Vec<_>>();
+    for (outcome, check, reason) in &checks {
+        eprintln!("[nobody] {outcome} {check}: {reason}");
+    }
+    (out.code(), checks)
+}
+
+fn outcome_of<'a>(
+    checks: &'a [(String, String, String)],
+    name: &str,
+) -> &'a (String, String, String) {
+    checks
+        .iter()
+        .find(|c| c.1 == name)
+        .unwrap_or_else(|| panic!("no check `{name}` in {checks:#?}"))
+}
+
+/// The exfiltration check of a report (its name carries the random label).
+fn exfil_check(report: &Report) -> Check {
+    let found: Vec<&Check> = report
+        .checks
+        .iter()
+        .filter(|c| c.check.starts_with("dns exfiltration "))
+        .collect();
+    assert_eq!(found.len(), 1, "{}", lines(report));
+    found[0].clone()
+}
+
+/// A correct guard passes: allowed names resolve through it and connect, the random name is
+/// refused by the guard and never reaches the upstream resolver, and DNS straight to the
+/// upstream is refused for the agent's user. As root (the guard's uid) the probe cannot tell
+/// the upstream checks and warns instead of failing or passing them.
+#[test]
+fn a_correct_guard_passes_the_probe() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4, HOST_V6], DEFAULT_DNS_TTL);
+    let api = [w.listen_tcp(HOST_V4, 443), w.listen_tcp(HOST_V6, 443)];
+    use_the_guard(&w);
+    let text = guard_policy("");
+    let path = readable_policy(&w, "guard.yaml", &text);
+    let _daemon = start_guard(&w, &path);
+    let policy = Policy::parse(&text, Path::new("guard.yaml")).expect("a valid policy");
+
+    // As root, the guard's own uid.
+    let report = guard_probe(&w, &policy);
+    assert!(report.passed(), "{}", lines(&report));
+    for name in ["guard udp 127.0.0.53:53", "guard tcp 127.0.0.53:53"] {
+        let c = check(&report, name);
+        assert_eq!(c.outcome, Outcome::Pass, "{c}");
+        assert!(c.reason.contains("NOERROR"), "asked an allowed name: {c}");
+    }
+    assert_eq!(check(&report, "system resolver").outcome, Outcome::Pass);
+    let allowed = check(&report, "allowed name api.example.com");
+    assert_eq!(allowed.outcome, Outcome::Pass, "{allowed}");
+    assert!(
+        allowed.reason.contains("through the guard 127.0.0.53:53"),
+        "{allowed}"
+    );
+    for name in [
+        "allowed tcp api.example.com 192.0.2.10:443",
+        "allowed tcp api.example.com [2001:db8:1::10]:443",
+        "denied preset dns-over-https",
+        "rogue resolver udp 192.0.2.54:53",
+        "rogue resolver tcp 192.0.2.54:53",
+    ] {
+        assert_eq!(check(&report, name).outcome, Outcome::Pass, "{name}");
+    }
+    assert!(api.iter().all(|l| l.count() > 0), "api was reached");
+    assert_eq!(
+        check(&report, "allowed names *.cdn.example.com").outcome,
+        Outcome::Skip
+    );
+    for name in [
+        "upstream udp 192.0.2.53:53",
+        "upstream tcp 192.0.2.53:53",
+        "upstream tcp 192.0.2.53:853",
+    ] {
+        let c = check(&report, name);
+        assert_eq!(c.outcome, Outcome::Warn, "{c}");
+        assert!(
+            c.reason.contains("runs as uid 0, the guard's uid") && c.reason.contains("meta skuid"),
+            "{c}"
+        );
+    }
+    let exfil = exfil_check(&report);
+    assert_eq!(exfil.outcome, Outcome::Pass, "{exfil}");
+    let name = exfil
+        .check
+        .trim_start_matches("dns exfiltration ")
+        .to_string();
+    assert!(name.ends_with(".exfil.example.com"), "{name}");
+    assert!(
+        exfil.reason.starts_with(&format!(
+            "DNS exfiltration closed: the guard refused {name} without forwarding it (REFUSED)"
+        )),
+        "{exfil}"
+    );
+
+    // As the agent's user: the upstream checks are carried out, and refused.
+    let (code, checks) = probe_as_nobody(&w, &path);
+    assert_eq!(code, 0, "{checks:#?}");
+    for name in [
+        "upstream udp 192.0.2.53:53",
+        "upstream tcp 192.0.2.53:53",
+        "upstream tcp 192.0.2.53:853",
+    ] {
+        let c = outcome_of(&checks, name);
+        assert_eq!(c.0, "pass", "{c:?}");
+        assert!(c.2.starts_with("refused: "), "{c:?}");
+    }
+    assert_eq!(
+        outcome_of(&checks, "allowed name api.example.com").0,
+        "pass"
+    );
+    // Its table is out of an unprivileged user's reach: the DoH preset is not checked.
+    assert_eq!(
+        outcome_of(&checks, "denied preset dns-over-https").0,
+        "skip"
+    );
+    let nobody_exfil = checks
+        .iter()
+        .find(|c| c.1.starts_with("dns exfiltration "))
+        .expect("an exfiltration check");
+    assert_eq!(nobody_exfil.0, "pass", "{nobody_exfil:?}");
+
+    // Neither random name ever reached the upstream resolver; the allowed name did.
+    let asked = w.dns_queries();
+    assert!(
+        !asked.iter().any(|q| q.ends_with(".exfil.example.com")),
+        "an exfiltration name was forwarded: {asked:?}"
+    );
+    assert!(asked.iter().any(|q| q == "api.example.com"), "{asked:?}");
+    assert!(w.rogue_dns_query_log().iter().all(|q| q.name != name));
+}
+
+/// A wildcard over the exfiltration zone makes the guard forward every name under it: the
+/// upstream answers a random one, and the probe fails on it (and on nothing else).
+#[test]
+fn an_open_exfiltration_channel_fails_the_probe() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4, HOST_V6], DEFAULT_DNS_TTL);
+    let _api = [w.listen_tcp(HOST_V4, 443), w.listen_tcp(HOST_V6, 443)];
+    w.dns_wildcard("exfil.example.com", OTHER_V4);
+    use_the_guard(&w);
+    let text = guard_policy("  - domain: \"**.exfil.example.com\"\n    ports: [443]\n");
+    let path = readable_policy(&w, "guard.yaml", &text);
+    let _daemon = start_guard(&w, &path);
+    let policy = Policy::parse(&text, Path::new("guard.yaml")).expect("a valid policy");
+
+    let report = guard_probe(&w, &policy);
+    assert!(!report.passed(), "{}", lines(&report));
+    let exfil = exfil_check(&report);
+    assert_eq!(failed(&report), BTreeSet::from([exfil.check.as_str()]));
+    assert!(
+        exfil.reason.contains("203.0.113.10")
+            && exfil
+                .reason
+                .contains("the allow entry domain **.exfil.example.com covers it")
+            && exfil.reason.contains("carry data out"),
+        "{exfil}"
+    );
+    let name = exfil.check.trim_start_matches("dns exfiltration ");
+    assert!(
+        w.dns_queries().iter().any(|q| q == name),
+        "the guard forwarded the random name upstream"
+    );
+
+    let (code, checks) = probe_as_nobody(&w, &path);
+    assert_eq!(code, 5, "{checks:#?}");
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| c.0 == "fail")
+        .map(|c| c.1.as_str())
+        .collect();
+    assert_eq!(failed.len(), 1, "{checks:#?}");
+    assert!(failed[0].starts_with("dns exfiltration "), "{checks:#?}");
+}
+
+/// DNS straight to the upstream resolver must be refused to everyone but the guard. Under a
+/// table applied in resolve mode (no guard, resolvers open to every uid) the probe fails
+/// exactly on DNS to port 53 there, saying which table lets it through; DNS over TLS (853),
+/// which that table never allowed, is still refused. No guard runs, so its own checks fail
+/// too.
+#[test]
+fn direct_dns_to_the_upstream_fails_the_probe() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4, HOST_V6], DEFAULT_DNS_TTL);
+    use_the_guard(&w);
+    let resolve_mode = "version: 1\nallow:\n  - domain: api.example.com\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n";
+    let applied = w.egress_fence(&[
+        "apply",
+        w.write_file("resolve.yaml", resolve_mode)
+            .to_str()
+            .expect("utf-8"),
+    ]);
+    assert!(applied.success(), "{applied}");
+    let text = guard_policy("");
+    let path = readable_policy(&w, "guard.yaml", &text);
+    let policy = Policy::parse(&text, Path::new("guard.yaml")).expect("a valid policy");
+
+    let report = guard_probe(&w, &policy);
+    assert!(!report.passed(), "{}", lines(&report));
+    for name in ["upstream udp 192.0.2.53:53", "upstream tcp 192.0.2.53:53"] {
+        let c = check(&report, name);
+        assert_eq!(c.outcome, Outcome::Fail, "{c}");
+        assert!(
+            c.reason.contains("the boundary let it through")
+                && c.reason.contains("lets every uid reach the resolvers")
+                && c.reason.contains("resolve mode"),
+            "{c}"
+        );
+    }
+    let dot = check(&report, "upstream tcp 192.0.2.53:853");
+    assert_eq!(dot.outcome, Outcome::Pass, "{dot}");
+    // The table lacks the implied deny preset, and nothing serves on 127.0.0.53.
+    assert_eq!(
+        check(&report, "denied preset dns-over-https").outcome,
+        Outcome::Fail
+    );
+    assert_eq!(
+        check(&report, "guard udp 127.0.0.53:53").outcome,
+        Outcome::Fail
+    );
+
+    // The agent's user gets through as well; it cannot read the table, so it says that its
+    // uid could not be compared with the guard's.
+    let (code, checks) = probe_as_nobody(&w, &path);
+    assert_eq!(code, 5, "{checks:#?}");
+    for name in ["upstream udp 192.0.2.53:53", "upstream tcp 192.0.2.53:53"] {
+        let c = outcome_of(&checks, name);
+        assert_eq!(c.0, "fail", "{c:?}");
+        assert!(
+            c.2.contains("the boundary let it through") && c.2.contains("could not be compared"),
+            "{c:?}"
+        );
+    }
+    assert_eq!(outcome_of(&checks, "upstream tcp 192.0.2.53:853").0, "pass");
+}
