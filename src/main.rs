@@ -259,18 +259,25 @@ enum Command {
     },
     /// Print every refused packet as it happens, read from the table's NFLOG group (works
     /// inside any network namespace; no kernel log needed).
+    ///
+    /// In `dns.mode: guard` it also prints every DNS query the guard refused (the name, its
+    /// type, who asked, the answer given), read from the running service's event socket in
+    /// the namespace's state directory (guard-events.sock). When the service is not running
+    /// yet, or restarts, watch reconnects by itself about every second.
     Watch {
         #[command(flatten)]
         target: Target,
         /// The NFLOG group to read (default: the group of the installed table's log rule).
         #[arg(long)]
         group: Option<u16>,
-        /// Exit after this many events.
+        /// Exit after this many events (refused packets and refused DNS queries together).
         #[arg(long)]
         count: Option<u64>,
-        /// Print JSON lines instead.
+        /// Print JSON lines instead (refused queries have "protocol": "dns" and a "name").
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        state: StateArgs,
     },
     /// Prove the boundary from inside it: allowed names resolve and their ports connect;
     /// deny presets, `probe.blocked` targets and rogue resolvers are refused (TCP and UDP,
@@ -821,7 +828,13 @@ fn run(command: Command) -> Result<u8, Failure> {
             group,
             count,
             json,
+            state,
         } => {
+            use egress_fence::watch::{DropEvent, QueryEvent, WatchError};
+            use std::io::BufRead;
+            use std::sync::mpsc;
+
+            let state = state_dir(&target, &state)?;
             enter(&target, None)?;
             let group = match group {
                 Some(g) => g,
@@ -842,40 +855,138 @@ fn run(command: Command) -> Result<u8, Failure> {
             };
             let mut watcher = Watcher::subscribe(group)?;
             eprintln!("watching NFLOG group {group} for refused packets");
+
+            // Two sources, one printer: the readers send what they get here, and only this
+            // thread writes, so lines from both never mix.
+            enum Heard {
+                Packet(Result<DropEvent, WatchError>),
+                Query(QueryEvent),
+                Note(String),
+            }
+            let (tx, rx) = mpsc::channel::<Heard>();
+            let packets = tx.clone();
+            std::thread::Builder::new()
+                .name("nflog".into())
+                .spawn(move || {
+                    loop {
+                        let event = watcher.next_event();
+                        let fatal = matches!(&event, Err(e) if !e.is_transient());
+                        if packets.send(Heard::Packet(event)).is_err() || fatal {
+                            return;
+                        }
+                    }
+                })?;
+            // The guard's refused queries, while a guard runs; quietly retried every second
+            // while none does (not started yet, restarting, or resolve mode).
+            let events = state.guard_events();
+            std::thread::Builder::new()
+                .name("guard-events".into())
+                .spawn(move || {
+                    let mut said: Option<String> = None;
+                    loop {
+                        match std::os::unix::net::UnixStream::connect(&events) {
+                            Ok(stream) => {
+                                said = None;
+                                let note = format!(
+                                    "watching the DNS guard for refused queries ({})",
+                                    events.display()
+                                );
+                                if tx.send(Heard::Note(note)).is_err() {
+                                    return;
+                                }
+                                for line in std::io::BufReader::new(stream).lines() {
+                                    let Ok(line) = line else { break };
+                                    if line.trim().is_empty() {
+                                        continue;
+                                    }
+                                    let heard = match serde_json::from_str::<QueryEvent>(&line) {
+                                        Ok(q) => Heard::Query(q),
+                                        Err(e) => Heard::Note(format!(
+                                            "warning: unreadable event from the DNS guard \
+                                             ({e}): {line}"
+                                        )),
+                                    };
+                                    if tx.send(heard).is_err() {
+                                        return;
+                                    }
+                                }
+                                let note = "the DNS guard went away; reconnecting when it is back";
+                                if tx.send(Heard::Note(note.into())).is_err() {
+                                    return;
+                                }
+                            }
+                            // No guard (yet): nothing to say.
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::NotFound
+                                        | std::io::ErrorKind::ConnectionRefused
+                                ) => {}
+                            // Anything else once, until it changes.
+                            Err(e) => {
+                                let note = format!(
+                                    "warning: cannot read the DNS guard's events from {}: {e}",
+                                    events.display()
+                                );
+                                if said.as_ref() != Some(&note) {
+                                    said = Some(note.clone());
+                                    if tx.send(Heard::Note(note)).is_err() {
+                                        return;
+                                    }
+                                }
+                            }
+                        }
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                })?;
+
             // What the table says of destinations, read again now and then: a daemon keeps
             // changing the resolved sets.
             let mut nft = Nft::open()?;
             let mut known: Option<(Instant, Destinations)> = None;
             let mut seen = 0;
+            let mut stdout = std::io::stdout().lock();
             while count.is_none_or(|c| seen < c) {
-                let mut event = match watcher.next_event() {
-                    Ok(e) => e,
-                    Err(e) if e.is_transient() => {
+                let Ok(heard) = rx.recv() else {
+                    return Err(anyhow::anyhow!("both event readers stopped").into());
+                };
+                let line = match heard {
+                    Heard::Note(note) => {
+                        eprintln!("{note}");
+                        continue;
+                    }
+                    Heard::Packet(Err(e)) if e.is_transient() => {
                         eprintln!("warning: {e}");
                         continue;
                     }
-                    Err(e) => return Err(e.into()),
+                    Heard::Packet(Err(e)) => return Err(e.into()),
+                    Heard::Query(query) if json => serde_json::to_string(&query)?,
+                    Heard::Query(query) => query.to_string(),
+                    Heard::Packet(Ok(mut event)) => {
+                        if known
+                            .as_ref()
+                            .is_none_or(|(at, _)| at.elapsed() > WATCH_REREAD)
+                        {
+                            let table = nft.read_table()?;
+                            known = Some((
+                                Instant::now(),
+                                table.as_ref().map(Destinations::of).unwrap_or_default(),
+                            ));
+                        }
+                        let table_note = known.as_ref().map(|(_, d)| d.note(event.dst));
+                        event.note = match Preset::containing(event.dst) {
+                            Some(p) => Some(format!("{} (preset {})", p.describe(), p.name())),
+                            None => table_note,
+                        };
+                        if json {
+                            serde_json::to_string(&event)?
+                        } else {
+                            event.to_string()
+                        }
+                    }
                 };
-                if known
-                    .as_ref()
-                    .is_none_or(|(at, _)| at.elapsed() > WATCH_REREAD)
-                {
-                    let table = nft.read_table()?;
-                    known = Some((
-                        Instant::now(),
-                        table.as_ref().map(Destinations::of).unwrap_or_default(),
-                    ));
-                }
-                let table_note = known.as_ref().map(|(_, d)| d.note(event.dst));
-                event.note = match Preset::containing(event.dst) {
-                    Some(p) => Some(format!("{} (preset {})", p.describe(), p.name())),
-                    None => table_note,
-                };
-                if json {
-                    println!("{}", serde_json::to_string(&event)?);
-                } else {
-                    println!("{event}");
-                }
+                writeln!(stdout, "{line}")?;
+                stdout.flush()?;
                 seen += 1;
             }
             Ok(0)

@@ -133,3 +133,153 @@ fn watch_needs_an_installed_table_with_a_group() {
     assert_eq!(out.code(), 1, "{out}");
     assert!(out.stderr.contains("log.group"), "{out}");
 }
+
+// ---- refused DNS queries (dns.mode: guard) ----------------------------------------------------
+
+const GUARD_POLICY: &str = r#"
+version: 1
+allow:
+  - domain: api.example.com
+    ports: [443]
+dns:
+  mode: guard
+  listen: [127.0.0.53:53]
+  upstream: [192.0.2.53]
+log:
+  group: 100
+"#;
+
+/// `egress-fence run` in guard mode, once its guard serves.
+fn start_guard(w: &World, policy: &str) -> Background {
+    let mut daemon = w.spawn_egress_fence(&["run", policy]);
+    if !daemon.wait_for_output("the DNS guard is serving", Duration::from_secs(10)) {
+        let _ = daemon.terminate();
+        panic!("the guard did not start:\n{}", daemon.stderr());
+    }
+    daemon
+}
+
+/// `dig @127.0.0.53 NAME TYPE` from the sandbox: the guard's answer code.
+fn ask_guard(w: &World, name: &str, rtype: &str) -> String {
+    let out = w.sandbox_cmd(&[
+        "dig",
+        "+tries=1",
+        "+time=2",
+        "+noall",
+        "+comments",
+        "@127.0.0.53",
+        name,
+        rtype,
+    ]);
+    out.stdout
+        .split("status: ")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .unwrap_or_else(|| panic!("no status in dig's answer: {out}"))
+        .to_string()
+}
+
+/// A name the guard refuses shows up in `watch --json` with the name, its type, who asked
+/// and the answer, and counts towards --count.
+#[test]
+fn a_query_the_guard_refused_shows_up_with_its_name() {
+    let w = World::new();
+    let policy = w.write_file("guard.yaml", GUARD_POLICY);
+    let _daemon = start_guard(&w, policy.to_str().expect("utf-8"));
+
+    let mut watch = w.spawn_egress_fence(&["watch", "--json", "--count", "1"]);
+    assert!(
+        watch.wait_for_output("watching the DNS guard", Duration::from_secs(5)),
+        "watch did not connect to the guard: {}",
+        watch.stderr()
+    );
+    assert_eq!(ask_guard(&w, "c2VjcmV0.attacker.example", "TXT"), "REFUSED");
+    assert!(
+        watch.wait_timeout(Duration::from_secs(5)).is_some(),
+        "watch did not exit after 1 event: {}",
+        watch.stderr()
+    );
+    let got = events(&watch.stdout());
+    assert_eq!(got.len(), 1, "{}", watch.stdout());
+    let q = &got[0];
+    assert_eq!(q["protocol"], "dns", "{q}");
+    assert_eq!(q["verdict"], "refused", "{q}");
+    // Lower case, as QueryEvent documents.
+    assert_eq!(q["name"], "c2vjcmv0.attacker.example", "{q}");
+    assert_eq!(q["qtype"], "TXT", "{q}");
+    assert_eq!(q["answer"], "REFUSED", "{q}");
+    assert_eq!(q["transport"], "udp", "{q}");
+    assert!(
+        q["client"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("127.0.0.1:")),
+        "{q}"
+    );
+}
+
+/// watch started before the guard waits for it quietly, prints refused queries and refused
+/// packets side by side as whole lines, and reconnects when the guard restarts.
+#[test]
+fn watch_follows_the_guard_across_restarts_beside_refused_packets() {
+    let w = World::new();
+    let policy = w.write_file("guard.yaml", GUARD_POLICY);
+    let policy = policy.to_str().expect("utf-8");
+
+    // No service yet, so no table either: the group is given.
+    let mut watch = w.spawn_egress_fence(&["watch", "--group", "100", "--count", "3"]);
+    assert!(watch.wait_for_output("watching NFLOG group 100", Duration::from_secs(5)));
+    let mut daemon = start_guard(&w, policy);
+    assert!(
+        watch.wait_for_output("watching the DNS guard", Duration::from_secs(5)),
+        "watch did not find the guard: {}",
+        watch.stderr()
+    );
+    assert_eq!(ask_guard(&w, "first.attacker.example", "A"), "REFUSED");
+    assert!(watch.wait_for_output("first.attacker.example", Duration::from_secs(5)));
+    assert!(!w.tcp_connects(OTHER_V4, 8443));
+    assert!(watch.wait_for_output("203.0.113.10:8443", Duration::from_secs(5)));
+
+    // The guard restarts: watch says so on stderr, comes back by itself, and goes on.
+    assert!(daemon.terminate().success(), "{}", daemon.stderr());
+    assert!(
+        watch.wait_for_output("went away", Duration::from_secs(5)),
+        "{}",
+        watch.stderr()
+    );
+    let _daemon = start_guard(&w, policy);
+    assert!(
+        within(Duration::from_secs(5), || watch
+            .stderr()
+            .matches("watching the DNS guard")
+            .count()
+            >= 2),
+        "watch did not reconnect: {}",
+        watch.stderr()
+    );
+    assert_eq!(ask_guard(&w, "second.attacker.example", "AAAA"), "REFUSED");
+    assert!(
+        watch.wait_timeout(Duration::from_secs(5)).is_some(),
+        "watch did not exit after 3 events: {}",
+        watch.stderr()
+    );
+
+    let out = watch.stdout();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(
+        lines[0].contains("REFUSED dns query first.attacker.example A from 127.0.0.1:"),
+        "{out}"
+    );
+    assert!(
+        lines[0].ends_with("(udp), answered REFUSED [not in the policy]"),
+        "{out}"
+    );
+    assert!(
+        lines[1].contains("REFUSED tcp 198.51.100.2:") && lines[1].contains("203.0.113.10:8443"),
+        "{out}"
+    );
+    assert!(
+        lines[2].contains("REFUSED dns query second.attacker.example AAAA from 127.0.0.1:"),
+        "{out}"
+    );
+}
