@@ -176,6 +176,7 @@ impl World {
             dir,
             dns: Mutex::new(Dns {
                 records: BTreeMap::new(),
+                cnames: BTreeMap::new(),
                 ttl: DEFAULT_DNS_TTL,
                 main: None,
                 rogue: None,
@@ -357,7 +358,7 @@ impl World {
         let mut dns = self.dns_state();
         if dns.main.is_none() {
             self.write_hosts_file(&dns);
-            let d = self.spawn_dnsmasq(Role::Main, dns.ttl, &[]);
+            let d = self.spawn_dnsmasq(Role::Main, dns.ttl, &dns.cname_args());
             dns.main = Some(self.wait_dnsmasq_ready(d));
         }
     }
@@ -463,6 +464,21 @@ impl World {
     /// `dig +tries=1 +time=2` from the sandbox. `server: None` uses the sandbox's resolv.conf
     /// (the allowed resolver). `rtype` is e.g. "A", "AAAA", "TXT".
     pub fn dig(&self, server: Option<IpAddr>, name: &str, rtype: &str, tcp: bool) -> DigResult {
+        let extra: &[&str] = if tcp { &["+tcp"] } else { &[] };
+        self.dig_as(None, server, name, rtype, extra)
+    }
+
+    /// Like [`World::dig`], as user `uid` (`None`: root, as the test runs; see
+    /// [`World::sandbox_cmd_as`]) and with extra dig options after the name and type, e.g.
+    /// `+tcp`, `+noedns`, `+ignore` (keep a truncated answer), `-p 853`.
+    pub fn dig_as(
+        &self,
+        uid: Option<u32>,
+        server: Option<IpAddr>,
+        name: &str,
+        rtype: &str,
+        extra: &[&str],
+    ) -> DigResult {
         let mut args = vec![
             "dig".to_string(),
             "+tries=1".into(),
@@ -475,11 +491,12 @@ impl World {
             args.push(format!("@{server}"));
         }
         args.extend([name.to_string(), rtype.to_string()]);
-        if tcp {
-            args.push("+tcp".into());
-        }
+        args.extend(extra.iter().map(|a| a.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        DigResult::parse(self.sandbox_cmd(&args))
+        DigResult::parse(match uid {
+            Some(uid) => self.sandbox_cmd_as(uid, &args),
+            None => self.sandbox_cmd(&args),
+        })
     }
 
     /// `curl` from the sandbox (no proxy, connect timeout 2 s, total 5 s, IPv6 literals in
@@ -674,17 +691,7 @@ impl World {
         self.write_hosts_file(dns);
         if ttl != dns.ttl {
             dns.ttl = ttl;
-            for role in [Role::Main, Role::Rogue] {
-                let slot = match role {
-                    Role::Main => &mut dns.main,
-                    Role::Rogue => &mut dns.rogue,
-                };
-                if let Some(d) = slot.take() {
-                    stop_child(d.child, "dnsmasq");
-                    let d = self.spawn_dnsmasq(role, ttl, &[]);
-                    *slot = Some(self.wait_dnsmasq_ready(d));
-                }
-            }
+            self.restart_dns(dns);
             return;
         }
         let hosts = self.hosts_path();
@@ -710,7 +717,24 @@ impl World {
         }
     }
 
-    /// Starts one resolver; `extra` adds dnsmasq flags (a wildcard record).
+    /// Restarts every running resolver with the records, CNAMEs and TTL of `dns` (dnsmasq
+    /// reads `--cname` and `--local-ttl` only at start) and waits until each answers.
+    fn restart_dns(&self, dns: &mut Dns) {
+        let extra = dns.cname_args();
+        for role in [Role::Main, Role::Rogue] {
+            let slot = match role {
+                Role::Main => &mut dns.main,
+                Role::Rogue => &mut dns.rogue,
+            };
+            if let Some(d) = slot.take() {
+                stop_child(d.child, "dnsmasq");
+                let d = self.spawn_dnsmasq(role, dns.ttl, &extra);
+                *slot = Some(self.wait_dnsmasq_ready(d));
+            }
+        }
+    }
+
+    /// Starts one resolver; `extra` adds dnsmasq flags (a wildcard record, CNAMEs).
     fn spawn_dnsmasq(&self, role: Role, ttl: u32, extra: &[String]) -> Dnsmasq {
         let mut args: Vec<String> = [
             "dnsmasq",
@@ -795,7 +819,7 @@ impl World {
                     // setns affects only this thread, ours, which ends with the listener.
                     nix::sched::setns(&fd, CloneFlags::CLONE_NEWNET)?;
                     let (socket, local) = match proto {
-                        Proto::Tcp => {
+                        Proto::Tcp | Proto::TcpAny => {
                             let l = TcpListener::bind((ip, port))?;
                             l.set_nonblocking(true)?;
                             let local = l.local_addr()?;
@@ -814,6 +838,7 @@ impl World {
                         stop: AtomicBool::new(false),
                         hits: Mutex::new(Vec::new()),
                         arrived: Condvar::new(),
+                        threaded: matches!(proto, Proto::TcpAny),
                     }))
                 })();
                 drop(fd);
@@ -908,9 +933,21 @@ impl Drop for World {
 struct Dns {
     /// name -> (addresses, ttl); every ttl equals `ttl` except transiently.
     records: BTreeMap<String, (Vec<IpAddr>, u32)>,
+    /// alias -> target: CNAME records (dnsmasq's `--cname`), served by both resolvers.
+    cnames: BTreeMap<String, String>,
     ttl: u32,
     main: Option<Dnsmasq>,
     rogue: Option<Dnsmasq>,
+}
+
+impl Dns {
+    /// dnsmasq's flags for the CNAME records.
+    fn cname_args(&self) -> Vec<String> {
+        self.cnames
+            .iter()
+            .map(|(alias, target)| format!("--cname={alias},{target}"))
+            .collect()
+    }
 }
 
 struct Dnsmasq {
@@ -1062,6 +1099,8 @@ impl Drop for Listener {
 enum Proto {
     Tcp,
     Udp,
+    /// TCP, one thread per connection, echo or HTTP ([`World::listen_tcp_any`]).
+    TcpAny,
 }
 
 enum Socket {
@@ -1076,6 +1115,8 @@ struct ListenerShared {
     stop: AtomicBool,
     hits: Mutex<Vec<Hit>>,
     arrived: Condvar,
+    /// Each connection is served by a thread of its own ([`handle_tcp_threaded`]).
+    threaded: bool,
 }
 
 impl ListenerShared {
@@ -1106,7 +1147,7 @@ impl ListenerShared {
     }
 }
 
-fn serve(shared: &ListenerShared) {
+fn serve(shared: &Arc<ListenerShared>) {
     let fd = shared.fd();
     let mut buf = vec![0u8; 65536];
     while !shared.stop.load(Ordering::SeqCst) {
@@ -1115,6 +1156,16 @@ fn serve(shared: &ListenerShared) {
         }
         match &shared.socket {
             Socket::Tcp(l) => match l.accept() {
+                Ok((stream, peer)) if shared.threaded => {
+                    let shared = shared.clone();
+                    // The thread inherits this thread's network namespace (it opens nothing).
+                    let spawned = thread::Builder::new()
+                        .name("eft-tcp-conn".into())
+                        .spawn(move || handle_tcp_threaded(&shared, stream, peer));
+                    if spawned.is_err() {
+                        thread::sleep(Duration::from_millis(10));
+                    }
+                }
                 Ok((stream, peer)) => handle_tcp(shared, stream, peer),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(_) => thread::sleep(Duration::from_millis(10)),
@@ -1162,6 +1213,72 @@ fn handle_tcp(shared: &ListenerShared, mut stream: std::net::TcpStream, peer: So
         let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
         while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
     }
+}
+
+/// A connection of a [`World::listen_tcp_any`] listener: records it (with the address the
+/// client actually connected to), then answers an HTTP request (first bytes `GET `, `HEAD`,
+/// `POST`) like [`handle_tcp`] does, or echoes everything else back until the client closes
+/// it or the listener stops.
+fn handle_tcp_threaded(shared: &ListenerShared, mut stream: std::net::TcpStream, peer: SocketAddr) {
+    let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+    let local = stream.local_addr().map_or(shared.local, canonical);
+    let index = shared.record(Hit {
+        peer: canonical(peer),
+        local,
+        at: Instant::now(),
+        data: Vec::new(),
+    });
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+    let mut data = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut http = None;
+    // Bytes received before the kind of client was known: echoed once it is.
+    let mut undecided = Vec::new();
+    while !shared.stop.load(Ordering::SeqCst) {
+        let n = match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
+            Err(_) => break,
+        };
+        let fresh = &buf[..n];
+        if data.len() < 65536 {
+            data.extend_from_slice(fresh);
+        }
+        if http.is_none() {
+            undecided.extend_from_slice(fresh);
+            if undecided.len() >= 4 || fresh.contains(&b'\n') {
+                let methods = [&b"GET "[..], b"HEAD", b"POST"];
+                http = Some(methods.iter().any(|m| undecided.starts_with(m)));
+            }
+        }
+        match http {
+            Some(true) if data.windows(4).any(|w| w == b"\r\n\r\n") => {
+                let body = format!("HTTP/1.0 200 OK\r\n\r\nhello from {local}\n");
+                if stream.write_all(body.as_bytes()).is_ok() {
+                    let _ = stream.shutdown(Shutdown::Write);
+                    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+                    while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+                }
+                break;
+            }
+            Some(false) => {
+                let echo = if undecided.is_empty() {
+                    fresh
+                } else {
+                    &undecided[..]
+                };
+                if stream.write_all(echo).is_err() {
+                    break;
+                }
+                undecided.clear();
+            }
+            _ => {}
+        }
+    }
+    shared.lock_hits()[index].data = data;
 }
 
 fn poll_readable(fd: RawFd, timeout_ms: i32) -> bool {
@@ -1228,6 +1345,8 @@ pub struct DigResult {
     /// "NOERROR", "NXDOMAIN", "REFUSED", ...; `None` when no answer came (timeout,
     /// unreachable, connection refused, blocked).
     pub status: Option<String>,
+    /// The header's flags as dig prints them ("qr", "aa", "tc", "rd", "ra", ...).
+    pub flags: Vec<String>,
     pub answers: Vec<DnsRecord>,
     pub output: CmdOutput,
 }
@@ -1235,9 +1354,14 @@ pub struct DigResult {
 impl DigResult {
     fn parse(output: CmdOutput) -> DigResult {
         let mut status = None;
+        let mut flags = Vec::new();
         let mut answers = Vec::new();
         for line in output.stdout.lines() {
-            if line.contains("->>HEADER<<-") {
+            if let Some(rest) = line.strip_prefix(";; flags:") {
+                // ";; flags: qr aa tc rd ra; QUERY: 1, ANSWER: 30, ..."
+                let list = rest.split(';').next().unwrap_or_default();
+                flags = list.split_whitespace().map(String::from).collect();
+            } else if line.contains("->>HEADER<<-") {
                 status = line
                     .split_once("status: ")
                     .and_then(|(_, s)| s.split(',').next())
@@ -1258,6 +1382,7 @@ impl DigResult {
         }
         DigResult {
             status,
+            flags,
             answers,
             output,
         }
@@ -1708,11 +1833,611 @@ impl World {
             stop_child(d.child, "dnsmasq");
         }
         self.write_hosts_file(&dns);
-        let d = self.spawn_dnsmasq(
-            Role::Main,
-            dns.ttl,
-            &[format!("--address=/{domain}/{addr}")],
-        );
+        let mut extra = dns.cname_args();
+        extra.push(format!("--address=/{domain}/{addr}"));
+        let d = self.spawn_dnsmasq(Role::Main, dns.ttl, &extra);
         dns.main = Some(self.wait_dnsmasq_ready(d));
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The DNS guard's world (appended for the guard tests)
+// ---------------------------------------------------------------------------------------------
+
+/// Where the guard listens by default (`dns.listen: [127.0.0.53:53]`), in the sandbox.
+pub const GUARD_V4: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 53));
+/// The guard's default listen address and port.
+pub const GUARD_ADDR: SocketAddr = SocketAddr::new(GUARD_V4, 53);
+
+/// The uid (and gid) of sandbox clients that must not pass as the guard: the guard runs as
+/// root in the tests, and the table lets the guard's uid alone reach the upstream resolvers.
+pub const NOBODY: u32 = 65534;
+
+/// How many distinct IPv4 addresses the rotating pool has ([`pool_v4`]).
+pub const POOL_V4_LEN: usize = 2 * 187;
+
+/// The `i`-th address of the rotating IPv4 pool: even `i` in 192.0.2.64-192.0.2.250, odd `i`
+/// in 203.0.113.64-203.0.113.250 (clear of the world's fixed hosts), repeating after
+/// [`POOL_V4_LEN`]. Not a host until added ([`World::add_hosts`], [`World::rotating_pool`]).
+pub fn pool_v4(i: usize) -> IpAddr {
+    let k = i % POOL_V4_LEN;
+    let host = 64 + (k / 2) as u8;
+    if k.is_multiple_of(2) {
+        IpAddr::V4(Ipv4Addr::new(192, 0, 2, host))
+    } else {
+        IpAddr::V4(Ipv4Addr::new(203, 0, 113, host))
+    }
+}
+
+/// The `i`-th address of the IPv6 pool, 2001:db8:3::/64 (`i + 1` as the interface id): a
+/// distinct address for every `i` below 2^32.
+pub fn pool_v6(i: usize) -> IpAddr {
+    let n = i as u32 + 1;
+    IpAddr::V6(Ipv6Addr::new(
+        0x2001,
+        0xdb8,
+        3,
+        0,
+        0,
+        0,
+        (n >> 16) as u16,
+        n as u16,
+    ))
+}
+
+/// One name of [`World::rotating_pool`] and the addresses its A and AAAA records hold.
+#[derive(Clone, Debug)]
+pub struct PoolName {
+    pub name: String,
+    pub addrs: Vec<IpAddr>,
+}
+
+impl PoolName {
+    /// The IPv4 addresses (its A records).
+    pub fn v4(&self) -> Vec<IpAddr> {
+        self.addrs.iter().copied().filter(IpAddr::is_ipv4).collect()
+    }
+
+    /// The IPv6 addresses (its AAAA records).
+    pub fn v6(&self) -> Vec<IpAddr> {
+        self.addrs.iter().copied().filter(IpAddr::is_ipv6).collect()
+    }
+}
+
+/// One element of a resolved set (`ADDR . PROTO . PORT`), as `nft list set` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SetElement {
+    pub addr: IpAddr,
+    /// "tcp" or "udp".
+    pub proto: String,
+    pub port: u16,
+    /// The element's lifetime when added (or refreshed).
+    pub timeout: Option<Duration>,
+    /// What is left of it.
+    pub expires: Option<Duration>,
+}
+
+impl World {
+    /// Makes every address of `ips` a host of the internet at once (one `ip -batch`; an
+    /// address that is already there is fine).
+    pub fn add_hosts(&self, ips: &[IpAddr]) {
+        let lines: Vec<String> = ips
+            .iter()
+            .map(|ip| {
+                format!(
+                    "addr replace {} dev lo {}",
+                    host_cidr(*ip),
+                    nodad(*ip).join(" ")
+                )
+            })
+            .collect();
+        if !lines.is_empty() {
+            ip_batch(&self.net, &lines);
+        }
+    }
+
+    /// Sets the records of many names with ONE reload of each resolver (like [`World::dns_set`]
+    /// for each of them, which would reload once per name).
+    pub fn dns_set_many(&self, records: &[(String, Vec<IpAddr>)], ttl_secs: u32) {
+        let mut dns = self.dns_state();
+        let mut new = BTreeMap::new();
+        for (name, addrs) in records {
+            assert!(!addrs.is_empty(), "dns_set_many: {name} has no address");
+            new.insert(normalize_name(name), (addrs.clone(), ttl_secs));
+        }
+        if let Some((other, (_, ttl))) = dns
+            .records
+            .iter()
+            .find(|(n, (_, ttl))| !new.contains_key(*n) && *ttl != ttl_secs)
+        {
+            panic!(
+                "dns_set_many(ttl {ttl_secs}): dnsmasq serves one TTL for all names and \
+                 {other} has TTL {ttl}; use dns_set_ttl to change it for every name"
+            );
+        }
+        dns.records.extend(new);
+        self.apply_dns(&mut dns, ttl_secs);
+    }
+
+    /// A CDN-like zone: `count` names `r0.DOMAIN` .. `r{count-1}.DOMAIN`, name `i` answering
+    /// the A records `pool_v4(i * v4_per_name + j)` for `j < v4_per_name` (so consecutive
+    /// names rotate through the pool and it wraps after [`POOL_V4_LEN`] addresses) and, with
+    /// `v6`, the AAAA record `pool_v6(i)` (distinct for every name). All addresses become
+    /// hosts in one `ip -batch` and both resolvers serve the names after one reload, with the
+    /// current TTL. Listen with [`World::listen_tcp_any`] to accept on all of them.
+    pub fn rotating_pool(
+        &self,
+        domain: &str,
+        count: usize,
+        v4_per_name: usize,
+        v6: bool,
+    ) -> Vec<PoolName> {
+        assert!(v4_per_name > 0 || v6, "a pool name needs an address");
+        let pool: Vec<PoolName> = (0..count)
+            .map(|i| {
+                let mut addrs: Vec<IpAddr> = (0..v4_per_name)
+                    .map(|j| pool_v4(i * v4_per_name + j))
+                    .collect();
+                if v6 {
+                    addrs.push(pool_v6(i));
+                }
+                PoolName {
+                    name: format!("r{i}.{domain}"),
+                    addrs,
+                }
+            })
+            .collect();
+        let mut hosts: Vec<IpAddr> = pool.iter().flat_map(|p| p.addrs.clone()).collect();
+        hosts.sort();
+        hosts.dedup();
+        self.add_hosts(&hosts);
+        let records: Vec<(String, Vec<IpAddr>)> = pool
+            .iter()
+            .map(|p| (p.name.clone(), p.addrs.clone()))
+            .collect();
+        self.dns_set_many(&records, self.dns_ttl());
+        pool
+    }
+
+    /// Adds the CNAME record `alias -> target` to both resolvers (restarting them: dnsmasq
+    /// reads CNAMEs only at start; ~25 ms each) and returns once they serve it. dnsmasq
+    /// answers a CNAME only while it knows `target` itself: give it records with
+    /// [`World::dns_set`] (before or after). The answer carries the CNAME and the target's
+    /// records, with the resolvers' one TTL.
+    pub fn dns_cname(&self, alias: &str, target: &str) {
+        let mut dns = self.dns_state();
+        dns.cnames
+            .insert(normalize_name(alias), normalize_name(target));
+        self.restart_dns(&mut dns);
+    }
+
+    /// Rewrites the sandbox's resolv.conf (`/etc/netns/<sandbox>/resolv.conf`) to name
+    /// `server` alone, so that curl, getent and dig without `@` inside the sandbox ask it.
+    /// Commands started afterwards see it.
+    pub fn set_sandbox_nameserver(&self, server: IpAddr) {
+        let path = self.etc_dir.join("resolv.conf");
+        fs::write(
+            &path,
+            format!("nameserver {server}\noptions timeout:2 attempts:1\n"),
+        )
+        .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    }
+
+    /// Points the sandbox's resolv.conf at the DNS guard ([`GUARD_V4`]).
+    pub fn use_guard_resolver(&self) {
+        self.set_sandbox_nameserver(GUARD_V4);
+    }
+
+    /// Runs `args` inside the sandbox as user and group `uid` with no supplementary groups
+    /// (`setpriv`), and waits for it (killed after 60 s). Use [`NOBODY`] for a client that
+    /// must not pass as the guard.
+    pub fn sandbox_cmd_as(&self, uid: u32, args: &[&str]) -> CmdOutput {
+        let (reuid, regid) = (format!("--reuid={uid}"), format!("--regid={uid}"));
+        let mut full = vec!["setpriv", &reuid, &regid, "--clear-groups", "--"];
+        full.extend_from_slice(args);
+        self.sandbox_cmd(&full)
+    }
+
+    /// A TCP listener on `[::]:port` in the net namespace (dual stack: every IPv4 and IPv6
+    /// host of the world, e.g. a whole [`World::rotating_pool`]). Each connection is served
+    /// by a thread of its own: it is recorded with the address the client really connected
+    /// to ([`Hit::local`], IPv4 without the `::ffff:` mapping, like [`Hit::peer`]), then an
+    /// HTTP request (first bytes `GET `, `HEAD` or `POST`) is answered like
+    /// [`World::listen_tcp`] does, and anything else is echoed back until the client closes
+    /// (a long-lived connection). Do not combine it with another listener on the same port.
+    pub fn listen_tcp_any(&self, port: u16) -> Listener {
+        self.listen(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port, Proto::TcpAny)
+    }
+
+    /// The elements of the set `set` (e.g. "resolved4") of table inet egress_fence in the
+    /// sandbox, with their timeouts (read from `nft list set`, which shows milliseconds where
+    /// `nft -j` rounds down to seconds). Panics when the set cannot be listed.
+    pub fn set_elements(&self, set: &str) -> Vec<SetElement> {
+        let out = self.sandbox_cmd(&["nft", "list", "set", "inet", "egress_fence", set]);
+        assert!(out.success(), "nft list set inet egress_fence {set}: {out}");
+        parse_set_elements(&out.stdout)
+            .unwrap_or_else(|e| panic!("cannot read the elements of {set} ({e}):\n{out}"))
+    }
+
+    /// The element of the resolved sets for `addr` on TCP `port`, if there is one.
+    pub fn resolved_element(&self, addr: IpAddr, port: u16) -> Option<SetElement> {
+        let set = if addr.is_ipv4() {
+            "resolved4"
+        } else {
+            "resolved6"
+        };
+        self.set_elements(set)
+            .into_iter()
+            .find(|e| e.addr == addr && e.proto == "tcp" && e.port == port)
+    }
+}
+
+/// The elements of a concatenated `ADDR . PROTO . PORT` set in `nft list set` output.
+fn parse_set_elements(text: &str) -> Result<Vec<SetElement>, String> {
+    let Some(start) = text.find("elements = {") else {
+        return Ok(Vec::new()); // an empty set has no elements line
+    };
+    let body = &text[start + "elements = {".len()..];
+    let body = &body[..body.find('}').ok_or("no closing brace")?];
+    let mut elements = Vec::new();
+    for item in body.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let t: Vec<&str> = item.split_whitespace().collect();
+        if t.len() < 5 || t[1] != "." || t[3] != "." {
+            return Err(format!("not ADDR . PROTO . PORT: {item:?}"));
+        }
+        let mut e = SetElement {
+            addr: t[0].parse().map_err(|e| format!("{item:?}: {e}"))?,
+            proto: match t[2] {
+                "6" => "tcp".into(),
+                "17" => "udp".into(),
+                p => p.to_string(),
+            },
+            port: t[4].parse().map_err(|e| format!("{item:?}: {e}"))?,
+            timeout: None,
+            expires: None,
+        };
+        let mut rest = t[5..].iter();
+        while let Some(key) = rest.next() {
+            match *key {
+                "timeout" => e.timeout = Some(parse_nft_duration(rest.next().unwrap_or(&""))?),
+                "expires" => e.expires = Some(parse_nft_duration(rest.next().unwrap_or(&""))?),
+                _ => {}
+            }
+        }
+        elements.push(e);
+    }
+    Ok(elements)
+}
+
+/// "3s", "2s592ms", "1h2m", "1d" as nft prints durations.
+fn parse_nft_duration(s: &str) -> Result<Duration, String> {
+    let mut total = Duration::ZERO;
+    let mut rest = s;
+    if rest.is_empty() {
+        return Err("empty duration".into());
+    }
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let n: u64 = rest[..digits]
+            .parse()
+            .map_err(|_| format!("bad duration {s:?}"))?;
+        rest = &rest[digits..];
+        let unit = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        total += match &rest[..unit] {
+            "ms" => Duration::from_millis(n),
+            "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(60 * n),
+            "h" => Duration::from_secs(3600 * n),
+            "d" => Duration::from_secs(86400 * n),
+            u => return Err(format!("unknown unit {u:?} in {s:?}")),
+        };
+        rest = &rest[unit..];
+    }
+    Ok(total)
+}
+
+// ---------------------------------------------------------------------------------------------
+// systemd's notify socket
+// ---------------------------------------------------------------------------------------------
+
+/// A systemd-style notify socket (`NOTIFY_SOCKET`) in the world's directory, drained
+/// continuously by a thread as systemd does, for waiting on `READY=1`.
+pub struct NotifySocket {
+    path: String,
+    received: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl NotifySocket {
+    /// Binds `name` (e.g. "notify.sock") inside [`World::dir`].
+    pub fn new(w: &World, name: &str) -> NotifySocket {
+        let path = w.dir().join(name);
+        let socket = std::os::unix::net::UnixDatagram::bind(&path)
+            .unwrap_or_else(|e| panic!("bind the notify socket {}: {e}", path.display()));
+        socket
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .expect("set a read timeout");
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sink, done) = (received.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while !done.load(Ordering::Relaxed) {
+                if let Ok(n) = socket.recv(&mut buf) {
+                    let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    sink.lock().unwrap_or_else(|e| e.into_inner()).push(msg);
+                }
+            }
+        });
+        NotifySocket {
+            path: path.to_str().expect("utf-8 path").to_string(),
+            received,
+            stop,
+        }
+    }
+
+    /// The value for `NOTIFY_SOCKET`.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Waits for a datagram containing `needle`, taking the datagrams up to it; returns it.
+    pub fn wait_for(&self, needle: &str, timeout: Duration) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let mut got = self.received.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(i) = got.iter().position(|m| m.contains(needle)) {
+                    return got.drain(..=i).next_back();
+                }
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for NotifySocket {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A minimal DNS client
+// ---------------------------------------------------------------------------------------------
+
+/// Record types for [`dns_ask`].
+pub const RTYPE_A: u16 = 1;
+pub const RTYPE_CNAME: u16 = 5;
+pub const RTYPE_MX: u16 = 15;
+pub const RTYPE_TXT: u16 = 16;
+pub const RTYPE_AAAA: u16 = 28;
+
+/// Response codes of [`DnsReply::rcode`].
+pub const RCODE_NOERROR: u8 = 0;
+pub const RCODE_SERVFAIL: u8 = 2;
+pub const RCODE_NXDOMAIN: u8 = 3;
+pub const RCODE_REFUSED: u8 = 5;
+
+/// How [`dns_ask`] sends its query.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// One datagram (no EDNS, so at most 512 bytes come back: more is truncated).
+    Udp,
+    /// A TCP connection with the two-byte length prefix.
+    Tcp,
+}
+
+/// The data of an answer record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RData {
+    /// A or AAAA.
+    Addr(IpAddr),
+    /// CNAME (lower case, without the trailing dot).
+    Name(String),
+    Other(Vec<u8>),
+}
+
+/// One record of the answer section.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DnsAnswer {
+    /// Lower case, without the trailing dot.
+    pub name: String,
+    pub rtype: u16,
+    pub ttl: u32,
+    pub data: RData,
+}
+
+/// A response [`dns_ask`] received.
+#[derive(Clone, Debug)]
+pub struct DnsReply {
+    pub rcode: u8,
+    /// The TC bit: the answer did not fit (ask again over TCP).
+    pub truncated: bool,
+    pub answers: Vec<DnsAnswer>,
+}
+
+impl DnsReply {
+    /// The A and AAAA addresses of the answer section, in order.
+    pub fn addrs(&self) -> Vec<IpAddr> {
+        self.answers
+            .iter()
+            .filter_map(|a| match a.data {
+                RData::Addr(ip) => Some(ip),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// "NOERROR", "SERVFAIL", "NXDOMAIN", "REFUSED" or "RCODE<n>".
+    pub fn rcode_name(&self) -> String {
+        match self.rcode {
+            RCODE_NOERROR => "NOERROR".into(),
+            RCODE_SERVFAIL => "SERVFAIL".into(),
+            RCODE_NXDOMAIN => "NXDOMAIN".into(),
+            RCODE_REFUSED => "REFUSED".into(),
+            n => format!("RCODE{n}"),
+        }
+    }
+}
+
+/// Asks `server` for `name`/`rtype` (class IN, recursion desired, no EDNS) over `transport`
+/// and waits up to `timeout` for the response with the query's id. Sockets are opened in the
+/// calling thread's network namespace: call it inside [`World::in_sandbox_ns`] to ask as a
+/// sandbox process (as root, the test's user). Err: nothing usable came back (timeout, ICMP
+/// error, reset, malformed response), with what happened.
+pub fn dns_ask(
+    server: SocketAddr,
+    name: &str,
+    rtype: u16,
+    transport: Transport,
+    timeout: Duration,
+) -> Result<DnsReply, String> {
+    static NEXT_ID: AtomicU32 = AtomicU32::new(0);
+    let seed = std::process::id().wrapping_mul(2_654_435_761);
+    let id = (NEXT_ID.fetch_add(1, Ordering::Relaxed).wrapping_add(seed) as u16).to_be_bytes();
+    let mut query = Vec::with_capacity(64);
+    query.extend_from_slice(&id);
+    query.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]); // RD, one question
+    for label in name.trim_end_matches('.').split('.') {
+        assert!(
+            !label.is_empty() && label.len() < 64,
+            "bad DNS name {name:?}"
+        );
+        query.push(label.len() as u8);
+        query.extend_from_slice(label.as_bytes());
+    }
+    query.push(0);
+    query.extend_from_slice(&rtype.to_be_bytes());
+    query.extend_from_slice(&[0, 1]); // IN
+    let what = |e: std::io::Error| format!("{transport:?} {name} {rtype} to {server}: {e}");
+    let deadline = Instant::now() + timeout;
+    let left = || {
+        let l = deadline.saturating_duration_since(Instant::now());
+        if l.is_zero() {
+            Err(std::io::Error::new(ErrorKind::TimedOut, "timed out"))
+        } else {
+            Ok(l)
+        }
+    };
+    match transport {
+        Transport::Udp => {
+            let any: IpAddr = match server {
+                SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+                SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+            };
+            let sock = UdpSocket::bind((any, 0)).map_err(what)?;
+            sock.connect(server).map_err(what)?;
+            sock.send(&query).map_err(what)?;
+            let mut buf = vec![0u8; 65536];
+            loop {
+                sock.set_read_timeout(Some(left().map_err(what)?))
+                    .map_err(what)?;
+                let n = sock.recv(&mut buf).map_err(what)?;
+                if n >= 12 && buf[..2] == id {
+                    return parse_dns_reply(&buf[..n]).map_err(|e| format!("{name}: {e}"));
+                }
+            }
+        }
+        Transport::Tcp => {
+            let mut stream = std::net::TcpStream::connect_timeout(&server, left().map_err(what)?)
+                .map_err(what)?;
+            let mut msg = (query.len() as u16).to_be_bytes().to_vec();
+            msg.extend_from_slice(&query);
+            stream
+                .set_write_timeout(Some(left().map_err(what)?))
+                .map_err(what)?;
+            stream.write_all(&msg).map_err(what)?;
+            stream
+                .set_read_timeout(Some(left().map_err(what)?))
+                .map_err(what)?;
+            let mut len = [0u8; 2];
+            stream.read_exact(&mut len).map_err(what)?;
+            let mut buf = vec![0u8; u16::from_be_bytes(len) as usize];
+            stream.read_exact(&mut buf).map_err(what)?;
+            if buf.len() < 12 || buf[..2] != id {
+                return Err(format!("{name}: a TCP response with another id"));
+            }
+            parse_dns_reply(&buf).map_err(|e| format!("{name}: {e}"))
+        }
+    }
+}
+
+fn parse_dns_reply(msg: &[u8]) -> Result<DnsReply, String> {
+    let u16_at = |p: usize| -> Result<u16, String> {
+        msg.get(p..p + 2)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]))
+            .ok_or_else(|| "response cut short".to_string())
+    };
+    let flags = u16_at(2)?;
+    if flags & 0x8000 == 0 {
+        return Err("not a response (QR clear)".into());
+    }
+    let (qdcount, ancount) = (u16_at(4)?, u16_at(6)?);
+    let mut pos = 12;
+    for _ in 0..qdcount {
+        pos = read_dns_name(msg, pos)?.1 + 4;
+    }
+    let mut answers = Vec::new();
+    for _ in 0..ancount {
+        let (name, next) = read_dns_name(msg, pos)?;
+        let rtype = u16_at(next)?;
+        let ttl = (u32::from(u16_at(next + 4)?) << 16) | u32::from(u16_at(next + 6)?);
+        let rdlen = usize::from(u16_at(next + 8)?);
+        let rdata_at = next + 10;
+        let rdata = msg
+            .get(rdata_at..rdata_at + rdlen)
+            .ok_or("record data cut short")?;
+        let data = match (rtype, rdlen) {
+            (RTYPE_A, 4) => RData::Addr(IpAddr::from(<[u8; 4]>::try_from(rdata).unwrap())),
+            (RTYPE_AAAA, 16) => RData::Addr(IpAddr::from(<[u8; 16]>::try_from(rdata).unwrap())),
+            (RTYPE_CNAME, _) => RData::Name(read_dns_name(msg, rdata_at)?.0),
+            _ => RData::Other(rdata.to_vec()),
+        };
+        answers.push(DnsAnswer {
+            name,
+            rtype,
+            ttl,
+            data,
+        });
+        pos = rdata_at + rdlen;
+    }
+    Ok(DnsReply {
+        rcode: (flags & 0x000f) as u8,
+        truncated: flags & 0x0200 != 0,
+        answers,
+    })
+}
+
+/// Reads a (possibly compressed) name at `pos`: the name in lower case without the trailing
+/// dot, and where the record continues.
+fn read_dns_name(msg: &[u8], mut pos: usize) -> Result<(String, usize), String> {
+    let mut labels: Vec<String> = Vec::new();
+    let mut end = None;
+    for _ in 0..128 {
+        let len = *msg.get(pos).ok_or("name cut short")? as usize;
+        match len {
+            0 => {
+                return Ok((labels.join("."), end.unwrap_or(pos + 1)));
+            }
+            l if l & 0xc0 == 0xc0 => {
+                let low = *msg.get(pos + 1).ok_or("pointer cut short")? as usize;
+                end.get_or_insert(pos + 2);
+                pos = ((l & 0x3f) << 8) | low;
+            }
+            l => {
+                let label = msg.get(pos + 1..pos + 1 + l).ok_or("label cut short")?;
+                labels.push(String::from_utf8_lossy(label).to_ascii_lowercase());
+                pos += 1 + l;
+            }
+        }
+    }
+    Err("name with a pointer loop".into())
 }
