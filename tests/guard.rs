@@ -29,14 +29,15 @@ const ASK_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a client waits for a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A guard-mode policy: each of `domains` allowed on TCP [`PORT`], `extra_allow` appended to
-/// `allow:` as YAML, `dns_extra` appended to `dns:` (lines indented by two spaces).
-fn policy(domains: &[&str], extra_allow: &str, dns_extra: &[&str]) -> String {
+/// A guard-mode policy: each of `domains` allowed on TCP [`PORT`], then `extra` as YAML
+/// (more allow entries, or a top-level section such as `deny:`), `dns_extra` appended to
+/// `dns:` (lines indented by two spaces).
+fn policy(domains: &[&str], extra: &str, dns_extra: &[&str]) -> String {
     let mut p = String::from("version: 1\nallow:\n");
     for d in domains {
         p.push_str(&format!("  - domain: \"{d}\"\n    ports: [{PORT}]\n"));
     }
-    p.push_str(extra_allow);
+    p.push_str(extra);
     p.push_str(&format!(
         "dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n"
     ));
@@ -726,6 +727,67 @@ fn a_truncated_answer_falls_back_to_tcp_and_every_address_connects() {
     let reply = ask(&w, "big2.pool.example", RTYPE_A, Transport::Tcp).expect("a TCP answer");
     assert!(!reply.truncated);
     assert_eq!(sorted(reply.addrs()), big);
+}
+
+/// Deny wins in guard mode too: an allowed name answering an address in a denied network
+/// (DNS rebinding) is answered, but the address stays refused, and the guard says why.
+#[test]
+fn an_allowed_name_answering_a_denied_address_stays_refused() {
+    let w = World::new();
+    w.dns_set("rebind.pool.example", &[OTHER_V4], DEFAULT_DNS_TTL);
+    w.dns_set("fine.pool.example", &[HOST_V4], DEFAULT_DNS_TTL);
+    let denied = w.listen_tcp(OTHER_V4, PORT);
+    let _fine = w.listen_tcp(HOST_V4, PORT);
+    let deny = "deny:\n  - cidr: 203.0.113.0/24\n";
+    let mut g = start_guard(&w, &policy(&["*.pool.example"], deny, &[]));
+
+    let _ = ask(&w, "rebind.pool.example", RTYPE_A, Transport::Udp).expect("an answer");
+    assert!(
+        !connects(&w, OTHER_V4, PORT),
+        "deny must win over the answer"
+    );
+    assert_eq!(denied.count(), 0);
+    assert!(
+        g.daemon
+            .wait_for_output("stays refused (deny wins)", Duration::from_secs(5)),
+        "{}",
+        g.daemon.stderr()
+    );
+    assert_eq!(resolve(&w, &g, "fine.pool.example", RTYPE_A), vec![HOST_V4]);
+    assert!(connects(&w, HOST_V4, PORT), "the control");
+}
+
+/// With the upstream resolver down, an allowed name gets SERVFAIL (UDP and TCP), promptly
+/// and never an address, and nothing is added; once it is back, the name resolves.
+#[test]
+fn an_unreachable_upstream_gives_servfail() {
+    let w = World::new();
+    w.dns_set("down.pool.example", &[HOST_V4], DEFAULT_DNS_TTL);
+    let _l = w.listen_tcp(HOST_V4, PORT);
+    let g = start_guard(&w, &policy(&["*.pool.example"], "", &[]));
+    w.dns_stop();
+    for transport in [Transport::Udp, Transport::Tcp] {
+        let reply = w
+            .in_sandbox_ns(|| {
+                dns_ask(
+                    GUARD_ADDR,
+                    "down.pool.example",
+                    RTYPE_A,
+                    transport,
+                    Duration::from_secs(10),
+                )
+            })
+            .unwrap_or_else(|e| panic!("no answer over {transport:?}: {e}"));
+        assert_eq!(
+            (reply.rcode, reply.answers.len()),
+            (RCODE_SERVFAIL, 0),
+            "{transport:?}: {reply:?}"
+        );
+    }
+    assert!(!connects(&w, HOST_V4, PORT));
+    w.dns_start();
+    assert_eq!(resolve(&w, &g, "down.pool.example", RTYPE_A), vec![HOST_V4]);
+    assert!(connects(&w, HOST_V4, PORT));
 }
 
 // ---------------------------------------------------------------------------------------------
