@@ -17,8 +17,16 @@
 //! The host addresses live on `lo` of the net namespace (this kernel has no `dummy` driver).
 //!
 //! Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and the tools `ip` (iproute2), `dnsmasq`
-//! (dnsmasq-base), `dig` (dnsutils), `nc` (netcat-openbsd), `curl`, `nft` (nftables), `bash`
-//! and `timeout` (coreutils). Worlds are independent, so tests using them may run in parallel.
+//! (dnsmasq-base), `dig` (dnsutils), `nc` (netcat-openbsd), `curl`, `nft` (nftables), `bash`,
+//! `timeout` and `stdbuf` (coreutils) and `setpriv` (util-linux). Worlds are independent, so
+//! tests using them may run in parallel.
+//!
+//! For the DNS guard (its tests are in tests/guard.rs) a world also has: a rotating pool of
+//! test addresses served as many names at once ([`World::rotating_pool`]), a listener on every
+//! address ([`World::listen_tcp_any`]), CNAMEs ([`World::dns_cname`]), the sandbox's
+//! resolv.conf pointed at the guard ([`World::use_guard_resolver`]), clients as another uid
+//! ([`World::sandbox_cmd_as`], [`World::dig_as`]), the resolved sets' elements with their
+//! timeouts ([`World::set_elements`]) and a DNS client for the sandbox ([`dns_ask`]).
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
