@@ -197,6 +197,12 @@ fn renew_slack(grace: Duration) -> Duration {
 /// How many waiting answers go into one batch.
 const MAX_ANSWER_BATCH: usize = 256;
 
+/// How often the guard looks for live connections to addresses about to expire: a third of
+/// the shortest lifetime, between 1 and 10 seconds.
+fn sweep_every(guard: &crate::policy::Guard, grace: Duration) -> Duration {
+    ((guard.floor + grace) / 3).clamp(Duration::from_secs(1), Duration::from_secs(10))
+}
+
 /// Retry delay after `failures` failed lookups in a row: 1 s, 2 s, 4 s, 8 s, then every 10 s
 /// (or `cap`, the refresh floor, if shorter): a host that boots before its network resolves
 /// its names soon after the resolver answers.
@@ -604,6 +610,66 @@ impl Daemon {
                 self.reapply();
                 false
             }
+        }
+    }
+
+    /// In guard mode an address stays allowed while a connection to it lives, even past its
+    /// lifetime: elements about to expire (within two sweeps) that conntrack shows a live flow
+    /// to are renewed for three sweeps. `ct state established` already carries the
+    /// connection's own packets; this keeps a client that reconnects to the address it still
+    /// uses (a pool, a retry) from being refused under it.
+    fn keep_connected(&mut self) {
+        let Some(guard) = &self.policy.dns.guard else {
+            return;
+        };
+        let every = sweep_every(guard, self.policy.dns.grace);
+        let now = Instant::now();
+        let soon: Vec<Tuple> = self
+            .installed
+            .iter()
+            .filter(|(_, e)| **e > now && **e <= now + 2 * every)
+            .map(|(t, _)| *t)
+            .collect();
+        if soon.is_empty() {
+            return;
+        }
+        let flows = match crate::conntrack::live_flows() {
+            Ok(f) => f,
+            Err(e) => {
+                warn!(error = %e, "cannot read conntrack; addresses expire on time");
+                return;
+            }
+        };
+        let until = now + 3 * every;
+        let keep: Vec<(Tuple, Instant)> = soon
+            .into_iter()
+            .filter(|t| flows.contains(&(t.net.addr(), t.proto, t.ports.first)))
+            .map(|t| (t, until))
+            .collect();
+        if keep.is_empty() {
+            return;
+        }
+        let elements: Vec<Timed> = keep.iter().map(|&(t, e)| timed(t, e, now)).collect();
+        match self.nft.upsert_resolved(&elements) {
+            Ok(()) => {
+                self.our_generation = self.nft.generation().ok();
+                let addrs: BTreeSet<IpAddr> = keep.iter().map(|(t, _)| t.net.addr()).collect();
+                info!(addresses = ?addrs, "kept addresses with live connections past their lifetime");
+                for state in self.names.values_mut() {
+                    for (addr, expires) in state.addrs.iter_mut() {
+                        if addrs.contains(addr) {
+                            *expires = (*expires).max(until);
+                        }
+                    }
+                }
+                for (t, e) in keep {
+                    if let Some(c) = self.carried.get_mut(&t) {
+                        *c = (*c).max(e);
+                    }
+                    self.installed.insert(t, e);
+                }
+            }
+            Err(e) => error!(error = %e, "renewing addresses with live connections failed"),
         }
     }
 
@@ -1054,6 +1120,13 @@ impl Daemon {
         let mut last_status = self.status_line();
         let mut status_at = Instant::now();
         let mut status_tick = tokio::time::interval(Duration::from_secs(1));
+        let sweep = self
+            .policy
+            .dns
+            .guard
+            .as_ref()
+            .map(|g| sweep_every(g, self.policy.dns.grace));
+        let mut sweep_tick = tokio::time::interval(sweep.unwrap_or(Duration::from_secs(3600)));
         let _ = sd_notify::notify(&[
             sd_notify::NotifyState::Ready,
             sd_notify::NotifyState::Status(&last_status),
@@ -1137,6 +1210,7 @@ impl Daemon {
                 }
                 // Brings the status line below up to date even when nothing else happens.
                 _ = status_tick.tick() => {}
+                _ = sweep_tick.tick(), if sweep.is_some() => self.keep_connected(),
                 _ = watchdog_tick.tick(), if watchdog.is_some() => {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
                 }

@@ -13,6 +13,7 @@
 //! shows what was refused and [`probe`] proves the boundary from inside.
 
 pub mod change;
+pub mod conntrack;
 pub mod daemon;
 pub mod diff;
 pub mod guard;
