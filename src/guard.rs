@@ -722,4 +722,81 @@ mod tests {
         assert_eq!(back.queries, q.queries);
         assert!(back.answers.is_empty());
     }
+
+    /// An upstream on loopback that answers every A question with 192.0.2.7, TTL 60.
+    async fn fake_upstream() -> SocketAddr {
+        let socket = UdpSocket::bind("127.0.0.1:0").await.expect("bind loopback");
+        let addr = socket.local_addr().expect("local address");
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 512];
+            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let Ok(q) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let mut a = q.clone();
+                a.metadata.message_type = MessageType::Response;
+                let name = q.queries[0].name().clone();
+                a.add_answer(Record::from_rdata(name, 60, RData::A(A::new(192, 0, 2, 7))));
+                let _ = socket.send_to(&a.to_vec().unwrap(), from).await;
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn an_answer_waits_for_the_kernel_and_a_refusal_becomes_servfail() {
+        let mut rules = rules();
+        rules.upstream = vec![fake_upstream().await];
+        let (_keep, rules_rx) = watch::channel(Arc::new(rules));
+        let (answered, mut daemon) = mpsc::channel(8);
+        let context = Arc::new(Context {
+            rules: rules_rx,
+            answered,
+            events: broadcast::channel(8).0,
+            counters: Arc::new(Counters::default()),
+        });
+        let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
+        let ask = |name: &str| {
+            let q = query(name, RecordType::A);
+            let raw = q.to_vec().unwrap();
+            let context = context.clone();
+            (
+                q,
+                tokio::spawn(async move { answer(&context, &raw, client, Transport::Udp).await }),
+            )
+        };
+
+        let (q, pending) = ask("a.pool.example.");
+        let request = daemon.recv().await.expect("the daemon is asked to install");
+        assert_eq!(request.name.as_str(), "a.pool.example");
+        assert_eq!(
+            request.addrs,
+            [ResolvedAddr {
+                addr: "192.0.2.7".parse().unwrap(),
+                ttl: 60
+            }]
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !pending.is_finished(),
+            "released before the kernel acknowledged"
+        );
+        request.done.send(true).unwrap();
+        let reply = Message::from_vec(&pending.await.unwrap().expect("a reply")).unwrap();
+        assert_eq!(reply.metadata.id, q.metadata.id, "the client's own id");
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(reply.answers.len(), 1);
+
+        let (_, pending) = ask("b.pool.example.");
+        let request = daemon.recv().await.expect("the daemon is asked to install");
+        request.done.send(false).unwrap();
+        let reply = Message::from_vec(&pending.await.unwrap().expect("a reply")).unwrap();
+        assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
+        assert!(
+            reply.answers.is_empty(),
+            "no answer the client could not use"
+        );
+        assert_eq!(context.counters.failed.load(Ordering::Relaxed), 1);
+        assert_eq!(context.counters.answered.load(Ordering::Relaxed), 1);
+    }
 }

@@ -1060,6 +1060,10 @@ struct RawRefresh {
     max: Option<Interval>,
 }
 
+/// Durations end up as kernel element timeouts in milliseconds and as deadlines: a year is
+/// far beyond any sensible setting and far inside what either can hold.
+const MAX_INTERVAL_SECS: u64 = 365 * 86_400;
+
 /// A duration written as `30s`, `10m`, `1h` or `1d`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Interval(pub Duration);
@@ -1084,6 +1088,11 @@ impl FromStr for Interval {
         };
         if secs == 0 {
             return Err(format!("`{s}` is zero; {hint}"));
+        }
+        if secs > MAX_INTERVAL_SECS {
+            return Err(format!(
+                "`{s}` is longer than a year, the longest a duration here may be"
+            ));
         }
         Ok(Interval(Duration::from_secs(secs)))
     }
@@ -1424,6 +1433,14 @@ impl Policy {
                  included) will be refused"
                     .into(),
             );
+            if self.dns.guard.is_some() {
+                out.push(
+                    "without `established`, a connection to an answered address is cut when \
+                     the address expires (the guard renews only addresses whose connections \
+                     conntrack still sees)"
+                        .into(),
+                );
+            }
         }
         if let Some(resolvers) = &self.dns.resolvers
             && resolvers.iter().all(|r| r.is_loopback())
@@ -1748,6 +1765,11 @@ essentials: [loopback, established]
         assert!(msg.contains("swap them"), "{msg}");
         let (_, _, msg) = err("version: 1\ndns:\n  grace: 0s\n");
         assert!(msg.contains("is zero"), "{msg}");
+        // Would overflow a deadline (and a kernel timeout in milliseconds).
+        let (line, _, msg) = err("version: 1\ndns:\n  grace: 99999999999999999d\n");
+        assert_eq!(line, 3);
+        assert!(msg.contains("longer than a year"), "{msg}");
+        assert!(parse("version: 1\ndns:\n  grace: 365d\n").is_ok());
     }
 
     #[test]
