@@ -509,6 +509,7 @@ impl Daemon {
             warn!(error = %e, "refused queries will be in the log only");
         }
         guard.serve(crate::guard::Context {
+            in_flight: crate::guard::in_flight_limit(),
             rules: rules_rx,
             answered: answered_tx,
             events,

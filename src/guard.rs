@@ -26,7 +26,7 @@ use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::{DNSClass, Name, RData};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener};
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
@@ -40,6 +40,10 @@ const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 const TCP_IDLE: Duration = Duration::from_secs(10);
 /// The largest UDP datagram read: EDNS allows up to 64 KiB, clients ask for 1232 to 4096.
 const MAX_UDP: usize = 65_535;
+/// Queries in flight at once, over all listeners: beyond this the guard stops reading (UDP
+/// queries wait in the socket buffer, TCP clients in the backlog), so a flood costs queued
+/// packets, not a socket and a task each.
+const MAX_IN_FLIGHT: usize = 1024;
 /// CNAME hops followed from the asked name, as resolvers bound them.
 const MAX_CHAIN: usize = 16;
 const DNS_PORT: u16 = 53;
@@ -125,10 +129,16 @@ pub struct Counters {
 
 /// What the serving tasks share.
 pub struct Context {
+    pub in_flight: Arc<Semaphore>,
     pub rules: watch::Receiver<Arc<Rules>>,
     pub answered: mpsc::Sender<Answered>,
     pub events: broadcast::Sender<QueryEvent>,
     pub counters: Arc<Counters>,
+}
+
+/// The limit of queries in flight a guard's [`Context`] starts with.
+pub fn in_flight_limit() -> Arc<Semaphore> {
+    Arc::new(Semaphore::new(MAX_IN_FLIGHT))
 }
 
 /// The guard's listening sockets, bound before the table goes up so that a port already taken
@@ -187,8 +197,12 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
             }
         };
         let query = buf[..len].to_vec();
+        let Ok(permit) = context.in_flight.clone().acquire_owned().await else {
+            return;
+        };
         let (socket, context) = (socket.clone(), context.clone());
         tokio::spawn(async move {
+            let _permit = permit;
             if let Some(reply) = answer(&context, &query, client, Transport::Udp).await
                 && let Err(e) = socket.send_to(&reply, client).await
             {
@@ -217,6 +231,9 @@ async fn serve_tcp(listener: TcpListener, context: Arc<Context>) {
 /// pipeline still get every answer, in order).
 async fn serve_tcp_client(mut stream: TcpStream, client: SocketAddr, context: Arc<Context>) {
     while let Ok(Ok(query)) = timeout(TCP_IDLE, read_framed(&mut stream)).await {
+        let Ok(_permit) = context.in_flight.acquire().await else {
+            return;
+        };
         let Some(reply) = answer(&context, &query, client, Transport::Tcp).await else {
             return;
         };
@@ -750,6 +767,7 @@ mod tests {
         let (_keep, rules_rx) = watch::channel(Arc::new(rules));
         let (answered, mut daemon) = mpsc::channel(8);
         let context = Arc::new(Context {
+            in_flight: in_flight_limit(),
             rules: rules_rx,
             answered,
             events: broadcast::channel(8).0,
