@@ -32,6 +32,7 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
 use crate::guard::{Answered, Counters, Guard, GuardError, Rules};
+use crate::nft::live::guard_dns_note;
 use crate::nft::monitor::{Change, Monitor};
 use crate::nft::{Nft, NftError};
 use crate::plan::{denied_answers, plan_with, resolved_tuple, services_of};
@@ -1064,8 +1065,14 @@ impl Daemon {
     }
 
     /// What the daemon knows of a refused packet's destination.
-    fn describe_destination(&self, dst: IpAddr) -> String {
+    fn describe_destination(&self, dst: IpAddr, dport: Option<u16>) -> String {
         let now = Instant::now();
+        if let Some(note) = self
+            .guard_uid
+            .and_then(|uid| guard_dns_note(uid, dport, self.resolvers.contains(&dst)))
+        {
+            return note;
+        }
         if let Some(deny) = self.policy.denied_by(dst) {
             return format!("denied: {}", deny.describe());
         }
@@ -1094,7 +1101,7 @@ impl Daemon {
     }
 
     fn log_drop(&self, mut event: DropEvent) {
-        event.note = Some(self.describe_destination(event.dst));
+        event.note = Some(self.describe_destination(event.dst, event.dport));
         info!(
             protocol = %event.protocol,
             src = %event.src,

@@ -973,7 +973,8 @@ fn run(command: Command) -> Result<u8, Failure> {
                                 table.as_ref().map(Destinations::of).unwrap_or_default(),
                             ));
                         }
-                        let table_note = known.as_ref().map(|(_, d)| d.note(event.dst));
+                        let table_note =
+                            known.as_ref().map(|(_, d)| d.note(event.dst, event.dport));
                         event.note = match Preset::containing(event.dst) {
                             Some(p) => Some(format!("{} (preset {})", p.describe(), p.name())),
                             None => table_note,

@@ -64,7 +64,7 @@ use crate::policy::{
     Allow, DenyOrigin, DomainName, Guard, L4Proto, Policy, PortRange, Preset, ProbeHost, Target,
 };
 use crate::resolve::{ResolveError, ResolvedAddr, ResolvedHost, resolve_names, system_resolvers};
-use crate::ruleset::{Elements, Family, OUTPUT_CHAIN, SetId, SetRole, TABLE};
+use crate::ruleset::{Elements, Family, SetId, SetRole, TABLE};
 
 /// What [`run`] needs besides the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -187,23 +187,12 @@ impl TableView {
 
 impl TableFacts {
     pub fn of(table: &LiveTable) -> TableFacts {
-        let mut facts = TableFacts::default();
-        let dns_sets = Family::BOTH.map(|f| SetId::new(SetRole::Dns, f).name());
-        for rule in table.rules.iter().filter(|r| r.chain == OUTPUT_CHAIN) {
-            let dns_lookup = rule.exprs.iter().any(|e| {
-                e.starts_with("lookup ")
-                    && e.split_whitespace()
-                        .any(|w| dns_sets.iter().any(|s| s == w))
-            });
-            if !dns_lookup {
-                continue;
-            }
-            match skuid(&rule.exprs) {
-                Some(uid) if !facts.dns_uids.contains(&uid) => facts.dns_uids.push(uid),
-                Some(_) => {}
-                None => facts.dns_for_everyone = true,
-            }
-        }
+        let access = table.dns_access();
+        let mut facts = TableFacts {
+            dns_uids: access.uids,
+            dns_for_everyone: access.everyone,
+            denied: Vec::new(),
+        };
         for family in Family::BOTH {
             if let Some(Elements::Networks(nets)) =
                 table.contents(SetId::new(SetRole::Deny, family))
@@ -213,18 +202,6 @@ impl TableFacts {
         }
         facts
     }
-}
-
-/// The uid a rule's `meta skuid U` compares with: libnftnl prints it as `meta load skuid =>
-/// reg N` followed by `cmp eq reg N 0x...` (the uid in host byte order).
-fn skuid(exprs: &[String]) -> Option<u32> {
-    exprs.windows(2).find_map(|pair| {
-        let reg = pair[0].strip_prefix("meta load skuid => reg ")?;
-        let hex = pair[1]
-            .strip_prefix(&format!("cmp eq reg {reg} 0x"))?
-            .trim();
-        u32::from_str_radix(hex, 16).ok()
-    })
 }
 
 /// The uid owning a socket bound to `addr` (or to the unspecified address on its port) in
@@ -1855,6 +1832,7 @@ fn describe(e: &io::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ruleset::OUTPUT_CHAIN;
 
     fn ctx() -> Ctx {
         Ctx {

@@ -8,7 +8,9 @@ use serde::Serialize;
 
 use super::sys::{LiveChain, LiveElem, LiveRule, LiveSet, NFT_SET_ELEM_INTERVAL_END};
 use crate::policy::{L4Proto, PortRange};
-use crate::ruleset::{Elements, Family, KeyShape, REFUSED_CHAIN, SetId, TABLE, Timed, Tuple};
+use crate::ruleset::{
+    Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, SetId, SetRole, TABLE, Timed, Tuple,
+};
 
 /// Everything in the tool's table, as the kernel reports it.
 #[derive(Debug, Clone)]
@@ -123,11 +125,69 @@ pub fn log_group(rules: &[LiveRule]) -> Option<u16> {
         .find_map(|r| r.log_group)
 }
 
+/// Who the table lets ask the resolvers of its DNS sets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DnsAccess {
+    /// The uids of the rules `meta skuid U ... @dns4/@dns6 accept`: in guard mode only their
+    /// sockets may reach the resolvers.
+    pub uids: Vec<u32>,
+    /// A rule accepts DNS to the resolvers from every uid (a resolve-mode table).
+    pub everyone: bool,
+}
+
+impl LiveTable {
+    pub fn dns_access(&self) -> DnsAccess {
+        let mut access = DnsAccess::default();
+        let dns_sets = Family::BOTH.map(|f| SetId::new(SetRole::Dns, f).name());
+        for rule in self.rules.iter().filter(|r| r.chain == OUTPUT_CHAIN) {
+            let dns_lookup = rule.exprs.iter().any(|e| {
+                e.starts_with("lookup ")
+                    && e.split_whitespace()
+                        .any(|w| dns_sets.iter().any(|s| s == w))
+            });
+            if !dns_lookup {
+                continue;
+            }
+            match skuid(&rule.exprs) {
+                Some(uid) if !access.uids.contains(&uid) => access.uids.push(uid),
+                Some(_) => {}
+                None => access.everyone = true,
+            }
+        }
+        access
+    }
+}
+
+/// The uid a rule's `meta skuid U` compares with: libnftnl prints it as `meta load skuid =>
+/// reg N` followed by `cmp eq reg N 0x...` (the uid in host byte order).
+fn skuid(exprs: &[String]) -> Option<u32> {
+    exprs.windows(2).find_map(|pair| {
+        let reg = pair[0].strip_prefix("meta load skuid => reg ")?;
+        let hex = pair[1]
+            .strip_prefix(&format!("cmp eq reg {reg} 0x"))?
+            .trim();
+        u32::from_str_radix(hex, 16).ok()
+    })
+}
+
+/// In guard mode, the note for a refused packet to a DNS port (53, 853): `None` for any other.
+pub fn guard_dns_note(uid: u32, dport: Option<u16>, to_upstream: bool) -> Option<String> {
+    let port = dport.filter(|p| crate::plan::GUARDED_DNS_PORTS.contains(p))?;
+    Some(if to_upstream {
+        format!("DNS to the guard's upstream resolver: only the guard (uid {uid}) may ask it")
+    } else {
+        format!("DNS (port {port}) to a resolver other than the guard: refused in guard mode")
+    })
+}
+
 /// What the installed table says about destinations, for notes on refused packets.
 #[derive(Debug, Clone, Default)]
 pub struct Destinations {
     denied: Vec<IpNet>,
     allowed: Vec<IpNet>,
+    /// The resolvers of the DNS sets, and in guard mode the uid that alone may ask them.
+    resolvers: Vec<IpNet>,
+    guard_uid: Option<u32>,
 }
 
 impl Destinations {
@@ -143,19 +203,33 @@ impl Destinations {
                 Elements::Timed(t) => t.into_iter().map(|t| t.tuple.net).collect(),
             };
             match id.role {
-                crate::ruleset::SetRole::Deny => d.denied.extend(nets),
+                SetRole::Deny => d.denied.extend(nets),
+                SetRole::Dns => d.resolvers.extend(nets),
                 _ => d.allowed.extend(nets),
             }
         }
+        d.guard_uid = table.dns_access().uids.first().copied();
         d
     }
 
-    /// "denied (169.254.0.0/16)", "allowed on other ports or protocols only", or "not in the
-    /// policy".
-    pub fn note(&self, dst: IpAddr) -> String {
+    /// "denied (169.254.0.0/16)", "allowed on other ports or protocols only", "not in the
+    /// policy", or in guard mode what it says of DNS.
+    pub fn note(&self, dst: IpAddr, dport: Option<u16>) -> String {
+        let upstream = self.resolvers.iter().any(|n| n.contains(&dst));
+        if let Some(note) = self
+            .guard_uid
+            .and_then(|uid| guard_dns_note(uid, dport, upstream))
+        {
+            return note;
+        }
         if let Some(net) = self.denied.iter().find(|n| n.contains(&dst)) {
             format!("denied ({})", crate::ruleset::fmt_net(net))
-        } else if self.allowed.iter().any(|n| n.contains(&dst)) {
+        } else if self
+            .allowed
+            .iter()
+            .chain(&self.resolvers)
+            .any(|n| n.contains(&dst))
+        {
             "allowed on other ports or protocols only".to_string()
         } else {
             "not in the policy".to_string()
@@ -390,5 +464,30 @@ mod tests {
         let elems = live(set_elements(id, &want).collect());
         assert_eq!(elems[0].timeout_ms, Some(5000));
         assert_eq!(decode(id, &elems), want);
+    }
+
+    #[test]
+    fn notes_say_why_dns_was_refused_in_guard_mode() {
+        let mut d = Destinations {
+            resolvers: vec!["192.0.2.53/32".parse().unwrap()],
+            guard_uid: Some(993),
+            ..Destinations::default()
+        };
+        let upstream: IpAddr = "192.0.2.53".parse().unwrap();
+        let other: IpAddr = "203.0.113.9".parse().unwrap();
+        assert!(
+            d.note(upstream, Some(53))
+                .contains("only the guard (uid 993)")
+        );
+        assert!(
+            d.note(other, Some(853))
+                .contains("port 853) to a resolver other than the guard")
+        );
+        assert_eq!(
+            d.note(upstream, Some(443)),
+            "allowed on other ports or protocols only"
+        );
+        d.guard_uid = None;
+        assert_eq!(d.note(other, Some(53)), "not in the policy");
     }
 }
