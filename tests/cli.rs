@@ -125,6 +125,30 @@ fn the_demo_shows_an_allowed_and_a_refused_connection_and_cleans_up() {
         "no watch line: {stdout}"
     );
     assert!(stdout.contains("-> 203.0.113.66:443"), "{stdout}");
+    // The guard step: the allowed name connects through the guard's answer, the secret asked
+    // as a name is refused, never reaches the upstream resolver, and watch shows it.
+    let step = |marker: &str| {
+        stdout
+            .split(marker)
+            .nth(1)
+            .and_then(|rest| rest.trim_start().lines().nth(1))
+            .unwrap_or_else(|| panic!("no {marker:?} step: {stdout}"))
+            .to_string()
+    };
+    assert!(
+        step("learned from the guard's answer").contains("OK: hello"),
+        "{stdout}"
+    );
+    assert!(
+        step("a secret asked as a DNS name").contains("status: REFUSED"),
+        "{stdout}"
+    );
+    assert!(!step("as the agent's user").contains("status:"), "{stdout}");
+    assert!(stdout.contains("for the secret name 0 times"), "{stdout}");
+    assert!(
+        stdout.contains("REFUSED dns query c2vjcmv0.paste.example.net"),
+        "{stdout}"
+    );
     assert!(
         stdout.contains("table inet egress_fence is not installed"),
         "{stdout}"
