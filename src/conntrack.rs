@@ -18,6 +18,8 @@ use nix::sys::socket::{
 use nix::sys::time::TimeVal;
 
 use crate::policy::L4Proto;
+// The byte helpers of the NFLOG reader, which parses netlink the same way.
+use crate::watch::{align4, ne16, ne32};
 
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_NEW: u16 = 0;
@@ -183,18 +185,6 @@ fn attr(mut attrs: &[u8], kind: u16) -> Option<&[u8]> {
         attrs = attrs.get(align4(len)..).unwrap_or_default();
     }
     None
-}
-
-fn align4(n: usize) -> usize {
-    n.saturating_add(3) & !3
-}
-
-fn ne16(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn ne32(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 
 #[cfg(test)]

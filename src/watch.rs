@@ -530,7 +530,7 @@ fn bind_request(group: u16, seq: u32) -> Vec<u8> {
 // Parsing what the kernel sends
 // ---------------------------------------------------------------------------------------------
 
-fn align4(n: usize) -> usize {
+pub(crate) fn align4(n: usize) -> usize {
     n.saturating_add(3) & !3
 }
 
@@ -546,11 +546,11 @@ fn be64(b: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_be_bytes(b.get(at..at + 8)?.try_into().ok()?))
 }
 
-fn ne16(b: &[u8], at: usize) -> Option<u16> {
+pub(crate) fn ne16(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
 }
 
-fn ne32(b: &[u8], at: usize) -> Option<u32> {
+pub(crate) fn ne32(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 

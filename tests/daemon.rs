@@ -5,10 +5,8 @@
 mod common;
 
 use std::net::{IpAddr, SocketAddr, TcpStream};
-use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -28,67 +26,11 @@ fn policy(names: &[&str]) -> String {
     p
 }
 
-/// A systemd-style notify socket the daemon reports to, drained continuously as systemd
-/// does (a datagram socket nobody reads fills up and blocks the sender).
-struct Notify {
-    path: String,
-    received: Arc<Mutex<Vec<String>>>,
-    stop: Arc<AtomicBool>,
-}
-
-impl Notify {
-    fn new(w: &World) -> Notify {
-        let path = w.dir().join("notify.sock");
-        let socket = UnixDatagram::bind(&path).expect("bind the notify socket");
-        socket
-            .set_read_timeout(Some(Duration::from_millis(100)))
-            .expect("set timeout");
-        let received = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (sink, done) = (received.clone(), stop.clone());
-        thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while !done.load(Ordering::Relaxed) {
-                if let Ok(n) = socket.recv(&mut buf) {
-                    let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
-                    sink.lock().unwrap_or_else(|e| e.into_inner()).push(msg);
-                }
-            }
-        });
-        Notify {
-            path: path.to_str().expect("utf-8 path").to_string(),
-            received,
-            stop,
-        }
-    }
-
-    /// Waits for a datagram containing `needle`, taking the datagrams up to it; returns it.
-    fn wait_for(&self, needle: &str, timeout: Duration) -> Option<String> {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            {
-                let mut got = self.received.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(i) = got.iter().position(|m| m.contains(needle)) {
-                    return Some(got.drain(..=i).next_back().expect("non-empty"));
-                }
-            }
-            thread::sleep(Duration::from_millis(10));
-        }
-        None
-    }
-}
-
-impl Drop for Notify {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
 /// Starts the daemon on `policy_path` and waits for READY.
-fn start(w: &World, notify: &Notify, policy_path: &Path, extra: &[&str]) -> Background {
+fn start(w: &World, notify: &NotifySocket, policy_path: &Path, extra: &[&str]) -> Background {
     let mut args = vec!["run", policy_path.to_str().expect("utf-8 path")];
     args.extend_from_slice(extra);
-    let mut daemon = w.spawn_egress_fence_with_env(&args, &[("NOTIFY_SOCKET", &notify.path)]);
+    let mut daemon = w.spawn_egress_fence_with_env(&args, &[("NOTIFY_SOCKET", notify.path())]);
     if notify
         .wait_for("READY=1", Duration::from_secs(10))
         .is_none()
@@ -136,12 +78,12 @@ fn ready_comes_once_the_table_is_live_and_sigterm_leaves_it() {
     w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
     let _api = w.listen_tcp(HOST_V4, 443);
     let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     assert!(!has_table(&w));
 
     let mut daemon = w.spawn_egress_fence_with_env(
         &["run", path.to_str().expect("utf-8")],
-        &[("NOTIFY_SOCKET", &notify.path)],
+        &[("NOTIFY_SOCKET", notify.path())],
     );
     let ready = notify.wait_for("READY=1", Duration::from_secs(10));
     // Checked at once: READY may only come after the boundary is in place.
@@ -186,7 +128,7 @@ fn a_changed_answer_is_followed_without_a_gap_and_the_old_address_fades_after_gr
         "policy.yaml",
         &policy(&["api.example.com", "steady.example.com"]),
     );
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     let daemon = start(&w, &notify, &path, &[]);
     let handle = w.table_handle();
     assert!(connects(&w, HOST_V4, 443));
@@ -260,7 +202,7 @@ fn a_failing_resolver_keeps_the_last_good_addresses_for_their_grace_only() {
     let _api = w.listen_tcp(HOST_V4, 443);
     let _unlisted = w.listen_tcp(HOST3_V4, 443);
     let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     let mut daemon = start(&w, &notify, &path, &[]);
     assert!(connects(&w, HOST_V4, 443));
 
@@ -295,7 +237,7 @@ fn sighup_refuses_a_broken_policy_and_applies_a_good_one() {
     let _api = w.listen_tcp(HOST_V4, 443);
     let _other = w.listen_tcp(HOST2_V4, 443);
     let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     let mut daemon = start(&w, &notify, &path, &[]);
     let handle = w.table_handle();
 
@@ -333,7 +275,7 @@ fn the_table_comes_back_within_a_second_after_a_flush_or_a_delete() {
     let _api = w.listen_tcp(HOST_V4, 443);
     let _unlisted = w.listen_tcp(HOST3_V4, 443);
     let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     let daemon = start(&w, &notify, &path, &[]);
 
     for vandalism in [
@@ -372,7 +314,7 @@ fn a_killed_daemon_leaves_a_consistent_table_that_the_next_start_takes_over() {
     w.dns_set("api.example.com", &[HOST_V4], 1);
     let _api = w.listen_tcp(HOST_V4, 443);
     let path = w.write_file("policy.yaml", &policy(&["api.example.com"]));
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     let mut daemon = start(&w, &notify, &path, &[]);
     // Let it refresh a few times, then kill it without warning.
     thread::sleep(Duration::from_millis(2500));
@@ -406,7 +348,7 @@ fn refusals_are_logged_with_what_the_daemon_knows_of_their_destination() {
     let mut text = policy(&["api.example.com"]);
     text.push_str("deny:\n  - preset: cloud-metadata\n");
     let path = w.write_file("policy.yaml", &text);
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     let mut daemon = start(&w, &notify, &path, &["--log-drops"]);
 
     let expect = |daemon: &mut Background, note: &str| {
@@ -456,7 +398,7 @@ fn a_large_table_does_not_mistake_its_own_notifications_for_tampering() {
         &format!("ports: [{}]\n    protocol: any", ranges.join(", ")),
     );
     let path = w.write_file("policy.yaml", &text);
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     let mut daemon = start(&w, &notify, &path, &[]);
     // A reload applies the whole table: our own flood of notifications.
     daemon.signal(Signal::SIGHUP);
@@ -496,7 +438,7 @@ fn at_boot_without_resolvers_the_skeleton_goes_up_and_names_follow() {
     let text = policy(&["api.example.com"]).replace("  resolvers: [192.0.2.53]\n", "");
     let path = w.write_file("policy.yaml", &text);
     let resolv = w.dir().join("resolv.conf");
-    let notify = Notify::new(&w);
+    let notify = NotifySocket::new(&w, "notify.sock");
     let resolv_arg = resolv.to_str().expect("utf-8 path");
     let mut daemon = w.spawn_egress_fence_with_env(
         &[
@@ -505,7 +447,7 @@ fn at_boot_without_resolvers_the_skeleton_goes_up_and_names_follow() {
             "--resolv-conf",
             resolv_arg,
         ],
-        &[("NOTIFY_SOCKET", &notify.path)],
+        &[("NOTIFY_SOCKET", notify.path())],
     );
     assert!(
         notify
