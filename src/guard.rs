@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
+use hickory_proto::rr::rdata::svcb::SvcParamValue;
 use hickory_proto::rr::{DNSClass, Name, RData};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener};
@@ -44,6 +45,9 @@ const MAX_UDP: usize = 65_535;
 /// queries wait in the socket buffer, TCP clients in the backlog), so a flood costs queued
 /// packets, not a socket and a task each.
 const MAX_IN_FLIGHT: usize = 1024;
+/// TCP clients served at once per listener; one more is closed at once (it retries, or uses
+/// UDP), so idle connections cannot use up the daemon's descriptors.
+const MAX_TCP_CLIENTS: usize = 256;
 /// CNAME hops followed from the asked name, as resolvers bound them.
 const MAX_CHAIN: usize = 16;
 const DNS_PORT: u16 = 53;
@@ -213,10 +217,19 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
 }
 
 async fn serve_tcp(listener: TcpListener, context: Arc<Context>) {
+    let clients = Arc::new(Semaphore::new(MAX_TCP_CLIENTS));
     loop {
         match listener.accept().await {
             Ok((stream, client)) => {
-                tokio::spawn(serve_tcp_client(stream, client, context.clone()));
+                let Ok(permit) = clients.clone().try_acquire_owned() else {
+                    debug!(client = %client, "too many DNS connections; closing this one");
+                    continue;
+                };
+                let context = context.clone();
+                tokio::spawn(async move {
+                    serve_tcp_client(stream, client, context).await;
+                    drop(permit);
+                });
             }
             Err(e) => {
                 // Out of descriptors, say: keep serving UDP and try again shortly.
@@ -494,8 +507,10 @@ fn random_id() -> u16 {
     getrandom::u32().map_or(0x5a5a, |r| r as u16)
 }
 
-/// The A and AAAA addresses that answer the question: records owned by the asked name or by a
-/// name the CNAME chain from it reaches. Records for unrelated names are ignored.
+/// The addresses that answer the question: A and AAAA records, and the address hints of
+/// HTTPS and SVCB records (clients may connect to those without asking A or AAAA), owned by
+/// the asked name or by a name the CNAME chain from it reaches. Records for unrelated names
+/// are ignored.
 pub fn answer_addresses(query: &Message, answer: &Message) -> Vec<ResolvedAddr> {
     let Some(question) = query.queries.first() else {
         return Vec::new();
@@ -517,16 +532,31 @@ pub fn answer_addresses(query: &Message, answer: &Message) -> Vec<ResolvedAddr> 
         .answers
         .iter()
         .filter(|r| chain.contains(&&r.name))
-        .filter_map(|r| {
-            Some(ResolvedAddr {
-                addr: r.data.ip_addr()?,
-                ttl: r.ttl,
-            })
+        .flat_map(|r| {
+            record_addresses(&r.data)
+                .into_iter()
+                .map(|addr| ResolvedAddr { addr, ttl: r.ttl })
         })
         .collect();
     addrs.sort();
     addrs.dedup_by_key(|a| a.addr);
     addrs
+}
+
+fn record_addresses(data: &RData) -> Vec<IpAddr> {
+    let svcb = match data {
+        RData::HTTPS(https) => &https.0,
+        RData::SVCB(svcb) => svcb,
+        other => return other.ip_addr().into_iter().collect(),
+    };
+    svcb.svc_params
+        .iter()
+        .flat_map(|(_, value)| match value {
+            SvcParamValue::Ipv4Hint(hint) => hint.0.iter().map(|a| IpAddr::from(a.0)).collect(),
+            SvcParamValue::Ipv6Hint(hint) => hint.0.iter().map(|a| IpAddr::from(a.0)).collect(),
+            _ => Vec::new(),
+        })
+        .collect()
 }
 
 /// A reply to `query` with `code`, the question echoed and no records.
@@ -816,5 +846,37 @@ mod tests {
         );
         assert_eq!(context.counters.failed.load(Ordering::Relaxed), 1);
         assert_eq!(context.counters.answered.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn https_records_bring_their_address_hints() {
+        use hickory_proto::rr::rdata::HTTPS;
+        use hickory_proto::rr::rdata::svcb::{IpHint, SVCB, SvcParamKey};
+        let q = query("a.pool.example.", RecordType::HTTPS);
+        let mut a = q.clone();
+        a.metadata.message_type = MessageType::Response;
+        let svcb = SVCB::new(
+            1,
+            Name::root(),
+            vec![
+                (
+                    SvcParamKey::Ipv4Hint,
+                    SvcParamValue::Ipv4Hint(IpHint(vec![A::new(192, 0, 2, 8)])),
+                ),
+                (
+                    SvcParamKey::Ipv6Hint,
+                    SvcParamValue::Ipv6Hint(IpHint(vec![AAAA::from_str("2001:db8::8").unwrap()])),
+                ),
+            ],
+        );
+        a.add_answer(record("a.pool.example.", 300, RData::HTTPS(HTTPS(svcb))));
+        let got: Vec<IpAddr> = answer_addresses(&q, &a).iter().map(|r| r.addr).collect();
+        assert_eq!(
+            got,
+            [
+                "192.0.2.8".parse::<IpAddr>().unwrap(),
+                "2001:db8::8".parse().unwrap()
+            ]
+        );
     }
 }
