@@ -1121,3 +1121,104 @@ fn a_live_connection_keeps_its_address_allowed() {
         element()
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// 8. Restart and reload
+// ---------------------------------------------------------------------------------------------
+
+/// Stops `g` with SIGTERM (the table stays) and frees its notify socket's name for the next.
+fn stop_guard(w: &World, mut g: Guard) {
+    let status = g.daemon.terminate();
+    assert!(status.success(), "{status:?}\n{}", g.daemon.stderr());
+    drop(g);
+    std::fs::remove_file(w.dir().join("notify.sock")).expect("remove the notify socket");
+}
+
+/// A restarted guard cannot know what its clients cached, so it keeps what the running table
+/// allows until it expires: a client that asked the old guard still connects, and nobody had
+/// to ask upstream again.
+#[test]
+fn a_restarted_guard_keeps_the_addresses_its_clients_hold() {
+    let w = World::new();
+    w.dns_set("app.pool.example", &[HOST_V4], 300);
+    let _listener = w.listen_tcp(HOST_V4, PORT);
+    let text = policy(&["*.pool.example"], "", &[]);
+    let g = start_guard(&w, &text);
+    assert_eq!(resolve(&w, &g, "app.pool.example", RTYPE_A), [HOST_V4]);
+    assert!(connects(&w, HOST_V4, PORT));
+    stop_guard(&w, g);
+    assert!(
+        connects(&w, HOST_V4, PORT),
+        "the stopped guard's table stays"
+    );
+
+    let g = start_guard(&w, &text);
+    assert!(
+        connects(&w, HOST_V4, PORT),
+        "the restart dropped an address a client holds:\n{}",
+        g.daemon.stderr()
+    );
+    assert!(
+        g.daemon
+            .stderr()
+            .contains("keeping the addresses the running table allows"),
+        "{}",
+        g.daemon.stderr()
+    );
+    let asked = upstream_names(&w)
+        .iter()
+        .filter(|n| n.as_str() == "app.pool.example")
+        .count();
+    assert_eq!(asked, 1, "asked upstream once, by the first guard");
+    // Nothing else came back with it.
+    assert!(!connects(&w, HOST2_V4, PORT));
+}
+
+/// SIGHUP: the guard answers by the new policy at once, keeps the addresses of names the new
+/// policy still allows, and refuses a change of `dns.listen`, which takes a restart.
+#[test]
+fn a_reload_answers_by_the_new_policy_and_keeps_what_it_still_allows() {
+    let w = World::new();
+    w.dns_set("app.pool.example", &[HOST_V4], 300);
+    w.dns_set("api.new.example", &[HOST2_V4], 300);
+    let _l1 = w.listen_tcp(HOST_V4, PORT);
+    let _l2 = w.listen_tcp(HOST2_V4, PORT);
+    let mut g = start_guard(&w, &policy(&["*.pool.example"], "", &[]));
+    assert_eq!(resolve(&w, &g, "app.pool.example", RTYPE_A), [HOST_V4]);
+    let refused = ask(&w, "api.new.example", RTYPE_A, Transport::Udp).expect("an answer");
+    assert_eq!(refused.rcode, RCODE_REFUSED);
+
+    w.write_file(
+        "guard.yaml",
+        &policy(&["*.pool.example", "*.new.example"], "", &[]),
+    );
+    g.daemon.signal(Signal::SIGHUP);
+    let answered = within(Duration::from_secs(5), || {
+        ask(&w, "api.new.example", RTYPE_A, Transport::Udp).is_ok_and(|r| r.rcode == RCODE_NOERROR)
+    });
+    assert!(
+        answered,
+        "the new name is still refused:\n{}",
+        g.daemon.stderr()
+    );
+    assert!(connects(&w, HOST2_V4, PORT));
+    assert!(
+        connects(&w, HOST_V4, PORT),
+        "the reload dropped a name it still allows"
+    );
+
+    // Another listen address: refused, the running guard goes on where it was.
+    w.write_file(
+        "guard.yaml",
+        &policy(&["*.pool.example"], "", &[]).replace(&GUARD_ADDR.to_string(), "127.0.0.54:53"),
+    );
+    g.daemon.signal(Signal::SIGHUP);
+    assert!(
+        g.daemon
+            .wait_for_output("takes a restart", Duration::from_secs(5)),
+        "{}",
+        g.daemon.stderr()
+    );
+    let still = ask(&w, "api.new.example", RTYPE_A, Transport::Udp).expect("an answer");
+    assert_eq!(still.rcode, RCODE_NOERROR, "the running policy stays");
+}
