@@ -830,9 +830,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             json,
             state,
         } => {
-            use egress_fence::watch::{DropEvent, QueryEvent, WatchError};
-            use std::io::BufRead;
-            use std::sync::mpsc;
+            use egress_fence::watch::Heard;
 
             let state = state_dir(&target, &state)?;
             enter(&target, None)?;
@@ -853,92 +851,10 @@ fn run(command: Command) -> Result<u8, Failure> {
                     .into()),
                 },
             };
-            let mut watcher = Watcher::subscribe(group)?;
+            let watcher = Watcher::subscribe(group)?;
             eprintln!("watching NFLOG group {group} for refused packets");
 
-            // Two sources, one printer: the readers send what they get here, and only this
-            // thread writes, so lines from both never mix.
-            enum Heard {
-                Packet(Result<DropEvent, WatchError>),
-                Query(QueryEvent),
-                Note(String),
-            }
-            let (tx, rx) = mpsc::channel::<Heard>();
-            let packets = tx.clone();
-            std::thread::Builder::new()
-                .name("nflog".into())
-                .spawn(move || {
-                    loop {
-                        let event = watcher.next_event();
-                        let fatal = matches!(&event, Err(e) if !e.is_transient());
-                        if packets.send(Heard::Packet(event)).is_err() || fatal {
-                            return;
-                        }
-                    }
-                })?;
-            // The guard's refused queries, while a guard runs; quietly retried every second
-            // while none does (not started yet, restarting, or resolve mode).
-            let events = state.guard_events();
-            std::thread::Builder::new()
-                .name("guard-events".into())
-                .spawn(move || {
-                    let mut said: Option<String> = None;
-                    loop {
-                        match std::os::unix::net::UnixStream::connect(&events) {
-                            Ok(stream) => {
-                                said = None;
-                                let note = format!(
-                                    "watching the DNS guard for refused queries ({})",
-                                    events.display()
-                                );
-                                if tx.send(Heard::Note(note)).is_err() {
-                                    return;
-                                }
-                                for line in std::io::BufReader::new(stream).lines() {
-                                    let Ok(line) = line else { break };
-                                    if line.trim().is_empty() {
-                                        continue;
-                                    }
-                                    let heard = match serde_json::from_str::<QueryEvent>(&line) {
-                                        Ok(q) => Heard::Query(q),
-                                        Err(e) => Heard::Note(format!(
-                                            "warning: unreadable event from the DNS guard \
-                                             ({e}): {line}"
-                                        )),
-                                    };
-                                    if tx.send(heard).is_err() {
-                                        return;
-                                    }
-                                }
-                                let note = "the DNS guard went away; reconnecting when it is back";
-                                if tx.send(Heard::Note(note.into())).is_err() {
-                                    return;
-                                }
-                            }
-                            // No guard (yet): nothing to say.
-                            Err(e)
-                                if matches!(
-                                    e.kind(),
-                                    std::io::ErrorKind::NotFound
-                                        | std::io::ErrorKind::ConnectionRefused
-                                ) => {}
-                            // Anything else once, until it changes.
-                            Err(e) => {
-                                let note = format!(
-                                    "warning: cannot read the DNS guard's events from {}: {e}",
-                                    events.display()
-                                );
-                                if said.as_ref() != Some(&note) {
-                                    said = Some(note.clone());
-                                    if tx.send(Heard::Note(note)).is_err() {
-                                        return;
-                                    }
-                                }
-                            }
-                        }
-                        std::thread::sleep(Duration::from_secs(1));
-                    }
-                })?;
+            let rx = egress_fence::watch::hear(watcher, state.guard_events())?;
 
             // What the table says of destinations, read again now and then: a daemon keeps
             // changing the resolved sets.
