@@ -343,7 +343,12 @@ async fn answer(
     transport: Transport,
 ) -> Option<Vec<u8>> {
     let Ok(query) = Message::from_vec(raw) else {
-        // Answer FORMERR only when there is a header to answer.
+        // Answer FORMERR only when there is a header to answer, and never a response: two
+        // servers could answer each other's errors forever.
+        let is_response = raw.get(2).is_some_and(|flags| flags & 0x80 != 0);
+        if is_response {
+            return None;
+        }
         let id = u16::from_be_bytes([*raw.first()?, *raw.get(1)?]);
         return encode(&Message::error_msg(
             id,
@@ -877,6 +882,39 @@ mod tests {
                 "192.0.2.8".parse::<IpAddr>().unwrap(),
                 "2001:db8::8".parse().unwrap()
             ]
+        );
+    }
+
+    #[tokio::test]
+    async fn garbage_gets_formerr_unless_it_is_a_response_or_headless() {
+        let (_keep, rules_rx) = watch::channel(Arc::new(rules()));
+        let context = Context {
+            in_flight: in_flight_limit(),
+            rules: rules_rx,
+            answered: mpsc::channel(1).0,
+            events: broadcast::channel(1).0,
+            counters: Arc::new(Counters::default()),
+        };
+        let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
+        // A header claiming a question the message does not hold.
+        let query = [0x12, 0x34, 0x01, 0x00, 0x00, 0x01, 0, 0, 0, 0, 0, 0, 0x03];
+        let reply = answer(&context, &query, client, Transport::Udp)
+            .await
+            .expect("a reply");
+        let reply = Message::from_vec(&reply).expect("parses");
+        assert_eq!(reply.metadata.id, 0x1234);
+        assert_eq!(reply.metadata.response_code, ResponseCode::FormErr);
+        let mut response = query;
+        response[2] |= 0x80;
+        assert!(
+            answer(&context, &response, client, Transport::Udp)
+                .await
+                .is_none()
+        );
+        assert!(
+            answer(&context, &[0x12], client, Transport::Udp)
+                .await
+                .is_none()
         );
     }
 }
