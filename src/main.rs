@@ -560,6 +560,7 @@ fn run(command: Command) -> Result<u8, Failure> {
                 .map(|h| h.name.to_string())
                 .collect();
             let names = planned.resolution.hosts.len();
+            let guard_uid = planned.resolution.guard_uid;
             let (rules, elements) = (
                 planned.ruleset.output.len() + planned.ruleset.refused.len(),
                 planned.ruleset.element_count(),
@@ -597,10 +598,18 @@ fn run(command: Command) -> Result<u8, Failure> {
                 if confirm_within.is_some() && !outcome.changed() {
                     println!("nothing changed, so nothing awaits confirmation");
                 }
-                println!(
-                    "table inet {TABLE}: {rules} rules, {elements} set elements, {} of {names} names resolved",
-                    names - unresolved.len(),
-                );
+                if let Some(uid) = guard_uid {
+                    println!(
+                        "table inet {TABLE}: {rules} rules, {elements} set elements; DNS guard \
+                         mode: names are allowed only as `egress-fence run` answers them, and \
+                         only uid {uid} may ask the upstream resolvers"
+                    );
+                } else {
+                    println!(
+                        "table inet {TABLE}: {rules} rules, {elements} set elements, {} of {names} names resolved",
+                        names - unresolved.len(),
+                    );
+                }
             }
             Ok(code)
         }
