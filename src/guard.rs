@@ -74,7 +74,7 @@ fn bind_hint(e: &io::Error) -> &'static str {
              another `dns.listen`"
         }
         io::ErrorKind::PermissionDenied => {
-            "; ports below 1024 need CAP_NET_BIND_SERVICE (the systemd unit grants it)"
+            "; ports below 1024 need CAP_NET_BIND_SERVICE (the drop-in systemd/guard.conf grants it to the service)"
         }
         io::ErrorKind::AddrNotAvailable => "; no interface of this host has that address",
         _ => "",

@@ -911,3 +911,85 @@ fn the_units_ip_allow_list_admits_every_resolver_and_no_multicast() {
         assert!(!admits(ip), "the unit's IPAddressAllow= admits {ip}");
     }
 }
+
+/// Guard mode as the unit runs it with `systemd/guard.conf`: a dynamic user holding
+/// CAP_NET_ADMIN and CAP_NET_BIND_SERVICE serves DNS on port 53, and the table lets that uid,
+/// and not even root, reach the upstream resolver.
+#[test]
+fn with_the_guard_drop_in_the_units_user_serves_dns_and_alone_reaches_the_upstream() {
+    let text = read(&shipped_unit()) + "\n" + &read(&repo().join("systemd/guard.conf"));
+    let unit = Unit::parse(&text);
+    let grant = Grant::of(&unit);
+    assert_ne!(grant.uid, 0);
+    let mut caps = grant.caps.clone();
+    caps.sort();
+    caps.dedup(); // the drop-in's lists repeat the unit's, as systemd merges them
+    assert_eq!(caps, ["CAP_NET_ADMIN", "CAP_NET_BIND_SERVICE"]);
+
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], 300);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let policy = "version: 1\nallow:\n  - domain: api.example.com\n    ports: [443]\n\
+                  dns:\n  mode: guard\n  listen: [127.0.0.53:53]\n  upstream: [192.0.2.53]\n";
+    let stage = Stage::new(&w, policy);
+
+    // Without the drop-in port 53 is out of reach: the guard says what it lacks, and stops
+    // before it touches the table.
+    let base = Grant::of(&Unit::shipped());
+    let mut lacking = stage.spawn(&w, &base, &[]);
+    let status = lacking
+        .wait_timeout(Duration::from_secs(10))
+        .expect("the guard without CAP_NET_BIND_SERVICE exits");
+    assert!(!status.success());
+    assert!(
+        lacking.stderr().contains("CAP_NET_BIND_SERVICE"),
+        "{}",
+        lacking.stderr()
+    );
+    assert!(
+        !has_table(&w),
+        "the table went up before the guard could listen"
+    );
+
+    let mut daemon = stage.spawn(&w, &grant, &[]);
+    assert!(
+        stage
+            .notify
+            .wait_for("READY=1", Duration::from_secs(10))
+            .is_some(),
+        "no READY=1 from the guard:\n{}",
+        daemon.stderr()
+    );
+
+    let guard: IpAddr = "127.0.0.53".parse().expect("an address");
+    let through_guard = w.dig(Some(guard), "api.example.com", "A", false);
+    assert_eq!(
+        through_guard.status.as_deref(),
+        Some("NOERROR"),
+        "{:?}\n{}",
+        through_guard.output,
+        daemon.stderr()
+    );
+    assert!(
+        w.tcp_connects(HOST_V4, 443),
+        "the answered address is allowed"
+    );
+    let refused = w.dig(Some(guard), "secret.attacker.example", "A", false);
+    assert_eq!(refused.status.as_deref(), Some("REFUSED"));
+
+    // The tests run as root, which is not the guard's uid here: refused like any agent.
+    let direct = w.dig(Some(DNS_V4), "api.example.com", "A", false);
+    assert!(
+        !direct.answered(),
+        "root asked the upstream directly: {direct:?}"
+    );
+    let table = w.sandbox_cmd(&["nft", "list", "chain", "inet", "egress_fence", "output"]);
+    assert!(
+        table.stdout.contains(&format!("meta skuid {} ", grant.uid)),
+        "{}",
+        table.stdout
+    );
+
+    let status = daemon.terminate();
+    assert!(status.success(), "{status:?}:\n{}", daemon.stderr());
+}
