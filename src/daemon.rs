@@ -511,6 +511,7 @@ impl Daemon {
         }
         guard.serve(crate::guard::Context {
             in_flight: crate::guard::in_flight_limit(),
+            log_budget: Default::default(),
             rules: rules_rx,
             answered: answered_tx,
             events,

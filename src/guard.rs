@@ -31,7 +31,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use crate::policy::{DomainName, Policy, RefuseWith, Target};
+use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
 use crate::watch::QueryEvent;
 
@@ -87,6 +87,10 @@ pub struct Rules {
     allow: Vec<Target>,
     upstream: Vec<SocketAddr>,
     refuse_with: RefuseWith,
+    /// How many refused queries the log takes: the policy's `log.rate` and `log.burst`, as
+    /// for refused packets (`watch` still gets every one).
+    log_rate: Rate,
+    log_burst: u32,
 }
 
 impl Rules {
@@ -106,6 +110,8 @@ impl Rules {
                 .map(|&ip| SocketAddr::new(ip, DNS_PORT))
                 .collect(),
             refuse_with: guard.refuse_with,
+            log_rate: policy.log.rate,
+            log_burst: policy.log.burst,
         })
     }
 
@@ -131,9 +137,48 @@ pub struct Counters {
     pub failed: AtomicU64,
 }
 
+/// A token bucket for log lines: an agent asking thousands of random names a second must not
+/// flood the journal.
+#[derive(Debug)]
+pub struct LogBudget {
+    tokens: f64,
+    last: Instant,
+    /// Lines not written since the last one that was.
+    suppressed: u64,
+}
+
+impl Default for LogBudget {
+    fn default() -> Self {
+        LogBudget {
+            tokens: f64::MAX,
+            last: Instant::now(),
+            suppressed: 0,
+        }
+    }
+}
+
+impl LogBudget {
+    /// `Some(n)` if a line may be written now, `n` being how many were held back before it.
+    pub fn take(&mut self, rate: Rate, burst: u32, now: Instant) -> Option<u64> {
+        let per_second = rate.count as f64 / rate.unit.seconds() as f64;
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        let cap = f64::from(burst.max(1));
+        self.tokens = (self.tokens.min(cap) + elapsed * per_second).min(cap);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            Some(std::mem::take(&mut self.suppressed))
+        } else {
+            self.suppressed += 1;
+            None
+        }
+    }
+}
+
 /// What the serving tasks share.
 pub struct Context {
     pub in_flight: Arc<Semaphore>,
+    pub log_budget: std::sync::Mutex<LogBudget>,
     pub rules: watch::Receiver<Arc<Rules>>,
     pub answered: mpsc::Sender<Answered>,
     pub events: broadcast::Sender<QueryEvent>,
@@ -366,8 +411,16 @@ async fn answer(
                 RefuseWith::Refused => (ResponseCode::Refused, "REFUSED"),
                 RefuseWith::Nxdomain => (ResponseCode::NXDomain, "NXDOMAIN"),
             };
-            info!(name = %name, qtype = %qtype, client = %client, transport = transport.name(),
-                  answer = answer, "refused DNS query: the name is not in the policy");
+            let logged = context
+                .log_budget
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(rules.log_rate, rules.log_burst, Instant::now());
+            if let Some(held_back) = logged {
+                info!(name = %name, qtype = %qtype, client = %client, transport = transport.name(),
+                      answer = answer, not_logged_before = held_back,
+                      "refused DNS query: the name is not in the policy");
+            }
             // Nobody listening is fine.
             let _ = context.events.send(QueryEvent::refused(
                 name,
@@ -803,6 +856,7 @@ mod tests {
         let (answered, mut daemon) = mpsc::channel(8);
         let context = Arc::new(Context {
             in_flight: in_flight_limit(),
+            log_budget: Default::default(),
             rules: rules_rx,
             answered,
             events: broadcast::channel(8).0,
@@ -890,6 +944,7 @@ mod tests {
         let (_keep, rules_rx) = watch::channel(Arc::new(rules()));
         let context = Context {
             in_flight: in_flight_limit(),
+            log_budget: Default::default(),
             rules: rules_rx,
             answered: mpsc::channel(1).0,
             events: broadcast::channel(1).0,
@@ -916,5 +971,24 @@ mod tests {
                 .await
                 .is_none()
         );
+    }
+
+    #[test]
+    fn the_log_budget_keeps_the_policys_rate_and_counts_what_it_held_back() {
+        let rate: Rate = "10/second".parse().unwrap();
+        let mut budget = LogBudget::default();
+        let t0 = Instant::now();
+        let burst: Vec<Option<u64>> = (0..5).map(|_| budget.take(rate, 3, t0)).collect();
+        assert_eq!(burst, [Some(0), Some(0), Some(0), None, None]);
+        // A tenth of a second brings one line back, which says how many were held back.
+        let t1 = t0 + Duration::from_millis(100);
+        assert_eq!(budget.take(rate, 3, t1), Some(2));
+        assert_eq!(budget.take(rate, 3, t1), None);
+        // A long pause refills no more than the burst.
+        let t2 = t1 + Duration::from_secs(60);
+        let refilled = (0..5)
+            .filter(|_| budget.take(rate, 3, t2).is_some())
+            .count();
+        assert_eq!(refilled, 3);
     }
 }

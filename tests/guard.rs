@@ -44,7 +44,9 @@ fn policy(domains: &[&str], extra: &str, dns_extra: &[&str]) -> String {
     for line in dns_extra {
         p.push_str(&format!("  {line}\n"));
     }
-    p.push_str("log:\n  group: 100\n");
+    // Every refusal in the log: the tests look for each one (the default rate would hold
+    // back a burst; see `refused_queries_are_logged_at_the_policys_rate`).
+    p.push_str("log:\n  group: 100\n  rate: 1000/second\n  burst: 1000\n");
     p
 }
 
@@ -1221,4 +1223,47 @@ fn a_reload_answers_by_the_new_policy_and_keeps_what_it_still_allows() {
     );
     let still = ask(&w, "api.new.example", RTYPE_A, Transport::Udp).expect("an answer");
     assert_eq!(still.rcode, RCODE_NOERROR, "the running policy stays");
+}
+
+/// An agent asking thousands of random names must not flood the journal: refused queries are
+/// logged at the policy's `log.rate` (the first line after a pause says how many it held
+/// back), while `watch`'s event stream still carries every one.
+#[test]
+fn refused_queries_are_logged_at_the_policys_rate() {
+    let w = World::new();
+    let text = policy(&["*.pool.example"], "", &[])
+        .replace("rate: 1000/second", "rate: 1/minute")
+        .replace("burst: 1000", "burst: 2");
+    let g = start_guard(&w, &text);
+    let events =
+        std::os::unix::net::UnixStream::connect(w.sandbox_state_dir().join("guard-events.sock"))
+            .expect("connect to the guard's events");
+    events
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("a read timeout");
+    // The guard subscribes a client when it accepts it: give it that moment.
+    thread::sleep(Duration::from_millis(200));
+    for i in 0..10 {
+        let reply = ask(
+            &w,
+            &format!("s{i}.attacker.example"),
+            RTYPE_A,
+            Transport::Udp,
+        )
+        .expect("an answer");
+        assert_eq!(reply.rcode, RCODE_REFUSED);
+    }
+    let mut lines = BufReader::new(events).lines();
+    for i in 0..10 {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("event {i} missing"))
+            .expect("an event line");
+        assert!(
+            line.contains(&format!("\"s{i}.attacker.example\"")),
+            "{line}"
+        );
+    }
+    let log = g.daemon.stderr();
+    assert_eq!(log.matches("refused DNS query").count(), 2, "{log}");
 }
