@@ -303,6 +303,9 @@ const PRUNE_EVERY: Duration = Duration::from_secs(60);
 /// How long an expired address is remembered, to explain refusals of it.
 const REMEMBER_EXPIRED: Duration = Duration::from_secs(3600);
 
+/// In guard mode, how many names without a live address are remembered at most.
+const MAX_FORMER_NAMES: usize = 10_000;
+
 /// The protocols and ports of every allowed name, indexed once per policy.
 type Services = BTreeMap<DomainName, Vec<(L4Proto, u16)>>;
 
@@ -350,6 +353,25 @@ fn renewals(
         .filter(|(t, e)| installed.get(t).is_none_or(|i| **e > *i + slack))
         .map(|(t, e)| (*t, *e))
         .collect()
+}
+
+/// Forgets the guard's learned names nothing has been remembered of for an hour, and, past
+/// `max_former` names without a live address, all of those: names asked under an allowed
+/// wildcard are the sandbox's to invent, and must not grow the daemon without bound.
+fn forget_learned_names(
+    names: &mut BTreeMap<DomainName, NameState>,
+    now: Instant,
+    max_former: usize,
+) {
+    names.retain(|_, s| {
+        s.addrs
+            .values()
+            .any(|e| now.saturating_duration_since(*e) < REMEMBER_EXPIRED)
+    });
+    let former = names.values().filter(|s| s.live(now).next().is_none());
+    if former.count() > max_former {
+        names.retain(|_, s| s.live(now).next().is_some());
+    }
 }
 
 /// Puts carried elements into the resolved sets of `ruleset`; an element both have lives as
@@ -681,11 +703,7 @@ impl Daemon {
         self.installed.retain(|_, e| *e > now);
         self.carried.retain(|_, e| *e > now);
         if self.guard.is_some() {
-            self.names.retain(|_, s| {
-                s.addrs
-                    .values()
-                    .any(|e| now.saturating_duration_since(*e) < REMEMBER_EXPIRED)
-            });
+            forget_learned_names(&mut self.names, now, MAX_FORMER_NAMES);
             let names = &self.names;
             self.services.retain(|n, _| names.contains_key(n));
         }
@@ -1524,5 +1542,43 @@ mod tests {
         );
         assert_eq!(of("192.0.2.2/32"), Some(Some(70_000)));
         assert_eq!(timed_in(crate::ruleset::Family::V6).len(), 1);
+    }
+
+    #[test]
+    fn learned_names_are_forgotten_after_an_hour_or_at_once_past_the_cap() {
+        let now = Instant::now();
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        let state = |expires: Instant| {
+            let mut s = NameState::new(now);
+            s.addrs.insert(ip, expires);
+            s
+        };
+        let name = |n: &str| -> DomainName { n.parse().unwrap() };
+        let mut names = BTreeMap::from([
+            (
+                name("live.pool.example"),
+                state(now + Duration::from_secs(60)),
+            ),
+            (
+                name("recent.pool.example"),
+                state(now - Duration::from_secs(60)),
+            ),
+            (
+                name("old.pool.example"),
+                state(now - REMEMBER_EXPIRED - Duration::from_secs(1)),
+            ),
+        ]);
+        forget_learned_names(&mut names, now, 10);
+        let kept: Vec<&str> = names.keys().map(|n| n.as_str()).collect();
+        assert_eq!(kept, ["live.pool.example", "recent.pool.example"]);
+        forget_learned_names(&mut names, now, 1);
+        assert_eq!(names.len(), 2, "one former name is within the cap");
+        forget_learned_names(&mut names, now, 0);
+        let kept: Vec<&str> = names.keys().map(|n| n.as_str()).collect();
+        assert_eq!(
+            kept,
+            ["live.pool.example"],
+            "live names are never forgotten"
+        );
     }
 }

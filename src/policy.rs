@@ -1410,6 +1410,15 @@ impl Policy {
                 ));
             }
         }
+        let refresh_set = (self.dns.refresh_min, self.dns.refresh_max)
+            != (DEFAULT_REFRESH_MIN, DEFAULT_REFRESH_MAX);
+        if self.dns.guard.is_some() && refresh_set {
+            out.push(
+                "`dns.refresh` has no effect in guard mode: the guard looks nothing up on a \
+                 timer; `floor` and `grace` set how long answered addresses live"
+                    .into(),
+            );
+        }
         for r in self.dns.guard.iter().flat_map(|g| &g.upstream) {
             if r.is_loopback() {
                 out.push(format!(
@@ -1919,6 +1928,16 @@ essentials: [loopback, established]
             "{w:?}"
         );
         assert!(with("*.mine.herokuapp.com").is_empty());
+        let refresh =
+            parse(&GUARD.replace("  mode: guard\n", "  mode: guard\n  refresh: { min: 5s }\n"))
+                .expect("valid")
+                .warnings();
+        assert!(
+            refresh
+                .iter()
+                .any(|w| w.contains("no effect in guard mode")),
+            "{refresh:?}"
+        );
         assert!(with("*.pool.example").is_empty());
     }
 }
