@@ -1,14 +1,14 @@
 //! The DNS guard (`dns.mode: guard`): the sandbox's resolver, and the only way out for DNS.
 //!
 //! A query for a name the policy allows is forwarded to an upstream resolver as it came. The
-//! A and AAAA addresses of the answer (along the CNAME chain from the asked name) go to the
-//! daemon, which adds them to the table in one batch; the answer is released only once the
+//! addresses of the answer (A, AAAA and the hints of HTTPS/SVCB records, along the CNAME chain
+//! from the asked name) go to the daemon, which adds them to the table in one batch; the answer is released only once the
 //! kernel has acknowledged that batch, so a client connecting right after its answer is never
 //! refused. If the kernel refuses, the client gets SERVFAIL: never an answer it cannot use.
 //!
 //! A query for any other name is answered REFUSED (or NXDOMAIN) here and never leaves the
-//! host: `<secret>.attacker.example` is a question nobody else hears. Each one is logged and
-//! streamed to `watch` as a [`QueryEvent`].
+//! host: `<secret>.attacker.example` is a question nobody else hears. Each one is streamed to
+//! `watch` as a [`QueryEvent`] and logged (at the policy's log rate).
 //!
 //! The table lets only this process's uid reach the upstream resolvers (see `plan`), so the
 //! guard is the one path for names. Each upstream exchange uses a fresh socket (a random source
@@ -74,7 +74,8 @@ fn bind_hint(e: &io::Error) -> &'static str {
              another `dns.listen`"
         }
         io::ErrorKind::PermissionDenied => {
-            "; ports below 1024 need CAP_NET_BIND_SERVICE (the drop-in systemd/guard.conf grants it to the service)"
+            "; ports below 1024 need CAP_NET_BIND_SERVICE (the drop-in systemd/guard.conf grants \
+             it to the service)"
         }
         io::ErrorKind::AddrNotAvailable => "; no interface of this host has that address",
         _ => "",
@@ -411,12 +412,7 @@ async fn answer(
                 RefuseWith::Refused => (ResponseCode::Refused, "REFUSED"),
                 RefuseWith::Nxdomain => (ResponseCode::NXDomain, "NXDOMAIN"),
             };
-            let logged = context
-                .log_budget
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take(rules.log_rate, rules.log_burst, Instant::now());
-            if let Some(held_back) = logged {
+            if let Some(held_back) = may_log(context, &rules) {
                 info!(name = %name, qtype = %qtype, client = %client, transport = transport.name(),
                       answer = answer, not_logged_before = held_back,
                       "refused DNS query: the name is not in the policy");
@@ -439,13 +435,25 @@ async fn answer(
                 }
                 Err(why) => {
                     context.counters.failed.fetch_add(1, Ordering::Relaxed);
-                    warn!(client = %client, "answering SERVFAIL: {why}");
+                    if let Some(held_back) = may_log(context, &rules) {
+                        warn!(client = %client, not_logged_before = held_back,
+                              "answering SERVFAIL: {why}");
+                    }
                     return encode(&reply_to(&query, ResponseCode::ServFail));
                 }
             };
             Some(reply)
         }
     }
+}
+
+/// Whether a line about one query may be logged now (see [`LogBudget::take`]).
+fn may_log(context: &Context, rules: &Rules) -> Option<u64> {
+    context
+        .log_budget
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take(rules.log_rate, rules.log_burst, Instant::now())
 }
 
 /// Asks upstream, has the answer's addresses installed, and returns the answer with the
