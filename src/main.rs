@@ -287,7 +287,7 @@ enum Command {
     ///
     /// In `dns.mode: guard`: names are asked of the guard, which must refuse a random name
     /// outside the policy without forwarding it, and DNS straight to the upstream resolvers
-    /// (UDP/TCP 53, TCP 853) must be refused. Only the guard's uid may reach them, so run the
+    /// (UDP/TCP 53 and 853) must be refused. Only the guard's uid may reach them, so run the
     /// probe as the agent's user (as that uid it cannot tell, and warns), e.g. `ip netns exec
     /// sandbox setpriv --reuid=agent --regid=agent --clear-groups egress-fence probe ...`.
     #[command(after_help = EXIT_CODES)]

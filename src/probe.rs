@@ -16,7 +16,7 @@
 //!   TCP; allowed names are resolved by asking the guard itself (a small client here, so that
 //!   REFUSED and NXDOMAIN stay apart), and their addresses then connect, since the guard added
 //!   them to the table before it answered;
-//! - DNS straight to each upstream resolver (UDP and TCP 53, TCP 853) is refused. The table
+//! - DNS straight to each upstream resolver (UDP and TCP 53, TCP and UDP 853) is refused. The table
 //!   lets one uid through (`meta skuid U`, the guard's): a probe running as that uid cannot
 //!   tell, and says so (WARN) instead of trying; run it as the agent's user. The uid comes from
 //!   the installed table, or, when this probe may not read it (an unprivileged user), from the
@@ -687,8 +687,9 @@ impl<'a> Plan<'a> {
         }
     }
 
-    /// Guard mode: DNS (UDP and TCP 53) and DNS over TLS (TCP 853) straight to each upstream
-    /// resolver are refused for this probe's uid, unless it is the guard's uid.
+    /// Guard mode: DNS (UDP and TCP 53), DNS over TLS (TCP 853) and over QUIC (UDP 853)
+    /// straight to each upstream resolver are refused for this probe's uid, unless it is the
+    /// guard's uid.
     fn upstream(&mut self) {
         let access = self.upstream_access();
         let uid = self.options.uid;
@@ -698,6 +699,8 @@ impl<'a> Plan<'a> {
                 (Kind::Dns(L4Proto::Udp), L4Proto::Udp, DNS_PORT),
                 (Kind::Dns(L4Proto::Tcp), L4Proto::Tcp, DNS_PORT),
                 (Kind::Tcp, L4Proto::Tcp, DOT_PORT),
+                // DNS over QUIC (and over DTLS) use UDP 853.
+                (Kind::Udp, L4Proto::Udp, DOT_PORT),
             ] {
                 let target = SocketAddr::new(server, port);
                 let check = format!("upstream {} {target}", proto.name());
@@ -2111,6 +2114,7 @@ mod tests {
                 "upstream udp 192.0.2.53:53",
                 "upstream tcp 192.0.2.53:53",
                 "upstream tcp 192.0.2.53:853",
+                "upstream udp 192.0.2.53:853",
                 "allowed name api.example.com",
                 "allowed tcp api.example.com 192.0.2.10:443",
                 "allowed names *.cdn.example.com",
@@ -2130,6 +2134,7 @@ mod tests {
         );
         // Another uid than the guard's: the upstream is tried, and must be refused.
         assert_eq!(find(&checks, "upstream tcp 192.0.2.53:853").0, "attempt");
+        assert_eq!(find(&checks, "upstream udp 192.0.2.53:853").0, "attempt");
         let blocked = find(&checks, "blocked name paste.example.com");
         assert_eq!(blocked.0, "PASS", "{blocked:?}");
         let doh = find(&checks, "denied preset dns-over-https");

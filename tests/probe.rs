@@ -678,6 +678,7 @@ fn a_correct_guard_passes_the_probe() {
         "upstream udp 192.0.2.53:53",
         "upstream tcp 192.0.2.53:53",
         "upstream tcp 192.0.2.53:853",
+        "upstream udp 192.0.2.53:853",
     ] {
         let c = check(&report, name);
         assert_eq!(c.outcome, Outcome::Warn, "{c}");
@@ -707,6 +708,7 @@ fn a_correct_guard_passes_the_probe() {
         "upstream udp 192.0.2.53:53",
         "upstream tcp 192.0.2.53:53",
         "upstream tcp 192.0.2.53:853",
+        "upstream udp 192.0.2.53:853",
     ] {
         let c = outcome_of(&checks, name);
         assert_eq!(c.0, "pass", "{c:?}");
@@ -814,8 +816,10 @@ fn direct_dns_to_the_upstream_fails_the_probe() {
             "{c}"
         );
     }
-    let dot = check(&report, "upstream tcp 192.0.2.53:853");
-    assert_eq!(dot.outcome, Outcome::Pass, "{dot}");
+    for name in ["upstream tcp 192.0.2.53:853", "upstream udp 192.0.2.53:853"] {
+        let dot = check(&report, name);
+        assert_eq!(dot.outcome, Outcome::Pass, "{dot}");
+    }
     // The table lacks the implied deny preset, and nothing serves on 127.0.0.53.
     assert_eq!(
         check(&report, "denied preset dns-over-https").outcome,
@@ -839,4 +843,5 @@ fn direct_dns_to_the_upstream_fails_the_probe() {
         );
     }
     assert_eq!(outcome_of(&checks, "upstream tcp 192.0.2.53:853").0, "pass");
+    assert_eq!(outcome_of(&checks, "upstream udp 192.0.2.53:853").0, "pass");
 }
