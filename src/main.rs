@@ -780,6 +780,10 @@ fn run(command: Command) -> Result<u8, Failure> {
             };
             let status = live.status();
             let drift = change::drift(&state, &live);
+            // Guard mode shows in the table's DNS rule; whether a guard serves, in its socket.
+            let guard_uids = live.dns_access().uids;
+            let guard_serving = !guard_uids.is_empty()
+                && std::os::unix::net::UnixStream::connect(state.guard_events()).is_ok();
             if json {
                 let mut out = serde_json::to_value(&status)?;
                 out["installed"] = true.into();
@@ -795,9 +799,25 @@ fn run(command: Command) -> Result<u8, Failure> {
                     out["generation_error"] = e.to_string().into();
                 }
                 out["pending_confirmation"] = serde_json::to_value(&pending)?;
+                if !guard_uids.is_empty() {
+                    out["dns_guard"] =
+                        serde_json::json!({ "uids": guard_uids, "serving": guard_serving });
+                }
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
                 print_status(&status);
+                if !guard_uids.is_empty() {
+                    let uids = join_display(&guard_uids);
+                    println!(
+                        "  DNS guard mode: only uid {uids} may ask the resolvers; {}",
+                        if guard_serving {
+                            "a guard is serving (`egress-fence watch` shows what it refuses)"
+                        } else {
+                            "no guard is serving here, so no name is allowed until \
+                             `egress-fence run` answers it"
+                        }
+                    );
+                }
                 print_drift(&drift, &state);
                 if let Some(p) = &pending {
                     println!("{}", p.describe(SystemTime::now()));

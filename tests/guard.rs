@@ -1267,3 +1267,26 @@ fn refused_queries_are_logged_at_the_policys_rate() {
     let log = g.daemon.stderr();
     assert_eq!(log.matches("refused DNS query").count(), 2, "{log}");
 }
+
+/// `status` tells a guard-mode table from a resolve-mode one, and whether a guard serves it.
+#[test]
+fn status_says_whether_a_guard_serves_the_table() {
+    let w = World::new();
+    let g = start_guard(&w, &policy(&["*.pool.example"], "", &[]));
+    let out = w.egress_fence(&["status"]);
+    assert!(
+        out.stdout
+            .contains("DNS guard mode: only uid 0 may ask the resolvers; a guard is serving"),
+        "{out}"
+    );
+    let json = w.egress_fence(&["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("json");
+    assert_eq!(
+        v["dns_guard"],
+        serde_json::json!({ "uids": [0], "serving": true })
+    );
+
+    stop_guard(&w, g);
+    let out = w.egress_fence(&["status"]);
+    assert!(out.stdout.contains("no guard is serving here"), "{out}");
+}
