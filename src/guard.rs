@@ -31,6 +31,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
+use crate::plan::DNS_PORT;
 use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
 use crate::watch::QueryEvent;
@@ -50,7 +51,6 @@ const MAX_IN_FLIGHT: usize = 1024;
 const MAX_TCP_CLIENTS: usize = 256;
 /// CNAME hops followed from the asked name, as resolvers bound them.
 const MAX_CHAIN: usize = 16;
-const DNS_PORT: u16 = 53;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {

@@ -13,11 +13,13 @@ use crate::ruleset::{
 };
 
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
-const DNS_PORT: u16 = 53;
+pub const DNS_PORT: u16 = 53;
+/// DNS over TLS (TCP) and over QUIC (UDP).
+pub const DOT_PORT: u16 = 853;
 
 /// In guard mode: DNS and DNS over TLS, which only the guard may send, and only to its
 /// upstream resolvers.
-pub const GUARDED_DNS_PORTS: [u16; 2] = [53, 853];
+pub const GUARDED_DNS_PORTS: [u16; 2] = [DNS_PORT, DOT_PORT];
 
 /// The uid a guard-mode table names when none was given: no socket has it, so nothing
 /// reaches the upstream resolvers (fail closed).

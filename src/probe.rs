@@ -55,11 +55,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use hickory_proto::op::Message;
+use hickory_proto::op::{Message, MessageType, OpCode, Query};
+use hickory_proto::rr::{Name, RecordType};
 use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::nft::{LiveTable, Nft};
+use crate::plan::{DNS_PORT, DOT_PORT};
 use crate::policy::{
     Allow, DenyOrigin, DomainName, Guard, L4Proto, Policy, PortRange, Preset, ProbeHost, Target,
 };
@@ -262,11 +264,8 @@ const DNS_TEST_NAME: &str = "example.com";
 /// zone: `.invalid` can never exist (RFC 6761), so no answer can be a real one.
 pub const DEFAULT_EXFIL_ZONE: &str = "egress-fence-probe.invalid";
 
-const DNS_PORT: u16 = 53;
-/// DNS over TLS, which only the guard may use towards its upstream resolvers.
-const DOT_PORT: u16 = 853;
-const QTYPE_A: u16 = 1;
-const QTYPE_AAAA: u16 = 28;
+const QTYPE_A: RecordType = RecordType::A;
+const QTYPE_AAAA: RecordType = RecordType::AAAA;
 
 /// The payload of a UDP attempt, so a listener's owner can tell what it saw.
 const UDP_PAYLOAD: &[u8] = b"egress-fence probe\n";
@@ -1522,41 +1521,38 @@ fn dns_tcp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen {
     };
     let id = random_u64() as u16;
     let query = dns_query(id, name, QTYPE_A);
-    let Ok(len) = u16::try_from(query.len()) else {
-        return Seen::Connected;
-    };
-    let mut framed = len.to_be_bytes().to_vec();
-    framed.extend_from_slice(&query);
-    let exchange = (|| -> io::Result<Option<&'static str>> {
-        stream.set_read_timeout(Some(ctx.timeout))?;
-        stream.set_write_timeout(Some(ctx.timeout))?;
-        stream.write_all(&framed)?;
-        let mut len = [0u8; 2];
-        stream.read_exact(&mut len)?;
-        let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
-        stream.read_exact(&mut reply)?;
-        Ok(dns_rcode(id, &reply))
-    })();
-    match exchange {
-        Ok(Some(rcode)) => Seen::Answered(format!("answered over TCP ({rcode})")),
-        _ => Seen::Connected,
+    let reply = tcp_round_trip(&mut stream, &query, ctx.timeout);
+    match reply.ok().as_deref().and_then(|r| dns_rcode(id, r)) {
+        Some(rcode) => Seen::Answered(format!("answered over TCP ({rcode})")),
+        None => Seen::Connected,
     }
 }
 
-/// A standard query for the `qtype` records of `name` (a valid name: labels of at most 63
-/// bytes), recursion desired.
-fn dns_query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
-    let mut q = Vec::with_capacity(18 + name.len());
-    q.extend_from_slice(&id.to_be_bytes());
-    q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]); // RD; one question
-    for label in name.split('.').filter(|l| !l.is_empty()) {
-        q.push(label.len().min(63) as u8);
-        q.extend_from_slice(&label.as_bytes()[..label.len().min(63)]);
+/// One DNS exchange on an open TCP connection (each message behind its two-byte length).
+fn tcp_round_trip(stream: &mut TcpStream, query: &[u8], timeout: Duration) -> io::Result<Vec<u8>> {
+    let len = u16::try_from(query.len()).map_err(|_| io::Error::other("query over 64 KiB"))?;
+    let mut framed = len.to_be_bytes().to_vec();
+    framed.extend_from_slice(query);
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.write_all(&framed)?;
+    let mut len = [0u8; 2];
+    stream.read_exact(&mut len)?;
+    let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    stream.read_exact(&mut reply)?;
+    Ok(reply)
+}
+
+/// A standard query for the `qtype` records of `name`, recursion desired. A name hickory
+/// cannot write (none the probe asks) leaves the question out, which no server answers as
+/// a lookup.
+fn dns_query(id: u16, name: &str, qtype: RecordType) -> Vec<u8> {
+    let mut query = Message::new(id, MessageType::Query, OpCode::Query);
+    query.metadata.recursion_desired = true;
+    if let Ok(name) = Name::from_ascii(name) {
+        query.add_query(Query::query(name, qtype));
     }
-    q.push(0); // the root
-    q.extend_from_slice(&qtype.to_be_bytes());
-    q.extend_from_slice(&[0, 1]); // class IN
-    q
+    query.to_vec().unwrap_or_default()
 }
 
 /// The response code of `reply` if it is a DNS response to query `id`.
@@ -1714,7 +1710,7 @@ fn guard_lookup(name: &DomainName, listen: &[SocketAddr], ctx: &Ctx) -> GuardLoo
 fn ask_guard(
     listen: &[SocketAddr],
     name: &str,
-    qtype: u16,
+    qtype: RecordType,
     ctx: &Ctx,
 ) -> (Option<SocketAddr>, Asked) {
     let mut failures = Vec::new();
@@ -1728,7 +1724,12 @@ fn ask_guard(
 }
 
 /// Asks `server` over UDP, and again over TCP when the response is truncated.
-fn dns_exchange(server: SocketAddr, name: &str, qtype: u16, ctx: &Ctx) -> Result<Asked, String> {
+fn dns_exchange(
+    server: SocketAddr,
+    name: &str,
+    qtype: RecordType,
+    ctx: &Ctx,
+) -> Result<Asked, String> {
     let id = random_u64() as u16;
     let query = dns_query(id, name, qtype);
     let mut reply = udp_exchange(server, &query, id, ctx.timeout)?;
@@ -1798,20 +1799,8 @@ fn tcp_exchange(server: SocketAddr, query: &[u8], id: u16, ctx: &Ctx) -> Result<
         Seen::RefusedRemotely(d) | Seen::RefusedHere(d) | Seen::NotSent(d) => d,
         _ => format!("no TCP connection within {}", fmt_duration(ctx.timeout)),
     })?;
-    let len = u16::try_from(query.len()).map_err(|_| "the query is too long".to_string())?;
-    let mut framed = len.to_be_bytes().to_vec();
-    framed.extend_from_slice(query);
-    let exchange = (|| -> io::Result<Vec<u8>> {
-        stream.set_read_timeout(Some(ctx.timeout))?;
-        stream.set_write_timeout(Some(ctx.timeout))?;
-        stream.write_all(&framed)?;
-        let mut len = [0u8; 2];
-        stream.read_exact(&mut len)?;
-        let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
-        stream.read_exact(&mut reply)?;
-        Ok(reply)
-    })();
-    let reply = exchange.map_err(|e| format!("over TCP: {}", describe(&e)))?;
+    let reply = tcp_round_trip(&mut stream, query, ctx.timeout)
+        .map_err(|e| format!("over TCP: {}", describe(&e)))?;
     match dns_rcode(id, &reply) {
         Some(_) => Ok(reply),
         None => Err("the TCP response does not match the query".into()),
