@@ -622,13 +622,8 @@ impl Daemon {
         if send.is_empty() {
             return true;
         }
-        let elements: Vec<Timed> = send.iter().map(|&(t, e)| timed(t, e, now)).collect();
-        match self.nft.upsert_resolved(&elements) {
-            Ok(()) => {
-                self.our_generation = self.nft.generation().ok();
-                self.installed.extend(send);
-                true
-            }
+        match self.upsert(&send, now) {
+            Ok(()) => true,
             Err(e) => {
                 // Someone may have removed our set under us: the full apply puts it back.
                 error!(error = %e, "adding addresses refused; reapplying the table");
@@ -636,6 +631,15 @@ impl Daemon {
                 false
             }
         }
+    }
+
+    /// Sends `elements` with their expiries as one batch and records them as installed.
+    fn upsert(&mut self, elements: &[(Tuple, Instant)], now: Instant) -> Result<(), NftError> {
+        let batch: Vec<Timed> = elements.iter().map(|&(t, e)| timed(t, e, now)).collect();
+        self.nft.upsert_resolved(&batch)?;
+        self.our_generation = self.nft.generation().ok();
+        self.installed.extend(elements.iter().copied());
+        Ok(())
     }
 
     /// In guard mode an address stays allowed while a connection to it lives, even past its
@@ -674,10 +678,8 @@ impl Daemon {
         if keep.is_empty() {
             return;
         }
-        let elements: Vec<Timed> = keep.iter().map(|&(t, e)| timed(t, e, now)).collect();
-        match self.nft.upsert_resolved(&elements) {
+        match self.upsert(&keep, now) {
             Ok(()) => {
-                self.our_generation = self.nft.generation().ok();
                 let addrs: BTreeSet<IpAddr> = keep.iter().map(|(t, _)| t.net.addr()).collect();
                 info!(addresses = ?addrs, "kept addresses with live connections past their lifetime");
                 for state in self.names.values_mut() {
@@ -691,7 +693,6 @@ impl Daemon {
                     if let Some(c) = self.carried.get_mut(&t) {
                         *c = (*c).max(e);
                     }
-                    self.installed.insert(t, e);
                 }
             }
             Err(e) => error!(error = %e, "renewing addresses with live connections failed"),
