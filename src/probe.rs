@@ -1824,7 +1824,6 @@ fn describe(e: &io::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ruleset::OUTPUT_CHAIN;
 
     fn ctx() -> Ctx {
         Ctx {
@@ -2255,51 +2254,6 @@ mod tests {
             c.2.contains("names 192.0.2.53") && c.2.contains("127.0.0.53"),
             "{c:?}"
         );
-    }
-
-    #[test]
-    fn the_guard_uid_is_read_from_the_table_rules() {
-        let rule = |exprs: &[&str]| crate::nft::sys::LiveRule {
-            table: TABLE.into(),
-            chain: OUTPUT_CHAIN.into(),
-            handle: 1,
-            exprs: exprs.iter().map(|e| e.to_string()).collect(),
-            counter: None,
-            log_group: None,
-            nfproto: None,
-        };
-        let guard_rule = rule(&[
-            "meta load skuid => reg 1",
-            "cmp eq reg 1 0x000003e1",
-            "meta load nfproto => reg 1",
-            "cmp eq reg 1 0x00000002",
-            "payload load 4b @ network header + 16 => reg 1",
-            "meta load l4proto => reg 9",
-            "payload load 2b @ transport header + 2 => reg 10",
-            "lookup reg 1 set dns4",
-            "immediate reg 0 accept",
-        ]);
-        let table = LiveTable {
-            chains: Vec::new(),
-            rules: vec![guard_rule.clone()],
-            sets: Vec::new(),
-        };
-        let facts = TableFacts::of(&table);
-        assert_eq!(facts.dns_uids, vec![993]);
-        assert!(!facts.dns_for_everyone);
-        let resolve_rule = rule(&[
-            "meta load nfproto => reg 1",
-            "cmp eq reg 1 0x00000002",
-            "payload load 4b @ network header + 16 => reg 1",
-            "lookup reg 1 set dns4",
-            "immediate reg 0 accept",
-        ]);
-        let table = LiveTable {
-            chains: Vec::new(),
-            rules: vec![resolve_rule],
-            sets: Vec::new(),
-        };
-        assert!(TableFacts::of(&table).dns_for_everyone);
     }
 
     #[test]

@@ -546,17 +546,6 @@ fn readable_policy(w: &World, name: &str, text: &str) -> String {
     path.to_str().expect("utf-8 path").to_string()
 }
 
-/// `egress-fence run` in guard mode (as root, so the table lets uid 0 reach the upstream),
-/// once the guard serves.
-fn start_guard(w: &World, policy_path: &str) -> Background {
-    let mut daemon = w.spawn_egress_fence(&["run", policy_path]);
-    if !daemon.wait_for_output("the DNS guard is serving", Duration::from_secs(10)) {
-        let _ = daemon.terminate();
-        panic!("the guard did not start:\n{}", daemon.stderr());
-    }
-    daemon
-}
-
 /// The library's probe from inside the sandbox, as root, with the options the CLI would
 /// build there (the table is read, resolv.conf is the sandbox's).
 fn guard_probe(w: &World, policy: &Policy) -> Report {
@@ -642,7 +631,7 @@ fn a_correct_guard_passes_the_probe() {
     use_the_guard(&w);
     let text = guard_policy("");
     let path = readable_policy(&w, "guard.yaml", &text);
-    let _daemon = start_guard(&w, &path);
+    let _daemon = w.spawn_guard(&path);
     let policy = Policy::parse(&text, Path::new("guard.yaml")).expect("a valid policy");
 
     // As root, the guard's own uid.
@@ -750,7 +739,7 @@ fn an_open_exfiltration_channel_fails_the_probe() {
     use_the_guard(&w);
     let text = guard_policy("  - domain: \"**.exfil.example.com\"\n    ports: [443]\n");
     let path = readable_policy(&w, "guard.yaml", &text);
-    let _daemon = start_guard(&w, &path);
+    let _daemon = w.spawn_guard(&path);
     let policy = Policy::parse(&text, Path::new("guard.yaml")).expect("a valid policy");
 
     let report = guard_probe(&w, &policy);

@@ -149,16 +149,6 @@ log:
   group: 100
 "#;
 
-/// `egress-fence run` in guard mode, once its guard serves.
-fn start_guard(w: &World, policy: &str) -> Background {
-    let mut daemon = w.spawn_egress_fence(&["run", policy]);
-    if !daemon.wait_for_output("the DNS guard is serving", Duration::from_secs(10)) {
-        let _ = daemon.terminate();
-        panic!("the guard did not start:\n{}", daemon.stderr());
-    }
-    daemon
-}
-
 /// `dig @127.0.0.53 NAME TYPE` from the sandbox: the guard's answer code.
 fn ask_guard(w: &World, name: &str, rtype: &str) -> String {
     let out = w.sandbox_cmd(&[
@@ -185,7 +175,7 @@ fn ask_guard(w: &World, name: &str, rtype: &str) -> String {
 fn a_query_the_guard_refused_shows_up_with_its_name() {
     let w = World::new();
     let policy = w.write_file("guard.yaml", GUARD_POLICY);
-    let _daemon = start_guard(&w, policy.to_str().expect("utf-8"));
+    let _daemon = w.spawn_guard(policy.to_str().expect("utf-8"));
 
     let mut watch = w.spawn_egress_fence(&["watch", "--json", "--count", "1"]);
     assert!(
@@ -228,7 +218,7 @@ fn watch_follows_the_guard_across_restarts_beside_refused_packets() {
     // No service yet, so no table either: the group is given.
     let mut watch = w.spawn_egress_fence(&["watch", "--group", "100", "--count", "3"]);
     assert!(watch.wait_for_output("watching NFLOG group 100", Duration::from_secs(5)));
-    let mut daemon = start_guard(&w, policy);
+    let mut daemon = w.spawn_guard(policy);
     assert!(
         watch.wait_for_output("watching the DNS guard", Duration::from_secs(5)),
         "watch did not find the guard: {}",
@@ -246,7 +236,7 @@ fn watch_follows_the_guard_across_restarts_beside_refused_packets() {
         "{}",
         watch.stderr()
     );
-    let _daemon = start_guard(&w, policy);
+    let _daemon = w.spawn_guard(policy);
     assert!(
         within(Duration::from_secs(5), || watch
             .stderr()

@@ -490,4 +490,45 @@ mod tests {
         d.guard_uid = None;
         assert_eq!(d.note(other, Some(53)), "not in the policy");
     }
+
+    #[test]
+    fn dns_access_reads_the_guard_uid_from_the_rules() {
+        let rule = |r: crate::ruleset::Rule| LiveRule {
+            table: TABLE.into(),
+            chain: OUTPUT_CHAIN.into(),
+            handle: 1,
+            exprs: crate::nft::encode::rule_text(&r),
+            counter: None,
+            log_group: None,
+            nfproto: None,
+        };
+        let dns4 = SetId::new(SetRole::Dns, Family::V4);
+        let table = |rules| LiveTable {
+            chains: Vec::new(),
+            rules,
+            sets: Vec::new(),
+        };
+        let guard = crate::ruleset::Rule::AcceptTupleFromUid {
+            set: dns4,
+            uid: 993,
+        };
+        assert_eq!(
+            table(vec![rule(guard)]).dns_access(),
+            DnsAccess {
+                uids: vec![993],
+                everyone: false
+            }
+        );
+        let resolve = crate::ruleset::Rule::AcceptTupleIn(dns4);
+        assert_eq!(
+            table(vec![rule(resolve)]).dns_access(),
+            DnsAccess {
+                uids: vec![],
+                everyone: true
+            }
+        );
+        // A lookup in another set says nothing about DNS.
+        let allow = crate::ruleset::Rule::AcceptTupleIn(SetId::new(SetRole::Allow, Family::V4));
+        assert_eq!(table(vec![rule(allow)]).dns_access(), DnsAccess::default());
+    }
 }

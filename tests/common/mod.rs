@@ -571,6 +571,17 @@ impl World {
         self.spawn_egress_fence_with_env(args, &[])
     }
 
+    /// `egress-fence run POLICY` in the sandbox, once its DNS guard serves (the policy must be
+    /// in guard mode). Runs as root, so the table lets uid 0 reach the upstream resolvers.
+    pub fn spawn_guard(&self, policy_path: &str) -> Background {
+        let mut daemon = self.spawn_egress_fence(&["run", policy_path]);
+        if !daemon.wait_for_output("the DNS guard is serving", Duration::from_secs(10)) {
+            let _ = daemon.terminate();
+            panic!("the guard did not start:\n{}", daemon.stderr());
+        }
+        daemon
+    }
+
     /// Like [`World::spawn_egress_fence`], with extra environment variables (NOTIFY_SOCKET).
     pub fn spawn_egress_fence_with_env(&self, args: &[&str], env: &[(&str, &str)]) -> Background {
         let mut cmd = Command::new(EGRESS_FENCE_BIN);
