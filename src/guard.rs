@@ -838,6 +838,11 @@ mod tests {
 
     /// An upstream on loopback that answers every A question with 192.0.2.7, TTL 60.
     async fn fake_upstream() -> SocketAddr {
+        fake_upstream_with(|a| a).await
+    }
+
+    /// Like [`fake_upstream`], with `tamper` applied to each answer before it is sent.
+    async fn fake_upstream_with(tamper: fn(Message) -> Message) -> SocketAddr {
         let socket = UdpSocket::bind("127.0.0.1:0").await.expect("bind loopback");
         let addr = socket.local_addr().expect("local address");
         tokio::spawn(async move {
@@ -850,7 +855,7 @@ mod tests {
                 a.metadata.message_type = MessageType::Response;
                 let name = q.queries[0].name().clone();
                 a.add_answer(Record::from_rdata(name, 60, RData::A(A::new(192, 0, 2, 7))));
-                let _ = socket.send_to(&a.to_vec().unwrap(), from).await;
+                let _ = socket.send_to(&tamper(a).to_vec().unwrap(), from).await;
             }
         });
         addr
@@ -998,5 +1003,50 @@ mod tests {
             .filter(|_| budget.take(rate, 3, t2).is_some())
             .count();
         assert_eq!(refilled, 3);
+    }
+
+    /// An answer with another id or to another question (spoofed, or a confused server) is
+    /// never taken: the next upstream is asked, and its addresses are the ones installed.
+    #[tokio::test]
+    async fn answers_that_do_not_match_the_question_are_not_taken() {
+        let other_id: fn(Message) -> Message = |mut a| {
+            a.metadata.id = a.metadata.id.wrapping_add(1);
+            a
+        };
+        let other_question: fn(Message) -> Message = |mut a| {
+            a.queries[0].set_name(Name::from_str("evil.example.").unwrap());
+            a.answers[0].data = RData::A(A::new(203, 0, 113, 66));
+            a
+        };
+        let mut rules = rules();
+        rules.upstream = vec![
+            fake_upstream_with(other_question).await,
+            fake_upstream_with(other_id).await,
+            fake_upstream().await,
+        ];
+        let (_keep, rules_rx) = watch::channel(Arc::new(rules));
+        let (answered, mut daemon) = mpsc::channel(8);
+        let context = Arc::new(Context {
+            in_flight: in_flight_limit(),
+            log_budget: Default::default(),
+            rules: rules_rx,
+            answered,
+            events: broadcast::channel(8).0,
+            counters: Arc::new(Counters::default()),
+        });
+        let raw = query("a.pool.example.", RecordType::A).to_vec().unwrap();
+        let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
+        let asking = context.clone();
+        let pending =
+            tokio::spawn(async move { answer(&asking, &raw, client, Transport::Udp).await });
+        // The mismatched id is skipped until the first upstream's time runs out; the wrong
+        // question is refused at once. Either way the third upstream answers.
+        let request = daemon.recv().await.expect("the daemon is asked to install");
+        let addrs: Vec<IpAddr> = request.addrs.iter().map(|a| a.addr).collect();
+        assert_eq!(addrs, ["192.0.2.7".parse::<IpAddr>().unwrap()]);
+        request.done.send(true).unwrap();
+        let reply = Message::from_vec(&pending.await.unwrap().expect("a reply")).unwrap();
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(reply.queries[0].name().to_ascii(), "a.pool.example.");
     }
 }
