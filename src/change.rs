@@ -15,10 +15,10 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::diff::{CompareOptions, TableDiff, compare};
+use crate::diff::{CompareOptions, Presence, TableDiff, compare};
 use crate::nft::{LiveTable, Nft, NftError};
 use crate::resolve::Resolution;
-use crate::ruleset::Ruleset;
+use crate::ruleset::{Ruleset, SetId, SetRole};
 use crate::state::{
     Generation, NewGeneration, PendingConfirm, Recorder, Reverted, StateDir, StateError,
     WriterLock, current_netns_inode, rfc3339,
@@ -173,6 +173,30 @@ pub fn apply(
         armed,
         noted_revert,
     })
+}
+
+/// Whether the live table may be what kept `planned`'s names from resolving: it exists and
+/// its chains or its DNS sets differ from the plan's (flushed by an admin or a reset script,
+/// edited, or the policy names other resolvers), so this process's own questions to the
+/// resolvers may have been dropped by it. `apply` then installs the plan as it is (only what
+/// the new policy allows, with the names that did resolve), which lets it ask again.
+pub fn may_have_blocked_resolution(planned: &Planned, live: Option<&LiveTable>) -> bool {
+    if planned.resolution.unresolved().next().is_none() {
+        return false;
+    }
+    let Some(live) = live else {
+        // No table of ours: nothing of ours refused the questions.
+        return false;
+    };
+    let options = CompareOptions {
+        ignore_resolved_contents: true,
+    };
+    let diff = compare(&planned.ruleset, Some(live), options);
+    !diff.chains.is_empty()
+        || diff.sets.iter().any(|s| {
+            SetId::from_name(&s.name).is_none_or(|id| id.role == SetRole::Dns)
+                && (s.presence != Presence::Both || s.definition.is_some() || !s.added.is_empty())
+        })
 }
 
 /// The pending record as a writer finds it: a change still awaiting confirmation (it stays:

@@ -426,16 +426,23 @@ fn lock(state: &StateDir, command: &str, args: &LockArgs) -> Result<WriterLock, 
 
 /// Resolves and plans `path`, warning about names on stderr.
 fn resolve_and_plan(path: &Path, resolv_conf: &Path) -> Result<Planned, Failure> {
+    let (policy, planned) = resolve_and_plan_quietly(path, resolv_conf)?;
+    report_resolution(&policy, &planned.resolution);
+    Ok(planned)
+}
+
+/// Like [`resolve_and_plan`], leaving the warnings about the resolution to the caller.
+fn resolve_and_plan_quietly(path: &Path, resolv_conf: &Path) -> Result<(Policy, Planned), Failure> {
     let (policy, policy_text) = load_with_text(path)?;
     let resolution = resolve_policy(&policy, resolv_conf)?;
-    report_resolution(&policy, &resolution);
     let ruleset = plan(&policy, &resolution);
-    Ok(Planned {
+    let planned = Planned {
         policy_path: std::path::absolute(path).unwrap_or_else(|_| path.to_owned()),
         policy_text,
         resolution,
         ruleset,
-    })
+    };
+    Ok((policy, planned))
 }
 
 /// The command that starts a revert timer: this very binary (/proc/self/exe stays the running
@@ -552,7 +559,36 @@ fn run(command: Command) -> Result<u8, Failure> {
             let state = state_dir(&target, &writer.state)?;
             let resolv_conf = enter(&target, Some(&resolving))?;
             let lock = lock(&state, "apply", &writer.lock)?;
-            let planned = resolve_and_plan(&path, &resolv_conf)?;
+            let timer_command = |token: &str| revert_timer_command(token, &target, &writer);
+            let confirm = || {
+                confirm_within.map(|within| ConfirmRequest {
+                    within: within.0,
+                    timer_command: &timer_command,
+                })
+            };
+            let writer_ctx = Writer {
+                state: &state,
+                lock: &lock,
+                keep: writer.keep,
+            };
+            let mut nft = Nft::open()?;
+            let (mut policy, mut planned) = resolve_and_plan_quietly(&path, &resolv_conf)?;
+            // A damaged table of ours (flushed, edited) may have refused our own questions to
+            // the resolvers: install what the policy allows with the names that did resolve
+            // (never more than the policy allows), then ask again.
+            let repaired =
+                change::may_have_blocked_resolution(&planned, nft.read_table()?.as_ref());
+            if repaired {
+                eprintln!(
+                    "table inet {TABLE} differs from the policy's and may have refused this \
+                     process's DNS questions ({} names did not resolve): installing the policy's \
+                     table first, then resolving again",
+                    planned.resolution.unresolved().count()
+                );
+                change::apply(&mut nft, &writer_ctx, planned, confirm())?;
+                (policy, planned) = resolve_and_plan_quietly(&path, &resolv_conf)?;
+            }
+            report_resolution(&policy, &planned.resolution);
             let code = resolution_code(&planned.resolution);
             let unresolved: Vec<String> = planned
                 .resolution
@@ -565,24 +601,15 @@ fn run(command: Command) -> Result<u8, Failure> {
                 planned.ruleset.output.len() + planned.ruleset.refused.len(),
                 planned.ruleset.element_count(),
             );
-            let timer_command = |token: &str| revert_timer_command(token, &target, &writer);
-            let confirm = confirm_within.map(|within| ConfirmRequest {
-                within: within.0,
-                timer_command: &timer_command,
-            });
-            let writer_ctx = Writer {
-                state: &state,
-                lock: &lock,
-                keep: writer.keep,
-            };
-            let outcome = change::apply(&mut Nft::open()?, &writer_ctx, planned, confirm)?;
+            let outcome = change::apply(&mut nft, &writer_ctx, planned, confirm())?;
             drop(lock);
             let confirm_hint = confirm_command(&target, &writer.state);
             report_pending_notes(&outcome.awaiting, &outcome.noted_revert, &confirm_hint);
             if json {
                 let out = serde_json::json!({
                     "applied": true,
-                    "changed": outcome.changed(),
+                    "changed": repaired || outcome.changed(),
+                    "repaired": repaired,
                     "generation": outcome.current,
                     "recorded": outcome.recorded.as_ref().map(|g| g.generation),
                     "table": format!("inet {TABLE}"),
