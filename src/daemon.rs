@@ -393,22 +393,25 @@ struct Carried {
     name: String,
 }
 
-/// The first of `names` whose live addresses and services give `tuple`.
-fn owner_of<'a>(
-    tuple: &Tuple,
+/// For each element the live addresses of `names` need, the first of them that gives it
+/// (the name its comment carries). Walks what [`desired`] walks, once.
+fn owners<'a>(
     names: impl Iterator<Item = (&'a DomainName, &'a NameState)>,
     services: &Services,
     now: Instant,
-) -> Option<&'a DomainName> {
-    let addr = tuple.net.addr();
-    names
-        .filter(|(_, s)| s.addrs.get(&addr).is_some_and(|e| *e > now))
-        .find(|(n, _)| {
-            services
-                .get(*n)
-                .is_some_and(|ports| ports.iter().any(|&svc| resolved_tuple(addr, svc) == *tuple))
-        })
-        .map(|(n, _)| n)
+) -> BTreeMap<Tuple, &'a DomainName> {
+    let mut out = BTreeMap::new();
+    for (name, state) in names {
+        let Some(ports) = services.get(name) else {
+            continue;
+        };
+        for (&addr, _) in state.live(now) {
+            for &service in ports {
+                out.entry(resolved_tuple(addr, service)).or_insert(name);
+            }
+        }
+    }
+    out
 }
 
 /// Puts carried elements into the resolved sets of `ruleset`; an element both have lives as
@@ -694,12 +697,10 @@ impl Daemon {
         }
         // Each new element carries the name it was answered for (the kernel keeps the
         // comment of an element it already holds).
+        let owners = owners(states.iter().copied(), &self.services, now);
         let owners: BTreeMap<Tuple, String> = send
             .iter()
-            .filter_map(|(t, _)| {
-                let owner = owner_of(t, states.iter().copied(), &self.services, now)?;
-                Some((*t, owner.to_string()))
-            })
+            .filter_map(|(t, _)| Some((*t, owners.get(t)?.to_string())))
             .collect();
         match self.upsert(&send, now, |t| owners.get(t).cloned()) {
             Ok(()) => true,
@@ -1681,14 +1682,15 @@ mod tests {
         let t80 = resolved_tuple(ip, (L4Proto::Tcp, 80));
         let t443 = resolved_tuple(ip, (L4Proto::Tcp, 443));
         let names = [(&na, &a), (&nb, &b)];
-        assert_eq!(owner_of(&t443, names.iter().copied(), &svc, now), Some(&na));
+        let got = owners(names.iter().copied(), &svc, now);
+        assert_eq!(got.get(&t443), Some(&&na));
         assert_eq!(
-            owner_of(&t80, names.iter().copied(), &svc, now),
-            Some(&nb),
+            got.get(&t80),
+            Some(&&nb),
             "only b.example is allowed on port 80"
         );
         let later = now + Duration::from_secs(101);
-        assert_eq!(owner_of(&t443, names.iter().copied(), &svc, later), None);
+        assert!(owners(names.iter().copied(), &svc, later).is_empty());
     }
 
     #[test]
