@@ -103,6 +103,7 @@ fn timed(t: Tuple) -> Timed {
         tuple: t,
         timeout_ms: Some(TIMEOUT.as_millis() as u64),
         expires_ms: None,
+        name: None,
     }
 }
 

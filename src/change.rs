@@ -496,6 +496,36 @@ pub fn detach_from_session() -> Result<(), ChangeError> {
     nix::unistd::setsid().map(drop).map_err(ChangeError::Detach)
 }
 
+/// A resolved-set element of the live table that the policy of the newest generation does
+/// not explain (see [`crate::plan::unexplained_element`]): shown as drift by `status`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct UnexplainedElement {
+    /// As nft writes it: `192.0.2.1 . tcp . 443 timeout ... comment "NAME"`.
+    pub element: String,
+    pub why: String,
+}
+
+/// The resolved elements of `live` that the policy of `generation` does not explain. Only
+/// for a generation the service recorded: against any other, `drift` compares the resolved
+/// sets element by element already. A generation whose policy no longer parses (an older
+/// schema) explains nothing and is not checked.
+pub fn unexplained(generation: &Generation, live: &LiveTable) -> Vec<UnexplainedElement> {
+    if generation.command != Recorder::Run {
+        return Vec::new();
+    }
+    let Ok(policy) = crate::policy::Policy::parse(&generation.policy_text, &generation.policy_path)
+    else {
+        return Vec::new();
+    };
+    crate::plan::unexplained_elements(&policy, live, true)
+        .into_iter()
+        .map(|(t, why)| UnexplainedElement {
+            element: crate::ruleset::fmt_timed(&t),
+            why,
+        })
+        .collect()
+}
+
 /// How the live table relates to the newest generation.
 #[derive(Debug)]
 pub enum Drift {

@@ -31,11 +31,14 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
-use crate::guard::{Answered, Counters, Guard, GuardError, Rules};
+use crate::guard::{Answered, Counters, Guard, GuardError, LogBudget, Rules};
+use crate::installable::{HostAddrs, retain_installable};
 use crate::nft::live::guard_dns_note;
 use crate::nft::monitor::{Change, Monitor};
 use crate::nft::{Nft, NftError};
-use crate::plan::{denied_answers, plan_with, resolved_tuple, services_of};
+use crate::plan::{
+    denied_answers, element_allowed, lifetime_cap, plan_with, resolved_tuple, services_of,
+};
 use crate::policy::{Dns, DomainName, L4Proto, Policy, PolicyError};
 use crate::resolve::{NameResolver, Resolution, ResolveError, ResolvedAddr, ResolvedHost};
 use crate::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Timed, Tuple};
@@ -183,9 +186,13 @@ fn interval(ttl: u32, dns: &Dns) -> Duration {
 }
 
 /// How long an address in a guard's answer stays allowed: at least as long as the client may
-/// cache it (its TTL), at least the floor, then the grace.
-fn guard_lifetime(ttl: u32, guard: &crate::policy::Guard, grace: Duration) -> Duration {
-    Duration::from_secs(ttl.into()).max(guard.floor) + grace
+/// cache it (its TTL), at least the floor, then the grace; but never longer than
+/// `dns.refresh.max` (or the floor, if higher) plus the grace ([`lifetime_cap`]): an answer
+/// under an allowed wildcard is its owner's to write, TTL included. A client that caches
+/// longer than that asks again and renews the element.
+fn guard_lifetime(ttl: u32, guard: &crate::policy::Guard, dns: &Dns) -> Duration {
+    let ttl = Duration::from_secs(crate::installable::effective_ttl(ttl).into());
+    ttl.max(guard.floor).min(dns.refresh_max.max(guard.floor)) + dns.grace
 }
 
 /// A guard's answer renews an element only when the element would otherwise expire within
@@ -194,6 +201,10 @@ fn guard_lifetime(ttl: u32, guard: &crate::policy::Guard, grace: Duration) -> Du
 fn renew_slack(grace: Duration) -> Duration {
     grace / 2
 }
+
+/// How often the daemon reads this host's addresses again for checking guard answers: a
+/// netlink dump per answer would cost the guard latency, and addresses rarely change.
+const HOST_ADDRS_EVERY: Duration = Duration::from_secs(5);
 
 /// How many waiting answers go into one batch.
 const MAX_ANSWER_BATCH: usize = 256;
@@ -374,9 +385,38 @@ fn forget_learned_names(
     }
 }
 
+/// An element a restarted guard found in the running table: until when, and for which name
+/// (its comment) it stays.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Carried {
+    expires: Instant,
+    name: String,
+}
+
+/// For each element the live addresses of `names` need, the first of them that gives it
+/// (the name its comment carries). Walks what [`desired`] walks, once.
+fn owners<'a>(
+    names: impl Iterator<Item = (&'a DomainName, &'a NameState)>,
+    services: &Services,
+    now: Instant,
+) -> BTreeMap<Tuple, &'a DomainName> {
+    let mut out = BTreeMap::new();
+    for (name, state) in names {
+        let Some(ports) = services.get(name) else {
+            continue;
+        };
+        for (&addr, _) in state.live(now) {
+            for &service in ports {
+                out.entry(resolved_tuple(addr, service)).or_insert(name);
+            }
+        }
+    }
+    out
+}
+
 /// Puts carried elements into the resolved sets of `ruleset`; an element both have lives as
 /// long as the later of the two says.
-fn add_carried(ruleset: &mut Ruleset, carried: &BTreeMap<Tuple, Instant>, now: Instant) {
+fn add_carried(ruleset: &mut Ruleset, carried: &BTreeMap<Tuple, Carried>, now: Instant) {
     if carried.is_empty() {
         return;
     }
@@ -386,11 +426,14 @@ fn add_carried(ruleset: &mut Ruleset, carried: &BTreeMap<Tuple, Instant>, now: I
         };
         let family = set.id.family;
         let mut merged: BTreeMap<Tuple, Timed> = elements.drain(..).map(|t| (t.tuple, t)).collect();
-        for (&tuple, &expires) in carried {
+        for (&tuple, c) in carried {
             if crate::ruleset::Family::of_net(&tuple.net) != family {
                 continue;
             }
-            let new = timed(tuple, expires, now);
+            let new = Timed {
+                name: Some(c.name.clone()),
+                ..timed(tuple, c.expires, now)
+            };
             merged
                 .entry(tuple)
                 .and_modify(|t| {
@@ -410,6 +453,7 @@ fn timed(tuple: Tuple, expires: Instant, now: Instant) -> Timed {
         tuple,
         timeout_ms: Some(expires.saturating_duration_since(now).as_millis().max(1) as u64),
         expires_ms: None,
+        name: None,
     }
 }
 
@@ -443,8 +487,14 @@ struct Daemon {
     /// The DNS guard, once it serves.
     guard: Option<GuardLink>,
     /// Elements a restarted guard found in the running table, kept until they expire (clients
-    /// still hold the answers that allowed them).
-    carried: BTreeMap<Tuple, Instant>,
+    /// still hold the answers that allowed them), as long as the policy allows their names.
+    carried: BTreeMap<Tuple, Carried>,
+    /// This host's addresses and subnet broadcasts, which no guard answer may install, and
+    /// when they were read (at most every [`HOST_ADDRS_EVERY`]).
+    host_addrs: (HostAddrs, Instant),
+    /// Bounds the warnings about dropped answer addresses (the guard's answers are the
+    /// sandbox's to provoke).
+    dropped_log: LogBudget,
 }
 
 /// The daemon's side of the DNS guard.
@@ -501,6 +551,8 @@ impl Daemon {
             guard_uid: guard_mode.then(|| nix::unistd::geteuid().as_raw()),
             guard: None,
             carried: BTreeMap::new(),
+            host_addrs: (HostAddrs::read_or_warn(), now),
+            dropped_log: LogBudget::default(),
         };
         // A running boundary (a restart) is replaced only once its names are resolved, so
         // that nothing allowed goes missing for a moment. Without one (boot), the
@@ -575,7 +627,24 @@ impl Daemon {
         };
         let now = Instant::now();
         let grace = self.policy.dns.grace;
+        let dns = self.policy.dns.clone();
+        if now.saturating_duration_since(self.host_addrs.1) >= HOST_ADDRS_EVERY {
+            self.host_addrs = (HostAddrs::read_or_warn(), now);
+        }
         let mut names = BTreeSet::new();
+        for a in &mut batch {
+            let dropped = retain_installable(&mut a.addrs, |r| r.addr, &self.host_addrs.0);
+            for d in dropped {
+                if let Some(held_back) = self.dropped_log.take(
+                    self.policy.log.rate,
+                    self.policy.log.burst,
+                    now.into_std(),
+                ) {
+                    warn!(name = %a.name, address = %d.addr, why = %d.why, held_back,
+                          "an answered address is never allowed; not installed");
+                }
+            }
+        }
         for a in &batch {
             if !self.services.contains_key(&a.name) {
                 let services = services_of(&self.policy, &a.name).collect();
@@ -585,7 +654,7 @@ impl Daemon {
                 .names
                 .entry(a.name.clone())
                 .or_insert_with(|| NameState::new(now));
-            let added = state.extend(&a.addrs, now, |ttl| guard_lifetime(ttl, &guard, grace));
+            let added = state.extend(&a.addrs, now, |ttl| guard_lifetime(ttl, &guard, &dns));
             if !added.is_empty() {
                 info!(name = %a.name, added = ?added, "new addresses allowed");
             }
@@ -598,6 +667,7 @@ impl Daemon {
                 name: a.name.clone(),
                 addrs: a.addrs.clone(),
                 nxdomain: false,
+                dropped: Vec::new(),
                 errors: Vec::new(),
             })
             .collect();
@@ -616,13 +686,23 @@ impl Daemon {
         if now >= self.next_prune {
             self.prune(now);
         }
-        let states = names.iter().filter_map(|n| self.names.get_key_value(n));
-        let want = desired(states, &self.services, now);
+        let states: Vec<(&DomainName, &NameState)> = names
+            .iter()
+            .filter_map(|n| self.names.get_key_value(n))
+            .collect();
+        let want = desired(states.iter().copied(), &self.services, now);
         let send = renewals(&want, &self.installed, slack);
         if send.is_empty() {
             return true;
         }
-        match self.upsert(&send, now) {
+        // Each new element carries the name it was answered for (the kernel keeps the
+        // comment of an element it already holds).
+        let owners = owners(states.iter().copied(), &self.services, now);
+        let owners: BTreeMap<Tuple, String> = send
+            .iter()
+            .filter_map(|(t, _)| Some((*t, owners.get(t)?.to_string())))
+            .collect();
+        match self.upsert(&send, now, |t| owners.get(t).cloned()) {
             Ok(()) => true,
             Err(e) => {
                 // Someone may have removed our set under us: the full apply puts it back.
@@ -633,9 +713,21 @@ impl Daemon {
         }
     }
 
-    /// Sends `elements` with their expiries as one batch and records them as installed.
-    fn upsert(&mut self, elements: &[(Tuple, Instant)], now: Instant) -> Result<(), NftError> {
-        let batch: Vec<Timed> = elements.iter().map(|&(t, e)| timed(t, e, now)).collect();
+    /// Sends `elements` with their expiries (and the name `name_of` gives each) as one batch
+    /// and records them as installed.
+    fn upsert(
+        &mut self,
+        elements: &[(Tuple, Instant)],
+        now: Instant,
+        name_of: impl Fn(&Tuple) -> Option<String>,
+    ) -> Result<(), NftError> {
+        let batch: Vec<Timed> = elements
+            .iter()
+            .map(|&(t, e)| Timed {
+                name: name_of(&t),
+                ..timed(t, e, now)
+            })
+            .collect();
         self.nft.upsert_resolved(&batch)?;
         self.our_generation = self.nft.generation().ok();
         self.installed.extend(elements.iter().copied());
@@ -669,7 +761,8 @@ impl Daemon {
                 return;
             }
         };
-        let until = now + 3 * every;
+        // Never past the policy's cap, though: a sweep cannot outlive what an answer may.
+        let until = now + (3 * every).min(lifetime_cap(&self.policy.dns));
         let keep: Vec<(Tuple, Instant)> = soon
             .into_iter()
             .filter(|t| flows.contains(&(t.net.addr(), t.proto, t.ports.first)))
@@ -678,7 +771,7 @@ impl Daemon {
         if keep.is_empty() {
             return;
         }
-        match self.upsert(&keep, now) {
+        match self.upsert(&keep, now, |_| None) {
             Ok(()) => {
                 let addrs: BTreeSet<IpAddr> = keep.iter().map(|(t, _)| t.net.addr()).collect();
                 info!(addresses = ?addrs, "kept addresses with live connections past their lifetime");
@@ -691,7 +784,7 @@ impl Daemon {
                 }
                 for (t, e) in keep {
                     if let Some(c) = self.carried.get_mut(&t) {
-                        *c = (*c).max(e);
+                        c.expires = c.expires.max(e);
                     }
                 }
             }
@@ -702,7 +795,7 @@ impl Daemon {
     /// Forgets expired elements, and in guard mode the names nothing is remembered of.
     fn prune(&mut self, now: Instant) {
         self.installed.retain(|_, e| *e > now);
-        self.carried.retain(|_, e| *e > now);
+        self.carried.retain(|_, c| c.expires > now);
         if self.guard.is_some() {
             forget_learned_names(&mut self.names, now, MAX_FORMER_NAMES);
             let names = &self.names;
@@ -723,23 +816,43 @@ impl Daemon {
                 return;
             }
         };
+        let mut dropped = 0usize;
         for family in crate::ruleset::Family::BOTH {
             let id = SetId::new(SetRole::Resolved, family);
             let Some(Elements::Timed(elements)) = table.contents(id) else {
                 continue;
             };
             for t in elements {
-                // Permanent elements (a CLI apply in resolve mode) get the grace, no more.
+                // Only what this policy allows, for the name the element was answered for
+                // and on its port: a restart must not keep what the new policy dropped.
+                let name = match element_allowed(&self.policy, t.name.as_deref(), &t.tuple) {
+                    Ok(()) => t.name.clone().unwrap_or_default(),
+                    Err(why) => {
+                        dropped += 1;
+                        info!(element = %crate::ruleset::fmt_timed(&t), why = %why,
+                              "not keeping an element of the running table");
+                        continue;
+                    }
+                };
+                // Permanent elements (a CLI apply) get the grace, no more, and none outlives
+                // what the policy allows an answer.
                 let left = t
                     .expires_ms
-                    .map_or(self.policy.dns.grace, Duration::from_millis);
-                self.carried.insert(t.tuple, now + left);
+                    .map_or(self.policy.dns.grace, Duration::from_millis)
+                    .min(lifetime_cap(&self.policy.dns));
+                self.carried.insert(
+                    t.tuple,
+                    Carried {
+                        expires: now + left,
+                        name,
+                    },
+                );
             }
         }
-        if !self.carried.is_empty() {
+        if !self.carried.is_empty() || dropped > 0 {
             info!(
                 elements = self.carried.len(),
-                "keeping the addresses the running table allows until they expire"
+                dropped, "keeping the addresses the running table allows until they expire"
             );
         }
     }
@@ -791,6 +904,11 @@ impl Daemon {
             if !added.is_empty() {
                 info!(name = %host.name, added = ?added, "new addresses allowed");
             }
+            // Once per lookup of the name, so at most once per `dns.refresh.min`.
+            for d in &host.dropped {
+                warn!(name = %host.name, address = %d.addr, why = %d.why,
+                      "an answered address is never allowed; not installed");
+            }
             if !gone.is_empty() {
                 info!(name = %host.name, gone = ?gone, grace_s = self.policy.dns.grace.as_secs(),
                       "addresses no longer answered stay allowed until their grace ends");
@@ -815,6 +933,7 @@ impl Daemon {
                         .map(|(&addr, _)| ResolvedAddr { addr, ttl: 0 })
                         .collect(),
                     nxdomain: false,
+                    dropped: Vec::new(),
                     errors: Vec::new(),
                 })
                 .collect(),
@@ -826,6 +945,13 @@ impl Daemon {
     /// with its remaining lifetime.
     fn apply_all(&mut self) -> Result<(), NftError> {
         let now = Instant::now();
+        // A reload may have lowered the cap: nothing known lives past the policy's.
+        let cap = now + lifetime_cap(&self.policy.dns);
+        for state in self.names.values_mut() {
+            for expires in state.addrs.values_mut() {
+                *expires = (*expires).min(cap);
+            }
+        }
         let names = &self.names;
         let mut ruleset = plan_with(&self.policy, &self.resolution(now), |name, addr| {
             let expires = names.get(name)?.addrs.get(&addr)?;
@@ -835,15 +961,15 @@ impl Daemon {
                     .max(Duration::from_millis(1)),
             )
         });
-        self.carried.retain(|_, e| *e > now);
+        self.carried.retain(|_, c| c.expires > now);
         add_carried(&mut ruleset, &self.carried, now);
         match self.nft.apply(&ruleset) {
             Ok(()) => {
                 self.our_generation = self.nft.generation().ok();
                 self.installed = desired(self.names.iter(), &self.services, now);
-                for (t, e) in &self.carried {
-                    let i = self.installed.entry(*t).or_insert(*e);
-                    *i = (*i).max(*e);
+                for (t, c) in &self.carried {
+                    let i = self.installed.entry(*t).or_insert(c.expires);
+                    *i = (*i).max(c.expires);
                 }
                 self.retry_apply = None;
                 info!(
@@ -990,6 +1116,14 @@ impl Daemon {
     fn reload_guard(&mut self, policy: Policy, policy_text: String, upstream: Vec<IpAddr>) {
         self.names
             .retain(|name, _| policy.allow.iter().any(|a| a.target.matches(name)));
+        // What a restart carried over goes the same way: only for names and ports the new
+        // policy allows, and no longer than it allows an answer.
+        let cap = Instant::now() + lifetime_cap(&policy.dns);
+        self.carried.retain(|t, c| {
+            let kept = element_allowed(&policy, Some(&c.name), t).is_ok();
+            c.expires = c.expires.min(cap);
+            kept
+        });
         self.services = self
             .names
             .keys()
@@ -1310,6 +1444,7 @@ mod tests {
                 })
                 .collect(),
             nxdomain: addrs.is_empty() && errors.is_empty(),
+            dropped: Vec::new(),
             errors: errors.iter().map(|e| e.to_string()).collect(),
         }
     }
@@ -1478,11 +1613,11 @@ mod tests {
         let guard = p.dns.guard.as_ref().unwrap();
         let grace = p.dns.grace;
         assert_eq!(
-            guard_lifetime(5, guard, grace),
+            guard_lifetime(5, guard, &p.dns),
             Duration::from_secs(30 + 600)
         );
         assert_eq!(
-            guard_lifetime(3600, guard, grace),
+            guard_lifetime(3600, guard, &p.dns),
             Duration::from_secs(3600 + 600)
         );
 
@@ -1503,6 +1638,62 @@ mod tests {
     }
 
     #[test]
+    fn no_answer_lives_past_refresh_max_plus_grace_whatever_its_ttl() {
+        let p = Policy::parse(
+            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  floor: 30s\n  grace: 10m\n  refresh: { min: 30s, max: 1h }\n",
+            Path::new("p.yaml"),
+        )
+        .expect("valid");
+        let guard = p.dns.guard.as_ref().unwrap();
+        let cap = Duration::from_secs(3600 + 600);
+        assert_eq!(lifetime_cap(&p.dns), cap);
+        assert_eq!(guard_lifetime(86_400, guard, &p.dns), cap);
+        assert_eq!(guard_lifetime(0x7fff_ffff, guard, &p.dns), cap);
+        // RFC 2181: the top bit set means zero, so the floor.
+        let floor = Duration::from_secs(30 + 600);
+        assert_eq!(guard_lifetime(u32::MAX, guard, &p.dns), floor);
+        assert_eq!(guard_lifetime(0x8000_0000, guard, &p.dns), floor);
+        // A floor above refresh.max is the policy's explicit wish: it is the cap then.
+        let mut dns = p.dns.clone();
+        dns.refresh_max = Duration::from_secs(10);
+        let g = dns.guard.as_ref().unwrap();
+        assert_eq!(guard_lifetime(86_400, g, &dns), floor);
+        assert_eq!(lifetime_cap(&dns), floor);
+        // Resolve mode: the refresh interval is clamped to refresh.max.
+        let dns = policy().dns;
+        assert_eq!(
+            interval(u32::MAX >> 1, &dns) + dns.grace,
+            lifetime_cap(&dns)
+        );
+    }
+
+    #[test]
+    fn a_batch_names_each_element_after_a_name_that_gives_it() {
+        let p = policy();
+        let now = Instant::now();
+        let ip: IpAddr = "192.0.2.9".parse().unwrap();
+        let mut a = NameState::new(now);
+        a.addrs.insert(ip, now + Duration::from_secs(100));
+        let mut b = NameState::new(now);
+        b.addrs.insert(ip, now + Duration::from_secs(100));
+        let (na, nb): (DomainName, DomainName) =
+            ("a.example".parse().unwrap(), "b.example".parse().unwrap());
+        let svc = services(&p);
+        let t80 = resolved_tuple(ip, (L4Proto::Tcp, 80));
+        let t443 = resolved_tuple(ip, (L4Proto::Tcp, 443));
+        let names = [(&na, &a), (&nb, &b)];
+        let got = owners(names.iter().copied(), &svc, now);
+        assert_eq!(got.get(&t443), Some(&&na));
+        assert_eq!(
+            got.get(&t80),
+            Some(&&nb),
+            "only b.example is allowed on port 80"
+        );
+        let later = now + Duration::from_secs(101);
+        assert!(owners(names.iter().copied(), &svc, later).is_empty());
+    }
+
+    #[test]
     fn carried_elements_join_the_resolved_sets_without_shortening_any() {
         let p = policy();
         let now = Instant::now();
@@ -1516,10 +1707,14 @@ mod tests {
             proto: L4Proto::Tcp,
             ports: PortRange::single(443),
         };
+        let carry = |secs| Carried {
+            expires: now + Duration::from_secs(secs),
+            name: "a.example".into(),
+        };
         let carried = BTreeMap::from([
-            (tuple("192.0.2.1/32"), now + Duration::from_secs(50)),
-            (tuple("192.0.2.2/32"), now + Duration::from_secs(70)),
-            (tuple("2001:db8::2/128"), now + Duration::from_secs(70)),
+            (tuple("192.0.2.1/32"), carry(50)),
+            (tuple("192.0.2.2/32"), carry(70)),
+            (tuple("2001:db8::2/128"), carry(70)),
         ]);
         add_carried(&mut rs, &carried, now);
         let timed_in = |family| match &rs

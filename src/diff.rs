@@ -559,6 +559,7 @@ mod tests {
                         flags: e.flags,
                         timeout_ms: e.timeout_ms,
                         expires_ms: e.timeout_ms.map(|t| t / 2),
+                        userdata: e.userdata,
                     })
                     .collect();
                 (live_set, elems)
@@ -723,6 +724,7 @@ mod tests {
             flags: e.flags,
             timeout_ms: None,
             expires_ms: None,
+            userdata: None,
         }));
         // `nft delete rule ...` of the deny4 lookup, and a policy flipped to accept.
         let deny4 = rule_key(&encode::rule_text(&Rule::RefuseDaddrIn(SetId::new(
@@ -794,6 +796,7 @@ mod tests {
             },
             timeout_ms: Some(1),
             expires_ms: Some(1),
+            name: None,
         }]);
         assert_eq!(render(&element_keys(&timed)), vec!["192.0.2.1 . udp . 53"]);
     }

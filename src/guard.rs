@@ -601,7 +601,11 @@ pub fn answer_addresses(query: &Message, answer: &Message) -> Vec<ResolvedAddr> 
         .flat_map(|r| {
             record_addresses(&r.data)
                 .into_iter()
-                .map(|addr| ResolvedAddr { addr, ttl: r.ttl })
+                // RFC 2181: a TTL with the top bit set counts as zero.
+                .map(|addr| ResolvedAddr {
+                    addr,
+                    ttl: crate::installable::effective_ttl(r.ttl),
+                })
         })
         .collect();
     addrs.sort();

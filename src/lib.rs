@@ -17,6 +17,7 @@ pub mod conntrack;
 pub mod daemon;
 pub mod diff;
 pub mod guard;
+pub mod installable;
 pub mod netns;
 pub mod nft;
 pub mod plan;

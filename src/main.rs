@@ -807,6 +807,10 @@ fn run(command: Command) -> Result<u8, Failure> {
             };
             let status = live.status();
             let drift = change::drift(&state, &live);
+            let unexplained = match &drift {
+                Drift::InSync(g) | Drift::Drifted(g, _) => change::unexplained(g, &live),
+                Drift::NoGeneration | Drift::Unreadable(_) => Vec::new(),
+            };
             // Guard mode shows in the table's DNS rule; whether a guard serves, in its socket.
             let guard_uids = live.dns_access().uids;
             let guard_serving = !guard_uids.is_empty()
@@ -820,7 +824,10 @@ fn run(command: Command) -> Result<u8, Failure> {
                     Drift::Drifted(g, d) => (Some(g.summary()), Some(true), Some(d)),
                 };
                 out["generation"] = serde_json::to_value(generation)?;
+                // Elements the policy does not explain are drift too (someone added them).
+                let drifted = drifted.map(|d| d || !unexplained.is_empty());
                 out["drift"] = serde_json::to_value(drifted)?;
+                out["unexplained_elements"] = serde_json::to_value(&unexplained)?;
                 out["differences"] = serde_json::to_value(differences)?;
                 if let Drift::Unreadable(e) = &drift {
                     out["generation_error"] = e.to_string().into();
@@ -845,7 +852,7 @@ fn run(command: Command) -> Result<u8, Failure> {
                         }
                     );
                 }
-                print_drift(&drift, &state);
+                print_drift(&drift, &state, &unexplained);
                 if let Some(p) = &pending {
                     println!("{}", p.describe(SystemTime::now()));
                 }
@@ -1155,7 +1162,21 @@ fn report_pending_notes(
     }
 }
 
-fn print_drift(drift: &Drift, state: &StateDir) {
+fn print_drift(drift: &Drift, state: &StateDir, unexplained: &[change::UnexplainedElement]) {
+    if let (Drift::InSync(g) | Drift::Drifted(g, _), false) = (drift, unexplained.is_empty()) {
+        println!(
+            "DRIFT: {} resolved element(s) that the policy of generation {} does not explain \
+             (added beside egress-fence, or left from an older policy):",
+            unexplained.len(),
+            g.generation
+        );
+        for u in unexplained {
+            println!("  {}: {}", u.element, u.why);
+        }
+        if let Drift::InSync(_) = drift {
+            return;
+        }
+    }
     match drift {
         Drift::NoGeneration => println!(
             "no generation is recorded in {} (applied by hand, or by an older egress-fence)",
@@ -1214,6 +1235,13 @@ fn describe_host(host: &egress_fence::resolve::ResolvedHost) -> String {
 /// Warnings about the resolution, on stderr so that stdout stays machine-readable.
 fn report_resolution(policy: &Policy, resolution: &Resolution) {
     for host in &resolution.hosts {
+        if !host.dropped.is_empty() && !host.addrs.is_empty() {
+            eprintln!(
+                "warning: {} answered addresses that are never allowed, left out: {}",
+                host.name,
+                host.describe_dropped()
+            );
+        }
         if host.addrs.is_empty() {
             eprintln!("warning: {}", describe_host(host));
         } else if !host.errors.is_empty() {

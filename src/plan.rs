@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 
-use crate::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
+use crate::installable::HostAddrs;
+use crate::policy::{Dns, DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::resolve::{Resolution, ResolvedHost};
 use crate::ruleset::{
     Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, Timed, Tuple,
@@ -104,14 +105,21 @@ pub fn plan_with(
             }
         }
     }
-    let mut exact: BTreeMap<Tuple, Option<u64>> = BTreeMap::new();
+    // Each element with its timeout and the (first) name it was answered for.
+    let mut exact: BTreeMap<Tuple, (Option<u64>, &DomainName)> = BTreeMap::new();
     for host in &resolution.hosts {
-        for a in &host.addrs {
+        // Resolution already left these out; a recorded or hand-made resolution may not
+        // have (the host's own addresses are the resolver's to check: they need the host).
+        let installable = host
+            .addrs
+            .iter()
+            .filter(|a| crate::installable::check(a.addr, &HostAddrs::none()).is_ok());
+        for a in installable {
             let timeout = timeout_of(&host.name, a.addr).map(|d| d.as_millis() as u64);
             for tuple in services_of(policy, &host.name).map(|s| resolved_tuple(a.addr, s)) {
                 // An address shared by names lives as long as the longest-lived of them.
-                let entry = exact.entry(tuple).or_insert(timeout);
-                *entry = match (*entry, timeout) {
+                let entry = exact.entry(tuple).or_insert((timeout, &host.name));
+                entry.0 = match (entry.0, timeout) {
                     (Some(a), Some(b)) => Some(a.max(b)),
                     _ => None,
                 };
@@ -136,10 +144,11 @@ pub fn plan_with(
                 exact
                     .iter()
                     .filter(|(t, _)| Family::of_net(&t.net) == id.family)
-                    .map(|(&tuple, &timeout_ms)| Timed {
+                    .map(|(&tuple, &(timeout_ms, name))| Timed {
                         tuple,
                         timeout_ms,
                         expires_ms: None,
+                        name: Some(name.to_string()),
                     })
                     .collect(),
             ),
@@ -229,6 +238,108 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     }
     rules.push(Rule::GotoRefused);
     rules
+}
+
+/// The longest lifetime any resolved element may have: `dns.refresh.max` (in guard mode at
+/// least the floor, which the policy may set higher) plus the grace. Whatever an answer's
+/// TTL says, no element outlives this, in either mode.
+pub fn lifetime_cap(dns: &Dns) -> Duration {
+    let floor = dns.guard.as_ref().map_or(Duration::ZERO, |g| g.floor);
+    dns.refresh_max.max(floor) + dns.grace
+}
+
+/// How much longer than [`lifetime_cap`] an element's timeout may read back from the kernel
+/// (which keeps it in jiffies) before it counts as too long.
+const TIMEOUT_READBACK_SLACK: Duration = Duration::from_secs(1);
+
+/// Whether `policy` allows the element `tuple` for the name `name` (an element's comment):
+/// the name is allowed and the element's protocol and port are among its services. `Err`
+/// says why not.
+pub fn element_allowed(policy: &Policy, name: Option<&str>, tuple: &Tuple) -> Result<(), String> {
+    let Some(name) = name else {
+        return Err("it names no allowed name (no comment)".into());
+    };
+    let Ok(domain) = name.parse::<DomainName>() else {
+        return Err(format!("its comment {name:?} is not a name"));
+    };
+    if !policy.allow.iter().any(|a| a.target.matches(&domain)) {
+        return Err(format!("the policy does not allow {domain}"));
+    }
+    let service = (tuple.proto, tuple.ports.first);
+    if tuple.ports.first != tuple.ports.last || !services_of(policy, &domain).any(|s| s == service)
+    {
+        return Err(format!(
+            "{domain} is not allowed on {} {}",
+            tuple.proto.name(),
+            tuple.ports
+        ));
+    }
+    Ok(())
+}
+
+/// Why a resolved-set element found in a live table is not one `policy` would have put
+/// there, or `None` if it is. `service_owned`: the service (`run`) keeps the table, so every
+/// resolved element has a timeout and the name it was answered for; a table `apply` made
+/// holds permanent elements, with names from this version on.
+pub fn unexplained_element(policy: &Policy, t: &Timed, service_owned: bool) -> Option<String> {
+    if let Err(why) = crate::installable::check(t.tuple.net.addr(), &HostAddrs::none()) {
+        return Some(format!("its address is a {why}, which is never allowed"));
+    }
+    let cap = lifetime_cap(&policy.dns);
+    match t.timeout_ms {
+        None if service_owned || policy.dns.guard.is_some() => {
+            return Some("it has no timeout, so it never expires".into());
+        }
+        Some(ms) if Duration::from_millis(ms) > cap + TIMEOUT_READBACK_SLACK => {
+            return Some(format!(
+                "its timeout of {}s is longer than the policy allows ({}s: dns.refresh.max \
+                 plus dns.grace)",
+                ms / 1000,
+                cap.as_secs()
+            ));
+        }
+        _ => {}
+    }
+    match (&t.name, t.timeout_ms) {
+        // A permanent element of an older `apply`: its service must at least be a name's.
+        (None, None) => {
+            let service = (t.tuple.proto, t.tuple.ports.first);
+            let any = policy
+                .domains()
+                .into_iter()
+                .any(|d| services_of(policy, d).any(|s| s == service));
+            (!any).then(|| {
+                format!(
+                    "no allowed name is allowed on {} {}",
+                    t.tuple.proto.name(),
+                    t.tuple.ports
+                )
+            })
+        }
+        (name, _) => element_allowed(policy, name.as_deref(), &t.tuple).err(),
+    }
+}
+
+/// Every element of the resolved sets of `table` that `policy` does not explain, with why
+/// (see [`unexplained_element`]).
+pub fn unexplained_elements(
+    policy: &Policy,
+    table: &crate::nft::live::LiveTable,
+    service_owned: bool,
+) -> Vec<(Timed, String)> {
+    let mut out = Vec::new();
+    for family in Family::BOTH {
+        if let Some(Elements::Timed(elements)) =
+            table.contents(SetId::new(SetRole::Resolved, family))
+        {
+            for t in elements {
+                if let Some(why) = unexplained_element(policy, &t, service_owned) {
+                    out.push((t, why));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Warnings for answers that land in a denied network.
@@ -336,6 +447,7 @@ pub(crate) mod tests {
                         })
                         .collect(),
                     nxdomain: addrs.is_empty(),
+                    dropped: Vec::new(),
                     errors: vec![],
                 })
                 .collect(),
@@ -656,5 +768,84 @@ log:
             set: SetId::new(SetRole::Dns, Family::V6),
             uid: u32::MAX,
         }));
+    }
+
+    #[test]
+    fn planned_elements_carry_their_name_and_never_an_uninstallable_address() {
+        let p = policy("version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n");
+        let r = resolution(&[(
+            "a.example",
+            &[
+                "192.0.2.1",
+                "255.255.255.255",
+                "127.0.0.1",
+                "ff02::1",
+                "0.0.0.0",
+            ],
+        )]);
+        let rs = plan(&p, &r);
+        let all: Vec<Timed> = Family::BOTH
+            .into_iter()
+            .flat_map(
+                |f| match &rs.set(SetId::new(SetRole::Resolved, f)).unwrap().elements {
+                    Elements::Timed(t) => t.clone(),
+                    other => panic!("{other:?}"),
+                },
+            )
+            .collect();
+        assert_eq!(all.len(), 1, "{all:?}");
+        assert_eq!(all[0].tuple.net, "192.0.2.1/32".parse::<IpNet>().unwrap());
+        assert_eq!(all[0].name.as_deref(), Some("a.example"));
+    }
+
+    #[test]
+    fn elements_the_policy_does_not_explain_are_named_with_why() {
+        let p = policy(
+            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  refresh: { max: 1h }\n  grace: 10m\n",
+        );
+        let tuple = |ip: &str, port| resolved_tuple(ip.parse().unwrap(), (L4Proto::Tcp, port));
+        let element = |name: Option<&str>, port, timeout_s: Option<u64>| Timed {
+            tuple: tuple("192.0.2.1", port),
+            timeout_ms: timeout_s.map(|s| s * 1000),
+            expires_ms: None,
+            name: name.map(String::from),
+        };
+        let why = |t: &Timed| unexplained_element(&p, t, true);
+        assert_eq!(why(&element(Some("a.pool.example"), 443, Some(4200))), None);
+        assert_eq!(
+            why(&element(Some("a.pool.example"), 443, Some(4201))),
+            None,
+            "readback slack"
+        );
+        let long = why(&element(Some("a.pool.example"), 443, Some(86_400_000))).unwrap();
+        assert!(
+            long.contains("longer than the policy allows (4200s"),
+            "{long}"
+        );
+        let none = why(&element(Some("a.pool.example"), 443, None)).unwrap();
+        assert!(none.contains("no timeout"), "{none}");
+        let unnamed = why(&element(None, 443, Some(60))).unwrap();
+        assert!(unnamed.contains("no comment"), "{unnamed}");
+        let other = why(&element(Some("a.other.example"), 443, Some(60))).unwrap();
+        assert!(other.contains("does not allow a.other.example"), "{other}");
+        let port = why(&element(Some("a.pool.example"), 80, Some(60))).unwrap();
+        assert!(port.contains("not allowed on tcp 80"), "{port}");
+        let mut broadcast = element(Some("a.pool.example"), 443, Some(60));
+        broadcast.tuple = tuple("255.255.255.255", 443);
+        assert!(why(&broadcast).unwrap().contains("broadcast"));
+
+        // A table `apply` made in resolve mode: permanent elements are its way.
+        let r = policy("version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n");
+        let permanent = |name: Option<&str>, port| Timed {
+            timeout_ms: None,
+            ..element(name, port, None)
+        };
+        assert_eq!(
+            unexplained_element(&r, &permanent(Some("a.example"), 443), false),
+            None
+        );
+        assert_eq!(unexplained_element(&r, &permanent(None, 443), false), None);
+        assert!(unexplained_element(&r, &permanent(None, 22), false).is_some());
+        assert!(unexplained_element(&r, &permanent(Some("a.example"), 443), true).is_some());
     }
 }

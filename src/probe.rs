@@ -66,7 +66,7 @@ use crate::policy::{
     Allow, DenyOrigin, DomainName, Guard, L4Proto, Policy, PortRange, Preset, ProbeHost, Target,
 };
 use crate::resolve::{ResolveError, ResolvedAddr, ResolvedHost, resolve_names, system_resolvers};
-use crate::ruleset::{Elements, Family, SetId, SetRole, TABLE};
+use crate::ruleset::{Elements, Family, SetId, SetRole, TABLE, Timed};
 
 /// What [`run`] needs besides the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,15 +100,9 @@ impl ProbeOptions {
     /// resolv.conf names, the installed table (read from the current network namespace) and
     /// the owner of the guard's socket.
     pub fn for_policy(policy: &Policy, resolv_conf: &Path) -> Result<ProbeOptions, ProbeError> {
-        let doh_preset = policy
-            .deny
-            .iter()
-            .any(|d| d.origin == DenyOrigin::Preset(Preset::DnsOverHttps));
-        let table = if policy.dns.guard.is_some() || doh_preset {
-            TableView::read()
-        } else {
-            TableView::NotRead
-        };
+        // Always read: every policy's resolved elements are checked against it, and guard
+        // mode and the `dns-over-https` preset need its rules and deny sets.
+        let table = TableView::read();
         let uid = nix::unistd::geteuid().as_raw();
         if let Some(guard) = &policy.dns.guard {
             return Ok(ProbeOptions {
@@ -171,6 +165,8 @@ pub struct TableFacts {
     pub dns_for_everyone: bool,
     /// The networks of the deny sets.
     pub denied: Vec<IpNet>,
+    /// The elements of the resolved sets, which the policy must explain.
+    pub resolved: Vec<Timed>,
 }
 
 impl TableView {
@@ -194,12 +190,18 @@ impl TableFacts {
             dns_uids: access.uids,
             dns_for_everyone: access.everyone,
             denied: Vec::new(),
+            resolved: Vec::new(),
         };
         for family in Family::BOTH {
             if let Some(Elements::Networks(nets)) =
                 table.contents(SetId::new(SetRole::Deny, family))
             {
                 facts.denied.extend(nets);
+            }
+            if let Some(Elements::Timed(elements)) =
+                table.contents(SetId::new(SetRole::Resolved, family))
+            {
+                facts.resolved.extend(elements);
             }
         }
         facts
@@ -438,6 +440,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.blocked();
             plan.rogue_resolvers();
             plan.exfiltration(exfil_name);
+            plan.resolved_elements();
         }
         Some(g) => {
             plan.system_resolver(g);
@@ -448,6 +451,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.blocked();
             plan.rogue_resolvers();
             plan.guarded_exfiltration(exfil_name);
+            plan.resolved_elements();
         }
     }
 
@@ -916,6 +920,37 @@ impl<'a> Plan<'a> {
                     "not probed: list an address of it under probe.blocked to check it",
                 )),
             }
+        }
+    }
+
+    /// Every element of the installed table's resolved sets must be one the policy explains:
+    /// an allowed name's, on its ports, with a timeout within the policy's cap where the
+    /// service keeps the table. Each one that is not fails, named (a PASS would add nothing
+    /// a human reads; a table that cannot be read is checked by the other checks).
+    fn resolved_elements(&mut self) {
+        let TableView::Read(facts) = &self.options.table else {
+            return;
+        };
+        // Only the service gives elements timeouts (and in guard mode only it adds any).
+        let service_owned = self.policy.dns.guard.is_some()
+            || facts.resolved.iter().any(|t| t.timeout_ms.is_some());
+        let failed: Vec<Check> = facts
+            .resolved
+            .iter()
+            .filter_map(|t| {
+                let why = crate::plan::unexplained_element(self.policy, t, service_owned)?;
+                Some(Check::new(
+                    Outcome::Fail,
+                    format!("resolved element {}", crate::ruleset::fmt_tuple(&t.tuple)),
+                    format!(
+                        "the policy does not explain it: {why} ({})",
+                        crate::ruleset::fmt_timed(t)
+                    ),
+                ))
+            })
+            .collect();
+        for check in failed {
+            self.done(check);
         }
     }
 
@@ -1606,6 +1641,7 @@ impl GuardLookup {
             name: self.name.clone(),
             addrs: Vec::new(),
             nxdomain: false,
+            dropped: Vec::new(),
             errors: Vec::new(),
         };
         for (qtype, asked) in self.asked() {
@@ -2013,6 +2049,7 @@ mod tests {
             dns_uids: vec![uid],
             dns_for_everyone: false,
             denied: Preset::DnsOverHttps.networks(),
+            resolved: Vec::new(),
         })
     }
 

@@ -13,6 +13,7 @@ use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::proto::rr::RData;
 use serde::{Deserialize, Serialize};
 
+use crate::installable::{Dropped, HostAddrs, effective_ttl, retain_installable};
 use crate::policy::DomainName;
 
 /// What resolving the policy's names produced.
@@ -35,6 +36,10 @@ pub struct ResolvedHost {
     /// The server says the name does not exist.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub nxdomain: bool,
+    /// Answered addresses that were not taken, with why (broadcast, loopback, this host's
+    /// own...: see [`crate::installable`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dropped: Vec<Dropped>,
     /// Failures of the A or AAAA query ("AAAA: timed out"): no answer came for it. A name
     /// with addresses and an error resolved only partly.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -42,10 +47,24 @@ pub struct ResolvedHost {
 }
 
 impl ResolvedHost {
+    /// "255.255.255.255 (the limited broadcast address), ::1 (loopback address)".
+    pub fn describe_dropped(&self) -> String {
+        self.dropped
+            .iter()
+            .map(|d| format!("{} ({})", d.addr, d.why))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// Why the name has no address, for messages.
     pub fn why_unresolved(&self) -> String {
         if !self.errors.is_empty() {
             self.errors.join("; ")
+        } else if !self.dropped.is_empty() {
+            format!(
+                "every address it answered was dropped: {}",
+                self.describe_dropped()
+            )
         } else if self.nxdomain {
             "the name does not exist (NXDOMAIN)".into()
         } else {
@@ -196,7 +215,9 @@ impl NameResolver {
         Ok(NameResolver { inner })
     }
 
-    /// Looks up every name concurrently; the answers come back sorted by name.
+    /// Looks up every name concurrently; the answers come back sorted by name, without the
+    /// addresses that must never be installed (checked against this host's interfaces as
+    /// they are now: once per call, so a refresh of many names reads them once).
     pub async fn lookup_all(
         &self,
         names: impl IntoIterator<Item = DomainName>,
@@ -211,6 +232,10 @@ impl NameResolver {
             hosts.push(done.map_err(|e| ResolveError::Setup(e.to_string()))?);
         }
         hosts.sort_by(|a, b| a.name.cmp(&b.name));
+        let host_addrs = HostAddrs::read_or_warn();
+        for host in &mut hosts {
+            host.dropped = retain_installable(&mut host.addrs, |a| a.addr, &host_addrs);
+        }
         Ok(hosts)
     }
 
@@ -233,8 +258,9 @@ impl NameResolver {
                             RData::AAAA(a) => IpAddr::V6(a.0),
                             _ => continue, // CNAMEs on the way
                         };
-                        let ttl = addrs.entry(addr).or_insert(record.ttl);
-                        *ttl = (*ttl).min(record.ttl);
+                        let record_ttl = effective_ttl(record.ttl);
+                        let ttl = addrs.entry(addr).or_insert(record_ttl);
+                        *ttl = (*ttl).min(record_ttl);
                     }
                 }
                 // An answer without records is an answer: an IPv4-only name has no AAAA.
@@ -249,6 +275,7 @@ impl NameResolver {
                 .map(|(addr, ttl)| ResolvedAddr { addr, ttl })
                 .collect(),
             nxdomain,
+            dropped: Vec::new(),
             errors,
         }
     }

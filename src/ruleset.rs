@@ -207,7 +207,7 @@ fn stored_ports<'de, D: Deserializer<'de>>(d: D) -> Result<PortRange, D::Error> 
 
 /// An element of a resolved set: a tuple and, when the daemon keeps it fresh, how long the
 /// kernel keeps it without another refresh (so a dead daemon's addresses still expire).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Timed {
     #[serde(flatten)]
     pub tuple: Tuple,
@@ -217,6 +217,11 @@ pub struct Timed {
     /// Read back from the kernel only: how long until it expires.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_ms: Option<u64>,
+    /// The allowed name whose answer brought the element, kept in the kernel as the
+    /// element's comment: a restart, a reload, `status` and `probe` check it against the
+    /// policy. (An element two names share carries the first one the kernel was given.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Timed {
@@ -225,6 +230,7 @@ impl Timed {
             tuple,
             timeout_ms: None,
             expires_ms: None,
+            name: None,
         }
     }
 }
@@ -489,6 +495,10 @@ pub fn fmt_timed(t: &Timed) -> String {
     if let Some(ms) = t.timeout_ms {
         let expires = t.expires_ms.unwrap_or(ms);
         out.push_str(&format!(" timeout {ms}ms expires {expires}ms"));
+    }
+    if let Some(name) = &t.name {
+        // Names are DNS names; a hand-added comment read back may hold anything.
+        out.push_str(&format!(" comment \"{}\"", name.replace(['"', '\\'], "_")));
     }
     out
 }

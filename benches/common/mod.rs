@@ -108,6 +108,7 @@ pub fn resolution(answers: &[Vec<IpAddr>]) -> Resolution {
                 name: name(i),
                 addrs,
                 nxdomain: false,
+                dropped: Vec::new(),
                 errors: Vec::new(),
             }
         })

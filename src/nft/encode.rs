@@ -147,10 +147,7 @@ pub fn upsert_resolved(elements: &[Timed]) -> Encoded {
         let of_family = elements
             .iter()
             .filter(|t| Family::of_net(&t.tuple.net) == family)
-            .map(|t| Elem {
-                timeout_ms: t.timeout_ms,
-                ..tuple_elem(id, &t.tuple)
-            });
+            .map(|t| timed_elem(id, t));
         // The set already exists, so its batch id is not used: 0 means "by name".
         add_elements(&mut b, id, 0, of_family, ElemOp::Upsert);
     }
@@ -268,12 +265,49 @@ pub fn set_elements(id: SetId, elements: &Elements) -> Box<dyn Iterator<Item = E
         // Deny lists are short; their start/end pairs are simplest built whole.
         Elements::Networks(nets) => Box::new(interval_elements(nets).into_iter()),
         Elements::Tuples(tuples) => Box::new(tuples.iter().map(move |t| tuple_elem(id, t))),
-        Elements::Timed(timed) => Box::new(timed.iter().map(move |t| Elem {
-            timeout_ms: t.timeout_ms,
-            ..tuple_elem(id, &t.tuple)
-        })),
+        Elements::Timed(timed) => Box::new(timed.iter().map(move |t| timed_elem(id, t))),
     }
 }
+
+/// A resolved element: its timeout, and the name it was answered for as its comment.
+fn timed_elem(id: SetId, t: &Timed) -> Elem {
+    Elem {
+        timeout_ms: t.timeout_ms,
+        userdata: t.name.as_deref().and_then(comment_userdata),
+        ..tuple_elem(id, &t.tuple)
+    }
+}
+
+/// nft's element comment: the user-data TLV of type 0 (`NFTNL_UDATA_SET_ELEM_COMMENT`), a
+/// NUL-terminated string, so that `nft list` shows it as `comment "NAME"`. `None` for a
+/// text that does not fit the kernel's 256 bytes of user data.
+pub fn comment_userdata(text: &str) -> Option<Vec<u8>> {
+    let len = u8::try_from(text.len() + 1).ok()?;
+    if text.contains('\0') {
+        return None;
+    }
+    let mut out = vec![UDATA_ELEM_COMMENT, len];
+    out.extend_from_slice(text.as_bytes());
+    out.push(0);
+    Some(out)
+}
+
+/// The comment in an element's user data (see [`comment_userdata`]), if it holds one.
+pub fn comment_of(udata: &[u8]) -> Option<String> {
+    let mut rest = udata;
+    while let [kind, len, tail @ ..] = rest {
+        let value = tail.get(..usize::from(*len))?;
+        if *kind == UDATA_ELEM_COMMENT {
+            let text = value.strip_suffix(&[0])?;
+            return String::from_utf8(text.to_vec()).ok();
+        }
+        rest = &tail[usize::from(*len)..];
+    }
+    None
+}
+
+/// libnftnl's `NFTNL_UDATA_SET_ELEM_COMMENT`.
+const UDATA_ELEM_COMMENT: u8 = 0;
 
 fn tuple_elem(id: SetId, t: &Tuple) -> Elem {
     let proto = t.proto.number();

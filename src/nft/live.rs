@@ -6,6 +6,7 @@ use std::net::IpAddr;
 use ipnet::{IpNet, Ipv4Subnets, Ipv6Subnets};
 use serde::Serialize;
 
+use super::encode::comment_of;
 use super::sys::{LiveChain, LiveElem, LiveRule, LiveSet, NFT_SET_ELEM_INTERVAL_END};
 use crate::policy::{L4Proto, PortRange};
 use crate::ruleset::{
@@ -312,6 +313,7 @@ fn decode(id: SetId, elems: &[LiveElem]) -> Elements {
                         tuple,
                         timeout_ms: e.timeout_ms,
                         expires_ms: e.expires_ms,
+                        name: e.userdata.as_deref().and_then(comment_of),
                     })
                 })
                 .collect();
@@ -407,6 +409,7 @@ mod tests {
                 flags: e.flags,
                 timeout_ms: e.timeout_ms,
                 expires_ms: None,
+                userdata: e.userdata,
             })
             .collect()
     }
@@ -460,9 +463,15 @@ mod tests {
             tuple: tuples[0],
             timeout_ms: Some(5000),
             expires_ms: None,
+            name: Some("api.example.com".into()),
         }]);
         let elems = live(set_elements(id, &want).collect());
         assert_eq!(elems[0].timeout_ms, Some(5000));
+        // nft's comment TLV: type 0, length, the text and its NUL.
+        assert_eq!(
+            elems[0].userdata.as_deref(),
+            Some(&b"\x00\x10api.example.com\x00"[..])
+        );
         assert_eq!(decode(id, &elems), want);
     }
 

@@ -217,6 +217,8 @@ pub struct Elem {
     pub flags: u32,
     /// The element expires this long from now; sending it again restarts the count.
     pub timeout_ms: Option<u64>,
+    /// The element's user data (nft's comment TLVs), stored with it by the kernel.
+    pub userdata: Option<Vec<u8>>,
 }
 
 /// A named set of table `table` (family inet) with its elements.
@@ -280,6 +282,9 @@ impl NlSet {
                 // explicitly (re-adding the same timeout alone leaves it running).
                 sys::nftnl_set_elem_set_u64(e, sys::NFTNL_SET_ELEM_TIMEOUT as u16, ms);
                 sys::nftnl_set_elem_set_u64(e, sys::NFTNL_SET_ELEM_EXPIRATION as u16, ms);
+            }
+            if let Some(udata) = &elem.userdata {
+                set_elem_data(e, sys::NFTNL_SET_ELEM_USERDATA, udata);
             }
             sys::nftnl_set_elem_add(self.set.as_ptr(), e);
         }
@@ -580,6 +585,7 @@ pub struct LiveElem {
     pub flags: u32,
     pub timeout_ms: Option<u64>,
     pub expires_ms: Option<u64>,
+    pub userdata: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -743,6 +749,7 @@ pub fn parse_elems(msg: &[u8]) -> Option<Vec<LiveElem>> {
                         },
                         timeout_ms: u64_attr(sys::NFTNL_SET_ELEM_TIMEOUT),
                         expires_ms: u64_attr(sys::NFTNL_SET_ELEM_EXPIRATION),
+                        userdata: data(sys::NFTNL_SET_ELEM_USERDATA),
                     });
                     e = sys::nftnl_set_elems_iter_next(iter);
                 }

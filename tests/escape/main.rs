@@ -4,6 +4,7 @@
 //! keep passing. One module per kind of attack; all of them use the worlds of
 //! `tests/common` (throwaway namespaces, removed even when a test fails).
 
+mod answers;
 #[path = "../common/mod.rs"]
 mod common;
 mod repair;

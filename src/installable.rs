@@ -1,0 +1,338 @@
+//! Which answered addresses may become resolved-set elements, and for how long an answer's
+//! TTL counts. Every answer is hostile input (a name under an allowed wildcard answers what
+//! its owner likes): an element for 255.255.255.255, a subnet broadcast, a multicast group,
+//! 0.0.0.0, loopback or the host's own addresses would let traffic out, or in circles, that
+//! no allow entry meant. This module is the one owner of that decision; resolution (`apply`,
+//! `plan`, `run` in resolve mode), the planner and the daemon's guard answers all ask it.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use serde::{Deserialize, Serialize};
+
+/// Why an answered address is never installed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Refusal {
+    /// 0.0.0.0/8 or `::`: "this host" / no address.
+    Unspecified,
+    /// 127.0.0.0/8 or `::1`.
+    Loopback,
+    /// 224.0.0.0/4 or ff00::/8.
+    Multicast,
+    /// 255.255.255.255.
+    Broadcast,
+    /// 240.0.0.0/4 (reserved, never routed).
+    Reserved,
+    /// fe80::/10: meaningless without the interface it belongs to, which an answer cannot
+    /// name. (IPv4's 169.254.0.0/16 is routed on-link; the deny list's `cloud-metadata`
+    /// preset speaks for it, and warns "deny wins" when a name resolves into it.)
+    LinkLocal,
+    /// ::ffff:0:0/96 or ::/96: an IPv6 form of an IPv4 address, which an IPv6 rule never
+    /// matches (the kernel sends such a packet as IPv4).
+    Ipv4InIpv6,
+    /// An address of one of the host's own interfaces.
+    OwnAddress,
+    /// The broadcast address of one of the host's own IPv4 subnets.
+    SubnetBroadcast,
+}
+
+impl Refusal {
+    /// Why, for log lines and warnings.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Refusal::Unspecified => "unspecified address",
+            Refusal::Loopback => "loopback address",
+            Refusal::Multicast => "multicast address",
+            Refusal::Broadcast => "the limited broadcast address",
+            Refusal::Reserved => "reserved address (240.0.0.0/4)",
+            Refusal::LinkLocal => "IPv6 link-local address",
+            Refusal::Ipv4InIpv6 => "IPv4-mapped or IPv4-compatible IPv6 address",
+            Refusal::OwnAddress => "an address of this host",
+            Refusal::SubnetBroadcast => "the broadcast address of a subnet of this host",
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.describe())
+    }
+}
+
+/// The host's own addresses and the broadcast addresses of its IPv4 subnets, read from its
+/// interfaces (in the current network namespace).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostAddrs {
+    own: BTreeSet<IpAddr>,
+    broadcasts: BTreeSet<IpAddr>,
+}
+
+impl HostAddrs {
+    /// None known: only the address itself decides (pure planning, tests).
+    pub fn none() -> HostAddrs {
+        HostAddrs::default()
+    }
+
+    /// From `(address, netmask, broadcast)` of each interface address.
+    pub fn from_interfaces(
+        interfaces: impl IntoIterator<Item = (IpAddr, Option<IpAddr>, Option<IpAddr>)>,
+    ) -> HostAddrs {
+        let mut out = HostAddrs::default();
+        for (addr, mask, broadcast) in interfaces {
+            out.own.insert(addr);
+            if let Some(b) = broadcast {
+                out.broadcasts.insert(b);
+            }
+            // A subnet's broadcast address whether or not the interface says IFF_BROADCAST.
+            if let (IpAddr::V4(a), Some(IpAddr::V4(m))) = (addr, mask) {
+                let (a, m) = (u32::from(a), u32::from(m));
+                // /31 and /32 have no broadcast address (RFC 3021).
+                if m.count_ones() < 31 {
+                    out.broadcasts.insert(IpAddr::V4(Ipv4Addr::from(a | !m)));
+                }
+            }
+        }
+        out
+    }
+
+    /// The interfaces' addresses now (getifaddrs).
+    pub fn read() -> Result<HostAddrs, nix::Error> {
+        let ip = |s: Option<nix::sys::socket::SockaddrStorage>| -> Option<IpAddr> {
+            let s = s?;
+            if let Some(v4) = s.as_sockaddr_in() {
+                return Some(IpAddr::V4(v4.ip()));
+            }
+            s.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+        };
+        let interfaces = nix::ifaddrs::getifaddrs()?.filter_map(|i| {
+            let addr = ip(i.address)?;
+            Some((addr, ip(i.netmask), ip(i.broadcast)))
+        });
+        Ok(HostAddrs::from_interfaces(interfaces.collect::<Vec<_>>()))
+    }
+
+    /// Reads the interfaces, or, when that fails, knows none (the address classes still
+    /// apply) and says so.
+    pub fn read_or_warn() -> HostAddrs {
+        HostAddrs::read().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "cannot read this host's addresses; answers are checked \
+                            without them");
+            HostAddrs::none()
+        })
+    }
+}
+
+/// Whether `addr`, answered for an allowed name, may become a resolved-set element: `Err`
+/// says why not.
+pub fn check(addr: IpAddr, host: &HostAddrs) -> Result<(), Refusal> {
+    check_class(addr)?;
+    if host.own.contains(&addr) {
+        return Err(Refusal::OwnAddress);
+    }
+    if host.broadcasts.contains(&addr) {
+        return Err(Refusal::SubnetBroadcast);
+    }
+    Ok(())
+}
+
+/// The part of [`check`] that the address alone decides.
+fn check_class(addr: IpAddr) -> Result<(), Refusal> {
+    match addr {
+        IpAddr::V4(a) => check_v4(a),
+        IpAddr::V6(a) => check_v6(a),
+    }
+}
+
+fn check_v4(a: Ipv4Addr) -> Result<(), Refusal> {
+    let first = a.octets()[0];
+    if a.is_broadcast() {
+        Err(Refusal::Broadcast)
+    } else if first == 0 {
+        Err(Refusal::Unspecified)
+    } else if a.is_loopback() {
+        Err(Refusal::Loopback)
+    } else if a.is_multicast() {
+        Err(Refusal::Multicast)
+    } else if first >= 240 {
+        Err(Refusal::Reserved)
+    } else {
+        Ok(())
+    }
+}
+
+fn check_v6(a: Ipv6Addr) -> Result<(), Refusal> {
+    let s = a.segments();
+    if a.is_unspecified() {
+        Err(Refusal::Unspecified)
+    } else if a.is_loopback() {
+        Err(Refusal::Loopback)
+    } else if a.is_multicast() {
+        Err(Refusal::Multicast)
+    } else if s[0] & 0xffc0 == 0xfe80 {
+        Err(Refusal::LinkLocal)
+    } else if a.to_ipv4_mapped().is_some() || s[..6] == [0; 6] {
+        // ::ffff:a.b.c.d, and the deprecated ::a.b.c.d (`::` and `::1` are caught above).
+        Err(Refusal::Ipv4InIpv6)
+    } else {
+        Ok(())
+    }
+}
+
+/// The TTL an answer's record counts with: RFC 2181 section 8 says a TTL with the top bit set
+/// is to be treated as zero (it would otherwise allow an address for 136 years).
+pub fn effective_ttl(ttl: u32) -> u32 {
+    if ttl & 0x8000_0000 != 0 { 0 } else { ttl }
+}
+
+/// One answered address that was not installed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Dropped {
+    pub addr: IpAddr,
+    pub why: Refusal,
+}
+
+/// Removes from `addrs` every address [`check`] refuses; returns those, with why.
+pub fn retain_installable<T>(
+    addrs: &mut Vec<T>,
+    addr_of: impl Fn(&T) -> IpAddr,
+    host: &HostAddrs,
+) -> Vec<Dropped> {
+    let mut dropped = Vec::new();
+    addrs.retain(|a| match check(addr_of(a), host) {
+        Ok(()) => true,
+        Err(why) => {
+            dropped.push(Dropped {
+                addr: addr_of(a),
+                why,
+            });
+            false
+        }
+    });
+    dropped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn non_unicast_unspecified_loopback_and_link_local_are_refused() {
+        let none = HostAddrs::none();
+        let cases = [
+            ("255.255.255.255", Refusal::Broadcast),
+            ("0.0.0.0", Refusal::Unspecified),
+            ("0.1.2.3", Refusal::Unspecified),
+            ("127.0.0.1", Refusal::Loopback),
+            ("127.255.0.9", Refusal::Loopback),
+            ("224.0.0.1", Refusal::Multicast),
+            ("239.255.255.250", Refusal::Multicast),
+            ("240.0.0.1", Refusal::Reserved),
+            ("::", Refusal::Unspecified),
+            ("::1", Refusal::Loopback),
+            ("ff02::1", Refusal::Multicast),
+            ("ff05::1:3", Refusal::Multicast),
+            ("fe80::1", Refusal::LinkLocal),
+            ("febf::1", Refusal::LinkLocal),
+            ("::ffff:192.0.2.1", Refusal::Ipv4InIpv6),
+            ("::ffff:255.255.255.255", Refusal::Ipv4InIpv6),
+            ("::192.0.2.1", Refusal::Ipv4InIpv6),
+        ];
+        for (addr, why) in cases {
+            assert_eq!(check(ip(addr), &none), Err(why), "{addr}");
+        }
+    }
+
+    #[test]
+    fn unicast_addresses_pass() {
+        let none = HostAddrs::none();
+        for addr in [
+            "192.0.2.10",
+            "198.51.100.254",
+            "203.0.113.0",
+            "1.1.1.1",
+            "223.255.255.254",
+            "169.254.169.254", // the deny list's, not this module's
+            "2001:db8::1",
+            "fec0::1",
+            "64:ff9b::192.0.2.1",
+            "fd00::1",
+        ] {
+            assert_eq!(check(ip(addr), &none), Ok(()), "{addr}");
+        }
+    }
+
+    #[test]
+    fn the_hosts_own_addresses_and_subnet_broadcasts_are_refused() {
+        let host = HostAddrs::from_interfaces([
+            (
+                ip("198.51.100.2"),
+                Some(ip("255.255.255.0")),
+                Some(ip("198.51.100.255")),
+            ),
+            // No IFF_BROADCAST: the broadcast address still follows from the mask.
+            (ip("192.0.2.129"), Some(ip("255.255.255.192")), None),
+            // A /31 has none.
+            (ip("203.0.113.8"), Some(ip("255.255.255.254")), None),
+            (
+                ip("2001:db8:ffff::2"),
+                Some(ip("ffff:ffff:ffff:ffff::")),
+                None,
+            ),
+        ]);
+        assert_eq!(check(ip("198.51.100.2"), &host), Err(Refusal::OwnAddress));
+        assert_eq!(
+            check(ip("2001:db8:ffff::2"), &host),
+            Err(Refusal::OwnAddress)
+        );
+        assert_eq!(
+            check(ip("198.51.100.255"), &host),
+            Err(Refusal::SubnetBroadcast)
+        );
+        assert_eq!(
+            check(ip("192.0.2.191"), &host),
+            Err(Refusal::SubnetBroadcast)
+        );
+        assert_eq!(check(ip("203.0.113.9"), &host), Ok(()));
+        assert_eq!(check(ip("198.51.100.3"), &host), Ok(()));
+    }
+
+    #[test]
+    fn reading_the_interfaces_finds_loopback() {
+        let host = HostAddrs::read().expect("getifaddrs");
+        assert!(host.own.contains(&ip("127.0.0.1")), "{host:?}");
+    }
+
+    #[test]
+    fn ttls_with_the_top_bit_set_count_as_zero() {
+        assert_eq!(effective_ttl(0), 0);
+        assert_eq!(effective_ttl(300), 300);
+        assert_eq!(effective_ttl(0x7fff_ffff), 0x7fff_ffff);
+        assert_eq!(effective_ttl(0x8000_0000), 0);
+        assert_eq!(effective_ttl(u32::MAX), 0);
+    }
+
+    #[test]
+    fn retain_keeps_the_installable_and_reports_the_rest() {
+        let mut addrs = vec![ip("192.0.2.1"), ip("255.255.255.255"), ip("::1")];
+        let dropped = retain_installable(&mut addrs, |a| *a, &HostAddrs::none());
+        assert_eq!(addrs, vec![ip("192.0.2.1")]);
+        assert_eq!(
+            dropped,
+            vec![
+                Dropped {
+                    addr: ip("255.255.255.255"),
+                    why: Refusal::Broadcast
+                },
+                Dropped {
+                    addr: ip("::1"),
+                    why: Refusal::Loopback
+                },
+            ]
+        );
+    }
+}

@@ -1,0 +1,427 @@
+//! Answers are hostile input (issue 10, items 6 and 7). Under an allowed wildcard the zone's
+//! owner writes the answers: broadcast, multicast, loopback, unspecified and the sandbox's
+//! own addresses must never become resolved elements (else broadcast UDP leaves the
+//! sandbox), a TTL of 2^32-1 must not allow an address for 136 years, and a restart or reload
+//! must not carry over elements the new policy no longer allows. `status` and `probe` must
+//! name resolved elements the policy does not explain.
+//!
+//! The zone is served by a small hostile DNS server (python3, in the world's "net"
+//! namespace at [`EVIL_DNS`]): it answers every A and AAAA question with fixed records and
+//! one TTL, which dnsmasq cannot do (its `--local-ttl` stops at 2^31-1, and it would not
+//! serve some of these addresses).
+
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use crate::common::*;
+
+/// Where the hostile zone's server listens (a host of the world's internet).
+const EVIL_DNS: IpAddr = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 60));
+
+/// The port the policies allow for the hostile names, TCP and UDP.
+const PORT: u16 = 9999;
+
+/// The sandbox subnet's broadcast address (198.51.100.0/24, see `SANDBOX_V4`).
+const SUBNET_BROADCAST: IpAddr = IpAddr::V4(Ipv4Addr::new(198, 51, 100, 255));
+
+/// The addresses of item 6 that must never be installed: broadcast, the subnet's broadcast,
+/// multicast, unspecified, loopback and the sandbox's own addresses, IPv4 and IPv6.
+fn never_installed() -> Vec<IpAddr> {
+    vec![
+        IpAddr::V4(Ipv4Addr::BROADCAST),
+        SUBNET_BROADCAST,
+        IpAddr::V4(Ipv4Addr::new(224, 0, 0, 1)),
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        SANDBOX_V4,
+        IpAddr::V6(Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1)),
+        IpAddr::V6(Ipv6Addr::LOCALHOST),
+        SANDBOX_V6,
+    ]
+}
+
+/// A DNS server that answers every A and AAAA question with `addrs` (of that family) and
+/// `ttl`, over UDP, echoing the question. Killed when dropped.
+struct EvilDns {
+    child: Child,
+}
+
+const EVIL_DNS_SCRIPT: &str = r#"
+import socket, struct, sys
+listen, ttl, addrs = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((listen, 53))
+print("ready", flush=True)
+while True:
+    data, peer = s.recvfrom(4096)
+    if len(data) < 17:
+        continue
+    qid, flags = struct.unpack(">HH", data[:4])
+    i = 12
+    while i < len(data) and data[i] != 0:
+        i += data[i] + 1
+    qtype = struct.unpack(">H", data[i + 1:i + 3])[0]
+    question = data[12:i + 5]
+    answers = []
+    for a in addrs:
+        if qtype == 1 and ":" not in a:
+            answers.append(b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, ttl, 4) + socket.inet_pton(socket.AF_INET, a))
+        if qtype == 28 and ":" in a:
+            answers.append(b"\xc0\x0c" + struct.pack(">HHIH", 28, 1, ttl, 16) + socket.inet_pton(socket.AF_INET6, a))
+    header = struct.pack(">HHHHHH", qid, 0x8180 | (flags & 0x0100), 1, len(answers), 0, 0)
+    s.sendto(header + question + b"".join(answers), peer)
+"#;
+
+impl EvilDns {
+    fn start(w: &World, addrs: &[IpAddr], ttl: u32) -> EvilDns {
+        w.add_host(EVIL_DNS);
+        let list: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+        let mut child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                w.net_name(),
+                "python3",
+                "-c",
+                EVIL_DNS_SCRIPT,
+            ])
+            .arg(EVIL_DNS.to_string())
+            .arg(ttl.to_string())
+            .arg(list.join(","))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the hostile DNS server");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let server = EvilDns { child };
+        assert_eq!(line.trim(), "ready", "the hostile DNS server did not start");
+        server
+    }
+}
+
+impl Drop for EvilDns {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A guard-mode policy allowing each of `zones` (a wildcard such as `*.evil.example`) on
+/// `ports` over TCP and UDP, forwarding to [`EVIL_DNS`].
+fn guard_policy(zones: &[(&str, u16)]) -> String {
+    let mut p = String::from("version: 1\nallow:\n");
+    for (zone, port) in zones {
+        p.push_str(&format!(
+            "  - domain: \"{zone}\"\n    ports: [{port}]\n    protocol: any\n"
+        ));
+    }
+    p.push_str(&format!(
+        "dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{EVIL_DNS}]\n  \
+         refresh: {{ min: 30s, max: 1h }}\n  grace: 10m\n"
+    ));
+    p
+}
+
+/// One element of a resolved set as `nft -j list set` shows it.
+#[derive(Debug, Clone, PartialEq)]
+struct JsonElement {
+    addr: IpAddr,
+    proto: String,
+    port: u16,
+    /// Seconds, as `nft -j` gives them.
+    timeout: Option<u64>,
+    comment: Option<String>,
+}
+
+/// The elements of resolved4 and resolved6 in the sandbox, read with `nft -j` (an
+/// independent reader of what the kernel holds).
+fn resolved_elements(w: &World) -> Vec<JsonElement> {
+    let mut out = Vec::new();
+    for set in ["resolved4", "resolved6"] {
+        let listed = w.sandbox_cmd(&["nft", "-j", "list", "set", "inet", "egress_fence", set]);
+        assert!(listed.success(), "nft -j list set {set}: {listed}");
+        let v: serde_json::Value = serde_json::from_str(&listed.stdout).expect("nft -j output");
+        let sets = v["nftables"].as_array().expect("nftables array");
+        for elem in sets
+            .iter()
+            .filter_map(|o| o["set"]["elem"].as_array())
+            .flatten()
+        {
+            // `{"elem": {"val": {"concat": [...]}, "timeout": N, ...}}` or a bare concat.
+            let (val, meta) = match elem.get("elem") {
+                Some(e) => (&e["val"], e),
+                None => (elem, &serde_json::Value::Null),
+            };
+            let parts = val["concat"].as_array().expect("a concatenated element");
+            out.push(JsonElement {
+                addr: parts[0].as_str().expect("address").parse().expect("an IP"),
+                proto: parts[1].as_str().unwrap_or("?").to_string(),
+                port: parts[2].as_u64().expect("port") as u16,
+                timeout: meta["timeout"].as_u64(),
+                comment: meta["comment"].as_str().map(String::from),
+            });
+        }
+    }
+    out
+}
+
+/// `sendto(addr:PORT)` of one UDP datagram from the sandbox as [`NOBODY`], with SO_BROADCAST
+/// set (what a process needs to send to a broadcast address): `Ok` if the kernel let it out.
+fn send_broadcast(w: &World, addr: IpAddr) -> Result<(), String> {
+    let script = "import socket, sys\n\
+                  s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                  s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)\n\
+                  s.sendto(b'out', (sys.argv[1], int(sys.argv[2])))\n\
+                  print('sent')\n";
+    let out = w.sandbox_cmd_as(
+        NOBODY,
+        // The system's python: a user's (pyenv) shims are not for NOBODY to run.
+        &[
+            "/usr/bin/python3",
+            "-c",
+            script,
+            &addr.to_string(),
+            &PORT.to_string(),
+        ],
+    );
+    if out.success() && out.stdout.contains("sent") {
+        Ok(())
+    } else {
+        Err(out.to_string())
+    }
+}
+
+/// Broadcast UDP is refused before and after (the baseline proves the test can tell).
+fn assert_broadcast_refused(w: &World) {
+    for addr in [IpAddr::V4(Ipv4Addr::BROADCAST), SUBNET_BROADCAST] {
+        let sent = send_broadcast(w, addr);
+        let why = sent
+            .as_ref()
+            .expect_err(&format!("broadcast UDP to {addr}:{PORT} left the sandbox"));
+        assert!(why.contains("Operation not permitted"), "{addr}: {why}");
+    }
+}
+
+fn assert_none_installed(w: &World, context: &str) -> Vec<JsonElement> {
+    let elements = resolved_elements(w);
+    for bad in never_installed() {
+        assert!(
+            !elements.iter().any(|e| e.addr == bad),
+            "{context}: {bad} was installed: {elements:#?}"
+        );
+    }
+    elements
+}
+
+/// Item 6, guard mode: a wildcard zone answers broadcast, multicast, unspecified, loopback
+/// and the sandbox's own addresses beside a real host; only the real host is installed, and
+/// broadcast UDP stays refused.
+#[test]
+fn guard_answers_never_install_broadcast_multicast_loopback_or_own_addresses() {
+    let w = World::new();
+    let mut answers = never_installed();
+    answers.extend([HOST_V4, HOST_V6]);
+    let _dns = EvilDns::start(&w, &answers, 60);
+    let path = w.write_file("guard.yaml", &guard_policy(&[("*.evil.example", PORT)]));
+    let mut daemon = w.spawn_guard(path.to_str().expect("utf-8"));
+
+    for rtype in ["A", "AAAA"] {
+        let asked = w.dig_as(Some(NOBODY), Some(GUARD_V4), "x1.evil.example", rtype, &[]);
+        assert!(asked.answered(), "{rtype}: {}", asked.output);
+    }
+    assert_broadcast_refused(&w);
+    let elements = assert_none_installed(&w, "guard");
+    for real in [HOST_V4, HOST_V6] {
+        assert!(
+            elements.iter().any(|e| e.addr == real && e.port == PORT),
+            "the real host {real} must still be installed: {elements:#?}"
+        );
+    }
+    let log = daemon.stderr();
+    assert!(
+        log.contains("an answered address is never allowed") && log.contains("255.255.255.255"),
+        "each dropped address is logged with its name and why:\n{log}"
+    );
+    daemon.terminate();
+}
+
+/// Item 6, resolve mode: `apply` resolves a name whose answers hold the same addresses.
+#[test]
+fn resolved_names_never_install_broadcast_multicast_loopback_or_own_addresses() {
+    let w = World::new();
+    let mut answers = never_installed();
+    answers.extend([HOST_V4, HOST_V6]);
+    let _dns = EvilDns::start(&w, &answers, 60);
+    let policy = format!(
+        "version: 1\nallow:\n  - domain: bad.example\n    ports: [{PORT}]\n    protocol: any\n\
+         dns:\n  resolvers: [{EVIL_DNS}]\n"
+    );
+    let path = w.write_file("resolve.yaml", &policy);
+    let out = w.egress_fence(&["apply", path.to_str().expect("utf-8")]);
+    assert!(out.success(), "{out}");
+    assert_broadcast_refused(&w);
+    let elements = assert_none_installed(&w, "apply");
+    assert!(elements.iter().any(|e| e.addr == HOST_V4), "{elements:#?}");
+    assert!(
+        out.stderr
+            .contains("bad.example answered addresses that are never allowed")
+            && out
+                .stderr
+                .contains("255.255.255.255 (the limited broadcast address)")
+            && out
+                .stderr
+                .contains("198.51.100.2 (an address of this host)"),
+        "each dropped address is named with why: {out}"
+    );
+}
+
+/// Item 7: a TTL of 2^32-1 or 2^31 counts as 0 (RFC 2181), and no element outlives
+/// `dns.refresh.max` + grace.
+#[test]
+fn huge_ttls_never_outlive_refresh_max_plus_grace() {
+    for ttl in [u32::MAX, 0x8000_0000] {
+        let w = World::new();
+        let _dns = EvilDns::start(&w, &[HOST_V4], ttl);
+        let path = w.write_file("guard.yaml", &guard_policy(&[("*.evil.example", PORT)]));
+        let mut daemon = w.spawn_guard(path.to_str().expect("utf-8"));
+        let asked = w.dig_as(Some(NOBODY), Some(GUARD_V4), "ttl.evil.example", "A", &[]);
+        assert!(asked.answered(), "{}", asked.output);
+        let elements = resolved_elements(&w);
+        let mine: Vec<&JsonElement> = elements.iter().filter(|e| e.addr == HOST_V4).collect();
+        assert!(!mine.is_empty(), "ttl {ttl}: {elements:#?}");
+        for e in mine {
+            let timeout = e.timeout.expect("a guard element has a timeout");
+            assert!(
+                timeout <= 3600 + 600,
+                "ttl {ttl}: timeout {timeout}s is longer than refresh.max + grace: {e:?}"
+            );
+            assert_eq!(e.comment.as_deref(), Some("ttl.evil.example"), "{e:?}");
+        }
+        daemon.terminate();
+    }
+}
+
+/// Asks the guard for a name under each zone, so each has its elements.
+fn ask(w: &World, names: &[&str]) {
+    for name in names {
+        let asked = w.dig_as(Some(NOBODY), Some(GUARD_V4), name, "A", &[]);
+        assert!(asked.answered(), "{name}: {}", asked.output);
+    }
+}
+
+fn has(elements: &[JsonElement], port: u16) -> bool {
+    elements.iter().any(|e| e.addr == HOST_V4 && e.port == port)
+}
+
+/// Item 7: a restart with a policy that no longer allows a name drops that name's elements
+/// and keeps those still allowed; so does a reload after a restart (the carried elements).
+#[test]
+fn restart_and_reload_carry_over_only_what_the_new_policy_allows() {
+    const KEEP: u16 = 9443;
+    const DROP: u16 = 9444;
+    let w = World::new();
+    let _dns = EvilDns::start(&w, &[HOST_V4], 300);
+    let both = guard_policy(&[("*.keep.example", KEEP), ("*.drop.example", DROP)]);
+    let only_keep = guard_policy(&[("*.keep.example", KEEP)]);
+    let path = w.write_file("guard.yaml", &both);
+    let path = path.to_str().expect("utf-8").to_string();
+
+    // Restart: the new policy no longer allows *.drop.example.
+    let mut daemon = w.spawn_guard(&path);
+    ask(&w, &["a.keep.example", "a.drop.example"]);
+    let before = resolved_elements(&w);
+    assert!(has(&before, KEEP) && has(&before, DROP), "{before:#?}");
+    daemon.terminate();
+    w.write_file("guard.yaml", &only_keep);
+    let mut daemon = w.spawn_guard(&path);
+    let after = resolved_elements(&w);
+    assert!(has(&after, KEEP), "still allowed, kept: {after:#?}");
+    assert!(!has(&after, DROP), "no longer allowed, dropped: {after:#?}");
+    daemon.terminate();
+
+    // Reload: carried elements (from a restart with the same policy) follow the new one.
+    w.write_file("guard.yaml", &both);
+    let mut daemon = w.spawn_guard(&path);
+    ask(&w, &["b.keep.example", "b.drop.example"]);
+    daemon.terminate();
+    let mut daemon = w.spawn_guard(&path);
+    let carried = resolved_elements(&w);
+    assert!(has(&carried, KEEP) && has(&carried, DROP), "{carried:#?}");
+    w.write_file("guard.yaml", &only_keep);
+    daemon.signal(Signal::SIGHUP);
+    let dropped = within(Duration::from_secs(5), || {
+        let now = resolved_elements(&w);
+        has(&now, KEEP) && !has(&now, DROP)
+    });
+    assert!(
+        dropped,
+        "after the reload: {:#?}\n{}",
+        resolved_elements(&w),
+        daemon.stderr()
+    );
+    daemon.terminate();
+}
+
+/// Item 7: an element added by hand (`nft add element ... timeout 1000d`) to the service's
+/// table is named by `status` (as drift) and fails `probe`.
+#[test]
+fn status_and_probe_name_a_hand_added_resolved_element() {
+    let w = World::new();
+    let _dns = EvilDns::start(&w, &[HOST_V4], 60);
+    let path = w.write_file("guard.yaml", &guard_policy(&[("*.evil.example", PORT)]));
+    let path = path.to_str().expect("utf-8").to_string();
+    w.use_guard_resolver();
+    let mut daemon = w.spawn_guard(&path);
+    ask(&w, &["ok.evil.example"]);
+
+    let status = w.egress_fence(&["status"]);
+    assert!(status.success(), "{status}");
+    assert!(!status.stdout.contains("DRIFT"), "{status}");
+
+    // A running service heals its table at once (the element would vanish before `status`
+    // reads it): stopped, it leaves the table in place, as after a crash.
+    daemon.terminate();
+    let added = w.sandbox_cmd(&[
+        "nft",
+        "add element inet egress_fence resolved4 { 192.0.2.11 . tcp . 443 timeout 1000d }",
+    ]);
+    assert!(added.success(), "{added}");
+
+    let status = w.egress_fence(&["status"]);
+    assert!(status.success(), "{status}");
+    assert!(
+        status
+            .stdout
+            .lines()
+            .any(|l| l.contains("192.0.2.11 . tcp . 443")
+                && l.contains("longer than the policy allows")),
+        "status does not name the element and why:\n{status}"
+    );
+    assert!(status.stdout.contains("DRIFT"), "{status}");
+    assert!(!status.stdout.contains("in sync"), "{status}");
+    let json = w.egress_fence(&["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("status --json");
+    assert_eq!(v["drift"], true, "{json}");
+    assert!(
+        v["unexplained_elements"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty()),
+        "{json}"
+    );
+
+    let probe = w.egress_fence(&["probe", &path]);
+    assert_eq!(probe.code(), 5, "{probe}");
+    let fail = probe
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL") && l.contains("resolved element 192.0.2.11"))
+        .unwrap_or_else(|| panic!("probe does not name the element:\n{probe}"));
+    assert!(fail.contains("longer than the policy allows"), "{fail}");
+}
