@@ -70,10 +70,7 @@ fn a_reload_the_kernel_refuses_is_not_adopted_and_healing_restores_the_old_table
     std::fs::write(&path, policy("new.example.com", REFUSED_LOG)).expect("edit the policy");
     daemon.signal(Signal::SIGHUP);
     assert!(
-        daemon.wait_for_output(
-            "the kernel refused the new policy's table",
-            Duration::from_secs(10)
-        ),
+        daemon.wait_for_output("the kernel refused", Duration::from_secs(10)),
         "the refusal is not logged:\n{}",
         daemon.stderr()
     );
@@ -91,6 +88,13 @@ fn a_reload_the_kernel_refuses_is_not_adopted_and_healing_restores_the_old_table
     assert!(
         !connects(&w, HOST2_V4, 443),
         "the refused policy's host is reachable"
+    );
+    assert!(
+        daemon
+            .stderr()
+            .contains("the kernel refused the new policy's table; the running policy stays"),
+        "{}",
+        daemon.stderr()
     );
     // The refused policy was recorded nowhere: healing keeps working, names keep refreshing.
     assert!(!daemon.stderr().contains("applying the table failed"));
@@ -290,5 +294,68 @@ fn a_hostile_policy_on_sighup_is_refused_at_once_and_healing_goes_on() {
         "the hostile policy was not refused quickly:\n{}",
         daemon.stderr()
     );
+    assert!(daemon.terminate().success(), "{}", daemon.stderr());
+}
+
+/// Asks the guard from inside the sandbox; the response code, if any came back.
+fn guard_rcode(w: &World, name: &str) -> Option<u8> {
+    w.in_sandbox_ns(|| {
+        dns_ask(
+            GUARD_ADDR,
+            name,
+            RTYPE_A,
+            Transport::Udp,
+            Duration::from_secs(3),
+        )
+    })
+    .ok()
+    .map(|r| r.rcode)
+}
+
+#[test]
+fn a_guard_reload_the_kernel_refuses_keeps_the_old_rules_for_the_guard_too() {
+    let w = World::new();
+    w.dns_set("api.old.example", &[HOST_V4], 300);
+    w.dns_set("api.new.example", &[HOST2_V4], 300);
+    let _old = w.listen_tcp(HOST_V4, 443);
+    let _new = w.listen_tcp(HOST2_V4, 443);
+    let guard = |name: &str, log: &str| {
+        format!(
+            "version: 1\nallow:\n  - domain: \"{name}\"\n    ports: [443]\ndns:\n  mode: guard\n  \
+             listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\nlog:\n  group: 100\n{log}"
+        )
+    };
+    let path = w.write_file("guard.yaml", &guard("*.old.example", ""));
+    let mut daemon = w.spawn_egress_fence_with_env(
+        &["run", path.to_str().expect("utf-8")],
+        &[(UNCHECKED_KERNEL_LIMITS_ENV, "1")],
+    );
+    assert!(
+        daemon.wait_for_output("the DNS guard is serving", Duration::from_secs(10)),
+        "{}",
+        daemon.stderr()
+    );
+    assert_eq!(guard_rcode(&w, "api.old.example"), Some(RCODE_NOERROR));
+    assert!(connects(&w, HOST_V4, 443));
+
+    std::fs::write(&path, guard("*.new.example", REFUSED_LOG)).expect("edit the policy");
+    daemon.signal(Signal::SIGHUP);
+    assert!(
+        daemon.wait_for_output("the kernel refused", Duration::from_secs(10)),
+        "{}",
+        daemon.stderr()
+    );
+    // The guard answers by the rules of the table in force, not by the refused policy's.
+    assert_eq!(guard_rcode(&w, "api.new.example"), Some(RCODE_REFUSED));
+    assert_eq!(guard_rcode(&w, "api.old.example"), Some(RCODE_NOERROR));
+    let out = w.sandbox_cmd(&["nft", "flush", "ruleset"]);
+    assert!(out.success(), "{out}");
+    assert!(
+        within(Duration::from_secs(3), || has_table(&w)
+            && connects(&w, HOST_V4, 443)),
+        "the old table is not back after a flush:\n{}",
+        daemon.stderr()
+    );
+    assert!(!connects(&w, HOST2_V4, 443));
     assert!(daemon.terminate().success(), "{}", daemon.stderr());
 }
