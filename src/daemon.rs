@@ -130,7 +130,7 @@ fn start_and_serve(
         .enable_all()
         .build()
         .map_err(io("start the runtime"))?;
-    runtime.block_on(async move {
+    let result = runtime.block_on(async move {
         // Subscribed before the first apply, so no change made after it goes unseen.
         let monitor = crate::nft::sys::async_monitor(Monitor::open()?)
             .map_err(io("watch for nftables changes"))?;
@@ -149,7 +149,11 @@ fn start_and_serve(
         *boundary_up = true;
         let answers = guard.map(|g| daemon.start_guard(g));
         daemon.serve(monitor, drops, answers).await
-    })
+    });
+    // A reload may still be reading its file (a FIFO nobody writes): it must not hold up
+    // the exit, as dropping the runtime would.
+    runtime.shutdown_timeout(Duration::from_millis(100));
+    result
 }
 
 /// The daemon could not put up its boundary: unless a table of ours is in place, put up the

@@ -359,3 +359,71 @@ fn a_guard_reload_the_kernel_refuses_keeps_the_old_rules_for_the_guard_too() {
     assert!(!connects(&w, HOST2_V4, 443));
     assert!(daemon.terminate().success(), "{}", daemon.stderr());
 }
+
+/// While a reload reads and parses its file, the event loop goes on: the guard answers and a
+/// flushed table comes back. The policy file is a FIFO nobody writes yet, so the read lasts
+/// until the test writes the new policy (on the old main the loop itself waited in the read,
+/// for ever).
+#[test]
+fn a_reload_still_reading_its_file_holds_up_neither_healing_nor_the_guard() {
+    let w = World::new();
+    w.dns_set("api.old.example", &[HOST_V4], 300);
+    w.dns_set("api.new.example", &[HOST2_V4], 300);
+    let _old = w.listen_tcp(HOST_V4, 443);
+    let _new = w.listen_tcp(HOST2_V4, 443);
+    let guard = |name: &str| {
+        format!(
+            "version: 1\nallow:\n  - domain: \"{name}\"\n    ports: [443]\ndns:\n  mode: guard\n  \
+             listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\nlog:\n  group: 100\n"
+        )
+    };
+    let path = w.write_file("guard.yaml", &guard("*.old.example"));
+    let mut daemon = w.spawn_guard(path.to_str().expect("utf-8"));
+
+    std::fs::remove_file(&path).expect("remove the policy");
+    nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600))
+        .expect("make the FIFO");
+    daemon.signal(Signal::SIGHUP);
+    assert!(daemon.wait_for_output("reloading the policy", Duration::from_secs(5)));
+
+    assert_eq!(guard_rcode(&w, "api.old.example"), Some(RCODE_NOERROR));
+    let out = w.sandbox_cmd(&["nft", "flush", "ruleset"]);
+    assert!(out.success(), "{out}");
+    assert!(
+        within(Duration::from_secs(3), || has_table(&w)
+            && connects(&w, HOST_V4, 443)),
+        "a flush is not healed while a reload reads its file:\n{}",
+        daemon.stderr()
+    );
+    assert_eq!(guard_rcode(&w, "api.new.example"), Some(RCODE_REFUSED));
+
+    // The read completes: the new policy is adopted.
+    std::fs::write(&path, guard("*.new.example")).expect("write into the FIFO");
+    assert!(
+        within(Duration::from_secs(5), || guard_rcode(
+            &w,
+            "api.new.example"
+        ) == Some(RCODE_NOERROR)),
+        "the new policy was not adopted:\n{}",
+        daemon.stderr()
+    );
+
+    // A reload left reading for ever does not hold up the exit either.
+    daemon.signal(Signal::SIGHUP);
+    assert!(
+        within(Duration::from_secs(5), || daemon
+            .stderr()
+            .matches("reloading the policy")
+            .count()
+            == 2),
+        "{}",
+        daemon.stderr()
+    );
+    daemon.signal(Signal::SIGTERM);
+    let status = daemon.wait_timeout(Duration::from_secs(3));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "SIGTERM during a hanging reload: {status:?}\n{}",
+        daemon.stderr()
+    );
+}
