@@ -1592,47 +1592,27 @@ fn refuse_shape(source: &str) -> Option<((usize, usize), String)> {
     })
 }
 
-/// Where `[` and `{` first nest deeper than `max`, counted outside quotes and comments. It
-/// over-counts brackets inside plain scalars, which only a strange policy has: cheap and on
-/// the safe side.
+/// Where `[` and `{` first nest deeper than `max`, counted everywhere but in comments. It
+/// over-counts brackets in quoted and block scalars, which only a strange policy has; it
+/// never under-counts: text after ` #` is a comment or part of a scalar, never a flow
+/// indicator. (Following quotes instead would let a lone `'` in a block scalar hide what
+/// comes after it.)
 fn too_deep(source: &str, max: usize) -> Option<(usize, usize)> {
-    #[derive(PartialEq)]
-    enum In {
-        Code,
-        Single,
-        Double,
-        Comment,
-    }
-    let mut state = In::Code;
     let mut depth = 0usize;
-    let mut escaped = false;
     for (line_no, line) in source.split('\n').enumerate() {
-        if state == In::Comment {
-            state = In::Code;
-        }
         // A `#` starts a comment at the start of a line or after white space.
         let mut previous = ' ';
         for (column, c) in line.chars().enumerate() {
-            match state {
-                In::Comment => break,
-                In::Single if c == '\'' => state = In::Code,
-                In::Double if escaped => escaped = false,
-                In::Double if c == '\\' => escaped = true,
-                In::Double if c == '"' => state = In::Code,
-                In::Single | In::Double => {}
-                In::Code => match c {
-                    '#' if previous.is_whitespace() => state = In::Comment,
-                    '\'' => state = In::Single,
-                    '"' => state = In::Double,
-                    '[' | '{' => {
-                        depth += 1;
-                        if depth > max {
-                            return Some((line_no + 1, column + 1));
-                        }
+            match c {
+                '#' if previous.is_whitespace() => break,
+                '[' | '{' => {
+                    depth += 1;
+                    if depth > max {
+                        return Some((line_no + 1, column + 1));
                     }
-                    ']' | '}' => depth = depth.saturating_sub(1),
-                    _ => {}
-                },
+                }
+                ']' | '}' => depth = depth.saturating_sub(1),
+                _ => {}
             }
             previous = c;
         }
@@ -1694,10 +1674,21 @@ fn refine_location(source: &str, at: (usize, usize), message: &str) -> (usize, u
 /// first, as compilers do).
 fn yaml_message(e: &serde_yaml::Error) -> String {
     let text = e.to_string();
-    let text = match text.rsplit_once(" at line ") {
+    let mut text = match text.rsplit_once(" at line ") {
         Some((head, _)) if e.location().is_some() => head.to_string(),
         _ => text,
     };
+    // serde quotes the offending value whole: a megabyte-long string must not become a
+    // megabyte-long log line.
+    const MAX_MESSAGE: usize = 500;
+    if text.len() > MAX_MESSAGE {
+        let mut end = MAX_MESSAGE;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push_str("...");
+    }
     if text.contains("unknown field") {
         format!("{text} (check the spelling; see `egress-fence check --help` for the schema)")
     } else if text.contains("missing field `version`") {
@@ -2249,15 +2240,33 @@ essentials: [loopback, established]
         // The issue's 240 KB of `[` is refused by the scan, before the YAML parser.
         let (line, column, _) = err(&"[".repeat(240_000));
         assert_eq!((line, column), (1, MAX_POLICY_NESTING + 1));
-        // Brackets in quotes and comments do not count.
-        let quoted = format!(
-            "version: 1\n# {}\nlog:\n  prefix: \"{}\"\n",
+        // Brackets in comments do not count; in a quoted or block scalar they do, so that no
+        // quote can hide the brackets after it.
+        let commented = format!(
+            "version: 1\n# {}\nlog:  # {}\n",
             "[".repeat(40),
             "{".repeat(40)
         );
-        assert!(parse(&quoted).is_ok());
+        assert!(parse(&commented).is_ok());
+        let (line, _, _) = err(&format!(
+            "version: 1\nlog:\n  prefix: \"{}\"\n",
+            "[".repeat(40)
+        ));
+        assert_eq!(line, 3);
+        let hidden = format!(
+            "version: 1\nprobe:\n  exfil_domain: |\n    '\nallow: [x', {}\n",
+            "[".repeat(40)
+        );
+        assert_eq!(err(&hidden).0, 5);
         // The schema's own flow style is far inside the limit.
         assert!(parse(FULL).is_ok());
+    }
+
+    #[test]
+    fn a_long_value_is_not_quoted_whole() {
+        let (_, _, message) = err(&format!("version: 1\nallow: {}\n", "\u{e9}".repeat(5000)));
+        assert!(message.len() < 520, "{} bytes", message.len());
+        assert!(message.ends_with("..."), "{message}");
     }
 
     #[test]
