@@ -8,8 +8,8 @@
 //! instead would race that expiry (deleting an expired element fails the whole batch).
 //!
 //! Failures never open anything: a failing resolver leaves the last good addresses to their
-//! timeouts and is retried with backoff; a policy that fails validation on SIGHUP is refused
-//! and the running one stays. When anyone else changes the table (`nft flush ruleset`), the
+//! timeouts and is retried with backoff; a policy that fails validation on SIGHUP, or whose
+//! table the kernel refuses, is refused whole and the running one stays. When anyone else changes the table (`nft flush ruleset`), the
 //! change notification brings it back at once.
 //!
 //! The daemon holds the namespace's writers' lock for its whole life: a CLI `apply` beside

@@ -36,7 +36,8 @@ Exit codes:
      another writer kept the lock, a generation is corrupt;
      diff: something would change; confirm: too late, the change was already reverted
   2  invalid policy or command line (the message names file:line:column);
-     run: the kernel refused the policy's table (the fail-closed table is up)
+     run: also when the kernel refused the policy's table (the namespace keeps the table
+     in place, else gets a fail-closed one)
   3  done, but some allowed names did not resolve: their entries are missing
   4  status: the table is not installed
   5  probe: at least one check failed (the boundary does not hold as the policy says)
