@@ -9,8 +9,8 @@
 //!
 //! Failures never open anything: a failing resolver leaves the last good addresses to their
 //! timeouts and is retried with backoff; a policy that fails validation on SIGHUP, or whose
-//! table the kernel refuses, is refused whole and the running one stays. When anyone else changes the table (`nft flush ruleset`), the
-//! change notification brings it back at once.
+//! table the kernel refuses, is refused whole and the running one stays. When anyone else
+//! changes the table (`nft flush ruleset`), the change notification brings it back at once.
 //!
 //! The daemon holds the namespace's writers' lock for its whole life: a CLI `apply` beside
 //! it would only be undone by its healing, so such writers are told to reload the service
@@ -589,10 +589,12 @@ impl Daemon {
         // The first apply must work: a daemon that cannot install its boundary exits (run()
         // leaves the fail-closed table). A refusal is the policy's fault: only an edit fixes
         // it, so it is not retried; anything else is, by systemd's Restart=.
-        daemon.apply_all().map_err(|e| match e {
-            NftError::Refused { .. } if !e.is_permission() => DaemonError::TableRefused(e),
-            e => DaemonError::Nft(e),
-        })?;
+        daemon
+            .apply_all()
+            .map_err(|e| match e.is_refusal_of_content() {
+                true => DaemonError::TableRefused(e),
+                false => DaemonError::Nft(e),
+            })?;
         Ok(daemon)
     }
 
