@@ -66,6 +66,9 @@ fn a_reload_the_kernel_refuses_is_not_adopted_and_healing_restores_the_old_table
         &w, HOST_V4, 443
     )));
 
+    let recorded = generations(&w);
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+
     // The edit names another host and a log limit the kernel refuses.
     std::fs::write(&path, policy("new.example.com", REFUSED_LOG)).expect("edit the policy");
     daemon.signal(Signal::SIGHUP);
@@ -96,7 +99,8 @@ fn a_reload_the_kernel_refuses_is_not_adopted_and_healing_restores_the_old_table
         "{}",
         daemon.stderr()
     );
-    // The refused policy was recorded nowhere: healing keeps working, names keep refreshing.
+    // The refused policy was recorded nowhere, not even as a generation.
+    assert_eq!(generations(&w), recorded);
     assert!(!daemon.stderr().contains("applying the table failed"));
     assert!(
         daemon.wait_timeout(Duration::ZERO).is_none(),
@@ -104,6 +108,17 @@ fn a_reload_the_kernel_refuses_is_not_adopted_and_healing_restores_the_old_table
         daemon.stderr()
     );
     assert!(daemon.terminate().success(), "{}", daemon.stderr());
+}
+
+/// The generations recorded in the sandbox's state directory, as `history --json` lists them.
+fn generations(w: &World) -> Vec<serde_json::Value> {
+    let out = w.egress_fence(&["history", "--json"]);
+    assert!(out.success(), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("history --json");
+    match v {
+        serde_json::Value::Array(entries) => entries,
+        other => other["generations"].as_array().cloned().unwrap_or_default(),
+    }
 }
 
 #[test]
