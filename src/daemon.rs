@@ -8,9 +8,9 @@
 //! instead would race that expiry (deleting an expired element fails the whole batch).
 //!
 //! Failures never open anything: a failing resolver leaves the last good addresses to their
-//! timeouts and is retried with backoff; a policy that fails validation on SIGHUP is refused
-//! and the running one stays. When anyone else changes the table (`nft flush ruleset`), the
-//! change notification brings it back at once.
+//! timeouts and is retried with backoff; a policy that fails validation on SIGHUP, or whose
+//! table the kernel refuses, is refused whole and the running one stays. When anyone else
+//! changes the table (`nft flush ruleset`), the change notification brings it back at once.
 //!
 //! The daemon holds the namespace's writers' lock for its whole life: a CLI `apply` beside
 //! it would only be undone by its healing, so such writers are told to reload the service
@@ -63,6 +63,18 @@ pub enum DaemonError {
         "--log-drops needs `log.group` in the policy: refused packets are read from that NFLOG group"
     )]
     NoLogGroup,
+    /// The kernel refused the policy's table at start (where the fail-closed table can go
+    /// up, only the policy is wrong: an edit fixes it, a restart does not).
+    #[error(
+        "the kernel refused the policy's table: {0}; no rule of this policy is in force. Fix \
+         the policy (`egress-fence check` names the values the kernel refuses) and start again"
+    )]
+    TableRefused(#[source] NftError),
+    #[error("{error}; the fail-closed table could not be put up either: {skeleton}")]
+    NotEvenFailClosed {
+        error: Box<DaemonError>,
+        skeleton: NftError,
+    },
     #[error("{doing}: {source}")]
     Io {
         doing: &'static str,
@@ -93,17 +105,35 @@ pub struct Options {
 
 /// Runs the daemon until SIGTERM or SIGINT. The calling thread must already be in the
 /// target network namespace; the runtime is single-threaded so every socket stays there.
+///
+/// Whatever keeps the daemon from putting up its policy's table (an unreadable or invalid
+/// policy, a table the kernel refuses, a taken port), the namespace is not left open: without
+/// a table of ours, the fail-closed table goes up ([`crate::plan::fail_closed`]) before the
+/// error is returned; a table already in place (a restart) stays as it is.
 pub fn run(options: Options) -> Result<(), DaemonError> {
-    let lock = options.state.lock("run", options.lock_timeout, |holder| {
+    let lock = Arc::new(options.state.lock("run", options.lock_timeout, |holder| {
         warn!(holder = %holder, "waiting for the lock of another egress-fence writer");
-    })?;
+    })?);
     drop_pending_confirmation(&options.state, &lock);
+    let mut boundary_up = false;
+    let result = start_and_serve(options, lock.clone(), &mut boundary_up);
+    match result {
+        Err(error) if !boundary_up => Err(fail_closed(error, &lock)),
+        other => other,
+    }
+}
+
+fn start_and_serve(
+    options: Options,
+    lock: Arc<WriterLock>,
+    boundary_up: &mut bool,
+) -> Result<(), DaemonError> {
     let (policy, policy_text) = Policy::load_with_text(&options.policy_path)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(io("start the runtime"))?;
-    runtime.block_on(async move {
+    let result = runtime.block_on(async move {
         // Subscribed before the first apply, so no change made after it goes unseen.
         let monitor = crate::nft::sys::async_monitor(Monitor::open()?)
             .map_err(io("watch for nftables changes"))?;
@@ -119,9 +149,43 @@ pub fn run(options: Options) -> Result<(), DaemonError> {
             None => None,
         };
         let mut daemon = Daemon::start(options, lock, policy, policy_text).await?;
+        *boundary_up = true;
         let answers = guard.map(|g| daemon.start_guard(g));
         daemon.serve(monitor, drops, answers).await
-    })
+    });
+    // A reload may still be reading its file (a FIFO nobody writes): it must not hold up
+    // the exit, as dropping the runtime would.
+    runtime.shutdown_timeout(Duration::from_millis(100));
+    result
+}
+
+/// The daemon could not put up its boundary: unless a table of ours is in place, put up the
+/// fail-closed one, holding the writers' lock meanwhile. Returns the error to exit with.
+fn fail_closed(error: DaemonError, _lock: &WriterLock) -> DaemonError {
+    let skeleton = Nft::open().and_then(|mut nft| {
+        if nft.table_exists()? {
+            return Ok(false);
+        }
+        nft.apply(&crate::plan::fail_closed()).map(|()| true)
+    });
+    match skeleton {
+        Ok(true) => error!(
+            error = %error,
+            "the policy's table is not up; the fail-closed table is: nothing leaves but loopback \
+             and established connections until a policy the kernel accepts is applied"
+        ),
+        Ok(false) => error!(
+            error = %error,
+            "the policy's table is not up; table inet {TABLE} stays as it was"
+        ),
+        Err(skeleton) => {
+            return DaemonError::NotEvenFailClosed {
+                error: Box::new(error),
+                skeleton,
+            };
+        }
+    }
+    error
 }
 
 /// The service's policy replaces whatever a CLI `apply --confirm-within` left awaiting
@@ -460,7 +524,7 @@ fn timed(tuple: Tuple, expires: Instant, now: Instant) -> Timed {
 struct Daemon {
     options: Options,
     /// Held until the daemon exits.
-    lock: WriterLock,
+    lock: Arc<WriterLock>,
     policy: Policy,
     /// The text `policy` was read from, for the generation record.
     policy_text: String,
@@ -497,6 +561,18 @@ struct Daemon {
     dropped_log: LogBudget,
 }
 
+/// What a policy sets in the daemon, taken in or given back as a whole.
+struct Config {
+    policy: Policy,
+    policy_text: String,
+    services: Services,
+    names: BTreeMap<DomainName, NameState>,
+    resolvers: Vec<IpAddr>,
+    resolver: Option<NameResolver>,
+    /// What a restart carried over that this configuration still allows.
+    carried: BTreeMap<Tuple, Carried>,
+}
+
 /// The daemon's side of the DNS guard.
 struct GuardLink {
     rules: watch::Sender<Arc<Rules>>,
@@ -507,7 +583,7 @@ struct GuardLink {
 impl Daemon {
     async fn start(
         options: Options,
-        lock: WriterLock,
+        lock: Arc<WriterLock>,
         policy: Policy,
         policy_text: String,
     ) -> Result<Daemon, DaemonError> {
@@ -564,9 +640,15 @@ impl Daemon {
                 false => daemon.resolve_all().await,
             }
         }
-        // The first apply must work: a daemon that cannot install its boundary exits, and
-        // systemd's Restart= tries again.
-        daemon.apply_all()?;
+        // The first apply must work: a daemon that cannot install its boundary exits (run()
+        // leaves the fail-closed table). A refusal is the policy's fault: only an edit fixes
+        // it, so it is not retried; anything else is, by systemd's Restart=.
+        daemon
+            .apply_all()
+            .map_err(|e| match e.is_refusal_of_content() {
+                true => DaemonError::TableRefused(e),
+                false => DaemonError::Nft(e),
+            })?;
         Ok(daemon)
     }
 
@@ -1052,17 +1134,16 @@ impl Daemon {
         }
     }
 
-    /// SIGHUP: a valid new policy replaces the running one at once (with the addresses known
-    /// for the names it keeps; its new names follow as their answers arrive); an invalid one
-    /// changes nothing.
-    fn reload(&mut self) {
-        let path = self.options.policy_path.clone();
-        info!(policy = %path.display(), "reloading the policy");
-        let (policy, policy_text) = match Policy::load_with_text(&path) {
+    /// SIGHUP, once the new policy is parsed (off the event loop): a valid new policy replaces
+    /// the running one once the kernel has accepted its table (with the addresses known for
+    /// the names it keeps; its new names follow as their answers arrive); an invalid one, or
+    /// one the kernel refuses, changes nothing. Returns whether the new policy was adopted.
+    fn reload(&mut self, loaded: Result<(Policy, String), PolicyError>) -> bool {
+        let (policy, policy_text) = match loaded {
             Ok(p) => p,
             Err(e) => {
                 error!(error = %e, "the new policy is invalid; the running one stays");
-                return;
+                return false;
             }
         };
         // The guard's sockets and the table's uid rule are set up once.
@@ -1077,17 +1158,17 @@ impl Daemon {
                 "the new policy changes {what}, which takes a restart (`systemctl restart \
                  egress-fence`); the running policy stays"
             );
-            return;
+            return false;
         }
         if let Some(guard) = &policy.dns.guard {
-            self.reload_guard(policy.clone(), policy_text, guard.upstream.clone());
-            return;
+            let upstream = guard.upstream.clone();
+            return self.reload_guard(policy, policy_text, upstream);
         }
         let (resolvers, resolver) = match resolver_for(&policy, &self.options) {
             Ok(r) => r,
             Err(e) => {
                 error!(error = %e, "the new policy's resolvers are unusable; the running one stays");
-                return;
+                return false;
             }
         };
         let now = Instant::now();
@@ -1095,48 +1176,106 @@ impl Daemon {
         for name in policy.domains() {
             let mut state = self
                 .names
-                .remove(name)
+                .get(name)
+                .cloned()
                 .unwrap_or_else(|| NameState::new(now));
             state.next_due = now;
             names.insert(name.clone(), state);
         }
-        self.services = services(&policy);
-        self.policy = policy;
-        self.policy_text = policy_text;
-        self.resolvers = resolvers;
-        self.resolver = Some(resolver);
-        self.names = names;
-        self.record_next_apply = true;
-        self.reapply();
+        self.adopt(Config {
+            services: services(&policy),
+            policy,
+            policy_text,
+            resolvers,
+            resolver: Some(resolver),
+            names,
+            carried: self.carried.clone(),
+        })
     }
 
     /// A reload in guard mode: learned names the new policy still allows keep their addresses,
-    /// on the ports it now gives them; the others go with the old table. The guard answers by
-    /// the new rules from now on.
-    fn reload_guard(&mut self, policy: Policy, policy_text: String, upstream: Vec<IpAddr>) {
-        self.names
-            .retain(|name, _| policy.allow.iter().any(|a| a.target.matches(name)));
-        // What a restart carried over goes the same way: only for names and ports the new
-        // policy allows, and no longer than it allows an answer.
+    /// on the ports it now gives them; the others go with the old table. What a restart
+    /// carried over goes the same way: only for names and ports the new policy allows, and no
+    /// longer than it allows an answer. Once the kernel has accepted the new table, the guard
+    /// answers by the new rules.
+    fn reload_guard(&mut self, policy: Policy, policy_text: String, upstream: Vec<IpAddr>) -> bool {
         let cap = Instant::now() + lifetime_cap(&policy.dns);
-        self.carried.retain(|t, c| {
-            let kept = element_allowed(&policy, Some(&c.name), t).is_ok();
-            c.expires = c.expires.min(cap);
-            kept
-        });
-        self.services = self
+        let carried = self
+            .carried
+            .iter()
+            .filter(|(t, c)| element_allowed(&policy, Some(&c.name), t).is_ok())
+            .map(|(t, c)| {
+                let expires = c.expires.min(cap);
+                (
+                    *t,
+                    Carried {
+                        expires,
+                        name: c.name.clone(),
+                    },
+                )
+            })
+            .collect();
+        let names: BTreeMap<DomainName, NameState> = self
             .names
+            .iter()
+            .filter(|(name, _)| policy.allow.iter().any(|a| a.target.matches(name)))
+            .map(|(n, s)| (n.clone(), s.clone()))
+            .collect();
+        let services = names
             .keys()
             .map(|n| (n.clone(), services_of(&policy, n).collect()))
             .collect();
-        if let (Some(link), Some(rules)) = (&self.guard, Rules::of(&policy)) {
+        let rules = Rules::of(&policy);
+        let adopted = self.adopt(Config {
+            policy,
+            policy_text,
+            services,
+            names,
+            resolvers: upstream,
+            resolver: None,
+            carried,
+        });
+        if adopted && let (Some(link), Some(rules)) = (&self.guard, rules) {
             link.rules.send_replace(Arc::new(rules));
         }
-        self.policy = policy;
-        self.policy_text = policy_text;
-        self.resolvers = upstream;
-        self.record_next_apply = true;
-        self.reapply();
+        adopted
+    }
+
+    /// Applies the table of `new` and keeps `new` only if the kernel accepted it. Otherwise
+    /// the running configuration stays whole, so that healing and answers go on building the
+    /// table the kernel last accepted, never one it refused.
+    fn adopt(&mut self, mut new: Config) -> bool {
+        self.swap_config(&mut new);
+        let record = std::mem::replace(&mut self.record_next_apply, true);
+        match self.apply_all() {
+            Ok(()) => true,
+            Err(e) => {
+                self.swap_config(&mut new);
+                self.record_next_apply = record;
+                error!(
+                    error = %e,
+                    "the kernel refused the new policy's table; the running policy stays in force"
+                );
+                false
+            }
+        }
+    }
+
+    fn swap_config(&mut self, other: &mut Config) {
+        std::mem::swap(&mut self.policy, &mut other.policy);
+        std::mem::swap(&mut self.policy_text, &mut other.policy_text);
+        std::mem::swap(&mut self.services, &mut other.services);
+        std::mem::swap(&mut self.names, &mut other.names);
+        std::mem::swap(&mut self.resolvers, &mut other.resolvers);
+        std::mem::swap(&mut self.resolver, &mut other.resolver);
+        std::mem::swap(&mut self.carried, &mut other.carried);
+    }
+
+    /// Reads and validates the policy file on a thread of the blocking pool: the event loop
+    /// goes on healing and answering meanwhile.
+    fn parse_policy(&self) -> JoinHandle<Result<(Policy, String), PolicyError>> {
+        let path = self.options.policy_path.clone();
+        tokio::task::spawn_blocking(move || Policy::load_with_text(&path))
     }
 
     /// Someone else changed the table: put it back.
@@ -1300,6 +1439,9 @@ impl Daemon {
 
         // Lookups run beside the loop, so a slow resolver never delays healing or signals.
         let mut lookup: Option<JoinHandle<Result<Vec<ResolvedHost>, ResolveError>>> = None;
+        // So does reading a reloaded policy: its text is anyone's, and the loop heals.
+        let mut parsing: Option<JoinHandle<Result<(Policy, String), PolicyError>>> = None;
+        let mut parse_again = false;
         loop {
             tokio::select! {
                 _ = sleep_until(self.next_wakeup()), if lookup.is_none() => {
@@ -1335,15 +1477,34 @@ impl Daemon {
                     }
                 }
                 _ = hangup.recv() => {
-                    if let Some(pending) = lookup.take() {
-                        pending.abort();
-                    }
                     // Lets `systemctl reload` wait for the reload (Type=notify-reload).
                     let mut reloading = vec![sd_notify::NotifyState::Reloading];
                     reloading.extend(sd_notify::NotifyState::monotonic_usec_now().ok());
                     let _ = sd_notify::notify(&reloading);
-                    self.reload();
-                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+                    info!(policy = %self.options.policy_path.display(), "reloading the policy");
+                    // A file changed again while it is read is read again after.
+                    match parsing {
+                        Some(_) => parse_again = true,
+                        None => parsing = Some(self.parse_policy()),
+                    }
+                }
+                parsed = async { parsing.as_mut().expect("guarded").await }, if parsing.is_some() => {
+                    parsing = None;
+                    if std::mem::take(&mut parse_again) {
+                        parsing = Some(self.parse_policy());
+                    } else {
+                        let loaded = parsed.unwrap_or_else(|e| {
+                            Err(PolicyError::Read {
+                                path: self.options.policy_path.clone(),
+                                error: std::io::Error::other(e),
+                            })
+                        });
+                        // The lookup under way asked for the old names; the new ones are due.
+                        if self.reload(loaded) && let Some(pending) = lookup.take() {
+                            pending.abort();
+                        }
+                        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+                    }
                 }
                 _ = terminate.recv() => break,
                 _ = interrupt.recv() => break,

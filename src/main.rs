@@ -35,7 +35,9 @@ Exit codes:
   1  failure: the kernel refused the change, netlink or the namespace failed, no resolver,
      another writer kept the lock, a generation is corrupt;
      diff: something would change; confirm: too late, the change was already reverted
-  2  invalid policy or command line (the message names file:line:column)
+  2  invalid policy or command line (the message names file:line:column);
+     run: also when the kernel refused the policy's table (the namespace keeps the table
+     in place, else gets a fail-closed one)
   3  done, but some allowed names did not resolve: their entries are missing
   4  status: the table is not installed
   5  probe: at least one check failed (the boundary does not hold as the policy says)
@@ -883,6 +885,11 @@ fn run(command: Command) -> Result<u8, Failure> {
             match daemon::run(options) {
                 Ok(()) => Ok(0),
                 Err(daemon::DaemonError::Policy(e)) => Err(e.into()),
+                // Like an invalid policy: only an edit fixes it, so systemd does not restart.
+                Err(e @ daemon::DaemonError::TableRefused(_)) => Err(Failure {
+                    code: EXIT_BAD_POLICY,
+                    error: e.into(),
+                }),
                 Err(e) => Err(e.into()),
             }
         }

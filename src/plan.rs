@@ -415,6 +415,38 @@ fn disjoint_tuples(tuples: impl Iterator<Item = Tuple>) -> Vec<Tuple> {
     out
 }
 
+/// The table put up when a policy's own cannot be: nothing leaves but loopback and the
+/// replies of connections already open, and refusals are counted and dropped. It depends on no
+/// value of any policy and uses no log or limit expression (the parts a kernel is likeliest
+/// to refuse or lack), so whatever was wrong with the policy, the host is closed, not open.
+/// It has the usual sets, empty, so `status` and `probe` read it like any other table.
+pub fn fail_closed() -> Ruleset {
+    let sets = SetId::ALL
+        .into_iter()
+        .map(|id| Set {
+            id,
+            elements: match id.role {
+                SetRole::Deny => Elements::Networks(Vec::new()),
+                SetRole::Dns | SetRole::Allow => Elements::Tuples(Vec::new()),
+                SetRole::Resolved => Elements::Timed(Vec::new()),
+            },
+        })
+        .collect();
+    Ruleset {
+        sets,
+        output: vec![
+            Rule::AcceptEstablished,
+            Rule::AcceptLoopback,
+            Rule::GotoRefused,
+        ],
+        refused: vec![
+            Rule::CountFamily(Family::V4),
+            Rule::CountFamily(Family::V6),
+            Rule::Refuse(crate::policy::Action::Drop),
+        ],
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use std::net::IpAddr;

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeSet;
 use std::fmt;
+use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -310,8 +311,38 @@ const DEFAULT_RATE: Rate = Rate {
     unit: RateUnit::Second,
 };
 const DEFAULT_BURST: u32 = 20;
-/// The kernel keeps at most 127 bytes of a log prefix (NF_LOG_PREFIXLEN with its NUL).
+/// The kernel keeps at most 127 bytes of a log prefix (NF_LOG_PREFIXLEN with its NUL); a
+/// longer one is refused with ERANGE (measured: 127 bytes pass, 128 do not).
 const MAX_LOG_PREFIX: usize = 127;
+
+/// The largest policy file read. Real policies are a few KiB; the YAML parser's cost grows
+/// faster than the text, and the daemon must never spend long on a file someone else wrote.
+pub const MAX_POLICY_BYTES: u64 = 1024 * 1024;
+
+/// The deepest nesting of `[` and `{` a policy may have. The schema needs three levels; the
+/// YAML parser's time grows with the square of the depth (240 KB of `[` took 12 s).
+pub const MAX_POLICY_NESTING: usize = 32;
+
+/// Fault injection for tests: with this set to 1 the parser does not check the log limit
+/// against the kernel's, so a test can hand the daemon a policy the kernel refuses, standing
+/// for a kernel limit this build does not know (the daemon must still never adopt it).
+pub const UNCHECKED_KERNEL_LIMITS_ENV: &str = "EGRESS_FENCE_TEST_UNCHECKED_KERNEL_LIMITS";
+
+/// Whether the kernel accepts a packet limit of `rate` per `unit_seconds` with `burst`, as
+/// nft_limit_init (net/netfilter/nft_limit.c) checks it: the unit in nanoseconds, the rate
+/// plus the burst, and the bucket's size, nanoseconds per packet times the burst, must each
+/// fit in 64 bits, or the rule is refused with EOVERFLOW. Measured on 6.18: `1/day burst
+/// 213503` passes and `213504` does not; `18446744073709551595/second burst 20` passes and
+/// one more does not. A burst of 0 would silently become the kernel's default of 5.
+pub fn kernel_accepts_limit(rate: u64, unit_seconds: u64, burst: u32) -> bool {
+    let Some(nsecs) = unit_seconds.checked_mul(1_000_000_000) else {
+        return false;
+    };
+    rate > 0
+        && burst > 0
+        && rate.checked_add(u64::from(burst)).is_some()
+        && (nsecs / rate).checked_mul(u64::from(burst)).is_some()
+}
 
 /// Transport protocols the allow sets distinguish.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -1163,10 +1194,17 @@ impl Policy {
     /// Reads and validates a policy file; also returns the text that was validated (what a
     /// generation records: the file may change right after).
     pub fn load_with_text(path: &Path) -> Result<(Policy, String), PolicyError> {
-        let source = std::fs::read_to_string(path).map_err(|error| PolicyError::Read {
+        let read_error = |error| PolicyError::Read {
             path: path.to_owned(),
             error,
-        })?;
+        };
+        // At most one byte past the limit is read: a huge file (or /dev/zero) costs nothing.
+        let mut source = String::new();
+        std::fs::File::open(path)
+            .map_err(read_error)?
+            .take(MAX_POLICY_BYTES + 1)
+            .read_to_string(&mut source)
+            .map_err(read_error)?;
         let policy = Policy::parse(&source, path)?;
         Ok((policy, source))
     }
@@ -1179,6 +1217,9 @@ impl Policy {
             column,
             message,
         };
+        if let Some((at, message)) = refuse_shape(source) {
+            return Err(invalid(at, message));
+        }
         let raw: RawPolicy = serde_yaml::from_str(source).map_err(|e| {
             let message = yaml_message(&e);
             let at = e.location().map_or((0, 0), |l| {
@@ -1206,6 +1247,42 @@ impl Policy {
                      line breaks"
                 ),
             ));
+        }
+
+        let rate = raw.log.rate.unwrap_or(DEFAULT_RATE);
+        let burst = raw.log.burst.unwrap_or(DEFAULT_BURST);
+        let unchecked = std::env::var_os(UNCHECKED_KERNEL_LIMITS_ENV).is_some_and(|v| v == "1");
+        if !unchecked && !kernel_accepts_limit(rate.count, rate.unit.seconds(), burst) {
+            let max = max_burst(rate);
+            let (key, message) = if burst == 0 {
+                (
+                    "burst:",
+                    "`burst: 0` would silently become the kernel's default of 5; write a \
+                     burst of at least 1"
+                        .to_string(),
+                )
+            } else if max == 0 {
+                (
+                    "rate:",
+                    format!(
+                        "the kernel refuses the log rate {rate}: the rate plus the burst must \
+                         fit in 64 bits; write a lower rate"
+                    ),
+                )
+            } else {
+                (
+                    "burst:",
+                    format!(
+                        "the kernel refuses a burst of {burst} at {rate}: its token bucket would \
+                         overflow 64 bits; the largest burst it takes at this rate is {max}"
+                    ),
+                )
+            };
+            let at = match locate(source, key) {
+                (0, _) => locate(source, "log:"),
+                at => at,
+            };
+            return Err(invalid(at, message));
         }
 
         let guard = match raw.dns.mode {
@@ -1300,8 +1377,8 @@ impl Policy {
             log: Log {
                 prefix,
                 group: raw.log.group,
-                rate: raw.log.rate.unwrap_or(DEFAULT_RATE),
-                burst: raw.log.burst.unwrap_or(DEFAULT_BURST),
+                rate,
+                burst,
             },
             probe: ProbeSettings {
                 blocked: raw.probe.blocked,
@@ -1474,6 +1551,104 @@ impl Deny {
     }
 }
 
+/// The largest burst the kernel accepts at `rate` (0 when none does).
+fn max_burst(rate: Rate) -> u64 {
+    let nsecs = rate.unit.seconds() * 1_000_000_000;
+    let by_bucket = u64::MAX / (nsecs / rate.count).max(1);
+    let by_sum = u64::MAX - rate.count;
+    by_bucket.min(by_sum).min(u64::from(u32::MAX))
+}
+
+/// Refuses, before the YAML parser sees it, text that would cost it too much or that it
+/// would misreport: more than [`MAX_POLICY_BYTES`], `[`/`{` nested deeper than
+/// [`MAX_POLICY_NESTING`], or several YAML documents. Returns where and why.
+fn refuse_shape(source: &str) -> Option<((usize, usize), String)> {
+    if source.len() as u64 > MAX_POLICY_BYTES {
+        return Some((
+            (0, 0),
+            format!(
+                "the policy is larger than {} KiB, the most egress-fence reads; a policy that \
+                 large is not one anyone reviews",
+                MAX_POLICY_BYTES / 1024
+            ),
+        ));
+    }
+    if let Some(at) = too_deep(source, MAX_POLICY_NESTING) {
+        return Some((
+            at,
+            format!(
+                "brackets are nested more than {MAX_POLICY_NESTING} deep here; a policy needs \
+                 three levels at most"
+            ),
+        ));
+    }
+    second_document(source).map(|line| {
+        (
+            (line, 1),
+            "this line starts a second YAML document; a policy is one document: remove the \
+             `---` (or `...`) line, or merge what follows it into the first document"
+                .to_string(),
+        )
+    })
+}
+
+/// Where `[` and `{` first nest deeper than `max`, counted everywhere but in comments. It
+/// over-counts brackets in quoted and block scalars, which only a strange policy has; it
+/// never under-counts: text after ` #` is a comment or part of a scalar, never a flow
+/// indicator. (Following quotes instead would let a lone `'` in a block scalar hide what
+/// comes after it.)
+fn too_deep(source: &str, max: usize) -> Option<(usize, usize)> {
+    let mut depth = 0usize;
+    for (line_no, line) in source.split('\n').enumerate() {
+        // A `#` starts a comment at the start of a line or after white space.
+        let mut previous = ' ';
+        for (column, c) in line.chars().enumerate() {
+            match c {
+                '#' if previous.is_whitespace() => break,
+                '[' | '{' => {
+                    depth += 1;
+                    if depth > max {
+                        return Some((line_no + 1, column + 1));
+                    }
+                }
+                ']' | '}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            previous = c;
+        }
+    }
+    None
+}
+
+/// The line of a document marker (`---`, or `...` followed by more) that starts a second
+/// document. serde_yaml reports several documents only as a missing `version` or not at all.
+fn second_document(source: &str) -> Option<usize> {
+    let is_marker = |line: &str, marker: &str| {
+        line.strip_prefix(marker)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t', '\r']))
+    };
+    // Whether a document has begun: a marker or content was seen.
+    let mut begun = false;
+    let mut ended = false;
+    for (i, line) in source.lines().enumerate() {
+        let code = line.split('#').next().unwrap_or("").trim();
+        if is_marker(line, "---") {
+            if begun || ended {
+                return Some(i + 1);
+            }
+            begun = true;
+        } else if is_marker(line, "...") {
+            ended = true;
+        } else if !code.is_empty() && !code.starts_with('%') {
+            if ended {
+                return Some(i + 1);
+            }
+            begun = true;
+        }
+    }
+    None
+}
+
 /// serde_yaml places errors raised by a value's own `Deserialize` at the start of the
 /// enclosing mapping or sequence. Our messages quote the offending text in backticks, so the
 /// first occurrence of it from there on is the value itself.
@@ -1499,10 +1674,21 @@ fn refine_location(source: &str, at: (usize, usize), message: &str) -> (usize, u
 /// first, as compilers do).
 fn yaml_message(e: &serde_yaml::Error) -> String {
     let text = e.to_string();
-    let text = match text.rsplit_once(" at line ") {
+    let mut text = match text.rsplit_once(" at line ") {
         Some((head, _)) if e.location().is_some() => head.to_string(),
         _ => text,
     };
+    // serde quotes the offending value whole: a megabyte-long string must not become a
+    // megabyte-long log line.
+    const MAX_MESSAGE: usize = 500;
+    if text.len() > MAX_MESSAGE {
+        let mut end = MAX_MESSAGE;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push_str("...");
+    }
     if text.contains("unknown field") {
         format!("{text} (check the spelling; see `egress-fence check --help` for the schema)")
     } else if text.contains("missing field `version`") {
@@ -1939,5 +2125,166 @@ essentials: [loopback, established]
             "{refresh:?}"
         );
         assert!(with("*.pool.example").is_empty());
+    }
+
+    /// A policy with a log section of `log`, e.g. "rate: 1/day\n  burst: 9".
+    fn with_log(log: &str) -> String {
+        format!("version: 1\nallow:\n  - cidr: 192.0.2.0/24\nlog:\n  {log}\n")
+    }
+
+    #[test]
+    fn log_limits_mirror_nft_limit_init_at_and_past_the_boundary() {
+        // Measured with nft on 6.18: each first value is taken, each second refused.
+        for (ok, refused, key) in [
+            (
+                "rate: 1/day\n  burst: 213503",
+                "rate: 1/day\n  burst: 213504",
+                "burst",
+            ),
+            (
+                "rate: 18446744073709551595/second\n  burst: 20",
+                "rate: 18446744073709551596/second\n  burst: 20",
+                "burst",
+            ),
+            (
+                "rate: 18446744073709551594/second",
+                "rate: 18446744073709551615/second",
+                "rate",
+            ),
+            (
+                "rate: 1/second\n  burst: 4294967295",
+                "rate: 1/day\n  burst: 4294967295",
+                "burst",
+            ),
+            ("burst: 1", "burst: 0", "burst"),
+        ] {
+            let p = parse(&with_log(ok)).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert!(kernel_accepts_limit(
+                p.log.rate.count,
+                p.log.rate.unit.seconds(),
+                p.log.burst
+            ));
+            let (line, column, message) = err(&with_log(refused));
+            let want_line = if key == "rate" {
+                5
+            } else {
+                with_log(refused).lines().count()
+            };
+            assert_eq!((line, column), (want_line, 3), "{refused}: {message}");
+            assert!(message.contains("kernel"), "{message}");
+        }
+        let (_, _, message) = err(&with_log("rate: 1/day\n  burst: 213504"));
+        assert!(message.contains("213503"), "{message}");
+        assert!(!kernel_accepts_limit(1, 1, 0));
+        assert!(kernel_accepts_limit(10, 1, 20));
+    }
+
+    #[test]
+    fn log_prefix_and_group_limits_are_the_kernels() {
+        let prefix = |n: usize| with_log(&format!("prefix: \"{}\"", "a".repeat(n)));
+        assert_eq!(parse(&prefix(127)).expect("valid").log.prefix.len(), 127);
+        let (line, column, message) = err(&prefix(128));
+        assert_eq!((line, column), (5, 3));
+        assert!(message.contains("127 bytes"), "{message}");
+        assert!(parse(&with_log("prefix: \"\"")).is_ok());
+        // NFLOG groups are 16-bit; every one of them is taken.
+        assert_eq!(
+            parse(&with_log("group: 65535")).expect("valid").log.group,
+            Some(65535)
+        );
+        assert_eq!(
+            parse(&with_log("group: 0")).expect("valid").log.group,
+            Some(0)
+        );
+        let (line, _, _) = err(&with_log("group: 65536"));
+        assert_eq!(line, 5);
+    }
+
+    #[test]
+    fn oversized_policies_are_refused_before_parsing() {
+        let padding = |n: usize| format!("version: 1\n{}", "#\n".repeat(n));
+        let limit = MAX_POLICY_BYTES as usize;
+        let at_limit = padding((limit - 11) / 2);
+        assert!(at_limit.len() <= limit && at_limit.len() > limit - 2);
+        assert!(parse(&at_limit).is_ok());
+        let over = format!("{at_limit}##");
+        let (line, _, message) = err(&over);
+        assert_eq!(line, 0);
+        assert!(message.contains("1024 KiB"), "{message}");
+
+        // What the file holds past the limit is never read.
+        let dir = std::env::temp_dir().join(format!("ef-policy-size-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join("big.yaml");
+        std::fs::write(&file, padding(limit)).expect("write");
+        let e = Policy::load(&file).expect_err("too big");
+        std::fs::remove_dir_all(&dir).expect("clean up");
+        assert!(e.to_string().contains("larger than"), "{e}");
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_at_the_bracket_that_goes_too_deep() {
+        let nested = |n: usize| {
+            format!(
+                "version: 1\nallow:\n  - cidr: 192.0.2.0/24\n    ports: {}{}\n",
+                "[".repeat(n),
+                "]".repeat(n)
+            )
+        };
+        // Within the limit the text reaches serde, which refuses it as the wrong shape.
+        let (_, _, message) = err(&nested(MAX_POLICY_NESTING));
+        assert!(!message.contains("nested"), "{message}");
+        let (line, column, message) = err(&nested(MAX_POLICY_NESTING + 1));
+        assert_eq!((line, column), (4, 11 + MAX_POLICY_NESTING + 1));
+        assert!(message.contains("nested more than 32"), "{message}");
+        // The issue's 240 KB of `[` is refused by the scan, before the YAML parser.
+        let (line, column, _) = err(&"[".repeat(240_000));
+        assert_eq!((line, column), (1, MAX_POLICY_NESTING + 1));
+        // Brackets in comments do not count; in a quoted or block scalar they do, so that no
+        // quote can hide the brackets after it.
+        let commented = format!(
+            "version: 1\n# {}\nlog:  # {}\n",
+            "[".repeat(40),
+            "{".repeat(40)
+        );
+        assert!(parse(&commented).is_ok());
+        let (line, _, _) = err(&format!(
+            "version: 1\nlog:\n  prefix: \"{}\"\n",
+            "[".repeat(40)
+        ));
+        assert_eq!(line, 3);
+        let hidden = format!(
+            "version: 1\nprobe:\n  exfil_domain: |\n    '\nallow: [x', {}\n",
+            "[".repeat(40)
+        );
+        assert_eq!(err(&hidden).0, 5);
+        // The schema's own flow style is far inside the limit.
+        assert!(parse(FULL).is_ok());
+    }
+
+    #[test]
+    fn a_long_value_is_not_quoted_whole() {
+        let (_, _, message) = err(&format!("version: 1\nallow: {}\n", "\u{e9}".repeat(5000)));
+        assert!(message.len() < 520, "{} bytes", message.len());
+        assert!(message.ends_with("..."), "{message}");
+    }
+
+    #[test]
+    fn several_documents_are_named_as_such() {
+        for (src, line) in [
+            ("version: 1\n---\nallow: []\n", 2),
+            ("---\nversion: 1\n---\nversion: 1\n", 3),
+            ("--- {version: 1}\n--- {version: 1}\n", 2),
+            ("---\n---\nversion: 1\n", 2),
+            ("version: 1\n...\nallow: []\n", 3),
+        ] {
+            let (l, column, message) = err(src);
+            assert_eq!((l, column), (line, 1), "{src:?}");
+            assert!(message.contains("second YAML document"), "{message}");
+        }
+        // One document, with its optional markers, is fine.
+        assert!(parse("---\nversion: 1\n...\n").is_ok());
+        assert!(parse("# comment\n---\nversion: 1\n").is_ok());
+        assert!(parse("--- # policy\nversion: 1\n").is_ok());
     }
 }

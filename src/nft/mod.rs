@@ -63,6 +63,23 @@ impl NftError {
             }
         )
     }
+
+    /// Whether the kernel refused what the batch holds (a value, a feature it lacks), as
+    /// opposed to lacking memory, permission or time: sending it again will not help.
+    pub fn is_refusal_of_content(&self) -> bool {
+        match self {
+            NftError::Refused { errno, .. } => !matches!(
+                errno,
+                Errno::EPERM
+                    | Errno::ENOMEM
+                    | Errno::ENOBUFS
+                    | Errno::EBUSY
+                    | Errno::EAGAIN
+                    | Errno::EINTR
+            ),
+            _ => false,
+        }
+    }
 }
 
 /// No single answer to a request of ours should take this long; a bound keeps a wedged

@@ -7,4 +7,5 @@
 mod answers;
 #[path = "../common/mod.rs"]
 mod common;
+mod daemon;
 mod repair;
