@@ -406,8 +406,10 @@ fn normalize_expr(e: &str) -> String {
 /// writes it.
 fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
     let mut shapes = vec![
+        Rule::RefuseRoutingHeader,
         Rule::AcceptEstablished,
         Rule::AcceptLoopback,
+        Rule::AcceptMldReport,
         Rule::GotoRefused,
         Rule::Refuse(Action::Reject),
         Rule::Refuse(Action::Drop),
@@ -618,7 +620,8 @@ mod tests {
         assert_eq!(resolved4.added, vec!["192.0.2.10 . tcp . 443"]);
         let output = diff.chains.iter().find(|c| c.name == "output").unwrap();
         assert_eq!(output.added_rules.len(), rs.output.len());
-        assert_eq!(output.added_rules[0], "ct state established,related accept");
+        assert_eq!(output.added_rules[0], "exthdr rt exists goto refused");
+        assert_eq!(output.added_rules[1], "ct state established,related accept");
         assert_eq!(
             diff.summary(),
             vec!["table inet egress_fence is new (it was not installed)"]

@@ -166,8 +166,11 @@ pub fn plan_with(
 
 fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     let has = |e| policy.essentials.contains(&e);
-    let mut rules = Vec::new();
-    // Replies first: the bulk of packets leaves here after one conntrack lookup.
+    // A routing header sends the packet on past the destination every rule below checks, and
+    // a socket option lets any process add one, also to a connection already established:
+    // refused before anything is accepted.
+    let mut rules = vec![Rule::RefuseRoutingHeader];
+    // Replies next: the bulk of packets leaves here after one conntrack lookup.
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
     }
@@ -180,16 +183,13 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
                 Icmpv6Type::NdRouterSolicit,
                 Icmpv6Type::NdNeighborSolicit,
                 Icmpv6Type::NdNeighborAdvert,
-                Icmpv6Type::Mld2ListenerReport,
             ]
             .map(Rule::AcceptIcmpv6),
         );
-    }
-    if has(Essential::Dhcpv4) {
-        rules.push(Rule::AcceptDhcpClient(Family::V4));
-    }
-    if has(Essential::Dhcpv6) {
-        rules.push(Rule::AcceptDhcpClient(Family::V6));
+        // Any process chooses the groups the kernel reports: a byte budget bounds that channel
+        // while the host's own reports (solicited-node groups, so switches that snoop MLD
+        // keep forwarding neighbour discovery to it) still fit.
+        rules.push(Rule::AcceptMldReport);
     }
     // DNS to the resolvers (port 53 only) comes before the deny list: a cloud host's
     // resolver usually lives in a network the deny presets cover (AWS 169.254.169.253 or the
@@ -212,6 +212,16 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     // rebinding onto the metadata service) stays refused.
     for family in Family::BOTH {
         rules.push(Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, family)));
+    }
+    // DHCP clients send their broadcasts over packet sockets, which never meet this hook; what
+    // does is a plain socket's request to the broadcast or DHCPv6 group address, which any
+    // process that binds port 68 or 546 can send too: that, rate-limited, and after the deny
+    // list. A unicast renewal to the lease's server needs the server in an allow entry.
+    if has(Essential::Dhcpv4) {
+        rules.push(Rule::AcceptDhcpClient(Family::V4));
+    }
+    if has(Essential::Dhcpv6) {
+        rules.push(Rule::AcceptDhcpClient(Family::V6));
     }
     // ...and in guard mode DNS to anywhere else is refused even where an allow entry covers
     // it (a `cidr:` with every port, say).
@@ -443,7 +453,8 @@ log:
     #[test]
     fn rules_put_established_first_dns_before_deny_and_deny_before_every_allow() {
         let rs = plan(&policy(POLICY), &resolution(&[]));
-        assert_eq!(rs.output[0], Rule::AcceptEstablished);
+        assert_eq!(rs.output[0], Rule::RefuseRoutingHeader);
+        assert_eq!(rs.output[1], Rule::AcceptEstablished);
         let first_accept_set = rs
             .output
             .iter()
@@ -480,17 +491,35 @@ log:
     }
 
     #[test]
+    fn essentials_come_after_the_deny_list_except_neighbour_discovery() {
+        let rs = plan(&policy(POLICY), &resolution(&[]));
+        let at = |want: &Rule| rs.output.iter().position(|r| r == want).unwrap();
+        let last_deny = at(&Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6)));
+        for family in Family::BOTH {
+            assert!(at(&Rule::AcceptDhcpClient(family)) > last_deny);
+        }
+        assert!(at(&Rule::AcceptMldReport) < last_deny);
+        assert!(
+            !rs.output
+                .contains(&Rule::AcceptIcmpv6(Icmpv6Type::Mld2ListenerReport)),
+            "MLD reports only within their byte budget"
+        );
+        // Even without any essential, routing headers are refused first.
+        let bare = plan(&policy("version: 1\nessentials: []\n"), &resolution(&[]));
+        assert_eq!(bare.output[0], Rule::RefuseRoutingHeader);
+    }
+
+    #[test]
     fn narrowed_essentials_leave_out_their_rules() {
         let rs = plan(
             &policy("version: 1\nessentials: [established]\n"),
             &resolution(&[]),
         );
         assert!(!rs.output.contains(&Rule::AcceptLoopback));
-        assert!(
-            !rs.output
-                .iter()
-                .any(|r| matches!(r, Rule::AcceptIcmpv6(_) | Rule::AcceptDhcpClient(_)))
-        );
+        assert!(!rs.output.iter().any(|r| matches!(
+            r,
+            Rule::AcceptIcmpv6(_) | Rule::AcceptMldReport | Rule::AcceptDhcpClient(_)
+        )));
     }
 
     #[test]

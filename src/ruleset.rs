@@ -5,12 +5,12 @@
 //! of shapes ([`Rule`]); the renderer and the encoder each have one arm per shape.
 
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::policy::{Action, L4Proto, PortRange, Rate};
+use crate::policy::{Action, L4Proto, PortRange, Rate, RateUnit};
 
 /// The one table the tool owns, in family inet. Nothing else is ever touched.
 pub const TABLE: &str = "egress_fence";
@@ -299,6 +299,73 @@ impl Icmpv6Type {
     }
 }
 
+/// What a token bucket counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    Packets,
+    /// Bytes of packet (network header included): bounds what a channel carries.
+    Bytes,
+}
+
+/// A token bucket of the table's own (not the policy's): `count` per `per`, `burst` more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    pub count: u64,
+    pub per: RateUnit,
+    pub burst: u32,
+    pub kind: LimitKind,
+}
+
+impl fmt::Display for Limit {
+    /// `limit rate 10/minute burst 10 packets`, `limit rate 1 kbytes/minute burst 1500 bytes`:
+    /// byte rates in the largest unit that divides them, as nft lists them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let per = self.per.name();
+        match self.kind {
+            LimitKind::Packets => write!(
+                f,
+                "limit rate {}/{per} burst {} packets",
+                self.count, self.burst
+            ),
+            LimitKind::Bytes => {
+                let (mut rate, mut unit) = (self.count, 0);
+                let units = ["bytes", "kbytes", "mbytes"];
+                while unit + 1 < units.len() && rate >= 1024 && rate % 1024 == 0 {
+                    rate /= 1024;
+                    unit += 1;
+                }
+                write!(
+                    f,
+                    "limit rate {rate} {}/{per} burst {} bytes",
+                    units[unit], self.burst
+                )
+            }
+        }
+    }
+}
+
+/// The DHCP client's requests that meet the output hook: at most 10 a minute (plus 10), all
+/// senders together. Clients send a few a minute at most while they look for a lease.
+pub const DHCP_CLIENT_LIMIT: Limit = Limit {
+    count: 10,
+    per: RateUnit::Minute,
+    burst: 10,
+    kind: LimitKind::Packets,
+};
+
+/// MLDv2 reports: 1 KiB a minute, and one full-size report at once (the answer to a general
+/// query lists every group of the interface in one report). Any process can choose groups to
+/// join, so the reports are a channel of 16 chosen bytes per group; this bounds it.
+pub const MLD_REPORT_LIMIT: Limit = Limit {
+    count: 1024,
+    per: RateUnit::Minute,
+    burst: 1500,
+    kind: LimitKind::Bytes,
+};
+
+/// IPv6 extension header type of routing headers (segment routing is routing type 4).
+pub const IPV6_ROUTING_HEADER: u8 = 43;
+
 /// How refused packets are logged.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogSpec {
@@ -312,13 +379,20 @@ pub struct LogSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Rule {
+    /// `exthdr rt exists goto refused`: a routing header sends a packet on past the
+    /// destination the other rules check (segment routing lists its final one inside).
+    RefuseRoutingHeader,
     /// `ct state established,related accept`
     AcceptEstablished,
     /// `oif "lo" accept`
     AcceptLoopback,
     /// `icmpv6 type T accept`
     AcceptIcmpv6(Icmpv6Type),
-    /// The DHCP client's requests: UDP 68 -> 67, or 546 -> 547 for IPv6.
+    /// `icmpv6 type mld2-listener-report limit rate 1 kbytes/minute burst 1500 bytes accept`
+    /// ([`MLD_REPORT_LIMIT`]).
+    AcceptMldReport,
+    /// The DHCP client's requests from a plain UDP socket: UDP 68 -> 67 to 255.255.255.255,
+    /// or 546 -> 547 to ff02::1:2 for IPv6, within [`DHCP_CLIENT_LIMIT`].
     AcceptDhcpClient(Family),
     /// `ip daddr @deny4 goto refused`
     RefuseDaddrIn(SetId),
@@ -343,15 +417,21 @@ pub enum Rule {
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Rule::RefuseRoutingHeader => write!(f, "exthdr rt exists goto {REFUSED_CHAIN}"),
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
+            Rule::AcceptMldReport => write!(
+                f,
+                "icmpv6 type {} {MLD_REPORT_LIMIT} accept",
+                Icmpv6Type::Mld2ListenerReport.name()
+            ),
             Rule::AcceptDhcpClient(family) => {
                 let (sport, dport) = dhcp_ports(*family);
-                let nfproto = family.nfproto();
+                let (daddr, server) = (family.daddr(), dhcp_servers(*family));
                 write!(
                     f,
-                    "meta nfproto {nfproto} udp sport {sport} udp dport {dport} accept"
+                    "{daddr} {server} udp sport {sport} udp dport {dport} {DHCP_CLIENT_LIMIT} accept"
                 )
             }
             Rule::RefuseDaddrIn(set) => {
@@ -398,6 +478,16 @@ pub fn dhcp_ports(family: Family) -> (u16, u16) {
     match family {
         Family::V4 => (68, 67),
         Family::V6 => (546, 547),
+    }
+}
+
+/// Where a DHCP client sends what meets the output hook: the limited broadcast address, and
+/// All_DHCP_Relay_Agents_and_Servers for DHCPv6. Unicast renewals are not among them: they
+/// need the server's address in the policy (README, "essentials").
+pub fn dhcp_servers(family: Family) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::V4(Ipv4Addr::BROADCAST),
+        Family::V6 => IpAddr::V6(Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 1, 2)),
     }
 }
 
@@ -525,9 +615,18 @@ mod tests {
                 Rule::AcceptIcmpv6(Icmpv6Type::NdNeighborSolicit),
                 "icmpv6 type nd-neighbor-solicit accept",
             ),
+            (Rule::RefuseRoutingHeader, "exthdr rt exists goto refused"),
+            (
+                Rule::AcceptMldReport,
+                "icmpv6 type mld2-listener-report limit rate 1 kbytes/minute burst 1500 bytes accept",
+            ),
+            (
+                Rule::AcceptDhcpClient(Family::V4),
+                "ip daddr 255.255.255.255 udp sport 68 udp dport 67 limit rate 10/minute burst 10 packets accept",
+            ),
             (
                 Rule::AcceptDhcpClient(Family::V6),
-                "meta nfproto ipv6 udp sport 546 udp dport 547 accept",
+                "ip6 daddr ff02::1:2 udp sport 546 udp dport 547 limit rate 10/minute burst 10 packets accept",
             ),
             (
                 Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6)),
