@@ -19,7 +19,7 @@ use crate::nft::live::describe_hook;
 use crate::policy::{Action, L4Proto};
 use crate::ruleset::{
     Elements, Family, Icmpv6Type, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
-    TABLE, Tuple, fmt_net, fmt_tuple,
+    SourceRoute, TABLE, Tuple, fmt_net, fmt_tuple,
 };
 
 /// What to leave out of a comparison.
@@ -406,7 +406,6 @@ fn normalize_expr(e: &str) -> String {
 /// writes it.
 fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
     let mut shapes = vec![
-        Rule::RefuseRoutingHeader,
         Rule::AcceptEstablished,
         Rule::AcceptLoopback,
         Rule::AcceptMldReport,
@@ -428,6 +427,7 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
             shapes.push(Rule::RefuseService(proto, port));
         }
     }
+    shapes.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
     for family in Family::BOTH {
         shapes.push(Rule::AcceptDhcpClient(family));
         shapes.push(Rule::CountFamily(family));
@@ -621,7 +621,8 @@ mod tests {
         let output = diff.chains.iter().find(|c| c.name == "output").unwrap();
         assert_eq!(output.added_rules.len(), rs.output.len());
         assert_eq!(output.added_rules[0], "exthdr rt exists goto refused");
-        assert_eq!(output.added_rules[1], "ct state established,related accept");
+        assert_eq!(output.added_rules[1], "ip option lsrr exists goto refused");
+        assert_eq!(output.added_rules[3], "ct state established,related accept");
         assert_eq!(
             diff.summary(),
             vec!["table inet egress_fence is new (it was not installed)"]

@@ -9,7 +9,8 @@ use ipnet::IpNet;
 use crate::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::resolve::{Resolution, ResolvedHost};
 use crate::ruleset::{
-    Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, Timed, Tuple,
+    Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, SourceRoute, Timed,
+    Tuple,
 };
 
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
@@ -166,10 +167,11 @@ pub fn plan_with(
 
 fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     let has = |e| policy.essentials.contains(&e);
-    // A routing header sends the packet on past the destination every rule below checks, and
-    // a socket option lets any process add one, also to a connection already established:
-    // refused before anything is accepted.
-    let mut rules = vec![Rule::RefuseRoutingHeader];
+    // A routing header or source route option sends the packet on past the destination every
+    // rule below checks, and a socket option adds one (IPV6_RTHDR for any user, IP_OPTIONS
+    // with CAP_NET_RAW), also to a connection already established: refused before anything
+    // is accepted.
+    let mut rules: Vec<Rule> = SourceRoute::ALL.map(Rule::RefuseSourceRoute).into();
     // Replies next: the bulk of packets leaves here after one conntrack lookup.
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
@@ -453,8 +455,12 @@ log:
     #[test]
     fn rules_put_established_first_dns_before_deny_and_deny_before_every_allow() {
         let rs = plan(&policy(POLICY), &resolution(&[]));
-        assert_eq!(rs.output[0], Rule::RefuseRoutingHeader);
-        assert_eq!(rs.output[1], Rule::AcceptEstablished);
+        let routes = SourceRoute::ALL.len();
+        assert_eq!(
+            rs.output[..routes],
+            SourceRoute::ALL.map(Rule::RefuseSourceRoute)
+        );
+        assert_eq!(rs.output[routes], Rule::AcceptEstablished);
         let first_accept_set = rs
             .output
             .iter()
@@ -504,9 +510,12 @@ log:
                 .contains(&Rule::AcceptIcmpv6(Icmpv6Type::Mld2ListenerReport)),
             "MLD reports only within their byte budget"
         );
-        // Even without any essential, routing headers are refused first.
+        // Even without any essential, source routes are refused first.
         let bare = plan(&policy("version: 1\nessentials: []\n"), &resolution(&[]));
-        assert_eq!(bare.output[0], Rule::RefuseRoutingHeader);
+        assert_eq!(
+            bare.output[..SourceRoute::ALL.len()],
+            SourceRoute::ALL.map(Rule::RefuseSourceRoute)
+        );
     }
 
     #[test]

@@ -363,8 +363,53 @@ pub const MLD_REPORT_LIMIT: Limit = Limit {
     kind: LimitKind::Bytes,
 };
 
-/// IPv6 extension header type of routing headers (segment routing is routing type 4).
-pub const IPV6_ROUTING_HEADER: u8 = 43;
+/// A way to route a packet past the destination its header names: the other rules check only
+/// the first hop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SourceRoute {
+    /// An IPv6 routing header (extension header 43): segment routing (type 4) lists the final
+    /// destination inside, and any user can add one with `IPV6_RTHDR`.
+    Ipv6RoutingHeader,
+    /// The IPv4 loose source route option (131), for holders of CAP_NET_RAW (root in a
+    /// container has it by default).
+    Ipv4Loose,
+    /// The IPv4 strict source route option (137).
+    Ipv4Strict,
+}
+
+impl SourceRoute {
+    pub const ALL: [SourceRoute; 3] = [
+        SourceRoute::Ipv6RoutingHeader,
+        SourceRoute::Ipv4Loose,
+        SourceRoute::Ipv4Strict,
+    ];
+
+    pub fn family(self) -> Family {
+        match self {
+            SourceRoute::Ipv6RoutingHeader => Family::V6,
+            SourceRoute::Ipv4Loose | SourceRoute::Ipv4Strict => Family::V4,
+        }
+    }
+
+    /// The IPv6 extension header type or IPv4 option type.
+    pub fn number(self) -> u8 {
+        match self {
+            SourceRoute::Ipv6RoutingHeader => 43,
+            SourceRoute::Ipv4Loose => 131,
+            SourceRoute::Ipv4Strict => 137,
+        }
+    }
+
+    /// nft's words for "the packet has one".
+    fn nft_match(self) -> &'static str {
+        match self {
+            SourceRoute::Ipv6RoutingHeader => "exthdr rt exists",
+            SourceRoute::Ipv4Loose => "ip option lsrr exists",
+            SourceRoute::Ipv4Strict => "ip option ssrr exists",
+        }
+    }
+}
 
 /// How refused packets are logged.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -379,9 +424,9 @@ pub struct LogSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Rule {
-    /// `exthdr rt exists goto refused`: a routing header sends a packet on past the
-    /// destination the other rules check (segment routing lists its final one inside).
-    RefuseRoutingHeader,
+    /// `exthdr rt exists goto refused`, `ip option lsrr exists goto refused`: a packet that
+    /// names its own route goes on past the destination the other rules check.
+    RefuseSourceRoute(SourceRoute),
     /// `ct state established,related accept`
     AcceptEstablished,
     /// `oif "lo" accept`
@@ -417,7 +462,9 @@ pub enum Rule {
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Rule::RefuseRoutingHeader => write!(f, "exthdr rt exists goto {REFUSED_CHAIN}"),
+            Rule::RefuseSourceRoute(route) => {
+                write!(f, "{} goto {REFUSED_CHAIN}", route.nft_match())
+            }
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
@@ -615,7 +662,18 @@ mod tests {
                 Rule::AcceptIcmpv6(Icmpv6Type::NdNeighborSolicit),
                 "icmpv6 type nd-neighbor-solicit accept",
             ),
-            (Rule::RefuseRoutingHeader, "exthdr rt exists goto refused"),
+            (
+                Rule::RefuseSourceRoute(SourceRoute::Ipv6RoutingHeader),
+                "exthdr rt exists goto refused",
+            ),
+            (
+                Rule::RefuseSourceRoute(SourceRoute::Ipv4Loose),
+                "ip option lsrr exists goto refused",
+            ),
+            (
+                Rule::RefuseSourceRoute(SourceRoute::Ipv4Strict),
+                "ip option ssrr exists goto refused",
+            ),
             (
                 Rule::AcceptMldReport,
                 "icmpv6 type mld2-listener-report limit rate 1 kbytes/minute burst 1500 bytes accept",

@@ -17,9 +17,9 @@ use super::sys::{
 };
 use crate::policy::Action;
 use crate::ruleset::{
-    DHCP_CLIENT_LIMIT, Elements, Family, IPV6_ROUTING_HEADER, Icmpv6Type, KeyShape, Limit,
-    LimitKind, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, TABLE,
-    Timed, Tuple, dhcp_ports, dhcp_servers,
+    DHCP_CLIENT_LIMIT, Elements, Family, Icmpv6Type, KeyShape, Limit, LimitKind, MLD_REPORT_LIMIT,
+    OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple,
+    dhcp_ports, dhcp_servers,
 };
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
@@ -455,12 +455,16 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     let accept = crate_expr(Verdict::Accept);
     let mut e = Vec::new();
     match rule {
-        Rule::RefuseRoutingHeader => {
-            e.extend(is_family(Family::V6));
-            e.push(own(Expr::exthdr_ipv6_present(
-                IPV6_ROUTING_HEADER,
-                sys::REG_1,
-            )));
+        Rule::RefuseSourceRoute(route) => {
+            e.extend(is_family(route.family()));
+            e.push(own(match route {
+                SourceRoute::Ipv6RoutingHeader => {
+                    Expr::exthdr_ipv6_present(route.number(), sys::REG_1)
+                }
+                SourceRoute::Ipv4Loose | SourceRoute::Ipv4Strict => {
+                    Expr::ipv4_option_present(route.number(), sys::REG_1)
+                }
+            }));
             e.push(eq(&[1]));
             e.push(goto_refused());
         }
@@ -713,7 +717,21 @@ mod tests {
             ]
         );
         assert_eq!(
-            exprs(&Rule::RefuseRoutingHeader),
+            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv4Loose)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "exthdr load ipv4 1b @ 131 + 0 present => reg 1",
+                "cmp eq reg 1 0x00000001",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv4Strict))[2],
+            "exthdr load ipv4 1b @ 137 + 0 present => reg 1"
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv6RoutingHeader)),
             [
                 "meta load nfproto => reg 1",
                 "cmp eq reg 1 0x0000000a",

@@ -22,8 +22,10 @@ pub const NFT_SET_TIMEOUT: u32 = libc::NFT_SET_TIMEOUT as u32;
 pub const NFT_SET_ELEM_INTERVAL_END: u32 = libc::NFT_SET_ELEM_INTERVAL_END as u32;
 /// The exthdr expression's flag "only say whether the header is there" (absent from libc).
 pub const NFT_EXTHDR_F_PRESENT: u32 = 1;
-/// The exthdr expression's operation on IPv6 extension headers (absent from libc).
+/// The exthdr expression's operations on IPv6 extension headers and IPv4 options (absent
+/// from libc).
 pub const NFT_EXTHDR_OP_IPV6: u32 = 0;
+pub const NFT_EXTHDR_OP_IPV4: u32 = 2;
 
 /// Registers as nft numbers them: the four 128-bit registers and the 32-bit ones from 8.
 pub const REG_1: u32 = libc::NFT_REG_1 as u32;
@@ -167,6 +169,16 @@ impl Expr {
     /// Puts 1 into register `dreg` if the packet carries an IPv6 extension header of type
     /// `header` (wherever it sits in the chain of headers), 0 otherwise: `exthdr rt exists`.
     pub fn exthdr_ipv6_present(header: u8, dreg: u32) -> Expr {
+        Expr::exthdr_present(NFT_EXTHDR_OP_IPV6, header, dreg)
+    }
+
+    /// Puts 1 into register `dreg` if the packet carries the IPv4 option `option`, 0
+    /// otherwise: `ip option lsrr exists`.
+    pub fn ipv4_option_present(option: u8, dreg: u32) -> Expr {
+        Expr::exthdr_present(NFT_EXTHDR_OP_IPV4, option, dreg)
+    }
+
+    fn exthdr_present(op: u32, header: u8, dreg: u32) -> Expr {
         Expr {
             name: c"exthdr",
             attrs: vec![
@@ -178,7 +190,7 @@ impl Expr {
                     sys::NFTNL_EXPR_EXTHDR_FLAGS,
                     Attr::U32(NFT_EXTHDR_F_PRESENT),
                 ),
-                (sys::NFTNL_EXPR_EXTHDR_OP, Attr::U32(NFT_EXTHDR_OP_IPV6)),
+                (sys::NFTNL_EXPR_EXTHDR_OP, Attr::U32(op)),
             ],
         }
     }

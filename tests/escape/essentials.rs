@@ -434,3 +434,93 @@ fn a_routing_header_cannot_carry_a_packet_past_the_checked_destination() {
     });
     assert_eq!(first_rule, Some("exthdr rt exists goto refused"), "{list}");
 }
+
+/// The IPv4 twin of [`SEND_WITH_ROUTING_HEADER`]: a loose source route option (IP_OPTIONS,
+/// which needs CAP_NET_RAW: root in a container has it by default) lists FIRST as the first
+/// hop of a datagram to FINAL.
+const SEND_WITH_SOURCE_ROUTE: &str = r#"
+import socket, sys
+first, final, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+# NOP, then LSRR (131) of length 7 with pointer 4 and one hop; the kernel appends FINAL.
+lsrr = bytes([1, 131, 7, 4]) + socket.inet_aton(first)
+def send(s, to):
+    try:
+        s.sendto(b'routed past the fence', (to, port))
+        return 'sent'
+    except PermissionError:
+        return 'refused'
+out = []
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+if sys.argv[4] == 'with-flow':
+    out += ['plain', send(s, first)]
+    s.recv(100)
+s.setsockopt(socket.IPPROTO_IP, socket.IP_OPTIONS, lsrr)
+out += ['established' if sys.argv[4] == 'with-flow' else 'routed', send(s, final)]
+fresh = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+fresh.setsockopt(socket.IPPROTO_IP, socket.IP_OPTIONS, lsrr)
+out += ['new', send(fresh, final)]
+print(' '.join(out))
+"#;
+
+#[test]
+fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
+    let w = World::new();
+    // The net side follows source routes, as a misconfigured router on the path may.
+    for key in ["all", "lo", "veth0"] {
+        let sysctl = w.net_cmd(&[
+            "sysctl",
+            "-w",
+            &format!("net.ipv4.conf.{key}.accept_source_route=1"),
+        ]);
+        assert!(sysctl.success(), "{sysctl}");
+    }
+    let first_hop = w.listen_udp(HOST_V4, ALLOWED_PORT);
+    let hidden = w.listen_udp(OTHER_V4, ALLOWED_PORT);
+    let (first, final_, port) = (
+        HOST_V4.to_string(),
+        OTHER_V4.to_string(),
+        ALLOWED_PORT.to_string(),
+    );
+    let send = |mode: &str| {
+        let out = run_as(
+            &w,
+            Adversary::RootWithoutNetAdmin,
+            &[
+                "/usr/bin/python3",
+                "-c",
+                SEND_WITH_SOURCE_ROUTE,
+                &first,
+                &final_,
+                &port,
+                mode,
+            ],
+        );
+        assert!(out.success(), "{out}");
+        out.stdout.trim().to_string()
+    };
+
+    assert_eq!(send("no-flow"), "routed sent new sent");
+    assert!(
+        hidden.wait_for(2, Duration::from_secs(3)),
+        "the source-routed datagrams did not arrive unfenced: the test proves nothing"
+    );
+
+    apply(&w);
+    let (before_hidden, before_first) = (hidden.count(), first_hop.count());
+    assert_eq!(
+        send("with-flow"),
+        "plain sent established refused new refused"
+    );
+    assert!(
+        first_hop.wait_for(before_first + 1, Duration::from_secs(2)),
+        "the plain datagram"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        hidden.count(),
+        before_hidden,
+        "a source route carried a datagram to a destination the policy does not allow"
+    );
+    assert_eq!(first_hop.count(), before_first + 1);
+}
