@@ -408,6 +408,7 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
     let mut shapes = vec![
         Rule::AcceptEstablished,
         Rule::AcceptLoopback,
+        Rule::RefuseIcmpv6FromProcesses,
         Rule::AcceptMldReport,
         Rule::GotoRefused,
         Rule::Refuse(Action::Reject),

@@ -180,6 +180,9 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
         rules.push(Rule::AcceptLoopback);
     }
     if has(Essential::Icmpv6Nd) {
+        // The kernel writes neighbour discovery and MLD itself; a process that writes ICMPv6
+        // (root in a container has CAP_NET_RAW) could put anything in them, to anywhere.
+        rules.push(Rule::RefuseIcmpv6FromProcesses);
         rules.extend(
             [
                 Icmpv6Type::NdRouterSolicit,
@@ -506,6 +509,11 @@ log:
         }
         assert!(at(&Rule::AcceptMldReport) < last_deny);
         assert!(
+            at(&Rule::RefuseIcmpv6FromProcesses)
+                < at(&Rule::AcceptIcmpv6(Icmpv6Type::NdRouterSolicit)),
+            "ICMPv6 that processes write never meets the neighbour discovery accepts"
+        );
+        assert!(
             !rs.output
                 .contains(&Rule::AcceptIcmpv6(Icmpv6Type::Mld2ListenerReport)),
             "MLD reports only within their byte budget"
@@ -527,7 +535,10 @@ log:
         assert!(!rs.output.contains(&Rule::AcceptLoopback));
         assert!(!rs.output.iter().any(|r| matches!(
             r,
-            Rule::AcceptIcmpv6(_) | Rule::AcceptMldReport | Rule::AcceptDhcpClient(_)
+            Rule::AcceptIcmpv6(_)
+                | Rule::RefuseIcmpv6FromProcesses
+                | Rule::AcceptMldReport
+                | Rule::AcceptDhcpClient(_)
         )));
     }
 

@@ -433,6 +433,11 @@ pub enum Rule {
     AcceptLoopback,
     /// `icmpv6 type T accept`
     AcceptIcmpv6(Icmpv6Type),
+    /// `meta l4proto ipv6-icmp meta skuid >= 0 goto refused`: ICMPv6 that a process wrote
+    /// itself (a raw socket, which root in a container may open) is refused before the
+    /// neighbour discovery essentials; the kernel's own neighbour discovery and MLD come from
+    /// its sockets without an owner, where `meta skuid` matches nothing.
+    RefuseIcmpv6FromProcesses,
     /// `icmpv6 type mld2-listener-report limit rate 1 kbytes/minute burst 1500 bytes accept`
     /// ([`MLD_REPORT_LIMIT`]).
     AcceptMldReport,
@@ -468,6 +473,10 @@ impl fmt::Display for Rule {
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
+            Rule::RefuseIcmpv6FromProcesses => write!(
+                f,
+                "meta l4proto ipv6-icmp meta skuid >= 0 goto {REFUSED_CHAIN}"
+            ),
             Rule::AcceptMldReport => write!(
                 f,
                 "icmpv6 type {} {MLD_REPORT_LIMIT} accept",
@@ -673,6 +682,10 @@ mod tests {
             (
                 Rule::RefuseSourceRoute(SourceRoute::Ipv4Strict),
                 "ip option ssrr exists goto refused",
+            ),
+            (
+                Rule::RefuseIcmpv6FromProcesses,
+                "meta l4proto ipv6-icmp meta skuid >= 0 goto refused",
             ),
             (
                 Rule::AcceptMldReport,

@@ -484,6 +484,14 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.extend(icmpv6_type_is(*t));
             e.push(accept);
         }
+        Rule::RefuseIcmpv6FromProcesses => {
+            e.extend(l4proto_is(IPPROTO_ICMPV6));
+            // Breaks (matches nothing) for a socket without a file: the kernel's own.
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
+            e.push(goto_refused());
+        }
         Rule::AcceptMldReport => {
             e.extend(icmpv6_type_is(Icmpv6Type::Mld2ListenerReport));
             e.push(limit(MLD_REPORT_LIMIT));
@@ -701,6 +709,17 @@ mod tests {
                 "cmp eq reg 1 0x23022202",
                 "limit rate 10/minute burst 10 type packets flags 0x0",
                 "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseIcmpv6FromProcesses),
+            [
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x0000003a",
+                "meta load skuid => reg 1",
+                "byteorder reg 1 = hton(reg 1, 4, 4)",
+                "cmp gte reg 1 0x00000000",
+                "immediate reg 0 goto -> refused",
             ]
         );
         assert_eq!(

@@ -524,3 +524,103 @@ fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
     );
     assert_eq!(first_hop.count(), before_first + 1);
 }
+
+/// Writes ICMPv6 messages of the neighbour discovery and MLD types (RS, NS, NA, MLDv2 report)
+/// carrying a marker, from a raw socket, to each DST; prints `sent N refused M`. Exits
+/// non-zero unless CAP_NET_RAW is effective and CAP_NET_ADMIN is not (root in a container).
+const WRITE_ICMPV6: &str = r#"
+import socket, sys
+status = open('/proc/self/status').read().split('\n')
+cap_eff = int([l for l in status if l.startswith('CapEff:')][0].split()[1], 16)
+if cap_eff & (1 << 12) or not cap_eff & (1 << 13):
+    sys.exit('want CAP_NET_RAW without CAP_NET_ADMIN, have %x' % cap_eff)
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+scope = socket.if_nametoindex('eth0')
+sent = refused = 0
+for dst in sys.argv[1:]:
+    for kind in (133, 135, 136, 143):
+        message = bytes([kind, 0, 0, 0, 0, 0, 0, 0]) + b'written-by-a-process ' * 40
+        try:
+            s.sendto(message, (dst, 0, 0, scope if dst.startswith('ff02') else 0))
+            sent += 1
+        except PermissionError:
+            refused += 1
+print('sent', sent, 'refused', refused)
+"#;
+
+/// Counts IPv6 frames arriving on veth0 that carry MARKER, for SECONDS; creates READY_FILE
+/// once the capture socket is bound. Prints the count.
+const COUNT_MARKED: &str = r#"
+import socket, sys, time
+seconds, ready, marker = float(sys.argv[1]), sys.argv[2], sys.argv[3].encode()
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x86dd))
+s.bind(('veth0', 0))
+s.settimeout(0.2)
+open(ready, 'w').close()
+end, count = time.time() + seconds, 0
+while time.time() < end:
+    try:
+        frame, addr = s.recvfrom(65535)
+    except socket.timeout:
+        continue
+    if addr[2] != socket.PACKET_OUTGOING and marker in frame:
+        count += 1
+print(count)
+"#;
+
+#[test]
+fn icmpv6_written_by_a_process_does_not_pass_as_neighbour_discovery() {
+    let w = fenced_world();
+    let ready = w.dir().join("icmpv6-capture-ready");
+    let ready_arg = ready.to_str().expect("utf-8 path").to_string();
+    let (host, all_nodes, routers) = (HOST_V6.to_string(), "ff02::1", "ff02::16");
+    let (capture, written) = std::thread::scope(|scope| {
+        let capture = scope.spawn(|| {
+            w.net_cmd(&[
+                "/usr/bin/python3",
+                "-c",
+                COUNT_MARKED,
+                "3",
+                &ready_arg,
+                "written-by-a-process",
+            ])
+        });
+        assert!(
+            within(Duration::from_secs(5), || ready.exists()),
+            "the capture did not start"
+        );
+        let written = run_as(
+            &w,
+            Adversary::RootWithoutNetAdmin,
+            &[
+                "/usr/bin/python3",
+                "-c",
+                WRITE_ICMPV6,
+                &host,
+                all_nodes,
+                routers,
+            ],
+        );
+        (capture.join().expect("the capture thread"), written)
+    });
+    assert!(written.success(), "{written}");
+    assert_eq!(written.stdout.trim(), "sent 0 refused 12", "{written}");
+    assert!(capture.success(), "{capture}");
+    assert_eq!(
+        capture.stdout.trim(),
+        "0",
+        "ICMPv6 written by a process left the sandbox"
+    );
+
+    // The kernel's own neighbour discovery still works: with the neighbour cache emptied,
+    // reaching an allowed host needs the gateway's address resolved again.
+    let flush = w.sandbox_cmd(&["ip", "-6", "neigh", "flush", "dev", "eth0"]);
+    assert!(flush.success(), "{flush}");
+    let listener = w.listen_udp(HOST_V6, ALLOWED_PORT);
+    let sent = w.udp_send(HOST_V6, ALLOWED_PORT, b"after neighbour discovery");
+    assert!(sent.success(), "{sent}");
+    assert!(
+        listener.wait_for(1, Duration::from_secs(3)),
+        "the kernel's neighbour solicitation for the gateway was refused"
+    );
+}
