@@ -19,7 +19,7 @@ use crate::nft::live::describe_hook;
 use crate::policy::{Action, L4Proto};
 use crate::ruleset::{
     Elements, Family, Icmpv6Type, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
-    TABLE, Tuple, fmt_net, fmt_tuple,
+    SourceRoute, TABLE, Tuple, fmt_net, fmt_tuple,
 };
 
 /// What to leave out of a comparison.
@@ -408,6 +408,8 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
     let mut shapes = vec![
         Rule::AcceptEstablished,
         Rule::AcceptLoopback,
+        Rule::RefuseIcmpv6FromProcesses,
+        Rule::AcceptMldReport,
         Rule::GotoRefused,
         Rule::Refuse(Action::Reject),
         Rule::Refuse(Action::Drop),
@@ -426,6 +428,7 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
             shapes.push(Rule::RefuseService(proto, port));
         }
     }
+    shapes.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
     for family in Family::BOTH {
         shapes.push(Rule::AcceptDhcpClient(family));
         shapes.push(Rule::CountFamily(family));
@@ -619,7 +622,9 @@ mod tests {
         assert_eq!(resolved4.added, vec!["192.0.2.10 . tcp . 443"]);
         let output = diff.chains.iter().find(|c| c.name == "output").unwrap();
         assert_eq!(output.added_rules.len(), rs.output.len());
-        assert_eq!(output.added_rules[0], "ct state established,related accept");
+        assert_eq!(output.added_rules[0], "exthdr rt exists goto refused");
+        assert_eq!(output.added_rules[1], "ip option lsrr exists goto refused");
+        assert_eq!(output.added_rules[3], "ct state established,related accept");
         assert_eq!(
             diff.summary(),
             vec!["table inet egress_fence is new (it was not installed)"]

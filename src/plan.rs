@@ -10,7 +10,8 @@ use crate::installable::HostAddrs;
 use crate::policy::{Dns, DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::resolve::{Resolution, ResolvedHost};
 use crate::ruleset::{
-    Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, Timed, Tuple,
+    Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, SourceRoute, Timed,
+    Tuple,
 };
 
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
@@ -175,8 +176,12 @@ pub fn plan_with(
 
 fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     let has = |e| policy.essentials.contains(&e);
-    let mut rules = Vec::new();
-    // Replies first: the bulk of packets leaves here after one conntrack lookup.
+    // A routing header or source route option sends the packet on past the destination every
+    // rule below checks, and a socket option adds one (IPV6_RTHDR for any user, IP_OPTIONS
+    // with CAP_NET_RAW), also to a connection already established: refused before anything
+    // is accepted.
+    let mut rules: Vec<Rule> = SourceRoute::ALL.map(Rule::RefuseSourceRoute).into();
+    // Replies next: the bulk of packets leaves here after one conntrack lookup.
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
     }
@@ -184,21 +189,21 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
         rules.push(Rule::AcceptLoopback);
     }
     if has(Essential::Icmpv6Nd) {
+        // The kernel writes neighbour discovery and MLD itself; a process that writes ICMPv6
+        // (root in a container has CAP_NET_RAW) could put anything in them, to anywhere.
+        rules.push(Rule::RefuseIcmpv6FromProcesses);
         rules.extend(
             [
                 Icmpv6Type::NdRouterSolicit,
                 Icmpv6Type::NdNeighborSolicit,
                 Icmpv6Type::NdNeighborAdvert,
-                Icmpv6Type::Mld2ListenerReport,
             ]
             .map(Rule::AcceptIcmpv6),
         );
-    }
-    if has(Essential::Dhcpv4) {
-        rules.push(Rule::AcceptDhcpClient(Family::V4));
-    }
-    if has(Essential::Dhcpv6) {
-        rules.push(Rule::AcceptDhcpClient(Family::V6));
+        // Any process chooses the groups the kernel reports: a byte budget bounds that channel
+        // while the host's own reports (solicited-node groups, so switches that snoop MLD
+        // keep forwarding neighbour discovery to it) still fit.
+        rules.push(Rule::AcceptMldReport);
     }
     // DNS to the resolvers (port 53 only) comes before the deny list: a cloud host's
     // resolver usually lives in a network the deny presets cover (AWS 169.254.169.253 or the
@@ -221,6 +226,16 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     // rebinding onto the metadata service) stays refused.
     for family in Family::BOTH {
         rules.push(Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, family)));
+    }
+    // DHCP clients send their broadcasts over packet sockets, which never meet this hook; what
+    // does is a plain socket's request to the broadcast or DHCPv6 group address, which any
+    // process that binds port 68 or 546 can send too: that, rate-limited, and after the deny
+    // list. A unicast renewal to the lease's server needs the server in an allow entry.
+    if has(Essential::Dhcpv4) {
+        rules.push(Rule::AcceptDhcpClient(Family::V4));
+    }
+    if has(Essential::Dhcpv6) {
+        rules.push(Rule::AcceptDhcpClient(Family::V6));
     }
     // ...and in guard mode DNS to anywhere else is refused even where an allow entry covers
     // it (a `cidr:` with every port, say).
@@ -587,7 +602,12 @@ log:
     #[test]
     fn rules_put_established_first_dns_before_deny_and_deny_before_every_allow() {
         let rs = plan(&policy(POLICY), &resolution(&[]));
-        assert_eq!(rs.output[0], Rule::AcceptEstablished);
+        let routes = SourceRoute::ALL.len();
+        assert_eq!(
+            rs.output[..routes],
+            SourceRoute::ALL.map(Rule::RefuseSourceRoute)
+        );
+        assert_eq!(rs.output[routes], Rule::AcceptEstablished);
         let first_accept_set = rs
             .output
             .iter()
@@ -624,17 +644,46 @@ log:
     }
 
     #[test]
+    fn essentials_come_after_the_deny_list_except_neighbour_discovery() {
+        let rs = plan(&policy(POLICY), &resolution(&[]));
+        let at = |want: &Rule| rs.output.iter().position(|r| r == want).unwrap();
+        let last_deny = at(&Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6)));
+        for family in Family::BOTH {
+            assert!(at(&Rule::AcceptDhcpClient(family)) > last_deny);
+        }
+        assert!(at(&Rule::AcceptMldReport) < last_deny);
+        assert!(
+            at(&Rule::RefuseIcmpv6FromProcesses)
+                < at(&Rule::AcceptIcmpv6(Icmpv6Type::NdRouterSolicit)),
+            "ICMPv6 that processes write never meets the neighbour discovery accepts"
+        );
+        assert!(
+            !rs.output
+                .contains(&Rule::AcceptIcmpv6(Icmpv6Type::Mld2ListenerReport)),
+            "MLD reports only within their byte budget"
+        );
+        // Even without any essential, source routes are refused first.
+        let bare = plan(&policy("version: 1\nessentials: []\n"), &resolution(&[]));
+        assert_eq!(
+            bare.output[..SourceRoute::ALL.len()],
+            SourceRoute::ALL.map(Rule::RefuseSourceRoute)
+        );
+    }
+
+    #[test]
     fn narrowed_essentials_leave_out_their_rules() {
         let rs = plan(
             &policy("version: 1\nessentials: [established]\n"),
             &resolution(&[]),
         );
         assert!(!rs.output.contains(&Rule::AcceptLoopback));
-        assert!(
-            !rs.output
-                .iter()
-                .any(|r| matches!(r, Rule::AcceptIcmpv6(_) | Rule::AcceptDhcpClient(_)))
-        );
+        assert!(!rs.output.iter().any(|r| matches!(
+            r,
+            Rule::AcceptIcmpv6(_)
+                | Rule::RefuseIcmpv6FromProcesses
+                | Rule::AcceptMldReport
+                | Rule::AcceptDhcpClient(_)
+        )));
     }
 
     #[test]

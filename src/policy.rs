@@ -404,11 +404,13 @@ pub enum Essential {
     Loopback,
     /// Replies and related traffic (ICMP errors) of connections already accepted.
     Established,
-    /// ICMPv6 neighbour discovery, router solicitation and MLD reports.
+    /// ICMPv6 neighbour discovery, router solicitation and MLD reports (within a byte
+    /// budget: any process chooses the groups they report).
     Icmpv6Nd,
-    /// The DHCPv4 client (UDP 68 -> 67).
+    /// The DHCPv4 client's broadcasts from a plain socket (UDP 68 -> 255.255.255.255:67),
+    /// rate-limited; not unicast renewals.
     Dhcpv4,
-    /// The DHCPv6 client (UDP 546 -> 547).
+    /// The DHCPv6 client (UDP 546 -> ff02::1:2 port 547), rate-limited.
     Dhcpv6,
 }
 

@@ -5,12 +5,12 @@
 //! of shapes ([`Rule`]); the renderer and the encoder each have one arm per shape.
 
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::policy::{Action, L4Proto, PortRange, Rate};
+use crate::policy::{Action, L4Proto, PortRange, Rate, RateUnit};
 
 /// The one table the tool owns, in family inet. Nothing else is ever touched.
 pub const TABLE: &str = "egress_fence";
@@ -305,6 +305,118 @@ impl Icmpv6Type {
     }
 }
 
+/// What a token bucket counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    Packets,
+    /// Bytes of packet (network header included): bounds what a channel carries.
+    Bytes,
+}
+
+/// A token bucket of the table's own (not the policy's): `count` per `per`, `burst` more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    pub count: u64,
+    pub per: RateUnit,
+    pub burst: u32,
+    pub kind: LimitKind,
+}
+
+impl fmt::Display for Limit {
+    /// `limit rate 10/minute burst 10 packets`, `limit rate 1 kbytes/minute burst 1500 bytes`:
+    /// byte rates in the largest unit that divides them, as nft lists them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let per = self.per.name();
+        match self.kind {
+            LimitKind::Packets => write!(
+                f,
+                "limit rate {}/{per} burst {} packets",
+                self.count, self.burst
+            ),
+            LimitKind::Bytes => {
+                let (mut rate, mut unit) = (self.count, 0);
+                let units = ["bytes", "kbytes", "mbytes"];
+                while unit + 1 < units.len() && rate >= 1024 && rate % 1024 == 0 {
+                    rate /= 1024;
+                    unit += 1;
+                }
+                write!(
+                    f,
+                    "limit rate {rate} {}/{per} burst {} bytes",
+                    units[unit], self.burst
+                )
+            }
+        }
+    }
+}
+
+/// The DHCP client's requests that meet the output hook: at most 10 a minute (plus 10), all
+/// senders together. Clients send a few a minute at most while they look for a lease.
+pub const DHCP_CLIENT_LIMIT: Limit = Limit {
+    count: 10,
+    per: RateUnit::Minute,
+    burst: 10,
+    kind: LimitKind::Packets,
+};
+
+/// MLDv2 reports: 1 KiB a minute, and one full-size report at once (the answer to a general
+/// query lists every group of the interface in one report). Any process can choose groups to
+/// join, so the reports are a channel of 16 chosen bytes per group; this bounds it.
+pub const MLD_REPORT_LIMIT: Limit = Limit {
+    count: 1024,
+    per: RateUnit::Minute,
+    burst: 1500,
+    kind: LimitKind::Bytes,
+};
+
+/// A way to route a packet past the destination its header names: the other rules check only
+/// the first hop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SourceRoute {
+    /// An IPv6 routing header (extension header 43): segment routing (type 4) lists the final
+    /// destination inside, and any user can add one with `IPV6_RTHDR`.
+    Ipv6RoutingHeader,
+    /// The IPv4 loose source route option (131), for holders of CAP_NET_RAW (root in a
+    /// container has it by default).
+    Ipv4Loose,
+    /// The IPv4 strict source route option (137).
+    Ipv4Strict,
+}
+
+impl SourceRoute {
+    pub const ALL: [SourceRoute; 3] = [
+        SourceRoute::Ipv6RoutingHeader,
+        SourceRoute::Ipv4Loose,
+        SourceRoute::Ipv4Strict,
+    ];
+
+    pub fn family(self) -> Family {
+        match self {
+            SourceRoute::Ipv6RoutingHeader => Family::V6,
+            SourceRoute::Ipv4Loose | SourceRoute::Ipv4Strict => Family::V4,
+        }
+    }
+
+    /// The IPv6 extension header type or IPv4 option type.
+    pub fn number(self) -> u8 {
+        match self {
+            SourceRoute::Ipv6RoutingHeader => 43,
+            SourceRoute::Ipv4Loose => 131,
+            SourceRoute::Ipv4Strict => 137,
+        }
+    }
+
+    /// nft's words for "the packet has one".
+    fn nft_match(self) -> &'static str {
+        match self {
+            SourceRoute::Ipv6RoutingHeader => "exthdr rt exists",
+            SourceRoute::Ipv4Loose => "ip option lsrr exists",
+            SourceRoute::Ipv4Strict => "ip option ssrr exists",
+        }
+    }
+}
+
 /// How refused packets are logged.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogSpec {
@@ -318,13 +430,25 @@ pub struct LogSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Rule {
+    /// `exthdr rt exists goto refused`, `ip option lsrr exists goto refused`: a packet that
+    /// names its own route goes on past the destination the other rules check.
+    RefuseSourceRoute(SourceRoute),
     /// `ct state established,related accept`
     AcceptEstablished,
     /// `oif "lo" accept`
     AcceptLoopback,
     /// `icmpv6 type T accept`
     AcceptIcmpv6(Icmpv6Type),
-    /// The DHCP client's requests: UDP 68 -> 67, or 546 -> 547 for IPv6.
+    /// `meta l4proto ipv6-icmp meta skuid >= 0 goto refused`: ICMPv6 that a process wrote
+    /// itself (a raw socket, which root in a container may open) is refused before the
+    /// neighbour discovery essentials; the kernel's own neighbour discovery and MLD come from
+    /// its sockets without an owner, where `meta skuid` matches nothing.
+    RefuseIcmpv6FromProcesses,
+    /// `icmpv6 type mld2-listener-report limit rate 1 kbytes/minute burst 1500 bytes accept`
+    /// ([`MLD_REPORT_LIMIT`]).
+    AcceptMldReport,
+    /// The DHCP client's requests from a plain UDP socket: UDP 68 -> 67 to 255.255.255.255,
+    /// or 546 -> 547 to ff02::1:2 for IPv6, within [`DHCP_CLIENT_LIMIT`].
     AcceptDhcpClient(Family),
     /// `ip daddr @deny4 goto refused`
     RefuseDaddrIn(SetId),
@@ -349,15 +473,27 @@ pub enum Rule {
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Rule::RefuseSourceRoute(route) => {
+                write!(f, "{} goto {REFUSED_CHAIN}", route.nft_match())
+            }
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
+            Rule::RefuseIcmpv6FromProcesses => write!(
+                f,
+                "meta l4proto ipv6-icmp meta skuid >= 0 goto {REFUSED_CHAIN}"
+            ),
+            Rule::AcceptMldReport => write!(
+                f,
+                "icmpv6 type {} {MLD_REPORT_LIMIT} accept",
+                Icmpv6Type::Mld2ListenerReport.name()
+            ),
             Rule::AcceptDhcpClient(family) => {
                 let (sport, dport) = dhcp_ports(*family);
-                let nfproto = family.nfproto();
+                let (daddr, server) = (family.daddr(), dhcp_servers(*family));
                 write!(
                     f,
-                    "meta nfproto {nfproto} udp sport {sport} udp dport {dport} accept"
+                    "{daddr} {server} udp sport {sport} udp dport {dport} {DHCP_CLIENT_LIMIT} accept"
                 )
             }
             Rule::RefuseDaddrIn(set) => {
@@ -404,6 +540,16 @@ pub fn dhcp_ports(family: Family) -> (u16, u16) {
     match family {
         Family::V4 => (68, 67),
         Family::V6 => (546, 547),
+    }
+}
+
+/// Where a DHCP client sends what meets the output hook: the limited broadcast address, and
+/// All_DHCP_Relay_Agents_and_Servers for DHCPv6. Unicast renewals are not among them: they
+/// need the server's address in the policy (README, "essentials").
+pub fn dhcp_servers(family: Family) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::V4(Ipv4Addr::BROADCAST),
+        Family::V6 => IpAddr::V6(Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 1, 2)),
     }
 }
 
@@ -536,8 +682,32 @@ mod tests {
                 "icmpv6 type nd-neighbor-solicit accept",
             ),
             (
+                Rule::RefuseSourceRoute(SourceRoute::Ipv6RoutingHeader),
+                "exthdr rt exists goto refused",
+            ),
+            (
+                Rule::RefuseSourceRoute(SourceRoute::Ipv4Loose),
+                "ip option lsrr exists goto refused",
+            ),
+            (
+                Rule::RefuseSourceRoute(SourceRoute::Ipv4Strict),
+                "ip option ssrr exists goto refused",
+            ),
+            (
+                Rule::RefuseIcmpv6FromProcesses,
+                "meta l4proto ipv6-icmp meta skuid >= 0 goto refused",
+            ),
+            (
+                Rule::AcceptMldReport,
+                "icmpv6 type mld2-listener-report limit rate 1 kbytes/minute burst 1500 bytes accept",
+            ),
+            (
+                Rule::AcceptDhcpClient(Family::V4),
+                "ip daddr 255.255.255.255 udp sport 68 udp dport 67 limit rate 10/minute burst 10 packets accept",
+            ),
+            (
                 Rule::AcceptDhcpClient(Family::V6),
-                "meta nfproto ipv6 udp sport 546 udp dport 547 accept",
+                "ip6 daddr ff02::1:2 udp sport 546 udp dport 547 limit rate 10/minute burst 10 packets accept",
             ),
             (
                 Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6)),

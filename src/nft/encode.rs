@@ -17,8 +17,9 @@ use super::sys::{
 };
 use crate::policy::Action;
 use crate::ruleset::{
-    Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, TABLE,
-    Timed, Tuple, dhcp_ports,
+    DHCP_CLIENT_LIMIT, Elements, Family, Icmpv6Type, KeyShape, Limit, LimitKind, MLD_REPORT_LIMIT,
+    OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple,
+    dhcp_ports, dhcp_servers,
 };
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
@@ -452,6 +453,23 @@ fn goto_refused() -> AnyExpr {
     })
 }
 
+fn limit(l: Limit) -> AnyExpr {
+    let unit = l.per.seconds();
+    own(match l.kind {
+        LimitKind::Packets => Expr::limit_packets(l.count, unit, l.burst),
+        LimitKind::Bytes => Expr::limit_bytes(l.count, unit, l.burst),
+    })
+}
+
+/// `icmpv6 type T`, with its family and protocol dependencies.
+fn icmpv6_type_is(t: Icmpv6Type) -> Vec<AnyExpr> {
+    let mut e = Vec::from(is_family(Family::V6));
+    e.extend(l4proto_is(IPPROTO_ICMPV6));
+    e.push(own(Expr::payload(PayloadBase::Transport, 0, 1, sys::REG_1)));
+    e.push(eq(&[t.number()]));
+    e
+}
+
 /// `ip daddr . meta l4proto . th dport @set`: the family check, the key and its lookup.
 fn tuple_in(set: SetId, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     let (proto_reg, port_reg) = tuple_registers(set.family);
@@ -471,6 +489,19 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     let accept = crate_expr(Verdict::Accept);
     let mut e = Vec::new();
     match rule {
+        Rule::RefuseSourceRoute(route) => {
+            e.extend(is_family(route.family()));
+            e.push(own(match route {
+                SourceRoute::Ipv6RoutingHeader => {
+                    Expr::exthdr_ipv6_present(route.number(), sys::REG_1)
+                }
+                SourceRoute::Ipv4Loose | SourceRoute::Ipv4Strict => {
+                    Expr::ipv4_option_present(route.number(), sys::REG_1)
+                }
+            }));
+            e.push(eq(&[1]));
+            e.push(goto_refused());
+        }
         Rule::AcceptEstablished => {
             let wanted = States::ESTABLISHED | States::RELATED;
             e.push(crate_expr(Conntrack::State));
@@ -484,21 +515,34 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(accept);
         }
         Rule::AcceptIcmpv6(t) => {
-            e.extend(is_family(Family::V6));
+            e.extend(icmpv6_type_is(*t));
+            e.push(accept);
+        }
+        Rule::RefuseIcmpv6FromProcesses => {
             e.extend(l4proto_is(IPPROTO_ICMPV6));
-            e.push(own(Expr::payload(PayloadBase::Transport, 0, 1, sys::REG_1)));
-            e.push(eq(&[t.number()]));
+            // Breaks (matches nothing) for a socket without a file: the kernel's own.
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
+            e.push(goto_refused());
+        }
+        Rule::AcceptMldReport => {
+            e.extend(icmpv6_type_is(Icmpv6Type::Mld2ListenerReport));
+            e.push(limit(MLD_REPORT_LIMIT));
             e.push(accept);
         }
         Rule::AcceptDhcpClient(family) => {
             let (sport, dport) = dhcp_ports(*family);
             e.extend(is_family(*family));
+            e.push(daddr_into_reg1(*family));
+            e.push(eq(&addr_bytes(dhcp_servers(*family))));
             e.extend(l4proto_is(IPPROTO_UDP));
             // Source and destination port compared as one 4-byte field, as nft does.
             let mut ports = sport.to_be_bytes().to_vec();
             ports.extend_from_slice(&dport.to_be_bytes());
             e.push(own(Expr::payload(PayloadBase::Transport, 0, 4, sys::REG_1)));
             e.push(eq(&ports));
+            e.push(limit(DHCP_CLIENT_LIMIT));
             e.push(accept);
         }
         Rule::RefuseDaddrIn(set) => {
@@ -676,11 +720,77 @@ mod tests {
             [
                 "meta load nfproto => reg 1",
                 "cmp eq reg 1 0x00000002",
+                "payload load 4b @ network header + 16 => reg 1",
+                "cmp eq reg 1 0xffffffff",
                 "meta load l4proto => reg 1",
                 "cmp eq reg 1 0x00000011",
                 "payload load 4b @ transport header + 0 => reg 1",
                 "cmp eq reg 1 0x43004400",
+                "limit rate 10/minute burst 10 type packets flags 0x0",
                 "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::AcceptDhcpClient(Family::V6)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "payload load 16b @ network header + 24 => reg 1",
+                "cmp eq reg 1 0x000002ff 0x00000000 0x00000000 0x02000100",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000011",
+                "payload load 4b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x23022202",
+                "limit rate 10/minute burst 10 type packets flags 0x0",
+                "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseIcmpv6FromProcesses),
+            [
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x0000003a",
+                "meta load skuid => reg 1",
+                "byteorder reg 1 = hton(reg 1, 4, 4)",
+                "cmp gte reg 1 0x00000000",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::AcceptMldReport),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x0000003a",
+                "payload load 1b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x0000008f",
+                "limit rate 1024/minute burst 1500 type bytes flags 0x0",
+                "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv4Loose)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "exthdr load ipv4 1b @ 131 + 0 present => reg 1",
+                "cmp eq reg 1 0x00000001",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv4Strict))[2],
+            "exthdr load ipv4 1b @ 137 + 0 present => reg 1"
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv6RoutingHeader)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "exthdr load ipv6 1b @ 43 + 0 present => reg 1",
+                "cmp eq reg 1 0x00000001",
+                "immediate reg 0 goto -> refused",
             ]
         );
         assert_eq!(

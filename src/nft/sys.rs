@@ -20,6 +20,12 @@ pub const NFT_SET_CONCAT: u32 = 0x80;
 pub const NFT_SET_INTERVAL: u32 = libc::NFT_SET_INTERVAL as u32;
 pub const NFT_SET_TIMEOUT: u32 = libc::NFT_SET_TIMEOUT as u32;
 pub const NFT_SET_ELEM_INTERVAL_END: u32 = libc::NFT_SET_ELEM_INTERVAL_END as u32;
+/// The exthdr expression's flag "only say whether the header is there" (absent from libc).
+pub const NFT_EXTHDR_F_PRESENT: u32 = 1;
+/// The exthdr expression's operations on IPv6 extension headers and IPv4 options (absent
+/// from libc).
+pub const NFT_EXTHDR_OP_IPV6: u32 = 0;
+pub const NFT_EXTHDR_OP_IPV4: u32 = 2;
 
 /// Registers as nft numbers them: the four 128-bit registers and the 32-bit ones from 8.
 pub const REG_1: u32 = libc::NFT_REG_1 as u32;
@@ -36,6 +42,7 @@ pub enum PayloadBase {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Attr {
+    U8(u8),
     U16(u16),
     U32(u32),
     U64(u64),
@@ -137,17 +144,53 @@ impl Expr {
 
     /// Matches while fewer than `rate` packets per `unit_seconds` passed (plus `burst`).
     pub fn limit_packets(rate: u64, unit_seconds: u64, burst: u32) -> Expr {
+        Expr::limit(libc::NFT_LIMIT_PKTS, rate, unit_seconds, burst)
+    }
+
+    /// Matches while fewer than `rate` bytes per `unit_seconds` passed (plus `burst` bytes):
+    /// packets are counted by their length, so the limit bounds what a channel carries.
+    pub fn limit_bytes(rate: u64, unit_seconds: u64, burst: u32) -> Expr {
+        Expr::limit(libc::NFT_LIMIT_PKT_BYTES, rate, unit_seconds, burst)
+    }
+
+    fn limit(kind: c_int, rate: u64, unit_seconds: u64, burst: u32) -> Expr {
         Expr {
             name: c"limit",
             attrs: vec![
                 (sys::NFTNL_EXPR_LIMIT_RATE, Attr::U64(rate)),
                 (sys::NFTNL_EXPR_LIMIT_UNIT, Attr::U64(unit_seconds)),
                 (sys::NFTNL_EXPR_LIMIT_BURST, Attr::U32(burst)),
-                (
-                    sys::NFTNL_EXPR_LIMIT_TYPE,
-                    Attr::U32(libc::NFT_LIMIT_PKTS as u32),
-                ),
+                (sys::NFTNL_EXPR_LIMIT_TYPE, Attr::U32(kind as u32)),
                 (sys::NFTNL_EXPR_LIMIT_FLAGS, Attr::U32(0)),
+            ],
+        }
+    }
+
+    /// Puts 1 into register `dreg` if the packet carries an IPv6 extension header of type
+    /// `header` (wherever it sits in the chain of headers), 0 otherwise: `exthdr rt exists`.
+    pub fn exthdr_ipv6_present(header: u8, dreg: u32) -> Expr {
+        Expr::exthdr_present(NFT_EXTHDR_OP_IPV6, header, dreg)
+    }
+
+    /// Puts 1 into register `dreg` if the packet carries the IPv4 option `option`, 0
+    /// otherwise: `ip option lsrr exists`.
+    pub fn ipv4_option_present(option: u8, dreg: u32) -> Expr {
+        Expr::exthdr_present(NFT_EXTHDR_OP_IPV4, option, dreg)
+    }
+
+    fn exthdr_present(op: u32, header: u8, dreg: u32) -> Expr {
+        Expr {
+            name: c"exthdr",
+            attrs: vec![
+                (sys::NFTNL_EXPR_EXTHDR_DREG, Attr::U32(dreg)),
+                (sys::NFTNL_EXPR_EXTHDR_TYPE, Attr::U8(header)),
+                (sys::NFTNL_EXPR_EXTHDR_OFFSET, Attr::U32(0)),
+                (sys::NFTNL_EXPR_EXTHDR_LEN, Attr::U32(1)),
+                (
+                    sys::NFTNL_EXPR_EXTHDR_FLAGS,
+                    Attr::U32(NFT_EXTHDR_F_PRESENT),
+                ),
+                (sys::NFTNL_EXPR_EXTHDR_OP, Attr::U32(op)),
             ],
         }
     }
@@ -167,6 +210,7 @@ impl Expression for Expr {
             // attributes are copied by libnftnl before `value` goes away.
             unsafe {
                 match value {
+                    Attr::U8(v) => sys::nftnl_expr_set_u8(expr.as_ptr(), attr, *v),
                     Attr::U16(v) => sys::nftnl_expr_set_u16(expr.as_ptr(), attr, *v),
                     Attr::U32(v) => sys::nftnl_expr_set_u32(expr.as_ptr(), attr, *v),
                     Attr::U64(v) => sys::nftnl_expr_set_u64(expr.as_ptr(), attr, *v),

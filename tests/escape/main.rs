@@ -8,4 +8,5 @@ mod answers;
 #[path = "../common/mod.rs"]
 mod common;
 mod daemon;
+mod essentials;
 mod repair;
