@@ -10,13 +10,16 @@
 //! host: `<secret>.attacker.example` is a question nobody else hears. Each one is streamed to
 //! `watch` as a [`QueryEvent`] and logged (at the policy's log rate).
 //!
-//! The table lets only this process's uid reach the upstream resolvers (see `plan`), so the
-//! guard is the one path for names. Each upstream exchange uses a fresh socket (a random source
+//! The table lets only this process's upstream sockets reach the upstream resolvers (see
+//! `plan`): they carry the policy's `dns.mark` (`SO_MARK`, which takes CAP_NET_ADMIN to set,
+//! set on UDP sockets before sending and on TCP sockets before connecting) and this process's
+//! uid. So the guard is the one path for names, even for root without CAP_NET_ADMIN. Each upstream exchange uses a fresh socket (a random source
 //! port) and a random query id, and an answer is taken only if it carries that id and the
 //! question that was asked.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,8 +28,9 @@ use std::time::{Duration, Instant};
 use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::rdata::svcb::SvcParamValue;
 use hickory_proto::rr::{DNSClass, Name, RData};
+use nix::sys::socket::{setsockopt, sockopt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener};
+use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket, UnixListener};
 use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
@@ -88,6 +92,8 @@ pub struct Rules {
     allow: Vec<Target>,
     upstream: Vec<SocketAddr>,
     refuse_with: RefuseWith,
+    /// The mark of every upstream socket, by which (with the uid) the table knows the guard.
+    mark: u32,
     /// How many refused queries the log takes: the policy's `log.rate` and `log.burst`, as
     /// for refused packets (`watch` still gets every one).
     log_rate: Rate,
@@ -111,6 +117,7 @@ impl Rules {
                 .map(|&ip| SocketAddr::new(ip, DNS_PORT))
                 .collect(),
             refuse_with: guard.refuse_with,
+            mark: guard.mark,
             log_rate: policy.log.rate,
             log_burst: policy.log.burst,
         })
@@ -466,7 +473,8 @@ async fn forward(
     name: DomainName,
     transport: Transport,
 ) -> Result<Vec<u8>, String> {
-    let (mut reply, parsed) = ask_upstream(&rules.upstream, query, raw, transport).await?;
+    let (mut reply, parsed) =
+        ask_upstream(&rules.upstream, rules.mark, query, raw, transport).await?;
     let arrived = Instant::now();
     let addrs = answer_addresses(query, &parsed);
     let count = addrs.len();
@@ -500,6 +508,7 @@ async fn forward(
 /// The first upstream answer that matches the question, raw and parsed.
 async fn ask_upstream(
     upstream: &[SocketAddr],
+    mark: u32,
     query: &Message,
     raw: &[u8],
     transport: Transport,
@@ -511,8 +520,8 @@ async fn ask_upstream(
         ours[..2].copy_from_slice(&id.to_be_bytes());
         let exchange = async {
             match transport {
-                Transport::Udp => exchange_udp(server, &ours, id).await,
-                Transport::Tcp => exchange_tcp(server, &ours).await,
+                Transport::Udp => exchange_udp(server, mark, &ours, id).await,
+                Transport::Tcp => exchange_tcp(server, mark, &ours).await,
             }
         };
         let reply = match timeout(UPSTREAM_TIMEOUT, exchange).await {
@@ -541,12 +550,24 @@ async fn ask_upstream(
     Err(format!("no upstream answered: {}", errors.join("; ")))
 }
 
-async fn exchange_udp(server: SocketAddr, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
+/// Sets the socket mark the table knows the guard's upstream sockets by. Fails without
+/// CAP_NET_ADMIN: the exchange fails with it, since an unmarked socket would be refused.
+fn mark_socket(socket: &impl AsFd, mark: u32) -> io::Result<()> {
+    setsockopt(socket, sockopt::Mark, &mark).map_err(|errno| {
+        io::Error::new(
+            io::Error::from(errno).kind(),
+            format!("cannot mark the upstream socket (SO_MARK needs CAP_NET_ADMIN): {errno}"),
+        )
+    })
+}
+
+async fn exchange_udp(server: SocketAddr, mark: u32, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
     let local: SocketAddr = match server {
         SocketAddr::V4(_) => (IpAddr::from([0u8; 4]), 0).into(),
         SocketAddr::V6(_) => (IpAddr::from([0u16; 8]), 0).into(),
     };
     let socket = UdpSocket::bind(local).await?;
+    mark_socket(&socket, mark)?;
     // connect(): datagrams from any other address never reach us.
     socket.connect(server).await?;
     socket.send(query).await?;
@@ -561,8 +582,14 @@ async fn exchange_udp(server: SocketAddr, query: &[u8], id: u16) -> io::Result<V
     }
 }
 
-async fn exchange_tcp(server: SocketAddr, query: &[u8]) -> io::Result<Vec<u8>> {
-    let mut stream = TcpStream::connect(server).await?;
+async fn exchange_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result<Vec<u8>> {
+    let socket = match server {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    // Before connect: the SYN is the packet the table judges.
+    mark_socket(&socket, mark)?;
+    let mut stream = socket.connect(server).await?;
     write_framed(&mut stream, query).await?;
     read_framed(&mut stream).await
 }
