@@ -1,6 +1,7 @@
 //! The DNS guard (`dns.mode: guard`): the sandbox's resolver, and the only way out for DNS.
 //!
-//! A query for a name the policy allows is forwarded to an upstream resolver as it came. The
+//! A query for a name the policy allows is forwarded to an upstream resolver as a query the
+//! guard rebuilds from the checked question alone (see [`upstream_query`]). The
 //! addresses of the answer (A, AAAA and the hints of HTTPS/SVCB records, along the CNAME chain
 //! from the asked name) go to the daemon, which adds them to the table in one batch; the answer is released only once the
 //! kernel has acknowledged that batch, so a client connecting right after its answer is never
@@ -25,7 +26,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
+use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::svcb::SvcParamValue;
 use hickory_proto::rr::{DNSClass, Name, RData};
 use nix::sys::socket::{setsockopt, sockopt};
@@ -435,7 +436,7 @@ async fn answer(
             encode(&reply_to(&query, code))
         }
         Verdict::Forward(name) => {
-            let reply = match forward(context, &rules, &query, raw, name, transport).await {
+            let reply = match forward(context, &rules, &query, name, transport).await {
                 Ok(reply) => {
                     context.counters.answered.fetch_add(1, Ordering::Relaxed);
                     reply
@@ -469,12 +470,10 @@ async fn forward(
     context: &Context,
     rules: &Rules,
     query: &Message,
-    raw: &[u8],
     name: DomainName,
     transport: Transport,
 ) -> Result<Vec<u8>, String> {
-    let (mut reply, parsed) =
-        ask_upstream(&rules.upstream, rules.mark, query, raw, transport).await?;
+    let (mut reply, parsed) = ask_upstream(&rules.upstream, rules.mark, query, transport).await?;
     let arrived = Instant::now();
     let addrs = answer_addresses(query, &parsed);
     let count = addrs.len();
@@ -510,14 +509,14 @@ async fn ask_upstream(
     upstream: &[SocketAddr],
     mark: u32,
     query: &Message,
-    raw: &[u8],
     transport: Transport,
 ) -> Result<(Vec<u8>, Message), String> {
     let mut errors = Vec::new();
     for &server in upstream {
         let id = random_id();
-        let mut ours = raw.to_vec();
-        ours[..2].copy_from_slice(&id.to_be_bytes());
+        let ours = upstream_query(query, id)
+            .to_vec()
+            .map_err(|e| format!("encoding the upstream query: {e}"))?;
         let exchange = async {
             match transport {
                 Transport::Udp => exchange_udp(server, mark, &ours, id).await,
@@ -559,6 +558,36 @@ fn mark_socket(socket: &impl AsFd, mark: u32) -> io::Result<()> {
             format!("cannot mark the upstream socket (SO_MARK needs CAP_NET_ADMIN): {errno}"),
         )
     })
+}
+
+/// The EDNS payload size the guard offers upstream: the size that avoids IP fragmentation
+/// (DNS flag day 2020), at most, and never less than the 512 bytes of plain DNS.
+const UPSTREAM_PAYLOAD: u16 = 1232;
+
+/// The query the guard sends upstream for a checked `query`, rebuilt from what the guard
+/// checked and nothing else: the question (name, type, class), the RD flag, the fresh `id`,
+/// and EDNS only if the client used it, with the guard's own fields (version 0, the DO bit,
+/// a payload size the guard bounds, no options). The client's other bits, EDNS options,
+/// answer, authority and additional records and any trailing bytes are not forwarded: a
+/// client could otherwise carry data to the upstream (and past it) in them.
+pub fn upstream_query(query: &Message, id: u16) -> Message {
+    let mut ours = Message::query();
+    ours.metadata.id = id;
+    ours.metadata.recursion_desired = query.metadata.recursion_desired;
+    for q in &query.queries {
+        let mut question = Query::query(q.name().clone(), q.query_type());
+        question.set_query_class(q.query_class());
+        ours.add_query(question);
+    }
+    if let Some(client) = &query.edns {
+        let mut edns = Edns::new();
+        // The client's buffer bounds what it can take over UDP; the guard passes the answer
+        // on as it came, so it asks for no more than that.
+        edns.set_max_payload(client.max_payload().clamp(512, UPSTREAM_PAYLOAD));
+        edns.set_dnssec_ok(client.flags().dnssec_ok);
+        ours.set_edns(edns);
+    }
+    ours
 }
 
 async fn exchange_udp(server: SocketAddr, mark: u32, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
@@ -1010,6 +1039,60 @@ mod tests {
             answer(&context, &[0x12], client, Transport::Udp)
                 .await
                 .is_none()
+        );
+    }
+
+    /// A client's query carrying an EDNS option of its own, an answer and an additional
+    /// record and trailing bytes: upstream gets the question, RD and the guard's EDNS only.
+    #[test]
+    fn the_upstream_query_is_rebuilt_from_the_checked_question_alone() {
+        use hickory_proto::rr::rdata::TXT;
+        use hickory_proto::rr::rdata::opt::EdnsOption;
+        const SECRET: &[u8] = b"SECRET-BYTES-0123456789";
+        let secret = String::from_utf8(SECRET.to_vec()).unwrap();
+        let mut client = query("API.example.", RecordType::AAAA);
+        client.metadata.checking_disabled = true;
+        let mut edns = Edns::new();
+        edns.set_max_payload(4096);
+        edns.set_dnssec_ok(true);
+        edns.options_mut()
+            .insert(EdnsOption::Unknown(65001, SECRET.to_vec()));
+        client.set_edns(edns);
+        client.add_answer(record(
+            "x.example.",
+            60,
+            RData::TXT(TXT::new(vec![secret.clone()])),
+        ));
+        client.add_additional(record("y.example.", 60, RData::TXT(TXT::new(vec![secret]))));
+        let mut raw = client.to_vec().unwrap();
+        raw.extend_from_slice(SECRET);
+        let contains = |hay: &[u8]| hay.windows(SECRET.len()).any(|w| w == SECRET);
+        assert!(contains(&raw));
+        // The guard parses what it got (trailing bytes and all), checks the question, and
+        // sends this:
+        let parsed = Message::from_vec(&raw).expect("parses despite the trailing bytes");
+        assert!(matches!(judge(&parsed, &rules()), Verdict::Forward(_)));
+        let ours = upstream_query(&parsed, 0xbeef);
+        let bytes = ours.to_vec().unwrap();
+        assert!(!contains(&bytes), "the client's bytes went upstream");
+        let back = Message::from_vec(&bytes).unwrap();
+        assert_eq!(back.metadata.id, 0xbeef);
+        assert_eq!(back.metadata.message_type, MessageType::Query);
+        assert!(back.metadata.recursion_desired);
+        assert!(!back.metadata.checking_disabled);
+        assert_eq!(back.queries, parsed.queries, "the question, case and all");
+        assert!(back.answers.is_empty() && back.authorities.is_empty());
+        assert!(back.additionals.is_empty());
+        let edns = back.edns.expect("EDNS, since the client used it");
+        assert_eq!(edns.max_payload(), UPSTREAM_PAYLOAD);
+        assert!(edns.flags().dnssec_ok);
+        assert_eq!(edns.options().as_ref().len(), 0, "no client options");
+        // Without EDNS from the client, none upstream (plain DNS, 512 bytes over UDP).
+        let plain = query("api.example.", RecordType::A);
+        assert!(upstream_query(&plain, 1).edns.is_none());
+        assert_eq!(
+            upstream_query(&plain, 1).to_vec().unwrap().len(),
+            12 + 13 + 4
         );
     }
 

@@ -3,6 +3,7 @@
 //! starve the others (item 10).
 
 use std::net::IpAddr;
+use std::time::Duration;
 
 use crate::common::*;
 
@@ -68,6 +69,10 @@ fn dig_output(w: &World, who: Who, server: IpAddr, port: u16, name: &str, tcp: b
     run_as(w, who, &args).stdout
 }
 
+/// The system's python3 (a user's shims, e.g. pyenv under /root, are not readable by
+/// [`NOBODY`]).
+const PYTHON: &str = "/usr/bin/python3";
+
 /// Item 3: in guard mode nobody in the sandbox reaches the upstream resolvers itself, the
 /// guard's uid included (the guard runs as root here, like `World::spawn_guard` does): not
 /// over UDP or TCP, not on 53 or 853, not over IPv4 or IPv6, while the guard, whose upstream
@@ -127,7 +132,7 @@ fn nobody_but_the_guards_marked_sockets_reaches_the_upstream() {
         &w,
         Who::RootWithoutCaps,
         &[
-            "python3",
+            PYTHON,
             "-c",
             "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
              try:\n    s.setsockopt(socket.SOL_SOCKET, 36, 0x65000000)\n    print('marked')\n\
@@ -177,6 +182,71 @@ fn nobody_but_the_guards_marked_sockets_reaches_the_upstream() {
             "direct.pool.example",
             tcp
         ));
+    }
+    drop(guard);
+}
+
+/// Sends a query for `name` to the guard that smuggles `secret` in an EDNS option (code
+/// 65001), an answer record, an additional record and trailing bytes, over UDP or TCP, and
+/// prints the reply's rcode (or "none").
+const SMUGGLE: &str = r#"
+import socket, struct, sys
+name, secret, tcp = sys.argv[1], sys.argv[2].encode(), sys.argv[3] == "tcp"
+qname = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+txt = bytes([len(secret)]) + secret
+rr = b"\xc0\x0c" + struct.pack(">HHIH", 16, 1, 60, len(txt)) + txt
+opt = b"\0" + struct.pack(">HHIH", 41, 4096, 0, 4 + len(secret)) + struct.pack(">HH", 65001, len(secret)) + secret
+msg = struct.pack(">HHHHHH", 0x4242, 0x0100, 1, 1, 0, 2) + qname + struct.pack(">HH", 1, 1) + rr + rr + opt + secret
+if tcp:
+    s = socket.create_connection(("127.0.0.53", 53), timeout=8)
+    s.sendall(struct.pack(">H", len(msg)) + msg)
+    try:
+        reply = s.recv(65535)[2:]
+    except OSError:
+        reply = b""
+else:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(8)
+    s.sendto(msg, ("127.0.0.53", 53))
+    try:
+        reply = s.recv(65535)
+    except OSError:
+        reply = b""
+print(reply[3] & 15 if len(reply) >= 4 and reply[:2] == b"\x42\x42" else "none")
+"#;
+
+/// Item 9: what reaches the upstream is a query the guard built from the question it
+/// checked: not the client's EDNS option, records or trailing bytes (on the old main the
+/// whole datagram went upstream as it came, id aside), over UDP and over TCP.
+#[test]
+fn the_guard_forwards_only_the_checked_question() {
+    let w = World::new();
+    // A capturing upstream: records what it gets and never answers a DNS message.
+    let udp = w.listen_udp(HOST3_V4, 53);
+    let tcp = w.listen_tcp(HOST3_V4, 53);
+    let path = w.write_file("guard.yaml", &guard_policy(&[HOST3_V4]));
+    let guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
+    const SECRET: &str = "exfiltrated-0123456789-abcdefghij";
+    for (transport, listener) in [("udp", &udp), ("tcp", &tcp)] {
+        let name = format!("smuggle-{transport}.pool.example");
+        let out = w.sandbox_cmd_as(NOBODY, &[PYTHON, "-c", SMUGGLE, &name, SECRET, transport]);
+        assert!(out.success(), "{out}");
+        assert!(
+            listener.wait_for(1, Duration::from_secs(5)),
+            "nothing reached the upstream over {transport}:\n{}",
+            guard.stderr()
+        );
+        let hit = &listener.hits()[0];
+        let sent = &hit.data;
+        let contains = |needle: &[u8]| sent.windows(needle.len()).any(|window| window == needle);
+        assert!(
+            contains(b"smuggle-".as_slice()),
+            "the question went upstream over {transport}: {sent:?}"
+        );
+        assert!(
+            !contains(SECRET.as_bytes()),
+            "the client's bytes went upstream over {transport}: {sent:?}"
+        );
     }
     drop(guard);
 }
