@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::svcb::SvcParamValue;
-use hickory_proto::rr::{DNSClass, Name, RData};
+use hickory_proto::rr::{DNSClass, Name, RData, RecordType};
 use nix::sys::socket::{setsockopt, sockopt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket, UnixListener};
@@ -357,8 +357,13 @@ pub enum Verdict {
     Ignore,
     /// Answer at once with this code.
     Reply(ResponseCode),
-    /// A name outside the policy: refuse, and report it.
-    Refuse { name: String, qtype: String },
+    /// A name outside the policy, or a question the guard does not forward: refuse, and
+    /// report it with why.
+    Refuse {
+        name: String,
+        qtype: String,
+        why: Refusal,
+    },
     /// An allowed name: forward it.
     Forward(DomainName),
 }
@@ -373,19 +378,71 @@ pub fn judge(query: &Message, rules: &Rules) -> Verdict {
     let [question] = query.queries.as_slice() else {
         return Verdict::Reply(ResponseCode::FormErr);
     };
-    let name = policy_name(question.name());
-    match name {
-        Some(name) if question.query_class() == DNSClass::IN && rules.allows(&name) => {
-            Verdict::Forward(name)
+    let refuse = |why| Verdict::Refuse {
+        name: question
+            .name()
+            .to_ascii()
+            .trim_end_matches('.')
+            .to_ascii_lowercase(),
+        qtype: question.query_type().to_string(),
+        why,
+    };
+    // What a question is comes before whether its name is allowed: `version.bind CH TXT` is
+    // a server fingerprint, not a name someone forgot in the policy.
+    if question.query_class() != DNSClass::IN {
+        return refuse(Refusal::Class(question.query_class()));
+    }
+    if matches!(
+        question.query_type(),
+        RecordType::ANY | RecordType::AXFR | RecordType::IXFR
+    ) {
+        return refuse(Refusal::Type(question.query_type()));
+    }
+    match policy_name(question.name()) {
+        Some(name) if rules.allows(&name) => Verdict::Forward(name),
+        _ => refuse(Refusal::NotInPolicy),
+    }
+}
+
+/// Why a question was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The name is not one the policy allows.
+    NotInPolicy,
+    /// A class other than IN (CH: server identity and version; ANY; HS): the policy allows
+    /// names of the internet class only.
+    Class(DNSClass),
+    /// ANY (RFC 8482 lets a server decline it) or a zone transfer (AXFR, IXFR): never
+    /// forwarded, whatever the name.
+    Type(RecordType),
+}
+
+impl Refusal {
+    /// What `watch` and the log say.
+    pub fn note(self) -> String {
+        match self {
+            Refusal::NotInPolicy => "not in the policy".into(),
+            Refusal::Class(class) => {
+                let class = match class {
+                    DNSClass::OPT(_) | DNSClass::Unknown(_) => format!("CLASS{}", u16::from(class)),
+                    known => known.to_string(),
+                };
+                format!("class {class}: the guard answers class IN only")
+            }
+            Refusal::Type(RecordType::ANY) => {
+                "type ANY: the guard forwards no ANY queries (RFC 8482)".into()
+            }
+            Refusal::Type(rtype) => format!("type {rtype}: the guard forwards no zone transfers"),
         }
-        _ => Verdict::Refuse {
-            name: question
-                .name()
-                .to_ascii()
-                .trim_end_matches('.')
-                .to_ascii_lowercase(),
-            qtype: question.query_type().to_string(),
-        },
+    }
+
+    /// The answer: the policy's `refuse_with` for names it does not allow; REFUSED for the
+    /// rest, since NXDOMAIN would tell caches that an allowed name does not exist.
+    fn code(self, refuse_with: RefuseWith) -> (ResponseCode, &'static str) {
+        match (self, refuse_with) {
+            (Refusal::NotInPolicy, RefuseWith::Nxdomain) => (ResponseCode::NXDomain, "NXDOMAIN"),
+            _ => (ResponseCode::Refused, "REFUSED"),
+        }
     }
 }
 
@@ -414,16 +471,14 @@ async fn answer(
     match judge(&query, &rules) {
         Verdict::Ignore => None,
         Verdict::Reply(code) => encode(&reply_to(&query, code)),
-        Verdict::Refuse { name, qtype } => {
+        Verdict::Refuse { name, qtype, why } => {
             context.counters.refused.fetch_add(1, Ordering::Relaxed);
-            let (code, answer) = match rules.refuse_with {
-                RefuseWith::Refused => (ResponseCode::Refused, "REFUSED"),
-                RefuseWith::Nxdomain => (ResponseCode::NXDomain, "NXDOMAIN"),
-            };
+            let (code, answer) = why.code(rules.refuse_with);
+            let note = why.note();
             if let Some(held_back) = may_log(context, &rules) {
                 info!(name = %name, qtype = %qtype, client = %client, transport = transport.name(),
                       answer = answer, not_logged_before = held_back,
-                      "refused DNS query: the name is not in the policy");
+                      "refused DNS query: {note}");
             }
             // Nobody listening is fine.
             let _ = context.events.send(QueryEvent::refused(
@@ -432,6 +487,7 @@ async fn answer(
                 client,
                 transport.name(),
                 answer,
+                note,
             ));
             encode(&reply_to(&query, code))
         }
@@ -778,7 +834,8 @@ mod tests {
             judge(&query("c2VjcmV0.attacker.example.", RecordType::TXT), &r),
             Verdict::Refuse {
                 name: "c2vjcmv0.attacker.example".into(),
-                qtype: "TXT".into()
+                qtype: "TXT".into(),
+                why: Refusal::NotInPolicy,
             }
         );
         // Deeper than the one label `*` stands for, and the suffix itself.
@@ -816,6 +873,53 @@ mod tests {
         // A label with an escaped dot is no name a policy can hold.
         let escaped = Name::from_labels(vec![&b"a.b"[..], b"pool", b"example"]).unwrap();
         assert_eq!(policy_name(&escaped), None);
+    }
+
+    /// Class CH or ANY, type ANY and zone transfers are refused as what they are, for
+    /// allowed names too, and never answered NXDOMAIN (which would deny an allowed name).
+    #[test]
+    fn odd_classes_and_types_are_refused_as_what_they_are() {
+        let r = rules();
+        let why = |name: &str, rtype, class| {
+            let mut q = query(name, rtype);
+            q.queries[0].set_query_class(class);
+            match judge(&q, &r) {
+                Verdict::Refuse { why, .. } => why,
+                other => panic!("{name} {rtype} {class}: {other:?}"),
+            }
+        };
+        let version = why("version.bind.", RecordType::TXT, DNSClass::CH);
+        assert_eq!(version, Refusal::Class(DNSClass::CH));
+        assert_eq!(version.note(), "class CH: the guard answers class IN only");
+        let any_class = why("api.example.", RecordType::A, DNSClass::ANY);
+        assert_eq!(
+            any_class.note(),
+            "class ANY: the guard answers class IN only"
+        );
+        let odd = why("api.example.", RecordType::A, DNSClass::Unknown(77));
+        assert_eq!(odd.note(), "class CLASS77: the guard answers class IN only");
+        let any = why("api.example.", RecordType::ANY, DNSClass::IN);
+        assert_eq!(
+            any.note(),
+            "type ANY: the guard forwards no ANY queries (RFC 8482)"
+        );
+        let axfr = why("x.pool.example.", RecordType::AXFR, DNSClass::IN);
+        assert_eq!(
+            axfr.note(),
+            "type AXFR: the guard forwards no zone transfers"
+        );
+        let outside = why("secret.attacker.example.", RecordType::A, DNSClass::IN);
+        assert_eq!(outside.note(), "not in the policy");
+        assert_eq!(
+            outside.code(RefuseWith::Nxdomain),
+            (ResponseCode::NXDomain, "NXDOMAIN")
+        );
+        for refusal in [version, any_class, any, axfr] {
+            assert_eq!(
+                refusal.code(RefuseWith::Nxdomain),
+                (ResponseCode::Refused, "REFUSED")
+            );
+        }
     }
 
     fn record(name: &str, ttl: u32, data: RData) -> Record {
