@@ -45,15 +45,27 @@ use crate::watch::QueryEvent;
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a TCP client may stay idle between queries.
 const TCP_IDLE: Duration = Duration::from_secs(10);
-/// The largest UDP datagram read: EDNS allows up to 64 KiB, clients ask for 1232 to 4096.
+/// How long a new TCP client has to send its first whole query: a connection that sends
+/// nothing (or one byte) must not hold a slot for long.
+const TCP_FIRST_QUERY: Duration = Duration::from_secs(2);
+/// The largest answer read from upstream: EDNS allows up to 64 KiB.
 const MAX_UDP: usize = 65_535;
-/// Queries in flight at once, over all listeners: beyond this the guard stops reading (UDP
-/// queries wait in the socket buffer, TCP clients in the backlog), so a flood costs queued
-/// packets, not a socket and a task each.
+/// The largest query taken: a question (a name of at most 255 bytes) with an OPT record,
+/// cookies and padding stays far below this, the payload size that avoids fragmentation.
+/// Anything longer is no query and is dropped unread, without a reply or a slot.
+const MAX_QUERY: usize = 1232;
+/// Queries forwarded upstream at once, over all listeners: beyond this a UDP query is
+/// dropped (the client asks again) and a TCP client waits for a slot.
 const MAX_IN_FLIGHT: usize = 1024;
+/// Queries of one client (see [`client_key`]) forwarded at once: one client holds at most
+/// an eighth of the slots, so it cannot starve the others even when its questions go to a
+/// server that never answers. Beyond it a UDP query is dropped, a TCP query gets SERVFAIL.
+const MAX_IN_FLIGHT_PER_CLIENT: usize = MAX_IN_FLIGHT / 8;
 /// TCP clients served at once per listener; one more is closed at once (it retries, or uses
 /// UDP), so idle connections cannot use up the daemon's descriptors.
 const MAX_TCP_CLIENTS: usize = 256;
+/// TCP connections of one client at once, over all listeners.
+const MAX_TCP_PER_CLIENT: usize = MAX_TCP_CLIENTS / 4;
 /// CNAME hops followed from the asked name, as resolvers bound them.
 const MAX_CHAIN: usize = 16;
 
@@ -234,17 +246,118 @@ impl Guard {
     /// Serves every socket on tasks of the current runtime.
     pub fn serve(self, context: Context) {
         let context = Arc::new(context);
+        let forwarding = ClientLimits::new(MAX_IN_FLIGHT_PER_CLIENT);
+        let connected = ClientLimits::new(MAX_TCP_PER_CLIENT);
         for socket in self.udp {
-            tokio::spawn(serve_udp(Arc::new(socket), context.clone()));
+            tokio::spawn(serve_udp(
+                Arc::new(socket),
+                context.clone(),
+                forwarding.clone(),
+            ));
         }
         for listener in self.tcp {
-            tokio::spawn(serve_tcp(listener, context.clone()));
+            tokio::spawn(serve_tcp(
+                listener,
+                context.clone(),
+                forwarding.clone(),
+                connected.clone(),
+            ));
         }
     }
 }
 
-async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
-    let mut buf = vec![0u8; MAX_UDP];
+/// Who a client is, for its share of the guard: its address (an IPv4-mapped one as IPv4), an
+/// IPv6 one by its /64, which one host usually holds whole. The uid of a local client would
+/// be a better key, but neither UDP nor TCP tells it.
+pub fn client_key(addr: IpAddr) -> IpAddr {
+    match addr {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None if v6.is_loopback() => addr,
+            None => {
+                let s = v6.segments();
+                IpAddr::from([s[0], s[1], s[2], s[3], 0, 0, 0, 0])
+            }
+        },
+        v4 => v4,
+    }
+}
+
+/// How many of something (queries in flight, connections) each client holds, against a cap.
+#[derive(Debug)]
+pub struct ClientLimits {
+    cap: usize,
+    held: std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>,
+}
+
+/// One unit a client holds; given back when dropped.
+#[derive(Debug)]
+pub struct ClientSlot {
+    limits: Arc<ClientLimits>,
+    key: IpAddr,
+}
+
+impl ClientLimits {
+    pub fn new(cap: usize) -> Arc<ClientLimits> {
+        Arc::new(ClientLimits {
+            cap,
+            held: Default::default(),
+        })
+    }
+
+    /// A slot for the client at `addr`, unless it already holds its cap.
+    pub fn try_take(self: &Arc<Self>, addr: IpAddr) -> Option<ClientSlot> {
+        let key = client_key(addr);
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let count = held.entry(key).or_default();
+        if *count >= self.cap {
+            return None;
+        }
+        *count += 1;
+        Some(ClientSlot {
+            limits: self.clone(),
+            key,
+        })
+    }
+
+    /// Slots held by the client at `addr`.
+    pub fn held(&self, addr: IpAddr) -> usize {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.get(&client_key(addr)).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut held = self.limits.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = held.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                // Forgotten at once: a flood of spoofed sources leaves no table behind.
+                held.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// What the receiving loop does with one UDP datagram or TCP message, decided at once: only
+/// a query that must be forwarded takes a slot and a task.
+enum Prepared {
+    Drop,
+    Reply(Vec<u8>),
+    Forward(Forward),
+}
+
+/// A checked query for an allowed name, waiting to be forwarded.
+struct Forward {
+    query: Message,
+    name: DomainName,
+    rules: Arc<Rules>,
+}
+
+async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Arc<ClientLimits>) {
+    // One byte more than a query may be: a datagram that fills it is oversize.
+    let mut buf = vec![0u8; MAX_QUERY + 1];
     loop {
         let (len, client) = match socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -254,14 +367,34 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
                 continue;
             }
         };
-        let query = buf[..len].to_vec();
-        let Ok(permit) = context.in_flight.clone().acquire_owned().await else {
-            return;
+        if len > MAX_QUERY {
+            debug!(client = %client, "dropping a datagram too long to be a query");
+            continue;
+        }
+        let forward = match prepare(&context, &buf[..len], client, Transport::Udp) {
+            Prepared::Drop => continue,
+            Prepared::Reply(reply) => {
+                if let Err(e) = socket.send_to(&reply, client).await {
+                    debug!(error = %e, client = %client, "sending a DNS answer");
+                }
+                continue;
+            }
+            Prepared::Forward(forward) => forward,
+        };
+        // Never wait here: the loop serves every client, and a client over its share (or a
+        // guard out of slots) loses this query, which it asks again.
+        let Some(slot) = forwarding.try_take(client.ip()) else {
+            debug!(client = %client, "this client has too many queries in flight; dropping one");
+            continue;
+        };
+        let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
+            debug!(client = %client, "too many queries in flight; dropping one");
+            continue;
         };
         let (socket, context) = (socket.clone(), context.clone());
         tokio::spawn(async move {
-            let _permit = permit;
-            if let Some(reply) = answer(&context, &query, client, Transport::Udp).await
+            let _held = (permit, slot);
+            if let Some(reply) = forward_reply(&context, forward, client, Transport::Udp).await
                 && let Err(e) = socket.send_to(&reply, client).await
             {
                 debug!(error = %e, client = %client, "sending a DNS answer");
@@ -270,19 +403,28 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
     }
 }
 
-async fn serve_tcp(listener: TcpListener, context: Arc<Context>) {
+async fn serve_tcp(
+    listener: TcpListener,
+    context: Arc<Context>,
+    forwarding: Arc<ClientLimits>,
+    connected: Arc<ClientLimits>,
+) {
     let clients = Arc::new(Semaphore::new(MAX_TCP_CLIENTS));
     loop {
         match listener.accept().await {
             Ok((stream, client)) => {
+                let Some(slot) = connected.try_take(client.ip()) else {
+                    debug!(client = %client, "this client has too many DNS connections; closing this one");
+                    continue;
+                };
                 let Ok(permit) = clients.clone().try_acquire_owned() else {
                     debug!(client = %client, "too many DNS connections; closing this one");
                     continue;
                 };
-                let context = context.clone();
+                let (context, forwarding) = (context.clone(), forwarding.clone());
                 tokio::spawn(async move {
-                    serve_tcp_client(stream, client, context).await;
-                    drop(permit);
+                    serve_tcp_client(stream, client, context, forwarding).await;
+                    drop((permit, slot));
                 });
             }
             Err(e) => {
@@ -295,19 +437,56 @@ async fn serve_tcp(listener: TcpListener, context: Arc<Context>) {
 }
 
 /// Queries on one connection are answered in turn (RFC 7766 allows pipelining; clients that
-/// pipeline still get every answer, in order).
-async fn serve_tcp_client(mut stream: TcpStream, client: SocketAddr, context: Arc<Context>) {
-    while let Ok(Ok(query)) = timeout(TCP_IDLE, read_framed(&mut stream)).await {
-        let Ok(_permit) = context.in_flight.acquire().await else {
-            return;
-        };
-        let Some(reply) = answer(&context, &query, client, Transport::Tcp).await else {
-            return;
+/// pipeline still get every answer, in order). The first query must arrive whole within
+/// [`TCP_FIRST_QUERY`], each later one within [`TCP_IDLE`]; a message longer than a query
+/// may be ends the connection.
+async fn serve_tcp_client(
+    mut stream: TcpStream,
+    client: SocketAddr,
+    context: Arc<Context>,
+    forwarding: Arc<ClientLimits>,
+) {
+    let mut wait = TCP_FIRST_QUERY;
+    while let Ok(Ok(query)) = timeout(wait, read_query(&mut stream)).await {
+        wait = TCP_IDLE;
+        let reply = match prepare(&context, &query, client, Transport::Tcp) {
+            Prepared::Drop => continue,
+            Prepared::Reply(reply) => reply,
+            Prepared::Forward(forward) => {
+                let Some(_slot) = forwarding.try_take(client.ip()) else {
+                    debug!(client = %client, "this client has too many queries in flight");
+                    match encode(&reply_to(&forward.query, ResponseCode::ServFail)) {
+                        Some(reply) if write_framed(&mut stream, &reply).await.is_ok() => {
+                            continue;
+                        }
+                        _ => return,
+                    }
+                };
+                let Ok(_permit) = context.in_flight.acquire().await else {
+                    return;
+                };
+                match forward_reply(&context, forward, client, Transport::Tcp).await {
+                    Some(reply) => reply,
+                    None => return,
+                }
+            }
         };
         if write_framed(&mut stream, &reply).await.is_err() {
             return;
         }
     }
+}
+
+/// One length-prefixed query; an error for a message longer than [`MAX_QUERY`], which is
+/// not read.
+async fn read_query(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
+    let len = usize::from(stream.read_u16().await?);
+    if len > MAX_QUERY {
+        return Err(io::Error::other("a message too long to be a query"));
+    }
+    let mut msg = vec![0u8; len];
+    stream.read_exact(&mut msg).await?;
+    Ok(msg)
 }
 
 async fn read_framed(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
@@ -447,21 +626,36 @@ impl Refusal {
 }
 
 /// The reply to `raw` (`None`: send nothing).
+#[cfg(test)]
 async fn answer(
     context: &Context,
     raw: &[u8],
     client: SocketAddr,
     transport: Transport,
 ) -> Option<Vec<u8>> {
+    match prepare(context, raw, client, transport) {
+        Prepared::Drop => None,
+        Prepared::Reply(reply) => Some(reply),
+        Prepared::Forward(forward) => forward_reply(context, forward, client, transport).await,
+    }
+}
+
+/// What to do with `raw`, decided without waiting for anything: refusals and errors are
+/// answered here (and reported), and only an allowed name is left to forward.
+fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: Transport) -> Prepared {
+    let reply = |msg: &Message| encode(msg).map_or(Prepared::Drop, Prepared::Reply);
     let Ok(query) = Message::from_vec(raw) else {
         // Answer FORMERR only when there is a header to answer, and never a response: two
         // servers could answer each other's errors forever.
         let is_response = raw.get(2).is_some_and(|flags| flags & 0x80 != 0);
+        let (Some(&high), Some(&low)) = (raw.first(), raw.get(1)) else {
+            return Prepared::Drop;
+        };
         if is_response {
-            return None;
+            return Prepared::Drop;
         }
-        let id = u16::from_be_bytes([*raw.first()?, *raw.get(1)?]);
-        return encode(&Message::error_msg(
+        let id = u16::from_be_bytes([high, low]);
+        return reply(&Message::error_msg(
             id,
             OpCode::Query,
             ResponseCode::FormErr,
@@ -469,8 +663,8 @@ async fn answer(
     };
     let rules = context.rules.borrow().clone();
     match judge(&query, &rules) {
-        Verdict::Ignore => None,
-        Verdict::Reply(code) => encode(&reply_to(&query, code)),
+        Verdict::Ignore => Prepared::Drop,
+        Verdict::Reply(code) => reply(&reply_to(&query, code)),
         Verdict::Refuse { name, qtype, why } => {
             context.counters.refused.fetch_add(1, Ordering::Relaxed);
             let (code, answer) = why.code(rules.refuse_with);
@@ -489,24 +683,31 @@ async fn answer(
                 answer,
                 note,
             ));
-            encode(&reply_to(&query, code))
+            reply(&reply_to(&query, code))
         }
-        Verdict::Forward(name) => {
-            let reply = match forward(context, &rules, &query, name, transport).await {
-                Ok(reply) => {
-                    context.counters.answered.fetch_add(1, Ordering::Relaxed);
-                    reply
-                }
-                Err(why) => {
-                    context.counters.failed.fetch_add(1, Ordering::Relaxed);
-                    if let Some(held_back) = may_log(context, &rules) {
-                        warn!(client = %client, not_logged_before = held_back,
-                              "answering SERVFAIL: {why}");
-                    }
-                    return encode(&reply_to(&query, ResponseCode::ServFail));
-                }
-            };
+        Verdict::Forward(name) => Prepared::Forward(Forward { query, name, rules }),
+    }
+}
+
+/// Forwards a checked query and returns the reply for the client (`None`: send nothing).
+async fn forward_reply(
+    context: &Context,
+    Forward { query, name, rules }: Forward,
+    client: SocketAddr,
+    transport: Transport,
+) -> Option<Vec<u8>> {
+    match forward(context, &rules, &query, name, transport).await {
+        Ok(reply) => {
+            context.counters.answered.fetch_add(1, Ordering::Relaxed);
             Some(reply)
+        }
+        Err(why) => {
+            context.counters.failed.fetch_add(1, Ordering::Relaxed);
+            if let Some(held_back) = may_log(context, &rules) {
+                warn!(client = %client, not_logged_before = held_back,
+                      "answering SERVFAIL: {why}");
+            }
+            encode(&reply_to(&query, ResponseCode::ServFail))
         }
     }
 }
@@ -1197,6 +1398,40 @@ mod tests {
         assert_eq!(
             upstream_query(&plain, 1).to_vec().unwrap().len(),
             12 + 13 + 4
+        );
+    }
+
+    /// One client holds at most its cap; others are not affected; a slot given back can be
+    /// taken again, and a client holding nothing leaves nothing behind.
+    #[test]
+    fn each_client_holds_at_most_its_share() {
+        let limits = ClientLimits::new(2);
+        let flood: IpAddr = "127.0.0.1".parse().unwrap();
+        let other: IpAddr = "127.0.0.2".parse().unwrap();
+        let a = limits.try_take(flood).expect("first");
+        let _b = limits.try_take(flood).expect("second");
+        assert!(limits.try_take(flood).is_none(), "over the cap");
+        let c = limits.try_take(other).expect("another client is not affected");
+        drop(a);
+        let _again = limits.try_take(flood).expect("a slot given back");
+        drop(c);
+        assert_eq!(limits.held(other), 0);
+        assert!(!limits.held.lock().unwrap().contains_key(&other));
+        // The same client whatever form its address takes; an IPv6 host by its /64.
+        let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+        assert_eq!(client_key(mapped), flood);
+        assert!(limits.try_take(mapped).is_none());
+        assert_eq!(
+            client_key("2001:db8:1:2::1".parse().unwrap()),
+            client_key("2001:db8:1:2:ffff::9".parse().unwrap())
+        );
+        assert_ne!(
+            client_key("2001:db8:1:2::1".parse().unwrap()),
+            client_key("2001:db8:1:3::1".parse().unwrap())
+        );
+        assert_eq!(
+            client_key("::1".parse().unwrap()),
+            "::1".parse::<IpAddr>().unwrap()
         );
     }
 
