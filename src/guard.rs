@@ -1411,7 +1411,9 @@ mod tests {
         let a = limits.try_take(flood).expect("first");
         let _b = limits.try_take(flood).expect("second");
         assert!(limits.try_take(flood).is_none(), "over the cap");
-        let c = limits.try_take(other).expect("another client is not affected");
+        let c = limits
+            .try_take(other)
+            .expect("another client is not affected");
         drop(a);
         let _again = limits.try_take(flood).expect("a slot given back");
         drop(c);
