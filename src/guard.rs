@@ -11,6 +11,12 @@
 //! host: `<secret>.attacker.example` is a question nobody else hears. Each one is streamed to
 //! `watch` as a [`QueryEvent`] and logged (at the policy's log rate).
 //!
+//! One client cannot starve the others: what can never be answered (oversize datagrams,
+//! responses) is dropped at once and refusals are answered at once, without a slot; a
+//! forwarded query takes one of 1,024 slots, at most 128 per client (its address, see
+//! [`client_key`]); TCP connections are capped per client too, and must bring their first
+//! query within 2 s.
+//!
 //! The table lets only this process's upstream sockets reach the upstream resolvers (see
 //! `plan`): they carry the policy's `dns.mark` (`SO_MARK`, which takes CAP_NET_ADMIN to set,
 //! set on UDP sockets before sending and on TCP sockets before connecting) and this process's
