@@ -13,8 +13,8 @@
 //!
 //! One client cannot starve the others: what can never be answered (oversize datagrams,
 //! responses) is dropped at once and refusals are answered at once, without a slot; a
-//! forwarded query takes one of 1,024 slots, at most 128 per client (its address, see
-//! [`client_key`]); TCP connections are capped per client too, and must bring their first
+//! forwarded query takes one of 1,024 slots, at most 128 per client (a local one by the uid
+//! of its socket, another by its address: see [`client_key`]); TCP connections are capped per client too, and must bring their first
 //! query within 2 s.
 //!
 //! The table lets only this process's upstream sockets reach the upstream resolvers (see
@@ -45,6 +45,7 @@ use tracing::{debug, info, warn};
 use crate::plan::DNS_PORT;
 use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
+use crate::sockdiag::{self, SockDiag};
 use crate::watch::QueryEvent;
 
 /// How long one upstream resolver has to answer before the next is asked.
@@ -272,35 +273,67 @@ impl Guard {
     }
 }
 
-/// Who a client is, for its share of the guard: its address (an IPv4-mapped one as IPv4), an
-/// IPv6 one by its /64, which one host usually holds whole. The uid of a local client would
-/// be a better key, but neither UDP nor TCP tells it.
-pub fn client_key(addr: IpAddr) -> IpAddr {
-    match addr {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None if v6.is_loopback() => addr,
-            None => {
-                let s = v6.segments();
-                IpAddr::from([s[0], s[1], s[2], s[3], 0, 0, 0, 0])
-            }
-        },
+/// Who a client is, for its share of the guard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientKey {
+    /// A local client (from a loopback address) by the uid owning its socket: a local
+    /// process may send from any loopback address, but not as another user.
+    LocalUser(u32),
+    /// A local client whose socket was gone before the guard asked (a sender that does not
+    /// wait for its answer): all of them share one share.
+    LocalUnknown,
+    /// A client on another host (or namespace) by its address; an IPv4-mapped one as IPv4,
+    /// an IPv6 one by its /64, which one host usually holds whole.
+    Address(IpAddr),
+}
+
+/// The key of the client at `peer` that reached our socket at `local`; `diag` (when it could
+/// be opened) tells the uid of a local client.
+pub fn client_key(
+    diag: Option<&mut SockDiag>,
+    protocol: sockdiag::Protocol,
+    local: SocketAddr,
+    peer: SocketAddr,
+) -> ClientKey {
+    let ip = match peer.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
         v4 => v4,
+    };
+    if ip.is_loopback() {
+        let peer = SocketAddr::new(ip, peer.port());
+        let local = match local.ip() {
+            IpAddr::V6(v6) => SocketAddr::new(
+                v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+                local.port(),
+            ),
+            IpAddr::V4(_) => local,
+        };
+        return match diag.and_then(|d| d.owner(protocol, local, peer)) {
+            Some(uid) => ClientKey::LocalUser(uid),
+            None => ClientKey::LocalUnknown,
+        };
     }
+    ClientKey::Address(match ip {
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            IpAddr::from([s[0], s[1], s[2], s[3], 0, 0, 0, 0])
+        }
+        v4 => v4,
+    })
 }
 
 /// How many of something (queries in flight, connections) each client holds, against a cap.
 #[derive(Debug)]
 pub struct ClientLimits {
     cap: usize,
-    held: std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>,
+    held: std::sync::Mutex<std::collections::HashMap<ClientKey, usize>>,
 }
 
 /// One unit a client holds; given back when dropped.
 #[derive(Debug)]
 pub struct ClientSlot {
     limits: Arc<ClientLimits>,
-    key: IpAddr,
+    key: ClientKey,
 }
 
 impl ClientLimits {
@@ -311,9 +344,8 @@ impl ClientLimits {
         })
     }
 
-    /// A slot for the client at `addr`, unless it already holds its cap.
-    pub fn try_take(self: &Arc<Self>, addr: IpAddr) -> Option<ClientSlot> {
-        let key = client_key(addr);
+    /// A slot for the client `key`, unless it already holds its cap.
+    pub fn try_take(self: &Arc<Self>, key: ClientKey) -> Option<ClientSlot> {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let count = held.entry(key).or_default();
         if *count >= self.cap {
@@ -326,10 +358,10 @@ impl ClientLimits {
         })
     }
 
-    /// Slots held by the client at `addr`.
-    pub fn held(&self, addr: IpAddr) -> usize {
+    /// Slots held by the client `key`.
+    pub fn held(&self, key: ClientKey) -> usize {
         let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.get(&client_key(addr)).copied().unwrap_or(0)
+        held.get(&key).copied().unwrap_or(0)
     }
 }
 
@@ -344,6 +376,14 @@ impl Drop for ClientSlot {
             }
         }
     }
+}
+
+/// Opens the lookup of local clients' uids; without it (no netlink, say) every local client
+/// shares one share.
+fn open_sock_diag() -> Option<SockDiag> {
+    SockDiag::open()
+        .inspect_err(|e| warn!(error = %e, "local DNS clients cannot be told apart by uid"))
+        .ok()
 }
 
 /// What the receiving loop does with one UDP datagram or TCP message, decided at once: only
@@ -364,6 +404,10 @@ struct Forward {
 async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Arc<ClientLimits>) {
     // One byte more than a query may be: a datagram that fills it is oversize.
     let mut buf = vec![0u8; MAX_QUERY + 1];
+    let mut diag = open_sock_diag();
+    let Ok(local) = socket.local_addr() else {
+        return;
+    };
     loop {
         let (len, client) = match socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -389,7 +433,8 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Ar
         };
         // Never wait here: the loop serves every client, and a client over its share (or a
         // guard out of slots) loses this query, which it asks again.
-        let Some(slot) = forwarding.try_take(client.ip()) else {
+        let key = client_key(diag.as_mut(), sockdiag::Protocol::Udp, local, client);
+        let Some(slot) = forwarding.try_take(key) else {
             debug!(client = %client, "this client has too many queries in flight; dropping one");
             continue;
         };
@@ -416,10 +461,16 @@ async fn serve_tcp(
     connected: Arc<ClientLimits>,
 ) {
     let clients = Arc::new(Semaphore::new(MAX_TCP_CLIENTS));
+    let mut diag = open_sock_diag();
     loop {
         match listener.accept().await {
             Ok((stream, client)) => {
-                let Some(slot) = connected.try_take(client.ip()) else {
+                let Ok(local) = stream.local_addr() else {
+                    continue;
+                };
+                // The connection's client, once: its uid stays while it is connected.
+                let key = client_key(diag.as_mut(), sockdiag::Protocol::Tcp, local, client);
+                let Some(slot) = connected.try_take(key) else {
                     debug!(client = %client, "this client has too many DNS connections; closing this one");
                     continue;
                 };
@@ -429,7 +480,7 @@ async fn serve_tcp(
                 };
                 let (context, forwarding) = (context.clone(), forwarding.clone());
                 tokio::spawn(async move {
-                    serve_tcp_client(stream, client, context, forwarding).await;
+                    serve_tcp_client(stream, client, key, context, forwarding).await;
                     drop((permit, slot));
                 });
             }
@@ -449,6 +500,7 @@ async fn serve_tcp(
 async fn serve_tcp_client(
     mut stream: TcpStream,
     client: SocketAddr,
+    key: ClientKey,
     context: Arc<Context>,
     forwarding: Arc<ClientLimits>,
 ) {
@@ -459,7 +511,7 @@ async fn serve_tcp_client(
             Prepared::Drop => continue,
             Prepared::Reply(reply) => reply,
             Prepared::Forward(forward) => {
-                let Some(_slot) = forwarding.try_take(client.ip()) else {
+                let Some(_slot) = forwarding.try_take(key) else {
                     debug!(client = %client, "this client has too many queries in flight");
                     match encode(&reply_to(&forward.query, ResponseCode::ServFail)) {
                         Some(reply) if write_framed(&mut stream, &reply).await.is_ok() => {
@@ -1412,8 +1464,8 @@ mod tests {
     #[test]
     fn each_client_holds_at_most_its_share() {
         let limits = ClientLimits::new(2);
-        let flood: IpAddr = "127.0.0.1".parse().unwrap();
-        let other: IpAddr = "127.0.0.2".parse().unwrap();
+        let flood = ClientKey::LocalUser(4242);
+        let other = ClientKey::LocalUser(65534);
         let a = limits.try_take(flood).expect("first");
         let _b = limits.try_take(flood).expect("second");
         assert!(limits.try_take(flood).is_none(), "over the cap");
@@ -1425,22 +1477,44 @@ mod tests {
         drop(c);
         assert_eq!(limits.held(other), 0);
         assert!(!limits.held.lock().unwrap().contains_key(&other));
-        // The same client whatever form its address takes; an IPv6 host by its /64.
-        let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
-        assert_eq!(client_key(mapped), flood);
-        assert!(limits.try_take(mapped).is_none());
+    }
+
+    /// A local client is its socket's uid, whatever loopback address it sends from; a remote
+    /// one its address, an IPv6 one by its /64.
+    #[test]
+    fn clients_are_told_apart_by_uid_when_local_and_by_address_otherwise() {
+        let me = nix::unistd::geteuid().as_raw();
+        let mut diag = SockDiag::open().expect("sock_diag");
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let local = server.local_addr().unwrap();
+        let udp = sockdiag::Protocol::Udp;
+        for from in ["127.0.0.1:0", "127.0.0.2:0", "127.9.8.7:0"] {
+            let client = std::net::UdpSocket::bind(from).unwrap();
+            client.send_to(b"q", local).unwrap();
+            let peer = client.local_addr().unwrap();
+            assert_eq!(
+                client_key(Some(&mut diag), udp, local, peer),
+                ClientKey::LocalUser(me),
+                "{from}"
+            );
+        }
+        // Gone before the guard asked: the local clients' shared key.
+        let gone: SocketAddr = "127.0.0.1:9".parse().unwrap();
         assert_eq!(
-            client_key("2001:db8:1:2::1".parse().unwrap()),
-            client_key("2001:db8:1:2:ffff::9".parse().unwrap())
+            client_key(Some(&mut diag), udp, local, gone),
+            ClientKey::LocalUnknown
         );
-        assert_ne!(
-            client_key("2001:db8:1:2::1".parse().unwrap()),
-            client_key("2001:db8:1:3::1".parse().unwrap())
+        let key = |peer: &str| client_key(None, udp, local, peer.parse().unwrap());
+        assert_eq!(key("127.0.0.1:5353"), ClientKey::LocalUnknown);
+        assert_eq!(
+            key("[::ffff:192.0.2.7]:5353"),
+            ClientKey::Address("192.0.2.7".parse().unwrap())
         );
         assert_eq!(
-            client_key("::1".parse().unwrap()),
-            "::1".parse::<IpAddr>().unwrap()
+            key("[2001:db8:1:2::1]:53"),
+            key("[2001:db8:1:2:ffff::9]:53")
         );
+        assert_ne!(key("[2001:db8:1:2::1]:53"), key("[2001:db8:1:3::1]:53"));
     }
 
     #[test]
