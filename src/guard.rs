@@ -1,6 +1,7 @@
 //! The DNS guard (`dns.mode: guard`): the sandbox's resolver, and the only way out for DNS.
 //!
-//! A query for a name the policy allows is forwarded to an upstream resolver as it came. The
+//! A query for a name the policy allows is forwarded to an upstream resolver as a query the
+//! guard rebuilds from the checked question alone (see [`upstream_query`]). The
 //! addresses of the answer (A, AAAA and the hints of HTTPS/SVCB records, along the CNAME chain
 //! from the asked name) go to the daemon, which adds them to the table in one batch; the answer is released only once the
 //! kernel has acknowledged that batch, so a client connecting right after its answer is never
@@ -10,23 +11,33 @@
 //! host: `<secret>.attacker.example` is a question nobody else hears. Each one is streamed to
 //! `watch` as a [`QueryEvent`] and logged (at the policy's log rate).
 //!
-//! The table lets only this process's uid reach the upstream resolvers (see `plan`), so the
-//! guard is the one path for names. Each upstream exchange uses a fresh socket (a random source
+//! One client cannot starve the others: what can never be answered (oversize datagrams,
+//! responses) is dropped at once and refusals are answered at once, without a slot; a
+//! forwarded query takes one of 1,024 slots, at most 128 per client (a local one by the uid
+//! of its socket, another by its address: see [`client_key`]); TCP connections are capped per client too, and must bring their first
+//! query within 2 s.
+//!
+//! The table lets only this process's upstream sockets reach the upstream resolvers (see
+//! `plan`): they carry the policy's `dns.mark` (`SO_MARK`, which takes CAP_NET_ADMIN to set,
+//! set on UDP sockets before sending and on TCP sockets before connecting) and this process's
+//! uid. So the guard is the one path for names, even for root without CAP_NET_ADMIN. Each upstream exchange uses a fresh socket (a random source
 //! port) and a random query id, and an answer is taken only if it carries that id and the
 //! question that was asked.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
+use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::svcb::SvcParamValue;
-use hickory_proto::rr::{DNSClass, Name, RData};
+use hickory_proto::rr::{DNSClass, Name, RData, RecordType};
+use nix::sys::socket::{setsockopt, sockopt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener};
+use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket, UnixListener};
 use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
@@ -34,21 +45,34 @@ use tracing::{debug, info, warn};
 use crate::plan::DNS_PORT;
 use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
+use crate::sockdiag::{self, SockDiag};
 use crate::watch::QueryEvent;
 
 /// How long one upstream resolver has to answer before the next is asked.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a TCP client may stay idle between queries.
 const TCP_IDLE: Duration = Duration::from_secs(10);
-/// The largest UDP datagram read: EDNS allows up to 64 KiB, clients ask for 1232 to 4096.
+/// How long a new TCP client has to send its first whole query: a connection that sends
+/// nothing (or one byte) must not hold a slot for long.
+const TCP_FIRST_QUERY: Duration = Duration::from_secs(2);
+/// The largest answer read from upstream: EDNS allows up to 64 KiB.
 const MAX_UDP: usize = 65_535;
-/// Queries in flight at once, over all listeners: beyond this the guard stops reading (UDP
-/// queries wait in the socket buffer, TCP clients in the backlog), so a flood costs queued
-/// packets, not a socket and a task each.
+/// The largest query taken: a question (a name of at most 255 bytes) with an OPT record,
+/// cookies and padding stays far below this, the payload size that avoids fragmentation.
+/// Anything longer is no query and is dropped unread, without a reply or a slot.
+const MAX_QUERY: usize = 1232;
+/// Queries forwarded upstream at once, over all listeners: beyond this a UDP query is
+/// dropped (the client asks again) and a TCP client waits for a slot.
 const MAX_IN_FLIGHT: usize = 1024;
+/// Queries of one client (see [`client_key`]) forwarded at once: one client holds at most
+/// an eighth of the slots, so it cannot starve the others even when its questions go to a
+/// server that never answers. Beyond it a UDP query is dropped, a TCP query gets SERVFAIL.
+const MAX_IN_FLIGHT_PER_CLIENT: usize = MAX_IN_FLIGHT / 8;
 /// TCP clients served at once per listener; one more is closed at once (it retries, or uses
 /// UDP), so idle connections cannot use up the daemon's descriptors.
 const MAX_TCP_CLIENTS: usize = 256;
+/// TCP connections of one client at once, over all listeners.
+const MAX_TCP_PER_CLIENT: usize = MAX_TCP_CLIENTS / 4;
 /// CNAME hops followed from the asked name, as resolvers bound them.
 const MAX_CHAIN: usize = 16;
 
@@ -88,6 +112,8 @@ pub struct Rules {
     allow: Vec<Target>,
     upstream: Vec<SocketAddr>,
     refuse_with: RefuseWith,
+    /// The mark of every upstream socket, by which (with the uid) the table knows the guard.
+    mark: u32,
     /// How many refused queries the log takes: the policy's `log.rate` and `log.burst`, as
     /// for refused packets (`watch` still gets every one).
     log_rate: Rate,
@@ -111,6 +137,7 @@ impl Rules {
                 .map(|&ip| SocketAddr::new(ip, DNS_PORT))
                 .collect(),
             refuse_with: guard.refuse_with,
+            mark: guard.mark,
             log_rate: policy.log.rate,
             log_burst: policy.log.burst,
         })
@@ -226,17 +253,161 @@ impl Guard {
     /// Serves every socket on tasks of the current runtime.
     pub fn serve(self, context: Context) {
         let context = Arc::new(context);
+        let forwarding = ClientLimits::new(MAX_IN_FLIGHT_PER_CLIENT);
+        let connected = ClientLimits::new(MAX_TCP_PER_CLIENT);
         for socket in self.udp {
-            tokio::spawn(serve_udp(Arc::new(socket), context.clone()));
+            tokio::spawn(serve_udp(
+                Arc::new(socket),
+                context.clone(),
+                forwarding.clone(),
+            ));
         }
         for listener in self.tcp {
-            tokio::spawn(serve_tcp(listener, context.clone()));
+            tokio::spawn(serve_tcp(
+                listener,
+                context.clone(),
+                forwarding.clone(),
+                connected.clone(),
+            ));
         }
     }
 }
 
-async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
-    let mut buf = vec![0u8; MAX_UDP];
+/// Who a client is, for its share of the guard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientKey {
+    /// A local client (from a loopback address) by the uid owning its socket: a local
+    /// process may send from any loopback address, but not as another user.
+    LocalUser(u32),
+    /// A local client whose socket was gone before the guard asked (a sender that does not
+    /// wait for its answer): all of them share one share.
+    LocalUnknown,
+    /// A client on another host (or namespace) by its address; an IPv4-mapped one as IPv4,
+    /// an IPv6 one by its /64, which one host usually holds whole.
+    Address(IpAddr),
+}
+
+/// The key of the client at `peer` that reached our socket at `local`; `diag` (when it could
+/// be opened) tells the uid of a local client.
+pub fn client_key(
+    diag: Option<&mut SockDiag>,
+    protocol: sockdiag::Protocol,
+    local: SocketAddr,
+    peer: SocketAddr,
+) -> ClientKey {
+    let ip = match peer.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    };
+    if ip.is_loopback() {
+        let peer = SocketAddr::new(ip, peer.port());
+        let local = match local.ip() {
+            IpAddr::V6(v6) => SocketAddr::new(
+                v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+                local.port(),
+            ),
+            IpAddr::V4(_) => local,
+        };
+        return match diag.and_then(|d| d.owner(protocol, local, peer)) {
+            Some(uid) => ClientKey::LocalUser(uid),
+            None => ClientKey::LocalUnknown,
+        };
+    }
+    ClientKey::Address(match ip {
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            IpAddr::from([s[0], s[1], s[2], s[3], 0, 0, 0, 0])
+        }
+        v4 => v4,
+    })
+}
+
+/// How many of something (queries in flight, connections) each client holds, against a cap.
+#[derive(Debug)]
+pub struct ClientLimits {
+    cap: usize,
+    held: std::sync::Mutex<std::collections::HashMap<ClientKey, usize>>,
+}
+
+/// One unit a client holds; given back when dropped.
+#[derive(Debug)]
+pub struct ClientSlot {
+    limits: Arc<ClientLimits>,
+    key: ClientKey,
+}
+
+impl ClientLimits {
+    pub fn new(cap: usize) -> Arc<ClientLimits> {
+        Arc::new(ClientLimits {
+            cap,
+            held: Default::default(),
+        })
+    }
+
+    /// A slot for the client `key`, unless it already holds its cap.
+    pub fn try_take(self: &Arc<Self>, key: ClientKey) -> Option<ClientSlot> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let count = held.entry(key).or_default();
+        if *count >= self.cap {
+            return None;
+        }
+        *count += 1;
+        Some(ClientSlot {
+            limits: self.clone(),
+            key,
+        })
+    }
+
+    /// Slots held by the client `key`.
+    pub fn held(&self, key: ClientKey) -> usize {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.get(&key).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut held = self.limits.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = held.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                // Forgotten at once: a flood of spoofed sources leaves no table behind.
+                held.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// Opens the lookup of local clients' uids; without it (no netlink, say) every local client
+/// shares one share.
+fn open_sock_diag() -> Option<SockDiag> {
+    SockDiag::open()
+        .inspect_err(|e| warn!(error = %e, "local DNS clients cannot be told apart by uid"))
+        .ok()
+}
+
+/// What the receiving loop does with one UDP datagram or TCP message, decided at once: only
+/// a query that must be forwarded takes a slot and a task.
+enum Prepared {
+    Drop,
+    Reply(Vec<u8>),
+    Forward(Forward),
+}
+
+/// A checked query for an allowed name, waiting to be forwarded.
+struct Forward {
+    query: Message,
+    name: DomainName,
+    rules: Arc<Rules>,
+}
+
+async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Arc<ClientLimits>) {
+    // One byte more than a query may be: a datagram that fills it is oversize.
+    let mut buf = vec![0u8; MAX_QUERY + 1];
+    let mut diag = open_sock_diag();
+    let Ok(local) = socket.local_addr() else {
+        return;
+    };
     loop {
         let (len, client) = match socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -246,14 +417,35 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
                 continue;
             }
         };
-        let query = buf[..len].to_vec();
-        let Ok(permit) = context.in_flight.clone().acquire_owned().await else {
-            return;
+        if len > MAX_QUERY {
+            debug!(client = %client, "dropping a datagram too long to be a query");
+            continue;
+        }
+        let forward = match prepare(&context, &buf[..len], client, Transport::Udp) {
+            Prepared::Drop => continue,
+            Prepared::Reply(reply) => {
+                if let Err(e) = socket.send_to(&reply, client).await {
+                    debug!(error = %e, client = %client, "sending a DNS answer");
+                }
+                continue;
+            }
+            Prepared::Forward(forward) => forward,
+        };
+        // Never wait here: the loop serves every client, and a client over its share (or a
+        // guard out of slots) loses this query, which it asks again.
+        let key = client_key(diag.as_mut(), sockdiag::Protocol::Udp, local, client);
+        let Some(slot) = forwarding.try_take(key) else {
+            debug!(client = %client, "this client has too many queries in flight; dropping one");
+            continue;
+        };
+        let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
+            debug!(client = %client, "too many queries in flight; dropping one");
+            continue;
         };
         let (socket, context) = (socket.clone(), context.clone());
         tokio::spawn(async move {
-            let _permit = permit;
-            if let Some(reply) = answer(&context, &query, client, Transport::Udp).await
+            let _held = (permit, slot);
+            if let Some(reply) = forward_reply(&context, forward, client, Transport::Udp).await
                 && let Err(e) = socket.send_to(&reply, client).await
             {
                 debug!(error = %e, client = %client, "sending a DNS answer");
@@ -262,19 +454,34 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
     }
 }
 
-async fn serve_tcp(listener: TcpListener, context: Arc<Context>) {
+async fn serve_tcp(
+    listener: TcpListener,
+    context: Arc<Context>,
+    forwarding: Arc<ClientLimits>,
+    connected: Arc<ClientLimits>,
+) {
     let clients = Arc::new(Semaphore::new(MAX_TCP_CLIENTS));
+    let mut diag = open_sock_diag();
     loop {
         match listener.accept().await {
             Ok((stream, client)) => {
+                let Ok(local) = stream.local_addr() else {
+                    continue;
+                };
+                // The connection's client, once: its uid stays while it is connected.
+                let key = client_key(diag.as_mut(), sockdiag::Protocol::Tcp, local, client);
+                let Some(slot) = connected.try_take(key) else {
+                    debug!(client = %client, "this client has too many DNS connections; closing this one");
+                    continue;
+                };
                 let Ok(permit) = clients.clone().try_acquire_owned() else {
                     debug!(client = %client, "too many DNS connections; closing this one");
                     continue;
                 };
-                let context = context.clone();
+                let (context, forwarding) = (context.clone(), forwarding.clone());
                 tokio::spawn(async move {
-                    serve_tcp_client(stream, client, context).await;
-                    drop(permit);
+                    serve_tcp_client(stream, client, key, context, forwarding).await;
+                    drop((permit, slot));
                 });
             }
             Err(e) => {
@@ -287,19 +494,57 @@ async fn serve_tcp(listener: TcpListener, context: Arc<Context>) {
 }
 
 /// Queries on one connection are answered in turn (RFC 7766 allows pipelining; clients that
-/// pipeline still get every answer, in order).
-async fn serve_tcp_client(mut stream: TcpStream, client: SocketAddr, context: Arc<Context>) {
-    while let Ok(Ok(query)) = timeout(TCP_IDLE, read_framed(&mut stream)).await {
-        let Ok(_permit) = context.in_flight.acquire().await else {
-            return;
-        };
-        let Some(reply) = answer(&context, &query, client, Transport::Tcp).await else {
-            return;
+/// pipeline still get every answer, in order). The first query must arrive whole within
+/// [`TCP_FIRST_QUERY`], each later one within [`TCP_IDLE`]; a message longer than a query
+/// may be ends the connection.
+async fn serve_tcp_client(
+    mut stream: TcpStream,
+    client: SocketAddr,
+    key: ClientKey,
+    context: Arc<Context>,
+    forwarding: Arc<ClientLimits>,
+) {
+    let mut wait = TCP_FIRST_QUERY;
+    while let Ok(Ok(query)) = timeout(wait, read_query(&mut stream)).await {
+        wait = TCP_IDLE;
+        let reply = match prepare(&context, &query, client, Transport::Tcp) {
+            Prepared::Drop => continue,
+            Prepared::Reply(reply) => reply,
+            Prepared::Forward(forward) => {
+                let Some(_slot) = forwarding.try_take(key) else {
+                    debug!(client = %client, "this client has too many queries in flight");
+                    match encode(&reply_to(&forward.query, ResponseCode::ServFail)) {
+                        Some(reply) if write_framed(&mut stream, &reply).await.is_ok() => {
+                            continue;
+                        }
+                        _ => return,
+                    }
+                };
+                let Ok(_permit) = context.in_flight.acquire().await else {
+                    return;
+                };
+                match forward_reply(&context, forward, client, Transport::Tcp).await {
+                    Some(reply) => reply,
+                    None => return,
+                }
+            }
         };
         if write_framed(&mut stream, &reply).await.is_err() {
             return;
         }
     }
+}
+
+/// One length-prefixed query; an error for a message longer than [`MAX_QUERY`], which is
+/// not read.
+async fn read_query(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
+    let len = usize::from(stream.read_u16().await?);
+    if len > MAX_QUERY {
+        return Err(io::Error::other("a message too long to be a query"));
+    }
+    let mut msg = vec![0u8; len];
+    stream.read_exact(&mut msg).await?;
+    Ok(msg)
 }
 
 async fn read_framed(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
@@ -349,8 +594,13 @@ pub enum Verdict {
     Ignore,
     /// Answer at once with this code.
     Reply(ResponseCode),
-    /// A name outside the policy: refuse, and report it.
-    Refuse { name: String, qtype: String },
+    /// A name outside the policy, or a question the guard does not forward: refuse, and
+    /// report it with why.
+    Refuse {
+        name: String,
+        qtype: String,
+        why: Refusal,
+    },
     /// An allowed name: forward it.
     Forward(DomainName),
 }
@@ -365,38 +615,105 @@ pub fn judge(query: &Message, rules: &Rules) -> Verdict {
     let [question] = query.queries.as_slice() else {
         return Verdict::Reply(ResponseCode::FormErr);
     };
-    let name = policy_name(question.name());
-    match name {
-        Some(name) if question.query_class() == DNSClass::IN && rules.allows(&name) => {
-            Verdict::Forward(name)
+    let refuse = |why| Verdict::Refuse {
+        name: question
+            .name()
+            .to_ascii()
+            .trim_end_matches('.')
+            .to_ascii_lowercase(),
+        qtype: question.query_type().to_string(),
+        why,
+    };
+    // What a question is comes before whether its name is allowed: `version.bind CH TXT` is
+    // a server fingerprint, not a name someone forgot in the policy.
+    if question.query_class() != DNSClass::IN {
+        return refuse(Refusal::Class(question.query_class()));
+    }
+    if matches!(
+        question.query_type(),
+        RecordType::ANY | RecordType::AXFR | RecordType::IXFR
+    ) {
+        return refuse(Refusal::Type(question.query_type()));
+    }
+    match policy_name(question.name()) {
+        Some(name) if rules.allows(&name) => Verdict::Forward(name),
+        _ => refuse(Refusal::NotInPolicy),
+    }
+}
+
+/// Why a question was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The name is not one the policy allows.
+    NotInPolicy,
+    /// A class other than IN (CH: server identity and version; ANY; HS): the policy allows
+    /// names of the internet class only.
+    Class(DNSClass),
+    /// ANY (RFC 8482 lets a server decline it) or a zone transfer (AXFR, IXFR): never
+    /// forwarded, whatever the name.
+    Type(RecordType),
+}
+
+impl Refusal {
+    /// What `watch` and the log say.
+    pub fn note(self) -> String {
+        match self {
+            Refusal::NotInPolicy => "not in the policy".into(),
+            Refusal::Class(class) => {
+                let class = match class {
+                    DNSClass::OPT(_) | DNSClass::Unknown(_) => format!("CLASS{}", u16::from(class)),
+                    known => known.to_string(),
+                };
+                format!("class {class}: the guard answers class IN only")
+            }
+            Refusal::Type(RecordType::ANY) => {
+                "type ANY: the guard forwards no ANY queries (RFC 8482)".into()
+            }
+            Refusal::Type(rtype) => format!("type {rtype}: the guard forwards no zone transfers"),
         }
-        _ => Verdict::Refuse {
-            name: question
-                .name()
-                .to_ascii()
-                .trim_end_matches('.')
-                .to_ascii_lowercase(),
-            qtype: question.query_type().to_string(),
-        },
+    }
+
+    /// The answer: the policy's `refuse_with` for names it does not allow; REFUSED for the
+    /// rest, since NXDOMAIN would tell caches that an allowed name does not exist.
+    fn code(self, refuse_with: RefuseWith) -> (ResponseCode, &'static str) {
+        match (self, refuse_with) {
+            (Refusal::NotInPolicy, RefuseWith::Nxdomain) => (ResponseCode::NXDomain, "NXDOMAIN"),
+            _ => (ResponseCode::Refused, "REFUSED"),
+        }
     }
 }
 
 /// The reply to `raw` (`None`: send nothing).
+#[cfg(test)]
 async fn answer(
     context: &Context,
     raw: &[u8],
     client: SocketAddr,
     transport: Transport,
 ) -> Option<Vec<u8>> {
+    match prepare(context, raw, client, transport) {
+        Prepared::Drop => None,
+        Prepared::Reply(reply) => Some(reply),
+        Prepared::Forward(forward) => forward_reply(context, forward, client, transport).await,
+    }
+}
+
+/// What to do with `raw`, decided without waiting for anything: refusals and errors are
+/// answered here (and reported), and only an allowed name is left to forward.
+fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: Transport) -> Prepared {
+    let reply = |msg: &Message| encode(msg).map_or(Prepared::Drop, Prepared::Reply);
     let Ok(query) = Message::from_vec(raw) else {
         // Answer FORMERR only when there is a header to answer, and never a response: two
         // servers could answer each other's errors forever.
         let is_response = raw.get(2).is_some_and(|flags| flags & 0x80 != 0);
+        let (Some(&high), Some(&low)) = (raw.first(), raw.get(1)) else {
+            return Prepared::Drop;
+        };
         if is_response {
-            return None;
+            return Prepared::Drop;
         }
-        let id = u16::from_be_bytes([*raw.first()?, *raw.get(1)?]);
-        return encode(&Message::error_msg(
+        let id = u16::from_be_bytes([high, low]);
+        return reply(&Message::error_msg(
             id,
             OpCode::Query,
             ResponseCode::FormErr,
@@ -404,18 +721,16 @@ async fn answer(
     };
     let rules = context.rules.borrow().clone();
     match judge(&query, &rules) {
-        Verdict::Ignore => None,
-        Verdict::Reply(code) => encode(&reply_to(&query, code)),
-        Verdict::Refuse { name, qtype } => {
+        Verdict::Ignore => Prepared::Drop,
+        Verdict::Reply(code) => reply(&reply_to(&query, code)),
+        Verdict::Refuse { name, qtype, why } => {
             context.counters.refused.fetch_add(1, Ordering::Relaxed);
-            let (code, answer) = match rules.refuse_with {
-                RefuseWith::Refused => (ResponseCode::Refused, "REFUSED"),
-                RefuseWith::Nxdomain => (ResponseCode::NXDomain, "NXDOMAIN"),
-            };
+            let (code, answer) = why.code(rules.refuse_with);
+            let note = why.note();
             if let Some(held_back) = may_log(context, &rules) {
                 info!(name = %name, qtype = %qtype, client = %client, transport = transport.name(),
                       answer = answer, not_logged_before = held_back,
-                      "refused DNS query: the name is not in the policy");
+                      "refused DNS query: {note}");
             }
             // Nobody listening is fine.
             let _ = context.events.send(QueryEvent::refused(
@@ -424,25 +739,33 @@ async fn answer(
                 client,
                 transport.name(),
                 answer,
+                note,
             ));
-            encode(&reply_to(&query, code))
+            reply(&reply_to(&query, code))
         }
-        Verdict::Forward(name) => {
-            let reply = match forward(context, &rules, &query, raw, name, transport).await {
-                Ok(reply) => {
-                    context.counters.answered.fetch_add(1, Ordering::Relaxed);
-                    reply
-                }
-                Err(why) => {
-                    context.counters.failed.fetch_add(1, Ordering::Relaxed);
-                    if let Some(held_back) = may_log(context, &rules) {
-                        warn!(client = %client, not_logged_before = held_back,
-                              "answering SERVFAIL: {why}");
-                    }
-                    return encode(&reply_to(&query, ResponseCode::ServFail));
-                }
-            };
+        Verdict::Forward(name) => Prepared::Forward(Forward { query, name, rules }),
+    }
+}
+
+/// Forwards a checked query and returns the reply for the client (`None`: send nothing).
+async fn forward_reply(
+    context: &Context,
+    Forward { query, name, rules }: Forward,
+    client: SocketAddr,
+    transport: Transport,
+) -> Option<Vec<u8>> {
+    match forward(context, &rules, &query, name, transport).await {
+        Ok(reply) => {
+            context.counters.answered.fetch_add(1, Ordering::Relaxed);
             Some(reply)
+        }
+        Err(why) => {
+            context.counters.failed.fetch_add(1, Ordering::Relaxed);
+            if let Some(held_back) = may_log(context, &rules) {
+                warn!(client = %client, not_logged_before = held_back,
+                      "answering SERVFAIL: {why}");
+            }
+            encode(&reply_to(&query, ResponseCode::ServFail))
         }
     }
 }
@@ -462,11 +785,10 @@ async fn forward(
     context: &Context,
     rules: &Rules,
     query: &Message,
-    raw: &[u8],
     name: DomainName,
     transport: Transport,
 ) -> Result<Vec<u8>, String> {
-    let (mut reply, parsed) = ask_upstream(&rules.upstream, query, raw, transport).await?;
+    let (mut reply, parsed) = ask_upstream(&rules.upstream, rules.mark, query, transport).await?;
     let arrived = Instant::now();
     let addrs = answer_addresses(query, &parsed);
     let count = addrs.len();
@@ -500,19 +822,20 @@ async fn forward(
 /// The first upstream answer that matches the question, raw and parsed.
 async fn ask_upstream(
     upstream: &[SocketAddr],
+    mark: u32,
     query: &Message,
-    raw: &[u8],
     transport: Transport,
 ) -> Result<(Vec<u8>, Message), String> {
     let mut errors = Vec::new();
     for &server in upstream {
         let id = random_id();
-        let mut ours = raw.to_vec();
-        ours[..2].copy_from_slice(&id.to_be_bytes());
+        let ours = upstream_query(query, id)
+            .to_vec()
+            .map_err(|e| format!("encoding the upstream query: {e}"))?;
         let exchange = async {
             match transport {
-                Transport::Udp => exchange_udp(server, &ours, id).await,
-                Transport::Tcp => exchange_tcp(server, &ours).await,
+                Transport::Udp => exchange_udp(server, mark, &ours, id).await,
+                Transport::Tcp => exchange_tcp(server, mark, &ours).await,
             }
         };
         let reply = match timeout(UPSTREAM_TIMEOUT, exchange).await {
@@ -541,12 +864,54 @@ async fn ask_upstream(
     Err(format!("no upstream answered: {}", errors.join("; ")))
 }
 
-async fn exchange_udp(server: SocketAddr, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
+/// Sets the socket mark the table knows the guard's upstream sockets by. Fails without
+/// CAP_NET_ADMIN: the exchange fails with it, since an unmarked socket would be refused.
+fn mark_socket(socket: &impl AsFd, mark: u32) -> io::Result<()> {
+    setsockopt(socket, sockopt::Mark, &mark).map_err(|errno| {
+        io::Error::new(
+            io::Error::from(errno).kind(),
+            format!("cannot mark the upstream socket (SO_MARK needs CAP_NET_ADMIN): {errno}"),
+        )
+    })
+}
+
+/// The EDNS payload size the guard offers upstream: the size that avoids IP fragmentation
+/// (DNS flag day 2020), at most, and never less than the 512 bytes of plain DNS.
+const UPSTREAM_PAYLOAD: u16 = 1232;
+
+/// The query the guard sends upstream for a checked `query`, rebuilt from what the guard
+/// checked and nothing else: the question (name, type, class), the RD flag, the fresh `id`,
+/// and EDNS only if the client used it, with the guard's own fields (version 0, the DO bit,
+/// a payload size the guard bounds, no options). The client's other bits, EDNS options,
+/// answer, authority and additional records and any trailing bytes are not forwarded: a
+/// client could otherwise carry data to the upstream (and past it) in them.
+pub fn upstream_query(query: &Message, id: u16) -> Message {
+    let mut ours = Message::query();
+    ours.metadata.id = id;
+    ours.metadata.recursion_desired = query.metadata.recursion_desired;
+    for q in &query.queries {
+        let mut question = Query::query(q.name().clone(), q.query_type());
+        question.set_query_class(q.query_class());
+        ours.add_query(question);
+    }
+    if let Some(client) = &query.edns {
+        let mut edns = Edns::new();
+        // The client's buffer bounds what it can take over UDP; the guard passes the answer
+        // on as it came, so it asks for no more than that.
+        edns.set_max_payload(client.max_payload().clamp(512, UPSTREAM_PAYLOAD));
+        edns.set_dnssec_ok(client.flags().dnssec_ok);
+        ours.set_edns(edns);
+    }
+    ours
+}
+
+async fn exchange_udp(server: SocketAddr, mark: u32, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
     let local: SocketAddr = match server {
         SocketAddr::V4(_) => (IpAddr::from([0u8; 4]), 0).into(),
         SocketAddr::V6(_) => (IpAddr::from([0u16; 8]), 0).into(),
     };
     let socket = UdpSocket::bind(local).await?;
+    mark_socket(&socket, mark)?;
     // connect(): datagrams from any other address never reach us.
     socket.connect(server).await?;
     socket.send(query).await?;
@@ -561,8 +926,14 @@ async fn exchange_udp(server: SocketAddr, query: &[u8], id: u16) -> io::Result<V
     }
 }
 
-async fn exchange_tcp(server: SocketAddr, query: &[u8]) -> io::Result<Vec<u8>> {
-    let mut stream = TcpStream::connect(server).await?;
+async fn exchange_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result<Vec<u8>> {
+    let socket = match server {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    // Before connect: the SYN is the packet the table judges.
+    mark_socket(&socket, mark)?;
+    let mut stream = socket.connect(server).await?;
     write_framed(&mut stream, query).await?;
     read_framed(&mut stream).await
 }
@@ -726,7 +1097,8 @@ mod tests {
             judge(&query("c2VjcmV0.attacker.example.", RecordType::TXT), &r),
             Verdict::Refuse {
                 name: "c2vjcmv0.attacker.example".into(),
-                qtype: "TXT".into()
+                qtype: "TXT".into(),
+                why: Refusal::NotInPolicy,
             }
         );
         // Deeper than the one label `*` stands for, and the suffix itself.
@@ -764,6 +1136,53 @@ mod tests {
         // A label with an escaped dot is no name a policy can hold.
         let escaped = Name::from_labels(vec![&b"a.b"[..], b"pool", b"example"]).unwrap();
         assert_eq!(policy_name(&escaped), None);
+    }
+
+    /// Class CH or ANY, type ANY and zone transfers are refused as what they are, for
+    /// allowed names too, and never answered NXDOMAIN (which would deny an allowed name).
+    #[test]
+    fn odd_classes_and_types_are_refused_as_what_they_are() {
+        let r = rules();
+        let why = |name: &str, rtype, class| {
+            let mut q = query(name, rtype);
+            q.queries[0].set_query_class(class);
+            match judge(&q, &r) {
+                Verdict::Refuse { why, .. } => why,
+                other => panic!("{name} {rtype} {class}: {other:?}"),
+            }
+        };
+        let version = why("version.bind.", RecordType::TXT, DNSClass::CH);
+        assert_eq!(version, Refusal::Class(DNSClass::CH));
+        assert_eq!(version.note(), "class CH: the guard answers class IN only");
+        let any_class = why("api.example.", RecordType::A, DNSClass::ANY);
+        assert_eq!(
+            any_class.note(),
+            "class ANY: the guard answers class IN only"
+        );
+        let odd = why("api.example.", RecordType::A, DNSClass::Unknown(77));
+        assert_eq!(odd.note(), "class CLASS77: the guard answers class IN only");
+        let any = why("api.example.", RecordType::ANY, DNSClass::IN);
+        assert_eq!(
+            any.note(),
+            "type ANY: the guard forwards no ANY queries (RFC 8482)"
+        );
+        let axfr = why("x.pool.example.", RecordType::AXFR, DNSClass::IN);
+        assert_eq!(
+            axfr.note(),
+            "type AXFR: the guard forwards no zone transfers"
+        );
+        let outside = why("secret.attacker.example.", RecordType::A, DNSClass::IN);
+        assert_eq!(outside.note(), "not in the policy");
+        assert_eq!(
+            outside.code(RefuseWith::Nxdomain),
+            (ResponseCode::NXDomain, "NXDOMAIN")
+        );
+        for refusal in [version, any_class, any, axfr] {
+            assert_eq!(
+                refusal.code(RefuseWith::Nxdomain),
+                (ResponseCode::Refused, "REFUSED")
+            );
+        }
     }
 
     fn record(name: &str, ttl: u32, data: RData) -> Record {
@@ -988,6 +1407,118 @@ mod tests {
                 .await
                 .is_none()
         );
+    }
+
+    /// A client's query carrying an EDNS option of its own, an answer and an additional
+    /// record and trailing bytes: upstream gets the question, RD and the guard's EDNS only.
+    #[test]
+    fn the_upstream_query_is_rebuilt_from_the_checked_question_alone() {
+        use hickory_proto::rr::rdata::TXT;
+        use hickory_proto::rr::rdata::opt::EdnsOption;
+        const SECRET: &[u8] = b"SECRET-BYTES-0123456789";
+        let secret = String::from_utf8(SECRET.to_vec()).unwrap();
+        let mut client = query("API.example.", RecordType::AAAA);
+        client.metadata.checking_disabled = true;
+        let mut edns = Edns::new();
+        edns.set_max_payload(4096);
+        edns.set_dnssec_ok(true);
+        edns.options_mut()
+            .insert(EdnsOption::Unknown(65001, SECRET.to_vec()));
+        client.set_edns(edns);
+        client.add_answer(record(
+            "x.example.",
+            60,
+            RData::TXT(TXT::new(vec![secret.clone()])),
+        ));
+        client.add_additional(record("y.example.", 60, RData::TXT(TXT::new(vec![secret]))));
+        let mut raw = client.to_vec().unwrap();
+        raw.extend_from_slice(SECRET);
+        let contains = |hay: &[u8]| hay.windows(SECRET.len()).any(|w| w == SECRET);
+        assert!(contains(&raw));
+        // The guard parses what it got (trailing bytes and all), checks the question, and
+        // sends this:
+        let parsed = Message::from_vec(&raw).expect("parses despite the trailing bytes");
+        assert!(matches!(judge(&parsed, &rules()), Verdict::Forward(_)));
+        let ours = upstream_query(&parsed, 0xbeef);
+        let bytes = ours.to_vec().unwrap();
+        assert!(!contains(&bytes), "the client's bytes went upstream");
+        let back = Message::from_vec(&bytes).unwrap();
+        assert_eq!(back.metadata.id, 0xbeef);
+        assert_eq!(back.metadata.message_type, MessageType::Query);
+        assert!(back.metadata.recursion_desired);
+        assert!(!back.metadata.checking_disabled);
+        assert_eq!(back.queries, parsed.queries, "the question, case and all");
+        assert!(back.answers.is_empty() && back.authorities.is_empty());
+        assert!(back.additionals.is_empty());
+        let edns = back.edns.expect("EDNS, since the client used it");
+        assert_eq!(edns.max_payload(), UPSTREAM_PAYLOAD);
+        assert!(edns.flags().dnssec_ok);
+        assert_eq!(edns.options().as_ref().len(), 0, "no client options");
+        // Without EDNS from the client, none upstream (plain DNS, 512 bytes over UDP).
+        let plain = query("api.example.", RecordType::A);
+        assert!(upstream_query(&plain, 1).edns.is_none());
+        assert_eq!(
+            upstream_query(&plain, 1).to_vec().unwrap().len(),
+            12 + 13 + 4
+        );
+    }
+
+    /// One client holds at most its cap; others are not affected; a slot given back can be
+    /// taken again, and a client holding nothing leaves nothing behind.
+    #[test]
+    fn each_client_holds_at_most_its_share() {
+        let limits = ClientLimits::new(2);
+        let flood = ClientKey::LocalUser(4242);
+        let other = ClientKey::LocalUser(65534);
+        let a = limits.try_take(flood).expect("first");
+        let _b = limits.try_take(flood).expect("second");
+        assert!(limits.try_take(flood).is_none(), "over the cap");
+        let c = limits
+            .try_take(other)
+            .expect("another client is not affected");
+        drop(a);
+        let _again = limits.try_take(flood).expect("a slot given back");
+        drop(c);
+        assert_eq!(limits.held(other), 0);
+        assert!(!limits.held.lock().unwrap().contains_key(&other));
+    }
+
+    /// A local client is its socket's uid, whatever loopback address it sends from; a remote
+    /// one its address, an IPv6 one by its /64.
+    #[test]
+    fn clients_are_told_apart_by_uid_when_local_and_by_address_otherwise() {
+        let me = nix::unistd::geteuid().as_raw();
+        let mut diag = SockDiag::open().expect("sock_diag");
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let local = server.local_addr().unwrap();
+        let udp = sockdiag::Protocol::Udp;
+        for from in ["127.0.0.1:0", "127.0.0.2:0", "127.9.8.7:0"] {
+            let client = std::net::UdpSocket::bind(from).unwrap();
+            client.send_to(b"q", local).unwrap();
+            let peer = client.local_addr().unwrap();
+            assert_eq!(
+                client_key(Some(&mut diag), udp, local, peer),
+                ClientKey::LocalUser(me),
+                "{from}"
+            );
+        }
+        // Gone before the guard asked: the local clients' shared key.
+        let gone: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        assert_eq!(
+            client_key(Some(&mut diag), udp, local, gone),
+            ClientKey::LocalUnknown
+        );
+        let key = |peer: &str| client_key(None, udp, local, peer.parse().unwrap());
+        assert_eq!(key("127.0.0.1:5353"), ClientKey::LocalUnknown);
+        assert_eq!(
+            key("[::ffff:192.0.2.7]:5353"),
+            ClientKey::Address("192.0.2.7".parse().unwrap())
+        );
+        assert_eq!(
+            key("[2001:db8:1:2::1]:53"),
+            key("[2001:db8:1:2:ffff::9]:53")
+        );
+        assert_ne!(key("[2001:db8:1:2::1]:53"), key("[2001:db8:1:3::1]:53"));
     }
 
     #[test]

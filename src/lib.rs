@@ -25,5 +25,6 @@ pub mod policy;
 pub mod probe;
 pub mod resolve;
 pub mod ruleset;
+pub mod sockdiag;
 pub mod state;
 pub mod watch;

@@ -538,8 +538,10 @@ fn run(command: Command) -> Result<u8, Failure> {
                 if let (Some(g), Some(uid)) = (&policy.dns.guard, resolution.guard_uid) {
                     println!(
                         "# DNS guard mode: names are allowed as `egress-fence run` answers them \
-                         on {}; only uid {uid} (the uid `run` keeps) may ask {}",
+                         on {}; only sockets of uid {uid} (the uid `run` keeps) marked {:#x} \
+                         (the guard's SO_MARK) may ask {}",
                         join_display(&g.listen),
+                        g.mark,
                         join_display(&g.upstream)
                     );
                 }
@@ -631,7 +633,8 @@ fn run(command: Command) -> Result<u8, Failure> {
                     println!(
                         "table inet {TABLE}: {rules} rules, {elements} set elements; DNS guard \
                          mode: names are allowed only as `egress-fence run` answers them, and \
-                         only uid {uid} may ask the upstream resolvers"
+                         only the guard's marked sockets of uid {uid} may ask the upstream \
+                         resolvers"
                     );
                 } else {
                     println!(
@@ -814,7 +817,8 @@ fn run(command: Command) -> Result<u8, Failure> {
                 Drift::NoGeneration | Drift::Unreadable(_) => Vec::new(),
             };
             // Guard mode shows in the table's DNS rule; whether a guard serves, in its socket.
-            let guard_uids = live.dns_access().uids;
+            let access = live.dns_access();
+            let (guard_uids, guard_marks) = (access.uids, access.marks);
             let guard_serving = !guard_uids.is_empty()
                 && std::os::unix::net::UnixStream::connect(state.guard_events()).is_ok();
             if json {
@@ -836,16 +840,27 @@ fn run(command: Command) -> Result<u8, Failure> {
                 }
                 out["pending_confirmation"] = serde_json::to_value(&pending)?;
                 if !guard_uids.is_empty() {
-                    out["dns_guard"] =
-                        serde_json::json!({ "uids": guard_uids, "serving": guard_serving });
+                    out["dns_guard"] = serde_json::json!({ "uids": guard_uids, "marks": guard_marks,
+                                            "serving": guard_serving });
                 }
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
                 print_status(&status);
                 if !guard_uids.is_empty() {
                     let uids = join_display(&guard_uids);
+                    let marked = match guard_marks.as_slice() {
+                        [] => " (by uid alone: a table of an older version; `egress-fence \
+                               run` replaces it)"
+                            .to_string(),
+                        marks => {
+                            let marks: Vec<String> =
+                                marks.iter().map(|m| format!("{m:#x}")).collect();
+                            format!(" marked {}", marks.join(", "))
+                        }
+                    };
                     println!(
-                        "  DNS guard mode: only uid {uids} may ask the resolvers; {}",
+                        "  DNS guard mode: only sockets of uid {uids}{marked} may ask the \
+                         resolvers; {}",
                         if guard_serving {
                             "a guard is serving (`egress-fence watch` shows what it refuses)"
                         } else {

@@ -210,15 +210,21 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     // VPC's .2, GCP 169.254.169.254, Azure 168.63.129.16), and the host must keep resolving.
     // In guard mode only the guard's own sockets may ask them: every other process asks the
     // guard, which answers only the policy's names.
-    let guard_uid = policy
+    // The guard is recognised by its sockets' mark, which takes CAP_NET_ADMIN to set, and
+    // by its uid: either alone is not enough.
+    let guard = policy
         .dns
         .guard
         .as_ref()
-        .map(|_| guard_uid.unwrap_or(NO_UID));
+        .map(|g| (g.mark, guard_uid.unwrap_or(NO_UID)));
     for family in Family::BOTH {
         let set = SetId::new(SetRole::Dns, family);
-        rules.push(match guard_uid {
-            Some(uid) => Rule::AcceptTupleFromUid { set, uid },
+        rules.push(match guard {
+            Some((mark, uid)) => Rule::AcceptTupleFromGuard {
+                set,
+                mark: Some(mark),
+                uid,
+            },
             None => Rule::AcceptTupleIn(set),
         });
     }
@@ -239,7 +245,7 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     }
     // ...and in guard mode DNS to anywhere else is refused even where an allow entry covers
     // it (a `cidr:` with every port, say).
-    if guard_uid.is_some() {
+    if guard.is_some() {
         for proto in [L4Proto::Udp, L4Proto::Tcp] {
             for port in GUARDED_DNS_PORTS {
                 rules.push(Rule::RefuseService(proto, port));
@@ -812,8 +818,9 @@ log:
         assert_eq!(dns4.len(), 4, "tcp and udp, 53 and 853: {dns4:?}");
         assert!(dns4.contains(&tuple("192.0.2.53/32", L4Proto::Tcp, 853, 853)));
         let at = |want: &Rule| rs.output.iter().position(|r| r == want);
-        let guard = at(&Rule::AcceptTupleFromUid {
+        let guard = at(&Rule::AcceptTupleFromGuard {
             set: SetId::new(SetRole::Dns, Family::V4),
+            mark: Some(crate::policy::DEFAULT_GUARD_MARK),
             uid: 993,
         })
         .expect("the guard's rule");
@@ -845,8 +852,9 @@ log:
         // Without the guard's uid the table lets no socket reach upstream.
         res.guard_uid = None;
         let rs = plan(&p, &res);
-        assert!(rs.output.contains(&Rule::AcceptTupleFromUid {
+        assert!(rs.output.contains(&Rule::AcceptTupleFromGuard {
             set: SetId::new(SetRole::Dns, Family::V6),
+            mark: Some(crate::policy::DEFAULT_GUARD_MARK),
             uid: u32::MAX,
         }));
     }

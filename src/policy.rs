@@ -270,6 +270,10 @@ pub struct Guard {
     pub refuse_with: RefuseWith,
     /// The shortest time an answered address stays allowed, whatever its TTL (before grace).
     pub floor: Duration,
+    /// The socket mark (`SO_MARK`) of the guard's upstream sockets: with its uid, what the
+    /// table recognises the guard by. Only a holder of CAP_NET_ADMIN (or, since Linux 5.17,
+    /// CAP_NET_RAW) can set a mark.
+    pub mark: u32,
 }
 
 /// The DNS answer to a name outside the policy.
@@ -291,6 +295,11 @@ enum DnsMode {
 
 pub const DEFAULT_GUARD_LISTEN: &str = "127.0.0.53:53";
 pub const DEFAULT_FLOOR: Duration = Duration::from_secs(30);
+/// `dns.mark` unless the policy says otherwise: bits no common tool uses (kube-proxy takes
+/// 0x4000 and 0x8000, Cilium 0x0f00, Tailscale 0xff0000, Calico allocates upwards from
+/// 0x10000, wg-quick and Istio match whole values), so that the guard's packets take the
+/// routes and firewall paths of unmarked ones.
+pub const DEFAULT_GUARD_MARK: u32 = 0x6500_0000;
 
 pub const DEFAULT_REFRESH_MIN: Duration = Duration::from_secs(30);
 pub const DEFAULT_REFRESH_MAX: Duration = Duration::from_secs(3600);
@@ -1066,6 +1075,7 @@ struct RawDns {
     upstream: Option<Vec<Resolver>>,
     refuse_with: Option<RefuseWith>,
     floor: Option<Interval>,
+    mark: Option<u32>,
 }
 
 /// `127.0.0.53:53`, `[::1]:53`, or an address alone (port 53).
@@ -1324,11 +1334,22 @@ impl Policy {
                             .into(),
                     ));
                 }
+                let mark = raw.dns.mark.unwrap_or(DEFAULT_GUARD_MARK);
+                if mark == 0 {
+                    return Err(invalid(
+                        locate(source, "mark"),
+                        "`mark: 0` is the mark of every unmarked socket, so it would let \
+                         any process of the guard's uid ask the upstream resolvers; choose \
+                         a mark no other tool on this host uses, or leave the key out"
+                            .into(),
+                    ));
+                }
                 Some(Guard {
                     listen,
                     upstream,
                     refuse_with: raw.dns.refuse_with.unwrap_or(RefuseWith::Refused),
                     floor: raw.dns.floor.map_or(DEFAULT_FLOOR, |i| i.0),
+                    mark,
                 })
             }
             Some(DnsMode::Resolve) | None => {
@@ -1337,6 +1358,7 @@ impl Policy {
                     ("upstream", raw.dns.upstream.is_some()),
                     ("refuse_with", raw.dns.refuse_with.is_some()),
                     ("floor", raw.dns.floor.is_some()),
+                    ("mark", raw.dns.mark.is_some()),
                 ];
                 if let Some((key, _)) = guard_only.iter().find(|(_, given)| *given) {
                     return Err(invalid(
@@ -2016,16 +2038,18 @@ essentials: [loopback, established]
         assert_eq!(g.upstream, vec!["192.0.2.53".parse::<IpAddr>().unwrap()]);
         assert_eq!(g.refuse_with, RefuseWith::Refused);
         assert_eq!(g.floor, DEFAULT_FLOOR);
+        assert_eq!(g.mark, DEFAULT_GUARD_MARK);
         // DNS over HTTPS to public resolvers is denied without being asked for.
         let doh = p.denied_by("1.1.1.1".parse().unwrap()).expect("denied");
         assert_eq!(doh.origin, DenyOrigin::Preset(Preset::DnsOverHttps));
 
         let p = parse(&GUARD.replace(
             "  upstream: [192.0.2.53]\n",
-            "  upstream: [192.0.2.53]\n  listen: [\"[::1]:5353\", 127.0.0.1]\n  refuse_with: nxdomain\n  floor: 2m\n",
+            "  upstream: [192.0.2.53]\n  listen: [\"[::1]:5353\", 127.0.0.1]\n  refuse_with: nxdomain\n  floor: 2m\n  mark: 0x1e00\n",
         ))
         .expect("valid");
         let g = p.dns.guard.expect("guard mode");
+        assert_eq!(g.mark, 0x1e00);
         assert_eq!(
             g.listen,
             vec![
@@ -2058,6 +2082,10 @@ essentials: [loopback, established]
         assert!(msg.contains("127.0.0.53:53"), "{msg}");
         let (line, _, msg) = err("version: 1\ndns:\n  mode: proxy\n");
         assert_eq!(line, 3, "{msg}");
+        let (line, _, msg) =
+            err("version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  mark: 0\n");
+        assert_eq!(line, 5, "{msg}");
+        assert!(msg.contains("unmarked socket"), "{msg}");
     }
 
     #[test]

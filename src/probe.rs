@@ -17,10 +17,12 @@
 //!   REFUSED and NXDOMAIN stay apart), and their addresses then connect, since the guard added
 //!   them to the table before it answered;
 //! - DNS straight to each upstream resolver (UDP and TCP 53, TCP and UDP 853) is refused. The table
-//!   lets one uid through (`meta skuid U`, the guard's): a probe running as that uid cannot
-//!   tell, and says so (WARN) instead of trying; run it as the agent's user. The uid comes from
-//!   the installed table, or, when this probe may not read it (an unprivileged user), from the
-//!   owner of the guard's listening socket;
+//!   lets through only sockets of the guard's uid that carry the guard's mark (`meta mark M
+//!   meta skuid U`); the probe never marks its sockets, so it is refused whatever its uid, the
+//!   guard's included. Only a table of an older version, which knows the guard by its uid
+//!   alone, lets a probe of that uid through: it cannot tell, and says so (WARN) instead of
+//!   trying. The uid and mark come from the installed table, or, when this probe may not read
+//!   it (an unprivileged user), from the owner of the guard's listening socket and the policy;
 //! - a random name under `probe.exfil_domain` (else under `egress-fence-probe.invalid`) is asked
 //!   of the guard: answered REFUSED or NXDOMAIN and covered by no allow entry, it was refused
 //!   without being forwarded (PASS); any address in the answer, or an allow entry (a wildcard)
@@ -158,9 +160,11 @@ pub enum TableView {
 /// What the installed table says about DNS and denied networks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TableFacts {
-    /// The uids of the rules `meta skuid U ... @dns4/@dns6 accept`: in guard mode only their
-    /// sockets may reach the resolvers.
+    /// The uids of the rules `meta mark M meta skuid U ... @dns4/@dns6 accept`: in guard mode
+    /// only their sockets may reach the resolvers.
     pub dns_uids: Vec<u32>,
+    /// The marks of those rules; none in a table that knows the guard by its uid alone.
+    pub dns_marks: Vec<u32>,
     /// A rule accepts DNS to the resolvers from every uid (a resolve-mode table).
     pub dns_for_everyone: bool,
     /// The networks of the deny sets.
@@ -188,6 +192,7 @@ impl TableFacts {
         let access = table.dns_access();
         let mut facts = TableFacts {
             dns_uids: access.uids,
+            dns_marks: access.marks,
             dns_for_everyone: access.everyone,
             denied: Vec::new(),
             resolved: Vec::new(),
@@ -671,10 +676,17 @@ impl<'a> Plan<'a> {
 
     /// Who the table lets reach the upstream resolvers.
     fn upstream_access(&self) -> UpstreamAccess {
+        // A guard of this version marks its sockets with the policy's mark, and its table
+        // asks for it.
+        let policy_mark = self.policy.dns.guard.as_ref().map(|g| g.mark);
         let from_socket = |why: String| match self.options.guard_socket {
             Some((uid, addr)) => UpstreamAccess::Uids {
                 uids: vec![uid],
-                source: format!("the owner of the guard's socket on {addr}, since the table {why}"),
+                marks: policy_mark.into_iter().collect(),
+                source: format!(
+                    "the owner of the guard's socket on {addr} and the policy, since the table \
+                     {why}"
+                ),
             },
             None => UpstreamAccess::Unknown(why),
         };
@@ -682,7 +694,8 @@ impl<'a> Plan<'a> {
             TableView::Read(facts) if facts.dns_for_everyone => UpstreamAccess::Everyone,
             TableView::Read(facts) => UpstreamAccess::Uids {
                 uids: facts.dns_uids.clone(),
-                source: "the installed table's `meta skuid` rule".into(),
+                marks: facts.dns_marks.clone(),
+                source: "the installed table's `meta mark`/`meta skuid` rule".into(),
             },
             TableView::NotInstalled => UpstreamAccess::NoTable,
             TableView::Unreadable(e) => from_socket(format!("cannot be read here: {e}")),
@@ -691,8 +704,8 @@ impl<'a> Plan<'a> {
     }
 
     /// Guard mode: DNS (UDP and TCP 53), DNS over TLS (TCP 853) and over QUIC (UDP 853)
-    /// straight to each upstream resolver are refused for this probe's uid, unless it is the
-    /// guard's uid.
+    /// straight to each upstream resolver are refused for this probe's unmarked sockets,
+    /// whatever its uid (unless an older table knows the guard by this uid alone).
     fn upstream(&mut self) {
         let access = self.upstream_access();
         let uid = self.options.uid;
@@ -707,18 +720,26 @@ impl<'a> Plan<'a> {
             ] {
                 let target = SocketAddr::new(server, port);
                 let check = format!("upstream {} {target}", proto.name());
-                if let UpstreamAccess::Uids { uids, source } = &access
+                if let UpstreamAccess::Uids {
+                    uids,
+                    marks,
+                    source,
+                } = &access
+                    && marks.is_empty()
                     && uids.contains(&uid)
                 {
                     self.done(Check::new(
                         Outcome::Warn,
                         check,
                         format!(
-                            "not probed: this probe runs as uid {uid}, the guard's uid, the only \
-                             one that may reach the upstream resolvers (learned from {source}), \
-                             so it cannot tell whether anyone else is refused; run the probe as \
-                             the agent's user (e.g. `setpriv --reuid=USER --regid=GROUP \
-                             --clear-groups egress-fence probe ...`)"
+                            "not probed: this probe runs as uid {uid}, the guard's uid, which \
+                             alone may reach the upstream resolvers (learned from {source}: a \
+                             table of an older version, without the guard's socket mark; any \
+                             process of that uid, root in a container included, gets through \
+                             until `egress-fence run` installs its table), so it cannot tell \
+                             whether anyone else is refused; run the probe as the agent's user \
+                             (e.g. `setpriv --reuid=USER --regid=GROUP --clear-groups \
+                             egress-fence probe ...`)"
                         ),
                     ));
                     continue;
@@ -1216,8 +1237,13 @@ impl<'a> Plan<'a> {
 /// Who the installed table lets reach the upstream resolvers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum UpstreamAccess {
-    /// Only sockets of these uids (`meta skuid`); `source` says where that was learned.
-    Uids { uids: Vec<u32>, source: String },
+    /// Only sockets of these uids (`meta skuid`) that carry one of these marks (`meta
+    /// mark`; none: the uid alone); `source` says where that was learned.
+    Uids {
+        uids: Vec<u32>,
+        marks: Vec<u32>,
+        source: String,
+    },
     /// Every uid: the table is a resolve-mode one.
     Everyone,
     /// No table: nothing is refused.
@@ -1230,16 +1256,32 @@ impl UpstreamAccess {
     /// Said when an attempt of `uid` got through.
     fn why_through(&self, uid: u32) -> String {
         match self {
-            UpstreamAccess::Uids { uids, source } if uids.is_empty() => {
+            UpstreamAccess::Uids { uids, source, .. } if uids.is_empty() => {
                 format!("no uid may reach it (learned from {source}), yet uid {uid} did")
             }
-            UpstreamAccess::Uids { uids, source } => format!(
-                "only uid {} may reach it (learned from {source}), yet this probe (uid {uid}) \
-                 got through: another rule lets it",
+            UpstreamAccess::Uids {
+                uids,
+                marks,
+                source,
+            } => format!(
+                "only sockets of uid {}{} may reach it (learned from {source}), yet this probe \
+                 (uid {uid}, its sockets unmarked) got through: another rule lets it",
                 uids.iter()
                     .map(ToString::to_string)
                     .collect::<Vec<_>>()
-                    .join(", ")
+                    .join(", "),
+                if marks.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " marked {}",
+                        marks
+                            .iter()
+                            .map(|m| format!("{m:#x}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
             ),
             UpstreamAccess::Everyone => "the installed table lets every uid reach the \
                  resolvers: it is not the guard's table (applied in resolve mode?); \
@@ -2047,6 +2089,7 @@ mod tests {
     fn table_with_uid(uid: u32) -> TableView {
         TableView::Read(TableFacts {
             dns_uids: vec![uid],
+            dns_marks: vec![crate::policy::DEFAULT_GUARD_MARK],
             dns_for_everyone: false,
             denied: Preset::DnsOverHttps.networks(),
             resolved: Vec::new(),
@@ -2176,19 +2219,34 @@ mod tests {
     }
 
     #[test]
-    fn the_guards_own_uid_cannot_tell_and_other_tables_are_named() {
+    fn the_guards_own_uid_is_probed_unless_the_table_knows_the_guard_by_uid_alone() {
         let p = policy(GUARD_POLICY);
         let exfil = "ef-probe-1.egress-fence-probe.invalid";
         let refused = || lookup(exfil, answered("NXDOMAIN", &[]), answered("NXDOMAIN", &[]));
+        // The table asks for the guard's mark too: the probe's unmarked sockets must be
+        // refused, the guard's uid included.
         let same_uid = ProbeOptions {
             uid: 0,
             ..guard_options(table_with_uid(0))
         };
         let checks = guard_plan(&p, &same_uid, &[refused()], exfil);
         let up = find(&checks, "upstream udp 192.0.2.53:53");
+        assert_eq!(up.0, "attempt", "{up:?}");
+        assert!(up.2.contains("marked 0x65000000"), "{up:?}");
+        // A table of an older version: the uid alone lets the probe through unchecked.
+        let uid_only = TableView::Read(TableFacts {
+            dns_uids: vec![0],
+            ..TableFacts::default()
+        });
+        let same_uid = ProbeOptions {
+            uid: 0,
+            ..guard_options(uid_only)
+        };
+        let checks = guard_plan(&p, &same_uid, &[refused()], exfil);
+        let up = find(&checks, "upstream udp 192.0.2.53:53");
         assert_eq!(up.0, "WARN", "{up:?}");
         assert!(up.2.contains("runs as uid 0, the guard's uid"), "{up:?}");
-        assert!(up.2.contains("meta skuid"), "{up:?}");
+        assert!(up.2.contains("without the guard's socket mark"), "{up:?}");
 
         // A resolve-mode table lets everyone through: said when the attempt fails.
         let everyone = TableView::Read(TableFacts {
@@ -2211,7 +2269,7 @@ mod tests {
         };
         let checks = guard_plan(&p, &unreadable, &[refused()], exfil);
         let up = find(&checks, "upstream tcp 192.0.2.53:853");
-        assert_eq!(up.0, "WARN", "{up:?}");
+        assert_eq!(up.0, "attempt", "{up:?}");
         assert!(up.2.contains("guard's socket on 127.0.0.53:53"), "{up:?}");
         assert_eq!(find(&checks, "denied preset dns-over-https").0, "SKIP");
         let unknown = ProbeOptions {

@@ -454,9 +454,18 @@ pub enum Rule {
     RefuseDaddrIn(SetId),
     /// `ip daddr . meta l4proto . th dport @set accept`
     AcceptTupleIn(SetId),
-    /// `meta skuid U ip daddr . meta l4proto . th dport @set accept`: the DNS guard's own
-    /// sockets to its upstream resolvers, and nobody else's.
-    AcceptTupleFromUid { set: SetId, uid: u32 },
+    /// `meta mark M meta skuid U ip daddr . meta l4proto . th dport @set accept`: the DNS
+    /// guard's own sockets to its upstream resolvers, and nobody else's. The guard marks its
+    /// upstream sockets (`SO_MARK`, which takes CAP_NET_ADMIN to set): the uid alone is shared
+    /// by every process of that user, root in a container included. `mark: None` is a rule
+    /// of a generation recorded before marks (the uid alone); the plan always sets one.
+    #[serde(alias = "accept_tuple_from_uid")]
+    AcceptTupleFromGuard {
+        set: SetId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mark: Option<u32>,
+        uid: u32,
+    },
     /// `meta l4proto udp th dport 53 goto refused`: a service refused whatever the allow
     /// entries say (DNS and DNS over TLS, in guard mode).
     RefuseService(L4Proto, u16),
@@ -504,8 +513,11 @@ impl fmt::Display for Rule {
                 let (daddr, name) = (set.family.daddr(), set.name());
                 write!(f, "{daddr} . meta l4proto . th dport @{name} accept")
             }
-            Rule::AcceptTupleFromUid { set, uid } => {
+            Rule::AcceptTupleFromGuard { set, mark, uid } => {
                 let (daddr, name) = (set.family.daddr(), set.name());
+                if let Some(mark) = mark {
+                    write!(f, "meta mark {mark:#010x} ")?;
+                }
                 write!(
                     f,
                     "meta skuid {uid} {daddr} . meta l4proto . th dport @{name} accept"
@@ -718,11 +730,20 @@ mod tests {
                 "ip daddr . meta l4proto . th dport @dns4 accept",
             ),
             (
-                Rule::AcceptTupleFromUid {
+                Rule::AcceptTupleFromGuard {
                     set: SetId::new(SetRole::Dns, Family::V6),
+                    mark: Some(0x6500_0000),
                     uid: 993,
                 },
-                "meta skuid 993 ip6 daddr . meta l4proto . th dport @dns6 accept",
+                "meta mark 0x65000000 meta skuid 993 ip6 daddr . meta l4proto . th dport @dns6 accept",
+            ),
+            (
+                Rule::AcceptTupleFromGuard {
+                    set: SetId::new(SetRole::Dns, Family::V4),
+                    mark: None,
+                    uid: 993,
+                },
+                "meta skuid 993 ip daddr . meta l4proto . th dport @dns4 accept",
             ),
             (
                 Rule::RefuseService(L4Proto::Udp, 853),

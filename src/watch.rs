@@ -238,7 +238,8 @@ pub struct QueryEvent {
     pub transport: String,
     /// The response code the client got: "REFUSED" or "NXDOMAIN".
     pub answer: String,
-    /// Why: "not in the policy".
+    /// Why: "not in the policy", or what the question is ("class CH: the guard answers
+    /// class IN only", "type ANY: ...").
     pub note: String,
 }
 
@@ -249,6 +250,7 @@ impl QueryEvent {
         client: SocketAddr,
         transport: &str,
         answer: &str,
+        note: String,
     ) -> QueryEvent {
         QueryEvent {
             time: system_time_rfc3339(SystemTime::now()),
@@ -259,7 +261,7 @@ impl QueryEvent {
             client,
             transport: transport.into(),
             answer: answer.into(),
-            note: "not in the policy".into(),
+            note,
         }
     }
 }

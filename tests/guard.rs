@@ -1275,15 +1275,17 @@ fn status_says_whether_a_guard_serves_the_table() {
     let g = start_guard(&w, &policy(&["*.pool.example"], "", &[]));
     let out = w.egress_fence(&["status"]);
     assert!(
-        out.stdout
-            .contains("DNS guard mode: only uid 0 may ask the resolvers; a guard is serving"),
+        out.stdout.contains(
+            "DNS guard mode: only sockets of uid 0 marked 0x65000000 may ask the \
+                       resolvers; a guard is serving"
+        ),
         "{out}"
     );
     let json = w.egress_fence(&["status", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("json");
     assert_eq!(
         v["dns_guard"],
-        serde_json::json!({ "uids": [0], "serving": true })
+        serde_json::json!({ "uids": [0], "marks": [0x6500_0000], "serving": true })
     );
 
     stop_guard(&w, g);

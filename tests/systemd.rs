@@ -986,7 +986,9 @@ fn with_the_guard_drop_in_the_units_user_serves_dns_and_alone_reaches_the_upstre
     );
     let table = w.sandbox_cmd(&["nft", "list", "chain", "inet", "egress_fence", "output"]);
     assert!(
-        table.stdout.contains(&format!("meta skuid {} ", grant.uid)),
+        table
+            .stdout
+            .contains(&format!("meta mark 0x65000000 meta skuid {} ", grant.uid)),
         "{}",
         table.stdout
     );

@@ -555,7 +555,11 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.extend(tuple_in(*set, set_ids));
             e.push(accept);
         }
-        Rule::AcceptTupleFromUid { set, uid } => {
+        Rule::AcceptTupleFromGuard { set, mark, uid } => {
+            if let Some(mark) = mark {
+                e.push(own(Expr::meta(libc::NFT_META_MARK, sys::REG_1)));
+                e.push(eq(&mark.to_ne_bytes()));
+            }
             e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
             e.push(eq(&uid.to_ne_bytes()));
             e.extend(tuple_in(*set, set_ids));
@@ -666,13 +670,16 @@ mod tests {
 
     #[test]
     fn guard_rules_match_nft() {
-        let from_uid = Rule::AcceptTupleFromUid {
+        let from_guard = Rule::AcceptTupleFromGuard {
             set: SetId::new(SetRole::Dns, Family::V4),
+            mark: Some(0x6500_0000),
             uid: 993,
         };
         assert_eq!(
-            exprs(&from_uid),
+            exprs(&from_guard),
             [
+                "meta load mark => reg 1",
+                "cmp eq reg 1 0x65000000",
                 "meta load skuid => reg 1",
                 "cmp eq reg 1 0x000003e1",
                 "meta load nfproto => reg 1",

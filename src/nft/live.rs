@@ -129,9 +129,12 @@ pub fn log_group(rules: &[LiveRule]) -> Option<u16> {
 /// Who the table lets ask the resolvers of its DNS sets.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DnsAccess {
-    /// The uids of the rules `meta skuid U ... @dns4/@dns6 accept`: in guard mode only their
-    /// sockets may reach the resolvers.
+    /// The uids of the rules `meta mark M meta skuid U ... @dns4/@dns6 accept`: in guard mode
+    /// only their sockets may reach the resolvers.
     pub uids: Vec<u32>,
+    /// The marks those rules also ask for (the guard's `SO_MARK`). A rule with a uid and no
+    /// mark (a table of an older version) lets every socket of that uid through.
+    pub marks: Vec<u32>,
     /// A rule accepts DNS to the resolvers from every uid (a resolve-mode table).
     pub everyone: bool,
 }
@@ -149,9 +152,17 @@ impl LiveTable {
             if !dns_lookup {
                 continue;
             }
-            match skuid(&rule.exprs) {
-                Some(uid) if !access.uids.contains(&uid) => access.uids.push(uid),
-                Some(_) => {}
+            match meta_eq(&rule.exprs, "skuid") {
+                Some(uid) => {
+                    if !access.uids.contains(&uid) {
+                        access.uids.push(uid);
+                    }
+                    if let Some(mark) = meta_eq(&rule.exprs, "mark")
+                        && !access.marks.contains(&mark)
+                    {
+                        access.marks.push(mark);
+                    }
+                }
                 None => access.everyone = true,
             }
         }
@@ -159,11 +170,12 @@ impl LiveTable {
     }
 }
 
-/// The uid a rule's `meta skuid U` compares with: libnftnl prints it as `meta load skuid =>
-/// reg N` followed by `cmp eq reg N 0x...` (the uid in host byte order).
-fn skuid(exprs: &[String]) -> Option<u32> {
+/// The value a rule's `meta KEY V` (`skuid`, `mark`) compares with: libnftnl prints it as
+/// `meta load KEY => reg N` followed by `cmp eq reg N 0x...` (the value in host byte order).
+fn meta_eq(exprs: &[String], key: &str) -> Option<u32> {
+    let load = format!("meta load {key} => reg ");
     exprs.windows(2).find_map(|pair| {
-        let reg = pair[0].strip_prefix("meta load skuid => reg ")?;
+        let reg = pair[0].strip_prefix(&load)?;
         let hex = pair[1]
             .strip_prefix(&format!("cmp eq reg {reg} 0x"))?
             .trim();
@@ -175,7 +187,10 @@ fn skuid(exprs: &[String]) -> Option<u32> {
 pub fn guard_dns_note(uid: u32, dport: Option<u16>, to_upstream: bool) -> Option<String> {
     let port = dport.filter(|p| crate::plan::GUARDED_DNS_PORTS.contains(p))?;
     Some(if to_upstream {
-        format!("DNS to the guard's upstream resolver: only the guard (uid {uid}) may ask it")
+        format!(
+            "DNS to the guard's upstream resolver: only the guard (uid {uid}, its sockets \
+             marked) may ask it"
+        )
     } else {
         format!("DNS (port {port}) to a resolver other than the guard: refused in guard mode")
     })
@@ -486,7 +501,7 @@ mod tests {
         let other: IpAddr = "203.0.113.9".parse().unwrap();
         assert!(
             d.note(upstream, Some(53))
-                .contains("only the guard (uid 993)")
+                .contains("only the guard (uid 993, its sockets marked)")
         );
         assert!(
             d.note(other, Some(853))
@@ -517,14 +532,25 @@ mod tests {
             rules,
             sets: Vec::new(),
         };
-        let guard = crate::ruleset::Rule::AcceptTupleFromUid {
+        let guard = |mark| crate::ruleset::Rule::AcceptTupleFromGuard {
             set: dns4,
+            mark,
             uid: 993,
         };
         assert_eq!(
-            table(vec![rule(guard)]).dns_access(),
+            table(vec![rule(guard(Some(0x6500_0000)))]).dns_access(),
             DnsAccess {
                 uids: vec![993],
+                marks: vec![0x6500_0000],
+                everyone: false
+            }
+        );
+        // A table of an older version: the uid alone.
+        assert_eq!(
+            table(vec![rule(guard(None))]).dns_access(),
+            DnsAccess {
+                uids: vec![993],
+                marks: vec![],
                 everyone: false
             }
         );
@@ -533,6 +559,7 @@ mod tests {
             table(vec![rule(resolve)]).dns_access(),
             DnsAccess {
                 uids: vec![],
+                marks: vec![],
                 everyone: true
             }
         );

@@ -9,4 +9,5 @@ mod answers;
 mod common;
 mod daemon;
 mod essentials;
+mod guard;
 mod repair;

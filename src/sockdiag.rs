@@ -1,0 +1,199 @@
+//! Which uid owns a local socket, asked of the kernel (`NETLINK_SOCK_DIAG`, one exact lookup
+//! by address and port): the DNS guard tells local clients apart by their uid, since a local
+//! process can send from any loopback address it likes.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use nix::sys::socket::{
+    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto, socket,
+};
+
+/// `SOCK_DIAG_BY_FAMILY` (linux/sock_diag.h).
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+/// `NLM_F_REQUEST`.
+const NLM_F_REQUEST: u16 = 1;
+/// Bytes of `struct nlmsghdr` and `struct inet_diag_req_v2`.
+const NLMSG_HDR_LEN: usize = 16;
+const REQ_LEN: usize = 56;
+/// Where `idiag_uid` lies in a reply: after the netlink header, the four one-byte fields,
+/// the 48-byte `inet_diag_sockid` and `idiag_expires`, `idiag_rqueue`, `idiag_wqueue`.
+const UID_OFFSET: usize = NLMSG_HDR_LEN + 4 + 48 + 12;
+
+/// The transport of the socket looked up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    Udp,
+    Tcp,
+}
+
+/// A netlink socket for socket lookups, in the network namespace it was opened in.
+#[derive(Debug)]
+pub struct SockDiag {
+    fd: OwnedFd,
+    seq: u32,
+}
+
+impl SockDiag {
+    pub fn open() -> nix::Result<SockDiag> {
+        let fd = socket(
+            AddressFamily::Netlink,
+            SockType::Datagram,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkSockDiag,
+        )?;
+        Ok(SockDiag { fd, seq: 0 })
+    }
+
+    /// The uid owning the socket at `peer` that talks to `local` (ours), if the kernel
+    /// knows it: a UDP client's socket as long as it is open, a TCP client's connection.
+    /// Both addresses must be of one family.
+    pub fn owner(
+        &mut self,
+        protocol: Protocol,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Option<u32> {
+        self.seq = self.seq.wrapping_add(1);
+        let request = request(protocol, local, peer, self.seq)?;
+        sendto(
+            self.fd.as_raw_fd(),
+            &request,
+            &NetlinkAddr::new(0, 0),
+            MsgFlags::empty(),
+        )
+        .ok()?;
+        // The kernel answers within sendto: nothing queued means no answer.
+        let mut reply = [0u8; 512];
+        loop {
+            let len = recv(self.fd.as_raw_fd(), &mut reply, MsgFlags::MSG_DONTWAIT).ok()?;
+            match parse_reply(&reply[..len], self.seq) {
+                Reply::Owner(uid) => return Some(uid),
+                Reply::NotFound => return None,
+                Reply::Stale => continue,
+            }
+        }
+    }
+}
+
+/// One reply message, judged.
+#[derive(Debug, PartialEq, Eq)]
+enum Reply {
+    Owner(u32),
+    NotFound,
+    /// A reply to an earlier request (one that was given up on).
+    Stale,
+}
+
+/// The `SOCK_DIAG_BY_FAMILY` request for the socket at `peer` talking to `local`. The kernel
+/// looks a UDP socket up as the receiver of a datagram from `idiag_src` to `idiag_dst`, and a
+/// TCP one as the socket whose local end is `idiag_src` (net/ipv4/udp_diag.c,
+/// inet_diag.c).
+fn request(protocol: Protocol, local: SocketAddr, peer: SocketAddr, seq: u32) -> Option<Vec<u8>> {
+    let family = match (local.ip(), peer.ip()) {
+        (IpAddr::V4(_), IpAddr::V4(_)) => libc::AF_INET as u8,
+        (IpAddr::V6(_), IpAddr::V6(_)) => libc::AF_INET6 as u8,
+        _ => return None,
+    };
+    let (src, dst, proto) = match protocol {
+        Protocol::Udp => (local, peer, libc::IPPROTO_UDP as u8),
+        Protocol::Tcp => (peer, local, libc::IPPROTO_TCP as u8),
+    };
+    let mut m = Vec::with_capacity(NLMSG_HDR_LEN + REQ_LEN);
+    m.extend_from_slice(&((NLMSG_HDR_LEN + REQ_LEN) as u32).to_ne_bytes());
+    m.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    m.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+    m.extend_from_slice(&seq.to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.extend_from_slice(&[family, proto, 0, 0]);
+    m.extend_from_slice(&u32::MAX.to_ne_bytes()); // every state
+    m.extend_from_slice(&src.port().to_be_bytes());
+    m.extend_from_slice(&dst.port().to_be_bytes());
+    for addr in [src.ip(), dst.ip()] {
+        let mut field = [0u8; 16];
+        match addr {
+            IpAddr::V4(v4) => field[..4].copy_from_slice(&v4.octets()),
+            IpAddr::V6(v6) => field.copy_from_slice(&v6.octets()),
+        }
+        m.extend_from_slice(&field);
+    }
+    m.extend_from_slice(&0u32.to_ne_bytes()); // any interface
+    m.extend_from_slice(&u32::MAX.to_ne_bytes()); // INET_DIAG_NOCOOKIE
+    m.extend_from_slice(&u32::MAX.to_ne_bytes());
+    Some(m)
+}
+
+fn parse_reply(reply: &[u8], seq: u32) -> Reply {
+    let u16_at = |at: usize| {
+        reply
+            .get(at..at + 2)
+            .map(|b| u16::from_ne_bytes([b[0], b[1]]))
+    };
+    let u32_at = |at: usize| {
+        reply
+            .get(at..at + 4)
+            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    if u32_at(8) != Some(seq) {
+        return Reply::Stale;
+    }
+    match (u16_at(4), u32_at(UID_OFFSET)) {
+        (Some(SOCK_DIAG_BY_FAMILY), Some(uid)) => Reply::Owner(uid),
+        // NLMSG_ERROR (ENOENT: no such socket), or anything else.
+        _ => Reply::NotFound,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_laid_out_as_the_kernel_reads_them() {
+        let local: SocketAddr = "127.0.0.53:53".parse().unwrap();
+        let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+        let udp = request(Protocol::Udp, local, peer, 7).unwrap();
+        assert_eq!(udp.len(), 72);
+        assert_eq!(
+            &udp[16..18],
+            &[libc::AF_INET as u8, libc::IPPROTO_UDP as u8]
+        );
+        // UDP: source is our end, destination the client's.
+        assert_eq!(&udp[24..26], &53u16.to_be_bytes());
+        assert_eq!(&udp[26..28], &40000u16.to_be_bytes());
+        assert_eq!(&udp[28..32], &[127, 0, 0, 53]);
+        assert_eq!(&udp[44..48], &[127, 0, 0, 1]);
+        // TCP: source is the client's end.
+        let tcp = request(Protocol::Tcp, local, peer, 7).unwrap();
+        assert_eq!(&tcp[24..26], &40000u16.to_be_bytes());
+        assert_eq!(&tcp[28..32], &[127, 0, 0, 1]);
+        let v6: SocketAddr = "[::1]:53".parse().unwrap();
+        assert!(
+            request(Protocol::Udp, v6, peer, 1).is_none(),
+            "mixed families"
+        );
+    }
+
+    /// Real sockets of this process: a UDP socket that sent to a local one, and a TCP
+    /// connection, are found with this process's uid; a closed one is not.
+    #[test]
+    fn the_owner_of_a_local_socket_is_found() {
+        use std::net::{TcpListener, TcpStream, UdpSocket};
+        let me = nix::unistd::geteuid().as_raw();
+        let mut diag = SockDiag::open().expect("sock_diag");
+        let server = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let client = UdpSocket::bind("127.0.0.1:0").unwrap();
+        client.send_to(b"x", server.local_addr().unwrap()).unwrap();
+        let (local, peer) = (server.local_addr().unwrap(), client.local_addr().unwrap());
+        assert_eq!(diag.owner(Protocol::Udp, local, peer), Some(me));
+        drop(client);
+        assert_eq!(diag.owner(Protocol::Udp, local, peer), None);
+
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, from) = listener.accept().unwrap();
+        let local = accepted.local_addr().unwrap();
+        assert_eq!(from, stream.local_addr().unwrap());
+        assert_eq!(diag.owner(Protocol::Tcp, local, from), Some(me));
+    }
+}
