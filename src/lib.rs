@@ -12,6 +12,9 @@
 //! [`guard`] is the host's resolver, which allows exactly the addresses it answers. [`watch`]
 //! shows what was refused and [`probe`] proves the boundary from inside.
 
+// `unsafe` lives in one FFI module, src/nft/sys.rs, and nowhere else.
+#![deny(unsafe_code)]
+
 pub mod change;
 pub mod conntrack;
 pub mod daemon;

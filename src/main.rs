@@ -1,5 +1,7 @@
 //! The command line: parse arguments, call the library, print, exit with a documented code.
 
+#![forbid(unsafe_code)]
+
 use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
