@@ -6,3 +6,4 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod inputs;
