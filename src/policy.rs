@@ -1931,7 +1931,8 @@ essentials: [loopback, established]
         assert_eq!(w.len(), 4, "192.0.2.53 is fine: {w:?}");
 
         let w = located_warnings(
-            "version: 1\ndns:\n  mode: guard\n  upstream: [224.0.0.251]\n  listen: [\"127.0.0.53:0\", \"[::1]:53\"]\n",
+            "version: 1\ndns:\n  mode: guard\n  upstream: [224.0.0.251]\n  \
+             listen: [\"127.0.0.53:0\", \"[::1]:53\"]\n",
         );
         assert!(
             w.iter()

@@ -158,8 +158,9 @@ pub const LOOKUPS_IN_FLIGHT: usize = 128;
 /// default this is, written down because the socket budget above depends on it).
 const SERVERS_PER_QUERY: usize = 2;
 
-/// Resolves every name (A and AAAA, [`LOOKUPS_IN_FLIGHT`] names at a time) on a single-threaded runtime, so a
-/// caller that entered a network namespace keeps every socket in it.
+/// Resolves every name (A and AAAA, [`LOOKUPS_IN_FLIGHT`] names at a time) on a
+/// single-threaded runtime, so a caller that entered a network namespace keeps every socket
+/// in it.
 pub fn resolve_names<'a>(
     names: impl IntoIterator<Item = &'a DomainName>,
     resolvers: &[IpAddr],

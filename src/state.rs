@@ -848,7 +848,7 @@ impl StateDir {
         let reserved = self.pending().ok().flatten().map(|p| p.generation);
         match recorded.max(reserved) {
             None => Ok(1),
-            // Never wraps: a wrapped number would overwrite generation 0's successors.
+            // Never wraps: 0 would be handed out again and again, each record overwriting the last.
             Some(newest) => newest
                 .checked_add(1)
                 .ok_or_else(|| StateError::NumbersExhausted {
