@@ -215,13 +215,14 @@ fn summary(what: &str, samples: Vec<Sample>, names: usize) -> String {
     let wall = median(samples.iter().map(|s| s.wall).collect());
     let rss = median(samples.iter().map(|s| s.rss_kib).collect());
     let mut line = format!(
-        "| {what} | {:.2} s | {:.1} MiB | {resolved} of {names} |",
+        "| {what} | {:.2} s | {:.1} MiB | {resolved} of {names}",
         wall.as_secs_f64(),
         rss as f64 / 1024.0
     );
     if failed > 0 {
         let _ = write!(line, " ({failed} runs exited non-zero)");
     }
+    line.push_str(" |");
     line
 }
 
