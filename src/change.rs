@@ -254,10 +254,8 @@ fn start_timer(
         reason,
         log: log_path.clone(),
     };
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
+    let log = state
+        .open_revert_timer_log()
         .map_err(|e| failed(format!("cannot open its log: {e}")))?;
     let mut child = timer_command(token)
         .stdin(Stdio::null())

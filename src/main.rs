@@ -407,7 +407,7 @@ fn load(path: &Path) -> Result<Policy, Failure> {
 
 fn load_with_text(path: &Path) -> Result<(Policy, String), Failure> {
     let (policy, text) = Policy::load_with_text(path)?;
-    for w in policy.warnings() {
+    for w in policy.warnings_in(&text, path) {
         eprintln!("warning: {w}");
     }
     Ok((policy, text))

@@ -1566,6 +1566,162 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// Every warning: [`Policy::warnings`], then those about single values that parse but
+    /// cannot do what they seem to, each located in `source` like an error
+    /// (`path:line:column: ...`).
+    pub fn warnings_in(&self, source: &str, path: &Path) -> Vec<String> {
+        let mut out = self.warnings();
+        for ((line, column), message) in self.suspicious_values(source) {
+            out.push(format!("{}: {message}", location(path, line, column)));
+        }
+        out
+    }
+
+    /// Values that allow far more than anyone means, or nothing at all, with where each is
+    /// written in `source`.
+    fn suspicious_values(&self, source: &str) -> Vec<((usize, usize), String)> {
+        let mut out = Vec::new();
+        let at_network = |key: &str, net: &IpNet| {
+            locate_value(source, key, |t| parse_network(t).is_ok_and(|n| n == *net))
+        };
+        for allow in &self.allow {
+            let Target::Cidr(net) = &allow.target else {
+                continue;
+            };
+            if net.prefix_len() == 0 {
+                let family = if net.addr().is_ipv4() { "IPv4" } else { "IPv6" };
+                out.push((
+                    at_network("allow", net),
+                    format!(
+                        "`{net}` allows every {family} address: only the deny list still \
+                         fences those ports; list the networks you need"
+                    ),
+                ));
+            }
+            if let Some(v4) = ipv4_mapped(net) {
+                out.push((at_network("allow", net), mapped_message(net, &v4)));
+            }
+        }
+        for deny in self.deny.iter().filter(|d| d.origin == DenyOrigin::Cidr) {
+            for net in &deny.networks {
+                if let Some(v4) = ipv4_mapped(net) {
+                    out.push((at_network("deny", net), mapped_message(net, &v4)));
+                }
+            }
+        }
+        let servers = [
+            (
+                "resolvers",
+                "resolver",
+                self.dns.resolvers.clone().unwrap_or_default(),
+            ),
+            (
+                "upstream",
+                "upstream",
+                self.dns
+                    .guard
+                    .iter()
+                    .flat_map(|g| g.upstream.clone())
+                    .collect(),
+            ),
+        ];
+        for (key, what, addrs) in servers {
+            for addr in addrs {
+                let Some(kind) = not_a_server(addr) else {
+                    continue;
+                };
+                out.push((
+                    locate_value(source, key, |t| {
+                        t.parse::<IpAddr>().is_ok_and(|a| a == addr)
+                    }),
+                    format!(
+                        "{what} {addr} is {kind}: no resolver answers from there, so DNS \
+                         through it fails; list the resolver's own unicast address"
+                    ),
+                ));
+            }
+        }
+        for listen in self.dns.guard.iter().flat_map(|g| &g.listen) {
+            if listen.port() == 0 {
+                out.push((
+                    locate_value(source, "listen", |t| {
+                        t.parse::<SocketAddr>().is_ok_and(|a| a == *listen)
+                    }),
+                    format!(
+                        "the guard's listen address {listen} has port 0: the kernel picks a \
+                         random port that no client asks; write port 53"
+                    ),
+                ));
+            }
+        }
+        out
+    }
+}
+
+/// The IPv4 network an IPv4-mapped IPv6 network (`::ffff:0:0/96` and below) stands for.
+fn ipv4_mapped(net: &IpNet) -> Option<ipnet::Ipv4Net> {
+    let IpNet::V6(v6) = net else {
+        return None;
+    };
+    let v4 = v6.addr().to_ipv4_mapped()?;
+    let prefix = v6.prefix_len().checked_sub(96)?;
+    ipnet::Ipv4Net::new(v4, prefix).ok()
+}
+
+fn mapped_message(net: &IpNet, v4: &ipnet::Ipv4Net) -> String {
+    format!(
+        "`{net}` is an IPv4-mapped IPv6 network: no packet on the wire carries such an \
+         address (IPv4 goes out as IPv4), so it matches nothing; write `{v4}`"
+    )
+}
+
+/// What a resolver address is when it cannot be one: unspecified, broadcast or multicast.
+fn not_a_server(addr: IpAddr) -> Option<&'static str> {
+    if addr.is_unspecified() {
+        Some("the unspecified address")
+    } else if addr.is_multicast() {
+        Some("a multicast address")
+    } else if matches!(addr, IpAddr::V4(v4) if v4.is_broadcast()) {
+        Some("the broadcast address")
+    } else {
+        None
+    }
+}
+
+/// Where a value is written: the first token at or after the line that holds `key:` for
+/// which `is_it` holds (a token is text between blanks, commas, quotes and braces, with
+/// list brackets around it taken off), else where `key` is.
+fn locate_value(source: &str, key: &str, is_it: impl Fn(&str) -> bool) -> (usize, usize) {
+    let key_colon = format!("{key}:");
+    let start = source
+        .lines()
+        .position(|line| line.split('#').next().unwrap_or("").contains(&key_colon));
+    let Some(start) = start else {
+        return locate(source, key);
+    };
+    for (i, line) in source.lines().enumerate().skip(start) {
+        let code = line.split('#').next().unwrap_or("");
+        let mut from = 0;
+        for token in code.split(|c: char| c.is_whitespace() || ",\"'{}".contains(c)) {
+            let column = from;
+            from += token.len() + 1;
+            let candidates = [
+                token,
+                token.trim_start_matches('['),
+                token.trim_end_matches(']'),
+                token.trim_start_matches('[').trim_end_matches(']'),
+            ];
+            if !token.is_empty() && candidates.iter().any(|c| is_it(c)) {
+                let lead = token.len() - token.trim_start_matches('[').len();
+                let column = if is_it(token) { column } else { column + lead };
+                return (i + 1, column + 1);
+            }
+        }
+    }
+    locate(source, key)
+}
+
 impl Deny {
     pub fn describe(&self) -> String {
         match self.origin {
@@ -1938,6 +2094,94 @@ essentials: [loopback, established]
         assert!(msg.contains("at least one"), "{msg}");
         let (_, _, msg) = err("version: 1\nallow:\n  - cidr: 192.0.2.1\n    ports: []\n");
         assert!(msg.contains("allows nothing"), "{msg}");
+    }
+
+    fn located_warnings(src: &str) -> Vec<String> {
+        parse(src)
+            .expect("valid: these are warnings, not errors")
+            .warnings_in(src, Path::new("p.yaml"))
+    }
+
+    #[test]
+    fn allowing_every_address_is_warned_with_its_line() {
+        let w = located_warnings(
+            "version: 1\nallow:\n  - cidr: 192.0.2.0/24\n  - cidr: 0.0.0.0/0\n    ports: [443]\n  \
+             - cidr: \"::/0\"\n",
+        );
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("p.yaml:4:11: `0.0.0.0/0` allows every IPv4 address")),
+            "{w:?}"
+        );
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("p.yaml:6:12: `::/0` allows every IPv6 address")),
+            "{w:?}"
+        );
+        assert!(located_warnings(FULL).is_empty());
+    }
+
+    #[test]
+    fn resolvers_and_upstreams_that_cannot_answer_are_warned() {
+        let w = located_warnings(
+            "version: 1\ndns:\n  resolvers: [192.0.2.53, 0.0.0.0, 255.255.255.255,\n    \
+             \"ff02::fb\", \"::\"]\n",
+        );
+        let found = |addr: &str, kind: &str, at: &str| {
+            w.iter()
+                .any(|w| w.starts_with(&format!("p.yaml:{at}: resolver {addr} is {kind}")))
+        };
+        assert!(found("0.0.0.0", "the unspecified address", "3:27"), "{w:?}");
+        assert!(
+            found("255.255.255.255", "the broadcast address", "3:36"),
+            "{w:?}"
+        );
+        assert!(found("ff02::fb", "a multicast address", "4:6"), "{w:?}");
+        assert!(found("::", "the unspecified address", "4:18"), "{w:?}");
+        assert_eq!(w.len(), 4, "192.0.2.53 is fine: {w:?}");
+
+        let w = located_warnings(
+            "version: 1\ndns:\n  mode: guard\n  upstream: [224.0.0.251]\n  \
+             listen: [\"127.0.0.53:0\", \"[::1]:53\"]\n",
+        );
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("p.yaml:4:14: upstream 224.0.0.251 is a multicast")),
+            "{w:?}"
+        );
+        assert!(
+            w.iter().any(|w| w
+                .starts_with("p.yaml:5:13: the guard's listen address 127.0.0.53:0 has port 0")),
+            "{w:?}"
+        );
+        assert!(!w.iter().any(|w| w.contains("[::1]:53")), "{w:?}");
+    }
+
+    #[test]
+    fn ipv4_mapped_networks_are_warned_with_the_ipv4_network() {
+        let w = located_warnings(
+            "version: 1\ndeny:\n  - cidr: \"::ffff:10.0.0.0/104\"\nallow:\n  - cidr: \
+             \"::ffff:192.0.2.7\"\n    ports: [443]\n  - cidr: \"2001:db8::/32\"\n",
+        );
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("p.yaml:3:12: `::ffff:10.0.0.0/104`")
+                    && w.ends_with("write `10.0.0.0/8`")),
+            "{w:?}"
+        );
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("p.yaml:5:12: `::ffff:192.0.2.7/128`")
+                    && w.ends_with("write `192.0.2.7/32`")),
+            "{w:?}"
+        );
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert_eq!(
+            ipv4_mapped(&"::ffff:0:0/96".parse().unwrap()),
+            Some("0.0.0.0/0".parse().unwrap())
+        );
+        assert_eq!(ipv4_mapped(&"::/0".parse().unwrap()), None);
+        assert_eq!(ipv4_mapped(&"::/95".parse().unwrap()), None);
     }
 
     #[test]

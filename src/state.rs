@@ -15,6 +15,15 @@
 //!
 //! A file that does not read back as what was written (torn, edited, truncated) is reported
 //! with its path and never used.
+//!
+//! Nothing found in the directory is trusted for what its name says: every file is opened
+//! without following a symbolic link and without blocking (`O_NOFOLLOW | O_NONBLOCK`) and
+//! used only if `fstat` says it is a regular file, so a link planted as `lock` cannot make a
+//! writer truncate the file it points to, and a FIFO named like a generation cannot hang a
+//! reader. The directory itself (and the state directory above it) must belong to root or to
+//! the user egress-fence runs as, and must not be writable by group or others; as root, a
+//! directory that only root can reach (systemd's `/var/lib/private` of `DynamicUser=`) may
+//! belong to another user. Generation numbers never wrap: past `u64::MAX` is an error.
 
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io::{self, Read, Seek, Write};
@@ -79,6 +88,18 @@ pub enum StateError {
     NothingBefore { newest: u64, dir: PathBuf },
     #[error("no generation is recorded in {dir}")]
     NoGenerations { dir: PathBuf },
+    #[error(
+        "refusing {path}: it is {found}, not a regular file; egress-fence never follows links \
+         or opens special files in its state directory: remove it (`rm {path}`) and try again"
+    )]
+    NotAFile { path: PathBuf, found: &'static str },
+    #[error("refusing the state directory {path}: {reason}")]
+    UnsafeDir { path: PathBuf, reason: String },
+    #[error(
+        "generation numbers in {dir} are used up (the newest is {newest}); move the \
+         generation files elsewhere to start again from 1"
+    )]
+    NumbersExhausted { dir: PathBuf, newest: u64 },
     #[error("{}", busy_message(.path, .holder, *.waited))]
     LockBusy {
         path: PathBuf,
@@ -100,6 +121,122 @@ fn io_error<'a>(doing: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -
         doing,
         path: path.to_owned(),
         source,
+    }
+}
+
+// ---- files and directories that may have been tampered with -------------------------------
+
+/// What a directory entry is, for messages.
+fn kind_of(file_type: fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if file_type.is_symlink() {
+        "a symbolic link"
+    } else if file_type.is_dir() {
+        "a directory"
+    } else if file_type.is_fifo() {
+        "a FIFO"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else if file_type.is_block_device() || file_type.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Opens `path` (in the state directory) without following a symbolic link or blocking on a
+/// FIFO, and only if it is a regular file. `NotFound` stays an `io::Error` for the caller.
+fn open_regular(path: &Path, options: &mut OpenOptions) -> Result<File, StateError> {
+    let file = options
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            // O_NOFOLLOW on a link: ELOOP.
+            Some(libc::ELOOP) => StateError::NotAFile {
+                path: path.to_owned(),
+                found: "a symbolic link",
+            },
+            _ => io_error("open", path)(e),
+        })?;
+    let meta = file.metadata().map_err(io_error("inspect", path))?;
+    if !meta.file_type().is_file() {
+        return Err(StateError::NotAFile {
+            path: path.to_owned(),
+            found: kind_of(meta.file_type()),
+        });
+    }
+    Ok(file)
+}
+
+/// Reads a whole regular file of the state directory (see [`open_regular`]).
+fn read_regular(path: &Path) -> Result<String, StateError> {
+    let mut file = open_regular(path, OpenOptions::new().read(true))?;
+    let mut text = String::new();
+    file.read_to_string(&mut text)
+        .map_err(io_error("read", path))?;
+    Ok(text)
+}
+
+/// Whether `err` is "the file does not exist".
+fn is_not_found(err: &StateError) -> bool {
+    matches!(err, StateError::Io { source, .. } if source.kind() == io::ErrorKind::NotFound)
+}
+
+/// Why a directory with this owner and mode may not hold state for a process of `euid`, or
+/// `None` when it may. `only_root_reaches` says whether an ancestor keeps everyone but root
+/// out (systemd's /var/lib/private for `DynamicUser=`).
+fn unsafe_dir_reason(owner: u32, mode: u32, euid: u32, only_root_reaches: bool) -> Option<String> {
+    if owner != 0 && owner != euid && !(euid == 0 && only_root_reaches) {
+        return Some(format!(
+            "it belongs to uid {owner}, not to root or to uid {euid} (this process), so that \
+             user could plant what egress-fence installs; `chown {euid}` it or use another \
+             --state-dir"
+        ));
+    }
+    if mode & 0o022 != 0 {
+        return Some(format!(
+            "its mode {:o} lets group or others write to it; `chmod go-w` it",
+            mode & 0o7777
+        ));
+    }
+    None
+}
+
+/// Whether some ancestor of `dir` is root's and closed to everyone else (mode without any
+/// group or other bits): then only root can reach `dir`, whoever owns it.
+fn only_root_reaches(dir: &Path) -> bool {
+    let Ok(real) = fs::canonicalize(dir) else {
+        return false;
+    };
+    real.ancestors()
+        .skip(1)
+        .any(|a| fs::metadata(a).is_ok_and(|m| m.uid() == 0 && m.mode() & 0o077 == 0))
+}
+
+/// Refuses a state directory that someone else could write to (see [`unsafe_dir_reason`]).
+/// A directory that does not exist yet is fine: writers create it.
+fn check_dir(dir: &Path) -> Result<(), StateError> {
+    let meta = match fs::metadata(dir) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_error("inspect", dir)(e)),
+    };
+    if !meta.is_dir() {
+        return Err(StateError::UnsafeDir {
+            path: dir.to_owned(),
+            reason: "it is not a directory".into(),
+        });
+    }
+    let euid = nix::unistd::geteuid().as_raw();
+    // Walking the ancestors is needed only for root looking at another user's directory.
+    let foreign = meta.uid() != 0 && meta.uid() != euid;
+    let only_root = euid == 0 && foreign && only_root_reaches(dir);
+    match unsafe_dir_reason(meta.uid(), meta.mode(), euid, only_root) {
+        Some(reason) => Err(StateError::UnsafeDir {
+            path: dir.to_owned(),
+            reason,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -525,7 +662,27 @@ impl StateDir {
             .recursive(true)
             .mode(0o700)
             .create(&self.dir)
-            .map_err(io_error("create the state directory", &self.dir))
+            .map_err(io_error("create the state directory", &self.dir))?;
+        self.check()
+    }
+
+    /// Refuses the directory, and the state directory it is in, if someone other than root
+    /// or this process's user could write to them.
+    pub fn check(&self) -> Result<(), StateError> {
+        if let Some(root) = self.dir.parent() {
+            check_dir(root)?;
+        }
+        check_dir(&self.dir)
+    }
+
+    /// Opens the revert timers' log for appending (created if missing), refusing links and
+    /// special files like every other file here.
+    pub fn open_revert_timer_log(&self) -> Result<File, StateError> {
+        let path = self.revert_timer_log();
+        open_regular(
+            &path,
+            OpenOptions::new().create(true).append(true).mode(0o600),
+        )
     }
 
     fn file(&self, name: &str) -> PathBuf {
@@ -548,15 +705,17 @@ impl StateDir {
     ) -> Result<WriterLock, StateError> {
         self.create()?;
         let path = self.file(LOCK_FILE);
-        // Never truncated on open: the holder's line is only rewritten by the next holder.
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&path)
-            .map_err(io_error("open the lock", &path))?;
+        // Never truncated on open: the holder's line is only rewritten by the next holder,
+        // and only once the file is known to be a regular file of its own (not a link).
+        let mut file = open_regular(
+            &path,
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600),
+        )?;
         let started = Instant::now();
         let mut waiting = false;
         let mut locked = loop {
@@ -609,6 +768,7 @@ impl StateDir {
 
     /// The numbers of the generation files, ascending (the files are not read).
     pub fn generation_numbers(&self) -> Result<Vec<u64>, StateError> {
+        self.check()?;
         let listing = match fs::read_dir(&self.dir) {
             Ok(listing) => listing,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -631,8 +791,11 @@ impl StateDir {
 
     fn entry(&self, number: u64) -> GenerationEntry {
         let path = self.file(&generation_file_name(number));
-        let record = fs::read_to_string(&path)
-            .map_err(|e| format!("cannot read it ({e})"))
+        let record = read_regular(&path)
+            .map_err(|e| match e {
+                StateError::Io { source, .. } => format!("cannot read it ({source})"),
+                other => format!("cannot read it: {other}"),
+            })
             .and_then(|text| parse_generation(number, &text));
         GenerationEntry {
             number,
@@ -683,7 +846,16 @@ impl StateDir {
     pub fn next_number(&self, _lock: &WriterLock) -> Result<u64, StateError> {
         let recorded = self.generation_numbers()?.last().copied();
         let reserved = self.pending().ok().flatten().map(|p| p.generation);
-        Ok(recorded.max(reserved).map_or(1, |n| n + 1))
+        match recorded.max(reserved) {
+            None => Ok(1),
+            // Never wraps: 0 would be handed out again and again, each record overwriting the last.
+            Some(newest) => newest
+                .checked_add(1)
+                .ok_or_else(|| StateError::NumbersExhausted {
+                    dir: self.dir.clone(),
+                    newest,
+                }),
+        }
     }
 
     /// Records a generation under the next number, then keeps only the `keep` newest (and the
@@ -745,11 +917,12 @@ impl StateDir {
 
     /// The pending confirmation, if any; a corrupt file is an error, never ignored.
     pub fn pending(&self) -> Result<Option<PendingConfirm>, StateError> {
+        self.check()?;
         let path = self.file(PENDING_FILE);
-        let text = match fs::read_to_string(&path) {
+        let text = match read_regular(&path) {
             Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io_error("read", &path)(e)),
+            Err(e) if is_not_found(&e) => return Ok(None),
+            Err(e) => return Err(e),
         };
         let pending: PendingConfirm =
             serde_json::from_str(&text).map_err(|e| StateError::CorruptPending {
@@ -907,6 +1080,7 @@ fn time_of_day(secs: u64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
     use std::path::Path;
 
     use super::*;
@@ -1266,6 +1440,118 @@ mod tests {
             PendingConfirm::new(1, None, deadline, 1)
                 .revert_target()
                 .contains("deleted")
+        );
+    }
+
+    #[test]
+    fn a_symlinked_lock_is_refused_and_its_target_left_alone() {
+        let (root, state) = temp_state();
+        state.create().unwrap();
+        let victim = root.path().join("victim");
+        fs::write(&victim, "precious\n").unwrap();
+        std::os::unix::fs::symlink(&victim, state.path().join(LOCK_FILE)).unwrap();
+        let err = state
+            .lock("apply", Duration::from_secs(1), |_| {})
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                StateError::NotAFile {
+                    found: "a symbolic link",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("/lock"), "{err}");
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "precious\n");
+    }
+
+    #[test]
+    fn special_files_named_like_state_are_refused_without_blocking() {
+        let (_root, state) = temp_state();
+        let lock = lock(&state);
+        state
+            .record(&lock, new_generation(Recorder::Apply), 10)
+            .unwrap();
+        let fifo = state.path().join(generation_file_name(2));
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let entries = state.generations().unwrap();
+        assert_eq!(entries.len(), 2);
+        let why = entries[1].record.as_ref().unwrap_err();
+        assert!(why.contains("a FIFO"), "{why}");
+        assert!(matches!(
+            state.newest(),
+            Err(StateError::Corrupt { number: 2, .. })
+        ));
+        nix::unistd::mkfifo(
+            &state.path().join(PENDING_FILE),
+            nix::sys::stat::Mode::S_IRWXU,
+        )
+        .unwrap();
+        assert!(matches!(
+            state.pending(),
+            Err(StateError::NotAFile {
+                found: "a FIFO",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn generation_numbers_never_wrap() {
+        let (_root, state) = temp_state();
+        let lock = lock(&state);
+        fs::write(state.path().join(generation_file_name(u64::MAX)), "{}").unwrap();
+        let err = state.next_number(&lock).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StateError::NumbersExhausted {
+                    newest: u64::MAX,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            state
+                .record(&lock, new_generation(Recorder::Apply), 10)
+                .is_err()
+        );
+        assert!(!state.path().join(generation_file_name(0)).exists());
+    }
+
+    #[test]
+    fn directories_others_could_write_to_are_refused() {
+        assert_eq!(unsafe_dir_reason(0, 0o40700, 0, false), None);
+        assert_eq!(unsafe_dir_reason(1000, 0o40755, 1000, false), None);
+        assert_eq!(unsafe_dir_reason(0, 0o40755, 1000, false), None);
+        let other = unsafe_dir_reason(1000, 0o40700, 0, false).unwrap();
+        assert!(
+            other.contains("uid 1000") && other.contains("chown"),
+            "{other}"
+        );
+        // systemd's DynamicUser= directory below /var/lib/private (root's, 0700).
+        assert_eq!(unsafe_dir_reason(61234, 0o40700, 0, true), None);
+        assert!(unsafe_dir_reason(61234, 0o40700, 1000, true).is_some());
+        let writable = unsafe_dir_reason(0, 0o40770, 0, false).unwrap();
+        assert!(
+            writable.contains("770") && writable.contains("chmod go-w"),
+            "{writable}"
+        );
+        assert!(unsafe_dir_reason(0, 0o41777, 0, false).is_some());
+
+        let (root, state) = temp_state();
+        state.create().unwrap();
+        fs::set_permissions(state.path(), fs::Permissions::from_mode(0o777)).unwrap();
+        let err = state.generation_numbers().unwrap_err().to_string();
+        assert!(err.contains(&state.path().display().to_string()), "{err}");
+        fs::set_permissions(state.path(), fs::Permissions::from_mode(0o700)).unwrap();
+        fs::set_permissions(root.path(), fs::Permissions::from_mode(0o757)).unwrap();
+        assert!(
+            state.pending().is_err(),
+            "the state directory above is checked too"
         );
     }
 

@@ -345,31 +345,67 @@ pub struct Measured {
 /// std's `wait` does not give. Panics, with the child's stdout and stderr, if it failed; and
 /// if a signal asked us to stop, after ending the child (see [`install_signal_handlers`]).
 pub fn measure(cmd: &mut Command) -> Measured {
+    let (status, measured, stderr) = measure_any(cmd);
+    assert!(
+        status.success(),
+        "{cmd:?} failed ({status}): {}{}",
+        measured.stdout,
+        stderr
+    );
+    measured
+}
+
+/// Like [`measure`], for a child that may fail: its exit status and stderr come back too.
+pub fn measure_any(cmd: &mut Command) -> (ExitStatus, Measured, String) {
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let start = Instant::now();
     let mut child = cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    // Small outputs: reading one pipe to the end cannot block on the other filling up.
+    // Standard error is drained on a thread of its own, so that a child with much to say on
+    // both (a warning per unresolved name) never blocks on a full pipe while we read the
+    // other. The thread's read ends when the child exits or is killed.
+    let mut stderr_pipe = child.stderr.take().expect("piped");
+    let stderr_reader = std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = stderr_pipe.read_to_end(&mut bytes);
+        String::from_utf8_lossy(&bytes).into_owned()
+    });
     let stdout = read_to_end(child.stdout.take().expect("piped"), &mut child);
-    let stderr = read_to_end(child.stderr.take().expect("piped"), &mut child);
+    let stderr = stderr_reader.join().unwrap_or_default();
     let (status, usage) = wait4(&mut child);
     let wall = start.elapsed();
     // `child` was reaped by wait4; dropping it neither waits nor kills.
     drop(child);
     check_interrupted();
-    assert!(
-        status.success(),
-        "{cmd:?} failed ({status}): {}{}",
-        stdout,
-        stderr
-    );
-    Measured {
+    let measured = Measured {
         wall,
         user: timeval(usage.ru_utime),
         sys: timeval(usage.ru_stime),
         maxrss_kib: usage.ru_maxrss as u64,
         stdout,
+    };
+    (status, measured, stderr)
+}
+
+/// Sets `cmd`'s limit of open files (soft and hard) to `n` before it runs, as
+/// `ulimit -n` or systemd's `LimitNOFILE=` would.
+pub fn limit_open_files(cmd: &mut Command, n: u64) {
+    let limit = libc::rlimit {
+        rlim_cur: n,
+        rlim_max: n,
+    };
+    // SAFETY: between fork and exec the hook only calls setrlimit(2), which is
+    // async-signal-safe, on a struct it owns, and builds an io::Error from errno, which
+    // allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
     }
 }
 
