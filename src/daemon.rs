@@ -110,15 +110,23 @@ pub struct Options {
 /// policy, a table the kernel refuses, a taken port), the namespace is not left open: without
 /// a table of ours, the fail-closed table goes up ([`crate::plan::fail_closed`]) before the
 /// error is returned; a table already in place (a restart) stays as it is.
+///
+/// That includes a state directory or writers' lock the daemon cannot take (a directory
+/// refused as unsafe, a writer that kept the lock): the boundary matters more than its
+/// record, and the fail-closed table opens nothing another writer could have meant to close.
 pub fn run(options: Options) -> Result<(), DaemonError> {
-    let lock = Arc::new(options.state.lock("run", options.lock_timeout, |holder| {
+    let lock = match options.state.lock("run", options.lock_timeout, |holder| {
         warn!(holder = %holder, "waiting for the lock of another egress-fence writer");
-    })?);
+    }) {
+        Ok(lock) => Arc::new(lock),
+        Err(error) => return Err(fail_closed(error.into())),
+    };
     drop_pending_confirmation(&options.state, &lock);
     let mut boundary_up = false;
     let result = start_and_serve(options, lock.clone(), &mut boundary_up);
     match result {
-        Err(error) if !boundary_up => Err(fail_closed(error, &lock)),
+        // The lock is still held here, so no other writer's table can appear meanwhile.
+        Err(error) if !boundary_up => Err(fail_closed(error)),
         other => other,
     }
 }
@@ -160,8 +168,8 @@ fn start_and_serve(
 }
 
 /// The daemon could not put up its boundary: unless a table of ours is in place, put up the
-/// fail-closed one, holding the writers' lock meanwhile. Returns the error to exit with.
-fn fail_closed(error: DaemonError, _lock: &WriterLock) -> DaemonError {
+/// fail-closed one. Returns the error to exit with.
+fn fail_closed(error: DaemonError) -> DaemonError {
     let skeleton = Nft::open().and_then(|mut nft| {
         if nft.table_exists()? {
             return Ok(false);

@@ -442,3 +442,55 @@ fn a_reload_still_reading_its_file_holds_up_neither_healing_nor_the_guard() {
         daemon.stderr()
     );
 }
+
+/// The boundary matters more than its record: a state directory the daemon refuses, or a lock
+/// another writer keeps, must not leave the namespace without a table (systemd would restart
+/// an unfenced host in a loop).
+#[test]
+fn a_start_without_its_state_directory_or_lock_still_leaves_the_fail_closed_table() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let path = w.write_file("policy.yaml", &policy("api.example.com", ""));
+    let path = path.to_str().expect("utf-8");
+
+    // A state directory that cannot be made.
+    assert!(!has_table(&w));
+    let out = w.egress_fence(&["run", path, "--state-dir", "/proc/egress-fence-none"]);
+    assert_ne!(out.code(), 0, "{out}");
+    assert!(out.stderr.contains("the fail-closed table is"), "{out}");
+    let (chain_policy, rules) = output_chain(&w);
+    assert_eq!(chain_policy, "drop");
+    assert!(rules.contains(&"goto refused".to_owned()), "{rules:?}");
+    assert!(
+        !connects(&w, HOST_V4, 443),
+        "the fail-closed table lets through"
+    );
+    let out = w.sandbox_cmd(&["nft", "delete", "table", "inet", "egress_fence"]);
+    assert!(out.success(), "{out}");
+
+    // A writer that keeps the lock past --lock-timeout.
+    let state = w.sandbox_state_dir();
+    std::fs::create_dir_all(&state).expect("state directory");
+    let lock = state.join("lock");
+    let mut holder = Command::new("flock")
+        .arg("-x")
+        .arg(&lock)
+        .args(["sleep", "20"])
+        .spawn()
+        .expect("flock");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !lock.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let out = w.egress_fence(&["run", path, "--lock-timeout", "1s"]);
+    let _ = holder.kill();
+    let _ = holder.wait();
+    assert_ne!(out.code(), 0, "{out}");
+    assert!(out.stderr.contains("the fail-closed table is"), "{out}");
+    assert!(
+        !connects(&w, HOST_V4, 443),
+        "the fail-closed table lets through"
+    );
+}
