@@ -31,6 +31,11 @@
 //! - the `dns-over-https` preset (implied by guard mode) is checked in the installed table's
 //!   deny sets, never with traffic: its addresses are public resolvers.
 //!
+//! Last, in both modes: whether this process can open a packet socket (`AF_PACKET`, which
+//! takes CAP_NET_RAW). Frames written to one never meet the output hook and nftables cannot
+//! refuse them (README, "What the fence cannot stop"), so it is a FAIL for a process without
+//! CAP_NET_ADMIN and skipped, with the reason, for one that holds it.
+//!
 //! Everything runs in the caller's network namespace: the CLI enters `--netns` first, and the
 //! probe's threads inherit the namespace of the thread that calls [`run`].
 //!
@@ -446,6 +451,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.rogue_resolvers();
             plan.exfiltration(exfil_name);
             plan.resolved_elements();
+            plan.link_layer();
         }
         Some(g) => {
             plan.system_resolver(g);
@@ -457,6 +463,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.rogue_resolvers();
             plan.guarded_exfiltration(exfil_name);
             plan.resolved_elements();
+            plan.link_layer();
         }
     }
 
@@ -478,6 +485,84 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
         })
         .collect();
     Ok(Report { checks })
+}
+
+// ---- link-layer frames ---------------------------------------------------------------------
+
+/// The check's name in the report.
+pub const LINK_LAYER_CHECK: &str = "link-layer frames (packet socket)";
+
+/// Capability numbers (linux/capability.h).
+const CAP_NET_ADMIN: u32 = 12;
+
+/// Whether capability `cap` is in this process's effective set (`CapEff` of
+/// /proc/self/status); `None` when that cannot be read.
+fn capability_effective(cap: u32) -> Option<bool> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+    let mask = u64::from_str_radix(hex.trim(), 16).ok()?;
+    Some(mask & (1 << cap) != 0)
+}
+
+/// Tries to open a packet socket (protocol 0: it receives nothing) and closes it at once.
+fn packet_socket_access() -> Result<(), nix::errno::Errno> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+    socket(
+        AddressFamily::Packet,
+        SockType::Raw,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map(drop)
+}
+
+/// A frame written to a packet socket (`AF_PACKET`, which CAP_NET_RAW opens: root in a Docker
+/// container has it by default) goes straight to the device: it never meets the output hook,
+/// so no rule of the table sees it, and it can carry any packet to any address. nftables cannot
+/// stop it either at the device's egress hook: there such a frame looks like one the IP stack
+/// sent (same socket owner; conntrack cannot be read in the netdev family, and marks and
+/// priorities are the sender's to set with CAP_NET_RAW). Only taking CAP_NET_RAW from the
+/// fenced processes closes it, so the probe reports whether this process could.
+fn link_layer_check(opened: Result<(), nix::errno::Errno>, net_admin: Option<bool>) -> Check {
+    use nix::errno::Errno;
+    let remedy = "drop CAP_NET_RAW for the fenced processes (docker run --cap-drop NET_RAW; \
+                  Kubernetes securityContext.capabilities.drop [NET_RAW]; systemd \
+                  CapabilityBoundingSet=~CAP_NET_RAW or RestrictAddressFamilies=~AF_PACKET)";
+    let (outcome, reason) = match (opened, net_admin) {
+        (Ok(()), Some(true)) => (
+            Outcome::Skip,
+            format!(
+                "this probe holds CAP_NET_ADMIN, so it is not what the fence confines (it \
+                 could remove the table); it opened a packet socket, as any process with \
+                 CAP_NET_RAW can, and frames written to one never meet nftables' output hook: \
+                 run the probe as the fenced user (root in a container: setpriv \
+                 --bounding-set=-net_admin) to check them, and {remedy}"
+            ),
+        ),
+        (Ok(()), _) => (
+            Outcome::Fail,
+            format!(
+                "opened a packet socket (this process has CAP_NET_RAW): frames written to it \
+                 never meet nftables' output hook, so it can send any packet to any address \
+                 past the fence; {remedy}"
+            ),
+        ),
+        (Err(e @ (Errno::EPERM | Errno::EACCES)), _) => (
+            Outcome::Pass,
+            format!(
+                "cannot open a packet socket ({e}): every packet it sends meets the output hook"
+            ),
+        ),
+        (Err(Errno::EAFNOSUPPORT), _) => (
+            Outcome::Pass,
+            "this kernel has no packet sockets: every packet meets the output hook".to_string(),
+        ),
+        (Err(e), _) => (
+            Outcome::Warn,
+            format!("could not tell: opening a packet socket failed ({e})"),
+        ),
+    };
+    Check::new(outcome, LINK_LAYER_CHECK, reason)
 }
 
 // ---- what to try ---------------------------------------------------------------------------
@@ -973,6 +1058,14 @@ impl<'a> Plan<'a> {
         for check in failed {
             self.done(check);
         }
+    }
+
+    /// Whether this process can write link-layer frames (see [`link_layer_check`]).
+    fn link_layer(&mut self) {
+        self.done(link_layer_check(
+            packet_socket_access(),
+            capability_effective(CAP_NET_ADMIN),
+        ));
     }
 
     /// The public DNS-over-HTTPS resolvers are never contacted: the installed table's deny
@@ -1902,6 +1995,31 @@ fn describe(e: &io::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_packet_socket_fails_the_probe_only_without_cap_net_admin() {
+        use nix::errno::Errno;
+        let fail = link_layer_check(Ok(()), Some(false));
+        assert_eq!(fail.outcome, Outcome::Fail, "{fail}");
+        assert_eq!(fail.check, LINK_LAYER_CHECK);
+        assert!(fail.reason.contains("--cap-drop NET_RAW"), "{fail}");
+        // Capabilities unreadable: opening the socket is what counts.
+        assert_eq!(link_layer_check(Ok(()), None).outcome, Outcome::Fail);
+        // The administrator is outside the threat model: told, not failed.
+        let admin = link_layer_check(Ok(()), Some(true));
+        assert_eq!(admin.outcome, Outcome::Skip, "{admin}");
+        let denied = link_layer_check(Err(Errno::EPERM), Some(false));
+        assert_eq!(denied.outcome, Outcome::Pass, "{denied}");
+        assert!(denied.reason.contains("EPERM"), "{denied}");
+        assert_eq!(
+            link_layer_check(Err(Errno::EAFNOSUPPORT), None).outcome,
+            Outcome::Pass
+        );
+        assert_eq!(
+            link_layer_check(Err(Errno::EMFILE), Some(false)).outcome,
+            Outcome::Warn
+        );
+    }
 
     fn ctx() -> Ctx {
         Ctx {

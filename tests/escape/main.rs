@@ -10,4 +10,5 @@ mod common;
 mod daemon;
 mod essentials;
 mod guard;
+mod raw_frames;
 mod repair;
