@@ -1,9 +1,8 @@
 //! Link-layer frames: root in a container keeps CAP_NET_RAW (Docker's default), opens an
-//! `AF_PACKET` socket and writes whole Ethernet frames, which go straight to the device and
-//! never meet the output hook. nftables cannot tell them apart from the IP stack's own at the
-//! device's egress hook (README, "What the fence cannot stop"), so the tool cannot close this
-//! way out; `probe`, run as the fenced user, must say that it is open (it said nothing before)
-//! and that dropping CAP_NET_RAW closes it.
+//! `AF_PACKET` or `AF_XDP` socket and writes whole Ethernet frames, which go straight to the
+//! device and never meet the output hook. nftables cannot refuse them (README, "What the fence
+//! cannot stop"), so the tool cannot close this way out; `probe`, run as the fenced user, must
+//! say that it is open (it said nothing before) and that dropping CAP_NET_RAW closes it.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -29,26 +28,19 @@ dns:
 const REFUSED_PORT: u16 = 9999;
 
 /// Writes one Ethernet frame carrying a UDP datagram from the sandbox to the net side of the
-/// veth through an `AF_PACKET` socket: `python3 -c SEND_FRAME IFNAME DST_MAC SRC DST DPORT
-/// BYPASS` (BYPASS 1 sets PACKET_QDISC_BYPASS). Prints `sent` or `refused ERRNO`; exits
-/// non-zero when CAP_NET_ADMIN is effective (then it is not the threat model's adversary).
+/// veth, below the IP stack: `python3 -c SEND_FRAME HOW IFNAME DST_MAC SRC DST DPORT`, HOW
+/// being `packet` (an `AF_PACKET` socket), `bypass` (the same with PACKET_QDISC_BYPASS) or
+/// `xdp` (an `AF_XDP` socket in copy mode, no XDP program). Prints `sent` or `refused ERRNO`
+/// (the socket could not be opened); exits non-zero when CAP_NET_ADMIN is effective (then it
+/// is not the threat model's adversary).
 const SEND_FRAME: &str = r#"
-import socket, struct, sys
-ifname, dmac, src, dst, dport, bypass = sys.argv[1:7]
+import ctypes, mmap, socket, struct, sys
+how, ifname, dmac, src, dst, dport = sys.argv[1:7]
 status = open('/proc/self/status').read().split('\n')
 cap_eff = int([l for l in status if l.startswith('CapEff:')][0].split()[1], 16)
 if cap_eff & (1 << 12):
     sys.exit('CAP_NET_ADMIN is effective')
-try:
-    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
-except PermissionError as e:
-    print('refused', e.errno)
-    sys.exit(0)
-if bypass == '1':
-    s.setsockopt(263, 20, 1)  # SOL_PACKET, PACKET_QDISC_BYPASS
-s.bind((ifname, 0))
-smac = s.getsockname()[4]
-payload = b'frame past the fence'
+payload = ('frame past the fence (%s)' % how).encode()
 udp = struct.pack('!HHHH', 40000, int(dport), 8 + len(payload), 0) + payload
 def checksum(b):
     total = sum(struct.unpack('!%dH' % (len(b) // 2), b))
@@ -57,10 +49,66 @@ def checksum(b):
 ip = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
                  socket.inet_aton(src), socket.inet_aton(dst))
 ip = ip[:10] + struct.pack('!H', checksum(ip)) + ip[12:]
+smac = bytes.fromhex(open('/sys/class/net/%s/address' % ifname).read().strip().replace(':', ''))
 frame = bytes.fromhex(dmac.replace(':', '')) + smac + struct.pack('!H', 0x0800) + ip + udp
-s.send(frame)
+family = 44 if how == 'xdp' else socket.AF_PACKET  # AF_XDP
+try:
+    s = socket.socket(family, socket.SOCK_RAW, 0)
+except PermissionError as e:
+    print('refused', e.errno)
+    sys.exit(0)
+if how in ('packet', 'bypass'):
+    if how == 'bypass':
+        s.setsockopt(263, 20, 1)  # SOL_PACKET, PACKET_QDISC_BYPASS
+    s.bind((ifname, 0))
+    s.send(frame)
+    print('sent')
+    sys.exit(0)
+# AF_XDP: a 64 KiB UMEM, fill, completion and TX rings of 64, bound in copy mode to queue 0.
+SOL_XDP, MMAP_OFFSETS, TX_RING, UMEM_REG, FILL_RING, COMPLETION_RING = 283, 1, 3, 4, 5, 6
+umem = mmap.mmap(-1, 16 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+base = ctypes.addressof(ctypes.c_char.from_buffer(umem))
+s.setsockopt(SOL_XDP, UMEM_REG, struct.pack('=QQII', base, 16 * 4096, 4096, 0))
+for ring in (FILL_RING, COMPLETION_RING, TX_RING):
+    s.setsockopt(SOL_XDP, ring, struct.pack('=I', 64))
+offsets = struct.unpack('=16Q', s.getsockopt(SOL_XDP, MMAP_OFFSETS, 128))
+producer, descs = offsets[4], offsets[6]
+tx = mmap.mmap(s.fileno(), descs + 64 * 16, mmap.MAP_SHARED,
+               mmap.PROT_READ | mmap.PROT_WRITE, offset=0x80000000)
+class SockaddrXdp(ctypes.Structure):
+    _fields_ = [('family', ctypes.c_uint16), ('flags', ctypes.c_uint16),
+                ('ifindex', ctypes.c_uint32), ('queue', ctypes.c_uint32),
+                ('shared_umem_fd', ctypes.c_uint32)]
+addr = SockaddrXdp(44, 2, socket.if_nametoindex(ifname), 0, 0)  # XDP_COPY
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.bind(s.fileno(), ctypes.byref(addr), ctypes.sizeof(addr)) != 0:
+    sys.exit('binding the XDP socket failed: errno %d' % ctypes.get_errno())
+umem[0:len(frame)] = frame
+struct.pack_into('=QII', tx, descs, 0, len(frame), 0)
+struct.pack_into('=I', tx, producer, 1)
+s.send(b'', socket.MSG_DONTWAIT)
 print('sent')
 "#;
+
+/// How [`SEND_FRAME`] writes its frame.
+#[derive(Debug, Clone, Copy)]
+enum Way {
+    Packet,
+    PacketQdiscBypass,
+    Xdp,
+}
+
+impl Way {
+    const ALL: [Way; 3] = [Way::Packet, Way::PacketQdiscBypass, Way::Xdp];
+
+    fn arg(self) -> &'static str {
+        match self {
+            Way::Packet => "packet",
+            Way::PacketQdiscBypass => "bypass",
+            Way::Xdp => "xdp",
+        }
+    }
+}
 
 /// Root in the sandbox without CAP_NET_ADMIN; `keep_net_raw: false` also drops CAP_NET_RAW
 /// (what the README tells container runtimes to do).
@@ -86,7 +134,7 @@ fn run_in_sandbox(w: &World, args: &[String]) -> CmdOutput {
 }
 
 /// Sends [`SEND_FRAME`] to the gateway's [`REFUSED_PORT`]; its output line.
-fn send_frame(w: &World, keep_net_raw: bool, bypass: bool) -> String {
+fn send_frame(w: &World, keep_net_raw: bool, way: Way) -> String {
     let mac = w.net_cmd(&["cat", "/sys/class/net/veth0/address"]);
     assert!(mac.success(), "{mac}");
     let (src, dst, port) = (
@@ -100,16 +148,16 @@ fn send_frame(w: &World, keep_net_raw: bool, bypass: bool) -> String {
             "/usr/bin/python3",
             "-c",
             SEND_FRAME,
+            way.arg(),
             "eth0",
             mac.stdout.trim(),
             &src,
             &dst,
             &port,
-            if bypass { "1" } else { "0" },
         ],
     );
     let out = run_in_sandbox(w, &args);
-    assert!(out.success(), "sending a frame: {out}");
+    assert!(out.success(), "sending a frame ({way:?}): {out}");
     out.stdout.trim().to_string()
 }
 
@@ -136,7 +184,7 @@ fn probe_link_layer(w: &World, policy: &str, keep_net_raw: bool) -> (i32, String
 }
 
 #[test]
-fn frames_from_a_packet_socket_pass_the_table_and_the_probe_says_so() {
+fn frames_from_packet_and_xdp_sockets_pass_the_table_and_the_probe_says_so() {
     let w = World::new();
     let listener = w.listen_udp(GATEWAY_V4, REFUSED_PORT);
     // The allowed service, so that every other check of the probe passes.
@@ -153,14 +201,15 @@ fn frames_from_a_packet_socket_pass_the_table_and_the_probe_says_so() {
         "the table let UDP {REFUSED_PORT} through ({stack}): {:?}",
         listener.hits()
     );
-    // ...but a frame written below it, plain or past the qdisc, arrives: nftables never sees
-    // it in a way it could refuse (the limitation the README states).
-    assert_eq!(send_frame(&w, true, false), "sent");
-    assert_eq!(send_frame(&w, true, true), "sent");
+    // ...but a frame written below it, through a packet socket (plain or past the qdisc) or an
+    // XDP socket, arrives: nftables cannot refuse it (the limitation the README states).
+    for way in Way::ALL {
+        assert_eq!(send_frame(&w, true, way), "sent", "{way:?}");
+    }
     assert!(
-        listener.wait_for(2, Duration::from_secs(3)),
-        "both frames were expected to arrive; if nothing arrives, the fence now stops them: \
-         update the README and this test ({:?})",
+        listener.wait_for(Way::ALL.len(), Duration::from_secs(3)),
+        "every frame was expected to arrive; if one does not, the fence now stops it: update \
+         the README and this test ({:?})",
         listener.hits()
     );
     let peers: Vec<IpAddr> = listener.peers();
@@ -172,10 +221,12 @@ fn frames_from_a_packet_socket_pass_the_table_and_the_probe_says_so() {
     assert_eq!(code, 5, "a failed check fails the probe: {reason}");
     assert!(reason.contains("CAP_NET_RAW"), "{reason}");
 
-    // Without CAP_NET_RAW no packet socket opens, no frame leaves, and the probe passes.
+    // Without CAP_NET_RAW neither socket opens, no frame leaves, and the probe passes.
     let before = listener.count();
-    let refused = send_frame(&w, false, false);
-    assert!(refused.starts_with("refused"), "{refused}");
+    for way in Way::ALL {
+        let refused = send_frame(&w, false, way);
+        assert_eq!(refused, format!("refused {}", libc::EPERM), "{way:?}");
+    }
     assert!(
         !listener.wait_for(before + 1, Duration::from_millis(500)),
         "a frame arrived from a process without CAP_NET_RAW"
