@@ -508,6 +508,19 @@ pub fn cap_acks(socket: &mnl::Socket) -> std::io::Result<()> {
     }
 }
 
+/// Opens a socket of `family` and `kind` with protocol 0, for families nix does not name
+/// (`AF_XDP`); the probe opens and closes such sockets only to learn whether it may.
+pub fn open_socket(family: c_int, kind: c_int) -> Result<std::os::fd::OwnedFd, nix::errno::Errno> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: socket(2) takes plain integers and returns a new descriptor or -1.
+    let fd = unsafe { libc::socket(family, kind | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    // SAFETY: `fd` was just returned by socket(2); nothing else owns it.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
 /// Registers the change monitor with the tokio reactor of the current runtime.
 pub fn async_monitor(
     monitor: super::monitor::Monitor,

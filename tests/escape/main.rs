@@ -11,4 +11,5 @@ mod daemon;
 mod essentials;
 mod guard;
 mod inputs;
+mod raw_frames;
 mod repair;
