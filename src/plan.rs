@@ -455,11 +455,16 @@ pub fn fail_closed() -> Ruleset {
         .collect();
     Ruleset {
         sets,
-        output: vec![
-            Rule::AcceptEstablished,
-            Rule::AcceptLoopback,
-            Rule::GotoRefused,
-        ],
+        // Source routes first, as in every planned table: an established flow may add one.
+        output: SourceRoute::ALL
+            .map(Rule::RefuseSourceRoute)
+            .into_iter()
+            .chain([
+                Rule::AcceptEstablished,
+                Rule::AcceptLoopback,
+                Rule::GotoRefused,
+            ])
+            .collect(),
         refused: vec![
             Rule::CountFamily(Family::V4),
             Rule::CountFamily(Family::V6),
@@ -603,6 +608,24 @@ log:
             panic!()
         };
         assert_eq!(v6, &vec!["fd00:ec2::254/128".parse::<IpNet>().unwrap()]);
+    }
+
+    #[test]
+    fn the_fail_closed_table_refuses_source_routes_before_accepting_anything() {
+        let rs = fail_closed();
+        let routes = SourceRoute::ALL.len();
+        assert_eq!(
+            rs.output[..routes],
+            SourceRoute::ALL.map(Rule::RefuseSourceRoute)
+        );
+        assert_eq!(
+            rs.output[routes..],
+            [
+                Rule::AcceptEstablished,
+                Rule::AcceptLoopback,
+                Rule::GotoRefused
+            ]
+        );
     }
 
     #[test]
