@@ -75,6 +75,16 @@ pub fn plan_with(
     for d in &policy.deny {
         deny.extend(d.networks.iter().copied());
     }
+    // A denied IPv4 network is also reachable as its NAT64 image (64:ff9b::/96, RFC 6052)
+    // through a NAT64 gateway on the path: deny6 holds those images too.
+    let images: Vec<IpNet> = deny
+        .iter()
+        .filter_map(|n| match n {
+            IpNet::V4(v4) => Some(IpNet::V6(crate::installable::nat64_image(*v4))),
+            IpNet::V6(_) => None,
+        })
+        .collect();
+    deny.extend(images);
 
     let dns_ports: &[u16] = match policy.dns.guard {
         Some(_) => &GUARDED_DNS_PORTS,
@@ -368,7 +378,15 @@ pub fn denied_answers(policy: &Policy, hosts: &[ResolvedHost]) -> Vec<String> {
     let mut out = Vec::new();
     for host in hosts {
         for a in &host.addrs {
-            if let Some(deny) = policy.denied_by(a.addr) {
+            // A NAT64 answer reaches the IPv4 address inside it; deny6 holds its image.
+            let reaches = match a.addr {
+                IpAddr::V6(v6) => crate::installable::nat64_embedded(v6).map(IpAddr::V4),
+                IpAddr::V4(_) => None,
+            };
+            let denied = policy
+                .denied_by(a.addr)
+                .or_else(|| reaches.and_then(|v4| policy.denied_by(v4)));
+            if let Some(deny) = denied {
                 out.push(format!(
                     "{} resolved to {}, inside the denied {}: it stays refused (deny wins)",
                     host.name,
@@ -607,7 +625,19 @@ log:
         else {
             panic!()
         };
-        assert_eq!(v6, &vec!["fd00:ec2::254/128".parse::<IpNet>().unwrap()]);
+        // The IPv6 networks, and the NAT64 images (64:ff9b::/96) of the IPv4 ones.
+        let want6: Vec<IpNet> = [
+            "64:ff9b::a00:0/104",
+            "64:ff9b::6464:64c8/128",
+            "64:ff9b::a83f:8110/128",
+            "64:ff9b::a9fe:0/112",
+            "64:ff9b::c000:c0/128",
+            "fd00:ec2::254/128",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+        assert_eq!(v6, &want6);
     }
 
     #[test]
