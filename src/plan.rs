@@ -796,6 +796,33 @@ log:
     }
 
     #[test]
+    fn nat64_answers_for_denied_ipv4_addresses_are_reported_and_denied() {
+        let p = policy(POLICY);
+        let r = resolution(&[(
+            "api.example.com",
+            &["64:ff9b::a9fe:a9fe", "64:ff9b::a00:5", "64:ff9b::c000:20a"],
+        )]);
+        let w = denied_answers(&p, &r.hosts);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].contains("64:ff9b::a9fe:a9fe") && w[0].contains("cloud-metadata"));
+        assert!(w[1].contains("64:ff9b::a00:5") && w[1].contains("deny wins"));
+        let rs = plan(&p, &r);
+        let Elements::Networks(deny6) = &rs
+            .set(SetId::new(SetRole::Deny, Family::V6))
+            .unwrap()
+            .elements
+        else {
+            panic!()
+        };
+        for answer in ["64:ff9b::a9fe:a9fe", "64:ff9b::a00:5"] {
+            let addr: IpAddr = answer.parse().unwrap();
+            assert!(deny6.iter().any(|n| n.contains(&addr)), "{answer}");
+        }
+        let plain: IpAddr = "64:ff9b::c000:20a".parse().unwrap();
+        assert!(!deny6.iter().any(|n| n.contains(&plain)));
+    }
+
+    #[test]
     fn overlapping_boxes_become_disjoint_and_cover_the_same_space() {
         let input = vec![
             tuple("10.0.0.0/8", L4Proto::Tcp, 443, 443),
