@@ -429,6 +429,7 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
         }
     }
     shapes.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
+    shapes.extend(SourceRoute::RECORDED_ONLY.map(Rule::RefuseSourceRoute));
     for family in Family::BOTH {
         shapes.push(Rule::AcceptDhcpClient(family));
         shapes.push(Rule::CountFamily(family));
@@ -622,9 +623,9 @@ mod tests {
         assert_eq!(resolved4.added, vec!["192.0.2.10 . tcp . 443"]);
         let output = diff.chains.iter().find(|c| c.name == "output").unwrap();
         assert_eq!(output.added_rules.len(), rs.output.len());
-        assert_eq!(output.added_rules[0], "exthdr rt exists goto refused");
-        assert_eq!(output.added_rules[1], "ip option lsrr exists goto refused");
-        assert_eq!(output.added_rules[3], "ct state established,related accept");
+        assert_eq!(output.added_rules[0], "ip hdrlength != 5 goto refused");
+        assert_eq!(output.added_rules[1], "exthdr rt exists goto refused");
+        assert_eq!(output.added_rules[2], "ct state established,related accept");
         assert_eq!(
             diff.summary(),
             vec!["table inet egress_fence is new (it was not installed)"]

@@ -31,6 +31,10 @@ pub enum Refusal {
     /// ::ffff:0:0/96 or ::/96: an IPv6 form of an IPv4 address, which an IPv6 rule never
     /// matches (the kernel sends such a packet as IPv4).
     Ipv4InIpv6,
+    /// 64:ff9b:1::/48, the NAT64 prefix for local use (RFC 8215): where the IPv4 address
+    /// sits inside depends on the operator's prefix length, so neither this module nor the
+    /// deny list can tell which IPv4 address it reaches.
+    Nat64LocalUse,
     /// An address of one of the host's own interfaces.
     OwnAddress,
     /// The broadcast address of one of the host's own IPv4 subnets.
@@ -48,6 +52,7 @@ impl Refusal {
             Refusal::Reserved => "reserved address (240.0.0.0/4)",
             Refusal::LinkLocal => "IPv6 link-local address",
             Refusal::Ipv4InIpv6 => "IPv4-mapped or IPv4-compatible IPv6 address",
+            Refusal::Nat64LocalUse => "address in the local-use NAT64 prefix 64:ff9b:1::/48",
             Refusal::OwnAddress => "an address of this host",
             Refusal::SubnetBroadcast => "the broadcast address of a subnet of this host",
         }
@@ -123,10 +128,49 @@ impl HostAddrs {
     }
 }
 
+/// The well-known NAT64 prefix, 64:ff9b::/96 (RFC 6052): a NAT64 gateway sends a packet to
+/// 64:ff9b::a.b.c.d on to the IPv4 address a.b.c.d.
+pub const NAT64_WELL_KNOWN: Ipv6Addr = Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0);
+const NAT64_WELL_KNOWN_LEN: u8 = 96;
+
+/// The IPv4 address a NAT64 gateway sends `addr` to, if `addr` is in 64:ff9b::/96.
+pub fn nat64_embedded(addr: Ipv6Addr) -> Option<Ipv4Addr> {
+    let bits = u128::from(addr);
+    let prefix = u128::from(NAT64_WELL_KNOWN);
+    (bits >> 32 == prefix >> 32).then(|| Ipv4Addr::from(bits as u32))
+}
+
+/// The image of the IPv4 network `net` in 64:ff9b::/96: the IPv6 destinations a NAT64
+/// gateway sends into `net`.
+pub fn nat64_image(net: ipnet::Ipv4Net) -> ipnet::Ipv6Net {
+    let addr = Ipv6Addr::from(u128::from(NAT64_WELL_KNOWN) | u128::from(u32::from(net.network())));
+    // 96 + at most 32 is a valid IPv6 prefix length.
+    ipnet::Ipv6Net::new(addr, NAT64_WELL_KNOWN_LEN + net.prefix_len())
+        .unwrap_or_else(|_| ipnet::Ipv6Net::from(addr))
+}
+
+/// Whether `addr` is in 64:ff9b:1::/48, the local-use NAT64 prefix (RFC 8215).
+fn in_nat64_local_use(addr: Ipv6Addr) -> bool {
+    let s = addr.segments();
+    s[..3] == [0x64, 0xff9b, 1]
+}
+
 /// Whether `addr`, answered for an allowed name, may become a resolved-set element: `Err`
-/// says why not.
+/// says why not. An address in 64:ff9b::/96 is an IPv4 address behind a NAT64 gateway: the
+/// IPv4 checks apply to the address inside it.
 pub fn check(addr: IpAddr, host: &HostAddrs) -> Result<(), Refusal> {
     check_class(addr)?;
+    check_host(addr, host)?;
+    if let IpAddr::V6(v6) = addr
+        && let Some(v4) = nat64_embedded(v6)
+    {
+        check_v4(v4)?;
+        check_host(IpAddr::V4(v4), host)?;
+    }
+    Ok(())
+}
+
+fn check_host(addr: IpAddr, host: &HostAddrs) -> Result<(), Refusal> {
     if host.own.contains(&addr) {
         return Err(Refusal::OwnAddress);
     }
@@ -174,6 +218,8 @@ fn check_v6(a: Ipv6Addr) -> Result<(), Refusal> {
     } else if a.to_ipv4_mapped().is_some() || s[..6] == [0; 6] {
         // ::ffff:a.b.c.d, and the deprecated ::a.b.c.d (`::` and `::1` are caught above).
         Err(Refusal::Ipv4InIpv6)
+    } else if in_nat64_local_use(a) {
+        Err(Refusal::Nat64LocalUse)
     } else {
         Ok(())
     }
@@ -299,6 +345,54 @@ mod tests {
         );
         assert_eq!(check(ip("203.0.113.9"), &host), Ok(()));
         assert_eq!(check(ip("198.51.100.3"), &host), Ok(()));
+    }
+
+    #[test]
+    fn nat64_answers_are_checked_as_the_ipv4_address_inside() {
+        let host = HostAddrs::from_interfaces([(
+            ip("198.51.100.2"),
+            Some(ip("255.255.255.0")),
+            Some(ip("198.51.100.255")),
+        )]);
+        let cases = [
+            ("64:ff9b::ffff:ffff", Err(Refusal::Broadcast)),
+            ("64:ff9b::7f00:1", Err(Refusal::Loopback)),
+            ("64:ff9b::", Err(Refusal::Unspecified)),
+            ("64:ff9b::e000:1", Err(Refusal::Multicast)),
+            ("64:ff9b::f000:1", Err(Refusal::Reserved)),
+            ("64:ff9b::198.51.100.2", Err(Refusal::OwnAddress)),
+            ("64:ff9b::198.51.100.255", Err(Refusal::SubnetBroadcast)),
+            ("64:ff9b:1::c000:20a", Err(Refusal::Nat64LocalUse)),
+            ("64:ff9b:1:ffff::1", Err(Refusal::Nat64LocalUse)),
+            ("64:ff9b::192.0.2.10", Ok(())),
+            // Outside /96: not the well-known prefix, an ordinary address.
+            ("64:ff9b:0:1::7f00:1", Ok(())),
+            ("64:ff9b:2::1", Ok(())),
+        ];
+        for (addr, want) in cases {
+            assert_eq!(check(ip(addr), &host), want, "{addr}");
+        }
+    }
+
+    #[test]
+    fn nat64_images_and_embedded_addresses_agree() {
+        let v4 = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+        assert_eq!(
+            nat64_embedded("64:ff9b::a9fe:a9fe".parse().unwrap()),
+            Some(v4("169.254.169.254"))
+        );
+        assert_eq!(
+            nat64_embedded("64:ff9b:1::a9fe:a9fe".parse().unwrap()),
+            None
+        );
+        assert_eq!(nat64_embedded("2001:db8::1".parse().unwrap()), None);
+        let image = |s: &str| nat64_image(s.parse().unwrap()).to_string();
+        assert_eq!(image("10.0.0.0/8"), "64:ff9b::a00:0/104");
+        assert_eq!(image("169.254.169.254/32"), "64:ff9b::a9fe:a9fe/128");
+        assert_eq!(image("0.0.0.0/0"), "64:ff9b::/96");
+        let net = nat64_image("172.16.0.0/12".parse().unwrap());
+        assert!(net.contains(&"64:ff9b::172.31.255.255".parse::<Ipv6Addr>().unwrap()));
+        assert!(!net.contains(&"64:ff9b::172.32.0.0".parse::<Ipv6Addr>().unwrap()));
     }
 
     #[test]

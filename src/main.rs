@@ -239,8 +239,9 @@ enum Command {
     /// With `dns.mode: guard` it is the host's resolver instead (point resolv.conf at
     /// `dns.listen`): a query for an allowed name (wildcards too) is forwarded to
     /// `dns.upstream`, and the answer is released only once its addresses are in the table;
-    /// any other name is answered REFUSED (or NXDOMAIN) and never leaves the host. Only this
-    /// process's uid may reach the upstream resolvers, so run the agent under another user.
+    /// any other name is answered REFUSED (or NXDOMAIN) and never leaves the host. Only the
+    /// guard's own upstream sockets (its mark `dns.mark` and its uid, both) may reach the
+    /// upstream resolvers, so run the guard under a uid of its own and the agent under another.
     /// Changing `dns.mode` or `dns.listen` takes a restart, not a reload.
     Run {
         policy: PathBuf,
@@ -1374,5 +1375,15 @@ mod tests {
             ])
             .is_err()
         );
+    }
+
+    #[test]
+    fn run_help_names_the_guards_mark_and_uid() {
+        use clap::CommandFactory;
+        let mut cli = Cli::command();
+        let run = cli.find_subcommand_mut("run").expect("the run command");
+        let help = run.render_long_help().to_string();
+        assert!(help.contains("mark `dns.mark` and its uid"), "{help}");
+        assert!(!help.contains("Only this process's uid"), "{help}");
     }
 }

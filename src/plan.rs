@@ -75,6 +75,16 @@ pub fn plan_with(
     for d in &policy.deny {
         deny.extend(d.networks.iter().copied());
     }
+    // A denied IPv4 network is also reachable as its NAT64 image (64:ff9b::/96, RFC 6052)
+    // through a NAT64 gateway on the path: deny6 holds those images too.
+    let images: Vec<IpNet> = deny
+        .iter()
+        .filter_map(|n| match n {
+            IpNet::V4(v4) => Some(IpNet::V6(crate::installable::nat64_image(*v4))),
+            IpNet::V6(_) => None,
+        })
+        .collect();
+    deny.extend(images);
 
     let dns_ports: &[u16] = match policy.dns.guard {
         Some(_) => &GUARDED_DNS_PORTS,
@@ -368,7 +378,15 @@ pub fn denied_answers(policy: &Policy, hosts: &[ResolvedHost]) -> Vec<String> {
     let mut out = Vec::new();
     for host in hosts {
         for a in &host.addrs {
-            if let Some(deny) = policy.denied_by(a.addr) {
+            // A NAT64 answer reaches the IPv4 address inside it; deny6 holds its image.
+            let reaches = match a.addr {
+                IpAddr::V6(v6) => crate::installable::nat64_embedded(v6).map(IpAddr::V4),
+                IpAddr::V4(_) => None,
+            };
+            let denied = policy
+                .denied_by(a.addr)
+                .or_else(|| reaches.and_then(|v4| policy.denied_by(v4)));
+            if let Some(deny) = denied {
                 out.push(format!(
                     "{} resolved to {}, inside the denied {}: it stays refused (deny wins)",
                     host.name,
@@ -455,11 +473,16 @@ pub fn fail_closed() -> Ruleset {
         .collect();
     Ruleset {
         sets,
-        output: vec![
-            Rule::AcceptEstablished,
-            Rule::AcceptLoopback,
-            Rule::GotoRefused,
-        ],
+        // Source routes first, as in every planned table: an established flow may add one.
+        output: SourceRoute::ALL
+            .map(Rule::RefuseSourceRoute)
+            .into_iter()
+            .chain([
+                Rule::AcceptEstablished,
+                Rule::AcceptLoopback,
+                Rule::GotoRefused,
+            ])
+            .collect(),
         refused: vec![
             Rule::CountFamily(Family::V4),
             Rule::CountFamily(Family::V6),
@@ -602,7 +625,37 @@ log:
         else {
             panic!()
         };
-        assert_eq!(v6, &vec!["fd00:ec2::254/128".parse::<IpNet>().unwrap()]);
+        // The IPv6 networks, and the NAT64 images (64:ff9b::/96) of the IPv4 ones.
+        let want6: Vec<IpNet> = [
+            "64:ff9b::a00:0/104",
+            "64:ff9b::6464:64c8/128",
+            "64:ff9b::a83f:8110/128",
+            "64:ff9b::a9fe:0/112",
+            "64:ff9b::c000:c0/128",
+            "fd00:ec2::254/128",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+        assert_eq!(v6, &want6);
+    }
+
+    #[test]
+    fn the_fail_closed_table_refuses_source_routes_before_accepting_anything() {
+        let rs = fail_closed();
+        let routes = SourceRoute::ALL.len();
+        assert_eq!(
+            rs.output[..routes],
+            SourceRoute::ALL.map(Rule::RefuseSourceRoute)
+        );
+        assert_eq!(
+            rs.output[routes..],
+            [
+                Rule::AcceptEstablished,
+                Rule::AcceptLoopback,
+                Rule::GotoRefused
+            ]
+        );
     }
 
     #[test]
@@ -740,6 +793,33 @@ log:
         let w = denied_answers(&p, &r.hosts);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(w[0].contains("169.254.169.254") && w[0].contains("cloud-metadata"));
+    }
+
+    #[test]
+    fn nat64_answers_for_denied_ipv4_addresses_are_reported_and_denied() {
+        let p = policy(POLICY);
+        let r = resolution(&[(
+            "api.example.com",
+            &["64:ff9b::a9fe:a9fe", "64:ff9b::a00:5", "64:ff9b::c000:20a"],
+        )]);
+        let w = denied_answers(&p, &r.hosts);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].contains("64:ff9b::a9fe:a9fe") && w[0].contains("cloud-metadata"));
+        assert!(w[1].contains("64:ff9b::a00:5") && w[1].contains("deny wins"));
+        let rs = plan(&p, &r);
+        let Elements::Networks(deny6) = &rs
+            .set(SetId::new(SetRole::Deny, Family::V6))
+            .unwrap()
+            .elements
+        else {
+            panic!()
+        };
+        for answer in ["64:ff9b::a9fe:a9fe", "64:ff9b::a00:5"] {
+            let addr: IpAddr = answer.parse().unwrap();
+            assert!(deny6.iter().any(|n| n.contains(&addr)), "{answer}");
+        }
+        let plain: IpAddr = "64:ff9b::c000:20a".parse().unwrap();
+        assert!(!deny6.iter().any(|n| n.contains(&plain)));
     }
 
     #[test]

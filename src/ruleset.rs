@@ -350,14 +350,22 @@ impl fmt::Display for Limit {
     }
 }
 
-/// The DHCP client's requests that meet the output hook: at most 10 a minute (plus 10), all
-/// senders together. Clients send a few a minute at most while they look for a lease.
+/// The DHCP client's requests that meet the output hook: 2 KiB a minute, and one full-size
+/// message at once, all senders together. The output hook sees a UDP datagram before it is
+/// fragmented, so a count of packets would let each "request" carry 64 KB; bytes bound the
+/// channel. A client's DISCOVER or REQUEST (300-600 bytes, a few a minute while it looks for
+/// a lease) fits; [`DHCP_MAX_LENGTH`] caps one datagram on its own.
 pub const DHCP_CLIENT_LIMIT: Limit = Limit {
-    count: 10,
+    count: 2048,
     per: RateUnit::Minute,
-    burst: 10,
-    kind: LimitKind::Packets,
+    burst: 1500,
+    kind: LimitKind::Bytes,
 };
+
+/// The longest DHCP request accepted, IP header included (`meta length <= 1500`): an
+/// Ethernet MTU, which every DHCP message fits (RFC 2131 clients send at most 576 bytes
+/// unless told more).
+pub const DHCP_MAX_LENGTH: u32 = 1500;
 
 /// MLDv2 reports: 1 KiB a minute, and one full-size report at once (the answer to a general
 /// query lists every group of the interface in one report). Any process can choose groups to
@@ -377,33 +385,34 @@ pub enum SourceRoute {
     /// An IPv6 routing header (extension header 43): segment routing (type 4) lists the final
     /// destination inside, and any user can add one with `IPV6_RTHDR`.
     Ipv6RoutingHeader,
-    /// The IPv4 loose source route option (131), for holders of CAP_NET_RAW (root in a
-    /// container has it by default).
+    /// Any IPv4 option (`ip hdrlength != 5`): a holder of CAP_NET_RAW (root in a container
+    /// has it by default) writes the header itself, and nft's option match (`ip option lsrr
+    /// exists`) parses options as `setsockopt(IP_OPTIONS)` does, so a loose source route with
+    /// pointer 8 or an odd length counts as absent while a router honours it. Nothing the
+    /// host needs sends options through this hook (IGMP's Router Alert was never allowed).
+    Ipv4Options,
+    /// `ip option lsrr exists`: the rule of generations recorded before [`Ipv4Options`];
+    /// read, rendered and reinstated as recorded, never planned.
+    ///
+    /// [`Ipv4Options`]: SourceRoute::Ipv4Options
     Ipv4Loose,
-    /// The IPv4 strict source route option (137).
+    /// `ip option ssrr exists`, as [`SourceRoute::Ipv4Loose`].
     Ipv4Strict,
 }
 
 impl SourceRoute {
-    pub const ALL: [SourceRoute; 3] = [
-        SourceRoute::Ipv6RoutingHeader,
-        SourceRoute::Ipv4Loose,
-        SourceRoute::Ipv4Strict,
-    ];
+    /// The refusals the plan puts first, in this order.
+    pub const ALL: [SourceRoute; 2] = [SourceRoute::Ipv4Options, SourceRoute::Ipv6RoutingHeader];
+
+    /// Refusals of recorded generations only: known to a comparison with a live table.
+    pub const RECORDED_ONLY: [SourceRoute; 2] = [SourceRoute::Ipv4Loose, SourceRoute::Ipv4Strict];
 
     pub fn family(self) -> Family {
         match self {
             SourceRoute::Ipv6RoutingHeader => Family::V6,
-            SourceRoute::Ipv4Loose | SourceRoute::Ipv4Strict => Family::V4,
-        }
-    }
-
-    /// The IPv6 extension header type or IPv4 option type.
-    pub fn number(self) -> u8 {
-        match self {
-            SourceRoute::Ipv6RoutingHeader => 43,
-            SourceRoute::Ipv4Loose => 131,
-            SourceRoute::Ipv4Strict => 137,
+            SourceRoute::Ipv4Options | SourceRoute::Ipv4Loose | SourceRoute::Ipv4Strict => {
+                Family::V4
+            }
         }
     }
 
@@ -411,6 +420,7 @@ impl SourceRoute {
     fn nft_match(self) -> &'static str {
         match self {
             SourceRoute::Ipv6RoutingHeader => "exthdr rt exists",
+            SourceRoute::Ipv4Options => "ip hdrlength != 5",
             SourceRoute::Ipv4Loose => "ip option lsrr exists",
             SourceRoute::Ipv4Strict => "ip option ssrr exists",
         }
@@ -430,7 +440,7 @@ pub struct LogSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Rule {
-    /// `exthdr rt exists goto refused`, `ip option lsrr exists goto refused`: a packet that
+    /// `ip hdrlength != 5 goto refused`, `exthdr rt exists goto refused`: a packet that
     /// names its own route goes on past the destination the other rules check.
     RefuseSourceRoute(SourceRoute),
     /// `ct state established,related accept`
@@ -448,7 +458,8 @@ pub enum Rule {
     /// ([`MLD_REPORT_LIMIT`]).
     AcceptMldReport,
     /// The DHCP client's requests from a plain UDP socket: UDP 68 -> 67 to 255.255.255.255,
-    /// or 546 -> 547 to ff02::1:2 for IPv6, within [`DHCP_CLIENT_LIMIT`].
+    /// or 546 -> 547 to ff02::1:2 for IPv6, at most [`DHCP_MAX_LENGTH`] bytes each, within
+    /// [`DHCP_CLIENT_LIMIT`].
     AcceptDhcpClient(Family),
     /// `ip daddr @deny4 goto refused`
     RefuseDaddrIn(SetId),
@@ -502,7 +513,8 @@ impl fmt::Display for Rule {
                 let (daddr, server) = (family.daddr(), dhcp_servers(*family));
                 write!(
                     f,
-                    "{daddr} {server} udp sport {sport} udp dport {dport} {DHCP_CLIENT_LIMIT} accept"
+                    "{daddr} {server} udp sport {sport} udp dport {dport} \
+                     meta length <= {DHCP_MAX_LENGTH} {DHCP_CLIENT_LIMIT} accept"
                 )
             }
             Rule::RefuseDaddrIn(set) => {
@@ -698,6 +710,10 @@ mod tests {
                 "exthdr rt exists goto refused",
             ),
             (
+                Rule::RefuseSourceRoute(SourceRoute::Ipv4Options),
+                "ip hdrlength != 5 goto refused",
+            ),
+            (
                 Rule::RefuseSourceRoute(SourceRoute::Ipv4Loose),
                 "ip option lsrr exists goto refused",
             ),
@@ -715,11 +731,11 @@ mod tests {
             ),
             (
                 Rule::AcceptDhcpClient(Family::V4),
-                "ip daddr 255.255.255.255 udp sport 68 udp dport 67 limit rate 10/minute burst 10 packets accept",
+                "ip daddr 255.255.255.255 udp sport 68 udp dport 67 meta length <= 1500 limit rate 2 kbytes/minute burst 1500 bytes accept",
             ),
             (
                 Rule::AcceptDhcpClient(Family::V6),
-                "ip6 daddr ff02::1:2 udp sport 546 udp dport 547 limit rate 10/minute burst 10 packets accept",
+                "ip6 daddr ff02::1:2 udp sport 546 udp dport 547 meta length <= 1500 limit rate 2 kbytes/minute burst 1500 bytes accept",
             ),
             (
                 Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6)),
@@ -768,6 +784,35 @@ mod tests {
         ];
         for (rule, want) in cases {
             assert_eq!(rule.to_string(), want);
+        }
+    }
+
+    #[test]
+    fn source_route_rules_of_recorded_generations_stay_readable() {
+        // Generations recorded before the options refusal hold these names; their nft text
+        // must still be the rendering of their rules.
+        for (json, text) in [
+            (
+                r#"{"refuse_source_route":"ipv4-loose"}"#,
+                "ip option lsrr exists goto refused",
+            ),
+            (
+                r#"{"refuse_source_route":"ipv4-strict"}"#,
+                "ip option ssrr exists goto refused",
+            ),
+            (
+                r#"{"refuse_source_route":"ipv4-options"}"#,
+                "ip hdrlength != 5 goto refused",
+            ),
+        ] {
+            let rule: Rule = serde_json::from_str(json).expect("a rule");
+            assert_eq!(rule.to_string(), text);
+            assert_eq!(serde_json::to_string(&rule).expect("json"), json);
+        }
+        // The plan refuses every IPv4 option, first; the option matches are never planned.
+        assert_eq!(SourceRoute::ALL[0], SourceRoute::Ipv4Options);
+        for legacy in SourceRoute::RECORDED_ONLY {
+            assert!(!SourceRoute::ALL.contains(&legacy));
         }
     }
 

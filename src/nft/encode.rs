@@ -17,9 +17,9 @@ use super::sys::{
 };
 use crate::policy::Action;
 use crate::ruleset::{
-    DHCP_CLIENT_LIMIT, Elements, Family, Icmpv6Type, KeyShape, Limit, LimitKind, MLD_REPORT_LIMIT,
-    OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple,
-    dhcp_ports, dhcp_servers,
+    DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements, Family, Icmpv6Type, KeyShape, Limit, LimitKind,
+    MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, SourceRoute,
+    TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
@@ -484,6 +484,12 @@ fn tuple_in(set: SetId, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     e
 }
 
+/// The IPv6 routing header's extension header type.
+const IPV6_ROUTING_HEADER: u8 = 43;
+/// The IPv4 loose and strict source route options (rules of recorded generations only).
+const IPV4_OPTION_LSRR: u8 = 131;
+const IPV4_OPTION_SSRR: u8 = 137;
+
 /// The expressions of one rule, in nft's order.
 fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     let accept = crate_expr(Verdict::Accept);
@@ -491,15 +497,29 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     match rule {
         Rule::RefuseSourceRoute(route) => {
             e.extend(is_family(route.family()));
-            e.push(own(match route {
+            match route {
+                SourceRoute::Ipv4Options => {
+                    // The header length nibble: 5 words is a header without options.
+                    e.push(own(Expr::payload(PayloadBase::Network, 0, 1, sys::REG_1)));
+                    e.push(crate_expr(Bitwise::new(0x0fu8, 0u8)));
+                    e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &[5])));
+                }
                 SourceRoute::Ipv6RoutingHeader => {
-                    Expr::exthdr_ipv6_present(route.number(), sys::REG_1)
+                    e.push(own(Expr::exthdr_ipv6_present(
+                        IPV6_ROUTING_HEADER,
+                        sys::REG_1,
+                    )));
+                    e.push(eq(&[1]));
                 }
-                SourceRoute::Ipv4Loose | SourceRoute::Ipv4Strict => {
-                    Expr::ipv4_option_present(route.number(), sys::REG_1)
+                SourceRoute::Ipv4Loose => {
+                    e.push(own(Expr::ipv4_option_present(IPV4_OPTION_LSRR, sys::REG_1)));
+                    e.push(eq(&[1]));
                 }
-            }));
-            e.push(eq(&[1]));
+                SourceRoute::Ipv4Strict => {
+                    e.push(own(Expr::ipv4_option_present(IPV4_OPTION_SSRR, sys::REG_1)));
+                    e.push(eq(&[1]));
+                }
+            }
             e.push(goto_refused());
         }
         Rule::AcceptEstablished => {
@@ -542,6 +562,13 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             ports.extend_from_slice(&dport.to_be_bytes());
             e.push(own(Expr::payload(PayloadBase::Transport, 0, 4, sys::REG_1)));
             e.push(eq(&ports));
+            // `meta length <= N`: the length in network byte order, compared as nft does.
+            e.push(own(Expr::meta(libc::NFT_META_LEN, sys::REG_1)));
+            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_LTE,
+                &DHCP_MAX_LENGTH.to_be_bytes(),
+            )));
             e.push(limit(DHCP_CLIENT_LIMIT));
             e.push(accept);
         }
@@ -733,7 +760,10 @@ mod tests {
                 "cmp eq reg 1 0x00000011",
                 "payload load 4b @ transport header + 0 => reg 1",
                 "cmp eq reg 1 0x43004400",
-                "limit rate 10/minute burst 10 type packets flags 0x0",
+                "meta load len => reg 1",
+                "byteorder reg 1 = hton(reg 1, 4, 4)",
+                "cmp lte reg 1 0xdc050000",
+                "limit rate 2048/minute burst 1500 type bytes flags 0x0",
                 "immediate reg 0 accept",
             ]
         );
@@ -748,7 +778,10 @@ mod tests {
                 "cmp eq reg 1 0x00000011",
                 "payload load 4b @ transport header + 0 => reg 1",
                 "cmp eq reg 1 0x23022202",
-                "limit rate 10/minute burst 10 type packets flags 0x0",
+                "meta load len => reg 1",
+                "byteorder reg 1 = hton(reg 1, 4, 4)",
+                "cmp lte reg 1 0xdc050000",
+                "limit rate 2048/minute burst 1500 type bytes flags 0x0",
                 "immediate reg 0 accept",
             ]
         );
@@ -774,6 +807,17 @@ mod tests {
                 "cmp eq reg 1 0x0000008f",
                 "limit rate 1024/minute burst 1500 type bytes flags 0x0",
                 "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv4Options)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "payload load 1b @ network header + 0 => reg 1",
+                "bitwise reg 1 = ( reg 1 & 0x0000000f ) ^ 0x00000000",
+                "cmp neq reg 1 0x00000005",
+                "immediate reg 0 goto -> refused",
             ]
         );
         assert_eq!(

@@ -173,7 +173,8 @@ impl Expr {
     }
 
     /// Puts 1 into register `dreg` if the packet carries the IPv4 option `option`, 0
-    /// otherwise: `ip option lsrr exists`.
+    /// otherwise: `ip option lsrr exists`. Only for the rules of recorded generations: the
+    /// kernel treats a malformed option as absent, so the plan refuses every option instead.
     pub fn ipv4_option_present(option: u8, dreg: u32) -> Expr {
         Expr::exthdr_present(NFT_EXTHDR_OP_IPV4, option, dreg)
     }

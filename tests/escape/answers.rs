@@ -425,3 +425,95 @@ fn status_and_probe_name_a_hand_added_resolved_element() {
         .unwrap_or_else(|| panic!("probe does not name the element:\n{probe}"));
     assert!(fail.contains("longer than the policy allows"), "{fail}");
 }
+
+/// The deny set `set` as nft lists it (an independent reader): its elements' text.
+fn deny_elements(w: &World, set: &str) -> String {
+    let listed = w.sandbox_cmd(&["nft", "list", "set", "inet", "egress_fence", set]);
+    assert!(listed.success(), "nft list set {set}: {listed}");
+    listed.stdout
+}
+
+/// Red-team review: behind a NAT64 gateway (RFC 6052) 64:ff9b::a9fe:a9fe is 169.254.169.254
+/// and 64:ff9b::a00:5 is 10.0.0.5. An answer with those addresses was installed and passed
+/// the deny list, which held only IPv6 networks in deny6. Now deny6 holds the NAT64 image of
+/// every denied IPv4 network; answers whose embedded address is never installable
+/// (loopback, broadcast, the sandbox's own) and answers in the local-use prefix
+/// 64:ff9b:1::/48 are not installed at all.
+#[test]
+fn nat64_forms_of_denied_or_uninstallable_ipv4_addresses_stay_refused() {
+    let w = World::new();
+    let v6 = |s: &str| IpAddr::V6(s.parse::<Ipv6Addr>().expect("an IPv6 address"));
+    // 169.254.169.254 and 10.0.0.5 in the well-known NAT64 prefix: reachable hosts here.
+    let (meta64, priv64) = (v6("64:ff9b::a9fe:a9fe"), v6("64:ff9b::a00:5"));
+    w.add_host(meta64);
+    w.add_host(priv64);
+    let uninstallable = [
+        v6("64:ff9b::7f00:1"),      // 127.0.0.1
+        v6("64:ff9b::ffff:ffff"),   // 255.255.255.255
+        v6("64:ff9b::c633:6402"),   // 198.51.100.2, the sandbox's own
+        v6("64:ff9b:1::a9fe:a9fe"), // the local-use prefix
+    ];
+    let mut answers = vec![meta64, priv64, HOST_V6];
+    answers.extend(uninstallable);
+    w.dns_set("svc.example", &answers, DEFAULT_DNS_TTL);
+    let listeners = [w.listen_tcp(meta64, 80), w.listen_tcp(priv64, 80)];
+    let policy = w.write_file(
+        "nat64.yaml",
+        "version: 1\nallow:\n  - domain: svc.example\n    ports: [80]\ndeny:\n  - preset: cloud-metadata\n  - preset: private-networks\ndns:\n  resolvers: [192.0.2.53]\n",
+    );
+    // Unfenced, the NAT64 forms are reachable: the test can tell.
+    for ip in [meta64, priv64] {
+        assert!(
+            w.tcp_connects(ip, 80),
+            "[{ip}]:80 unfenced: the test proves nothing"
+        );
+    }
+
+    let out = w.egress_fence(&["apply", policy.to_str().expect("utf-8 path")]);
+    assert!(out.success(), "{out}");
+
+    let deny6 = deny_elements(&w, "deny6");
+    for image in ["64:ff9b::a9fe:0/112", "64:ff9b::a00:0/104"] {
+        assert!(deny6.contains(image), "deny6 lacks {image}: {deny6}");
+    }
+    let elements = resolved_elements(&w);
+    for bad in uninstallable {
+        assert!(
+            !elements.iter().any(|e| e.addr == bad),
+            "{bad} was installed: {elements:#?}"
+        );
+    }
+    assert!(
+        elements.iter().any(|e| e.addr == HOST_V6),
+        "the plain answer was not installed: {elements:#?}"
+    );
+    for ip in [meta64, priv64] {
+        let c = w.sandbox_cmd_as(
+            NOBODY,
+            &[
+                "/usr/bin/python3",
+                "-c",
+                "import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], 80), timeout=2)\n    print('connected')\nexcept OSError as e:\n    print('refused', e)\n",
+                &ip.to_string(),
+            ],
+        );
+        assert!(
+            !c.stdout.contains("connected"),
+            "the NAT64 form {ip} of a denied IPv4 address was reachable: {c}"
+        );
+    }
+    for l in &listeners {
+        assert_eq!(
+            l.count(),
+            1,
+            "only the unfenced connection arrived: {:?}",
+            l.hits()
+        );
+    }
+    // `plan` warns: the answer stays refused (deny wins).
+    let planned = w.egress_fence(&["plan", policy.to_str().expect("utf-8 path")]);
+    assert!(
+        planned.stderr.contains("64:ff9b::a9fe:a9fe") && planned.stderr.contains("deny wins"),
+        "{planned}"
+    );
+}

@@ -201,6 +201,8 @@ fn a_start_with_a_policy_that_cannot_go_up_leaves_the_fail_closed_table_and_exit
         assert_eq!(
             rules,
             [
+                "ip hdrlength != 5 goto refused",
+                "exthdr rt exists goto refused",
                 "ct state established,related accept",
                 "oif \"lo\" accept",
                 "goto refused"
