@@ -42,6 +42,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
+use crate::installable::HostAddrs;
 use crate::plan::DNS_PORT;
 use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
@@ -81,13 +82,16 @@ const MAX_CHAIN: usize = 16;
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
     #[error(
-        "the DNS guard cannot listen on {addr} ({transport}): {source}{}",
+        "the DNS guard cannot listen on {addr} ({transport}): {source}{}{}",
+        holder.map(|uid| format!(" (held by a socket of uid {uid})")).unwrap_or_default(),
         bind_hint(source)
     )]
     Bind {
         addr: SocketAddr,
         transport: &'static str,
         source: io::Error,
+        /// The uid owning the UDP socket bound there, when the address is in use.
+        holder: Option<u32>,
     },
     #[error("the DNS guard cannot serve its events on {}: {source}", path.display())]
     Events { path: PathBuf, source: io::Error },
@@ -229,6 +233,19 @@ pub struct Context {
     pub counters: Arc<Counters>,
 }
 
+/// The uid owning the UDP socket that a datagram to `addr` would reach: who holds the
+/// guard's address (a process that took it while the daemon was down, say).
+fn udp_holder(addr: SocketAddr) -> Option<u32> {
+    if addr.ip().is_unspecified() {
+        return None;
+    }
+    // The lookup takes a sender; any will do for an unconnected socket.
+    let sender = SocketAddr::new(addr.ip(), 1);
+    SockDiag::open()
+        .ok()?
+        .owner(sockdiag::Protocol::Udp, sender, addr)
+}
+
 /// The limit of queries in flight at the design size, for tests; a serving guard takes
 /// [`Guard::in_flight_limit`].
 #[cfg(test)]
@@ -355,6 +372,7 @@ impl Guard {
                     addr,
                     transport,
                     source,
+                    holder: None,
                 }
             };
             let marked = |transport| {
@@ -364,7 +382,17 @@ impl Guard {
                     source,
                 }
             };
-            let udp = UdpSocket::bind(addr).await.map_err(bind("udp"))?;
+            let udp = UdpSocket::bind(addr).await.map_err(|source| {
+                let holder = (source.kind() == io::ErrorKind::AddrInUse)
+                    .then(|| udp_holder(addr))
+                    .flatten();
+                GuardError::Bind {
+                    addr,
+                    transport: "udp",
+                    source,
+                    holder,
+                }
+            })?;
             // Nothing was sent from it yet: every reply carries the mark.
             mark_socket(&udp, mark).map_err(marked("udp"))?;
             guard.udp.push(udp);
@@ -418,9 +446,9 @@ pub enum ClientKey {
     /// loopback address, or one of the host's own): a local process may choose its source
     /// address, but not its uid.
     LocalUser(u32),
-    /// A client from a loopback address whose socket was gone before the guard asked (a
-    /// sender that does not wait for its answer, or a raw socket's forged datagram): all of
-    /// them share one share.
+    /// A client from a local address whose socket was gone before the guard asked (a sender
+    /// that does not wait for its answer, or a raw socket's forged datagram): all of them
+    /// share one share.
     LocalUnknown,
     /// Any other client by its address; an IPv4-mapped one as IPv4, an IPv6 one by its /64,
     /// which one host usually holds whole. A source address is easy to forge (root in a
@@ -436,13 +464,14 @@ impl ClientKey {
     }
 }
 
-/// The key of the client at `peer` that reached our socket at `local`; `diag` (when it could
-/// be opened) tells the uid of a local client. Any peer's socket is looked up, not only a
-/// loopback one's: a local process sending from the host's own (non-loopback) address is
-/// still its uid; a socket found is a local one, since the kernel drops packets from
-/// outside that carry one of the host's addresses.
+/// The key of the client at `peer` that reached our socket at `local`. A peer on a local
+/// path (a loopback address, or one of `host`'s own addresses, which the kernel never takes
+/// from outside) is a local client: `diag` (when it could be opened) tells the uid of its
+/// socket. Any other peer is its address, whatever socket shares its port: a forged
+/// datagram from elsewhere cannot be charged to a local user's share.
 pub fn client_key(
     diag: Option<&mut SockDiag>,
+    host: &HostAddrs,
     protocol: sockdiag::Protocol,
     local: SocketAddr,
     peer: SocketAddr,
@@ -455,12 +484,12 @@ pub fn client_key(
         IpAddr::V4(_) => a,
     };
     let (peer, local) = (unmapped(peer), unmapped(local));
-    if let Some(uid) = diag.and_then(|d| d.owner(protocol, local, peer)) {
-        return ClientKey::LocalUser(uid);
-    }
     let ip = peer.ip();
-    if ip.is_loopback() {
-        return ClientKey::LocalUnknown;
+    if ip.is_loopback() || host.is_own(ip) {
+        return match diag.and_then(|d| d.owner(protocol, local, peer)) {
+            Some(uid) => ClientKey::LocalUser(uid),
+            None => ClientKey::LocalUnknown,
+        };
     }
     ClientKey::Address(match ip {
         IpAddr::V6(v6) => {
@@ -551,6 +580,37 @@ impl Drop for ClientSlot {
     }
 }
 
+/// How long the host's addresses are taken as read: addresses come and go, but reading them
+/// for every datagram would cost a netlink dump each.
+const HOST_ADDRS_TTL: Duration = Duration::from_secs(5);
+
+/// The host's own addresses, for [`client_key`], read again every [`HOST_ADDRS_TTL`].
+struct HostAddrCache {
+    addrs: HostAddrs,
+    read: Instant,
+}
+
+impl HostAddrCache {
+    fn new() -> HostAddrCache {
+        HostAddrCache {
+            addrs: HostAddrs::read_or_warn(),
+            read: Instant::now(),
+        }
+    }
+
+    fn current(&mut self) -> &HostAddrs {
+        if self.read.elapsed() >= HOST_ADDRS_TTL {
+            self.read = Instant::now();
+            match HostAddrs::read() {
+                Ok(addrs) => self.addrs = addrs,
+                // The last ones read are still the best guess.
+                Err(e) => debug!(error = %e, "reading the host's addresses"),
+            }
+        }
+        &self.addrs
+    }
+}
+
 /// Opens the lookup of local clients' uids; without it (no netlink, say) every local client
 /// shares one share.
 fn open_sock_diag() -> Option<SockDiag> {
@@ -578,6 +638,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Ar
     // One byte more than a query may be: a datagram that fills it is oversize.
     let mut buf = vec![0u8; MAX_QUERY + 1];
     let mut diag = open_sock_diag();
+    let mut host = HostAddrCache::new();
     let Ok(local) = socket.local_addr() else {
         return;
     };
@@ -606,7 +667,13 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Ar
         };
         // Never wait here: the loop serves every client, and a client over its share (or a
         // guard out of slots) loses this query, which it asks again.
-        let key = client_key(diag.as_mut(), sockdiag::Protocol::Udp, local, client);
+        let key = client_key(
+            diag.as_mut(),
+            host.current(),
+            sockdiag::Protocol::Udp,
+            local,
+            client,
+        );
         let Some(slot) = forwarding.try_take(key) else {
             debug!(client = %client, "this client has too many queries in flight; dropping one");
             continue;
@@ -636,6 +703,7 @@ async fn serve_tcp(
 ) {
     let clients = Arc::new(Semaphore::new(max_clients));
     let mut diag = open_sock_diag();
+    let mut host = HostAddrCache::new();
     loop {
         match listener.accept().await {
             Ok((stream, client)) => {
@@ -643,7 +711,13 @@ async fn serve_tcp(
                     continue;
                 };
                 // The connection's client, once: its uid stays while it is connected.
-                let key = client_key(diag.as_mut(), sockdiag::Protocol::Tcp, local, client);
+                let key = client_key(
+                    diag.as_mut(),
+                    host.current(),
+                    sockdiag::Protocol::Tcp,
+                    local,
+                    client,
+                );
                 let Some(slot) = connected.try_take(key) else {
                     debug!(client = %client, "this client has too many DNS connections; closing this one");
                     continue;
@@ -1705,8 +1779,9 @@ mod tests {
         assert_eq!(Limits::fit(100, 1), None);
     }
 
-    /// A local client is its socket's uid, whatever loopback address it sends from; a remote
-    /// one its address, an IPv6 one by its /64.
+    /// A local client is its socket's uid, whatever loopback or own address it sends from;
+    /// any other one its address (even when a local socket has its port), an IPv6 one by
+    /// its /64.
     #[test]
     fn clients_are_told_apart_by_uid_when_local_and_by_address_otherwise() {
         let me = nix::unistd::geteuid().as_raw();
@@ -1714,12 +1789,13 @@ mod tests {
         let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let local = server.local_addr().unwrap();
         let udp = sockdiag::Protocol::Udp;
+        let none = HostAddrs::none();
         for from in ["127.0.0.1:0", "127.0.0.2:0", "127.9.8.7:0"] {
             let client = std::net::UdpSocket::bind(from).unwrap();
             client.send_to(b"q", local).unwrap();
             let peer = client.local_addr().unwrap();
             assert_eq!(
-                client_key(Some(&mut diag), udp, local, peer),
+                client_key(Some(&mut diag), &none, udp, local, peer),
                 ClientKey::LocalUser(me),
                 "{from}"
             );
@@ -1727,16 +1803,31 @@ mod tests {
         // Gone before the guard asked: the local clients' shared key.
         let gone: SocketAddr = "127.0.0.1:9".parse().unwrap();
         assert_eq!(
-            client_key(Some(&mut diag), udp, local, gone),
+            client_key(Some(&mut diag), &none, udp, local, gone),
             ClientKey::LocalUnknown
         );
-        let forged: SocketAddr = "203.0.113.7:4000".parse().unwrap();
+        // A socket on every address (an unconnected client's usual one) takes datagrams to
+        // its port from any source: from the host's own address it is its uid, from an
+        // address that is not the host's (a forged one, say) the address, not that uid.
+        let wildcard = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        wildcard.send_to(b"q", local).unwrap();
+        let port = wildcard.local_addr().unwrap().port();
+        let own = HostAddrs::from_interfaces([("203.0.113.7".parse().unwrap(), None, None)]);
+        let from_own = SocketAddr::new("203.0.113.7".parse().unwrap(), port);
         assert_eq!(
-            client_key(Some(&mut diag), udp, local, forged),
-            ClientKey::Address("203.0.113.7".parse().unwrap()),
-            "no local socket has this address: a client by its address"
+            client_key(Some(&mut diag), &own, udp, local, from_own),
+            ClientKey::LocalUser(me)
         );
-        let key = |peer: &str| client_key(None, udp, local, peer.parse().unwrap());
+        assert_eq!(
+            client_key(Some(&mut diag), &none, udp, local, from_own),
+            ClientKey::Address("203.0.113.7".parse().unwrap())
+        );
+        let gone_own: SocketAddr = "203.0.113.7:9".parse().unwrap();
+        assert_eq!(
+            client_key(Some(&mut diag), &own, udp, local, gone_own),
+            ClientKey::LocalUnknown
+        );
+        let key = |peer: &str| client_key(None, &none, udp, local, peer.parse().unwrap());
         assert_eq!(key("127.0.0.1:5353"), ClientKey::LocalUnknown);
         assert_eq!(
             key("[::ffff:192.0.2.7]:5353"),
@@ -1747,6 +1838,16 @@ mod tests {
             key("[2001:db8:1:2:ffff::9]:53")
         );
         assert_ne!(key("[2001:db8:1:2::1]:53"), key("[2001:db8:1:3::1]:53"));
+    }
+
+    /// Who holds an address the guard cannot bind: the uid of the socket there.
+    #[test]
+    fn the_holder_of_a_taken_address_is_named() {
+        let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        assert_eq!(udp_holder(addr), Some(nix::unistd::geteuid().as_raw()));
+        drop(taken);
+        assert_eq!(udp_holder(addr), None);
     }
 
     #[test]

@@ -808,6 +808,7 @@ fn a_squatter_on_the_guards_address_answers_nobody() {
     assert!(!restart.success(), "{restart}");
     assert!(
         restart.stderr.contains("cannot listen on 127.0.0.53:53")
+            && restart.stderr.contains("held by a socket of uid 65534")
             && restart.stderr.contains("answers nobody"),
         "{restart}"
     );
