@@ -153,7 +153,7 @@ fn start_and_serve(
         // Bound before the table goes up, so that a taken port stops the daemon at once; the
         // queries that arrive meanwhile wait in the socket buffers.
         let guard = match &policy.dns.guard {
-            Some(g) => Some(Guard::bind(&g.listen).await?),
+            Some(g) => Some(Guard::bind(&g.listen, g.mark).await?),
             None => None,
         };
         let mut daemon = Daemon::start(options, lock, policy, policy_text).await?;
@@ -673,8 +673,9 @@ impl Daemon {
         if let Err(e) = crate::guard::serve_events(events_path.clone(), events.clone()) {
             warn!(error = %e, "refused queries will be in the log only");
         }
+        let in_flight = guard.in_flight_limit();
         guard.serve(crate::guard::Context {
-            in_flight: crate::guard::in_flight_limit(),
+            in_flight,
             log_budget: Default::default(),
             rules: rules_rx,
             answered: answered_tx,

@@ -42,6 +42,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
+use crate::installable::HostAddrs;
 use crate::plan::DNS_PORT;
 use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
@@ -61,41 +62,60 @@ const MAX_UDP: usize = 65_535;
 /// cookies and padding stays far below this, the payload size that avoids fragmentation.
 /// Anything longer is no query and is dropped unread, without a reply or a slot.
 const MAX_QUERY: usize = 1232;
-/// Queries forwarded upstream at once, over all listeners: beyond this a UDP query is
-/// dropped (the client asks again) and a TCP client waits for a slot.
+/// Queries forwarded upstream at once, over all listeners (each holds an upstream socket):
+/// beyond this a UDP query is dropped (the client asks again) and a TCP client waits for a
+/// slot. Lowered to what the limit of open files allows (see [`Limits::fit`]).
 const MAX_IN_FLIGHT: usize = 1024;
-/// Queries of one client (see [`client_key`]) forwarded at once: one client holds at most
-/// an eighth of the slots, so it cannot starve the others even when its questions go to a
-/// server that never answers. Beyond it a UDP query is dropped, a TCP query gets SERVFAIL.
-const MAX_IN_FLIGHT_PER_CLIENT: usize = MAX_IN_FLIGHT / 8;
 /// TCP clients served at once per listener; one more is closed at once (it retries, or uses
-/// UDP), so idle connections cannot use up the daemon's descriptors.
+/// UDP), so idle connections cannot use up the daemon's descriptors. Lowered like
+/// [`MAX_IN_FLIGHT`].
 const MAX_TCP_CLIENTS: usize = 256;
-/// TCP connections of one client at once, over all listeners.
-const MAX_TCP_PER_CLIENT: usize = MAX_TCP_CLIENTS / 4;
+/// Descriptors left for the daemon's own use (its listening sockets, netlink sockets, state
+/// and log files, `watch` clients) when the guard's limits are fitted to RLIMIT_NOFILE.
+const RESERVED_FDS: u64 = 256;
+/// Below these the guard would serve too few clients to be of use: it refuses to start.
+const MIN_IN_FLIGHT: usize = 64;
+const MIN_TCP_CLIENTS: usize = 8;
 /// CNAME hops followed from the asked name, as resolvers bound them.
 const MAX_CHAIN: usize = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
     #[error(
-        "the DNS guard cannot listen on {addr} ({transport}): {source}{}",
+        "the DNS guard cannot listen on {addr} ({transport}): {source}{}{}",
+        holder.map(|uid| format!(" (held by a socket of uid {uid})")).unwrap_or_default(),
         bind_hint(source)
     )]
     Bind {
         addr: SocketAddr,
         transport: &'static str,
         source: io::Error,
+        /// The uid owning the UDP socket bound there, when the address is in use.
+        holder: Option<u32>,
     },
     #[error("the DNS guard cannot serve its events on {}: {source}", path.display())]
     Events { path: PathBuf, source: io::Error },
+    #[error(
+        "the DNS guard needs at least {need} open files, and this process may open only \
+         {nofile} (RLIMIT_NOFILE, hard limit {hard}): raise LimitNOFILE= in the service, or \
+         `ulimit -n` for a shell"
+    )]
+    TooFewFiles { nofile: u64, hard: u64, need: u64 },
+    #[error("the DNS guard cannot mark its socket on {addr} ({transport}): {source}")]
+    Mark {
+        addr: SocketAddr,
+        transport: &'static str,
+        source: io::Error,
+    },
 }
 
 fn bind_hint(e: &io::Error) -> &'static str {
     match e.kind() {
         io::ErrorKind::AddrInUse => {
-            "; another resolver (systemd-resolved's stub, dnsmasq) holds it: stop it or choose \
-             another `dns.listen`"
+            "; another process holds it (systemd-resolved's stub, dnsmasq, or one that took it \
+             while the daemon was down: the table still refuses every answer it sends without \
+             the guard's mark, so it answers nobody): find it with `ss -lunp` and `ss -ltnp`, \
+             stop it, or choose another `dns.listen`"
         }
         io::ErrorKind::PermissionDenied => {
             "; ports below 1024 need CAP_NET_BIND_SERVICE (the drop-in systemd/guard.conf grants \
@@ -213,9 +233,103 @@ pub struct Context {
     pub counters: Arc<Counters>,
 }
 
-/// The limit of queries in flight a guard's [`Context`] starts with.
+/// The uid owning the UDP socket that a datagram to `addr` would reach: who holds the
+/// guard's address (a process that took it while the daemon was down, say).
+fn udp_holder(addr: SocketAddr) -> Option<u32> {
+    if addr.ip().is_unspecified() {
+        return None;
+    }
+    // The lookup takes a sender; any will do for an unconnected socket.
+    let sender = SocketAddr::new(addr.ip(), 1);
+    SockDiag::open()
+        .ok()?
+        .owner(sockdiag::Protocol::Udp, sender, addr)
+}
+
+/// The limit of queries in flight at the design size, for tests; a serving guard takes
+/// [`Guard::in_flight_limit`].
+#[cfg(test)]
 pub fn in_flight_limit() -> Arc<Semaphore> {
     Arc::new(Semaphore::new(MAX_IN_FLIGHT))
+}
+
+/// How much the guard serves at once, fitted to the descriptors the process may open: each
+/// query in flight holds an upstream socket, each TCP client its connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Queries forwarded at once, over all listeners.
+    pub in_flight: usize,
+    /// TCP clients at once, per listener.
+    pub tcp_clients: usize,
+}
+
+impl Limits {
+    pub const DESIGN: Limits = Limits {
+        in_flight: MAX_IN_FLIGHT,
+        tcp_clients: MAX_TCP_CLIENTS,
+    };
+
+    /// The design limits if they fit in `nofile` descriptors besides [`RESERVED_FDS`] with
+    /// `listeners` TCP listeners; else half of what is left for queries in flight and half
+    /// for TCP clients; `None` if that is below the minimum a guard needs.
+    pub fn fit(nofile: u64, listeners: usize) -> Option<Limits> {
+        let listeners = listeners.max(1);
+        let budget = usize::try_from(nofile.saturating_sub(RESERVED_FDS)).unwrap_or(usize::MAX);
+        if budget >= MAX_IN_FLIGHT.saturating_add(MAX_TCP_CLIENTS.saturating_mul(listeners)) {
+            return Some(Limits::DESIGN);
+        }
+        let in_flight = (budget / 2).min(MAX_IN_FLIGHT);
+        let tcp_clients = ((budget - in_flight) / listeners).min(MAX_TCP_CLIENTS);
+        (in_flight >= MIN_IN_FLIGHT && tcp_clients >= MIN_TCP_CLIENTS).then_some(Limits {
+            in_flight,
+            tcp_clients,
+        })
+    }
+
+    /// The fewest descriptors [`Limits::fit`] takes for `listeners` listeners.
+    pub fn min_nofile(listeners: usize) -> u64 {
+        let listeners = listeners.max(1);
+        let budget = (2 * MIN_IN_FLIGHT).max(2 * MIN_TCP_CLIENTS * listeners);
+        RESERVED_FDS + budget as u64
+    }
+
+    /// Queries of one client (see [`client_key`]) forwarded at once: one client holds at
+    /// most an eighth of the slots, so it cannot starve the others even when its questions
+    /// go to a server that never answers. Beyond it a UDP query is dropped, a TCP query gets
+    /// SERVFAIL.
+    fn in_flight_per_client(self) -> usize {
+        self.in_flight / 8
+    }
+
+    /// TCP connections of one client at once, over all listeners.
+    fn tcp_per_client(self) -> usize {
+        self.tcp_clients / 4
+    }
+}
+
+/// Raises the soft limit of open files to the hard one (systemd starts services with a soft
+/// limit of 1,024 and a hard one far above): the guard's design limits need more than 1,024
+/// descriptors. Returns the soft and hard limits in force.
+fn raise_nofile() -> (u64, u64) {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => {
+                info!(from = soft, to = hard, "raised the limit of open files");
+                (hard, hard)
+            }
+            Err(e) => {
+                warn!(error = %e, soft, hard, "cannot raise the limit of open files");
+                (soft, hard)
+            }
+        },
+        Ok(limits) => limits,
+        Err(e) => {
+            // Assume the usual default: the limits then fit it.
+            warn!(error = %e, "cannot read the limit of open files; assuming 1024");
+            (1024, 1024)
+        }
+    }
 }
 
 /// The guard's listening sockets, bound before the table goes up so that a port already taken
@@ -223,14 +337,34 @@ pub fn in_flight_limit() -> Arc<Semaphore> {
 pub struct Guard {
     udp: Vec<UdpSocket>,
     tcp: Vec<TcpListener>,
+    limits: Limits,
 }
 
 impl Guard {
-    /// Must be called inside the runtime, in the target network namespace.
-    pub async fn bind(listen: &[SocketAddr]) -> Result<Guard, GuardError> {
+    /// Must be called inside the runtime, in the target network namespace. Every listening
+    /// socket carries `mark` (the policy's `dns.mark`), and so does all it sends: replies,
+    /// accepted connections (which inherit it) and their SYN-ACKs. The table refuses what
+    /// leaves the listen addresses without it, so a process that takes the address while
+    /// the daemon is down answers nobody.
+    pub async fn bind(listen: &[SocketAddr], mark: u32) -> Result<Guard, GuardError> {
+        let (nofile, hard) = raise_nofile();
+        let limits = Limits::fit(nofile, listen.len()).ok_or(GuardError::TooFewFiles {
+            nofile,
+            hard,
+            need: Limits::min_nofile(listen.len()),
+        })?;
+        if limits != Limits::DESIGN {
+            warn!(
+                nofile,
+                in_flight = limits.in_flight,
+                tcp_clients = limits.tcp_clients,
+                "the limit of open files is low: the DNS guard serves fewer clients at once"
+            );
+        }
         let mut guard = Guard {
             udp: Vec::new(),
             tcp: Vec::new(),
+            limits,
         };
         for &addr in listen {
             let bind = |transport| {
@@ -238,23 +372,54 @@ impl Guard {
                     addr,
                     transport,
                     source,
+                    holder: None,
                 }
             };
-            guard
-                .udp
-                .push(UdpSocket::bind(addr).await.map_err(bind("udp"))?);
-            guard
-                .tcp
-                .push(TcpListener::bind(addr).await.map_err(bind("tcp"))?);
+            let marked = |transport| {
+                move |source| GuardError::Mark {
+                    addr,
+                    transport,
+                    source,
+                }
+            };
+            let udp = UdpSocket::bind(addr).await.map_err(|source| {
+                let holder = (source.kind() == io::ErrorKind::AddrInUse)
+                    .then(|| udp_holder(addr))
+                    .flatten();
+                GuardError::Bind {
+                    addr,
+                    transport: "udp",
+                    source,
+                    holder,
+                }
+            })?;
+            // Nothing was sent from it yet: every reply carries the mark.
+            mark_socket(&udp, mark).map_err(marked("udp"))?;
+            guard.udp.push(udp);
+            // Marked before it listens: no SYN-ACK or accepted connection goes without it.
+            let tcp = match addr {
+                SocketAddr::V4(_) => TcpSocket::new_v4(),
+                SocketAddr::V6(_) => TcpSocket::new_v6(),
+            }
+            .map_err(bind("tcp"))?;
+            tcp.set_reuseaddr(true).map_err(bind("tcp"))?;
+            mark_socket(&tcp, mark).map_err(marked("tcp"))?;
+            tcp.bind(addr).map_err(bind("tcp"))?;
+            guard.tcp.push(tcp.listen(1024).map_err(bind("tcp"))?);
         }
         Ok(guard)
+    }
+
+    /// The limit of queries in flight this guard's [`Context`] takes.
+    pub fn in_flight_limit(&self) -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(self.limits.in_flight))
     }
 
     /// Serves every socket on tasks of the current runtime.
     pub fn serve(self, context: Context) {
         let context = Arc::new(context);
-        let forwarding = ClientLimits::new(MAX_IN_FLIGHT_PER_CLIENT);
-        let connected = ClientLimits::new(MAX_TCP_PER_CLIENT);
+        let forwarding = ClientLimits::new(self.limits.in_flight_per_client());
+        let connected = ClientLimits::new(self.limits.tcp_per_client());
         for socket in self.udp {
             tokio::spawn(serve_udp(
                 Arc::new(socket),
@@ -265,6 +430,7 @@ impl Guard {
         for listener in self.tcp {
             tokio::spawn(serve_tcp(
                 listener,
+                self.limits.tcp_clients,
                 context.clone(),
                 forwarding.clone(),
                 connected.clone(),
@@ -276,38 +442,50 @@ impl Guard {
 /// Who a client is, for its share of the guard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ClientKey {
-    /// A local client (from a loopback address) by the uid owning its socket: a local
-    /// process may send from any loopback address, but not as another user.
+    /// A local client by the uid owning its socket, whatever address it sends from (any
+    /// loopback address, or one of the host's own): a local process may choose its source
+    /// address, but not its uid.
     LocalUser(u32),
-    /// A local client whose socket was gone before the guard asked (a sender that does not
-    /// wait for its answer): all of them share one share.
+    /// A client from a local address whose socket was gone before the guard asked (a sender
+    /// that does not wait for its answer, or a raw socket's forged datagram): all of them
+    /// share one share.
     LocalUnknown,
-    /// A client on another host (or namespace) by its address; an IPv4-mapped one as IPv4,
-    /// an IPv6 one by its /64, which one host usually holds whole.
+    /// Any other client by its address; an IPv4-mapped one as IPv4, an IPv6 one by its /64,
+    /// which one host usually holds whole. A source address is easy to forge (root in a
+    /// container keeps CAP_NET_RAW), so all of these together also have one share of their
+    /// own (see [`ClientLimits`]): forged sources cannot starve local clients.
     Address(IpAddr),
 }
 
-/// The key of the client at `peer` that reached our socket at `local`; `diag` (when it could
-/// be opened) tells the uid of a local client.
+impl ClientKey {
+    /// Whether the key is one of the [`ClientKey::Address`] keys, which share a group cap.
+    fn by_address(self) -> bool {
+        matches!(self, ClientKey::Address(_))
+    }
+}
+
+/// The key of the client at `peer` that reached our socket at `local`. A peer on a local
+/// path (a loopback address, or one of `host`'s own addresses, which the kernel never takes
+/// from outside) is a local client: `diag` (when it could be opened) tells the uid of its
+/// socket. Any other peer is its address, whatever socket shares its port: a forged
+/// datagram from elsewhere cannot be charged to a local user's share.
 pub fn client_key(
     diag: Option<&mut SockDiag>,
+    host: &HostAddrs,
     protocol: sockdiag::Protocol,
     local: SocketAddr,
     peer: SocketAddr,
 ) -> ClientKey {
-    let ip = match peer.ip() {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-        v4 => v4,
+    let unmapped = |a: SocketAddr| match a.ip() {
+        IpAddr::V6(v6) => SocketAddr::new(
+            v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+            a.port(),
+        ),
+        IpAddr::V4(_) => a,
     };
-    if ip.is_loopback() {
-        let peer = SocketAddr::new(ip, peer.port());
-        let local = match local.ip() {
-            IpAddr::V6(v6) => SocketAddr::new(
-                v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-                local.port(),
-            ),
-            IpAddr::V4(_) => local,
-        };
+    let (peer, local) = (unmapped(peer), unmapped(local));
+    let ip = peer.ip();
+    if ip.is_loopback() || host.is_own(ip) {
         return match diag.and_then(|d| d.owner(protocol, local, peer)) {
             Some(uid) => ClientKey::LocalUser(uid),
             None => ClientKey::LocalUnknown,
@@ -322,11 +500,20 @@ pub fn client_key(
     })
 }
 
-/// How many of something (queries in flight, connections) each client holds, against a cap.
+/// How many of something (queries in flight, connections) each client holds, against a cap;
+/// and all [`ClientKey::Address`] clients together, against twice that: forged source
+/// addresses are free, so however many there are they hold no more than two clients would.
 #[derive(Debug)]
 pub struct ClientLimits {
     cap: usize,
-    held: std::sync::Mutex<std::collections::HashMap<ClientKey, usize>>,
+    held: std::sync::Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    by_client: std::collections::HashMap<ClientKey, usize>,
+    /// The sum over the [`ClientKey::Address`] keys.
+    by_address: usize,
 }
 
 /// One unit a client holds; given back when dropped.
@@ -344,14 +531,26 @@ impl ClientLimits {
         })
     }
 
-    /// A slot for the client `key`, unless it already holds its cap.
+    /// What all [`ClientKey::Address`] clients together may hold.
+    fn address_cap(&self) -> usize {
+        self.cap.saturating_mul(2)
+    }
+
+    /// A slot for the client `key`, unless it already holds its cap (or it is known by its
+    /// address only and those clients together hold theirs).
     pub fn try_take(self: &Arc<Self>, key: ClientKey) -> Option<ClientSlot> {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        let count = held.entry(key).or_default();
+        if key.by_address() && held.by_address >= self.address_cap() {
+            return None;
+        }
+        let count = held.by_client.entry(key).or_default();
         if *count >= self.cap {
             return None;
         }
         *count += 1;
+        if key.by_address() {
+            held.by_address += 1;
+        }
         Some(ClientSlot {
             limits: self.clone(),
             key,
@@ -361,20 +560,54 @@ impl ClientLimits {
     /// Slots held by the client `key`.
     pub fn held(&self, key: ClientKey) -> usize {
         let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.get(&key).copied().unwrap_or(0)
+        held.by_client.get(&key).copied().unwrap_or(0)
     }
 }
 
 impl Drop for ClientSlot {
     fn drop(&mut self) {
         let mut held = self.limits.held.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(count) = held.get_mut(&self.key) {
+        if let Some(count) = held.by_client.get_mut(&self.key) {
             *count -= 1;
             if *count == 0 {
                 // Forgotten at once: a flood of spoofed sources leaves no table behind.
-                held.remove(&self.key);
+                held.by_client.remove(&self.key);
+            }
+            if self.key.by_address() {
+                held.by_address -= 1;
             }
         }
+    }
+}
+
+/// How long the host's addresses are taken as read: addresses come and go, but reading them
+/// for every datagram would cost a netlink dump each.
+const HOST_ADDRS_TTL: Duration = Duration::from_secs(5);
+
+/// The host's own addresses, for [`client_key`], read again every [`HOST_ADDRS_TTL`].
+struct HostAddrCache {
+    addrs: HostAddrs,
+    read: Instant,
+}
+
+impl HostAddrCache {
+    fn new() -> HostAddrCache {
+        HostAddrCache {
+            addrs: HostAddrs::read_or_warn(),
+            read: Instant::now(),
+        }
+    }
+
+    fn current(&mut self) -> &HostAddrs {
+        if self.read.elapsed() >= HOST_ADDRS_TTL {
+            self.read = Instant::now();
+            match HostAddrs::read() {
+                Ok(addrs) => self.addrs = addrs,
+                // The last ones read are still the best guess.
+                Err(e) => debug!(error = %e, "reading the host's addresses"),
+            }
+        }
+        &self.addrs
     }
 }
 
@@ -405,6 +638,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Ar
     // One byte more than a query may be: a datagram that fills it is oversize.
     let mut buf = vec![0u8; MAX_QUERY + 1];
     let mut diag = open_sock_diag();
+    let mut host = HostAddrCache::new();
     let Ok(local) = socket.local_addr() else {
         return;
     };
@@ -433,7 +667,13 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Ar
         };
         // Never wait here: the loop serves every client, and a client over its share (or a
         // guard out of slots) loses this query, which it asks again.
-        let key = client_key(diag.as_mut(), sockdiag::Protocol::Udp, local, client);
+        let key = client_key(
+            diag.as_mut(),
+            host.current(),
+            sockdiag::Protocol::Udp,
+            local,
+            client,
+        );
         let Some(slot) = forwarding.try_take(key) else {
             debug!(client = %client, "this client has too many queries in flight; dropping one");
             continue;
@@ -456,12 +696,14 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Ar
 
 async fn serve_tcp(
     listener: TcpListener,
+    max_clients: usize,
     context: Arc<Context>,
     forwarding: Arc<ClientLimits>,
     connected: Arc<ClientLimits>,
 ) {
-    let clients = Arc::new(Semaphore::new(MAX_TCP_CLIENTS));
+    let clients = Arc::new(Semaphore::new(max_clients));
     let mut diag = open_sock_diag();
+    let mut host = HostAddrCache::new();
     loop {
         match listener.accept().await {
             Ok((stream, client)) => {
@@ -469,7 +711,13 @@ async fn serve_tcp(
                     continue;
                 };
                 // The connection's client, once: its uid stays while it is connected.
-                let key = client_key(diag.as_mut(), sockdiag::Protocol::Tcp, local, client);
+                let key = client_key(
+                    diag.as_mut(),
+                    host.current(),
+                    sockdiag::Protocol::Tcp,
+                    local,
+                    client,
+                );
                 let Some(slot) = connected.try_take(key) else {
                     debug!(client = %client, "this client has too many DNS connections; closing this one");
                     continue;
@@ -864,13 +1112,14 @@ async fn ask_upstream(
     Err(format!("no upstream answered: {}", errors.join("; ")))
 }
 
-/// Sets the socket mark the table knows the guard's upstream sockets by. Fails without
-/// CAP_NET_ADMIN: the exchange fails with it, since an unmarked socket would be refused.
+/// Sets the socket mark the table knows the guard's sockets by. Fails without
+/// CAP_NET_ADMIN: an upstream exchange fails with it, since an unmarked socket would be
+/// refused, and so does binding the listeners, whose unmarked replies would be.
 fn mark_socket(socket: &impl AsFd, mark: u32) -> io::Result<()> {
     setsockopt(socket, sockopt::Mark, &mark).map_err(|errno| {
         io::Error::new(
             io::Error::from(errno).kind(),
-            format!("cannot mark the upstream socket (SO_MARK needs CAP_NET_ADMIN): {errno}"),
+            format!("cannot mark the socket (SO_MARK needs CAP_NET_ADMIN): {errno}"),
         )
     })
 }
@@ -1480,11 +1729,59 @@ mod tests {
         let _again = limits.try_take(flood).expect("a slot given back");
         drop(c);
         assert_eq!(limits.held(other), 0);
-        assert!(!limits.held.lock().unwrap().contains_key(&other));
+        assert!(!limits.held.lock().unwrap().by_client.contains_key(&other));
     }
 
-    /// A local client is its socket's uid, whatever loopback address it sends from; a remote
-    /// one its address, an IPv6 one by its /64.
+    /// Clients known by their address only (any of which may be forged) hold at most twice
+    /// a client's cap together, however many addresses they use; local clients keep theirs.
+    #[test]
+    fn clients_known_by_address_share_one_group_cap() {
+        let limits = ClientLimits::new(2);
+        let forged = |i: u8| ClientKey::Address(IpAddr::from([203, 0, 113, i]));
+        let held: Vec<ClientSlot> = (1..=64)
+            .filter_map(|i| limits.try_take(forged(i)))
+            .collect();
+        assert_eq!(held.len(), 4, "two clients' worth, over 64 addresses");
+        let _local = limits
+            .try_take(ClientKey::LocalUser(65534))
+            .expect("a local client is not affected");
+        let _unknown = limits
+            .try_take(ClientKey::LocalUnknown)
+            .expect("nor are local clients whose socket is gone");
+        drop(held);
+        assert_eq!(limits.held.lock().unwrap().by_address, 0);
+        assert!(limits.try_take(forged(9)).is_some(), "slots given back");
+    }
+
+    /// The design limits when the descriptors allow them; under systemd's 1,024 (as a hard
+    /// limit too) the in-flight and TCP limits together stay below it with room for the
+    /// daemon's own; too few descriptors, no limits (the guard refuses to start).
+    #[test]
+    fn limits_fit_the_open_files_allowed() {
+        assert_eq!(Limits::fit(1 << 20, 2), Some(Limits::DESIGN));
+        assert_eq!(Limits::fit(u64::MAX, 1), Some(Limits::DESIGN));
+        for listeners in 1..=4 {
+            let fit = Limits::fit(1024, listeners).expect("1024 is enough");
+            assert!(fit.in_flight < MAX_IN_FLIGHT);
+            let used = fit.in_flight + fit.tcp_clients * listeners;
+            assert!(used as u64 + RESERVED_FDS <= 1024, "{listeners}: {fit:?}");
+            assert!(fit.in_flight_per_client() >= 8 && fit.tcp_per_client() >= 2);
+            let need = Limits::min_nofile(listeners);
+            assert!(
+                Limits::fit(need, listeners).is_some(),
+                "{listeners}: {need}"
+            );
+            assert!(
+                Limits::fit(need - 1, listeners).is_none(),
+                "{listeners}: {need}"
+            );
+        }
+        assert_eq!(Limits::fit(100, 1), None);
+    }
+
+    /// A local client is its socket's uid, whatever loopback or own address it sends from;
+    /// any other one its address (even when a local socket has its port), an IPv6 one by
+    /// its /64.
     #[test]
     fn clients_are_told_apart_by_uid_when_local_and_by_address_otherwise() {
         let me = nix::unistd::geteuid().as_raw();
@@ -1492,12 +1789,13 @@ mod tests {
         let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let local = server.local_addr().unwrap();
         let udp = sockdiag::Protocol::Udp;
+        let none = HostAddrs::none();
         for from in ["127.0.0.1:0", "127.0.0.2:0", "127.9.8.7:0"] {
             let client = std::net::UdpSocket::bind(from).unwrap();
             client.send_to(b"q", local).unwrap();
             let peer = client.local_addr().unwrap();
             assert_eq!(
-                client_key(Some(&mut diag), udp, local, peer),
+                client_key(Some(&mut diag), &none, udp, local, peer),
                 ClientKey::LocalUser(me),
                 "{from}"
             );
@@ -1505,10 +1803,31 @@ mod tests {
         // Gone before the guard asked: the local clients' shared key.
         let gone: SocketAddr = "127.0.0.1:9".parse().unwrap();
         assert_eq!(
-            client_key(Some(&mut diag), udp, local, gone),
+            client_key(Some(&mut diag), &none, udp, local, gone),
             ClientKey::LocalUnknown
         );
-        let key = |peer: &str| client_key(None, udp, local, peer.parse().unwrap());
+        // A socket on every address (an unconnected client's usual one) takes datagrams to
+        // its port from any source: from the host's own address it is its uid, from an
+        // address that is not the host's (a forged one, say) the address, not that uid.
+        let wildcard = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        wildcard.send_to(b"q", local).unwrap();
+        let port = wildcard.local_addr().unwrap().port();
+        let own = HostAddrs::from_interfaces([("203.0.113.7".parse().unwrap(), None, None)]);
+        let from_own = SocketAddr::new("203.0.113.7".parse().unwrap(), port);
+        assert_eq!(
+            client_key(Some(&mut diag), &own, udp, local, from_own),
+            ClientKey::LocalUser(me)
+        );
+        assert_eq!(
+            client_key(Some(&mut diag), &none, udp, local, from_own),
+            ClientKey::Address("203.0.113.7".parse().unwrap())
+        );
+        let gone_own: SocketAddr = "203.0.113.7:9".parse().unwrap();
+        assert_eq!(
+            client_key(Some(&mut diag), &own, udp, local, gone_own),
+            ClientKey::LocalUnknown
+        );
+        let key = |peer: &str| client_key(None, &none, udp, local, peer.parse().unwrap());
         assert_eq!(key("127.0.0.1:5353"), ClientKey::LocalUnknown);
         assert_eq!(
             key("[::ffff:192.0.2.7]:5353"),
@@ -1519,6 +1838,16 @@ mod tests {
             key("[2001:db8:1:2:ffff::9]:53")
         );
         assert_ne!(key("[2001:db8:1:2::1]:53"), key("[2001:db8:1:3::1]:53"));
+    }
+
+    /// Who holds an address the guard cannot bind: the uid of the socket there.
+    #[test]
+    fn the_holder_of_a_taken_address_is_named() {
+        let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        assert_eq!(udp_holder(addr), Some(nix::unistd::geteuid().as_raw()));
+        drop(taken);
+        assert_eq!(udp_holder(addr), None);
     }
 
     #[test]

@@ -117,6 +117,11 @@ impl HostAddrs {
         Ok(HostAddrs::from_interfaces(interfaces.collect::<Vec<_>>()))
     }
 
+    /// Whether `addr` is an address of one of the host's interfaces.
+    pub fn is_own(&self, addr: IpAddr) -> bool {
+        self.own.contains(&addr)
+    }
+
     /// Reads the interfaces, or, when that fails, knows none (the address classes still
     /// apply) and says so.
     pub fn read_or_warn() -> HostAddrs {

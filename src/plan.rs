@@ -191,6 +191,20 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     // with CAP_NET_RAW), also to a connection already established: refused before anything
     // is accepted.
     let mut rules: Vec<Rule> = SourceRoute::ALL.map(Rule::RefuseSourceRoute).into();
+    // Only the guard answers from its listen address: a process that binds it while the
+    // daemon is down (ports below 1024 are no barrier in a container) answers nobody. Before
+    // the replies, since a squatter's answers belong to connections the clients opened.
+    if let Some(guard) = &policy.dns.guard {
+        for &from in &guard.listen {
+            for proto in [L4Proto::Udp, L4Proto::Tcp] {
+                rules.push(Rule::RefuseUnmarkedFromGuardPort {
+                    from,
+                    proto,
+                    mark: guard.mark,
+                });
+            }
+        }
+    }
     // Replies next: the bulk of packets leaves here after one conntrack lookup.
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
@@ -915,6 +929,18 @@ log:
         let refuse_dot = at(&Rule::RefuseService(L4Proto::Tcp, 853)).expect("DoT refused");
         let allow = at(&Rule::AcceptTupleIn(SetId::new(SetRole::Allow, Family::V4))).unwrap();
         assert!(guard < deny && deny < refuse_dns && refuse_dns.max(refuse_dot) < allow);
+        // Only the guard's marked sockets answer from its listen address, before any reply
+        // is accepted.
+        let established = at(&Rule::AcceptEstablished).expect("replies");
+        for proto in [L4Proto::Udp, L4Proto::Tcp] {
+            let squat = at(&Rule::RefuseUnmarkedFromGuardPort {
+                from: "127.0.0.53:53".parse().unwrap(),
+                proto,
+                mark: crate::policy::DEFAULT_GUARD_MARK,
+            })
+            .expect("unmarked answers from the guard's address refused");
+            assert!(squat < established);
+        }
         // DNS over HTTPS to public resolvers goes to the deny set, where no allow reaches.
         let Elements::Networks(deny4) = &rs
             .set(SetId::new(SetRole::Deny, Family::V4))

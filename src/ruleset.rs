@@ -5,7 +5,7 @@
 //! of shapes ([`Rule`]); the renderer and the encoder each have one arm per shape.
 
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -51,6 +51,14 @@ impl Family {
         match self {
             Family::V4 => "ip daddr",
             Family::V6 => "ip6 daddr",
+        }
+    }
+
+    /// The nft keyword for this family's source address (`ip saddr`, `ip6 saddr`).
+    fn saddr(self) -> &'static str {
+        match self {
+            Family::V4 => "ip saddr",
+            Family::V6 => "ip6 saddr",
         }
     }
 
@@ -443,6 +451,18 @@ pub enum Rule {
     /// `ip hdrlength != 5 goto refused`, `exthdr rt exists goto refused`: a packet that
     /// names its own route goes on past the destination the other rules check.
     RefuseSourceRoute(SourceRoute),
+    /// `ip saddr 127.0.0.53 udp sport 53 meta mark != M goto refused`: what
+    /// leaves from the DNS guard's listen address and port without the guard's mark (its
+    /// listening sockets carry it, and so do its replies, TCP connections and SYN-ACKs) is
+    /// refused, so a process that binds the guard's address while the daemon is down answers
+    /// nobody. Before `ct state established,related accept`: a squatter's replies belong to
+    /// connections the clients opened. An unspecified address (`0.0.0.0`, `::`) matches any
+    /// source address of either family.
+    RefuseUnmarkedFromGuardPort {
+        from: SocketAddr,
+        proto: L4Proto,
+        mark: u32,
+    },
     /// `ct state established,related accept`
     AcceptEstablished,
     /// `oif "lo" accept`
@@ -495,6 +515,18 @@ impl fmt::Display for Rule {
         match self {
             Rule::RefuseSourceRoute(route) => {
                 write!(f, "{} goto {REFUSED_CHAIN}", route.nft_match())
+            }
+            Rule::RefuseUnmarkedFromGuardPort { from, proto, mark } => {
+                if !from.ip().is_unspecified() {
+                    let family = Family::of(from.ip());
+                    write!(f, "{} {} ", family.saddr(), from.ip())?;
+                }
+                write!(
+                    f,
+                    "{} sport {} meta mark != {mark:#010x} goto {REFUSED_CHAIN}",
+                    proto.name(),
+                    from.port()
+                )
             }
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
@@ -701,6 +733,30 @@ mod tests {
                 "ct state established,related accept",
             ),
             (Rule::AcceptLoopback, "oif \"lo\" accept"),
+            (
+                Rule::RefuseUnmarkedFromGuardPort {
+                    from: "127.0.0.53:53".parse().unwrap(),
+                    proto: L4Proto::Udp,
+                    mark: 0x6500_0000,
+                },
+                "ip saddr 127.0.0.53 udp sport 53 meta mark != 0x65000000 goto refused",
+            ),
+            (
+                Rule::RefuseUnmarkedFromGuardPort {
+                    from: "[::1]:5353".parse().unwrap(),
+                    proto: L4Proto::Tcp,
+                    mark: 0x1e00,
+                },
+                "ip6 saddr ::1 tcp sport 5353 meta mark != 0x00001e00 goto refused",
+            ),
+            (
+                Rule::RefuseUnmarkedFromGuardPort {
+                    from: "0.0.0.0:53".parse().unwrap(),
+                    proto: L4Proto::Udp,
+                    mark: 0x1e00,
+                },
+                "udp sport 53 meta mark != 0x00001e00 goto refused",
+            ),
             (
                 Rule::AcceptIcmpv6(Icmpv6Type::NdNeighborSolicit),
                 "icmpv6 type nd-neighbor-solicit accept",

@@ -391,6 +391,14 @@ fn daddr_field(family: Family) -> (u32, u32) {
     }
 }
 
+/// Where the source address lies in the network header, and its length.
+fn saddr_field(family: Family) -> (u32, u32) {
+    match family {
+        Family::V4 => (12, 4),
+        Family::V6 => (8, 16),
+    }
+}
+
 /// Registers of the `daddr . l4proto . dport` concatenation, as nft allocates them.
 fn tuple_registers(family: Family) -> (u32, u32) {
     match family {
@@ -520,6 +528,26 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
                     e.push(eq(&[1]));
                 }
             }
+            e.push(goto_refused());
+        }
+        Rule::RefuseUnmarkedFromGuardPort { from, proto, mark } => {
+            if !from.ip().is_unspecified() {
+                let family = Family::of(from.ip());
+                e.extend(is_family(family));
+                let (offset, len) = saddr_field(family);
+                e.push(own(Expr::payload(
+                    PayloadBase::Network,
+                    offset,
+                    len,
+                    sys::REG_1,
+                )));
+                e.push(eq(&addr_bytes(from.ip())));
+            }
+            e.extend(l4proto_is(proto.number()));
+            e.push(own(Expr::payload(PayloadBase::Transport, 0, 2, sys::REG_1)));
+            e.push(eq(&from.port().to_be_bytes()));
+            e.push(own(Expr::meta(libc::NFT_META_MARK, sys::REG_1)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &mark.to_ne_bytes())));
             e.push(goto_refused());
         }
         Rule::AcceptEstablished => {
@@ -725,6 +753,59 @@ mod tests {
                 "cmp eq reg 1 0x00000011",
                 "payload load 2b @ transport header + 2 => reg 1",
                 "cmp eq reg 1 0x00005503",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+    }
+
+    #[test]
+    fn unmarked_replies_from_the_guards_port_match_nft() {
+        let rule = |from: &str, proto, mark| Rule::RefuseUnmarkedFromGuardPort {
+            from: from.parse().unwrap(),
+            proto,
+            mark,
+        };
+        assert_eq!(
+            exprs(&rule("127.0.0.53:53", L4Proto::Udp, 0x6500_0000)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "payload load 4b @ network header + 12 => reg 1",
+                "cmp eq reg 1 0x3500007f",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000011",
+                "payload load 2b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "meta load mark => reg 1",
+                "cmp neq reg 1 0x65000000",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&rule("[::1]:5353", L4Proto::Tcp, 0x1e00)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "payload load 16b @ network header + 8 => reg 1",
+                "cmp eq reg 1 0x00000000 0x00000000 0x00000000 0x01000000",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000006",
+                "payload load 2b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x0000e914",
+                "meta load mark => reg 1",
+                "cmp neq reg 1 0x00001e00",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&rule("0.0.0.0:53", L4Proto::Udp, 0x1e00)),
+            [
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000011",
+                "payload load 2b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "meta load mark => reg 1",
+                "cmp neq reg 1 0x00001e00",
                 "immediate reg 0 goto -> refused",
             ]
         );

@@ -550,3 +550,275 @@ fn one_client_flooding_the_guard_does_not_starve_another() {
     assert!(p99 < 50.0, "p99 {p99:.1} ms during the flood: {ms:?}");
     drop(guard);
 }
+
+/// Root without CAP_NET_ADMIN but with CAP_NET_RAW (Docker's default root) forges, over a
+/// raw socket for `argv[1]` seconds, queries the upstream never answers from `argv[2]`
+/// source addresses 203.0.113.1 and up, each a client of its own by address. From the
+/// red-team review of issue 10.
+const RAW_FLOOD: &str = r#"
+import socket, struct, sys, time
+secs, nsrc = float(sys.argv[1]), int(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+def q(qid, name):
+    qn = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qn + struct.pack(">HH", 1, 1)
+dst = socket.inet_aton("127.0.0.53")
+n, said, end = 0, 0, time.monotonic() + secs
+while time.monotonic() < end:
+    for i in range(nsrc):
+        src = socket.inet_aton("203.0.113.%d" % (i + 1))
+        p = q(n & 0xffff, "flood%d.pool.example" % n)
+        udp = struct.pack(">HHHH", 10000 + n % 50000, 53, 8 + len(p), 0) + p
+        ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0, src, dst)
+        s.sendto(ip + udp, ("127.0.0.53", 0))
+        n += 1
+    if time.monotonic() - said >= 1:
+        said = time.monotonic()
+        print("flooding", n, flush=True)
+    time.sleep(0.03)
+"#;
+
+/// Root with CAP_NET_RAW but without CAP_NET_ADMIN.
+const ROOT_WITH_RAW: [&str; 4] = [
+    "setpriv",
+    "--inh-caps=-net_admin",
+    "--bounding-set=-net_admin",
+    "--",
+];
+
+/// Runs `floods` (each started once it prints "flooding") while the timed client (uid
+/// nobody, 127.0.0.2) asks 200 UDP and 20 TCP queries; asserts it loses none and its p99 stays
+/// under 50 ms, as [`one_client_flooding_the_guard_does_not_starve_another`] measures.
+fn timed_client_survives(w: &World, guard: &Background, floods: &[Vec<&str>]) {
+    let calm = w.sandbox_cmd_as(
+        NOBODY,
+        &[PYTHON, "-c", TIMED, "5", "2", "timed.pool.example"],
+    );
+    let (ms, lost) = latencies(&calm.stdout);
+    assert!(
+        lost.is_empty() && ms.len() == 7,
+        "without a flood: {calm}\nguard:\n{}",
+        guard.stderr()
+    );
+    let mut running: Vec<Background> = floods
+        .iter()
+        .map(|args| {
+            let mut flood = w.spawn_in_sandbox(args);
+            assert!(
+                flood.wait_for_output("flooding", Duration::from_secs(15)),
+                "the flood did not start: {}",
+                flood.stderr()
+            );
+            flood
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    let timed = w.sandbox_cmd_as(
+        NOBODY,
+        &[PYTHON, "-c", TIMED, "200", "20", "timed.pool.example"],
+    );
+    let flooding = running
+        .iter_mut()
+        .all(|f| f.wait_timeout(Duration::from_millis(1)).is_none());
+    let flooded: String = running.iter().map(|f| f.stdout()).collect();
+    drop(running);
+    let log = guard.stderr();
+    let (mut ms, lost) = latencies(&timed.stdout);
+    assert!(
+        lost.is_empty(),
+        "the other client lost {} of 220 queries during the flood (flood still running: \
+         {flooding}):\n{}\nflood:\n{flooded}\nguard's descriptors ran out: {}",
+        lost.len(),
+        lost.join("\n"),
+        log.contains("Too many open files"),
+    );
+    assert!(
+        flooding,
+        "the flood ended before the timed client:\n{flooded}"
+    );
+    assert!(!log.contains("Too many open files"), "guard:\n{log}");
+    ms.sort_by(f64::total_cmp);
+    let p99 = ms[(ms.len() * 99).div_ceil(100) - 1];
+    eprintln!(
+        "during the flood: {} queries, median {:.1} ms, p99 {p99:.1} ms",
+        ms.len(),
+        ms[ms.len() / 2]
+    );
+    assert!(p99 < 50.0, "p99 {p99:.1} ms during the flood: {ms:?}");
+}
+
+/// Red team, item 1: root with CAP_NET_RAW forges queries from 64 source addresses; each
+/// was a client of its own with 128 slots, so together they held every slot and another
+/// local client lost queries. Now all clients known by address share two clients' worth.
+#[test]
+fn forged_sources_do_not_starve_a_local_client() {
+    let w = World::new();
+    let _upstream = slow_upstream(&w, HOST3_V4);
+    let path = w.write_file("guard.yaml", &guard_policy(&[HOST3_V4]));
+    let guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
+    let mut raw = ROOT_WITH_RAW.to_vec();
+    raw.extend([PYTHON, "-c", RAW_FLOOD, "25", "64"]);
+    timed_client_survives(&w, &guard, &[raw]);
+}
+
+/// Red team, item 2: under systemd's default limit of 1,024 open files (here as the hard
+/// limit too, which the daemon cannot raise) the design limits (1,024 upstream sockets in
+/// flight, 256 TCP clients) ran out of descriptors under the forged flood, and other
+/// clients got SERVFAIL. Now the limits fit the descriptors the daemon may open.
+#[test]
+fn the_guard_fits_its_limits_to_the_open_files_allowed() {
+    let w = World::new();
+    let _upstream = slow_upstream(&w, HOST3_V4);
+    let path = w.write_file("guard.yaml", &guard_policy(&[HOST3_V4]));
+    let path = path.to_str().expect("utf-8 path");
+    // In the sandbox, as systemd would start it with LimitNOFILE=1024.
+    let mut guard = w.spawn_in_sandbox(&[
+        "prlimit",
+        "--nofile=1024:1024",
+        "--",
+        EGRESS_FENCE_BIN,
+        "run",
+        path,
+    ]);
+    assert!(
+        guard.wait_for_output("the DNS guard is serving", Duration::from_secs(10)),
+        "the guard did not start:\n{}",
+        guard.stderr()
+    );
+    let mut raw = ROOT_WITH_RAW.to_vec();
+    raw.extend([PYTHON, "-c", RAW_FLOOD, "25", "64"]);
+    let as_user = |script| {
+        vec![
+            "setpriv",
+            "--reuid=4242",
+            "--regid=4242",
+            "--clear-groups",
+            "--",
+            PYTHON,
+            "-c",
+            script,
+            "25",
+        ]
+    };
+    timed_client_survives(&w, &guard, &[raw, as_user(UDP_FLOOD), as_user(TCP_FLOOD)]);
+    guard.terminate();
+    assert!(
+        guard.stderr().contains("the limit of open files is low"),
+        "the limits were fitted to 1,024 descriptors:\n{}",
+        guard.stderr()
+    );
+}
+
+/// A DNS server that uid nobody runs on 127.0.0.53:53 (UDP and TCP), answering every A
+/// question with 203.0.113.66; prints "squatting" once bound and "asked" for each query.
+const SQUATTER: &str = r#"
+import socket, struct, threading
+def answer(q):
+    end = 12
+    while end < len(q) and q[end] != 0:
+        end += q[end] + 1
+    header = q[:2] + struct.pack(">HHHHH", 0x8180, 1, 1, 0, 0)
+    record = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + bytes([203, 0, 113, 66])
+    return header + q[12:end + 5] + record
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.bind(("127.0.0.53", 53))
+t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+t.bind(("127.0.0.53", 53))
+t.listen(16)
+def serve_tcp():
+    while True:
+        c, _ = t.accept()
+        head = c.recv(2, socket.MSG_WAITALL)
+        if len(head) == 2:
+            q = c.recv(struct.unpack(">H", head)[0], socket.MSG_WAITALL)
+            print("asked over tcp", flush=True)
+            a = answer(q)
+            try:
+                c.sendall(struct.pack(">H", len(a)) + a)
+            except OSError:
+                pass
+        c.close()
+threading.Thread(target=serve_tcp, daemon=True).start()
+print("squatting", flush=True)
+while True:
+    q, peer = u.recvfrom(65535)
+    print("asked over udp", flush=True)
+    try:
+        u.sendto(answer(q), peer)
+    except OSError as e:
+        print("refused:", e, flush=True)
+"#;
+
+/// Red team, item 3: while the daemon is down (SIGTERM leaves the table), uid nobody, with
+/// low ports open to everyone as in a container, binds the guard's address and answers
+/// every query with an address of its choosing. The table refuses what leaves the guard's
+/// address and port without the guard's mark, so the squatter answers nobody, over UDP or
+/// TCP; the daemon's restart fails naming the problem, and succeeds once the squatter is
+/// gone. On the old main every client took the squatter's answer.
+#[test]
+fn a_squatter_on_the_guards_address_answers_nobody() {
+    let w = World::new();
+    let _upstream = slow_upstream(&w, HOST3_V4);
+    let path = w.write_file("guard.yaml", &guard_policy(&[HOST3_V4]));
+    let path = path.to_str().expect("utf-8 path");
+    let mut guard = w.spawn_guard(path);
+    for tcp in [false, true] {
+        assert!(
+            guard_answers(&w, Who::Nobody, "a.pool.example", tcp),
+            "the guard answers (tcp: {tcp}) from its marked sockets:\n{}",
+            guard.stderr()
+        );
+    }
+    guard.terminate();
+    assert!(w.table_handle().is_some(), "SIGTERM leaves the table");
+    let sysctl = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
+    assert!(sysctl.success(), "{sysctl}");
+    let mut squatter = w.spawn_in_sandbox(&[
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--",
+        PYTHON,
+        "-c",
+        SQUATTER,
+    ]);
+    assert!(
+        squatter.wait_for_output("squatting", Duration::from_secs(10)),
+        "the squatter did not bind: {}",
+        squatter.stderr()
+    );
+    for who in EVERYONE {
+        for tcp in [false, true] {
+            let out = dig_output(&w, who, GUARD_ADDR.ip(), 53, "a.pool.example", tcp);
+            assert!(
+                !out.contains("203.0.113.66") && !out.contains("->>HEADER<<-"),
+                "{who:?} (tcp: {tcp}) got the squatter's answer:\n{out}"
+            );
+        }
+    }
+    assert!(
+        squatter.stdout().contains("asked over udp"),
+        "the squatter was asked (its answers were refused): {}",
+        squatter.stdout()
+    );
+    // The restart fails while the address is taken, and says why.
+    let restart = w.egress_fence(&["run", path]);
+    assert!(!restart.success(), "{restart}");
+    assert!(
+        restart.stderr.contains("cannot listen on 127.0.0.53:53")
+            && restart.stderr.contains("held by a socket of uid 65534")
+            && restart.stderr.contains("answers nobody"),
+        "{restart}"
+    );
+    drop(squatter);
+    let guard = w.spawn_guard(path);
+    for tcp in [false, true] {
+        assert!(
+            guard_answers(&w, Who::Nobody, "a.pool.example", tcp),
+            "the restarted guard answers (tcp: {tcp}):\n{}",
+            guard.stderr()
+        );
+    }
+}
