@@ -430,10 +430,10 @@ out += ['new', send(fresh, final)]
 print(' '.join(out))
 "#;
 
-#[test]
-fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
+/// A world (no table yet) whose net side follows IPv4 source routes, as a misconfigured
+/// router on the path may.
+fn world_following_source_routes() -> World {
     let w = World::new();
-    // The net side follows source routes, as a misconfigured router on the path may.
     for key in ["all", "lo", "veth0"] {
         let sysctl = w.net_cmd(&[
             "sysctl",
@@ -442,6 +442,12 @@ fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
         ]);
         assert!(sysctl.success(), "{sysctl}");
     }
+    w
+}
+
+#[test]
+fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
+    let w = world_following_source_routes();
     let first_hop = w.listen_udp(HOST_V4, ALLOWED_PORT);
     let hidden = w.listen_udp(OTHER_V4, ALLOWED_PORT);
     let (first, final_, port) = (
@@ -632,16 +638,7 @@ print(' '.join(out))
 /// is refused now; plain IPv4 still passes.
 #[test]
 fn ipv4_packets_with_any_options_are_refused_even_malformed_source_routes() {
-    let w = World::new();
-    // The net side follows source routes, as a misconfigured router on the path may.
-    for key in ["all", "lo", "veth0"] {
-        let sysctl = w.net_cmd(&[
-            "sysctl",
-            "-w",
-            &format!("net.ipv4.conf.{key}.accept_source_route=1"),
-        ]);
-        assert!(sysctl.success(), "{sysctl}");
-    }
+    let w = world_following_source_routes();
     let first_hop = w.listen_udp(HOST_V4, ALLOWED_PORT);
     let hidden = w.listen_udp(OTHER_V4, ALLOWED_PORT);
     let (src, first, final_, port) = (
