@@ -574,16 +574,7 @@ fn guard_probe(w: &World, policy: &Policy) -> Report {
 /// stands in), through `ip netns exec`, so resolv.conf is the sandbox's. Returns the exit code
 /// and the checks as (outcome, check, reason).
 fn probe_as_nobody(w: &World, policy_path: &str) -> (i32, Vec<(String, String, String)>) {
-    let out = w.sandbox_cmd(&[
-        "setpriv",
-        "--reuid=65534",
-        "--regid=65534",
-        "--clear-groups",
-        EGRESS_FENCE_BIN,
-        "probe",
-        policy_path,
-        "--json",
-    ]);
+    let out = w.sandbox_cmd_as(NOBODY, &[EGRESS_FENCE_BIN, "probe", policy_path, "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out.stdout)
         .unwrap_or_else(|e| panic!("probe --json is not JSON ({e}): {out}"));
     let checks = v["checks"]

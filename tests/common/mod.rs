@@ -1872,6 +1872,70 @@ pub const GUARD_ADDR: SocketAddr = SocketAddr::new(GUARD_V4, 53);
 /// root in the tests, and the table lets the guard's uid alone reach the upstream resolvers.
 pub const NOBODY: u32 = 65534;
 
+/// The system's python3, for scripts run in the namespaces: a user's shims (e.g. pyenv under
+/// /root) are not readable by [`NOBODY`] or another user.
+pub const PYTHON: &str = "/usr/bin/python3";
+
+/// The first lines of a `python3 -c` script run as an [`Adversary`]: it exits non-zero when
+/// CAP_NET_ADMIN is effective (then it is not the threat model's adversary and the test would
+/// prove nothing). Imports `sys` and leaves the effective set in `cap_eff` for further checks
+/// (CAP_NET_RAW is bit 13). Prepend it: `format!("{REFUSE_CAP_NET_ADMIN_PY}{SCRIPT}")`.
+pub const REFUSE_CAP_NET_ADMIN_PY: &str = r#"
+import sys
+status = open('/proc/self/status').read().split('\n')
+cap_eff = int([l for l in status if l.startswith('CapEff:')][0].split()[1], 16)
+if cap_eff & (1 << 12):
+    sys.exit('CAP_NET_ADMIN is effective')
+"#;
+
+/// A process inside the fence as the threat model has it: it lacks CAP_NET_ADMIN. Tests start
+/// it as root in the sandbox and `setpriv` makes it the adversary before it execs
+/// ([`World::adversary_cmd`], [`World::spawn_adversary`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adversary {
+    /// An unprivileged user: uid and gid [`NOBODY`], no supplementary groups.
+    Nobody,
+    /// An unprivileged user with uid and gid N, no supplementary groups (another client than
+    /// [`Adversary::Nobody`]).
+    User(u32),
+    /// uid 0 without CAP_NET_ADMIN that keeps CAP_NET_RAW: root in a container by Docker's
+    /// default.
+    RootWithoutNetAdmin,
+    /// uid 0 without CAP_NET_ADMIN and CAP_NET_RAW (either may set a socket mark): root in a
+    /// container that drops both, as the README advises.
+    RootWithoutNetAdminOrNetRaw,
+}
+
+impl Adversary {
+    /// `args` prefixed with the `setpriv` command that turns a root process into this
+    /// adversary before it execs them.
+    pub fn command(self, args: &[&str]) -> Vec<String> {
+        let user = |uid: u32| {
+            vec![
+                format!("--reuid={uid}"),
+                format!("--regid={uid}"),
+                "--clear-groups".to_string(),
+            ]
+        };
+        let without = |caps: &str| {
+            vec![
+                format!("--inh-caps={caps}"),
+                format!("--bounding-set={caps}"),
+            ]
+        };
+        let mut full = vec!["setpriv".to_string()];
+        full.extend(match self {
+            Adversary::Nobody => user(NOBODY),
+            Adversary::User(uid) => user(uid),
+            Adversary::RootWithoutNetAdmin => without("-net_admin"),
+            Adversary::RootWithoutNetAdminOrNetRaw => without("-net_admin,-net_raw"),
+        });
+        full.push("--".into());
+        full.extend(args.iter().map(|a| a.to_string()));
+        full
+    }
+}
+
 /// How many distinct IPv4 addresses the rotating pool has ([`pool_v4`]).
 pub const POOL_V4_LEN: usize = 2 * 187;
 
@@ -2051,10 +2115,20 @@ impl World {
     /// (`setpriv`), and waits for it (killed after 60 s). Use [`NOBODY`] for a client that
     /// must not pass as the guard.
     pub fn sandbox_cmd_as(&self, uid: u32, args: &[&str]) -> CmdOutput {
-        let (reuid, regid) = (format!("--reuid={uid}"), format!("--regid={uid}"));
-        let mut full = vec!["setpriv", &reuid, &regid, "--clear-groups", "--"];
-        full.extend_from_slice(args);
-        self.sandbox_cmd(&full)
+        self.adversary_cmd(Adversary::User(uid), args)
+    }
+
+    /// Runs `args` inside the sandbox as `who`, and waits for it (killed after 60 s).
+    pub fn adversary_cmd(&self, who: Adversary, args: &[&str]) -> CmdOutput {
+        let full = who.command(args);
+        self.sandbox_cmd(&full.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    /// Starts `args` inside the sandbox as `who` in the background; killed when the handle
+    /// drops.
+    pub fn spawn_adversary(&self, who: Adversary, args: &[&str]) -> Background {
+        let full = who.command(args);
+        self.spawn_in_sandbox(&full.iter().map(String::as_str).collect::<Vec<_>>())
     }
 
     /// A TCP listener on `[::]:port` in the net namespace (dual stack: every IPv4 and IPv6

@@ -81,14 +81,7 @@ impl EvilDns {
         w.add_host(EVIL_DNS);
         let list: Vec<String> = addrs.iter().map(ToString::to_string).collect();
         let mut child = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                w.net_name(),
-                "python3",
-                "-c",
-                EVIL_DNS_SCRIPT,
-            ])
+            .args(["netns", "exec", w.net_name(), PYTHON, "-c", EVIL_DNS_SCRIPT])
             .arg(EVIL_DNS.to_string())
             .arg(ttl.to_string())
             .arg(list.join(","))
@@ -182,14 +175,7 @@ fn send_broadcast(w: &World, addr: IpAddr) -> Result<(), String> {
                   print('sent')\n";
     let out = w.sandbox_cmd_as(
         NOBODY,
-        // The system's python: a user's (pyenv) shims are not for NOBODY to run.
-        &[
-            "/usr/bin/python3",
-            "-c",
-            script,
-            &addr.to_string(),
-            &PORT.to_string(),
-        ],
+        &[PYTHON, "-c", script, &addr.to_string(), &PORT.to_string()],
     );
     if out.success() && out.stdout.contains("sent") {
         Ok(())
@@ -491,7 +477,7 @@ fn nat64_forms_of_denied_or_uninstallable_ipv4_addresses_stay_refused() {
         let c = w.sandbox_cmd_as(
             NOBODY,
             &[
-                "/usr/bin/python3",
+                PYTHON,
                 "-c",
                 "import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], 80), timeout=2)\n    print('connected')\nexcept OSError as e:\n    print('refused', e)\n",
                 &ip.to_string(),

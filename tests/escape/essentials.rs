@@ -32,15 +32,11 @@ dns:
 const ALLOWED_PORT: u16 = 7000;
 
 /// Sends `COUNT` datagrams to DST:DPORT from source port SPORT and prints `sent N refused M`.
-/// Exits non-zero when CAP_NET_ADMIN is effective (then it is not the threat model's
-/// adversary) or when the port cannot be bound (then the test would prove nothing).
+/// Run after [`REFUSE_CAP_NET_ADMIN_PY`]. Exits non-zero when the port cannot be bound (then
+/// the test would prove nothing).
 const SEND_FROM_PORT: &str = r#"
 import socket, sys
 dst, dport, sport, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-status = open('/proc/self/status').read().split('\n')
-cap_eff = int([l for l in status if l.startswith('CapEff:')][0].split()[1], 16)
-if cap_eff & (1 << 12):
-    sys.exit('CAP_NET_ADMIN is effective')
 v6 = ':' in dst
 s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
@@ -73,30 +69,6 @@ fn apply(w: &World) {
     assert!(out.success(), "apply: {out}");
 }
 
-/// The threat model's two adversaries.
-#[derive(Debug, Clone, Copy)]
-enum Adversary {
-    Nobody,
-    /// uid 0 without CAP_NET_ADMIN, as root in a container.
-    RootWithoutNetAdmin,
-}
-
-fn run_as(w: &World, who: Adversary, args: &[&str]) -> CmdOutput {
-    match who {
-        Adversary::Nobody => w.sandbox_cmd_as(NOBODY, args),
-        Adversary::RootWithoutNetAdmin => {
-            let mut full = vec![
-                "setpriv",
-                "--inh-caps=-net_admin",
-                "--bounding-set=-net_admin",
-                "--",
-            ];
-            full.extend_from_slice(args);
-            w.sandbox_cmd(&full)
-        }
-    }
-}
-
 /// `(sent, refused)` of [`SEND_FROM_PORT`].
 fn send_from_port(
     w: &World,
@@ -112,19 +84,8 @@ fn send_from_port(
         sport.to_string(),
         count.to_string(),
     );
-    let out = run_as(
-        w,
-        who,
-        &[
-            "/usr/bin/python3",
-            "-c",
-            SEND_FROM_PORT,
-            &dst,
-            &dport,
-            &sport,
-            &n,
-        ],
-    );
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{SEND_FROM_PORT}");
+    let out = w.adversary_cmd(who, &[PYTHON, "-c", &script, &dst, &dport, &sport, &n]);
     assert!(out.success(), "{who:?} sending to {dst}:{dport}: {out}");
     let words: Vec<&str> = out.stdout.split_whitespace().collect();
     match words.as_slice() {
@@ -270,14 +231,13 @@ fn mld_reports_of_chosen_groups_stay_within_their_byte_budget() {
     let ready_arg = ready.to_str().expect("utf-8 path").to_string();
     let secs = CAPTURE_SECS.to_string();
     let (capture, joined) = std::thread::scope(|scope| {
-        let capture =
-            scope.spawn(|| w.net_cmd(&["/usr/bin/python3", "-c", CAPTURE_MLD, &secs, &ready_arg]));
+        let capture = scope.spawn(|| w.net_cmd(&[PYTHON, "-c", CAPTURE_MLD, &secs, &ready_arg]));
         assert!(
             within(Duration::from_secs(5), || ready.exists()),
             "the capture did not start"
         );
         let n = GROUPS.to_string();
-        let joined = w.sandbox_cmd_as(NOBODY, &["/usr/bin/python3", "-c", JOIN_GROUPS, &n, "4"]);
+        let joined = w.sandbox_cmd_as(NOBODY, &[PYTHON, "-c", JOIN_GROUPS, &n, "4"]);
         (capture.join().expect("the capture thread"), joined)
     });
     assert!(joined.success(), "join: {joined}");
@@ -377,7 +337,7 @@ fn a_routing_header_cannot_carry_a_packet_past_the_checked_destination() {
         let out = w.sandbox_cmd_as(
             NOBODY,
             &[
-                "/usr/bin/python3",
+                PYTHON,
                 "-c",
                 SEND_WITH_ROUTING_HEADER,
                 &first,
@@ -470,10 +430,10 @@ out += ['new', send(fresh, final)]
 print(' '.join(out))
 "#;
 
-#[test]
-fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
+/// A world (no table yet) whose net side follows IPv4 source routes, as a misconfigured
+/// router on the path may.
+fn world_following_source_routes() -> World {
     let w = World::new();
-    // The net side follows source routes, as a misconfigured router on the path may.
     for key in ["all", "lo", "veth0"] {
         let sysctl = w.net_cmd(&[
             "sysctl",
@@ -482,6 +442,12 @@ fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
         ]);
         assert!(sysctl.success(), "{sysctl}");
     }
+    w
+}
+
+#[test]
+fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
+    let w = world_following_source_routes();
     let first_hop = w.listen_udp(HOST_V4, ALLOWED_PORT);
     let hidden = w.listen_udp(OTHER_V4, ALLOWED_PORT);
     let (first, final_, port) = (
@@ -490,11 +456,10 @@ fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
         ALLOWED_PORT.to_string(),
     );
     let send = |mode: &str| {
-        let out = run_as(
-            &w,
+        let out = w.adversary_cmd(
             Adversary::RootWithoutNetAdmin,
             &[
-                "/usr/bin/python3",
+                PYTHON,
                 "-c",
                 SEND_WITH_SOURCE_ROUTE,
                 &first,
@@ -533,13 +498,12 @@ fn an_ipv4_source_route_cannot_carry_a_packet_past_the_checked_destination() {
 }
 
 /// Writes ICMPv6 messages of the neighbour discovery and MLD types (RS, NS, NA, MLDv2 report)
-/// carrying a marker, from a raw socket, to each DST; prints `sent N refused M`. Exits
-/// non-zero unless CAP_NET_RAW is effective and CAP_NET_ADMIN is not (root in a container).
+/// carrying a marker, from a raw socket, to each DST; prints `sent N refused M`. Run after
+/// [`REFUSE_CAP_NET_ADMIN_PY`]; exits non-zero unless CAP_NET_RAW is effective and
+/// CAP_NET_ADMIN is not (root in a container).
 const WRITE_ICMPV6: &str = r#"
 import socket, sys
-status = open('/proc/self/status').read().split('\n')
-cap_eff = int([l for l in status if l.startswith('CapEff:')][0].split()[1], 16)
-if cap_eff & (1 << 12) or not cap_eff & (1 << 13):
+if not cap_eff & (1 << 13):
     sys.exit('want CAP_NET_RAW without CAP_NET_ADMIN, have %x' % cap_eff)
 s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
 scope = socket.if_nametoindex('eth0')
@@ -581,10 +545,11 @@ fn icmpv6_written_by_a_process_does_not_pass_as_neighbour_discovery() {
     let ready = w.dir().join("icmpv6-capture-ready");
     let ready_arg = ready.to_str().expect("utf-8 path").to_string();
     let (host, all_nodes, routers) = (HOST_V6.to_string(), "ff02::1", "ff02::16");
+    let write_icmpv6 = format!("{REFUSE_CAP_NET_ADMIN_PY}{WRITE_ICMPV6}");
     let (capture, written) = std::thread::scope(|scope| {
         let capture = scope.spawn(|| {
             w.net_cmd(&[
-                "/usr/bin/python3",
+                PYTHON,
                 "-c",
                 COUNT_MARKED,
                 "3",
@@ -596,17 +561,9 @@ fn icmpv6_written_by_a_process_does_not_pass_as_neighbour_discovery() {
             within(Duration::from_secs(5), || ready.exists()),
             "the capture did not start"
         );
-        let written = run_as(
-            &w,
+        let written = w.adversary_cmd(
             Adversary::RootWithoutNetAdmin,
-            &[
-                "/usr/bin/python3",
-                "-c",
-                WRITE_ICMPV6,
-                &host,
-                all_nodes,
-                routers,
-            ],
+            &[PYTHON, "-c", &write_icmpv6, &host, all_nodes, routers],
         );
         (capture.join().expect("the capture thread"), written)
     });
@@ -642,12 +599,11 @@ fn icmpv6_written_by_a_process_does_not_pass_as_neighbour_discovery() {
 /// - `lsrr-len10`: a length that is not 4n+3, for the same effect;
 /// - `ssrr4`, `ssrr8`: the strict source route, likewise.
 ///
-/// Exits non-zero unless CAP_NET_RAW is effective and CAP_NET_ADMIN is not.
+/// Run after [`REFUSE_CAP_NET_ADMIN_PY`]; exits non-zero unless CAP_NET_RAW is effective and
+/// CAP_NET_ADMIN is not.
 const WRITE_IPV4_SOURCE_ROUTE: &str = r#"
 import socket, struct, sys
-status = open('/proc/self/status').read().split('\n')
-cap_eff = int([l for l in status if l.startswith('CapEff:')][0].split()[1], 16)
-if cap_eff & (1 << 12) or not cap_eff & (1 << 13):
+if not cap_eff & (1 << 13):
     sys.exit('want CAP_NET_RAW without CAP_NET_ADMIN, have %x' % cap_eff)
 src, first, final, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 a, f, b = socket.inet_aton(first), socket.inet_aton(final), socket.inet_aton(src)
@@ -682,16 +638,7 @@ print(' '.join(out))
 /// is refused now; plain IPv4 still passes.
 #[test]
 fn ipv4_packets_with_any_options_are_refused_even_malformed_source_routes() {
-    let w = World::new();
-    // The net side follows source routes, as a misconfigured router on the path may.
-    for key in ["all", "lo", "veth0"] {
-        let sysctl = w.net_cmd(&[
-            "sysctl",
-            "-w",
-            &format!("net.ipv4.conf.{key}.accept_source_route=1"),
-        ]);
-        assert!(sysctl.success(), "{sysctl}");
-    }
+    let w = world_following_source_routes();
     let first_hop = w.listen_udp(HOST_V4, ALLOWED_PORT);
     let hidden = w.listen_udp(OTHER_V4, ALLOWED_PORT);
     let (src, first, final_, port) = (
@@ -700,18 +647,11 @@ fn ipv4_packets_with_any_options_are_refused_even_malformed_source_routes() {
         OTHER_V4.to_string(),
         ALLOWED_PORT.to_string(),
     );
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{WRITE_IPV4_SOURCE_ROUTE}");
     let write = |modes: &[&str]| {
-        let mut args = vec![
-            "/usr/bin/python3",
-            "-c",
-            WRITE_IPV4_SOURCE_ROUTE,
-            &src,
-            &first,
-            &final_,
-            &port,
-        ];
+        let mut args = vec![PYTHON, "-c", &script, &src, &first, &final_, &port];
         args.extend_from_slice(modes);
-        let out = run_as(&w, Adversary::RootWithoutNetAdmin, &args);
+        let out = w.adversary_cmd(Adversary::RootWithoutNetAdmin, &args);
         assert!(out.success(), "{out}");
         out.stdout.trim().to_string()
     };
@@ -783,7 +723,7 @@ fn send_sized(
         count.to_string(),
         size.to_string(),
     ];
-    let mut full = vec!["/usr/bin/python3", "-c", SEND_SIZED];
+    let mut full = vec![PYTHON, "-c", SEND_SIZED];
     full.extend(args.iter().map(String::as_str));
     let out = w.sandbox_cmd_as(NOBODY, &full);
     assert!(out.success(), "sending to {dst}: {out}");

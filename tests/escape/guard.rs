@@ -18,35 +18,24 @@ fn guard_policy(upstream: &[IpAddr]) -> String {
     )
 }
 
-/// Root without CAP_NET_ADMIN and CAP_NET_RAW (either may set a socket mark): root in a
-/// container that drops them.
-const ROOT_WITHOUT_CAPS: [&str; 4] = [
-    "setpriv",
-    "--inh-caps=-net_admin,-net_raw",
-    "--bounding-set=-net_admin,-net_raw",
-    "--",
-];
-
-/// Who tries: full root (its dig sets no mark either), root without the capabilities that
-/// set marks, and an unprivileged user.
+/// Who tries: full root (the guard's uid; its dig sets no mark either) or an adversary.
 #[derive(Debug, Clone, Copy)]
 enum Who {
     Root,
-    RootWithoutCaps,
-    Nobody,
+    Adversary(Adversary),
 }
 
-const EVERYONE: [Who; 3] = [Who::Root, Who::RootWithoutCaps, Who::Nobody];
+/// Full root, root without the capabilities that set marks, and an unprivileged user.
+const EVERYONE: [Who; 3] = [
+    Who::Root,
+    Who::Adversary(Adversary::RootWithoutNetAdminOrNetRaw),
+    Who::Adversary(Adversary::Nobody),
+];
 
 fn run_as(w: &World, who: Who, args: &[&str]) -> CmdOutput {
     match who {
         Who::Root => w.sandbox_cmd(args),
-        Who::RootWithoutCaps => {
-            let mut full = ROOT_WITHOUT_CAPS.to_vec();
-            full.extend_from_slice(args);
-            w.sandbox_cmd(&full)
-        }
-        Who::Nobody => w.sandbox_cmd_as(NOBODY, args),
+        Who::Adversary(adversary) => w.adversary_cmd(adversary, args),
     }
 }
 
@@ -68,10 +57,6 @@ fn dig_output(w: &World, who: Who, server: IpAddr, port: u16, name: &str, tcp: b
     }
     run_as(w, who, &args).stdout
 }
-
-/// The system's python3 (a user's shims, e.g. pyenv under /root, are not readable by
-/// [`NOBODY`]).
-const PYTHON: &str = "/usr/bin/python3";
 
 /// Item 3: in guard mode nobody in the sandbox reaches the upstream resolvers itself, the
 /// guard's uid included (the guard runs as root here, like `World::spawn_guard` does): not
@@ -128,9 +113,8 @@ fn nobody_but_the_guards_marked_sockets_reaches_the_upstream() {
 
     // A mark cannot be forged without CAP_NET_ADMIN (or CAP_NET_RAW): setting the guard's
     // mark fails, so the attacker's sockets stay unmarked.
-    let forge = run_as(
-        &w,
-        Who::RootWithoutCaps,
+    let forge = w.adversary_cmd(
+        Adversary::RootWithoutNetAdminOrNetRaw,
         &[
             PYTHON,
             "-c",
@@ -170,13 +154,18 @@ fn nobody_but_the_guards_marked_sockets_reaches_the_upstream() {
     let guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
     for tcp in [false, true] {
         assert!(
-            guard_answers(&w, Who::Nobody, "via-guard-v6.pool.example", tcp),
+            guard_answers(
+                &w,
+                Who::Adversary(Adversary::Nobody),
+                "via-guard-v6.pool.example",
+                tcp
+            ),
             "the guard did not answer over an IPv6 upstream (tcp: {tcp}):\n{}",
             guard.stderr()
         );
         assert!(!dig_answered(
             &w,
-            Who::RootWithoutCaps,
+            Who::Adversary(Adversary::RootWithoutNetAdminOrNetRaw),
             DNS_V6,
             53,
             "direct.pool.example",
@@ -496,17 +485,7 @@ fn one_client_flooding_the_guard_does_not_starve_another() {
     );
 
     let flood = |script: &str| {
-        let mut flood = w.spawn_in_sandbox(&[
-            "setpriv",
-            "--reuid=4242",
-            "--regid=4242",
-            "--clear-groups",
-            "--",
-            PYTHON,
-            "-c",
-            script,
-            "20",
-        ]);
+        let mut flood = w.spawn_adversary(Adversary::User(4242), &[PYTHON, "-c", script, "20"]);
         assert!(
             flood.wait_for_output("flooding", Duration::from_secs(15)),
             "the flood did not start: {}",
@@ -578,18 +557,10 @@ while time.monotonic() < end:
     time.sleep(0.03)
 "#;
 
-/// Root with CAP_NET_RAW but without CAP_NET_ADMIN.
-const ROOT_WITH_RAW: [&str; 4] = [
-    "setpriv",
-    "--inh-caps=-net_admin",
-    "--bounding-set=-net_admin",
-    "--",
-];
-
 /// Runs `floods` (each started once it prints "flooding") while the timed client (uid
 /// nobody, 127.0.0.2) asks 200 UDP and 20 TCP queries; asserts it loses none and its p99 stays
 /// under 50 ms, as [`one_client_flooding_the_guard_does_not_starve_another`] measures.
-fn timed_client_survives(w: &World, guard: &Background, floods: &[Vec<&str>]) {
+fn timed_client_survives(w: &World, guard: &Background, floods: &[(Adversary, Vec<&str>)]) {
     let calm = w.sandbox_cmd_as(
         NOBODY,
         &[PYTHON, "-c", TIMED, "5", "2", "timed.pool.example"],
@@ -602,8 +573,8 @@ fn timed_client_survives(w: &World, guard: &Background, floods: &[Vec<&str>]) {
     );
     let mut running: Vec<Background> = floods
         .iter()
-        .map(|args| {
-            let mut flood = w.spawn_in_sandbox(args);
+        .map(|(who, args)| {
+            let mut flood = w.spawn_adversary(*who, args);
             assert!(
                 flood.wait_for_output("flooding", Duration::from_secs(15)),
                 "the flood did not start: {}",
@@ -656,8 +627,10 @@ fn forged_sources_do_not_starve_a_local_client() {
     let _upstream = slow_upstream(&w, HOST3_V4);
     let path = w.write_file("guard.yaml", &guard_policy(&[HOST3_V4]));
     let guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
-    let mut raw = ROOT_WITH_RAW.to_vec();
-    raw.extend([PYTHON, "-c", RAW_FLOOD, "25", "64"]);
+    let raw = (
+        Adversary::RootWithoutNetAdmin,
+        vec![PYTHON, "-c", RAW_FLOOD, "25", "64"],
+    );
     timed_client_survives(&w, &guard, &[raw]);
 }
 
@@ -685,21 +658,11 @@ fn the_guard_fits_its_limits_to_the_open_files_allowed() {
         "the guard did not start:\n{}",
         guard.stderr()
     );
-    let mut raw = ROOT_WITH_RAW.to_vec();
-    raw.extend([PYTHON, "-c", RAW_FLOOD, "25", "64"]);
-    let as_user = |script| {
-        vec![
-            "setpriv",
-            "--reuid=4242",
-            "--regid=4242",
-            "--clear-groups",
-            "--",
-            PYTHON,
-            "-c",
-            script,
-            "25",
-        ]
-    };
+    let raw = (
+        Adversary::RootWithoutNetAdmin,
+        vec![PYTHON, "-c", RAW_FLOOD, "25", "64"],
+    );
+    let as_user = |script| (Adversary::User(4242), vec![PYTHON, "-c", script, "25"]);
     timed_client_survives(&w, &guard, &[raw, as_user(UDP_FLOOD), as_user(TCP_FLOOD)]);
     guard.terminate();
     assert!(
@@ -765,7 +728,7 @@ fn a_squatter_on_the_guards_address_answers_nobody() {
     let mut guard = w.spawn_guard(path);
     for tcp in [false, true] {
         assert!(
-            guard_answers(&w, Who::Nobody, "a.pool.example", tcp),
+            guard_answers(&w, Who::Adversary(Adversary::Nobody), "a.pool.example", tcp),
             "the guard answers (tcp: {tcp}) from its marked sockets:\n{}",
             guard.stderr()
         );
@@ -774,16 +737,7 @@ fn a_squatter_on_the_guards_address_answers_nobody() {
     assert!(w.table_handle().is_some(), "SIGTERM leaves the table");
     let sysctl = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
     assert!(sysctl.success(), "{sysctl}");
-    let mut squatter = w.spawn_in_sandbox(&[
-        "setpriv",
-        "--reuid=65534",
-        "--regid=65534",
-        "--clear-groups",
-        "--",
-        PYTHON,
-        "-c",
-        SQUATTER,
-    ]);
+    let mut squatter = w.spawn_adversary(Adversary::Nobody, &[PYTHON, "-c", SQUATTER]);
     assert!(
         squatter.wait_for_output("squatting", Duration::from_secs(10)),
         "the squatter did not bind: {}",
@@ -816,7 +770,7 @@ fn a_squatter_on_the_guards_address_answers_nobody() {
     let guard = w.spawn_guard(path);
     for tcp in [false, true] {
         assert!(
-            guard_answers(&w, Who::Nobody, "a.pool.example", tcp),
+            guard_answers(&w, Who::Adversary(Adversary::Nobody), "a.pool.example", tcp),
             "the restarted guard answers (tcp: {tcp}):\n{}",
             guard.stderr()
         );

@@ -31,15 +31,10 @@ const REFUSED_PORT: u16 = 9999;
 /// veth, below the IP stack: `python3 -c SEND_FRAME HOW IFNAME DST_MAC SRC DST DPORT`, HOW
 /// being `packet` (an `AF_PACKET` socket), `bypass` (the same with PACKET_QDISC_BYPASS) or
 /// `xdp` (an `AF_XDP` socket in copy mode, no XDP program). Prints `sent` or `refused ERRNO`
-/// (the socket could not be opened); exits non-zero when CAP_NET_ADMIN is effective (then it
-/// is not the threat model's adversary).
+/// (the socket could not be opened). Run after [`REFUSE_CAP_NET_ADMIN_PY`].
 const SEND_FRAME: &str = r#"
 import ctypes, mmap, socket, struct, sys
 how, ifname, dmac, src, dst, dport = sys.argv[1:7]
-status = open('/proc/self/status').read().split('\n')
-cap_eff = int([l for l in status if l.startswith('CapEff:')][0].split()[1], 16)
-if cap_eff & (1 << 12):
-    sys.exit('CAP_NET_ADMIN is effective')
 payload = ('frame past the fence (%s)' % how).encode()
 udp = struct.pack('!HHHH', 40000, int(dport), 8 + len(payload), 0) + payload
 def checksum(b):
@@ -110,31 +105,9 @@ impl Way {
     }
 }
 
-/// Root in the sandbox without CAP_NET_ADMIN; `keep_net_raw: false` also drops CAP_NET_RAW
-/// (what the README tells container runtimes to do).
-fn as_root_without(keep_net_raw: bool, args: &[&str]) -> Vec<String> {
-    let drop = if keep_net_raw {
-        "-net_admin"
-    } else {
-        "-net_admin,-net_raw"
-    };
-    let mut full: Vec<String> = vec![
-        "setpriv".into(),
-        format!("--inh-caps={drop}"),
-        format!("--bounding-set={drop}"),
-        "--".into(),
-    ];
-    full.extend(args.iter().map(|a| a.to_string()));
-    full
-}
-
-fn run_in_sandbox(w: &World, args: &[String]) -> CmdOutput {
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    w.sandbox_cmd(&args)
-}
-
-/// Sends [`SEND_FRAME`] to the gateway's [`REFUSED_PORT`]; its output line.
-fn send_frame(w: &World, keep_net_raw: bool, way: Way) -> String {
+/// Sends [`SEND_FRAME`] as `who` (root without CAP_NET_ADMIN, with or without CAP_NET_RAW)
+/// to the gateway's [`REFUSED_PORT`]; its output line.
+fn send_frame(w: &World, who: Adversary, way: Way) -> String {
     let mac = w.net_cmd(&["cat", "/sys/class/net/veth0/address"]);
     assert!(mac.success(), "{mac}");
     let (src, dst, port) = (
@@ -142,12 +115,13 @@ fn send_frame(w: &World, keep_net_raw: bool, way: Way) -> String {
         GATEWAY_V4.to_string(),
         REFUSED_PORT.to_string(),
     );
-    let args = as_root_without(
-        keep_net_raw,
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{SEND_FRAME}");
+    let out = w.adversary_cmd(
+        who,
         &[
-            "/usr/bin/python3",
+            PYTHON,
             "-c",
-            SEND_FRAME,
+            &script,
             way.arg(),
             "eth0",
             mac.stdout.trim(),
@@ -156,16 +130,14 @@ fn send_frame(w: &World, keep_net_raw: bool, way: Way) -> String {
             &port,
         ],
     );
-    let out = run_in_sandbox(w, &args);
     assert!(out.success(), "sending a frame ({way:?}): {out}");
     out.stdout.trim().to_string()
 }
 
-/// `egress-fence probe --json` in the sandbox as root without CAP_NET_ADMIN: the exit code
-/// and the link-layer check's outcome and reason.
-fn probe_link_layer(w: &World, policy: &str, keep_net_raw: bool) -> (i32, String, String) {
-    let args = as_root_without(keep_net_raw, &[EGRESS_FENCE_BIN, "probe", policy, "--json"]);
-    let out = run_in_sandbox(w, &args);
+/// `egress-fence probe --json` in the sandbox as `who` (root without CAP_NET_ADMIN): the exit
+/// code and the link-layer check's outcome and reason.
+fn probe_link_layer(w: &World, policy: &str, who: Adversary) -> (i32, String, String) {
+    let out = w.adversary_cmd(who, &[EGRESS_FENCE_BIN, "probe", policy, "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out.stdout)
         .unwrap_or_else(|e| panic!("probe --json is not JSON ({e}): {out}"));
     let checks = v["checks"].as_array().cloned().unwrap_or_default();
@@ -204,7 +176,11 @@ fn frames_from_packet_and_xdp_sockets_pass_the_table_and_the_probe_says_so() {
     // ...but a frame written below it, through a packet socket (plain or past the qdisc) or an
     // XDP socket, arrives: nftables cannot refuse it (the limitation the README states).
     for way in Way::ALL {
-        assert_eq!(send_frame(&w, true, way), "sent", "{way:?}");
+        assert_eq!(
+            send_frame(&w, Adversary::RootWithoutNetAdmin, way),
+            "sent",
+            "{way:?}"
+        );
     }
     assert!(
         listener.wait_for(Way::ALL.len(), Duration::from_secs(3)),
@@ -216,7 +192,7 @@ fn frames_from_packet_and_xdp_sockets_pass_the_table_and_the_probe_says_so() {
     assert!(peers.iter().all(|p| *p == SANDBOX_V4), "{peers:?}");
 
     // So the probe, run as such a process, fails and names the remedy.
-    let (code, outcome, reason) = probe_link_layer(&w, path, true);
+    let (code, outcome, reason) = probe_link_layer(&w, path, Adversary::RootWithoutNetAdmin);
     assert_eq!(outcome, "fail", "{reason}");
     assert_eq!(code, 5, "a failed check fails the probe: {reason}");
     assert!(reason.contains("CAP_NET_RAW"), "{reason}");
@@ -224,14 +200,15 @@ fn frames_from_packet_and_xdp_sockets_pass_the_table_and_the_probe_says_so() {
     // Without CAP_NET_RAW neither socket opens, no frame leaves, and the probe passes.
     let before = listener.count();
     for way in Way::ALL {
-        let refused = send_frame(&w, false, way);
+        let refused = send_frame(&w, Adversary::RootWithoutNetAdminOrNetRaw, way);
         assert_eq!(refused, format!("refused {}", libc::EPERM), "{way:?}");
     }
     assert!(
         !listener.wait_for(before + 1, Duration::from_millis(500)),
         "a frame arrived from a process without CAP_NET_RAW"
     );
-    let (code, outcome, reason) = probe_link_layer(&w, path, false);
+    let (code, outcome, reason) =
+        probe_link_layer(&w, path, Adversary::RootWithoutNetAdminOrNetRaw);
     assert_eq!(outcome, "pass", "{reason}");
     assert_eq!(code, 0, "every check passes without CAP_NET_RAW: {reason}");
 }
