@@ -32,7 +32,7 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
 use crate::guard::{Answered, Counters, Guard, GuardError, LogBudget, Rules};
-use crate::installable::{HostAddrs, retain_installable};
+use crate::installable::{HostAddrs, retain_installable, summarise};
 use crate::nft::live::guard_dns_note;
 use crate::nft::monitor::{Change, Monitor};
 use crate::nft::{Nft, NftError};
@@ -389,6 +389,48 @@ const REMEMBER_EXPIRED: Duration = Duration::from_secs(3600);
 /// In guard mode, how many names without a live address are remembered at most.
 const MAX_FORMER_NAMES: usize = 10_000;
 
+/// In guard mode, how many names may hold live addresses at once. Names under an allowed
+/// wildcard are the sandbox's to invent (each costs the daemon about a kilobyte and the
+/// kernel its elements); past the cap an answer for one more name is not installed and its
+/// client gets SERVFAIL. No live name is evicted to make room: its clients still hold its
+/// answer, and its elements must stay explained by a name. Room comes back as names expire
+/// (at most `dns.refresh.max` plus the grace after their last answer).
+const MAX_LIVE_NAMES: usize = 50_000;
+
+/// Whether an answer for `name` may be installed while at most `cap` names hold live
+/// addresses: a name that has live ones already may always renew them. `live_names` counts
+/// the names with live addresses; it is counted only when `names` holds `cap` names or more
+/// (below that, fewer are live), once, and kept up to date by the caller's admissions.
+fn may_track(
+    names: &BTreeMap<DomainName, NameState>,
+    name: &DomainName,
+    now: Instant,
+    cap: usize,
+    live_names: &mut Option<usize>,
+) -> bool {
+    if names
+        .get(name)
+        .is_some_and(|s| s.live(now).next().is_some())
+    {
+        return true;
+    }
+    if live_names.is_none() && names.len() < cap {
+        return true;
+    }
+    let live = live_names.get_or_insert_with(|| {
+        names
+            .values()
+            .filter(|s| s.live(now).next().is_some())
+            .count()
+    });
+    if *live < cap {
+        *live += 1;
+        true
+    } else {
+        false
+    }
+}
+
 /// The protocols and ports of every allowed name, indexed once per policy.
 type Services = BTreeMap<DomainName, Vec<(L4Proto, u16)>>;
 
@@ -567,6 +609,8 @@ struct Daemon {
     /// Bounds the warnings about dropped answer addresses (the guard's answers are the
     /// sandbox's to provoke).
     dropped_log: LogBudget,
+    /// Bounds the warnings about answers refused past [`MAX_LIVE_NAMES`].
+    full_log: LogBudget,
 }
 
 /// What a policy sets in the daemon, taken in or given back as a whole.
@@ -637,6 +681,7 @@ impl Daemon {
             carried: BTreeMap::new(),
             host_addrs: (HostAddrs::read_or_warn(), now),
             dropped_log: LogBudget::default(),
+            full_log: LogBudget::default(),
         };
         // A running boundary (a restart) is replaced only once its names are resolved, so
         // that nothing allowed goes missing for a moment. Without one (boot), the
@@ -723,6 +768,30 @@ impl Daemon {
             self.host_addrs = (HostAddrs::read_or_warn(), now);
         }
         let mut names = BTreeSet::new();
+        let mut live_names = None;
+        let mut refused = Vec::new();
+        let mut i = 0;
+        while i < batch.len() {
+            let a = &batch[i];
+            if a.addrs.is_empty()
+                || may_track(&self.names, &a.name, now, MAX_LIVE_NAMES, &mut live_names)
+            {
+                i += 1;
+                continue;
+            }
+            if let Some(held_back) =
+                self.full_log
+                    .take(self.policy.log.rate, self.policy.log.burst, now.into_std())
+            {
+                warn!(name = %a.name, held_back,
+                      "{MAX_LIVE_NAMES} names hold live addresses; this answer is not installed \
+                       and its client gets SERVFAIL until some expire");
+            }
+            refused.push(batch.swap_remove(i));
+        }
+        for a in refused {
+            let _ = a.done.send(false);
+        }
         for a in &mut batch {
             let dropped = retain_installable(&mut a.addrs, |r| r.addr, &self.host_addrs.0);
             for d in dropped {
@@ -737,6 +806,11 @@ impl Daemon {
             }
         }
         for a in &batch {
+            // Nothing to install: no record of the name either (a sandbox answering only
+            // refused addresses for invented names must not grow the daemon).
+            if a.addrs.is_empty() {
+                continue;
+            }
             if !self.services.contains_key(&a.name) {
                 let services = services_of(&self.policy, &a.name).collect();
                 self.services.insert(a.name.clone(), services);
@@ -747,7 +821,7 @@ impl Daemon {
                 .or_insert_with(|| NameState::new(now));
             let added = state.extend(&a.addrs, now, |ttl| guard_lifetime(ttl, &guard, &dns));
             if !added.is_empty() {
-                info!(name = %a.name, added = ?added, "new addresses allowed");
+                info!(name = %a.name, added = %summarise(&added), "new addresses allowed");
             }
             names.insert(a.name.clone());
         }
@@ -993,7 +1067,7 @@ impl Daemon {
                       "lookup failed; the last good addresses stay until their grace ends");
             }
             if !added.is_empty() {
-                info!(name = %host.name, added = ?added, "new addresses allowed");
+                info!(name = %host.name, added = %summarise(&added), "new addresses allowed");
             }
             // Once per lookup of the name, so at most once per `dns.refresh.min`.
             for d in &host.dropped {
@@ -1001,7 +1075,7 @@ impl Daemon {
                       "an answered address is never allowed; not installed");
             }
             if !gone.is_empty() {
-                info!(name = %host.name, gone = ?gone, grace_s = self.policy.dns.grace.as_secs(),
+                info!(name = %host.name, gone = %summarise(&gone), grace_s = self.policy.dns.grace.as_secs(),
                       "addresses no longer answered stay allowed until their grace ends");
             }
         }
@@ -1946,5 +2020,76 @@ mod tests {
             ["live.pool.example"],
             "live names are never forgotten"
         );
+    }
+
+    #[test]
+    fn past_the_cap_only_names_with_live_addresses_take_answers() {
+        let now = Instant::now();
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        let state = |expires: Instant| {
+            let mut s = NameState::new(now);
+            s.addrs.insert(ip, expires);
+            s
+        };
+        let name = |n: &str| -> DomainName { n.parse().unwrap() };
+        let names = BTreeMap::from([
+            (name("a.pool.example"), state(now + Duration::from_secs(60))),
+            (name("b.pool.example"), state(now + Duration::from_secs(60))),
+            (
+                name("gone.pool.example"),
+                state(now - Duration::from_secs(1)),
+            ),
+        ]);
+        // Below the cap nothing is counted.
+        let mut live = None;
+        assert!(may_track(
+            &names,
+            &name("new.pool.example"),
+            now,
+            4,
+            &mut live
+        ));
+        assert_eq!(live, None);
+        // At the cap: a live name renews, a new one and a former one are refused.
+        let mut live = None;
+        assert!(may_track(
+            &names,
+            &name("a.pool.example"),
+            now,
+            2,
+            &mut live
+        ));
+        assert!(!may_track(
+            &names,
+            &name("new.pool.example"),
+            now,
+            2,
+            &mut live
+        ));
+        assert!(!may_track(
+            &names,
+            &name("gone.pool.example"),
+            now,
+            2,
+            &mut live
+        ));
+        assert_eq!(live, Some(2));
+        // One place left is taken once, by the first answer of the batch.
+        let mut live = None;
+        assert!(may_track(
+            &names,
+            &name("new.pool.example"),
+            now,
+            3,
+            &mut live
+        ));
+        assert!(!may_track(
+            &names,
+            &name("other.pool.example"),
+            now,
+            3,
+            &mut live
+        ));
+        assert_eq!(live, Some(3));
     }
 }

@@ -24,6 +24,7 @@
 //! port) and a random query id, and an answer is taken only if it carries that id and the
 //! question that was asked.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd;
@@ -42,7 +43,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use crate::installable::HostAddrs;
+use crate::installable::{HostAddrs, MAX_ADDRS_PER_FAMILY, cap_per_family};
 use crate::plan::DNS_PORT;
 use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
@@ -1038,7 +1039,14 @@ async fn forward(
 ) -> Result<Vec<u8>, String> {
     let (mut reply, parsed) = ask_upstream(&rules.upstream, rules.mark, query, transport).await?;
     let arrived = Instant::now();
-    let addrs = answer_addresses(query, &parsed);
+    let (addrs, left_out) = answer_addresses(query, &parsed);
+    if left_out > 0
+        && let Some(held_back) = may_log(context, rules)
+    {
+        warn!(name = %name, installed = addrs.len(), left_out, not_logged_before = held_back,
+              "an answer brought more than {MAX_ADDRS_PER_FAMILY} addresses of a family; \
+               only the first ones are allowed");
+    }
     let count = addrs.len();
     if !addrs.is_empty() {
         let (done, installed) = oneshot::channel();
@@ -1054,7 +1062,8 @@ async fn forward(
             Ok(true) => {}
             Ok(false) => {
                 return Err(format!(
-                    "the kernel refused the addresses of {name}; the client would be refused"
+                    "the addresses of {name} were not installed (the kernel refused them, or \
+                     too many names hold live addresses); the client would be refused"
                 ));
             }
             Err(_) => return Err("the daemon dropped the request".into()),
@@ -1196,10 +1205,11 @@ fn random_id() -> u16 {
 /// The addresses that answer the question: A and AAAA records, and the address hints of
 /// HTTPS and SVCB records (clients may connect to those without asking A or AAAA), owned by
 /// the asked name or by a name the CNAME chain from it reaches. Records for unrelated names
-/// are ignored.
-pub fn answer_addresses(query: &Message, answer: &Message) -> Vec<ResolvedAddr> {
+/// are ignored. At most [`MAX_ADDRS_PER_FAMILY`] addresses of each family are taken, the
+/// first ones of the answer; the second value counts those left out.
+pub fn answer_addresses(query: &Message, answer: &Message) -> (Vec<ResolvedAddr>, usize) {
     let Some(question) = query.queries.first() else {
-        return Vec::new();
+        return (Vec::new(), 0);
     };
     let mut chain: Vec<&Name> = vec![question.name()];
     for _ in 0..MAX_CHAIN {
@@ -1214,23 +1224,31 @@ pub fn answer_addresses(query: &Message, answer: &Message) -> Vec<ResolvedAddr> 
             None => break,
         }
     }
-    let mut addrs: Vec<ResolvedAddr> = answer
-        .answers
-        .iter()
-        .filter(|r| chain.contains(&&r.name))
-        .flat_map(|r| {
-            record_addresses(&r.data)
-                .into_iter()
-                // RFC 2181: a TTL with the top bit set counts as zero.
-                .map(|addr| ResolvedAddr {
-                    addr,
-                    ttl: crate::installable::effective_ttl(r.ttl),
-                })
+    // Each distinct address in the answer's order, with the lowest TTL any record gives it.
+    let mut order: Vec<IpAddr> = Vec::new();
+    let mut ttls: HashMap<IpAddr, u32> = HashMap::new();
+    for r in answer.answers.iter().filter(|r| chain.contains(&&r.name)) {
+        // RFC 2181: a TTL with the top bit set counts as zero.
+        let ttl = crate::installable::effective_ttl(r.ttl);
+        for addr in record_addresses(&r.data) {
+            ttls.entry(addr)
+                .and_modify(|t| *t = (*t).min(ttl))
+                .or_insert_with(|| {
+                    order.push(addr);
+                    ttl
+                });
+        }
+    }
+    let left_out = cap_per_family(&mut order, |a| *a);
+    let mut addrs: Vec<ResolvedAddr> = order
+        .into_iter()
+        .map(|addr| ResolvedAddr {
+            addr,
+            ttl: ttls.get(&addr).copied().unwrap_or(0),
         })
         .collect();
     addrs.sort();
-    addrs.dedup_by_key(|a| a.addr);
-    addrs
+    (addrs, left_out)
 }
 
 fn record_addresses(data: &RData) -> Vec<IpAddr> {
@@ -1470,7 +1488,7 @@ mod tests {
             20,
             RData::A(A::new(203, 0, 113, 66)),
         ));
-        let got = answer_addresses(&q, &a);
+        let (got, _) = answer_addresses(&q, &a);
         let want: Vec<ResolvedAddr> = [("192.0.2.7", 20), ("2001:db8::7", 20)]
             .iter()
             .map(|(ip, ttl)| ResolvedAddr {
@@ -1492,7 +1510,40 @@ mod tests {
             5,
             RData::CNAME(CNAME(name("www.pool.example."))),
         ));
-        assert!(answer_addresses(&q, &looped).is_empty());
+        assert!(answer_addresses(&q, &looped).0.is_empty());
+    }
+
+    #[test]
+    fn an_answer_installs_at_most_its_first_addresses_of_each_family() {
+        let q = query("big.pool.example.", RecordType::A);
+        let mut a = q.clone();
+        a.metadata.message_type = MessageType::Response;
+        for i in 0..3000u32 {
+            let addr = std::net::Ipv4Addr::from(0xc612_0000 + i);
+            a.add_answer(record("big.pool.example.", 60, RData::A(A(addr))));
+        }
+        // The same address again counts once, with its lowest TTL.
+        a.add_answer(record(
+            "big.pool.example.",
+            5,
+            RData::A(A::new(198, 18, 0, 0)),
+        ));
+        a.add_answer(record(
+            "big.pool.example.",
+            60,
+            RData::AAAA(AAAA::from_str("2001:db8::1").unwrap()),
+        ));
+        let (got, left_out) = answer_addresses(&q, &a);
+        assert_eq!(left_out, 3000 - MAX_ADDRS_PER_FAMILY);
+        assert_eq!(got.len(), MAX_ADDRS_PER_FAMILY + 1);
+        let first = got.iter().find(|r| r.addr == IpAddr::from([198, 18, 0, 0]));
+        assert_eq!(first.map(|r| r.ttl), Some(5));
+        assert!(
+            got.iter()
+                .filter(|r| r.addr.is_ipv4())
+                .all(|r| r.addr < IpAddr::from([198, 18, 0, MAX_ADDRS_PER_FAMILY as u8])),
+            "the answer's first addresses are the ones taken: {got:?}"
+        );
     }
 
     #[test]
@@ -1614,7 +1665,7 @@ mod tests {
             ],
         );
         a.add_answer(record("a.pool.example.", 300, RData::HTTPS(HTTPS(svcb))));
-        let got: Vec<IpAddr> = answer_addresses(&q, &a).iter().map(|r| r.addr).collect();
+        let got: Vec<IpAddr> = answer_addresses(&q, &a).0.iter().map(|r| r.addr).collect();
         assert_eq!(
             got,
             [

@@ -263,6 +263,45 @@ pub fn retain_installable<T>(
     dropped
 }
 
+/// How many addresses of one family one answer may install at most. An answer is hostile
+/// input: one name under an allowed wildcard answering thousands of addresses would install
+/// an element per address and port. The largest round-robin pools answer a few dozen, and a
+/// client connects to one of the first few it gets.
+pub const MAX_ADDRS_PER_FAMILY: usize = 32;
+
+/// Keeps the first [`MAX_ADDRS_PER_FAMILY`] addresses of each family of `addrs`, in their
+/// order (the answer's: clients try the first ones), and returns how many it left out.
+pub fn cap_per_family<T>(addrs: &mut Vec<T>, addr_of: impl Fn(&T) -> IpAddr) -> usize {
+    let (mut v4, mut v6) = (0usize, 0usize);
+    let before = addrs.len();
+    addrs.retain(|a| {
+        let taken = if addr_of(a).is_ipv4() {
+            &mut v4
+        } else {
+            &mut v6
+        };
+        *taken += 1;
+        *taken <= MAX_ADDRS_PER_FAMILY
+    });
+    before - addrs.len()
+}
+
+/// "192.0.2.1, 192.0.2.2, 192.0.2.3, 192.0.2.4 and 28 more": a list of addresses for a log
+/// line, whose length does not grow with the list's.
+pub fn summarise(addrs: &[IpAddr]) -> String {
+    const SHOWN: usize = 4;
+    let mut text = addrs
+        .iter()
+        .take(SHOWN)
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    if addrs.len() > SHOWN {
+        text.push_str(&format!(" and {} more", addrs.len() - SHOWN));
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -433,5 +472,42 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn an_answer_keeps_its_first_addresses_of_each_family_up_to_the_cap() {
+        let mut addrs: Vec<IpAddr> = (0..100u32)
+            .map(|i| IpAddr::V4(Ipv4Addr::from(0xc612_0000 + i)))
+            .chain((0..5u16).map(|i| IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, i))))
+            .chain((100..200u32).map(|i| IpAddr::V4(Ipv4Addr::from(0xc612_0000 + i))))
+            .collect();
+        let left_out = cap_per_family(&mut addrs, |a| *a);
+        assert_eq!(left_out, 200 - MAX_ADDRS_PER_FAMILY);
+        assert_eq!(
+            addrs.len(),
+            MAX_ADDRS_PER_FAMILY + 5,
+            "every IPv6 address stays"
+        );
+        assert_eq!(addrs[0], ip("198.18.0.0"), "the answer's order is kept");
+        assert_eq!(
+            addrs.iter().filter(|a| a.is_ipv4()).count(),
+            MAX_ADDRS_PER_FAMILY
+        );
+        let mut few = vec![ip("192.0.2.1"), ip("2001:db8::1")];
+        assert_eq!(cap_per_family(&mut few, |a| *a), 0);
+        assert_eq!(few.len(), 2);
+    }
+
+    #[test]
+    fn long_address_lists_are_summarised() {
+        let addrs: Vec<IpAddr> = (1..=40u8)
+            .map(|i| IpAddr::V4(Ipv4Addr::new(192, 0, 2, i)))
+            .collect();
+        assert_eq!(
+            summarise(&addrs),
+            "192.0.2.1, 192.0.2.2, 192.0.2.3, 192.0.2.4 and 36 more"
+        );
+        assert_eq!(summarise(&addrs[..2]), "192.0.2.1, 192.0.2.2");
+        assert_eq!(summarise(&[]), "");
     }
 }

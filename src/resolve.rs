@@ -12,8 +12,11 @@ use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::proto::rr::RData;
 use serde::{Deserialize, Serialize};
+use tracing::warn;
 
-use crate::installable::{Dropped, HostAddrs, effective_ttl, retain_installable};
+use crate::installable::{
+    Dropped, HostAddrs, MAX_ADDRS_PER_FAMILY, cap_per_family, effective_ttl, retain_installable,
+};
 use crate::policy::DomainName;
 
 /// What resolving the policy's names produced.
@@ -267,7 +270,9 @@ impl NameResolver {
             self.inner.ipv4_lookup(fqdn.as_str()),
             self.inner.ipv6_lookup(fqdn.as_str())
         );
-        let mut addrs: BTreeMap<IpAddr, u32> = BTreeMap::new();
+        // Each distinct address in the answer's order, with the lowest TTL any record gives it.
+        let mut order: Vec<IpAddr> = Vec::new();
+        let mut ttls: BTreeMap<IpAddr, u32> = BTreeMap::new();
         let mut errors = Vec::new();
         let mut nxdomain = false;
         for (kind, result) in [("A", v4), ("AAAA", v6)] {
@@ -280,8 +285,12 @@ impl NameResolver {
                             _ => continue, // CNAMEs on the way
                         };
                         let record_ttl = effective_ttl(record.ttl);
-                        let ttl = addrs.entry(addr).or_insert(record_ttl);
-                        *ttl = (*ttl).min(record_ttl);
+                        ttls.entry(addr)
+                            .and_modify(|t| *t = (*t).min(record_ttl))
+                            .or_insert_with(|| {
+                                order.push(addr);
+                                record_ttl
+                            });
                     }
                 }
                 // An answer without records is an answer: an IPv4-only name has no AAAA.
@@ -289,12 +298,24 @@ impl NameResolver {
                 Err(e) => errors.push(format!("{kind}: {}", describe(&e))),
             }
         }
+        // Once per lookup of the name, so at most once per `dns.refresh.min` in the daemon.
+        let left_out = cap_per_family(&mut order, |a| *a);
+        if left_out > 0 {
+            warn!(name = %name, left_out,
+                  "the answer brought more than {MAX_ADDRS_PER_FAMILY} addresses of a family; \
+                   only the first ones are allowed");
+        }
+        let mut addrs: Vec<ResolvedAddr> = order
+            .into_iter()
+            .map(|addr| ResolvedAddr {
+                addr,
+                ttl: ttls.get(&addr).copied().unwrap_or(0),
+            })
+            .collect();
+        addrs.sort();
         ResolvedHost {
             name: name.clone(),
-            addrs: addrs
-                .into_iter()
-                .map(|(addr, ttl)| ResolvedAddr { addr, ttl })
-                .collect(),
+            addrs,
             nxdomain,
             dropped: Vec::new(),
             errors,
