@@ -503,3 +503,101 @@ fn nat64_forms_of_denied_or_uninstallable_ipv4_addresses_stay_refused() {
         "{planned}"
     );
 }
+
+/// 3,000 addresses in 198.18.0.0/15, in the order a server would answer them.
+fn three_thousand_addresses() -> Vec<IpAddr> {
+    (0..3000usize)
+        .map(|i| IpAddr::V4(Ipv4Addr::new(198, 18, (i / 250) as u8, (i % 250 + 1) as u8)))
+        .collect()
+}
+
+/// The most addresses of one family one answer installs (src/installable.rs).
+const MAX_ADDRS_PER_FAMILY: usize = 32;
+
+/// Red-team review 2, F3: one name under an allowed wildcard answering 3,000 A records,
+/// asked once over TCP by nobody, installed 6,000 elements (3,000 x 2 ports) and wrote one
+/// ~45 KB log line. Now the answer installs at most the cap per family and port, the log
+/// says how many were left out, and no log line grows with the answer.
+#[test]
+fn one_guard_answer_installs_at_most_the_cap_and_logs_short_lines() {
+    let w = World::new();
+    w.dns_set(
+        "big.pool.example",
+        &three_thousand_addresses(),
+        DEFAULT_DNS_TTL,
+    );
+    let policy = format!(
+        "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [80, 443]\n    \
+         protocol: tcp\ndns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n"
+    );
+    let path = w.write_file("guard.yaml", &policy);
+    let guard = w.spawn_guard(path.to_str().expect("utf-8"));
+    let out = w.adversary_cmd(
+        Adversary::Nobody,
+        &[
+            "dig",
+            "+tcp",
+            "+tries=1",
+            "+time=5",
+            "@127.0.0.53",
+            "big.pool.example",
+            "A",
+        ],
+    );
+    let answered = out.stdout.lines().filter(|l| l.contains("\tA\t")).count();
+    assert!(
+        answered > 1000,
+        "the client gets the upstream's answer: {answered} records"
+    );
+    let elements = w.set_elements("resolved4");
+    let log = guard.stderr();
+    drop(guard);
+    assert!(
+        !elements.is_empty() && elements.len() <= 2 * MAX_ADDRS_PER_FAMILY,
+        "one answer installed {} elements",
+        elements.len()
+    );
+    assert!(
+        log.contains("left_out=2968"),
+        "the log says how many addresses were left out: {log}"
+    );
+    let longest = log.lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 2000, "a log line of {longest} bytes");
+}
+
+/// F3 in resolve mode: a name of the policy answering 3,000 addresses installs at most the
+/// cap, with `apply` and with the daemon (which says how many it left out).
+#[test]
+fn one_resolved_name_installs_at_most_the_cap() {
+    let w = World::new();
+    w.dns_set("big.example", &three_thousand_addresses(), DEFAULT_DNS_TTL);
+    let policy = format!(
+        "version: 1\nallow:\n  - domain: big.example\n    ports: [443]\n    protocol: tcp\n\
+         dns:\n  resolvers: [{DNS_V4}]\n"
+    );
+    let path = w.write_file("resolve.yaml", &policy);
+    let path = path.to_str().expect("utf-8");
+    let out = w.egress_fence(&["apply", path]);
+    assert!(out.success(), "{out}");
+    let count = |w: &World| w.set_elements("resolved4").len();
+    let applied = count(&w);
+    assert!(
+        applied > 0 && applied <= MAX_ADDRS_PER_FAMILY,
+        "apply installed {applied} elements for one name"
+    );
+    let mut daemon = w.spawn_egress_fence(&["run", path]);
+    let said = daemon.wait_for_output("left_out=2968", Duration::from_secs(20));
+    let log = daemon.stderr();
+    let running = count(&w);
+    let _ = daemon.terminate();
+    assert!(
+        said,
+        "the daemon says how many addresses it left out: {log}"
+    );
+    assert!(
+        running > 0 && running <= MAX_ADDRS_PER_FAMILY,
+        "the daemon installed {running} elements for one name"
+    );
+    let longest = log.lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 2000, "a log line of {longest} bytes");
+}
