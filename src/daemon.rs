@@ -611,6 +611,10 @@ struct Daemon {
     dropped_log: LogBudget,
     /// Bounds the warnings about answers refused past [`MAX_LIVE_NAMES`].
     full_log: LogBudget,
+    /// Bounds the guard's "new addresses allowed" lines: every name under an allowed
+    /// wildcard is new once, and the sandbox can invent them by the hundred thousand (the
+    /// table's element comments and `status` still name each one).
+    allowed_log: LogBudget,
 }
 
 /// What a policy sets in the daemon, taken in or given back as a whole.
@@ -682,6 +686,7 @@ impl Daemon {
             host_addrs: (HostAddrs::read_or_warn(), now),
             dropped_log: LogBudget::default(),
             full_log: LogBudget::default(),
+            allowed_log: LogBudget::default(),
         };
         // A running boundary (a restart) is replaced only once its names are resolved, so
         // that nothing allowed goes missing for a moment. Without one (boot), the
@@ -820,8 +825,15 @@ impl Daemon {
                 .entry(a.name.clone())
                 .or_insert_with(|| NameState::new(now));
             let added = state.extend(&a.addrs, now, |ttl| guard_lifetime(ttl, &guard, &dns));
-            if !added.is_empty() {
-                info!(name = %a.name, added = %summarise(&added), "new addresses allowed");
+            if !added.is_empty()
+                && let Some(held_back) = self.allowed_log.take(
+                    self.policy.log.rate,
+                    self.policy.log.burst,
+                    now.into_std(),
+                )
+            {
+                info!(name = %a.name, added = %summarise(&added), not_logged_before = held_back,
+                      "new addresses allowed");
             }
             names.insert(a.name.clone());
         }

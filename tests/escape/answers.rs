@@ -601,3 +601,74 @@ fn one_resolved_name_installs_at_most_the_cap() {
     let longest = log.lines().map(str::len).max().unwrap_or(0);
     assert!(longest < 2000, "a log line of {longest} bytes");
 }
+
+/// Asks `n` unique names under pool.example over UDP, 100 at a time, and prints how many
+/// answers came with each rcode ("rcode 0 50000", "rcode 2 5000").
+const MANY_NAMES: &str = r#"
+import socket, struct, sys
+n = int(sys.argv[1])
+def q(name, qid):
+    qname = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 1, 1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+rcodes = {}
+for b in range(0, n, 100):
+    for i in range(b, min(n, b + 100)):
+        s.sendto(q("n%07d.pool.example" % i, i & 0xffff), ("127.0.0.53", 53))
+    for i in range(b, min(n, b + 100)):
+        try:
+            data = s.recv(2000)
+        except OSError:
+            break
+        rcode = data[3] & 0xf
+        rcodes[rcode] = rcodes.get(rcode, 0) + 1
+for rcode, count in sorted(rcodes.items()):
+    print("rcode", rcode, count)
+"#;
+
+/// Red-team review 2, F3: 100,000 names invented under an allowed wildcard grew the daemon by
+/// ~860 bytes each and its log by 10 MB. Now at most 50,000 names hold live addresses (the
+/// next ones get SERVFAIL, logged at the policy's log rate), and the "new addresses allowed"
+/// lines are rate-bounded too. 55,000 names take a few seconds.
+#[test]
+fn invented_names_past_the_cap_get_servfail_and_the_log_stays_small() {
+    const CAP: usize = 50_000;
+    const ASKED: usize = 55_000;
+    let w = World::new();
+    w.dns_wildcard("pool.example", HOST2_V4);
+    let policy = format!(
+        "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [80]\ndns:\n  mode: guard\n  \
+         listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n"
+    );
+    let path = w.write_file("guard.yaml", &policy);
+    let guard = w.spawn_guard(path.to_str().expect("utf-8"));
+    let asked = ASKED.to_string();
+    let out = w.adversary_cmd(Adversary::Nobody, &[PYTHON, "-c", MANY_NAMES, &asked]);
+    let log = guard.stderr();
+    let status = w.egress_fence(&["status"]);
+    drop(guard);
+    assert!(out.success(), "{out}");
+    let count = |rcode: u8| -> usize {
+        out.stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("rcode {rcode} "))?.parse().ok())
+            .unwrap_or(0)
+    };
+    let (answered, servfail) = (count(0), count(2));
+    assert!(
+        answered <= CAP,
+        "{answered} names answered past the cap of {CAP}: {out}"
+    );
+    assert!(
+        answered + servfail >= ASKED * 9 / 10 && servfail >= (ASKED - CAP) / 2,
+        "the names past the cap get SERVFAIL: {out}"
+    );
+    assert!(
+        log.contains("names hold live addresses"),
+        "the refusal is logged: {}",
+        log.lines().rev().take(20).collect::<Vec<_>>().join("\n")
+    );
+    assert!(log.len() < 500_000, "the daemon logged {} bytes", log.len());
+    eprintln!("{out}\n{status}");
+}
