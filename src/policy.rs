@@ -477,12 +477,16 @@ impl Preset {
     pub fn networks(self) -> Vec<IpNet> {
         let list: &[&str] = match self {
             // 169.254.0.0/16: every provider's link-local metadata (AWS, GCP, Azure, DO, ...)
-            // and the AWS DNS and time endpoints beside it; fd00:ec2::254 is AWS's IPv6 IMDS;
-            // 100.100.100.200 Alibaba; 192.0.0.192 Oracle (legacy); 168.63.129.16 Azure's
-            // wireserver.
+            // and the AWS DNS and time endpoints beside it; fd00:ec2::/32 is its IPv6 image,
+            // AWS's instance services (IMDS ::254, DNS ::253, time ::123, EKS pod identity
+            // ::23; DNS to a listed resolver there is accepted before the deny list);
+            // fd20:ce::254 GCP's IPv6 metadata server; fd00:42::42 Scaleway's; 100.100.100.200
+            // Alibaba; 192.0.0.192 Oracle (legacy); 168.63.129.16 Azure's wireserver.
             Preset::CloudMetadata => &[
                 "169.254.0.0/16",
-                "fd00:ec2::254/128",
+                "fd00:ec2::/32",
+                "fd20:ce::254/128",
+                "fd00:42::42/128",
                 "100.100.100.200/32",
                 "192.0.0.192/32",
                 "168.63.129.16/32",
@@ -2057,6 +2061,28 @@ essentials: [loopback, established]
         assert!(msg.contains("version 2 is not known"), "{msg}");
         let (_, _, msg) = err("allow: []\n");
         assert!(msg.contains("version: 1"), "{msg}");
+    }
+
+    #[test]
+    fn the_cloud_metadata_preset_holds_the_ipv6_instance_services() {
+        for addr in [
+            "169.254.169.254",
+            "fd00:ec2::254", // AWS IMDS
+            "fd00:ec2::253", // AWS DNS
+            "fd00:ec2::123", // AWS time
+            "fd00:ec2::23",  // EKS pod identity
+            "fd20:ce::254",  // GCP
+            "fd00:42::42",   // Scaleway
+        ] {
+            let ip: IpAddr = addr.parse().unwrap();
+            assert_eq!(
+                Preset::containing(ip),
+                Some(Preset::CloudMetadata),
+                "{addr}"
+            );
+        }
+        let ip: IpAddr = "fd20:ce::253".parse().unwrap();
+        assert_ne!(Preset::containing(ip), Some(Preset::CloudMetadata));
     }
 
     #[test]

@@ -284,11 +284,20 @@ const QTYPE_AAAA: RecordType = RecordType::AAAA;
 const UDP_PAYLOAD: &[u8] = b"egress-fence probe\n";
 
 /// The well-known metadata endpoints probed for the `cloud-metadata` preset: AWS/GCP/Azure's
-/// link-local address and AWS's IPv6 one, on the HTTP port they serve.
-const METADATA_TARGETS: [SocketAddr; 2] = [
+/// link-local address and the IPv6 ones of AWS, GCP and Scaleway, on the HTTP port they serve.
+/// Where one does not exist the attempt cannot leave the host, which passes too.
+const METADATA_TARGETS: [SocketAddr; 4] = [
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(169, 254, 169, 254)), 80),
     SocketAddr::new(
         IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
+        80,
+    ),
+    SocketAddr::new(
+        IpAddr::V6(Ipv6Addr::new(0xfd20, 0xce, 0, 0, 0, 0, 0, 0x254)),
+        80,
+    ),
+    SocketAddr::new(
+        IpAddr::V6(Ipv6Addr::new(0xfd00, 0x42, 0, 0, 0, 0, 0, 0x42)),
         80,
     ),
 ];

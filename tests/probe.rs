@@ -9,6 +9,7 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv6Addr};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -103,6 +104,10 @@ fn must_be_refused(name: &str) -> bool {
         .any(|p| name.starts_with(p))
 }
 
+/// GCP's IPv6 metadata server and Scaleway's, hosts of the world in the probe's main test.
+const GCP_METADATA_V6: IpAddr = IpAddr::V6(Ipv6Addr::new(0xfd20, 0xce, 0, 0, 0, 0, 0, 0x254));
+const SCALEWAY_METADATA_V6: IpAddr = IpAddr::V6(Ipv6Addr::new(0xfd00, 0x42, 0, 0, 0, 0, 0, 0x42));
+
 /// Every check the main policy produces (asserted as the exact set).
 const EXPECTED_CHECKS: &[&str] = &[
     "resolver udp 192.0.2.53:53",
@@ -118,6 +123,10 @@ const EXPECTED_CHECKS: &[&str] = &[
     "denied udp cloud-metadata 169.254.169.254:80",
     "denied tcp cloud-metadata [fd00:ec2::254]:80",
     "denied udp cloud-metadata [fd00:ec2::254]:80",
+    "denied tcp cloud-metadata [fd20:ce::254]:80",
+    "denied udp cloud-metadata [fd20:ce::254]:80",
+    "denied tcp cloud-metadata [fd00:42::42]:80",
+    "denied udp cloud-metadata [fd00:42::42]:80",
     "blocked tcp paste.example.com 203.0.113.10:443",
     "blocked udp paste.example.com 203.0.113.10:443",
     "blocked tcp paste.example.com [2001:db8:2::10]:443",
@@ -137,6 +146,8 @@ const EXPECTED_CHECKS: &[&str] = &[
 /// nothing arrives while the probe passes.
 fn boundary_holds_and_holes_are_named(action: &str) {
     let w = World::new();
+    w.add_host(GCP_METADATA_V6);
+    w.add_host(SCALEWAY_METADATA_V6);
     w.dns_set("api.example.com", &[HOST_V4, HOST_V6], DEFAULT_DNS_TTL);
     w.dns_set("ntp.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
     w.dns_set("paste.example.com", &[OTHER_V4, OTHER_V6], DEFAULT_DNS_TTL);
@@ -149,6 +160,8 @@ fn boundary_holds_and_holes_are_named(action: &str) {
         (OTHER2_V4, 443),
         (METADATA_V4, 80),
         (METADATA_V6, 80),
+        (GCP_METADATA_V6, 80),
+        (SCALEWAY_METADATA_V6, 80),
     ] {
         refused.push(w.listen_tcp(ip, port));
         refused.push(w.listen_udp(ip, port));
