@@ -868,3 +868,125 @@ fn nobody_reuses_the_guards_closed_upstream_flows() {
         }
     }
 }
+
+/// A uid of its own for the guard (systemd's DynamicUser= range; no user has it here).
+const GUARD_UID: u32 = 61_234;
+
+/// `egress-fence run POLICY` in the sandbox as uid and gid [`GUARD_UID`] with CAP_NET_ADMIN
+/// and CAP_NET_BIND_SERVICE kept as ambient capabilities (like the systemd unit's dynamic
+/// user, which tests/systemd.rs models the same way), once its guard serves.
+fn spawn_guard_as_its_own_user(w: &World, policy: &str) -> Background {
+    let mode = |path: &std::path::Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
+    };
+    // The world's directory is root's (0700): let the guard's user through to its files.
+    mode(w.dir(), 0o711);
+    let path = w.write_file("guard.yaml", policy);
+    mode(&path, 0o644);
+    let state = w.dir().join("guard-state");
+    std::fs::create_dir(&state).expect("create the guard's state directory");
+    std::os::unix::fs::chown(&state, Some(GUARD_UID), Some(GUARD_UID))
+        .expect("give the state directory to the guard's user");
+    mode(&state, 0o700);
+    let (uid, caps) = (GUARD_UID.to_string(), "-all,+net_admin,+net_bind_service");
+    let (reuid, regid) = (format!("--reuid={uid}"), format!("--regid={uid}"));
+    let (inh, ambient) = (
+        format!("--inh-caps={caps}"),
+        format!("--ambient-caps={caps}"),
+    );
+    let mut guard = w.spawn_in_sandbox(&[
+        "setpriv",
+        &reuid,
+        &regid,
+        "--clear-groups",
+        &inh,
+        &ambient,
+        "--",
+        EGRESS_FENCE_BIN,
+        "run",
+        path.to_str().expect("utf-8 path"),
+        "--state-dir",
+        state.to_str().expect("utf-8 path"),
+    ]);
+    if !guard.wait_for_output("the DNS guard is serving", Duration::from_secs(10)) {
+        let _ = guard.terminate();
+        panic!("the guard did not start as uid {uid}:\n{}", guard.stderr());
+    }
+    guard
+}
+
+/// Red team 2, F2: since Linux 5.17 CAP_NET_RAW is enough to set `SO_MARK`, so root in a
+/// container with Docker's default capabilities (no CAP_NET_ADMIN) binds the guard's address
+/// while the daemon is down (SIGKILL: its table stays), sets the guard's mark on its sockets
+/// and answers the clients; the rule on the guard's port checked the mark only. The guard
+/// runs under a uid of its own here (as the systemd unit's dynamic user does), and the table
+/// also refuses what leaves its port from another uid's socket: nobody's dig gets no answer
+/// from the squatter, over UDP or TCP, while the guard itself answered both before. (Were
+/// the guard root, the uid could not tell it from root in a container: README, "Only the
+/// guard may answer".) On the old main the client took the squatter's 203.0.113.66.
+#[test]
+fn a_squatter_that_sets_the_guards_mark_answers_nobody() {
+    let w = World::new();
+    let _upstream = slow_upstream(&w, HOST3_V4);
+    let mut guard = spawn_guard_as_its_own_user(&w, &guard_policy(&[HOST3_V4]));
+    for tcp in [false, true] {
+        assert!(
+            guard_answers(&w, Who::Adversary(Adversary::Nobody), "a.pool.example", tcp),
+            "the guard under uid {GUARD_UID} answers (tcp: {tcp}) despite the uid rule:\n{}",
+            guard.stderr()
+        );
+    }
+    guard.signal(nix::sys::signal::Signal::SIGKILL);
+    assert!(
+        guard.wait_timeout(Duration::from_secs(5)).is_some(),
+        "the guard did not die"
+    );
+    assert!(w.table_handle().is_some(), "the guard's table stays");
+    let chain = w.sandbox_cmd(&["nft", "list", "chain", "inet", "egress_fence", "output"]);
+    assert!(
+        chain
+            .stdout
+            .contains(&format!("meta mark 0x65000000 meta skuid {GUARD_UID} ")),
+        "the table names the guard's own uid:\n{chain}"
+    );
+    // The squatter of the test above, with the guard's mark on both of its sockets.
+    let marked = SQUATTER
+        .replace(
+            "u.bind(",
+            "u.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 0x65000000)\nu.bind(",
+        )
+        .replace(
+            "t.bind(",
+            "t.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 0x65000000)\nt.bind(",
+        );
+    assert_eq!(marked.matches("SO_MARK").count(), 2);
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{marked}");
+    let mut squatter = w.spawn_adversary(Adversary::RootWithoutNetAdmin, &[PYTHON, "-c", &script]);
+    assert!(
+        squatter.wait_for_output("squatting", Duration::from_secs(10)),
+        "the squatter did not set the mark or bind: {}",
+        squatter.stderr()
+    );
+    for tcp in [false, true] {
+        let out = dig_output(
+            &w,
+            Who::Adversary(Adversary::Nobody),
+            GUARD_ADDR.ip(),
+            53,
+            "a.pool.example",
+            tcp,
+        );
+        assert!(
+            !out.contains("203.0.113.66") && !out.contains("->>HEADER<<-"),
+            "nobody (tcp: {tcp}) got the marked squatter's answer:\n{out}"
+        );
+    }
+    assert!(
+        squatter.stdout().contains("asked over udp"),
+        "the squatter was asked (its answers were refused): {}\n{}",
+        squatter.stdout(),
+        squatter.stderr()
+    );
+}
