@@ -191,6 +191,11 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     // with CAP_NET_RAW), also to a connection already established: refused before anything
     // is accepted.
     let mut rules: Vec<Rule> = SourceRoute::ALL.map(Rule::RefuseSourceRoute).into();
+    // ICMP a process writes (CAP_NET_RAW) is accepted by nothing below but the replies and
+    // loopback, and an error quoting someone else's flow counts as a reply (`related`): it
+    // would carry a kilobyte to that flow's peer (the guard's upstream resolver, or anyone
+    // who connected in). The kernel's own ICMP has no owner and is not refused.
+    rules.extend(Family::BOTH.map(Rule::RefuseIcmpFromProcesses));
     // The guard is recognised by its sockets' mark, which takes CAP_NET_ADMIN to set (or,
     // since Linux 5.17, CAP_NET_RAW, which root in a container keeps), and by its uid:
     // either alone is not enough.
@@ -495,9 +500,11 @@ pub fn fail_closed() -> Ruleset {
     Ruleset {
         sets,
         // Source routes first, as in every planned table: an established flow may add one.
+        // Then ICMP that processes write, which the replies' accept would take as related.
         output: SourceRoute::ALL
             .map(Rule::RefuseSourceRoute)
             .into_iter()
+            .chain(Family::BOTH.map(Rule::RefuseIcmpFromProcesses))
             .chain([
                 Rule::AcceptEstablished,
                 Rule::AcceptLoopback,
@@ -672,6 +679,8 @@ log:
         assert_eq!(
             rs.output[routes..],
             [
+                Rule::RefuseIcmpFromProcesses(Family::V4),
+                Rule::RefuseIcmpFromProcesses(Family::V6),
                 Rule::AcceptEstablished,
                 Rule::AcceptLoopback,
                 Rule::GotoRefused
@@ -687,7 +696,15 @@ log:
             rs.output[..routes],
             SourceRoute::ALL.map(Rule::RefuseSourceRoute)
         );
-        assert_eq!(rs.output[routes], Rule::AcceptEstablished);
+        assert_eq!(
+            rs.output[routes..routes + 3],
+            [
+                Rule::RefuseIcmpFromProcesses(Family::V4),
+                Rule::RefuseIcmpFromProcesses(Family::V6),
+                Rule::AcceptEstablished
+            ],
+            "ICMP that processes write is refused before the replies are accepted"
+        );
         let first_accept_set = rs
             .output
             .iter()

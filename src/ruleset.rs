@@ -451,6 +451,15 @@ pub enum Rule {
     /// `ip hdrlength != 5 goto refused`, `exthdr rt exists goto refused`: a packet that
     /// names its own route goes on past the destination the other rules check.
     RefuseSourceRoute(SourceRoute),
+    /// `meta l4proto icmp meta skuid >= 0 oif != "lo" goto refused` (`ipv6-icmp` for
+    /// IPv6): ICMP that a process wrote (a raw socket, which root in a container may open)
+    /// leaves only over loopback, before `ct state established,related accept`. An error that
+    /// quotes a flow in conntrack is `related` to it (a reply is `established`), so it would
+    /// carry a kilobyte of the writer's choice to that flow's peer: the guard's upstream
+    /// resolver, or anyone who connected in. The policy never accepts ICMP from processes
+    /// otherwise, and the kernel's own (errors, echo replies, neighbour discovery) come from
+    /// its sockets without an owner, where `meta skuid` matches nothing.
+    RefuseIcmpFromProcesses(Family),
     /// `ip saddr 127.0.0.53 udp sport 53 meta mark != M goto refused`: what
     /// leaves from the DNS guard's listen address and port without the guard's mark (its
     /// listening sockets carry it, and so do its replies, TCP connections and SYN-ACKs) is
@@ -578,6 +587,14 @@ impl fmt::Display for Rule {
                      dport @{name} goto {REFUSED_CHAIN}"
                 )
             }
+            Rule::RefuseIcmpFromProcesses(family) => write!(
+                f,
+                "meta l4proto {} meta skuid >= 0 oif != \"lo\" goto {REFUSED_CHAIN}",
+                match family {
+                    Family::V4 => "icmp",
+                    Family::V6 => "ipv6-icmp",
+                }
+            ),
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
@@ -806,6 +823,14 @@ mod tests {
                     mark: 0x1e00,
                 },
                 "udp sport 53 meta mark != 0x00001e00 goto refused",
+            ),
+            (
+                Rule::RefuseIcmpFromProcesses(Family::V4),
+                "meta l4proto icmp meta skuid >= 0 oif != \"lo\" goto refused",
+            ),
+            (
+                Rule::RefuseIcmpFromProcesses(Family::V6),
+                "meta l4proto ipv6-icmp meta skuid >= 0 oif != \"lo\" goto refused",
             ),
             (
                 Rule::RefuseOtherUidsFromGuardPort {

