@@ -1104,3 +1104,45 @@ fn icmp_errors_related_to_the_guards_flows_stay_in() {
         "ICMP errors written by a process reached the upstream's link"
     );
 }
+
+/// F1 with CAP_NET_RAW: root in a container sets the guard's mark on every socket it scans
+/// with; with the guard under a uid of its own, the uid refusal still keeps it off the
+/// guard's old flows (were the guard root, nothing would tell them apart: README, "Only the
+/// guard may ask").
+#[test]
+fn a_marked_scan_does_not_reuse_the_flows_of_a_guard_with_its_own_uid() {
+    let w = World::new();
+    w.dns_set("via-guard.pool.example", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let guard = spawn_guard_as_its_own_user(&w, &guard_policy(&[DNS_V4]));
+    let marked = REUSE_GUARD_FLOW.replace(
+        "    s = socket.socket(af, socket.SOCK_DGRAM)\n",
+        "    s = socket.socket(af, socket.SOCK_DGRAM)\n    \
+         s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 0x65000000)\n",
+    );
+    assert!(marked.contains("SO_MARK"));
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{marked}");
+    let before = w.dns_query_log().len();
+    let out = w.adversary_cmd(
+        Adversary::RootWithoutNetAdmin,
+        &[PYTHON, "-c", &script, &DNS_V4.to_string(), "4"],
+    );
+    assert!(
+        out.stdout.contains("scan done"),
+        "the scan did not run:\n{out}"
+    );
+    let asked = w.dns_query_log().split_off(before);
+    assert!(
+        !asked.iter().any(|q| q.name.contains("exfil")) && !out.stdout.contains("LEAK"),
+        "root with the guard's mark asked the upstream through its old flow: {asked:?}\n{out}"
+    );
+    assert!(
+        guard_answers(
+            &w,
+            Who::Adversary(Adversary::Nobody),
+            "via-guard.pool.example",
+            false
+        ),
+        "{}",
+        guard.stderr()
+    );
+}
