@@ -1,6 +1,8 @@
 //! The DNS guard under attack from inside the fence: its uid is no pass to the upstream
 //! resolvers (item 3), the bytes it forwards are its own (item 9), and one client cannot
-//! starve the others (item 10).
+//! starve the others (item 10). Red-team review 2: nobody reuses the guard's closed upstream
+//! flows, over UDP or with ICMP errors, and a squatter that sets the guard's mark answers
+//! nobody.
 
 use std::net::IpAddr;
 use std::time::Duration;
