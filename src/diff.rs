@@ -625,7 +625,11 @@ mod tests {
         assert_eq!(output.added_rules.len(), rs.output.len());
         assert_eq!(output.added_rules[0], "ip hdrlength != 5 goto refused");
         assert_eq!(output.added_rules[1], "exthdr rt exists goto refused");
-        assert_eq!(output.added_rules[2], "ct state established,related accept");
+        assert_eq!(
+            output.added_rules[2],
+            "meta l4proto icmp meta skuid >= 0 oif != \"lo\" goto refused"
+        );
+        assert_eq!(output.added_rules[4], "ct state established,related accept");
         assert_eq!(
             diff.summary(),
             vec!["table inet egress_fence is new (it was not installed)"]

@@ -191,18 +191,37 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     // with CAP_NET_RAW), also to a connection already established: refused before anything
     // is accepted.
     let mut rules: Vec<Rule> = SourceRoute::ALL.map(Rule::RefuseSourceRoute).into();
-    // Only the guard answers from its listen address: a process that binds it while the
-    // daemon is down (ports below 1024 are no barrier in a container) answers nobody. Before
-    // the replies, since a squatter's answers belong to connections the clients opened.
-    if let Some(guard) = &policy.dns.guard {
-        for &from in &guard.listen {
+    // ICMP a process writes (CAP_NET_RAW) is accepted by nothing below but the replies and
+    // loopback, and an error quoting someone else's flow counts as a reply (`related`): it
+    // would carry a kilobyte to that flow's peer (the guard's upstream resolver, or anyone
+    // who connected in). The kernel's own ICMP has no owner and is not refused.
+    rules.extend(Family::BOTH.map(Rule::RefuseIcmpFromProcesses));
+    // The guard is recognised by its sockets' mark, which takes CAP_NET_ADMIN to set (or,
+    // since Linux 5.17, CAP_NET_RAW, which root in a container keeps), and by its uid:
+    // either alone is not enough.
+    let guard = policy
+        .dns
+        .guard
+        .as_ref()
+        .map(|g| (g.mark, guard_uid.unwrap_or(NO_UID)));
+    if let (Some(g), Some((mark, uid))) = (&policy.dns.guard, guard) {
+        // Only the guard answers from its listen address: a process that binds it while the
+        // daemon is down (ports below 1024 are no barrier in a container) answers nobody.
+        // Before the replies, since a squatter's answers belong to connections the clients
+        // opened.
+        for &from in &g.listen {
             for proto in [L4Proto::Udp, L4Proto::Tcp] {
-                rules.push(Rule::RefuseUnmarkedFromGuardPort {
-                    from,
-                    proto,
-                    mark: guard.mark,
-                });
+                rules.push(Rule::RefuseUnmarkedFromGuardPort { from, proto, mark });
+                rules.push(Rule::RefuseOtherUidsFromGuardPort { from, proto, uid });
             }
+        }
+        // Only the guard asks the upstream resolvers, also over the flows it has closed:
+        // conntrack keeps them established for a while, and a process that binds the same
+        // local port would be let through by the replies' accept below.
+        for family in Family::BOTH {
+            let set = SetId::new(SetRole::Dns, family);
+            rules.push(Rule::RefuseUpstreamFromOtherUids { set, uid });
+            rules.push(Rule::RefuseUpstreamUnmarked { set, uid, mark });
         }
     }
     // Replies next: the bulk of packets leaves here after one conntrack lookup.
@@ -234,13 +253,6 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     // VPC's .2, GCP 169.254.169.254, Azure 168.63.129.16), and the host must keep resolving.
     // In guard mode only the guard's own sockets may ask them: every other process asks the
     // guard, which answers only the policy's names.
-    // The guard is recognised by its sockets' mark, which takes CAP_NET_ADMIN to set, and
-    // by its uid: either alone is not enough.
-    let guard = policy
-        .dns
-        .guard
-        .as_ref()
-        .map(|g| (g.mark, guard_uid.unwrap_or(NO_UID)));
     for family in Family::BOTH {
         let set = SetId::new(SetRole::Dns, family);
         rules.push(match guard {
@@ -488,9 +500,11 @@ pub fn fail_closed() -> Ruleset {
     Ruleset {
         sets,
         // Source routes first, as in every planned table: an established flow may add one.
+        // Then ICMP that processes write, which the replies' accept would take as related.
         output: SourceRoute::ALL
             .map(Rule::RefuseSourceRoute)
             .into_iter()
+            .chain(Family::BOTH.map(Rule::RefuseIcmpFromProcesses))
             .chain([
                 Rule::AcceptEstablished,
                 Rule::AcceptLoopback,
@@ -667,6 +681,8 @@ log:
         assert_eq!(
             rs.output[routes..],
             [
+                Rule::RefuseIcmpFromProcesses(Family::V4),
+                Rule::RefuseIcmpFromProcesses(Family::V6),
                 Rule::AcceptEstablished,
                 Rule::AcceptLoopback,
                 Rule::GotoRefused
@@ -682,7 +698,15 @@ log:
             rs.output[..routes],
             SourceRoute::ALL.map(Rule::RefuseSourceRoute)
         );
-        assert_eq!(rs.output[routes], Rule::AcceptEstablished);
+        assert_eq!(
+            rs.output[routes..routes + 3],
+            [
+                Rule::RefuseIcmpFromProcesses(Family::V4),
+                Rule::RefuseIcmpFromProcesses(Family::V6),
+                Rule::AcceptEstablished
+            ],
+            "ICMP that processes write is refused before the replies are accepted"
+        );
         let first_accept_set = rs
             .output
             .iter()
@@ -942,6 +966,26 @@ log:
             })
             .expect("unmarked answers from the guard's address refused");
             assert!(squat < established);
+            let other_uid = at(&Rule::RefuseOtherUidsFromGuardPort {
+                from: "127.0.0.53:53".parse().unwrap(),
+                proto,
+                uid: 993,
+            })
+            .expect("answers of other uids from the guard's address refused");
+            assert!(other_uid < established);
+        }
+        // Nobody else reaches the upstream resolvers through the guard's old flows either.
+        for family in Family::BOTH {
+            let set = SetId::new(SetRole::Dns, family);
+            let other_uid = at(&Rule::RefuseUpstreamFromOtherUids { set, uid: 993 })
+                .expect("other uids refused before the replies");
+            let unmarked = at(&Rule::RefuseUpstreamUnmarked {
+                set,
+                uid: 993,
+                mark: crate::policy::DEFAULT_GUARD_MARK,
+            })
+            .expect("unmarked sockets refused before the replies");
+            assert!(other_uid.max(unmarked) < established);
         }
         // DNS over HTTPS to public resolvers goes to the deny set, where no allow reaches.
         let Elements::Networks(deny4) = &rs

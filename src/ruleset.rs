@@ -451,6 +451,15 @@ pub enum Rule {
     /// `ip hdrlength != 5 goto refused`, `exthdr rt exists goto refused`: a packet that
     /// names its own route goes on past the destination the other rules check.
     RefuseSourceRoute(SourceRoute),
+    /// `meta l4proto icmp meta skuid >= 0 oif != "lo" goto refused` (`ipv6-icmp` for
+    /// IPv6): ICMP that a process wrote (a raw socket, which root in a container may open)
+    /// leaves only over loopback, before `ct state established,related accept`. An error that
+    /// quotes a flow in conntrack is `related` to it (a reply is `established`), so it would
+    /// carry a kilobyte of the writer's choice to that flow's peer: the guard's upstream
+    /// resolver, or anyone who connected in. The policy never accepts ICMP from processes
+    /// otherwise, and the kernel's own (errors, echo replies, neighbour discovery) come from
+    /// its sockets without an owner, where `meta skuid` matches nothing.
+    RefuseIcmpFromProcesses(Family),
     /// `ip saddr 127.0.0.53 udp sport 53 meta mark != M goto refused`: what
     /// leaves from the DNS guard's listen address and port without the guard's mark (its
     /// listening sockets carry it, and so do its replies, TCP connections and SYN-ACKs) is
@@ -463,6 +472,28 @@ pub enum Rule {
         proto: L4Proto,
         mark: u32,
     },
+    /// `ip saddr 127.0.0.53 udp sport 53 meta skuid != U goto refused`: what leaves the
+    /// guard's listen address and port from a socket of another uid is refused. The mark
+    /// alone is not enough since Linux 5.17, where CAP_NET_RAW (root in a container keeps it)
+    /// sets `SO_MARK` too. The guard's SYN-ACKs come from request sockets, whose owner is the
+    /// listener's; the kernel's own resets have no owner, where `meta skuid` matches nothing.
+    /// Before `ct state established,related accept`, like the mark rule.
+    RefuseOtherUidsFromGuardPort {
+        from: SocketAddr,
+        proto: L4Proto,
+        uid: u32,
+    },
+    /// `meta skuid != U ip daddr . meta l4proto . th dport @dns4 goto refused`: DNS to the
+    /// guard's upstream resolvers from a socket of another uid, refused before `ct state
+    /// established,related accept`: the guard's closed upstream flows stay established in
+    /// conntrack for a while, and any process that binds the same port would otherwise
+    /// reuse (and renew) them. Packets without an owning socket (the kernel's resets, a
+    /// TIME_WAIT socket's ACKs) match nothing here.
+    RefuseUpstreamFromOtherUids { set: SetId, uid: u32 },
+    /// `meta skuid U meta mark != M ip daddr . meta l4proto . th dport @dns4 goto refused`:
+    /// the same for sockets of the guard's uid without its mark (root in a container when
+    /// the guard runs as root).
+    RefuseUpstreamUnmarked { set: SetId, uid: u32, mark: u32 },
     /// `ct state established,related accept`
     AcceptEstablished,
     /// `oif "lo" accept`
@@ -528,6 +559,42 @@ impl fmt::Display for Rule {
                     from.port()
                 )
             }
+            Rule::RefuseOtherUidsFromGuardPort { from, proto, uid } => {
+                if !from.ip().is_unspecified() {
+                    let family = Family::of(from.ip());
+                    write!(f, "{} {} ", family.saddr(), from.ip())?;
+                }
+                write!(
+                    f,
+                    "{} sport {} meta skuid != {uid} goto {REFUSED_CHAIN}",
+                    proto.name(),
+                    from.port()
+                )
+            }
+            Rule::RefuseUpstreamFromOtherUids { set, uid } => {
+                let (daddr, name) = (set.family.daddr(), set.name());
+                write!(
+                    f,
+                    "meta skuid != {uid} {daddr} . meta l4proto . th dport @{name} \
+                     goto {REFUSED_CHAIN}"
+                )
+            }
+            Rule::RefuseUpstreamUnmarked { set, uid, mark } => {
+                let (daddr, name) = (set.family.daddr(), set.name());
+                write!(
+                    f,
+                    "meta skuid {uid} meta mark != {mark:#010x} {daddr} . meta l4proto . th \
+                     dport @{name} goto {REFUSED_CHAIN}"
+                )
+            }
+            Rule::RefuseIcmpFromProcesses(family) => write!(
+                f,
+                "meta l4proto {} meta skuid >= 0 oif != \"lo\" goto {REFUSED_CHAIN}",
+                match family {
+                    Family::V4 => "icmp",
+                    Family::V6 => "ipv6-icmp",
+                }
+            ),
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
@@ -756,6 +823,45 @@ mod tests {
                     mark: 0x1e00,
                 },
                 "udp sport 53 meta mark != 0x00001e00 goto refused",
+            ),
+            (
+                Rule::RefuseIcmpFromProcesses(Family::V4),
+                "meta l4proto icmp meta skuid >= 0 oif != \"lo\" goto refused",
+            ),
+            (
+                Rule::RefuseIcmpFromProcesses(Family::V6),
+                "meta l4proto ipv6-icmp meta skuid >= 0 oif != \"lo\" goto refused",
+            ),
+            (
+                Rule::RefuseOtherUidsFromGuardPort {
+                    from: "127.0.0.53:53".parse().unwrap(),
+                    proto: L4Proto::Tcp,
+                    uid: 993,
+                },
+                "ip saddr 127.0.0.53 tcp sport 53 meta skuid != 993 goto refused",
+            ),
+            (
+                Rule::RefuseOtherUidsFromGuardPort {
+                    from: "[::]:53".parse().unwrap(),
+                    proto: L4Proto::Udp,
+                    uid: 0,
+                },
+                "udp sport 53 meta skuid != 0 goto refused",
+            ),
+            (
+                Rule::RefuseUpstreamFromOtherUids {
+                    set: v4(SetRole::Dns),
+                    uid: 993,
+                },
+                "meta skuid != 993 ip daddr . meta l4proto . th dport @dns4 goto refused",
+            ),
+            (
+                Rule::RefuseUpstreamUnmarked {
+                    set: SetId::new(SetRole::Dns, Family::V6),
+                    uid: 993,
+                    mark: 0x6500_0000,
+                },
+                "meta skuid 993 meta mark != 0x65000000 ip6 daddr . meta l4proto . th dport @dns6 goto refused",
             ),
             (
                 Rule::AcceptIcmpv6(Icmpv6Type::NdNeighborSolicit),

@@ -371,6 +371,7 @@ fn next_addr(addr: IpAddr) -> Option<IpAddr> {
 
 // ---- rules ----------------------------------------------------------------------------------
 
+const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_ICMPV6: u8 = 58;
 /// `oif "lo"`: the loopback device is interface 1 in every network namespace.
@@ -548,6 +549,57 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(eq(&from.port().to_be_bytes()));
             e.push(own(Expr::meta(libc::NFT_META_MARK, sys::REG_1)));
             e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &mark.to_ne_bytes())));
+            e.push(goto_refused());
+        }
+        Rule::RefuseIcmpFromProcesses(family) => {
+            e.extend(l4proto_is(match family {
+                Family::V4 => IPPROTO_ICMP,
+                Family::V6 => IPPROTO_ICMPV6,
+            }));
+            // Breaks (matches nothing) for a socket without a file: the kernel's own.
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
+            e.push(crate_expr(Meta::Oif));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &LOOPBACK_IFINDEX.to_ne_bytes(),
+            )));
+            e.push(goto_refused());
+        }
+        Rule::RefuseOtherUidsFromGuardPort { from, proto, uid } => {
+            if !from.ip().is_unspecified() {
+                let family = Family::of(from.ip());
+                e.extend(is_family(family));
+                let (offset, len) = saddr_field(family);
+                e.push(own(Expr::payload(
+                    PayloadBase::Network,
+                    offset,
+                    len,
+                    sys::REG_1,
+                )));
+                e.push(eq(&addr_bytes(from.ip())));
+            }
+            e.extend(l4proto_is(proto.number()));
+            e.push(own(Expr::payload(PayloadBase::Transport, 0, 2, sys::REG_1)));
+            e.push(eq(&from.port().to_be_bytes()));
+            // Breaks (matches nothing) for a packet without an owning socket: the kernel's.
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &uid.to_ne_bytes())));
+            e.push(goto_refused());
+        }
+        Rule::RefuseUpstreamFromOtherUids { set, uid } => {
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &uid.to_ne_bytes())));
+            e.extend(tuple_in(*set, set_ids));
+            e.push(goto_refused());
+        }
+        Rule::RefuseUpstreamUnmarked { set, uid, mark } => {
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(eq(&uid.to_ne_bytes()));
+            e.push(own(Expr::meta(libc::NFT_META_MARK, sys::REG_1)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &mark.to_ne_bytes())));
+            e.extend(tuple_in(*set, set_ids));
             e.push(goto_refused());
         }
         Rule::AcceptEstablished => {
@@ -806,6 +858,99 @@ mod tests {
                 "cmp eq reg 1 0x00003500",
                 "meta load mark => reg 1",
                 "cmp neq reg 1 0x00001e00",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+    }
+
+    #[test]
+    fn icmp_from_processes_off_loopback_matches_nft() {
+        for (family, proto) in [(Family::V4, "0x00000001"), (Family::V6, "0x0000003a")] {
+            assert_eq!(
+                exprs(&Rule::RefuseIcmpFromProcesses(family)),
+                [
+                    "meta load l4proto => reg 1".to_string(),
+                    format!("cmp eq reg 1 {proto}"),
+                    "meta load skuid => reg 1".to_string(),
+                    "byteorder reg 1 = hton(reg 1, 4, 4)".to_string(),
+                    "cmp gte reg 1 0x00000000".to_string(),
+                    "meta load oif => reg 1".to_string(),
+                    "cmp neq reg 1 0x00000001".to_string(),
+                    "immediate reg 0 goto -> refused".to_string(),
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn refusals_of_other_uids_and_unmarked_sockets_match_nft() {
+        assert_eq!(
+            exprs(&Rule::RefuseUpstreamFromOtherUids {
+                set: SetId::new(SetRole::Dns, Family::V4),
+                uid: 993,
+            }),
+            [
+                "meta load skuid => reg 1",
+                "cmp neq reg 1 0x000003e1",
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "payload load 4b @ network header + 16 => reg 1",
+                "meta load l4proto => reg 9",
+                "payload load 2b @ transport header + 2 => reg 10",
+                "lookup reg 1 set dns4",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseUpstreamUnmarked {
+                set: SetId::new(SetRole::Dns, Family::V6),
+                uid: 993,
+                mark: 0x6500_0000,
+            }),
+            [
+                "meta load skuid => reg 1",
+                "cmp eq reg 1 0x000003e1",
+                "meta load mark => reg 1",
+                "cmp neq reg 1 0x65000000",
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "payload load 16b @ network header + 24 => reg 1",
+                "meta load l4proto => reg 2",
+                "payload load 2b @ transport header + 2 => reg 13",
+                "lookup reg 1 set dns6",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        let from_port = |from: &str| Rule::RefuseOtherUidsFromGuardPort {
+            from: from.parse().unwrap(),
+            proto: L4Proto::Udp,
+            uid: 993,
+        };
+        assert_eq!(
+            exprs(&from_port("127.0.0.53:53")),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "payload load 4b @ network header + 12 => reg 1",
+                "cmp eq reg 1 0x3500007f",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000011",
+                "payload load 2b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "meta load skuid => reg 1",
+                "cmp neq reg 1 0x000003e1",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&from_port("0.0.0.0:53")),
+            [
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000011",
+                "payload load 2b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "meta load skuid => reg 1",
+                "cmp neq reg 1 0x000003e1",
                 "immediate reg 0 goto -> refused",
             ]
         );

@@ -149,7 +149,10 @@ impl LiveTable {
                     && e.split_whitespace()
                         .any(|w| dns_sets.iter().any(|s| s == w))
             });
-            if !dns_lookup {
+            // The refusals before the replies look up the same sets (`meta skuid != U ...
+            // goto refused`): only accepts say who may ask.
+            let accepts = rule.exprs.last().is_some_and(|e| e.ends_with(" accept"));
+            if !dns_lookup || !accepts {
                 continue;
             }
             match meta_eq(&rule.exprs, "skuid") {
@@ -561,6 +564,27 @@ mod tests {
                 uids: vec![],
                 marks: vec![],
                 everyone: true
+            }
+        );
+        // The refusals of other uids and unmarked sockets say nothing of who may ask.
+        let refusals = vec![
+            rule(crate::ruleset::Rule::RefuseUpstreamFromOtherUids {
+                set: dns4,
+                uid: 993,
+            }),
+            rule(crate::ruleset::Rule::RefuseUpstreamUnmarked {
+                set: dns4,
+                uid: 993,
+                mark: 0x6500_0000,
+            }),
+            rule(guard(Some(0x6500_0000))),
+        ];
+        assert_eq!(
+            table(refusals).dns_access(),
+            DnsAccess {
+                uids: vec![993],
+                marks: vec![0x6500_0000],
+                everyone: false
             }
         );
         // A lookup in another set says nothing about DNS.

