@@ -1246,6 +1246,9 @@ impl Daemon {
         let restart = match (old, new) {
             (Some(_), None) | (None, Some(_)) => Some("`dns.mode`"),
             (Some(o), Some(n)) if o.listen != n.listen => Some("`dns.listen`"),
+            // The listening sockets keep the mark they were bound with: the new table would
+            // refuse their replies.
+            (Some(o), Some(n)) if o.mark != n.mark => Some("`dns.mark`"),
             _ => None,
         };
         if let Some(what) = restart {

@@ -1178,7 +1178,8 @@ fn a_restarted_guard_keeps_the_addresses_its_clients_hold() {
 }
 
 /// SIGHUP: the guard answers by the new policy at once, keeps the addresses of names the new
-/// policy still allows, and refuses a change of `dns.listen`, which takes a restart.
+/// policy still allows, and refuses a change of `dns.listen` or `dns.mark`, which take a
+/// restart.
 #[test]
 fn a_reload_answers_by_the_new_policy_and_keeps_what_it_still_allows() {
     let w = World::new();
@@ -1224,6 +1225,28 @@ fn a_reload_answers_by_the_new_policy_and_keeps_what_it_still_allows() {
     );
     let still = ask(&w, "api.new.example", RTYPE_A, Transport::Udp).expect("an answer");
     assert_eq!(still.rcode, RCODE_NOERROR, "the running policy stays");
+
+    // Another mark: the listening sockets keep the one they were bound with, so the new
+    // table would refuse the guard's own replies; refused too, and the guard goes on.
+    w.write_file(
+        "guard.yaml",
+        &policy(
+            &["*.pool.example", "*.new.example"],
+            "",
+            &["mark: 0x66000000"],
+        ),
+    );
+    g.daemon.signal(Signal::SIGHUP);
+    assert!(
+        within(Duration::from_secs(5), || g
+            .daemon
+            .stderr()
+            .contains("`dns.mark`")),
+        "{}",
+        g.daemon.stderr()
+    );
+    let still = ask(&w, "api.new.example", RTYPE_A, Transport::Udp).expect("an answer");
+    assert_eq!(still.rcode, RCODE_NOERROR, "the guard still answers");
 }
 
 /// An agent asking thousands of random names must not flood the journal: refused queries are
