@@ -11,6 +11,8 @@
 //! timeouts and is retried with backoff; a policy that fails validation on SIGHUP, or whose
 //! table the kernel refuses, is refused whole and the running one stays. When anyone else
 //! changes the table (`nft flush ruleset`), the change notification brings it back at once.
+//! A start that cannot put up the policy's table leaves a namespace without one the fixed
+//! fail-closed table ([`crate::plan::fail_closed`]) before it exits.
 //!
 //! The daemon holds the namespace's writers' lock for its whole life: a CLI `apply` beside
 //! it would only be undone by its healing, so such writers are told to reload the service

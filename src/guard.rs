@@ -1,11 +1,13 @@
 //! The DNS guard (`dns.mode: guard`): the sandbox's resolver, and the only way out for DNS.
 //!
 //! A query for a name the policy allows is forwarded to an upstream resolver as a query the
-//! guard rebuilds from the checked question alone (see [`upstream_query`]). The
-//! addresses of the answer (A, AAAA and the hints of HTTPS/SVCB records, along the CNAME chain
-//! from the asked name) go to the daemon, which adds them to the table in one batch; the answer is released only once the
-//! kernel has acknowledged that batch, so a client connecting right after its answer is never
-//! refused. If the kernel refuses, the client gets SERVFAIL: never an answer it cannot use.
+//! guard rebuilds from the checked question alone (see [`upstream_query`]). The addresses of
+//! the answer (A, AAAA and the hints of HTTPS/SVCB records, along the CNAME chain from the
+//! asked name; at most 32 of each family, and only those [`crate::installable`] accepts) go
+//! to the daemon, which adds them to the table in one batch; the answer is released only once
+//! the kernel has acknowledged that batch, so a client connecting right after its answer is
+//! never refused. If the kernel refuses, the client gets SERVFAIL: never an answer it cannot
+//! use.
 //!
 //! A query for any other name is answered REFUSED (or NXDOMAIN) here and never leaves the
 //! host: `<secret>.attacker.example` is a question nobody else hears. Each one is streamed to
@@ -14,15 +16,18 @@
 //! One client cannot starve the others: what can never be answered (oversize datagrams,
 //! responses) is dropped at once and refusals are answered at once, without a slot; a
 //! forwarded query takes one of 1,024 slots, at most 128 per client (a local one by the uid
-//! of its socket, another by its address: see [`client_key`]); TCP connections are capped per client too, and must bring their first
-//! query within 2 s.
+//! of its socket, another by its address: see [`client_key`]); TCP connections are capped per
+//! client too, and must bring their first query within 2 s.
 //!
 //! The table lets only this process's upstream sockets reach the upstream resolvers (see
-//! `plan`): they carry the policy's `dns.mark` (`SO_MARK`, which takes CAP_NET_ADMIN to set,
-//! set on UDP sockets before sending and on TCP sockets before connecting) and this process's
-//! uid. So the guard is the one path for names, even for root without CAP_NET_ADMIN. Each upstream exchange uses a fresh socket (a random source
-//! port) and a random query id, and an answer is taken only if it carries that id and the
-//! question that was asked.
+//! `plan`): they carry the policy's `dns.mark` (`SO_MARK`, which takes CAP_NET_ADMIN, or
+//! CAP_NET_RAW since Linux 5.17, to set; set on UDP sockets before sending and on TCP sockets
+//! before connecting) and this process's uid. So the guard is the one path for names, even for
+//! root without CAP_NET_ADMIN, as long as it runs under a uid of its own. Its listening
+//! sockets carry the mark too, and the table refuses what leaves a listen address without it
+//! or from another uid: only the guard answers there. Each upstream exchange uses a fresh
+//! socket (a random source port) and a random query id, and an answer is taken only if it
+//! carries that id and the question that was asked.
 
 use std::collections::HashMap;
 use std::io;

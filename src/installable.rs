@@ -1,9 +1,11 @@
-//! Which answered addresses may become resolved-set elements, and for how long an answer's
-//! TTL counts. Every answer is hostile input (a name under an allowed wildcard answers what
-//! its owner likes): an element for 255.255.255.255, a subnet broadcast, a multicast group,
-//! 0.0.0.0, loopback or the host's own addresses would let traffic out, or in circles, that
-//! no allow entry meant. This module is the one owner of that decision; resolution (`apply`,
-//! `plan`, `run` in resolve mode), the planner and the daemon's guard answers all ask it.
+//! Which answered addresses may become resolved-set elements, how many of one answer (at most
+//! [`MAX_ADDRS_PER_FAMILY`] per family), and for how long an answer's TTL counts. Every answer
+//! is hostile input (a name under an allowed wildcard answers what its owner likes): an
+//! element for 255.255.255.255, a subnet broadcast, a multicast group, 0.0.0.0, loopback, the
+//! host's own addresses or the NAT64 form of any of them would let traffic out, or in circles,
+//! that no allow entry meant. This module is the one owner of that decision; resolution
+//! (`apply`, `plan`, `run` in resolve mode), the planner and the daemon's guard answers all ask
+//! it.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

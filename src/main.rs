@@ -51,13 +51,14 @@ Policy schema (YAML):
   action: reject                  # unmatched traffic: reject (fails fast) or drop
   allow:                          # destinations that may be reached
     - domain: api.example.com     # resolved to A and AAAA; or `cidr: 203.0.113.0/28`
-      ports: [443, \"8000-8080\"]   # default: every port
+      ports: [443, \"8000-8080\"]   # required for a domain; a cidr without it: every port
       protocol: tcp               # tcp (default), udp or any (both)
       comment: model API          # free text
   deny:                           # checked before allow: deny wins
-    - preset: cloud-metadata      # or private-networks; or `cidr: 10.0.0.0/8`
+    - preset: cloud-metadata      # or private-networks, dns-over-https; or `cidr: 10.0.0.0/8`
   dns:
     resolvers: [192.0.2.53]       # default: the nameservers of resolv.conf
+    # mode: guard                 # be the host's resolver (`upstream:`): see `run --help`
   log:
     prefix: \"EGRESS-DROP: \"       # default as shown
     group: 100                    # NFLOG group for refused packets (default: kernel log)
@@ -129,7 +130,8 @@ struct Resolving {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Validate a policy without touching the network or the kernel.
+    /// Validate a policy without touching the network or the kernel, and warn about what
+    /// parses but is probably not meant (every command that reads a policy warns too).
     #[command(after_help = SCHEMA)]
     Check { policy: PathBuf },
     /// Resolve the policy's names and print the ruleset as nft text (what `apply` installs;
@@ -203,6 +205,7 @@ enum Command {
         target: Target,
         #[command(flatten)]
         state: StateArgs,
+        /// Print the generations as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -226,15 +229,22 @@ enum Command {
         target: Target,
         #[command(flatten)]
         state: StateArgs,
+        /// Print the status as JSON (with the fields `generation`, `drift` and `differences`).
         #[arg(long)]
         json: bool,
     },
     /// Apply the policy and keep it current, as a service: names are re-resolved as their
     /// TTLs run out and changed answers are sent as small element batches (the table is never
     /// reloaded for them); if anyone else changes or deletes the table, it is put back.
-    /// SIGHUP reloads the policy (an invalid one is refused and the running one stays);
-    /// SIGTERM and SIGINT stop and leave the boundary in place. Speaks systemd's notify
-    /// protocol (READY once the table is live, STATUS, WATCHDOG).
+    /// SIGHUP reloads the policy (one that fails validation, or whose table the kernel
+    /// refuses, is not adopted and the running one stays); SIGTERM and SIGINT stop and leave
+    /// the boundary in place. Speaks systemd's notify protocol (READY once the table is live,
+    /// STATUS, WATCHDOG).
+    ///
+    /// A start that cannot put up the policy's table leaves a table already in place as it
+    /// is, gives a namespace without one a fail-closed table (loopback and established
+    /// connections only), and exits: 2 when only an edit of the policy can fix it (the unit
+    /// does not restart then), else 1.
     ///
     /// With `dns.mode: guard` it is the host's resolver instead (point resolv.conf at
     /// `dns.listen`): a query for an allowed name (wildcards too) is forwarded to
@@ -292,9 +302,15 @@ enum Command {
     ///
     /// In `dns.mode: guard`: names are asked of the guard, which must refuse a random name
     /// outside the policy without forwarding it, and DNS straight to the upstream resolvers
-    /// (UDP/TCP 53 and 853) must be refused. Only the guard's uid may reach them, so run the
-    /// probe as the agent's user (as that uid it cannot tell, and warns), e.g. `ip netns exec
-    /// sandbox setpriv --reuid=agent --regid=agent --clear-groups egress-fence probe ...`.
+    /// (UDP/TCP 53 and 853) must be refused. Only sockets with the guard's mark and uid may
+    /// reach them and the probe marks none, so that holds for any uid it runs as.
+    ///
+    /// Every element of the installed resolved sets must be one the policy explains (an
+    /// allowed name's, on its ports, within the lifetime cap). Last, the probe must fail to
+    /// open a packet socket (AF_PACKET) and an XDP socket (AF_XDP): frames written to them
+    /// pass every nftables rule (a process with CAP_NET_ADMIN skips this check). So run it as
+    /// the fenced user, e.g. `ip netns exec sandbox setpriv --reuid=agent --regid=agent
+    /// --clear-groups egress-fence probe ...`.
     #[command(after_help = EXIT_CODES)]
     Probe {
         policy: PathBuf,

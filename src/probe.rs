@@ -16,20 +16,25 @@
 //!   TCP; allowed names are resolved by asking the guard itself (a small client here, so that
 //!   REFUSED and NXDOMAIN stay apart), and their addresses then connect, since the guard added
 //!   them to the table before it answered;
-//! - DNS straight to each upstream resolver (UDP and TCP 53, TCP and UDP 853) is refused. The table
-//!   lets through only sockets of the guard's uid that carry the guard's mark (`meta mark M
-//!   meta skuid U`); the probe never marks its sockets, so it is refused whatever its uid, the
-//!   guard's included. Only a table of an older version, which knows the guard by its uid
-//!   alone, lets a probe of that uid through: it cannot tell, and says so (WARN) instead of
-//!   trying. The uid and mark come from the installed table, or, when this probe may not read
-//!   it (an unprivileged user), from the owner of the guard's listening socket and the policy;
-//! - a random name under `probe.exfil_domain` (else under `egress-fence-probe.invalid`) is asked
-//!   of the guard: answered REFUSED or NXDOMAIN and covered by no allow entry, it was refused
-//!   without being forwarded (PASS); any address in the answer, or an allow entry (a wildcard)
-//!   that covers the name, means the guard forwards such names, so DNS questions can carry data
-//!   to whoever serves that zone (FAIL);
+//! - DNS straight to each upstream resolver (UDP and TCP 53, TCP and UDP 853) is refused. The
+//!   table lets through only sockets of the guard's uid that carry the guard's mark (`meta
+//!   mark M meta skuid U`); the probe never marks its sockets, so it is refused whatever its
+//!   uid, the guard's included. Only a table of an older version, which knows the guard by its
+//!   uid alone, lets a probe of that uid through: it cannot tell, and says so (WARN) instead
+//!   of trying. The uid and mark come from the installed table, or, when this probe may not
+//!   read it (an unprivileged user), from the owner of the guard's listening socket and the
+//!   policy;
+//! - a random name under `probe.exfil_domain` (else under `egress-fence-probe.invalid`) is
+//!   asked of the guard: answered REFUSED or NXDOMAIN and covered by no allow entry, it was
+//!   refused without being forwarded (PASS); any address in the answer, or an allow entry (a
+//!   wildcard) that covers the name, means the guard forwards such names, so DNS questions can
+//!   carry data to whoever serves that zone (FAIL);
 //! - the `dns-over-https` preset (implied by guard mode) is checked in the installed table's
 //!   deny sets, never with traffic: its addresses are public resolvers.
+//!
+//! In both modes every element of the installed resolved sets must be one the policy explains
+//! (an allowed name's, on that name's ports, within the lifetime cap where the service keeps
+//! the table); each other one is a FAIL.
 //!
 //! Last, in both modes: whether this process can open a packet socket (`AF_PACKET`) or an XDP
 //! socket (`AF_XDP`), both of which take CAP_NET_RAW. Frames written to them never meet the
