@@ -29,7 +29,6 @@
 //! socket (a random source port) and a random query id, and an answer is taken only if it
 //! carries that id and the question that was asked.
 
-use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd;
@@ -48,7 +47,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use crate::installable::{HostAddrs, MAX_ADDRS_PER_FAMILY, cap_per_family};
+use crate::installable::{HostAddrs, MAX_ADDRS_PER_FAMILY, answered_addrs};
 use crate::plan::DNS_PORT;
 use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
@@ -1229,31 +1228,16 @@ pub fn answer_addresses(query: &Message, answer: &Message) -> (Vec<ResolvedAddr>
             None => break,
         }
     }
-    // Each distinct address in the answer's order, with the lowest TTL any record gives it.
-    let mut order: Vec<IpAddr> = Vec::new();
-    let mut ttls: HashMap<IpAddr, u32> = HashMap::new();
-    for r in answer.answers.iter().filter(|r| chain.contains(&&r.name)) {
-        // RFC 2181: a TTL with the top bit set counts as zero.
-        let ttl = crate::installable::effective_ttl(r.ttl);
-        for addr in record_addresses(&r.data) {
-            ttls.entry(addr)
-                .and_modify(|t| *t = (*t).min(ttl))
-                .or_insert_with(|| {
-                    order.push(addr);
-                    ttl
-                });
-        }
-    }
-    let left_out = cap_per_family(&mut order, |a| *a);
-    let mut addrs: Vec<ResolvedAddr> = order
-        .into_iter()
-        .map(|addr| ResolvedAddr {
-            addr,
-            ttl: ttls.get(&addr).copied().unwrap_or(0),
-        })
-        .collect();
-    addrs.sort();
-    (addrs, left_out)
+    let records = answer
+        .answers
+        .iter()
+        .filter(|r| chain.contains(&&r.name))
+        .flat_map(|r| {
+            record_addresses(&r.data)
+                .into_iter()
+                .map(move |a| (a, r.ttl))
+        });
+    answered_addrs(records)
 }
 
 fn record_addresses(data: &RData) -> Vec<IpAddr> {

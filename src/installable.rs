@@ -7,10 +7,12 @@
 //! (`apply`, `plan`, `run` in resolve mode), the planner and the daemon's guard answers all ask
 //! it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use serde::{Deserialize, Serialize};
+
+use crate::resolve::ResolvedAddr;
 
 /// Why an answered address is never installed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -286,6 +288,36 @@ pub fn cap_per_family<T>(addrs: &mut Vec<T>, addr_of: impl Fn(&T) -> IpAddr) -> 
         *taken <= MAX_ADDRS_PER_FAMILY
     });
     before - addrs.len()
+}
+
+/// The addresses of an answer's records, given as (address, TTL) in the answer's order: each
+/// distinct address once, with the lowest TTL any record gives it (a TTL with the top bit set
+/// counts as 0), at most [`MAX_ADDRS_PER_FAMILY`] of each family (the first ones), sorted.
+/// The second value counts the addresses left out.
+pub fn answered_addrs(
+    records: impl IntoIterator<Item = (IpAddr, u32)>,
+) -> (Vec<ResolvedAddr>, usize) {
+    let mut order: Vec<IpAddr> = Vec::new();
+    let mut ttls: HashMap<IpAddr, u32> = HashMap::new();
+    for (addr, ttl) in records {
+        let ttl = effective_ttl(ttl);
+        ttls.entry(addr)
+            .and_modify(|t| *t = (*t).min(ttl))
+            .or_insert_with(|| {
+                order.push(addr);
+                ttl
+            });
+    }
+    let left_out = cap_per_family(&mut order, |a| *a);
+    let mut addrs: Vec<ResolvedAddr> = order
+        .into_iter()
+        .map(|addr| ResolvedAddr {
+            addr,
+            ttl: ttls.get(&addr).copied().unwrap_or(0),
+        })
+        .collect();
+    addrs.sort();
+    (addrs, left_out)
 }
 
 /// "192.0.2.1, 192.0.2.2, 192.0.2.3, 192.0.2.4 and 28 more": a list of addresses for a log

@@ -1,7 +1,6 @@
 //! Resolution of the policy's names: A and AAAA, a bounded number of names at a time, against
 //! the policy's resolvers, keeping each answer's TTL.
 
-use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -15,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::installable::{
-    Dropped, HostAddrs, MAX_ADDRS_PER_FAMILY, cap_per_family, effective_ttl, retain_installable,
+    Dropped, HostAddrs, MAX_ADDRS_PER_FAMILY, answered_addrs, retain_installable,
 };
 use crate::policy::DomainName;
 
@@ -270,9 +269,7 @@ impl NameResolver {
             self.inner.ipv4_lookup(fqdn.as_str()),
             self.inner.ipv6_lookup(fqdn.as_str())
         );
-        // Each distinct address in the answer's order, with the lowest TTL any record gives it.
-        let mut order: Vec<IpAddr> = Vec::new();
-        let mut ttls: BTreeMap<IpAddr, u32> = BTreeMap::new();
+        let mut records: Vec<(IpAddr, u32)> = Vec::new();
         let mut errors = Vec::new();
         let mut nxdomain = false;
         for (kind, result) in [("A", v4), ("AAAA", v6)] {
@@ -284,13 +281,7 @@ impl NameResolver {
                             RData::AAAA(a) => IpAddr::V6(a.0),
                             _ => continue, // CNAMEs on the way
                         };
-                        let record_ttl = effective_ttl(record.ttl);
-                        ttls.entry(addr)
-                            .and_modify(|t| *t = (*t).min(record_ttl))
-                            .or_insert_with(|| {
-                                order.push(addr);
-                                record_ttl
-                            });
+                        records.push((addr, record.ttl));
                     }
                 }
                 // An answer without records is an answer: an IPv4-only name has no AAAA.
@@ -299,20 +290,12 @@ impl NameResolver {
             }
         }
         // Once per lookup of the name, so at most once per `dns.refresh.min` in the daemon.
-        let left_out = cap_per_family(&mut order, |a| *a);
+        let (addrs, left_out) = answered_addrs(records);
         if left_out > 0 {
             warn!(name = %name, left_out,
                   "the answer brought more than {MAX_ADDRS_PER_FAMILY} addresses of a family; \
                    only the first ones are allowed");
         }
-        let mut addrs: Vec<ResolvedAddr> = order
-            .into_iter()
-            .map(|addr| ResolvedAddr {
-                addr,
-                ttl: ttls.get(&addr).copied().unwrap_or(0),
-            })
-            .collect();
-        addrs.sort();
         ResolvedHost {
             name: name.clone(),
             addrs,

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
 use nftnl::expr::{
@@ -15,7 +15,7 @@ use super::sys::{
     self, Elem, ElemOp, Expr, KeySpec, NFT_SET_CONCAT, NFT_SET_ELEM_INTERVAL_END, NFT_SET_INTERVAL,
     NFT_SET_TIMEOUT, NlSet, PayloadBase,
 };
-use crate::policy::Action;
+use crate::policy::{Action, L4Proto};
 use crate::ruleset::{
     DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements, Family, Icmpv6Type, KeyShape, Limit, LimitKind,
     MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, SourceRoute,
@@ -443,6 +443,28 @@ fn l4proto_is(proto: u8) -> [AnyExpr; 2] {
     ]
 }
 
+/// Matches packets from the DNS guard's listen address (any, when it listens on the
+/// unspecified address) and port over `proto`.
+fn from_guard_port(from: SocketAddr, proto: L4Proto) -> Vec<AnyExpr> {
+    let mut e = Vec::new();
+    if !from.ip().is_unspecified() {
+        let family = Family::of(from.ip());
+        e.extend(is_family(family));
+        let (offset, len) = saddr_field(family);
+        e.push(own(Expr::payload(
+            PayloadBase::Network,
+            offset,
+            len,
+            sys::REG_1,
+        )));
+        e.push(eq(&addr_bytes(from.ip())));
+    }
+    e.extend(l4proto_is(proto.number()));
+    e.push(own(Expr::payload(PayloadBase::Transport, 0, 2, sys::REG_1)));
+    e.push(eq(&from.port().to_be_bytes()));
+    e
+}
+
 fn daddr_into_reg1(family: Family) -> AnyExpr {
     let (offset, len) = daddr_field(family);
     own(Expr::payload(PayloadBase::Network, offset, len, sys::REG_1))
@@ -532,21 +554,7 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(goto_refused());
         }
         Rule::RefuseUnmarkedFromGuardPort { from, proto, mark } => {
-            if !from.ip().is_unspecified() {
-                let family = Family::of(from.ip());
-                e.extend(is_family(family));
-                let (offset, len) = saddr_field(family);
-                e.push(own(Expr::payload(
-                    PayloadBase::Network,
-                    offset,
-                    len,
-                    sys::REG_1,
-                )));
-                e.push(eq(&addr_bytes(from.ip())));
-            }
-            e.extend(l4proto_is(proto.number()));
-            e.push(own(Expr::payload(PayloadBase::Transport, 0, 2, sys::REG_1)));
-            e.push(eq(&from.port().to_be_bytes()));
+            e.extend(from_guard_port(*from, *proto));
             e.push(own(Expr::meta(libc::NFT_META_MARK, sys::REG_1)));
             e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &mark.to_ne_bytes())));
             e.push(goto_refused());
@@ -568,21 +576,7 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(goto_refused());
         }
         Rule::RefuseOtherUidsFromGuardPort { from, proto, uid } => {
-            if !from.ip().is_unspecified() {
-                let family = Family::of(from.ip());
-                e.extend(is_family(family));
-                let (offset, len) = saddr_field(family);
-                e.push(own(Expr::payload(
-                    PayloadBase::Network,
-                    offset,
-                    len,
-                    sys::REG_1,
-                )));
-                e.push(eq(&addr_bytes(from.ip())));
-            }
-            e.extend(l4proto_is(proto.number()));
-            e.push(own(Expr::payload(PayloadBase::Transport, 0, 2, sys::REG_1)));
-            e.push(eq(&from.port().to_be_bytes()));
+            e.extend(from_guard_port(*from, *proto));
             // Breaks (matches nothing) for a packet without an owning socket: the kernel's.
             e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
             e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &uid.to_ne_bytes())));
