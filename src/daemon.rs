@@ -324,33 +324,59 @@ impl NameState {
     }
 
     /// Takes in addresses answered at `now`, each allowed for `life(ttl)` from now (or longer,
-    /// if it already was); returns those that were not allowed before.
+    /// if it already was); returns those that were not allowed before, and how many new ones
+    /// it left out: past [`MAX_LIVE_ADDRS_PER_NAME`] live addresses of a family, or any new
+    /// one when `room` is false (the resolved sets are full). Live addresses always renew.
     fn extend(
         &mut self,
         addrs: &[ResolvedAddr],
         now: Instant,
         life: impl Fn(u32) -> Duration,
-    ) -> Vec<IpAddr> {
-        // Expired addresses are kept a while to explain refusals ("was NAME until ...").
+        room: bool,
+    ) -> Extended {
+        // Expired addresses are kept a while to explain refusals ("was NAME until ..."), but
+        // no more of them than a name may have live ones.
         self.addrs
             .retain(|_, expires| now.saturating_duration_since(*expires) < REMEMBER_EXPIRED);
-        let mut added = Vec::new();
+        if self.addrs.len() > 2 * 2 * MAX_LIVE_ADDRS_PER_NAME {
+            self.addrs.retain(|_, expires| *expires > now);
+        }
+        let (mut live4, mut live6) =
+            self.live(now)
+                .fold((0, 0), |(v4, v6), (a, _)| match a.is_ipv4() {
+                    true => (v4 + 1, v6),
+                    false => (v4, v6 + 1),
+                });
+        let mut out = Extended::default();
         for a in addrs {
             let expires = now + life(a.ttl);
-            let entry = self.addrs.entry(a.addr).or_insert(now);
-            if *entry <= now {
-                added.push(a.addr);
+            let live = self.addrs.get(&a.addr).is_some_and(|e| *e > now);
+            if !live {
+                let count = if a.addr.is_ipv4() {
+                    &mut live4
+                } else {
+                    &mut live6
+                };
+                if !room || *count >= MAX_LIVE_ADDRS_PER_NAME {
+                    out.left_out += 1;
+                    continue;
+                }
+                *count += 1;
+                out.added.push(a.addr);
             }
+            let entry = self.addrs.entry(a.addr).or_insert(now);
             *entry = (*entry).max(expires);
         }
-        added
+        out
     }
 
     /// Takes in an answer received at `now`; returns the addresses it brought and, for a
     /// successful answer, those the previous one had and this one lacks.
     fn answer(&mut self, host: &ResolvedHost, now: Instant, dns: &Dns) -> AnswerChanges {
         let mut changes = AnswerChanges {
-            added: self.extend(&host.addrs, now, |ttl| interval(ttl, dns) + dns.grace),
+            added: self
+                .extend(&host.addrs, now, |ttl| interval(ttl, dns) + dns.grace, true)
+                .added,
             gone: Vec::new(),
         };
         if host.errors.is_empty() {
@@ -381,6 +407,26 @@ struct AnswerChanges {
     added: Vec<IpAddr>,
     gone: Vec<IpAddr>,
 }
+
+/// What [`NameState::extend`] took in.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Extended {
+    /// Addresses not allowed before.
+    added: Vec<IpAddr>,
+    /// New addresses left out: past the caps.
+    left_out: usize,
+}
+
+/// Live addresses of one family one name may hold at once. A name under an allowed wildcard
+/// answers what its zone's owner likes, fresh addresses every time if it wants: without a cap
+/// one name grows the sets by everything it answers within `floor` + `grace`. Eight times
+/// what one answer may bring, so a CDN that rotates its addresses keeps working.
+const MAX_LIVE_ADDRS_PER_NAME: usize = 256;
+
+/// In guard mode, how many resolved elements the daemon installs at most (all names, ports
+/// and families together): past it, answers only renew what is live, and new addresses wait
+/// until others expire. About 60 MB of kernel and daemon memory.
+const MAX_RESOLVED_ELEMENTS: usize = 262_144;
 
 /// How often expired elements are dropped from the record of what the kernel holds.
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
@@ -826,7 +872,19 @@ impl Daemon {
                 .names
                 .entry(a.name.clone())
                 .or_insert_with(|| NameState::new(now));
-            let added = state.extend(&a.addrs, now, |ttl| guard_lifetime(ttl, &guard, &dns));
+            let room = self.installed.len() < MAX_RESOLVED_ELEMENTS;
+            let Extended { added, left_out } =
+                state.extend(&a.addrs, now, |ttl| guard_lifetime(ttl, &guard, &dns), room);
+            if left_out > 0
+                && let Some(held_back) =
+                    self.full_log
+                        .take(self.policy.log.rate, self.policy.log.burst, now.into_std())
+            {
+                warn!(name = %a.name, left_out, held_back, room,
+                      "past {MAX_LIVE_ADDRS_PER_NAME} live addresses of a family for this name, \
+                       or {MAX_RESOLVED_ELEMENTS} resolved elements in all: new addresses are \
+                       not installed until others expire");
+            }
             if !added.is_empty()
                 && let Some(held_back) = self.allowed_log.take(
                     self.policy.log.rate,
@@ -2036,6 +2094,52 @@ mod tests {
             kept,
             ["live.pool.example"],
             "live names are never forgotten"
+        );
+    }
+
+    #[test]
+    fn one_name_holds_at_most_its_cap_of_live_addresses_and_always_renews_them() {
+        let now = Instant::now();
+        let life = |_| Duration::from_secs(60);
+        let answer = |first: u32, n: u32| -> Vec<ResolvedAddr> {
+            (first..first + n)
+                .map(|i| ResolvedAddr {
+                    addr: IpAddr::from(std::net::Ipv4Addr::from(0xc612_0000 + i)),
+                    ttl: 0,
+                })
+                .collect()
+        };
+        let mut state = NameState::new(now);
+        // A zone that answers fresh addresses every time: 28 at a time, 20 times.
+        let mut left_out = 0;
+        for k in 0..20 {
+            left_out += state.extend(&answer(k * 28, 28), now, life, true).left_out;
+        }
+        let cap = MAX_LIVE_ADDRS_PER_NAME;
+        assert_eq!(state.live(now).count(), cap);
+        assert_eq!(left_out, 20 * 28 - cap);
+        // What is live renews, also at the cap; an IPv6 address has a cap of its own.
+        let later = now + Duration::from_secs(30);
+        let renewed = state.extend(&answer(0, 28), later, life, true);
+        assert_eq!(renewed, Extended::default());
+        assert_eq!(state.addrs[&IpAddr::from([198, 18, 0, 0])], later + life(0));
+        let v6 = ResolvedAddr {
+            addr: "2001:db8::1".parse().unwrap(),
+            ttl: 0,
+        };
+        assert_eq!(state.extend(&[v6], later, life, true).added.len(), 1);
+        // Without room in the sets, nothing new, but renewals still.
+        let mut other = NameState::new(now);
+        assert_eq!(other.extend(&answer(0, 3), now, life, false).left_out, 3);
+        assert_eq!(other.live(now).count(), 0);
+        // Once they expire, room comes back.
+        let after = now + Duration::from_secs(61);
+        assert_eq!(
+            state
+                .extend(&answer(9_000, 1), after, life, true)
+                .added
+                .len(),
+            1
         );
     }
 

@@ -672,3 +672,109 @@ fn invented_names_past_the_cap_get_servfail_and_the_log_stays_small() {
     assert!(log.len() < 500_000, "the daemon logged {} bytes", log.len());
     eprintln!("{out}\n{status}");
 }
+
+/// Answers every A question with 28 addresses it never gave before (from 198.18.0.0/15, TTL
+/// 0): a zone under an allowed wildcard that hands out fresh addresses every time.
+const ROTATING_DNS_SCRIPT: &str = r#"
+import socket, struct, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 53))
+print("ready", flush=True)
+n = 0
+while True:
+    q, peer = s.recvfrom(4096)
+    end = 12
+    while end < len(q) and q[end] != 0:
+        end += q[end] + 1
+    if struct.unpack(">H", q[end + 1:end + 3])[0] != 1:
+        s.sendto(q[:2] + struct.pack(">HHHHH", 0x8180, 1, 0, 0, 0) + q[12:end + 5], peer)
+        continue
+    records = b""
+    for i in range(28):
+        n += 1
+        ip = bytes([198, 18 + (n >> 16 & 1), n >> 8 & 255, n & 255])
+        records += b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 0, 4) + ip
+    s.sendto(q[:2] + struct.pack(">HHHHH", 0x8180, 1, 28, 0, 0) + q[12:end + 5] + records, peer)
+"#;
+
+/// Third review: one name whose zone answers fresh addresses every time grew the resolved
+/// sets by everything it answered within `floor` + `grace`. Now one name holds at most 256
+/// live addresses of a family; the log says so; another name still gets its addresses.
+#[test]
+fn one_name_answering_fresh_addresses_every_time_holds_at_most_its_cap() {
+    const CAP: usize = 256;
+    let w = World::new();
+    w.add_host(EVIL_DNS);
+    let mut server = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            w.net_name(),
+            PYTHON,
+            "-c",
+            ROTATING_DNS_SCRIPT,
+        ])
+        .arg(EVIL_DNS.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the rotating DNS server");
+    let mut line = String::new();
+    let _ = BufReader::new(server.stdout.take().expect("piped stdout")).read_line(&mut line);
+    let server = EvilDns { child: server };
+    assert_eq!(
+        line.trim(),
+        "ready",
+        "the rotating DNS server did not start"
+    );
+
+    let path = w.write_file("guard.yaml", &guard_policy(&[("*.evil.example", PORT)]));
+    let guard = w.spawn_guard(path.to_str().expect("utf-8"));
+    // 15 answers of 28 fresh addresses: 420 for one name.
+    for _ in 0..15 {
+        let out = w.adversary_cmd(
+            Adversary::Nobody,
+            &[
+                "dig",
+                "+tries=1",
+                "+time=5",
+                "@127.0.0.53",
+                "x.evil.example",
+                "A",
+            ],
+        );
+        assert!(out.stdout.contains("NOERROR"), "{out}");
+    }
+    let for_x = |elements: &[JsonElement]| {
+        elements
+            .iter()
+            .filter(|e| e.comment.as_deref() == Some("x.evil.example") && e.proto == "udp")
+            .count()
+    };
+    let elements = resolved_elements(&w);
+    assert_eq!(for_x(&elements), CAP, "one name's live addresses");
+    // Another name is not held back by it.
+    let out = w.adversary_cmd(
+        Adversary::Nobody,
+        &[
+            "dig",
+            "+tries=1",
+            "+time=5",
+            "@127.0.0.53",
+            "y.evil.example",
+            "A",
+        ],
+    );
+    assert!(out.stdout.contains("NOERROR"), "{out}");
+    let elements = resolved_elements(&w);
+    let y = elements
+        .iter()
+        .filter(|e| e.comment.as_deref() == Some("y.evil.example"))
+        .count();
+    let log = guard.stderr();
+    drop(guard);
+    drop(server);
+    assert_eq!(y, 2 * 28, "the other name's addresses, tcp and udp");
+    assert!(log.contains("live addresses of a family"), "{log}");
+}
