@@ -408,7 +408,6 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
     let mut shapes = vec![
         Rule::AcceptEstablished,
         Rule::AcceptLoopback,
-        Rule::RefuseIcmpv6FromProcesses,
         Rule::AcceptMldReport,
         Rule::GotoRefused,
         Rule::Refuse(Action::Reject),
@@ -429,7 +428,6 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
         }
     }
     shapes.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
-    shapes.extend(SourceRoute::RECORDED_ONLY.map(Rule::RefuseSourceRoute));
     for family in Family::BOTH {
         shapes.push(Rule::AcceptDhcpClient(family));
         shapes.push(Rule::CountFamily(family));

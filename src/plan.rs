@@ -232,9 +232,6 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
         rules.push(Rule::AcceptLoopback);
     }
     if has(Essential::Icmpv6Nd) {
-        // The kernel writes neighbour discovery and MLD itself; a process that writes ICMPv6
-        // (root in a container has CAP_NET_RAW) could put anything in them, to anywhere.
-        rules.push(Rule::RefuseIcmpv6FromProcesses);
         rules.extend(
             [
                 Icmpv6Type::NdRouterSolicit,
@@ -752,7 +749,7 @@ log:
         }
         assert!(at(&Rule::AcceptMldReport) < last_deny);
         assert!(
-            at(&Rule::RefuseIcmpv6FromProcesses)
+            at(&Rule::RefuseIcmpFromProcesses(Family::V6))
                 < at(&Rule::AcceptIcmpv6(Icmpv6Type::NdRouterSolicit)),
             "ICMPv6 that processes write never meets the neighbour discovery accepts"
         );
@@ -778,10 +775,7 @@ log:
         assert!(!rs.output.contains(&Rule::AcceptLoopback));
         assert!(!rs.output.iter().any(|r| matches!(
             r,
-            Rule::AcceptIcmpv6(_)
-                | Rule::RefuseIcmpv6FromProcesses
-                | Rule::AcceptMldReport
-                | Rule::AcceptDhcpClient(_)
+            Rule::AcceptIcmpv6(_) | Rule::AcceptMldReport | Rule::AcceptDhcpClient(_)
         )));
     }
 

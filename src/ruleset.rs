@@ -399,28 +399,16 @@ pub enum SourceRoute {
     /// pointer 8 or an odd length counts as absent while a router honours it. Nothing the
     /// host needs sends options through this hook (IGMP's Router Alert was never allowed).
     Ipv4Options,
-    /// `ip option lsrr exists`: the rule of generations recorded before [`Ipv4Options`];
-    /// read, rendered and reinstated as recorded, never planned.
-    ///
-    /// [`Ipv4Options`]: SourceRoute::Ipv4Options
-    Ipv4Loose,
-    /// `ip option ssrr exists`, as [`SourceRoute::Ipv4Loose`].
-    Ipv4Strict,
 }
 
 impl SourceRoute {
     /// The refusals the plan puts first, in this order.
     pub const ALL: [SourceRoute; 2] = [SourceRoute::Ipv4Options, SourceRoute::Ipv6RoutingHeader];
 
-    /// Refusals of recorded generations only: known to a comparison with a live table.
-    pub const RECORDED_ONLY: [SourceRoute; 2] = [SourceRoute::Ipv4Loose, SourceRoute::Ipv4Strict];
-
     pub fn family(self) -> Family {
         match self {
             SourceRoute::Ipv6RoutingHeader => Family::V6,
-            SourceRoute::Ipv4Options | SourceRoute::Ipv4Loose | SourceRoute::Ipv4Strict => {
-                Family::V4
-            }
+            SourceRoute::Ipv4Options => Family::V4,
         }
     }
 
@@ -429,8 +417,6 @@ impl SourceRoute {
         match self {
             SourceRoute::Ipv6RoutingHeader => "exthdr rt exists",
             SourceRoute::Ipv4Options => "ip hdrlength != 5",
-            SourceRoute::Ipv4Loose => "ip option lsrr exists",
-            SourceRoute::Ipv4Strict => "ip option ssrr exists",
         }
     }
 }
@@ -500,11 +486,6 @@ pub enum Rule {
     AcceptLoopback,
     /// `icmpv6 type T accept`
     AcceptIcmpv6(Icmpv6Type),
-    /// `meta l4proto ipv6-icmp meta skuid >= 0 goto refused`: ICMPv6 that a process wrote
-    /// itself (a raw socket, which root in a container may open) is refused before the
-    /// neighbour discovery essentials; the kernel's own neighbour discovery and MLD come from
-    /// its sockets without an owner, where `meta skuid` matches nothing.
-    RefuseIcmpv6FromProcesses,
     /// `icmpv6 type mld2-listener-report limit rate 1 kbytes/minute burst 1500 bytes accept`
     /// ([`MLD_REPORT_LIMIT`]).
     AcceptMldReport,
@@ -598,10 +579,6 @@ impl fmt::Display for Rule {
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
-            Rule::RefuseIcmpv6FromProcesses => write!(
-                f,
-                "meta l4proto ipv6-icmp meta skuid >= 0 goto {REFUSED_CHAIN}"
-            ),
             Rule::AcceptMldReport => write!(
                 f,
                 "icmpv6 type {} {MLD_REPORT_LIMIT} accept",
@@ -876,18 +853,6 @@ mod tests {
                 "ip hdrlength != 5 goto refused",
             ),
             (
-                Rule::RefuseSourceRoute(SourceRoute::Ipv4Loose),
-                "ip option lsrr exists goto refused",
-            ),
-            (
-                Rule::RefuseSourceRoute(SourceRoute::Ipv4Strict),
-                "ip option ssrr exists goto refused",
-            ),
-            (
-                Rule::RefuseIcmpv6FromProcesses,
-                "meta l4proto ipv6-icmp meta skuid >= 0 goto refused",
-            ),
-            (
                 Rule::AcceptMldReport,
                 "icmpv6 type mld2-listener-report limit rate 1 kbytes/minute burst 1500 bytes accept",
             ),
@@ -946,35 +911,6 @@ mod tests {
         ];
         for (rule, want) in cases {
             assert_eq!(rule.to_string(), want);
-        }
-    }
-
-    #[test]
-    fn source_route_rules_of_recorded_generations_stay_readable() {
-        // Generations recorded before the options refusal hold these names; their nft text
-        // must still be the rendering of their rules.
-        for (json, text) in [
-            (
-                r#"{"refuse_source_route":"ipv4-loose"}"#,
-                "ip option lsrr exists goto refused",
-            ),
-            (
-                r#"{"refuse_source_route":"ipv4-strict"}"#,
-                "ip option ssrr exists goto refused",
-            ),
-            (
-                r#"{"refuse_source_route":"ipv4-options"}"#,
-                "ip hdrlength != 5 goto refused",
-            ),
-        ] {
-            let rule: Rule = serde_json::from_str(json).expect("a rule");
-            assert_eq!(rule.to_string(), text);
-            assert_eq!(serde_json::to_string(&rule).expect("json"), json);
-        }
-        // The plan refuses every IPv4 option, first; the option matches are never planned.
-        assert_eq!(SourceRoute::ALL[0], SourceRoute::Ipv4Options);
-        for legacy in SourceRoute::RECORDED_ONLY {
-            assert!(!SourceRoute::ALL.contains(&legacy));
         }
     }
 

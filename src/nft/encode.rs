@@ -517,9 +517,6 @@ fn tuple_in(set: SetId, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
 
 /// The IPv6 routing header's extension header type.
 const IPV6_ROUTING_HEADER: u8 = 43;
-/// The IPv4 loose and strict source route options (rules of recorded generations only).
-const IPV4_OPTION_LSRR: u8 = 131;
-const IPV4_OPTION_SSRR: u8 = 137;
 
 /// The expressions of one rule, in nft's order.
 fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
@@ -540,14 +537,6 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
                         IPV6_ROUTING_HEADER,
                         sys::REG_1,
                     )));
-                    e.push(eq(&[1]));
-                }
-                SourceRoute::Ipv4Loose => {
-                    e.push(own(Expr::ipv4_option_present(IPV4_OPTION_LSRR, sys::REG_1)));
-                    e.push(eq(&[1]));
-                }
-                SourceRoute::Ipv4Strict => {
-                    e.push(own(Expr::ipv4_option_present(IPV4_OPTION_SSRR, sys::REG_1)));
                     e.push(eq(&[1]));
                 }
             }
@@ -611,14 +600,6 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
         Rule::AcceptIcmpv6(t) => {
             e.extend(icmpv6_type_is(*t));
             e.push(accept);
-        }
-        Rule::RefuseIcmpv6FromProcesses => {
-            e.extend(l4proto_is(IPPROTO_ICMPV6));
-            // Breaks (matches nothing) for a socket without a file: the kernel's own.
-            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
-            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
-            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
-            e.push(goto_refused());
         }
         Rule::AcceptMldReport => {
             e.extend(icmpv6_type_is(Icmpv6Type::Mld2ListenerReport));
@@ -1006,17 +987,6 @@ mod tests {
             ]
         );
         assert_eq!(
-            exprs(&Rule::RefuseIcmpv6FromProcesses),
-            [
-                "meta load l4proto => reg 1",
-                "cmp eq reg 1 0x0000003a",
-                "meta load skuid => reg 1",
-                "byteorder reg 1 = hton(reg 1, 4, 4)",
-                "cmp gte reg 1 0x00000000",
-                "immediate reg 0 goto -> refused",
-            ]
-        );
-        assert_eq!(
             exprs(&Rule::AcceptMldReport),
             [
                 "meta load nfproto => reg 1",
@@ -1039,20 +1009,6 @@ mod tests {
                 "cmp neq reg 1 0x00000005",
                 "immediate reg 0 goto -> refused",
             ]
-        );
-        assert_eq!(
-            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv4Loose)),
-            [
-                "meta load nfproto => reg 1",
-                "cmp eq reg 1 0x00000002",
-                "exthdr load ipv4 1b @ 131 + 0 present => reg 1",
-                "cmp eq reg 1 0x00000001",
-                "immediate reg 0 goto -> refused",
-            ]
-        );
-        assert_eq!(
-            exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv4Strict))[2],
-            "exthdr load ipv4 1b @ 137 + 0 present => reg 1"
         );
         assert_eq!(
             exprs(&Rule::RefuseSourceRoute(SourceRoute::Ipv6RoutingHeader)),

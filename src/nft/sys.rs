@@ -22,10 +22,8 @@ pub const NFT_SET_TIMEOUT: u32 = libc::NFT_SET_TIMEOUT as u32;
 pub const NFT_SET_ELEM_INTERVAL_END: u32 = libc::NFT_SET_ELEM_INTERVAL_END as u32;
 /// The exthdr expression's flag "only say whether the header is there" (absent from libc).
 pub const NFT_EXTHDR_F_PRESENT: u32 = 1;
-/// The exthdr expression's operations on IPv6 extension headers and IPv4 options (absent
-/// from libc).
+/// The exthdr expression's operation on IPv6 extension headers (absent from libc).
 pub const NFT_EXTHDR_OP_IPV6: u32 = 0;
-pub const NFT_EXTHDR_OP_IPV4: u32 = 2;
 
 /// Registers as nft numbers them: the four 128-bit registers and the 32-bit ones from 8.
 pub const REG_1: u32 = libc::NFT_REG_1 as u32;
@@ -170,13 +168,6 @@ impl Expr {
     /// `header` (wherever it sits in the chain of headers), 0 otherwise: `exthdr rt exists`.
     pub fn exthdr_ipv6_present(header: u8, dreg: u32) -> Expr {
         Expr::exthdr_present(NFT_EXTHDR_OP_IPV6, header, dreg)
-    }
-
-    /// Puts 1 into register `dreg` if the packet carries the IPv4 option `option`, 0
-    /// otherwise: `ip option lsrr exists`. Only for the rules of recorded generations: the
-    /// kernel treats a malformed option as absent, so the plan refuses every option instead.
-    pub fn ipv4_option_present(option: u8, dreg: u32) -> Expr {
-        Expr::exthdr_present(NFT_EXTHDR_OP_IPV4, option, dreg)
     }
 
     fn exthdr_present(op: u32, header: u8, dreg: u32) -> Expr {
