@@ -34,7 +34,7 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
 use crate::guard::{Answered, Counters, Guard, GuardError, LogBudget, Rules};
-use crate::installable::{HostAddrs, retain_installable, summarise};
+use crate::installable::{HostAddrsCache, retain_installable, summarise};
 use crate::nft::live::guard_dns_note;
 use crate::nft::monitor::{Change, Monitor};
 use crate::nft::{Nft, NftError};
@@ -275,10 +275,6 @@ fn guard_lifetime(ttl: u32, guard: &crate::policy::Guard, dns: &Dns) -> Duration
 fn renew_slack(grace: Duration) -> Duration {
     grace / 2
 }
-
-/// How often the daemon reads this host's addresses again for checking guard answers: a
-/// netlink dump per answer would cost the guard latency, and addresses rarely change.
-const HOST_ADDRS_EVERY: Duration = Duration::from_secs(5);
 
 /// How many waiting answers go into one batch.
 const MAX_ANSWER_BATCH: usize = 256;
@@ -651,9 +647,8 @@ struct Daemon {
     /// Elements a restarted guard found in the running table, kept until they expire (clients
     /// still hold the answers that allowed them), as long as the policy allows their names.
     carried: BTreeMap<Tuple, Carried>,
-    /// This host's addresses and subnet broadcasts, which no guard answer may install, and
-    /// when they were read (at most every [`HOST_ADDRS_EVERY`]).
-    host_addrs: (HostAddrs, Instant),
+    /// This host's addresses and subnet broadcasts, which no guard answer may install.
+    host_addrs: HostAddrsCache,
     /// Bounds the warnings about dropped answer addresses (the guard's answers are the
     /// sandbox's to provoke).
     dropped_log: LogBudget,
@@ -731,7 +726,7 @@ impl Daemon {
             guard_uid: guard_mode.then(|| nix::unistd::geteuid().as_raw()),
             guard: None,
             carried: BTreeMap::new(),
-            host_addrs: (HostAddrs::read_or_warn(), now),
+            host_addrs: HostAddrsCache::new(),
             dropped_log: LogBudget::default(),
             full_log: LogBudget::default(),
             allowed_log: LogBudget::default(),
@@ -817,9 +812,6 @@ impl Daemon {
         let now = Instant::now();
         let grace = self.policy.dns.grace;
         let dns = self.policy.dns.clone();
-        if now.saturating_duration_since(self.host_addrs.1) >= HOST_ADDRS_EVERY {
-            self.host_addrs = (HostAddrs::read_or_warn(), now);
-        }
         let mut names = BTreeSet::new();
         let mut live_names = None;
         let mut refused = Vec::new();
@@ -846,7 +838,7 @@ impl Daemon {
             let _ = a.done.send(false);
         }
         for a in &mut batch {
-            let dropped = retain_installable(&mut a.addrs, |r| r.addr, &self.host_addrs.0);
+            let dropped = retain_installable(&mut a.addrs, |r| r.addr, self.host_addrs.current());
             for d in dropped {
                 if let Some(held_back) = self.dropped_log.take(
                     self.policy.log.rate,

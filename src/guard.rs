@@ -47,7 +47,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use crate::installable::{HostAddrs, MAX_ADDRS_PER_FAMILY, answered_addrs};
+use crate::installable::{HostAddrs, HostAddrsCache, MAX_ADDRS_PER_FAMILY, answered_addrs};
 use crate::plan::DNS_PORT;
 use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::resolve::ResolvedAddr;
@@ -585,37 +585,6 @@ impl Drop for ClientSlot {
     }
 }
 
-/// How long the host's addresses are taken as read: addresses come and go, but reading them
-/// for every datagram would cost a netlink dump each.
-const HOST_ADDRS_TTL: Duration = Duration::from_secs(5);
-
-/// The host's own addresses, for [`client_key`], read again every [`HOST_ADDRS_TTL`].
-struct HostAddrCache {
-    addrs: HostAddrs,
-    read: Instant,
-}
-
-impl HostAddrCache {
-    fn new() -> HostAddrCache {
-        HostAddrCache {
-            addrs: HostAddrs::read_or_warn(),
-            read: Instant::now(),
-        }
-    }
-
-    fn current(&mut self) -> &HostAddrs {
-        if self.read.elapsed() >= HOST_ADDRS_TTL {
-            self.read = Instant::now();
-            match HostAddrs::read() {
-                Ok(addrs) => self.addrs = addrs,
-                // The last ones read are still the best guess.
-                Err(e) => debug!(error = %e, "reading the host's addresses"),
-            }
-        }
-        &self.addrs
-    }
-}
-
 /// Opens the lookup of local clients' uids; without it (no netlink, say) every local client
 /// shares one share.
 fn open_sock_diag() -> Option<SockDiag> {
@@ -643,7 +612,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>, forwarding: Ar
     // One byte more than a query may be: a datagram that fills it is oversize.
     let mut buf = vec![0u8; MAX_QUERY + 1];
     let mut diag = open_sock_diag();
-    let mut host = HostAddrCache::new();
+    let mut host = HostAddrsCache::new();
     let Ok(local) = socket.local_addr() else {
         return;
     };
@@ -708,7 +677,7 @@ async fn serve_tcp(
 ) {
     let clients = Arc::new(Semaphore::new(max_clients));
     let mut diag = open_sock_diag();
-    let mut host = HostAddrCache::new();
+    let mut host = HostAddrsCache::new();
     loop {
         match listener.accept().await {
             Ok((stream, client)) => {

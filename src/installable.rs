@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -134,6 +135,45 @@ impl HostAddrs {
                             without them");
             HostAddrs::none()
         })
+    }
+}
+
+/// How long the host's addresses are taken as read: they come and go, but reading them for
+/// every answer or datagram would cost a netlink dump each.
+const HOST_ADDRS_FOR: Duration = Duration::from_secs(5);
+
+/// [`HostAddrs`] read again at most every [`HOST_ADDRS_FOR`]: what the guard's serving tasks
+/// and the daemon check answers and clients against.
+#[derive(Debug)]
+pub struct HostAddrsCache {
+    addrs: HostAddrs,
+    read: Instant,
+}
+
+impl HostAddrsCache {
+    pub fn new() -> HostAddrsCache {
+        HostAddrsCache {
+            addrs: HostAddrs::read_or_warn(),
+            read: Instant::now(),
+        }
+    }
+
+    pub fn current(&mut self) -> &HostAddrs {
+        if self.read.elapsed() >= HOST_ADDRS_FOR {
+            self.read = Instant::now();
+            match HostAddrs::read() {
+                Ok(addrs) => self.addrs = addrs,
+                // The last ones read are still the best guess.
+                Err(e) => tracing::debug!(error = %e, "reading the host's addresses"),
+            }
+        }
+        &self.addrs
+    }
+}
+
+impl Default for HostAddrsCache {
+    fn default() -> Self {
+        HostAddrsCache::new()
     }
 }
 
