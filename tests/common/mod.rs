@@ -1880,6 +1880,63 @@ pub const PYTHON: &str = "/usr/bin/python3";
 /// CAP_NET_ADMIN is effective (then it is not the threat model's adversary and the test would
 /// prove nothing). Imports `sys` and leaves the effective set in `cap_eff` for further checks
 /// (CAP_NET_RAW is bit 13). Prepend it: `format!("{REFUSE_CAP_NET_ADMIN_PY}{SCRIPT}")`.
+/// Counts the frames of ETHERTYPE arriving on veth0 (the sandbox's link, seen from the
+/// world's network) that carry MARKER, for SECONDS; creates READY_FILE once bound. Prints the
+/// count. Arguments: SECONDS READY_FILE MARKER ETHERTYPE.
+const COUNT_MARKED_FRAMES: &str = r#"
+import socket, sys, time
+seconds, ready, marker = float(sys.argv[1]), sys.argv[2], sys.argv[3].encode()
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(int(sys.argv[4], 0)))
+s.bind(('veth0', 0))
+s.settimeout(0.2)
+open(ready, 'w').close()
+end, count = time.time() + seconds, 0
+while time.time() < end:
+    try:
+        frame, addr = s.recvfrom(65535)
+    except socket.timeout:
+        continue
+    if addr[2] != socket.PACKET_OUTGOING and marker in frame:
+        count += 1
+print(count)
+"#;
+
+impl World {
+    /// Runs `during` while counting, for `seconds`, the frames of `ethertype` (0x0800 for
+    /// IPv4, 0x86dd for IPv6) that reach the world's side of the sandbox's link carrying
+    /// `marker`; returns the capture's output (the count on stdout) and what `during` gave.
+    pub fn count_marked_frames<T: Send>(
+        &self,
+        ethertype: u16,
+        marker: &str,
+        seconds: u32,
+        during: impl FnOnce() -> T + Send,
+    ) -> (CmdOutput, T) {
+        let ready = self.dir().join(format!("capture-ready-{marker}"));
+        let ready_arg = ready.to_str().expect("utf-8 path").to_string();
+        let (seconds, ethertype) = (seconds.to_string(), format!("{ethertype:#x}"));
+        std::thread::scope(|scope| {
+            let capture = scope.spawn(|| {
+                self.net_cmd(&[
+                    PYTHON,
+                    "-c",
+                    COUNT_MARKED_FRAMES,
+                    &seconds,
+                    &ready_arg,
+                    marker,
+                    &ethertype,
+                ])
+            });
+            assert!(
+                within(Duration::from_secs(5), || ready.exists()),
+                "the capture did not start"
+            );
+            let during = during();
+            (capture.join().expect("the capture thread"), during)
+        })
+    }
+}
+
 pub const REFUSE_CAP_NET_ADMIN_PY: &str = r#"
 import sys
 status = open('/proc/self/status').read().split('\n')

@@ -519,53 +519,16 @@ for dst in sys.argv[1:]:
 print('sent', sent, 'refused', refused)
 "#;
 
-/// Counts IPv6 frames arriving on veth0 that carry MARKER, for SECONDS; creates READY_FILE
-/// once the capture socket is bound. Prints the count.
-const COUNT_MARKED: &str = r#"
-import socket, sys, time
-seconds, ready, marker = float(sys.argv[1]), sys.argv[2], sys.argv[3].encode()
-s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x86dd))
-s.bind(('veth0', 0))
-s.settimeout(0.2)
-open(ready, 'w').close()
-end, count = time.time() + seconds, 0
-while time.time() < end:
-    try:
-        frame, addr = s.recvfrom(65535)
-    except socket.timeout:
-        continue
-    if addr[2] != socket.PACKET_OUTGOING and marker in frame:
-        count += 1
-print(count)
-"#;
-
 #[test]
 fn icmpv6_written_by_a_process_does_not_pass_as_neighbour_discovery() {
     let w = fenced_world();
-    let ready = w.dir().join("icmpv6-capture-ready");
-    let ready_arg = ready.to_str().expect("utf-8 path").to_string();
     let (host, all_nodes, routers) = (HOST_V6.to_string(), "ff02::1", "ff02::16");
     let write_icmpv6 = format!("{REFUSE_CAP_NET_ADMIN_PY}{WRITE_ICMPV6}");
-    let (capture, written) = std::thread::scope(|scope| {
-        let capture = scope.spawn(|| {
-            w.net_cmd(&[
-                PYTHON,
-                "-c",
-                COUNT_MARKED,
-                "3",
-                &ready_arg,
-                "written-by-a-process",
-            ])
-        });
-        assert!(
-            within(Duration::from_secs(5), || ready.exists()),
-            "the capture did not start"
-        );
-        let written = w.adversary_cmd(
+    let (capture, written) = w.count_marked_frames(0x86dd, "written-by-a-process", 3, || {
+        w.adversary_cmd(
             Adversary::RootWithoutNetAdmin,
             &[PYTHON, "-c", &write_icmpv6, &host, all_nodes, routers],
-        );
-        (capture.join().expect("the capture thread"), written)
+        )
     });
     assert!(written.success(), "{written}");
     assert_eq!(written.stdout.trim(), "sent 0 refused 12", "{written}");

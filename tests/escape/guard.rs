@@ -1037,26 +1037,6 @@ for port in range(lo, hi + 1):
 print('sent', sent, 'refused', refused)
 "#;
 
-/// Counts the IPv4 frames arriving on veth0 (the sandbox's link, seen from the world's
-/// network) that carry MARKER, for SECONDS; creates READY_FILE once bound. Prints the count.
-const COUNT_MARKED_V4: &str = r#"
-import socket, sys, time
-seconds, ready, marker = float(sys.argv[1]), sys.argv[2], sys.argv[3].encode()
-s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
-s.bind(('veth0', 0))
-s.settimeout(0.2)
-open(ready, 'w').close()
-end, count = time.time() + seconds, 0
-while time.time() < end:
-    try:
-        frame, addr = s.recvfrom(65535)
-    except socket.timeout:
-        continue
-    if addr[2] != socket.PACKET_OUTGOING and marker in frame:
-        count += 1
-print(count)
-"#;
-
 /// Red team 2, F1 (its ICMP side): root in a container keeps CAP_NET_RAW and writes ICMP
 /// errors; one that quotes the guard's closed upstream flow is `related` to it in conntrack
 /// and was accepted as a reply, carrying a kilobyte of the writer's choice to the upstream
@@ -1069,30 +1049,13 @@ fn icmp_errors_related_to_the_guards_flows_stay_in() {
     w.dns_set("via-guard.pool.example", &[HOST2_V4], DEFAULT_DNS_TTL);
     let path = w.write_file("guard.yaml", &guard_policy(&[DNS_V4]));
     let _guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
-    let ready = w.dir().join("icmp-capture-ready");
-    let ready_arg = ready.to_str().expect("utf-8 path").to_string();
     let script = format!("{REFUSE_CAP_NET_ADMIN_PY}{RELATED_ICMP}");
     let (up, me) = (DNS_V4.to_string(), SANDBOX_V4.to_string());
-    let (capture, written) = std::thread::scope(|scope| {
-        let capture = scope.spawn(|| {
-            w.net_cmd(&[
-                PYTHON,
-                "-c",
-                COUNT_MARKED_V4,
-                "6",
-                &ready_arg,
-                "related-to-the-guard",
-            ])
-        });
-        assert!(
-            within(Duration::from_secs(5), || ready.exists()),
-            "the capture did not start"
-        );
-        let written = w.adversary_cmd(
+    let (capture, written) = w.count_marked_frames(0x0800, "related-to-the-guard", 6, || {
+        w.adversary_cmd(
             Adversary::RootWithoutNetAdmin,
             &[PYTHON, "-c", &script, &up, &me],
-        );
-        (capture.join().expect("the capture thread"), written)
+        )
     });
     assert!(written.success(), "{written}");
     assert!(
