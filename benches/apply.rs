@@ -43,9 +43,9 @@ use common::{
     initial_answers, kernel_release, measure, median, policy, require_root, resolution, run,
     run_parent, self_command,
 };
+use egress_fence::core::plan::plan;
+use egress_fence::core::ruleset::{Family, Ruleset, SetId, SetRole, TABLE};
 use egress_fence::nft::{Nft, encode};
-use egress_fence::plan::plan;
-use egress_fence::ruleset::{Family, Ruleset, SetId, SetRole, TABLE};
 
 /// This bench's namespaces are `efb-<pid>-<n>`.
 const NS_PREFIX: &str = "efb-";

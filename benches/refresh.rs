@@ -12,13 +12,13 @@
 //!   answers and 10 new ones arrive. The batch is what the daemon's design sends for that:
 //!   `encode::upsert_resolved` of the 10 new elements (NEWSETELEM without NLM_F_EXCL, with
 //!   their timeouts), nothing else. The 10 that left are not deleted: they are no longer
-//!   renewed and the kernel expires them (see src/daemon.rs for why). Timed: computing the
+//!   renewed and the kernel expires them (see src/daemon/ for why). Timed: computing the
 //!   delta from the benchmark's own record + encoding + `Nft::send` (send, all ACKs) +
 //!   updating the record.
 //! * **refresh + delete** (extra row): the same change, sending in ONE transaction the 10 new
 //!   elements and an explicit DELSETELEM for the 10 that left, built with the public
 //!   `nft::sys::NlSet` / `ElemOp::Delete` into an `nftnl::Batch`.
-//! * **whole answers** (extra row, what src/daemon.rs `renew()` sends when those 10 changes
+//! * **whole answers** (extra row, what src/daemon/ `renew()` sends when those 10 changes
 //!   arrive as 10 names' fresh answers): every answer renews the expiry of all the name's
 //!   addresses, so the batch carries all addresses of the 10 names (N/10 here, since the N
 //!   addresses are spread over only 100 names), not just the 10 new ones.
@@ -61,12 +61,12 @@ use common::{
     initial_answers, kernel_release, measure, name, percentile, policy, require_root, resolution,
     run_parent, self_command, v4,
 };
+use egress_fence::core::plan::{plan_with, resolved_tuple, services_of};
+use egress_fence::core::policy::{L4Proto, Policy, PortRange};
+use egress_fence::core::ruleset::{Elements, Family, Ruleset, SetId, SetRole, Timed, Tuple};
 use egress_fence::nft::encode::{self, Encoded};
 use egress_fence::nft::sys::{Elem, ElemOp, NlSet};
 use egress_fence::nft::{LiveTable, Nft};
-use egress_fence::plan::{plan_with, resolved_tuple, services_of};
-use egress_fence::policy::{L4Proto, Policy, PortRange};
-use egress_fence::ruleset::{Elements, Family, Ruleset, SetId, SetRole, Timed, Tuple};
 
 /// Addresses that change in one refresh.
 const CHANGES: usize = 10;
@@ -323,7 +323,7 @@ fn refresh_delete(nft: &mut Nft, w: &mut World, series: &mut Series) {
     );
 }
 
-/// Refresh as src/daemon.rs sends it when the changes arrive as the 10 names' answers: every
+/// Refresh as src/daemon/ sends it when the changes arrive as the 10 names' answers: every
 /// address of those answers is renewed (its expiry moved), the new ones added.
 fn refresh_whole_answers(nft: &mut Nft, w: &mut World, series: &mut Series) {
     let change = w.change();
@@ -624,7 +624,7 @@ fn bench(args: &[String]) {
         "  upsert:        the {CHANGES} new elements (the row above)\n  \
          upsert+delete: the {CHANGES} new elements and a DELSETELEM of the {CHANGES} that \
          left, one transaction\n  \
-         whole answers: what src/daemon.rs renew() sends when the changes come as {CHANGES} \
+         whole answers: what src/daemon/ renew() sends when the changes come as {CHANGES} \
          names' answers:\n                 every address of those answers (N/{} here: {NAMES} \
          names share N)\n  \
          reload:        the full table of N resolved elements",

@@ -15,10 +15,10 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::diff::{CompareOptions, Presence, TableDiff, compare};
+use crate::core::diff::{CompareOptions, Presence, TableDiff, compare};
+use crate::core::resolution::Resolution;
+use crate::core::ruleset::{Ruleset, SetId, SetRole};
 use crate::nft::{LiveTable, Nft, NftError};
-use crate::resolve::Resolution;
-use crate::ruleset::{Ruleset, SetId, SetRole};
 use crate::state::{
     Generation, NewGeneration, PendingConfirm, Recorder, Reverted, StateDir, StateError,
     WriterLock, current_netns_inode, rfc3339,
@@ -495,7 +495,7 @@ pub fn detach_from_session() -> Result<(), ChangeError> {
 }
 
 /// A resolved-set element of the live table that the policy of the newest generation does
-/// not explain (see [`crate::plan::unexplained_element`]): shown as drift by `status`.
+/// not explain (see [`crate::core::plan::unexplained_element`]): shown as drift by `status`.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct UnexplainedElement {
     /// As nft writes it: `192.0.2.1 . tcp . 443 timeout ... comment "NAME"`.
@@ -511,14 +511,15 @@ pub fn unexplained(generation: &Generation, live: &LiveTable) -> Vec<Unexplained
     if generation.command != Recorder::Run {
         return Vec::new();
     }
-    let Ok(policy) = crate::policy::Policy::parse(&generation.policy_text, &generation.policy_path)
+    let Ok(policy) =
+        crate::core::policy::Policy::parse(&generation.policy_text, &generation.policy_path)
     else {
         return Vec::new();
     };
-    crate::plan::unexplained_elements(&policy, live, true)
+    crate::core::plan::unexplained_elements(&policy, live, true)
         .into_iter()
         .map(|(t, why)| UnexplainedElement {
-            element: crate::ruleset::fmt_timed(&t),
+            element: crate::core::ruleset::fmt_timed(&t),
             why,
         })
         .collect()

@@ -1,33 +1,36 @@
 //! egress-fence: a default-deny egress boundary for AI agent hosts, built on nftables.
 //!
-//! The data flows one way: [`policy`] (YAML, validated) -> [`resolve`] (DNS) -> [`plan`]
-//! (a [`ruleset::Ruleset`] value) -> [`nft`] (one netlink batch to the kernel).
+//! The layout follows the data. [`core`] is pure: a [`core::policy::Policy`] (YAML,
+//! validated) and a [`core::resolution::Resolution`] become a [`core::ruleset::Ruleset`]
+//! ([`core::plan`]), which [`core::diff`] compares with what the kernel holds.
 //!
-//! Changes are made safe around that: [`diff`] compares a ruleset with the live table,
-//! [`state`] keeps the applied generations, the writers' lock and the pending confirmation on
-//! disk, and [`change`] puts them together for `apply`, `rollback`, `confirm` and the revert
-//! timer.
+//! The edges do I/O: [`nft`] sends a ruleset to the kernel as one netlink batch and reads the
+//! table back, [`dns`] asks resolvers, [`netlink`] speaks the other netlink families (socket
+//! owners, conntrack), [`state`] keeps generations, the writers' lock and the pending
+//! confirmation on disk, [`netns`] enters namespaces and [`watch`] hears refusals.
 //!
-//! At the edges: [`daemon`] keeps the table current (`run`); in `dns.mode: guard` its
-//! [`guard`] is the host's resolver, which allows exactly the addresses it answers. [`watch`]
-//! shows what was refused and [`probe`] proves the boundary from inside.
+//! The apps sit on top: [`change`] (apply, rollback, confirm, the revert timer), [`daemon`]
+//! (`run`: keeps the table current), its [`guard`] (in `dns.mode: guard` the host's resolver,
+//! which allows exactly the addresses it answers) and [`probe`] (proves the boundary from
+//! inside).
 
 // `unsafe` lives in one FFI module, src/nft/sys.rs, and nowhere else.
 #![deny(unsafe_code)]
 
-pub mod change;
-pub mod conntrack;
-pub mod daemon;
-pub mod diff;
-pub mod guard;
-pub mod installable;
+// The pure core: policy, plan, ruleset, diff, answers.
+pub mod core;
+
+// Edges that do I/O: the kernel's tables over netlink, other netlink families, DNS, the
+// state directory, network namespaces, the refusal log.
+pub mod dns;
+pub mod netlink;
 pub mod netns;
 pub mod nft;
-pub mod plan;
-pub mod policy;
-pub mod probe;
-pub mod resolve;
-pub mod ruleset;
-pub mod sockdiag;
 pub mod state;
 pub mod watch;
+
+// Apps on top: changes (apply, rollback, confirm), the daemon, the DNS guard, the probe.
+pub mod change;
+pub mod daemon;
+pub mod guard;
+pub mod probe;

@@ -14,16 +14,17 @@ use egress_fence::change::{
     self, ApplyOutcome, ConfirmOutcome, ConfirmRequest, Drift, Planned, RevertOutcome, TimerWake,
     Writer,
 };
+use egress_fence::core::diff::{CompareOptions, TableDiff, compare};
+use egress_fence::core::plan::{denied_answers, plan};
+use egress_fence::core::policy::{Interval, Policy, PolicyError, Preset};
+use egress_fence::core::resolution::Resolution;
+use egress_fence::core::ruleset::TABLE;
 use egress_fence::daemon;
-use egress_fence::diff::{CompareOptions, TableDiff, compare};
+use egress_fence::dns::resolve::resolve_policy;
 use egress_fence::netns::Netns;
 use egress_fence::nft::Nft;
 use egress_fence::nft::live::Destinations;
-use egress_fence::plan::{denied_answers, plan};
-use egress_fence::policy::{Interval, Policy, PolicyError, Preset};
 use egress_fence::probe::{self, ProbeOptions};
-use egress_fence::resolve::{Resolution, resolve_policy};
-use egress_fence::ruleset::TABLE;
 use egress_fence::state::{
     self, CRASH_BEFORE_RENAME_ENV, DEFAULT_KEEP, DEFAULT_STATE_DIR, PendingConfirm, StateDir,
     WriterLock,
@@ -518,7 +519,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             let wildcards = policy
                 .allow
                 .iter()
-                .filter(|a| matches!(a.target, egress_fence::policy::Target::Wildcard(_)))
+                .filter(|a| matches!(a.target, egress_fence::core::policy::Target::Wildcard(_)))
                 .count();
             let mode = match &policy.dns.guard {
                 Some(g) => format!(
@@ -1257,7 +1258,7 @@ fn resolution_code(resolution: &Resolution) -> u8 {
     }
 }
 
-fn describe_host(host: &egress_fence::resolve::ResolvedHost) -> String {
+fn describe_host(host: &egress_fence::core::resolution::ResolvedHost) -> String {
     if host.addrs.is_empty() {
         return format!(
             "{}: NOT RESOLVED ({}): its allow entries are left out",

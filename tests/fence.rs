@@ -8,11 +8,11 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
+use egress_fence::core::plan::plan;
+use egress_fence::core::policy::Policy;
+use egress_fence::core::resolution::Resolution;
+use egress_fence::core::ruleset::{Elements, Family, SetId, SetRole};
 use egress_fence::nft::{Nft, NftError};
-use egress_fence::plan::plan;
-use egress_fence::policy::Policy;
-use egress_fence::resolve::Resolution;
-use egress_fence::ruleset::{Elements, Family, SetId, SetRole};
 use serde_json::Value;
 
 const POLICY: &str = r#"
@@ -354,10 +354,10 @@ fn status_reads_the_live_table_and_counts_refusals() {
 }
 
 /// Plans the test policy against the world's resolver from inside the sandbox.
-fn planned(w: &World) -> egress_fence::ruleset::Ruleset {
+fn planned(w: &World) -> egress_fence::core::ruleset::Ruleset {
     let policy = Policy::parse(POLICY, std::path::Path::new("policy.yaml")).expect("valid");
     let resolution: Resolution = w.in_sandbox_ns(|| {
-        let hosts = egress_fence::resolve::resolve_names(policy.domains(), &[DNS_V4])
+        let hosts = egress_fence::dns::resolve::resolve_names(policy.domains(), &[DNS_V4])
             .expect("resolver starts");
         Resolution {
             resolvers: vec![DNS_V4],

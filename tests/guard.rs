@@ -677,7 +677,7 @@ fn aaaa_answers_allow_ipv6() {
 #[test]
 fn a_truncated_answer_falls_back_to_tcp_and_every_address_connects() {
     let w = World::new();
-    // 32 A records, as many as one answer installs of a family (src/installable.rs): 512
+    // 32 A records, as many as one answer installs of a family (src/core/installable.rs): 512
     // bytes of answers, more than a UDP answer without EDNS may carry.
     let big: Vec<IpAddr> = sorted((100..132).map(pool_v4).collect());
     w.add_hosts(&big);

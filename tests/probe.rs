@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
-use egress_fence::policy::Policy;
+use egress_fence::core::policy::Policy;
 use egress_fence::probe::{self, Check, LINK_LAYER_CHECK, Outcome, ProbeOptions, Report};
 
 /// Per attempt. Short, because under `action: drop` every refused TCP attempt waits it out

@@ -29,9 +29,9 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use egress_fence::core::policy::{DomainName, Policy};
+use egress_fence::core::resolution::{Resolution, ResolvedAddr, ResolvedHost};
 use egress_fence::netns::Netns;
-use egress_fence::policy::{DomainName, Policy};
-use egress_fence::resolve::{Resolution, ResolvedAddr, ResolvedHost};
 use nix::sched::{CloneFlags, setns};
 
 // ---- the workload --------------------------------------------------------------------------

@@ -15,8 +15,8 @@ use super::sys::{
     self, Elem, ElemOp, Expr, KeySpec, NFT_SET_CONCAT, NFT_SET_ELEM_INTERVAL_END, NFT_SET_INTERVAL,
     NFT_SET_TIMEOUT, NlSet, PayloadBase,
 };
-use crate::policy::{Action, L4Proto};
-use crate::ruleset::{
+use crate::core::policy::{Action, L4Proto};
+use crate::core::ruleset::{
     DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements, Family, Icmpv6Type, KeyShape, Limit, LimitKind,
     MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, SourceRoute,
     TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
@@ -702,8 +702,8 @@ fn nl_rule<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{L4Proto, PortRange};
-    use crate::ruleset::{Icmpv6Type, LogSpec, SetRole};
+    use crate::core::policy::{L4Proto, PortRange};
+    use crate::core::ruleset::{Icmpv6Type, LogSpec, SetRole};
 
     fn exprs(rule: &Rule) -> Vec<String> {
         rule_text(rule)

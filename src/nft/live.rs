@@ -8,8 +8,8 @@ use serde::Serialize;
 
 use super::encode::comment_of;
 use super::sys::{LiveChain, LiveElem, LiveRule, LiveSet, NFT_SET_ELEM_INTERVAL_END};
-use crate::policy::{L4Proto, PortRange};
-use crate::ruleset::{
+use crate::core::policy::{L4Proto, PortRange};
+use crate::core::ruleset::{
     Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, SetId, SetRole, TABLE, Timed, Tuple,
 };
 
@@ -188,7 +188,7 @@ fn meta_eq(exprs: &[String], key: &str) -> Option<u32> {
 
 /// In guard mode, the note for a refused packet to a DNS port (53, 853): `None` for any other.
 pub fn guard_dns_note(uid: u32, dport: Option<u16>, to_upstream: bool) -> Option<String> {
-    let port = dport.filter(|p| crate::plan::GUARDED_DNS_PORTS.contains(p))?;
+    let port = dport.filter(|p| crate::core::plan::GUARDED_DNS_PORTS.contains(p))?;
     Some(if to_upstream {
         format!(
             "DNS to the guard's upstream resolver: only the guard (uid {uid}, its sockets \
@@ -242,7 +242,7 @@ impl Destinations {
             return note;
         }
         if let Some(net) = self.denied.iter().find(|n| n.contains(&dst)) {
-            format!("denied ({})", crate::ruleset::fmt_net(net))
+            format!("denied ({})", crate::core::ruleset::fmt_net(net))
         } else if self
             .allowed
             .iter()
@@ -415,8 +415,8 @@ fn decode_tuple(family: Family, e: &LiveElem) -> Vec<Tuple> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::ruleset::SetRole;
     use crate::nft::encode::set_elements;
-    use crate::ruleset::SetRole;
 
     fn live(elems: Vec<super::super::sys::Elem>) -> Vec<LiveElem> {
         elems
@@ -520,7 +520,7 @@ mod tests {
 
     #[test]
     fn dns_access_reads_the_guard_uid_from_the_rules() {
-        let rule = |r: crate::ruleset::Rule| LiveRule {
+        let rule = |r: crate::core::ruleset::Rule| LiveRule {
             table: TABLE.into(),
             chain: OUTPUT_CHAIN.into(),
             handle: 1,
@@ -535,7 +535,7 @@ mod tests {
             rules,
             sets: Vec::new(),
         };
-        let guard = |mark| crate::ruleset::Rule::AcceptTupleFromGuard {
+        let guard = |mark| crate::core::ruleset::Rule::AcceptTupleFromGuard {
             set: dns4,
             mark,
             uid: 993,
@@ -557,7 +557,7 @@ mod tests {
                 everyone: false
             }
         );
-        let resolve = crate::ruleset::Rule::AcceptTupleIn(dns4);
+        let resolve = crate::core::ruleset::Rule::AcceptTupleIn(dns4);
         assert_eq!(
             table(vec![rule(resolve)]).dns_access(),
             DnsAccess {
@@ -568,11 +568,11 @@ mod tests {
         );
         // The refusals of other uids and unmarked sockets say nothing of who may ask.
         let refusals = vec![
-            rule(crate::ruleset::Rule::RefuseUpstreamFromOtherUids {
+            rule(crate::core::ruleset::Rule::RefuseUpstreamFromOtherUids {
                 set: dns4,
                 uid: 993,
             }),
-            rule(crate::ruleset::Rule::RefuseUpstreamUnmarked {
+            rule(crate::core::ruleset::Rule::RefuseUpstreamUnmarked {
                 set: dns4,
                 uid: 993,
                 mark: 0x6500_0000,
@@ -588,7 +588,8 @@ mod tests {
             }
         );
         // A lookup in another set says nothing about DNS.
-        let allow = crate::ruleset::Rule::AcceptTupleIn(SetId::new(SetRole::Allow, Family::V4));
+        let allow =
+            crate::core::ruleset::Rule::AcceptTupleIn(SetId::new(SetRole::Allow, Family::V4));
         assert_eq!(table(vec![rule(allow)]).dns_access(), DnsAccess::default());
     }
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use nix::errno::Errno;
 use nix::sys::socket::{self, MsgFlags, NetlinkAddr, sockopt};
 
-use crate::ruleset::{Ruleset, TABLE, Timed};
+use crate::core::ruleset::{Ruleset, TABLE, Timed};
 use encode::Encoded;
 pub use live::LiveTable;
 use sys::Dump;

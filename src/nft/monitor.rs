@@ -12,7 +12,7 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, MsgFlags};
 
 use super::{NftError, sys};
-use crate::ruleset::TABLE;
+use crate::core::ruleset::TABLE;
 
 /// libc's NFNLGRP_NFTABLES.
 const NFNLGRP_NFTABLES: u32 = 7;

@@ -511,7 +511,7 @@ fn three_thousand_addresses() -> Vec<IpAddr> {
         .collect()
 }
 
-/// The most addresses of one family one answer installs (src/installable.rs).
+/// The most addresses of one family one answer installs (src/core/installable.rs).
 const MAX_ADDRS_PER_FAMILY: usize = 32;
 
 /// Red-team review 2, F3: one name under an allowed wildcard answering 3,000 A records,

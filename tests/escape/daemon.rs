@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use egress_fence::policy::UNCHECKED_KERNEL_LIMITS_ENV;
+use egress_fence::core::policy::UNCHECKED_KERNEL_LIMITS_ENV;
 use nix::sys::signal::Signal;
 
 use crate::common::*;

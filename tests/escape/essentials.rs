@@ -8,7 +8,7 @@ use std::net::{IpAddr, Ipv6Addr, UdpSocket};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use egress_fence::ruleset::{DHCP_CLIENT_LIMIT, MLD_REPORT_LIMIT};
+use egress_fence::core::ruleset::{DHCP_CLIENT_LIMIT, MLD_REPORT_LIMIT};
 
 use crate::common::*;
 

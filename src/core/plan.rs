@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 
-use crate::installable::HostAddrs;
-use crate::policy::{Dns, DomainName, Essential, L4Proto, Policy, PortRange, Target};
-use crate::resolve::{Resolution, ResolvedHost};
-use crate::ruleset::{
+use crate::core::installable::HostAddrs;
+use crate::core::policy::{Dns, DomainName, Essential, L4Proto, Policy, PortRange, Target};
+use crate::core::resolution::{Resolution, ResolvedHost};
+use crate::core::ruleset::{
     Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, SourceRoute, Timed,
     Tuple,
 };
@@ -80,7 +80,7 @@ pub fn plan_with(
     let images: Vec<IpNet> = deny
         .iter()
         .filter_map(|n| match n {
-            IpNet::V4(v4) => Some(IpNet::V6(crate::installable::nat64_image(*v4))),
+            IpNet::V4(v4) => Some(IpNet::V6(crate::core::installable::nat64_image(*v4))),
             IpNet::V6(_) => None,
         })
         .collect();
@@ -124,7 +124,7 @@ pub fn plan_with(
         let installable = host
             .addrs
             .iter()
-            .filter(|a| crate::installable::check(a.addr, &HostAddrs::none()).is_ok());
+            .filter(|a| crate::core::installable::check(a.addr, &HostAddrs::none()).is_ok());
         for a in installable {
             let timeout = timeout_of(&host.name, a.addr).map(|d| d.as_millis() as u64);
             for tuple in services_of(policy, &host.name).map(|s| resolved_tuple(a.addr, s)) {
@@ -336,7 +336,7 @@ pub fn element_allowed(policy: &Policy, name: Option<&str>, tuple: &Tuple) -> Re
 /// resolved element has a timeout and the name it was answered for; a table `apply` made
 /// holds permanent elements, with names from this version on.
 pub fn unexplained_element(policy: &Policy, t: &Timed, service_owned: bool) -> Option<String> {
-    if let Err(why) = crate::installable::check(t.tuple.net.addr(), &HostAddrs::none()) {
+    if let Err(why) = crate::core::installable::check(t.tuple.net.addr(), &HostAddrs::none()) {
         return Some(format!("its address is a {why}, which is never allowed"));
     }
     let cap = lifetime_cap(&policy.dns);
@@ -403,7 +403,7 @@ pub fn denied_answers(policy: &Policy, hosts: &[ResolvedHost]) -> Vec<String> {
         for a in &host.addrs {
             // A NAT64 answer reaches the IPv4 address inside it; deny6 holds its image.
             let reaches = match a.addr {
-                IpAddr::V6(v6) => crate::installable::nat64_embedded(v6).map(IpAddr::V4),
+                IpAddr::V6(v6) => crate::core::installable::nat64_embedded(v6).map(IpAddr::V4),
                 IpAddr::V4(_) => None,
             };
             let denied = policy
@@ -511,7 +511,7 @@ pub fn fail_closed() -> Ruleset {
         refused: vec![
             Rule::CountFamily(Family::V4),
             Rule::CountFamily(Family::V6),
-            Rule::Refuse(crate::policy::Action::Drop),
+            Rule::Refuse(crate::core::policy::Action::Drop),
         ],
     }
 }
@@ -522,7 +522,7 @@ pub(crate) mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::resolve::ResolvedAddr;
+    use crate::core::resolution::ResolvedAddr;
 
     fn policy(src: &str) -> Policy {
         Policy::parse(src, Path::new("t.yaml")).expect("valid policy")
@@ -934,7 +934,7 @@ log:
         let at = |want: &Rule| rs.output.iter().position(|r| r == want);
         let guard = at(&Rule::AcceptTupleFromGuard {
             set: SetId::new(SetRole::Dns, Family::V4),
-            mark: Some(crate::policy::DEFAULT_GUARD_MARK),
+            mark: Some(crate::core::policy::DEFAULT_GUARD_MARK),
             uid: 993,
         })
         .expect("the guard's rule");
@@ -956,7 +956,7 @@ log:
             let squat = at(&Rule::RefuseUnmarkedFromGuardPort {
                 from: "127.0.0.53:53".parse().unwrap(),
                 proto,
-                mark: crate::policy::DEFAULT_GUARD_MARK,
+                mark: crate::core::policy::DEFAULT_GUARD_MARK,
             })
             .expect("unmarked answers from the guard's address refused");
             assert!(squat < established);
@@ -976,7 +976,7 @@ log:
             let unmarked = at(&Rule::RefuseUpstreamUnmarked {
                 set,
                 uid: 993,
-                mark: crate::policy::DEFAULT_GUARD_MARK,
+                mark: crate::core::policy::DEFAULT_GUARD_MARK,
             })
             .expect("unmarked sockets refused before the replies");
             assert!(other_uid.max(unmarked) < established);
@@ -1000,7 +1000,7 @@ log:
         let rs = plan(&p, &res);
         assert!(rs.output.contains(&Rule::AcceptTupleFromGuard {
             set: SetId::new(SetRole::Dns, Family::V6),
-            mark: Some(crate::policy::DEFAULT_GUARD_MARK),
+            mark: Some(crate::core::policy::DEFAULT_GUARD_MARK),
             uid: u32::MAX,
         }));
     }

@@ -3,7 +3,7 @@
 //! A query for a name the policy allows is forwarded to an upstream resolver as a query the
 //! guard rebuilds from the checked question alone (see [`upstream_query`]). The addresses of
 //! the answer (A, AAAA and the hints of HTTPS/SVCB records, along the CNAME chain from the
-//! asked name; at most 32 of each family, and only those [`crate::installable`] accepts) go
+//! asked name; at most 32 of each family, and only those [`crate::core::installable`] accepts) go
 //! to the daemon, which adds them to the table in one batch; the answer is released only once
 //! the kernel has acknowledged that batch, so a client connecting right after its answer is
 //! never refused. If the kernel refuses, the client gets SERVFAIL: never an answer it cannot
@@ -47,11 +47,11 @@ use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use crate::installable::{HostAddrs, HostAddrsCache, MAX_ADDRS_PER_FAMILY, answered_addrs};
-use crate::plan::DNS_PORT;
-use crate::policy::{DomainName, Policy, Rate, RefuseWith, Target};
-use crate::resolve::ResolvedAddr;
-use crate::sockdiag::{self, SockDiag};
+use crate::core::installable::{HostAddrs, HostAddrsCache, MAX_ADDRS_PER_FAMILY, answered_addrs};
+use crate::core::plan::DNS_PORT;
+use crate::core::policy::{DomainName, Policy, Rate, RefuseWith, Target};
+use crate::core::resolution::ResolvedAddr;
+use crate::netlink::sockdiag::{self, SockDiag};
 use crate::watch::QueryEvent;
 
 /// How long one upstream resolver has to answer before the next is asked.

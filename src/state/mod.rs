@@ -35,9 +35,9 @@ use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 
+use crate::core::resolution::Resolution;
+use crate::core::ruleset::Ruleset;
 use crate::netns::Netns;
-use crate::resolve::Resolution;
-use crate::ruleset::Ruleset;
 
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/egress-fence";
 /// How many generations are kept unless `--keep` says otherwise.
@@ -1084,8 +1084,8 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::plan::plan;
-    use crate::policy::Policy;
+    use crate::core::plan::plan;
+    use crate::core::policy::Policy;
 
     fn ruleset() -> Ruleset {
         let policy = Policy::parse(
@@ -1093,7 +1093,7 @@ mod tests {
             Path::new("p.yaml"),
         )
         .expect("valid");
-        let resolution = crate::plan::tests::resolution(&[("a.example", &["192.0.2.10"])]);
+        let resolution = crate::core::plan::tests::resolution(&[("a.example", &["192.0.2.10"])]);
         plan(&policy, &resolution)
     }
 

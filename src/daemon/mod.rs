@@ -12,7 +12,7 @@
 //! table the kernel refuses, is refused whole and the running one stays. When anyone else
 //! changes the table (`nft flush ruleset`), the change notification brings it back at once.
 //! A start that cannot put up the policy's table leaves a namespace without one the fixed
-//! fail-closed table ([`crate::plan::fail_closed`]) before it exits.
+//! fail-closed table ([`crate::core::plan::fail_closed`]) before it exits.
 //!
 //! The daemon holds the namespace's writers' lock for its whole life: a CLI `apply` beside
 //! it would only be undone by its healing, so such writers are told to reload the service
@@ -33,17 +33,18 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
+use crate::core::installable::{HostAddrsCache, retain_installable, summarise};
+use crate::core::plan::{
+    denied_answers, element_allowed, lifetime_cap, plan_with, resolved_tuple, services_of,
+};
+use crate::core::policy::{Dns, DomainName, L4Proto, Policy, PolicyError};
+use crate::core::resolution::{Resolution, ResolvedAddr, ResolvedHost};
+use crate::core::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Timed, Tuple};
+use crate::dns::resolve::{NameResolver, ResolveError};
 use crate::guard::{Answered, Counters, Guard, GuardError, LogBudget, Rules};
-use crate::installable::{HostAddrsCache, retain_installable, summarise};
 use crate::nft::live::guard_dns_note;
 use crate::nft::monitor::{Change, Monitor};
 use crate::nft::{Nft, NftError};
-use crate::plan::{
-    denied_answers, element_allowed, lifetime_cap, plan_with, resolved_tuple, services_of,
-};
-use crate::policy::{Dns, DomainName, L4Proto, Policy, PolicyError};
-use crate::resolve::{NameResolver, Resolution, ResolveError, ResolvedAddr, ResolvedHost};
-use crate::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Timed, Tuple};
 use crate::state::{NewGeneration, Recorder, StateDir, StateError, WriterLock};
 use crate::watch::{DropEvent, WatchError, Watcher};
 
@@ -110,7 +111,7 @@ pub struct Options {
 ///
 /// Whatever keeps the daemon from putting up its policy's table (an unreadable or invalid
 /// policy, a table the kernel refuses, a taken port), the namespace is not left open: without
-/// a table of ours, the fail-closed table goes up ([`crate::plan::fail_closed`]) before the
+/// a table of ours, the fail-closed table goes up ([`crate::core::plan::fail_closed`]) before the
 /// error is returned; a table already in place (a restart) stays as it is.
 ///
 /// That includes a state directory or writers' lock the daemon cannot take (a directory
@@ -176,7 +177,7 @@ fn fail_closed(error: DaemonError) -> DaemonError {
         if nft.table_exists()? {
             return Ok(false);
         }
-        nft.apply(&crate::plan::fail_closed()).map(|()| true)
+        nft.apply(&crate::core::plan::fail_closed()).map(|()| true)
     });
     match skeleton {
         Ok(true) => error!(
@@ -264,8 +265,8 @@ fn interval(ttl: u32, dns: &Dns) -> Duration {
 /// `dns.refresh.max` (or the floor, if higher) plus the grace ([`lifetime_cap`]): an answer
 /// under an allowed wildcard is its owner's to write, TTL included. A client that caches
 /// longer than that asks again and renews the element.
-fn guard_lifetime(ttl: u32, guard: &crate::policy::Guard, dns: &Dns) -> Duration {
-    let ttl = Duration::from_secs(crate::installable::effective_ttl(ttl).into());
+fn guard_lifetime(ttl: u32, guard: &crate::core::policy::Guard, dns: &Dns) -> Duration {
+    let ttl = Duration::from_secs(crate::core::installable::effective_ttl(ttl).into());
     ttl.max(guard.floor).min(dns.refresh_max.max(guard.floor)) + dns.grace
 }
 
@@ -281,7 +282,7 @@ const MAX_ANSWER_BATCH: usize = 256;
 
 /// How often the guard looks for live connections to addresses about to expire: a third of
 /// the shortest lifetime, between 1 and 10 seconds.
-fn sweep_every(guard: &crate::policy::Guard, grace: Duration) -> Duration {
+fn sweep_every(guard: &crate::core::policy::Guard, grace: Duration) -> Duration {
     ((guard.floor + grace) / 3).clamp(Duration::from_secs(1), Duration::from_secs(10))
 }
 
@@ -585,7 +586,7 @@ fn add_carried(ruleset: &mut Ruleset, carried: &BTreeMap<Tuple, Carried>, now: I
         let family = set.id.family;
         let mut merged: BTreeMap<Tuple, Timed> = elements.drain(..).map(|t| (t.tuple, t)).collect();
         for (&tuple, c) in carried {
-            if crate::ruleset::Family::of_net(&tuple.net) != family {
+            if crate::core::ruleset::Family::of_net(&tuple.net) != family {
                 continue;
             }
             let new = Timed {
@@ -983,7 +984,7 @@ impl Daemon {
         if soon.is_empty() {
             return;
         }
-        let flows = match crate::conntrack::live_flows() {
+        let flows = match crate::netlink::conntrack::live_flows() {
             Ok(f) => f,
             Err(e) => {
                 warn!(error = %e, "cannot read conntrack; addresses expire on time");
@@ -1046,7 +1047,7 @@ impl Daemon {
             }
         };
         let mut dropped = 0usize;
-        for family in crate::ruleset::Family::BOTH {
+        for family in crate::core::ruleset::Family::BOTH {
             let id = SetId::new(SetRole::Resolved, family);
             let Some(Elements::Timed(elements)) = table.contents(id) else {
                 continue;
@@ -1058,7 +1059,7 @@ impl Daemon {
                     Ok(()) => t.name.clone().unwrap_or_default(),
                     Err(why) => {
                         dropped += 1;
-                        info!(element = %crate::ruleset::fmt_timed(&t), why = %why,
+                        info!(element = %crate::core::ruleset::fmt_timed(&t), why = %why,
                               "not keeping an element of the running table");
                         continue;
                     }
@@ -1723,7 +1724,7 @@ fn resolver_for(
 ) -> Result<(Vec<IpAddr>, NameResolver), ResolveError> {
     let resolvers = match &policy.dns.resolvers {
         Some(r) => r.clone(),
-        None => crate::resolve::system_resolvers(&options.resolv_conf)?,
+        None => crate::dns::resolve::system_resolvers(&options.resolv_conf)?,
     };
     let resolver = NameResolver::new(&resolvers)?;
     Ok((resolvers, resolver))
@@ -1734,7 +1735,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::policy::{L4Proto, PortRange};
+    use crate::core::policy::{L4Proto, PortRange};
 
     fn policy() -> Policy {
         Policy::parse(
@@ -2010,7 +2011,7 @@ mod tests {
         let now = Instant::now();
         let mut rs = plan_with(
             &p,
-            &crate::plan::tests::resolution(&[("a.example", &["192.0.2.1"])]),
+            &crate::core::plan::tests::resolution(&[("a.example", &["192.0.2.1"])]),
             |_, _| Some(Duration::from_secs(100)),
         );
         let tuple = |ip: &str| Tuple {
@@ -2036,7 +2037,7 @@ mod tests {
             Elements::Timed(t) => t.clone(),
             other => panic!("{other:?}"),
         };
-        let v4 = timed_in(crate::ruleset::Family::V4);
+        let v4 = timed_in(crate::core::ruleset::Family::V4);
         let of = |ip: &str| {
             v4.iter()
                 .find(|t| t.tuple == tuple(ip))
@@ -2048,7 +2049,7 @@ mod tests {
             "the later expiry wins"
         );
         assert_eq!(of("192.0.2.2/32"), Some(Some(70_000)));
-        assert_eq!(timed_in(crate::ruleset::Family::V6).len(), 1);
+        assert_eq!(timed_in(crate::core::ruleset::Family::V6).len(), 1);
     }
 
     #[test]

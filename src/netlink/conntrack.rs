@@ -17,7 +17,7 @@ use nix::sys::socket::{
 };
 use nix::sys::time::TimeVal;
 
-use crate::policy::L4Proto;
+use crate::core::policy::L4Proto;
 // The byte helpers of the NFLOG reader, which parses netlink the same way.
 use crate::watch::{align4, ne16, ne32};
 

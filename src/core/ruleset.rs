@@ -10,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::policy::{Action, L4Proto, PortRange, Rate, RateUnit};
+use crate::core::policy::{Action, L4Proto, PortRange, Rate, RateUnit};
 
 /// The one table the tool owns, in family inet. Nothing else is ever touched.
 pub const TABLE: &str = "egress_fence";

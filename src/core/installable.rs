@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::resolve::ResolvedAddr;
+use crate::core::resolution::ResolvedAddr;
 
 /// Why an answered address is never installed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

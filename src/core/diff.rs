@@ -13,14 +13,14 @@ use std::fmt;
 use ipnet::IpNet;
 use serde::Serialize;
 
-use crate::nft::LiveTable;
-use crate::nft::encode::{self, key_spec, set_flags};
-use crate::nft::live::describe_hook;
-use crate::policy::{Action, L4Proto};
-use crate::ruleset::{
+use crate::core::policy::{Action, L4Proto};
+use crate::core::ruleset::{
     Elements, Family, Icmpv6Type, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
     SourceRoute, TABLE, Tuple, fmt_net, fmt_tuple,
 };
+use crate::nft::LiveTable;
+use crate::nft::encode::{self, key_spec, set_flags};
+use crate::nft::live::describe_hook;
 
 /// What to leave out of a comparison.
 #[derive(Debug, Clone, Copy, Default)]
@@ -423,7 +423,7 @@ fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
         .map(Rule::AcceptIcmpv6),
     );
     for proto in [L4Proto::Tcp, L4Proto::Udp] {
-        for port in crate::plan::GUARDED_DNS_PORTS {
+        for port in crate::core::plan::GUARDED_DNS_PORTS {
             shapes.push(Rule::RefuseService(proto, port));
         }
     }
@@ -483,17 +483,17 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::core::plan::{plan, plan_with};
+    use crate::core::policy::{L4Proto, Policy, PortRange};
+    use crate::core::resolution::Resolution;
+    use crate::core::ruleset::Timed;
     use crate::nft::encode::set_elements;
     use crate::nft::sys::{LiveChain, LiveElem, LiveRule, LiveSet};
-    use crate::plan::{plan, plan_with};
-    use crate::policy::{L4Proto, Policy, PortRange};
-    use crate::resolve::Resolution;
-    use crate::ruleset::Timed;
 
     const POLICY: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndeny:\n  - preset: cloud-metadata\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n";
 
     fn resolution(addrs: &[&str]) -> Resolution {
-        crate::plan::tests::resolution(&[("a.example", addrs)])
+        crate::core::plan::tests::resolution(&[("a.example", addrs)])
     }
 
     fn ruleset_for(policy: &str, addrs: &[&str]) -> Ruleset {

@@ -73,13 +73,14 @@ use hickory_proto::rr::{Name, RecordType};
 use ipnet::IpNet;
 use serde::Serialize;
 
-use crate::nft::{LiveTable, Nft};
-use crate::plan::{DNS_PORT, DOT_PORT};
-use crate::policy::{
+use crate::core::plan::{DNS_PORT, DOT_PORT};
+use crate::core::policy::{
     Allow, DenyOrigin, DomainName, Guard, L4Proto, Policy, PortRange, Preset, ProbeHost, Target,
 };
-use crate::resolve::{ResolveError, ResolvedAddr, ResolvedHost, resolve_names, system_resolvers};
-use crate::ruleset::{Elements, Family, SetId, SetRole, TABLE, Timed};
+use crate::core::resolution::{ResolvedAddr, ResolvedHost};
+use crate::core::ruleset::{Elements, Family, SetId, SetRole, TABLE, Timed};
+use crate::dns::resolve::{ResolveError, resolve_names, system_resolvers};
+use crate::nft::{LiveTable, Nft};
 
 /// What [`run`] needs besides the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1081,13 +1082,16 @@ impl<'a> Plan<'a> {
             .resolved
             .iter()
             .filter_map(|t| {
-                let why = crate::plan::unexplained_element(self.policy, t, service_owned)?;
+                let why = crate::core::plan::unexplained_element(self.policy, t, service_owned)?;
                 Some(Check::new(
                     Outcome::Fail,
-                    format!("resolved element {}", crate::ruleset::fmt_tuple(&t.tuple)),
+                    format!(
+                        "resolved element {}",
+                        crate::core::ruleset::fmt_tuple(&t.tuple)
+                    ),
                     format!(
                         "the policy does not explain it: {why} ({})",
-                        crate::ruleset::fmt_timed(t)
+                        crate::core::ruleset::fmt_timed(t)
                     ),
                 ))
             })
@@ -2257,7 +2261,7 @@ mod tests {
     fn table_with_uid(uid: u32) -> TableView {
         TableView::Read(TableFacts {
             dns_uids: vec![uid],
-            dns_marks: vec![crate::policy::DEFAULT_GUARD_MARK],
+            dns_marks: vec![crate::core::policy::DEFAULT_GUARD_MARK],
             dns_for_everyone: false,
             denied: Preset::DnsOverHttps.networks(),
             resolved: Vec::new(),

@@ -1,0 +1,10 @@
+//! The pure core: values in, values out, no I/O. A [`policy::Policy`] and a
+//! [`resolution::Resolution`] make a [`ruleset::Ruleset`] ([`plan`]); [`diff`] compares it with
+//! what the kernel holds; [`installable`] decides which answered addresses may become elements.
+
+pub mod diff;
+pub mod installable;
+pub mod plan;
+pub mod policy;
+pub mod resolution;
+pub mod ruleset;
