@@ -80,7 +80,7 @@ struct Cli {
 }
 
 #[derive(Args)]
-struct Target {
+struct NamespaceArg {
     /// Work inside this network namespace: a name from `ip netns list` or a path such as
     /// /proc/PID/ns/net. Resolution and netlink both happen there; a named namespace's
     /// /etc/netns/NAME/resolv.conf is honoured as `ip netns exec` does.
@@ -140,7 +140,7 @@ enum Command {
     Plan {
         policy: PathBuf,
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         resolving: Resolving,
         /// Print the resolution and the ruleset as JSON instead.
@@ -154,7 +154,7 @@ enum Command {
     Apply {
         policy: PathBuf,
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         resolving: Resolving,
         #[command(flatten)]
@@ -177,7 +177,7 @@ enum Command {
     Diff {
         policy: PathBuf,
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         resolving: Resolving,
         /// Print the differences as JSON.
@@ -193,7 +193,7 @@ enum Command {
         #[arg(long, value_name = "GEN")]
         to: Option<u64>,
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         writer: WriterArgs,
         /// Print the outcome as JSON.
@@ -203,7 +203,7 @@ enum Command {
     /// List the recorded generations, oldest first, and any change awaiting confirmation.
     History {
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         state: StateArgs,
         /// Print the generations as JSON.
@@ -216,7 +216,7 @@ enum Command {
     #[command(after_help = EXIT_CODES)]
     Confirm {
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         state: StateArgs,
         #[command(flatten)]
@@ -227,7 +227,7 @@ enum Command {
     #[command(after_help = EXIT_CODES)]
     Status {
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         state: StateArgs,
         /// Print the status as JSON (with the fields `generation`, `drift` and `differences`).
@@ -257,7 +257,7 @@ enum Command {
     Run {
         policy: PathBuf,
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         resolving: Resolving,
         /// Delete the table when stopped (for throwaway hosts); by default it stays.
@@ -282,7 +282,7 @@ enum Command {
     /// yet, or restarts, watch reconnects by itself about every second.
     Watch {
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         /// The NFLOG group to read (default: the group of the installed table's log rule).
         #[arg(long)]
         group: Option<u16>,
@@ -316,7 +316,7 @@ enum Command {
     Probe {
         policy: PathBuf,
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         resolving: Resolving,
         /// Print the report as JSON.
@@ -328,7 +328,7 @@ enum Command {
     /// stop it first).
     Teardown {
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
     },
     /// Started by `apply --confirm-within`: waits for the deadline in a session of its own,
     /// then reverts unless the change was confirmed. Not for direct use.
@@ -337,7 +337,7 @@ enum Command {
         #[arg(long)]
         token: String,
         #[command(flatten)]
-        target: Target,
+        target: NamespaceArg,
         #[command(flatten)]
         writer: WriterArgs,
     },
@@ -408,7 +408,7 @@ fn main() -> ExitCode {
 }
 
 /// Enters the namespace (before any thread exists) and returns the resolv.conf to use.
-fn enter(target: &Target, resolving: Option<&Resolving>) -> Result<PathBuf, Failure> {
+fn enter(target: &NamespaceArg, resolving: Option<&Resolving>) -> Result<PathBuf, Failure> {
     let ns = target.netns.as_deref().map(Netns::parse);
     if let Some(ns) = &ns {
         ns.enter()?;
@@ -433,7 +433,7 @@ fn load_with_text(path: &Path) -> Result<(Policy, String), Failure> {
 
 /// The state directory of the namespace `target` names. Worked out before entering it: a
 /// namespace given as a path is named by its file's inode.
-fn state_dir(target: &Target, args: &StateArgs) -> Result<StateDir, Failure> {
+fn state_dir(target: &NamespaceArg, args: &StateArgs) -> Result<StateDir, Failure> {
     let ns = target.netns.as_deref().map(Netns::parse);
     let name = state::namespace_dir_name(ns.as_ref())?;
     Ok(StateDir::new(&args.state_dir, &name))
@@ -472,7 +472,7 @@ fn resolve_and_plan_quietly(path: &Path, resolv_conf: &Path) -> Result<(Policy, 
 /// change it guards.
 fn revert_timer_command(
     token: &str,
-    target: &Target,
+    target: &NamespaceArg,
     writer: &WriterArgs,
 ) -> std::process::Command {
     let mut cmd = std::process::Command::new("/proc/self/exe");
@@ -493,7 +493,7 @@ fn revert_timer_command(
 }
 
 /// `egress-fence confirm` with the options that find this change's state.
-fn confirm_command(target: &Target, state: &StateArgs) -> String {
+fn confirm_command(target: &NamespaceArg, state: &StateArgs) -> String {
     let mut cmd = "egress-fence confirm".to_string();
     if let Some(ns) = &target.netns {
         cmd.push_str(&format!(" --netns {ns}"));
@@ -1120,7 +1120,7 @@ fn revert_timer(state: &StateDir, token: &str, writer: &WriterArgs) -> Result<u8
 
 fn diff_command(
     path: &Path,
-    target: &Target,
+    target: &NamespaceArg,
     resolving: &Resolving,
     json: bool,
 ) -> Result<u8, Failure> {
@@ -1336,7 +1336,7 @@ mod tests {
     /// so the two can never drift apart.
     #[test]
     fn the_revert_timer_command_line_parses_back() {
-        let target = Target {
+        let target = NamespaceArg {
             netns: Some("sandbox".into()),
         };
         let writer = WriterArgs {
