@@ -17,9 +17,7 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(code) => ExitCode::from(code),
         Err(f) => {
-            // Our errors carry their causes in their own messages: the outermost one is the
-            // whole story (the alternate form would repeat each cause).
-            eprintln!("egress-fence: {}", f.error);
+            eprintln!("egress-fence: {}", f.describe());
             ExitCode::from(f.code)
         }
     }

@@ -22,7 +22,7 @@ pub fn run(token: &str, target: &NamespaceArg, writer: &WriterArgs) -> Result<u8
     enter(target, None)?;
     init_logging(LogFormat::Text);
     wait_and_revert(&state, token, writer).inspect_err(|f| {
-        error!(error = format!("{:#}", f.error), "the revert timer failed");
+        error!(error = f.describe(), "the revert timer failed");
     })
 }
 
