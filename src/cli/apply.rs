@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::SystemTime;
 
-use egress_fence::change::{self, ApplyOutcome, ConfirmRequest, Writer};
+use egress_fence::change::{self, ApplyOutcome, ConfirmRequest, Planned, Writer};
 use egress_fence::core::policy::Interval;
 use egress_fence::core::ruleset::TABLE;
 use egress_fence::nft::Nft;
@@ -58,17 +58,7 @@ pub fn run(
     }
     report_resolution(&policy, &planned.resolution);
     let code = resolution_code(&planned.resolution);
-    let unresolved: Vec<String> = planned
-        .resolution
-        .unresolved()
-        .map(|h| h.name.to_string())
-        .collect();
-    let names = planned.resolution.hosts.len();
-    let guard_uid = planned.resolution.guard_uid;
-    let (rules, elements) = (
-        planned.ruleset.output.len() + planned.ruleset.refused.len(),
-        planned.ruleset.element_count(),
-    );
+    let installed = Installed::of(&planned);
     let outcome = change::apply(&mut nft, &writer_ctx, planned, confirm())?;
     drop(lock);
     let confirm_hint = confirm_command(target, &writer.state);
@@ -81,9 +71,9 @@ pub fn run(
             "generation": outcome.current,
             "recorded": outcome.recorded.as_ref().map(|g| g.generation),
             "table": format!("inet {TABLE}"),
-            "elements": elements,
-            "rules": rules,
-            "unresolved": unresolved,
+            "elements": installed.elements,
+            "rules": installed.rules,
+            "unresolved": installed.unresolved,
             "differences": outcome.diff,
             "confirm": outcome.armed,
         });
@@ -93,7 +83,43 @@ pub fn run(
         if confirm_within.is_some() && !outcome.changed() {
             println!("nothing changed, so nothing awaits confirmation");
         }
-        if let Some(uid) = guard_uid {
+        installed.print();
+    }
+    Ok(code)
+}
+
+/// What the applied plan holds, for the report (`change::apply` takes the plan).
+struct Installed {
+    rules: usize,
+    elements: usize,
+    names: usize,
+    unresolved: Vec<String>,
+    guard_uid: Option<u32>,
+}
+
+impl Installed {
+    fn of(planned: &Planned) -> Installed {
+        Installed {
+            rules: planned.ruleset.output.len() + planned.ruleset.refused.len(),
+            elements: planned.ruleset.element_count(),
+            names: planned.resolution.hosts.len(),
+            unresolved: planned
+                .resolution
+                .unresolved()
+                .map(|h| h.name.to_string())
+                .collect(),
+            guard_uid: planned.resolution.guard_uid,
+        }
+    }
+
+    fn print(&self) {
+        let Installed {
+            rules,
+            elements,
+            names,
+            ..
+        } = self;
+        if let Some(uid) = self.guard_uid {
             println!(
                 "table inet {TABLE}: {rules} rules, {elements} set elements; DNS guard \
                  mode: names are allowed only as `egress-fence run` answers them, and \
@@ -103,11 +129,10 @@ pub fn run(
         } else {
             println!(
                 "table inet {TABLE}: {rules} rules, {elements} set elements, {} of {names} names resolved",
-                names - unresolved.len(),
+                names - self.unresolved.len(),
             );
         }
     }
-    Ok(code)
 }
 
 fn print_apply(outcome: &ApplyOutcome, path: &Path, confirm_hint: &str) {

@@ -69,26 +69,7 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
     } else {
         print_status(&status);
         if !guard_uids.is_empty() {
-            let uids = join_display(&guard_uids);
-            let marked = match guard_marks.as_slice() {
-                [] => " (by uid alone: a table of an older version; `egress-fence \
-                       run` replaces it)"
-                    .to_string(),
-                marks => {
-                    let marks: Vec<String> = marks.iter().map(|m| format!("{m:#x}")).collect();
-                    format!(" marked {}", marks.join(", "))
-                }
-            };
-            println!(
-                "  DNS guard mode: only sockets of uid {uids}{marked} may ask the \
-                 resolvers; {}",
-                if guard_serving {
-                    "a guard is serving (`egress-fence watch` shows what it refuses)"
-                } else {
-                    "no guard is serving here, so no name is allowed until \
-                     `egress-fence run` answers it"
-                }
-            );
+            print_dns_guard(&guard_uids, &guard_marks, guard_serving);
         }
         print_drift(&drift, &state, &unexplained);
         if let Some(p) = &pending {
@@ -96,6 +77,30 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
         }
     }
     Ok(0)
+}
+
+/// Guard mode, as the table's DNS rule shows it, and whether a guard serves.
+fn print_dns_guard(guard_uids: &[u32], guard_marks: &[u32], guard_serving: bool) {
+    let uids = join_display(guard_uids);
+    let marked = match guard_marks {
+        [] => " (by uid alone: a table of an older version; `egress-fence \
+               run` replaces it)"
+            .to_string(),
+        marks => {
+            let marks: Vec<String> = marks.iter().map(|m| format!("{m:#x}")).collect();
+            format!(" marked {}", marks.join(", "))
+        }
+    };
+    println!(
+        "  DNS guard mode: only sockets of uid {uids}{marked} may ask the \
+         resolvers; {}",
+        if guard_serving {
+            "a guard is serving (`egress-fence watch` shows what it refuses)"
+        } else {
+            "no guard is serving here, so no name is allowed until \
+             `egress-fence run` answers it"
+        }
+    );
 }
 
 fn print_drift(drift: &Drift, state: &StateDir, unexplained: &[change::UnexplainedElement]) {
