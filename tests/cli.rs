@@ -66,6 +66,25 @@ fn a_missing_policy_file_exits_2() {
     assert!(text(&out.stderr).contains("cannot read the policy"));
 }
 
+/// A failure whose error has a chain of causes (the library's error wraps the system's)
+/// says each cause once, on one line, and exits 1.
+#[test]
+fn a_failure_says_each_cause_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let in_the_way = dir.path().join("state");
+    std::fs::write(&in_the_way, "").expect("write a file where the state directory goes");
+    let state_dir = in_the_way.to_str().expect("utf-8 path");
+    let out = egress_fence(&["confirm", "--state-dir", state_dir]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    let cause = std::io::Error::from_raw_os_error(libc::ENOTDIR).to_string();
+    assert_eq!(
+        err,
+        format!("egress-fence: cannot create the state directory {state_dir}/host: {cause}\n")
+    );
+    assert!(out.stdout.is_empty());
+}
+
 #[test]
 fn usage_errors_exit_2_and_help_documents_exit_codes() {
     assert_eq!(egress_fence(&["apply"]).status.code(), Some(2));

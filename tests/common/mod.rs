@@ -28,6 +28,7 @@
 //! ([`World::sandbox_cmd_as`], [`World::dig_as`]), the resolved sets' elements with their
 //! timeouts ([`World::set_elements`]) and a DNS client for the sandbox ([`dns_ask`]).
 #![allow(dead_code)]
+#![allow(unsafe_code)] // two libc calls that have nix equivalents; `unsafe` is denied crate-wide (Cargo.toml)
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -1,0 +1,344 @@
+//! The command line's arguments (clap): the commands, and the options several share.
+
+use std::path::PathBuf;
+
+use clap::builder::TypedValueParser;
+use clap::{Args, Parser, Subcommand};
+use egress_fence::core::policy::Interval;
+use egress_fence::state::{DEFAULT_KEEP, DEFAULT_STATE_DIR};
+
+use super::schema::SCHEMA;
+
+pub const EXIT_CODES: &str = "\
+Exit codes:
+  0  success; diff: nothing would change
+  1  failure: the kernel refused the change, netlink or the namespace failed, no resolver,
+     another writer kept the lock, a generation is corrupt;
+     diff: something would change; confirm: too late, the change was already reverted
+  2  invalid policy or command line (the message names file:line:column);
+     run: also when the kernel refused the policy's table (the namespace keeps the table
+     in place, else gets a fail-closed one)
+  3  done, but some allowed names did not resolve: their entries are missing
+  4  status: the table is not installed
+  5  probe: at least one check failed (the boundary does not hold as the policy says)
+  6  diff: the comparison itself failed (netlink, namespace, resolver)";
+
+/// A default-deny egress boundary for AI agent hosts, built on nftables.
+///
+/// egress-fence reads a YAML policy of allowed domains and networks, resolves the domains, and
+/// installs one nftables table (inet egress_fence) that refuses every other outgoing packet,
+/// logs refusals, and leaves every other table alone. Changes are atomic: the kernel applies
+/// the whole table or nothing.
+#[derive(Parser)]
+#[command(version, after_help = EXIT_CODES)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Args)]
+pub struct NamespaceArg {
+    /// Work inside this network namespace: a name from `ip netns list` or a path such as
+    /// /proc/PID/ns/net. Resolution and netlink both happen there; a named namespace's
+    /// /etc/netns/NAME/resolv.conf is honoured as `ip netns exec` does.
+    #[arg(long, value_name = "NS")]
+    pub netns: Option<String>,
+}
+
+#[derive(Args)]
+pub struct StateArgs {
+    /// Where generations, the writers' lock and pending confirmations are kept, in one
+    /// subdirectory per network namespace.
+    #[arg(
+        long,
+        value_name = "DIR",
+        env = "EGRESS_FENCE_STATE_DIR",
+        default_value = DEFAULT_STATE_DIR
+    )]
+    pub state_dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct LockArgs {
+    /// How long to wait while another egress-fence writer (apply, rollback, confirm, the
+    /// service) holds this namespace's lock, e.g. 30s or 2m.
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    pub lock_timeout: Interval,
+}
+
+#[derive(Args)]
+pub struct WriterArgs {
+    #[command(flatten)]
+    pub state: StateArgs,
+    #[command(flatten)]
+    pub lock: LockArgs,
+    /// How many generations to keep (the newest ones).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_KEEP,
+          value_parser = clap::value_parser!(u16).range(1..).map(usize::from))]
+    pub keep: usize,
+}
+
+#[derive(Args)]
+pub struct Resolving {
+    /// Where the resolvers come from when the policy names none (default: the named
+    /// namespace's /etc/netns/NS/resolv.conf if it exists, else /etc/resolv.conf).
+    #[arg(long, value_name = "FILE")]
+    pub resolv_conf: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Validate a policy without touching the network or the kernel, and warn about what
+    /// parses but is probably not meant (every command that reads a policy warns too).
+    #[command(after_help = SCHEMA)]
+    Check { policy: PathBuf },
+    /// Resolve the policy's names and print the ruleset as nft text (what `apply` installs;
+    /// `nft -c -f` checks it, `nft -f` would load it).
+    Plan {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        resolving: Resolving,
+        /// Print the resolution and the ruleset as JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Resolve the policy's names and install the ruleset in one atomic transaction, unless
+    /// the live table already matches it (then nothing is sent and it says "unchanged").
+    /// Each change is recorded as a generation (see `history`, `rollback`).
+    #[command(after_help = EXIT_CODES)]
+    Apply {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        resolving: Resolving,
+        #[command(flatten)]
+        writer: WriterArgs,
+        /// Revert to the previous generation by itself unless `egress-fence confirm` runs
+        /// within this time (e.g. 60s, 5m): for changes that could cut off the host's own
+        /// management access. The revert runs in a process of its own that does not depend
+        /// on this terminal.
+        #[arg(long, value_name = "DURATION")]
+        confirm_within: Option<Interval>,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show what applying the policy would change in the live table (read back from the
+    /// kernel): added and removed addresses, ports and rules. Exits 0 when nothing would
+    /// change and 1 when something would, so provisioning can report "changed" honestly;
+    /// 2 for an invalid policy, 6 when the comparison itself failed.
+    #[command(after_help = EXIT_CODES)]
+    Diff {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        resolving: Resolving,
+        /// Print the differences as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Reinstate the previous generation (or the one given with --to) exactly as it was
+    /// applied, in one transaction, and record that as a new generation. A second rollback
+    /// undoes the first.
+    #[command(after_help = EXIT_CODES)]
+    Rollback {
+        /// The generation to reinstate (see `history`); default: the one before the newest.
+        #[arg(long, value_name = "GEN")]
+        to: Option<u64>,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        writer: WriterArgs,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the recorded generations, oldest first, and any change awaiting confirmation.
+    History {
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        state: StateArgs,
+        /// Print the generations as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Keep the change applied with `apply --confirm-within`: its revert timer stands down.
+    /// Exits 0 also when nothing awaits confirmation, and 1 when it is too late (the change
+    /// was already reverted).
+    #[command(after_help = EXIT_CODES)]
+    Confirm {
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        state: StateArgs,
+        #[command(flatten)]
+        lock: LockArgs,
+    },
+    /// Read the installed table back from the kernel, and say whether it still matches the
+    /// newest generation (someone may have edited it with nft).
+    #[command(after_help = EXIT_CODES)]
+    Status {
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        state: StateArgs,
+        /// Print the status as JSON (with the fields `generation`, `drift` and `differences`).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Apply the policy and keep it current, as a service: names are re-resolved as their
+    /// TTLs run out and changed answers are sent as small element batches (the table is never
+    /// reloaded for them); if anyone else changes or deletes the table, it is put back.
+    /// SIGHUP reloads the policy (one that fails validation, or whose table the kernel
+    /// refuses, is not adopted and the running one stays); SIGTERM and SIGINT stop and leave
+    /// the boundary in place. Speaks systemd's notify protocol (READY once the table is live,
+    /// STATUS, WATCHDOG).
+    ///
+    /// A start that cannot put up the policy's table leaves a table already in place as it
+    /// is, gives a namespace without one a fail-closed table (loopback and established
+    /// connections only), and exits: 2 when only an edit of the policy can fix it (the unit
+    /// does not restart then), else 1.
+    ///
+    /// With `dns.mode: guard` it is the host's resolver instead (point resolv.conf at
+    /// `dns.listen`): a query for an allowed name (wildcards too) is forwarded to
+    /// `dns.upstream`, and the answer is released only once its addresses are in the table;
+    /// any other name is answered REFUSED (or NXDOMAIN) and never leaves the host. Only the
+    /// guard's own upstream sockets (its mark `dns.mark` and its uid, both) may reach the
+    /// upstream resolvers, so run the guard under a uid of its own and the agent under another.
+    /// Changing `dns.mode` or `dns.listen` takes a restart, not a reload.
+    Run {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        resolving: Resolving,
+        /// Delete the table when stopped (for throwaway hosts); by default it stays.
+        #[arg(long)]
+        teardown_on_exit: bool,
+        /// Log lines as text or as JSON objects.
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
+        /// Also log every refused packet (read from the policy's `log.group`) with what the
+        /// daemon knows of its destination.
+        #[arg(long)]
+        log_drops: bool,
+        #[command(flatten)]
+        writer: WriterArgs,
+    },
+    /// Print every refused packet as it happens, read from the table's NFLOG group (works
+    /// inside any network namespace; no kernel log needed).
+    ///
+    /// In `dns.mode: guard` it also prints every DNS query the guard refused (the name, its
+    /// type, who asked, the answer given), read from the running service's event socket in
+    /// the namespace's state directory (guard-events.sock). When the service is not running
+    /// yet, or restarts, watch reconnects by itself about every second.
+    Watch {
+        #[command(flatten)]
+        target: NamespaceArg,
+        /// The NFLOG group to read (default: the group of the installed table's log rule).
+        #[arg(long)]
+        group: Option<u16>,
+        /// Exit after this many events (refused packets and refused DNS queries together).
+        #[arg(long)]
+        count: Option<u64>,
+        /// Print JSON lines instead (refused queries have "protocol": "dns" and a "name").
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        state: StateArgs,
+    },
+    /// Prove the boundary from inside it: allowed names resolve and their ports connect;
+    /// deny presets, `probe.blocked` targets and rogue resolvers are refused (TCP and UDP,
+    /// IPv4 and IPv6); a random name under `probe.exfil_domain` does not resolve. One line
+    /// per check (PASS, FAIL, WARN, SKIP), then a summary; exits 0 only if nothing failed,
+    /// so CI can gate on it: `egress-fence probe policy.yaml --netns sandbox || exit 1`.
+    ///
+    /// In `dns.mode: guard`: names are asked of the guard, which must refuse a random name
+    /// outside the policy without forwarding it, and DNS straight to the upstream resolvers
+    /// (UDP/TCP 53 and 853) must be refused. Only sockets with the guard's mark and uid may
+    /// reach them and the probe marks none, so that holds for any uid it runs as.
+    ///
+    /// Every element of the installed resolved sets must be one the policy explains (an
+    /// allowed name's, on its ports, within the lifetime cap). Last, the probe must fail to
+    /// open a packet socket (AF_PACKET) and an XDP socket (AF_XDP): frames written to them
+    /// pass every nftables rule (a process with CAP_NET_ADMIN skips this check). So run it as
+    /// the fenced user, e.g. `ip netns exec sandbox setpriv --reuid=agent --regid=agent
+    /// --clear-groups egress-fence probe ...`.
+    #[command(after_help = EXIT_CODES)]
+    Probe {
+        policy: PathBuf,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        resolving: Resolving,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete the tool's table (and nothing else); a no-op if it is absent. The emergency
+    /// exit: it takes no lock and records nothing (a running service puts the table back;
+    /// stop it first).
+    Teardown {
+        #[command(flatten)]
+        target: NamespaceArg,
+    },
+    /// Started by `apply --confirm-within`: waits for the deadline in a session of its own,
+    /// then reverts unless the change was confirmed. Not for direct use.
+    #[command(hide = true)]
+    RevertTimer {
+        #[arg(long)]
+        token: String,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        writer: WriterArgs,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_revert_timer_is_hidden_and_keep_must_be_positive() {
+        let help = Cli::command().render_help().to_string();
+        assert!(!help.contains("revert-timer"), "{help}");
+        assert!(
+            help.contains("rollback") && help.contains("confirm"),
+            "{help}"
+        );
+        assert!(Cli::try_parse_from(["egress-fence", "rollback", "--keep", "0"]).is_err());
+        assert!(
+            Cli::try_parse_from([
+                "egress-fence",
+                "apply",
+                "p.yaml",
+                "--confirm-within",
+                "soon"
+            ])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn run_help_names_the_guards_mark_and_uid() {
+        let mut cli = Cli::command();
+        let run = cli.find_subcommand_mut("run").expect("the run command");
+        let help = run.render_long_help().to_string();
+        assert!(help.contains("mark `dns.mark` and its uid"), "{help}");
+        assert!(!help.contains("Only this process's uid"), "{help}");
+    }
+}

@@ -1,0 +1,99 @@
+//! Printing that several commands share: the resolution's warnings, a change's summary, notes
+//! about an earlier confirm-or-revert. Warnings go to stderr so that stdout stays
+//! machine-readable.
+
+use std::path::Path;
+use std::time::SystemTime;
+
+use egress_fence::core::diff::TableDiff;
+use egress_fence::core::plan::denied_answers;
+use egress_fence::core::policy::Policy;
+use egress_fence::core::resolution::{Resolution, ResolvedHost};
+use egress_fence::state::{DEFAULT_STATE_DIR, PendingConfirm};
+
+use super::args::{NamespaceArg, StateArgs};
+
+pub fn join_display<T: std::fmt::Display>(items: &[T]) -> String {
+    items
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub fn describe_host(host: &ResolvedHost) -> String {
+    if host.addrs.is_empty() {
+        return format!(
+            "{}: NOT RESOLVED ({}): its allow entries are left out",
+            host.name,
+            host.why_unresolved()
+        );
+    }
+    let addrs: Vec<String> = host
+        .addrs
+        .iter()
+        .map(|a| format!("{} (ttl {})", a.addr, a.ttl))
+        .collect();
+    format!("{}: {}", host.name, addrs.join(", "))
+}
+
+/// Warnings about the resolution, on stderr so that stdout stays machine-readable.
+pub fn report_resolution(policy: &Policy, resolution: &Resolution) {
+    for host in &resolution.hosts {
+        if !host.dropped.is_empty() && !host.addrs.is_empty() {
+            eprintln!(
+                "warning: {} answered addresses that are never allowed, left out: {}",
+                host.name,
+                host.describe_dropped()
+            );
+        }
+        if host.addrs.is_empty() {
+            eprintln!("warning: {}", describe_host(host));
+        } else if !host.errors.is_empty() {
+            eprintln!(
+                "warning: {} resolved only partly: {}",
+                host.name,
+                host.errors.join("; ")
+            );
+        }
+    }
+    for w in denied_answers(policy, &resolution.hosts) {
+        eprintln!("warning: {w}");
+    }
+}
+
+pub fn print_summary(diff: &TableDiff) {
+    for line in diff.summary() {
+        println!("  {line}");
+    }
+}
+
+/// `egress-fence confirm` with the options that find this change's state.
+pub fn confirm_command(target: &NamespaceArg, state: &StateArgs) -> String {
+    let mut cmd = "egress-fence confirm".to_string();
+    if let Some(ns) = &target.netns {
+        cmd.push_str(&format!(" --netns {ns}"));
+    }
+    if state.state_dir != Path::new(DEFAULT_STATE_DIR) {
+        cmd.push_str(&format!(" --state-dir {}", state.state_dir.display()));
+    }
+    cmd
+}
+
+/// What a writer learnt about an earlier confirm-or-revert, on stderr.
+pub fn report_pending_notes(
+    awaiting: &Option<PendingConfirm>,
+    noted_revert: &Option<PendingConfirm>,
+    confirm_hint: &str,
+) {
+    let now = SystemTime::now();
+    if let Some(p) = noted_revert {
+        eprintln!("note: {}", p.describe(now));
+    }
+    if let Some(p) = awaiting {
+        eprintln!(
+            "warning: {}; that revert undoes this change too (`{confirm_hint}` keeps both)",
+            p.describe(now)
+        );
+    }
+}

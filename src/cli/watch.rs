@@ -1,0 +1,126 @@
+//! `watch`: print every refused packet (from the table's NFLOG group) and, in guard mode,
+//! every DNS query the guard refused (from its event socket), as they happen.
+//!
+//! The library merges the two streams ([`egress_fence::watch::hear`]); this file picks the
+//! group, notes what the table says of each refused destination, and prints.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use egress_fence::core::policy::Preset;
+use egress_fence::core::ruleset::TABLE;
+use egress_fence::nft::Nft;
+use egress_fence::nft::live::Destinations;
+use egress_fence::watch::{Heard, Watcher};
+
+use super::args::{NamespaceArg, StateArgs};
+use super::common::{enter, state_dir};
+use super::exit::Failure;
+
+/// How often `watch` reads the table again for its notes.
+const WATCH_REREAD: Duration = Duration::from_secs(10);
+
+pub fn run(
+    target: &NamespaceArg,
+    group: Option<u16>,
+    count: Option<u64>,
+    json: bool,
+    state: &StateArgs,
+) -> Result<u8, Failure> {
+    let state = state_dir(target, state)?;
+    enter(target, None)?;
+    let group = match group {
+        Some(g) => g,
+        None => installed_group()?,
+    };
+    let watcher = Watcher::subscribe(group)?;
+    eprintln!("watching NFLOG group {group} for refused packets");
+
+    let rx = egress_fence::watch::hear(watcher, state.guard_events())?;
+
+    let mut notes = TableNotes::open()?;
+    let mut seen = 0;
+    let mut stdout = std::io::stdout().lock();
+    while count.is_none_or(|c| seen < c) {
+        let Ok(heard) = rx.recv() else {
+            return Err(anyhow::anyhow!("both event readers stopped").into());
+        };
+        let line = match heard {
+            Heard::Note(note) => {
+                eprintln!("{note}");
+                continue;
+            }
+            Heard::Packet(Err(e)) if e.is_transient() => {
+                eprintln!("warning: {e}");
+                continue;
+            }
+            Heard::Packet(Err(e)) => return Err(e.into()),
+            Heard::Query(query) if json => serde_json::to_string(&query)?,
+            Heard::Query(query) => query.to_string(),
+            Heard::Packet(Ok(mut event)) => {
+                let table_note = notes.note(event.dst, event.dport)?;
+                event.note = match Preset::containing(event.dst) {
+                    Some(p) => Some(format!("{} (preset {})", p.describe(), p.name())),
+                    None => Some(table_note),
+                };
+                if json {
+                    serde_json::to_string(&event)?
+                } else {
+                    event.to_string()
+                }
+            }
+        };
+        writeln!(stdout, "{line}")?;
+        stdout.flush()?;
+        seen += 1;
+    }
+    Ok(0)
+}
+
+/// The NFLOG group of the installed table's log rule.
+fn installed_group() -> Result<u16, Failure> {
+    match Nft::open()?.log_group()? {
+        Some(Some(g)) => Ok(g),
+        Some(None) => Err(anyhow::anyhow!(
+            "the installed table logs refusals to the kernel log, not to an NFLOG \
+             group: set `log.group` in the policy, or give --group"
+        )
+        .into()),
+        None => Err(anyhow::anyhow!(
+            "table inet {TABLE} is not installed: apply a policy first, or give --group"
+        )
+        .into()),
+    }
+}
+
+/// What the table says of destinations, read again now and then: a daemon keeps changing the
+/// resolved sets.
+struct TableNotes {
+    nft: Nft,
+    known: Option<(Instant, Destinations)>,
+}
+
+impl TableNotes {
+    fn open() -> Result<TableNotes, Failure> {
+        Ok(TableNotes {
+            nft: Nft::open()?,
+            known: None,
+        })
+    }
+
+    /// What the table says of `dst`:`dport`, from a reading at most [`WATCH_REREAD`] old.
+    fn note(&mut self, dst: IpAddr, dport: Option<u16>) -> Result<String, Failure> {
+        let known = match self.known.take() {
+            Some((at, destinations)) if at.elapsed() <= WATCH_REREAD => (at, destinations),
+            _ => {
+                let table = self.nft.read_table()?;
+                let destinations = table.as_ref().map(Destinations::of).unwrap_or_default();
+                (Instant::now(), destinations)
+            }
+        };
+        let note = known.1.note(dst, dport);
+        self.known = Some(known);
+        Ok(note)
+    }
+}
