@@ -13,7 +13,7 @@ use nix::errno::Errno;
 use nix::sys::socket::{MsgFlags, SockProtocol};
 
 use super::message::{
-    Dump, DumpError, NFNL_SUBSYS_CTNETLINK, NLM_F_DUMP, NLM_F_REQUEST, Oversize, Request,
+    DumpError, DumpProgress, NFNL_SUBSYS_CTNETLINK, NLM_F_DUMP, NLM_F_REQUEST, Oversize, Request,
     nfnl_type, read_dump,
 };
 use super::{Attrs, Socket};
@@ -104,8 +104,8 @@ fn parse_datagram(data: &[u8], flows: &mut BTreeSet<Flow>) -> Datagram {
         }
     };
     match read_dump(data, entries) {
-        Ok(Dump::More) => Datagram::More,
-        Ok(Dump::Done) => Datagram::Done,
+        Ok(DumpProgress::More) => Datagram::More,
+        Ok(DumpProgress::Done) => Datagram::Done,
         Err(DumpError::Refused(errno)) => Datagram::Error(errno),
         // What came before the malformed message counts; the rest of the datagram cannot
         // be located. The dump goes on (or times out) with the next datagram.

@@ -70,6 +70,8 @@ pub struct Message<'a> {
     pub portid: u32,
     /// What follows the header, up to the message's own length (padding excluded).
     pub payload: &'a [u8],
+    /// The whole message, header included (padding excluded).
+    pub bytes: &'a [u8],
 }
 
 impl<'a> Message<'a> {
@@ -89,6 +91,7 @@ impl<'a> Message<'a> {
             seq: ne32(bytes, 8).ok_or_else(header)?,
             portid: ne32(bytes, 12).ok_or_else(header)?,
             payload: bytes.get(NLMSG_HDRLEN..len).ok_or_else(header)?,
+            bytes: bytes.get(..len).ok_or_else(header)?,
         })
     }
 
@@ -149,8 +152,7 @@ impl<'a> Iterator for Messages<'a> {
         }
         match Message::parse(self.rest) {
             Ok(msg) => {
-                let len = NLMSG_HDRLEN + msg.payload.len();
-                self.rest = self.rest.get(align4(len)..).unwrap_or_default();
+                self.rest = self.rest.get(align4(msg.bytes.len())..).unwrap_or_default();
                 Some(Ok(msg))
             }
             Err(e) => {
@@ -163,7 +165,7 @@ impl<'a> Iterator for Messages<'a> {
 
 /// Where a multi-part answer (a dump) stands after one datagram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dump {
+pub enum DumpProgress {
     More,
     Done,
 }
@@ -182,11 +184,11 @@ pub enum DumpError {
 pub fn read_dump<'a>(
     datagram: &'a [u8],
     mut each: impl FnMut(Message<'a>),
-) -> Result<Dump, DumpError> {
+) -> Result<DumpProgress, DumpError> {
     for msg in messages(datagram) {
         let msg = msg?;
         match msg.kind {
-            NLMSG_DONE => return Ok(Dump::Done),
+            NLMSG_DONE => return Ok(DumpProgress::Done),
             NLMSG_NOOP => {}
             _ => match msg.error() {
                 Some(Ok(None)) => {}
@@ -196,7 +198,7 @@ pub fn read_dump<'a>(
             },
         }
     }
-    Ok(Dump::More)
+    Ok(DumpProgress::More)
 }
 
 /// A message too large for netlink's length fields (an attribute over 64 KiB).
@@ -424,12 +426,12 @@ mod tests {
         datagram.extend(error(1, 0)); // an ack inside a dump is skipped
         datagram.extend(&entry);
         let mut seen = 0;
-        assert_eq!(read_dump(&datagram, |_| seen += 1), Ok(Dump::More));
+        assert_eq!(read_dump(&datagram, |_| seen += 1), Ok(DumpProgress::More));
         assert_eq!(seen, 2);
         datagram.extend(done());
         datagram.extend(&entry); // after DONE: not read
         seen = 0;
-        assert_eq!(read_dump(&datagram, |_| seen += 1), Ok(Dump::Done));
+        assert_eq!(read_dump(&datagram, |_| seen += 1), Ok(DumpProgress::Done));
         assert_eq!(seen, 2);
         let refused = [entry.clone(), error(1, -libc::EPERM)].concat();
         assert_eq!(

@@ -25,5 +25,5 @@ pub mod sockdiag;
 pub mod socket;
 
 pub use attr::{Attr, Attrs};
-pub use message::{Dump, DumpError, Malformed, Message, Request, messages, read_dump};
+pub use message::{DumpError, DumpProgress, Malformed, Message, Request, messages, read_dump};
 pub use socket::Socket;
