@@ -100,3 +100,45 @@ fn follow_guard(path: &std::path::Path, tx: &std::sync::mpsc::Sender<Heard>) {
         std::thread::sleep(Duration::from_secs(1));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    fn next(rx: &std::sync::mpsc::Receiver<Heard>) -> Heard {
+        rx.recv_timeout(Duration::from_secs(10)).expect("heard")
+    }
+
+    /// The guard's log: queries pass through, blank lines are skipped, a line that is not a
+    /// query is a warning, and the guard going away is said once.
+    #[test]
+    fn the_guards_query_log_is_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("guard-events.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let follow = path.clone();
+        std::thread::spawn(move || follow_guard(&follow, &tx));
+
+        let (mut guard, _) = listener.accept().unwrap();
+        assert!(matches!(next(&rx), Heard::Note(n) if n.contains("watching the DNS guard")));
+        let query = QueryEvent::refused(
+            "exfil.example".into(),
+            "TXT".into(),
+            "127.0.0.1:40000".parse().unwrap(),
+            "udp",
+            "REFUSED",
+            "not in the policy".into(),
+        );
+        let line = serde_json::to_string(&query).unwrap();
+        writeln!(guard, "{line}\n\n{{\"not\": \"a query\"}}").unwrap();
+        assert!(matches!(next(&rx), Heard::Query(q) if q == query));
+        assert!(matches!(next(&rx), Heard::Note(n) if n.starts_with("warning: unreadable")));
+        drop(guard);
+        assert!(matches!(next(&rx), Heard::Note(n) if n.contains("went away")));
+        drop(rx);
+    }
+}
