@@ -2,36 +2,25 @@
 //! table over ctnetlink (NFNL_SUBSYS_CTNETLINK). The guard keeps an answered address allowed
 //! while a connection to it lives, even past its lifetime.
 //!
-//! Written by hand on a plain netlink socket, as NFLOG is in `watch` (no
-//! libnetfilter_conntrack, no `unsafe`): one IPCTNL_MSG_CT_GET dump request, then the kernel's
-//! multi-part answer, parsed with bounds-checked slicing.
+//! Spoken with the crate's netlink codec on a plain socket (no libnetfilter_conntrack, no
+//! `unsafe`): one IPCTNL_MSG_CT_GET dump request, then the kernel's multi-part answer.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use nix::errno::Errno;
-use nix::sys::socket::{
-    self, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, sockopt,
+use nix::sys::socket::{MsgFlags, SockProtocol};
+
+use super::message::{
+    DumpError, DumpProgress, NFNL_SUBSYS_CTNETLINK, NLM_F_DUMP, NLM_F_REQUEST, Oversize, Request,
+    nfnl_type, read_dump,
 };
-use nix::sys::time::TimeVal;
-
+use super::{Attrs, Socket};
 use crate::core::policy::L4Proto;
-// The byte helpers of the NFLOG reader, which parses netlink the same way.
-use crate::watch::{align4, ne16, ne32};
 
-const NFNL_SUBSYS_CTNETLINK: u16 = 1;
-const IPCTNL_MSG_CT_NEW: u16 = 0;
-const IPCTNL_MSG_CT_GET: u16 = 1;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 1;
-const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_HDRLEN: usize = 16;
-const NFGENMSG_LEN: usize = 4;
-const NLA_HDRLEN: usize = 4;
-const NLA_TYPE_MASK: u16 = 0x3fff;
+const IPCTNL_MSG_CT_NEW: u8 = 0;
+const IPCTNL_MSG_CT_GET: u8 = 1;
 
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_PROTOINFO: u16 = 4;
@@ -64,28 +53,20 @@ pub type Flow = (IpAddr, L4Proto, u16);
 /// holds in the current network namespace.
 pub fn live_flows() -> Result<BTreeSet<Flow>, ConntrackError> {
     let io = |doing| move |source| ConntrackError::Io { doing, source };
-    let fd = socket::socket(
-        AddressFamily::Netlink,
-        SockType::Raw,
-        SockFlag::SOCK_CLOEXEC,
-        SockProtocol::NetlinkNetFilter,
-    )
-    .map_err(io("socket"))?;
-    socket::bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)).map_err(io("bind"))?;
-    let timeout = TimeVal::new(DUMP_TIMEOUT.as_secs() as _, 0);
-    socket::setsockopt(&fd, sockopt::ReceiveTimeout, &timeout).map_err(io("timeout"))?;
-    socket::sendto(
-        fd.as_raw_fd(),
-        &dump_request(1),
-        &NetlinkAddr::new(0, 0),
-        MsgFlags::empty(),
-    )
-    .map_err(io("send"))?;
+    let socket = Socket::open(SockProtocol::NetlinkNetFilter).map_err(io("socket"))?;
+    socket.bind(0).map_err(io("bind"))?;
+    socket
+        .set_recv_timeout(Some(DUMP_TIMEOUT))
+        .map_err(io("timeout"))?;
+    let request = dump_request(1).map_err(|_| io("request")(Errno::EMSGSIZE))?;
+    socket.send(&request).map_err(io("send"))?;
 
     let mut flows = BTreeSet::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {
-        let n = socket::recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(io("receive"))?;
+        let n = socket
+            .recv(&mut buf, MsgFlags::empty())
+            .map_err(io("receive"))?;
         match parse_datagram(&buf[..n.min(buf.len())], &mut flows) {
             Datagram::More => {}
             Datagram::Done => return Ok(flows),
@@ -95,18 +76,12 @@ pub fn live_flows() -> Result<BTreeSet<Flow>, ConntrackError> {
 }
 
 /// IPCTNL_MSG_CT_GET with NLM_F_DUMP for every address family.
-fn dump_request(seq: u32) -> Vec<u8> {
-    let mut msg = Vec::with_capacity(NLMSG_HDRLEN + NFGENMSG_LEN);
-    let len = (NLMSG_HDRLEN + NFGENMSG_LEN) as u32;
-    msg.extend_from_slice(&len.to_ne_bytes());
-    let kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET;
-    msg.extend_from_slice(&kind.to_ne_bytes());
-    msg.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    msg.extend_from_slice(&seq.to_ne_bytes());
-    msg.extend_from_slice(&0u32.to_ne_bytes());
+fn dump_request(seq: u32) -> Result<Vec<u8>, Oversize> {
+    let kind = nfnl_type(NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_GET);
     // nfgenmsg: AF_UNSPEC dumps IPv4 and IPv6 alike.
-    msg.extend_from_slice(&[libc::AF_UNSPEC as u8, 0, 0, 0]);
-    msg
+    Request::new(kind, NLM_F_REQUEST | NLM_F_DUMP, seq)
+        .nfgenmsg(libc::AF_UNSPEC as u8, 0)
+        .finish()
 }
 
 enum Datagram {
@@ -115,54 +90,48 @@ enum Datagram {
     Error(Errno),
 }
 
-fn parse_datagram(mut data: &[u8], flows: &mut BTreeSet<Flow>) -> Datagram {
-    while data.len() >= NLMSG_HDRLEN {
-        let len = ne32(data, 0).unwrap_or(0) as usize;
-        let kind = ne16(data, 4).unwrap_or(0);
-        if len < NLMSG_HDRLEN || len > data.len() {
-            break;
+fn parse_datagram(data: &[u8], flows: &mut BTreeSet<Flow>) -> Datagram {
+    let entries = |msg: super::Message<'_>| {
+        if msg.kind != nfnl_type(NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_NEW) {
+            return;
         }
-        let body = &data[NLMSG_HDRLEN..len];
-        match kind {
-            NLMSG_DONE => return Datagram::Done,
-            NLMSG_ERROR => {
-                let code = body
-                    .get(..4)
-                    .map_or(0, |b| i32::from_ne_bytes(b.try_into().unwrap_or_default()));
-                if code != 0 {
-                    return Datagram::Error(Errno::from_raw(-code));
-                }
-            }
-            k if k == (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW => {
-                if let Some(flow) = body.get(NFGENMSG_LEN..).and_then(parse_entry) {
-                    flows.insert(flow);
-                }
-            }
-            _ => {}
+        if let Some(flow) = msg
+            .nfgenmsg()
+            .ok()
+            .and_then(|(_, attrs)| parse_entry(attrs))
+        {
+            flows.insert(flow);
         }
-        data = data.get(align4(len)..).unwrap_or_default();
+    };
+    match read_dump(data, entries) {
+        Ok(DumpProgress::More) => Datagram::More,
+        Ok(DumpProgress::Done) => Datagram::Done,
+        Err(DumpError::Refused(errno)) => Datagram::Error(errno),
+        // What came before the malformed message counts; the rest of the datagram cannot
+        // be located. The dump goes on (or times out) with the next datagram.
+        Err(DumpError::Malformed(_)) => Datagram::More,
     }
-    Datagram::More
 }
 
 /// The original direction's destination of one conntrack entry, unless it is a TCP
 /// connection that is closing or closed.
-fn parse_entry(attrs: &[u8]) -> Option<Flow> {
-    let tuple = attr(attrs, CTA_TUPLE_ORIG)?;
-    let ip = attr(tuple, CTA_TUPLE_IP)?;
-    let dst = match (attr(ip, CTA_IP_V4_DST), attr(ip, CTA_IP_V6_DST)) {
+fn parse_entry(attrs: Attrs<'_>) -> Option<Flow> {
+    let tuple = attrs.clone().find(CTA_TUPLE_ORIG)?.nested();
+    let ip = tuple.clone().find(CTA_TUPLE_IP)?.nested();
+    let dst = match (ip.clone().value(CTA_IP_V4_DST), ip.value(CTA_IP_V6_DST)) {
         (Some(v4), _) => IpAddr::from(<[u8; 4]>::try_from(v4.get(..4)?).ok()?),
         (None, Some(v6)) => IpAddr::from(<[u8; 16]>::try_from(v6.get(..16)?).ok()?),
         (None, None) => return None,
     };
-    let proto = attr(tuple, CTA_TUPLE_PROTO)?;
-    let number = *attr(proto, CTA_PROTO_NUM)?.first()?;
+    let proto = tuple.find(CTA_TUPLE_PROTO)?.nested();
+    let number = *proto.clone().value(CTA_PROTO_NUM)?.first()?;
     let l4 = L4Proto::from_number(number)?;
-    let port = u16::from_be_bytes(attr(proto, CTA_PROTO_DST_PORT)?.get(..2)?.try_into().ok()?);
+    let port = super::bytes::be16(proto.value(CTA_PROTO_DST_PORT)?, 0)?;
     if l4 == L4Proto::Tcp {
-        let state = attr(attrs, CTA_PROTOINFO)
-            .and_then(|p| attr(p, CTA_PROTOINFO_TCP))
-            .and_then(|t| attr(t, CTA_PROTOINFO_TCP_STATE))
+        let state = attrs
+            .find(CTA_PROTOINFO)
+            .and_then(|p| p.nested().find(CTA_PROTOINFO_TCP))
+            .and_then(|t| t.nested().value(CTA_PROTOINFO_TCP_STATE))
             .and_then(|s| s.first().copied());
         if state.is_some_and(|s| s >= TCP_CONNTRACK_TIME_WAIT) {
             return None;
@@ -171,81 +140,57 @@ fn parse_entry(attrs: &[u8]) -> Option<Flow> {
     Some((dst, l4, port))
 }
 
-/// The payload of the first attribute of `kind` among `attrs`.
-fn attr(mut attrs: &[u8], kind: u16) -> Option<&[u8]> {
-    while attrs.len() >= NLA_HDRLEN {
-        let len = ne16(attrs, 0)? as usize;
-        let t = ne16(attrs, 2)? & NLA_TYPE_MASK;
-        if len < NLA_HDRLEN || len > attrs.len() {
-            return None;
-        }
-        if t == kind {
-            return attrs.get(NLA_HDRLEN..len);
-        }
-        attrs = attrs.get(align4(len)..).unwrap_or_default();
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::message::{NFGENMSG_LEN, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDRLEN};
 
-    fn nla(kind: u16, payload: &[u8]) -> Vec<u8> {
-        let mut out = ((NLA_HDRLEN + payload.len()) as u16).to_ne_bytes().to_vec();
-        out.extend_from_slice(&kind.to_ne_bytes());
-        out.extend_from_slice(payload);
-        out.resize(align4(out.len()), 0);
-        out
-    }
-
-    fn nested(kind: u16, parts: &[Vec<u8>]) -> Vec<u8> {
-        nla(kind | 0x8000, &parts.concat())
-    }
-
-    /// One IPCTNL_MSG_CT_NEW message as the kernel sends it in a dump.
+    /// One IPCTNL_MSG_CT_NEW message as the kernel sends it in a dump (conntrack does not
+    /// mark its nested attributes, so neither does this).
     fn entry(dst: IpAddr, proto: u8, dport: u16, tcp_state: Option<u8>) -> Vec<u8> {
-        let ip = match dst {
-            IpAddr::V4(a) => nla(CTA_IP_V4_DST, &a.octets()),
-            IpAddr::V6(a) => nla(CTA_IP_V6_DST, &a.octets()),
-        };
-        let tuple = nested(
-            CTA_TUPLE_ORIG,
-            &[
-                nested(CTA_TUPLE_IP, &[nla(1, &[198, 51, 100, 2]), ip]),
-                nested(
-                    CTA_TUPLE_PROTO,
-                    &[
-                        nla(CTA_PROTO_NUM, &[proto]),
-                        nla(2, &40000u16.to_be_bytes()),
-                        nla(CTA_PROTO_DST_PORT, &dport.to_be_bytes()),
-                    ],
-                ),
-            ],
-        );
-        let mut attrs = vec![0u8, 0, 0, 0]; // nfgenmsg
-        attrs.extend(tuple);
-        if let Some(state) = tcp_state {
-            attrs.extend(nested(
-                CTA_PROTOINFO,
-                &[nested(
-                    CTA_PROTOINFO_TCP,
-                    &[nla(CTA_PROTOINFO_TCP_STATE, &[state])],
-                )],
-            ));
+        let orig = Request::new(nfnl_type(NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_NEW), 2, 0)
+            .nfgenmsg(0, 0)
+            .nested(CTA_TUPLE_ORIG, |t| {
+                t.nested(CTA_TUPLE_IP, |ip| {
+                    let ip = ip.attr(1, &[198, 51, 100, 2]);
+                    match dst {
+                        IpAddr::V4(a) => ip.attr(CTA_IP_V4_DST, &a.octets()),
+                        IpAddr::V6(a) => ip.attr(CTA_IP_V6_DST, &a.octets()),
+                    }
+                })
+                .nested(CTA_TUPLE_PROTO, |p| {
+                    p.attr(CTA_PROTO_NUM, &[proto])
+                        .attr(2, &40000u16.to_be_bytes())
+                        .attr(CTA_PROTO_DST_PORT, &dport.to_be_bytes())
+                })
+            });
+        match tcp_state {
+            Some(state) => orig.nested(CTA_PROTOINFO, |p| {
+                p.nested(CTA_PROTOINFO_TCP, |t| {
+                    t.attr(CTA_PROTOINFO_TCP_STATE, &[state])
+                })
+            }),
+            None => orig,
         }
-        let mut msg = ((NLMSG_HDRLEN + attrs.len()) as u32).to_ne_bytes().to_vec();
-        msg.extend_from_slice(&(NFNL_SUBSYS_CTNETLINK << 8).to_ne_bytes());
-        msg.extend_from_slice(&[0; 10]);
-        msg.extend(attrs);
-        msg
+        .finish()
+        .unwrap()
     }
 
     fn done() -> Vec<u8> {
-        let mut msg = 20u32.to_ne_bytes().to_vec();
-        msg.extend_from_slice(&NLMSG_DONE.to_ne_bytes());
-        msg.extend_from_slice(&[0; 14]);
-        msg
+        Request::new(NLMSG_DONE, 2, 0)
+            .raw(&[0; 4])
+            .finish()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_request_dumps_every_family() {
+        let r = dump_request(7).unwrap();
+        assert_eq!(r.len(), 20);
+        assert_eq!(&r[4..6], &0x0101u16.to_ne_bytes());
+        assert_eq!(&r[6..8], &0x0301u16.to_ne_bytes());
+        assert_eq!(&r[8..12], &7u32.to_ne_bytes());
+        assert_eq!(&r[16..20], &[0, 0, 0, 0]);
     }
 
     #[test]
@@ -272,6 +217,20 @@ mod tests {
     }
 
     #[test]
+    fn the_kernels_refusal_ends_the_dump() {
+        let error = Request::new(NLMSG_ERROR, 0, 1)
+            .raw(&(-libc::EPERM).to_ne_bytes())
+            .raw(&[0; 16])
+            .finish()
+            .unwrap();
+        let mut flows = BTreeSet::new();
+        assert!(matches!(
+            parse_datagram(&error, &mut flows),
+            Datagram::Error(Errno::EPERM)
+        ));
+    }
+
+    #[test]
     fn truncated_messages_are_skipped_not_misread() {
         let v4: IpAddr = "192.0.2.7".parse().unwrap();
         let whole = entry(v4, 6, 443, Some(3));
@@ -283,5 +242,19 @@ mod tests {
         bad[NLMSG_HDRLEN + NFGENMSG_LEN] = 0xff;
         parse_datagram(&bad, &mut flows);
         assert!(flows.is_empty());
+        // A nested attribute claiming more than its container holds.
+        let mut bad = whole.clone();
+        bad[NLMSG_HDRLEN + NFGENMSG_LEN + 4] = 0xff;
+        parse_datagram(&bad, &mut flows);
+        assert!(flows.is_empty());
+        // Every truncation and every byte set to 0 or 0xff: no panic.
+        for cut in 0..whole.len() {
+            parse_datagram(&whole[..cut], &mut flows);
+            for value in [0, 0xff] {
+                let mut m = whole.clone();
+                m[cut] = value;
+                parse_datagram(&m, &mut flows);
+            }
+        }
     }
 }

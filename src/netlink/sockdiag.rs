@@ -3,22 +3,20 @@
 //! process can send from any loopback address it likes.
 
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::{AsRawFd, OwnedFd};
 
-use nix::sys::socket::{
-    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto, socket,
-};
+use nix::sys::socket::{MsgFlags, SockProtocol};
+
+use super::Socket;
+use super::bytes::ne32;
+use super::message::{Message, NLM_F_REQUEST, Request};
 
 /// `SOCK_DIAG_BY_FAMILY` (linux/sock_diag.h).
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
-/// `NLM_F_REQUEST`.
-const NLM_F_REQUEST: u16 = 1;
-/// Bytes of `struct nlmsghdr` and `struct inet_diag_req_v2`.
-const NLMSG_HDR_LEN: usize = 16;
+/// Bytes of `struct inet_diag_req_v2`.
 const REQ_LEN: usize = 56;
-/// Where `idiag_uid` lies in a reply: after the netlink header, the four one-byte fields,
-/// the 48-byte `inet_diag_sockid` and `idiag_expires`, `idiag_rqueue`, `idiag_wqueue`.
-const UID_OFFSET: usize = NLMSG_HDR_LEN + 4 + 48 + 12;
+/// Where `idiag_uid` lies in a reply's payload: after the four one-byte fields, the 48-byte
+/// `inet_diag_sockid` and `idiag_expires`, `idiag_rqueue`, `idiag_wqueue`.
+const UID_OFFSET: usize = 4 + 48 + 12;
 
 /// The transport of the socket looked up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,19 +28,14 @@ pub enum Protocol {
 /// A netlink socket for socket lookups, in the network namespace it was opened in.
 #[derive(Debug)]
 pub struct SockDiag {
-    fd: OwnedFd,
+    socket: Socket,
     seq: u32,
 }
 
 impl SockDiag {
     pub fn open() -> nix::Result<SockDiag> {
-        let fd = socket(
-            AddressFamily::Netlink,
-            SockType::Datagram,
-            SockFlag::SOCK_CLOEXEC,
-            SockProtocol::NetlinkSockDiag,
-        )?;
-        Ok(SockDiag { fd, seq: 0 })
+        let socket = Socket::open(SockProtocol::NetlinkSockDiag)?;
+        Ok(SockDiag { socket, seq: 0 })
     }
 
     /// The uid owning the socket at `peer` that talks to `local` (ours), if the kernel
@@ -56,18 +49,12 @@ impl SockDiag {
     ) -> Option<u32> {
         self.seq = self.seq.wrapping_add(1);
         let request = request(protocol, local, peer, self.seq)?;
-        sendto(
-            self.fd.as_raw_fd(),
-            &request,
-            &NetlinkAddr::new(0, 0),
-            MsgFlags::empty(),
-        )
-        .ok()?;
+        self.socket.send(&request).ok()?;
         // The kernel answers within sendto: nothing queued means no answer.
         let mut reply = [0u8; 512];
         loop {
-            let len = recv(self.fd.as_raw_fd(), &mut reply, MsgFlags::MSG_DONTWAIT).ok()?;
-            match parse_reply(&reply[..len], self.seq) {
+            let len = self.socket.recv(&mut reply, MsgFlags::MSG_DONTWAIT).ok()?;
+            match parse_reply(reply.get(..len).unwrap_or(&reply), self.seq) {
                 Reply::Owner(uid) => return Some(uid),
                 Reply::NotFound => return None,
                 Reply::Stale => continue,
@@ -99,46 +86,40 @@ fn request(protocol: Protocol, local: SocketAddr, peer: SocketAddr, seq: u32) ->
         Protocol::Udp => (local, peer, libc::IPPROTO_UDP as u8),
         Protocol::Tcp => (peer, local, libc::IPPROTO_TCP as u8),
     };
-    let mut m = Vec::with_capacity(NLMSG_HDR_LEN + REQ_LEN);
-    m.extend_from_slice(&((NLMSG_HDR_LEN + REQ_LEN) as u32).to_ne_bytes());
-    m.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-    m.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-    m.extend_from_slice(&seq.to_ne_bytes());
-    m.extend_from_slice(&0u32.to_ne_bytes());
-    m.extend_from_slice(&[family, proto, 0, 0]);
-    m.extend_from_slice(&u32::MAX.to_ne_bytes()); // every state
-    m.extend_from_slice(&src.port().to_be_bytes());
-    m.extend_from_slice(&dst.port().to_be_bytes());
+    // struct inet_diag_req_v2
+    let mut req = Vec::with_capacity(REQ_LEN);
+    req.extend_from_slice(&[family, proto, 0, 0]);
+    req.extend_from_slice(&u32::MAX.to_ne_bytes()); // every state
+    req.extend_from_slice(&src.port().to_be_bytes());
+    req.extend_from_slice(&dst.port().to_be_bytes());
     for addr in [src.ip(), dst.ip()] {
         let mut field = [0u8; 16];
         match addr {
             IpAddr::V4(v4) => field[..4].copy_from_slice(&v4.octets()),
             IpAddr::V6(v6) => field.copy_from_slice(&v6.octets()),
         }
-        m.extend_from_slice(&field);
+        req.extend_from_slice(&field);
     }
-    m.extend_from_slice(&0u32.to_ne_bytes()); // any interface
-    m.extend_from_slice(&u32::MAX.to_ne_bytes()); // INET_DIAG_NOCOOKIE
-    m.extend_from_slice(&u32::MAX.to_ne_bytes());
-    Some(m)
+    req.extend_from_slice(&0u32.to_ne_bytes()); // any interface
+    req.extend_from_slice(&u32::MAX.to_ne_bytes()); // INET_DIAG_NOCOOKIE
+    req.extend_from_slice(&u32::MAX.to_ne_bytes());
+    Request::new(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq)
+        .raw(&req)
+        .finish()
+        .ok()
 }
 
+/// Judges the first message of a reply datagram.
 fn parse_reply(reply: &[u8], seq: u32) -> Reply {
-    let u16_at = |at: usize| {
-        reply
-            .get(at..at + 2)
-            .map(|b| u16::from_ne_bytes([b[0], b[1]]))
-    };
-    let u32_at = |at: usize| {
-        reply
-            .get(at..at + 4)
-            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-    };
-    if u32_at(8) != Some(seq) {
+    // A sequence number readable even where the message as a whole is not.
+    if ne32(reply, 8) != Some(seq) {
         return Reply::Stale;
     }
-    match (u16_at(4), u32_at(UID_OFFSET)) {
-        (Some(SOCK_DIAG_BY_FAMILY), Some(uid)) => Reply::Owner(uid),
+    match Message::parse(reply) {
+        Ok(msg) if msg.kind == SOCK_DIAG_BY_FAMILY => match ne32(msg.payload, UID_OFFSET) {
+            Some(uid) => Reply::Owner(uid),
+            None => Reply::NotFound,
+        },
         // NLMSG_ERROR (ENOENT: no such socket), or anything else.
         _ => Reply::NotFound,
     }
@@ -147,13 +128,18 @@ fn parse_reply(reply: &[u8], seq: u32) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::message::NLMSG_HDRLEN;
 
     #[test]
     fn requests_are_laid_out_as_the_kernel_reads_them() {
         let local: SocketAddr = "127.0.0.53:53".parse().unwrap();
         let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
         let udp = request(Protocol::Udp, local, peer, 7).unwrap();
-        assert_eq!(udp.len(), 72);
+        assert_eq!(udp.len(), NLMSG_HDRLEN + REQ_LEN);
+        assert_eq!(&udp[..4], &72u32.to_ne_bytes());
+        assert_eq!(&udp[4..6], &SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        assert_eq!(&udp[6..8], &NLM_F_REQUEST.to_ne_bytes());
+        assert_eq!(&udp[8..12], &7u32.to_ne_bytes());
         assert_eq!(
             &udp[16..18],
             &[libc::AF_INET as u8, libc::IPPROTO_UDP as u8]
@@ -172,6 +158,32 @@ mod tests {
             request(Protocol::Udp, v6, peer, 1).is_none(),
             "mixed families"
         );
+    }
+
+    fn reply(kind: u16, seq: u32, payload: &[u8]) -> Vec<u8> {
+        Request::new(kind, 0, seq).raw(payload).finish().unwrap()
+    }
+
+    #[test]
+    fn replies_are_judged_without_trusting_their_lengths() {
+        let mut payload = vec![0u8; UID_OFFSET];
+        payload.extend_from_slice(&1000u32.to_ne_bytes());
+        payload.extend_from_slice(&[0; 8]);
+        let good = reply(SOCK_DIAG_BY_FAMILY, 3, &payload);
+        assert_eq!(parse_reply(&good, 3), Reply::Owner(1000));
+        assert_eq!(parse_reply(&good, 4), Reply::Stale);
+        let enoent = reply(2, 3, &(-libc::ENOENT).to_ne_bytes());
+        assert_eq!(parse_reply(&enoent, 3), Reply::NotFound);
+        // Cut before the uid, or a length that lies: no owner, no panic.
+        for cut in 12..good.len() {
+            assert_eq!(parse_reply(&good[..cut], 3), Reply::NotFound, "{cut}");
+        }
+        let short = reply(SOCK_DIAG_BY_FAMILY, 3, &payload[..UID_OFFSET + 2]);
+        assert_eq!(parse_reply(&short, 3), Reply::NotFound);
+        let mut lying = good.clone();
+        lying[..4].copy_from_slice(&u32::MAX.to_ne_bytes());
+        assert_eq!(parse_reply(&lying, 3), Reply::NotFound);
+        assert_eq!(parse_reply(&[], 3), Reply::Stale);
     }
 
     /// Real sockets of this process: a UDP socket that sent to a local one, and a TCP

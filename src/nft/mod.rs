@@ -16,6 +16,10 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, MsgFlags, NetlinkAddr, sockopt};
 
 use crate::core::ruleset::{Ruleset, TABLE, Timed};
+use crate::netlink::message::{NFNL_SUBSYS_NFTABLES, NLM_F_REQUEST, nfnl_type};
+use crate::netlink::{
+    self, DumpError, DumpProgress, Malformed, Message, Request, messages, read_dump,
+};
 use encode::Encoded;
 pub use live::LiveTable;
 use sys::Dump;
@@ -86,8 +90,6 @@ impl NftError {
 /// No single answer to a request of ours should take this long; a bound keeps a wedged
 /// kernel from hanging provisioning scripts.
 const RECV_TIMEOUT: Duration = Duration::from_secs(30);
-const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
-const NLMSG_DONE: u16 = libc::NLMSG_DONE as u16;
 
 /// One netlink socket to nf_tables, in the network namespace the process was in when it was
 /// opened.
@@ -96,37 +98,21 @@ pub struct Nft {
     recv_buf: Vec<u8>,
 }
 
-/// The header fields of one netlink message, read from its bytes.
-struct Header {
-    kind: u16,
-    seq: u32,
-    /// For NLMSG_ERROR: 0 for an acknowledgement, else the errno the kernel reported.
-    error: i32,
+/// The acknowledgement an NLMSG_ERROR message carries: `None` for another message,
+/// `Some(None)` for success, `Some(Some(errno))` for a refusal.
+fn ack(msg: &Message<'_>) -> Result<Option<Option<Errno>>, NftError> {
+    msg.error().transpose().map_err(malformed_netlink)
 }
 
-fn header(msg: &[u8]) -> Result<Header, NftError> {
-    let word = |at: usize| -> Option<[u8; 4]> { msg.get(at..at + 4)?.try_into().ok() };
-    let malformed = || NftError::Malformed(format!("{} byte message", msg.len()));
-    let kind_flags = word(4).ok_or_else(malformed)?;
-    let kind = u16::from_ne_bytes([kind_flags[0], kind_flags[1]]);
-    let seq = u32::from_ne_bytes(word(8).ok_or_else(malformed)?);
-    let error = if kind == NLMSG_ERROR {
-        -i32::from_ne_bytes(word(16).ok_or_else(malformed)?)
-    } else {
-        0
-    };
-    Ok(Header { kind, seq, error })
+fn malformed_netlink(e: Malformed) -> NftError {
+    NftError::Malformed(e.to_string())
 }
 
 impl Nft {
     pub fn open() -> Result<Nft, NftError> {
         let socket = mnl::Socket::new(mnl::Bus::Netfilter).map_err(NftError::Socket)?;
-        socket::setsockopt(
-            &sys::socket_fd(&socket),
-            sockopt::ReceiveTimeout,
-            &nix::sys::time::TimeVal::new(RECV_TIMEOUT.as_secs() as _, 0),
-        )
-        .map_err(|e| NftError::Socket(e.into()))?;
+        netlink::socket::set_recv_timeout(sys::socket_fd(&socket), Some(RECV_TIMEOUT))
+            .map_err(|e| NftError::Socket(e.into()))?;
         sys::cap_acks(&socket).map_err(NftError::Socket)?;
         // Room for the acknowledgements of a large batch (best effort).
         let _ = socket::setsockopt(&sys::socket_fd(&socket), sockopt::RcvBufForce, &(1 << 20));
@@ -196,20 +182,22 @@ impl Nft {
             } else {
                 MsgFlags::empty()
             };
-            let n = match socket::recv(fd.as_raw_fd(), &mut self.recv_buf, flags) {
+            let n = match netlink::socket::recv(fd, &mut self.recv_buf, flags) {
                 Ok(n) => n,
                 Err(Errno::EAGAIN) if refused.is_some() => break,
                 Err(Errno::EAGAIN) => return Err(NftError::Timeout("the batch")),
                 Err(e) => return Err(io_error("receive", e)),
             };
-            for msg in mnl::NlMessages::new(&self.recv_buf[..n]) {
-                let msg = msg.map_err(|e| NftError::Malformed(e.to_string()))?;
-                let h = header(msg)?;
-                if h.kind != NLMSG_ERROR || !waiting.remove(&h.seq) {
+            for msg in messages(self.recv_buf.get(..n).unwrap_or_default()) {
+                let msg = msg.map_err(malformed_netlink)?;
+                let Some(errno) = ack(&msg)? else { continue };
+                if !waiting.remove(&msg.seq) {
                     continue;
                 }
-                if h.error != 0 && refused.is_none() {
-                    refused = Some((h.seq, Errno::from_raw(h.error)));
+                if let Some(errno) = errno
+                    && refused.is_none()
+                {
+                    refused = Some((msg.seq, errno));
                 }
             }
         }
@@ -225,30 +213,25 @@ impl Nft {
     /// Sends a dump request and collects the messages of the answer.
     fn dump(&mut self, request: &[u8], what: &'static str) -> Result<Vec<Vec<u8>>, NftError> {
         let fd = sys::socket_fd(&self.socket);
-        let kernel = NetlinkAddr::new(0, 0);
-        socket::sendto(fd.as_raw_fd(), request, &kernel, MsgFlags::empty())
-            .map_err(|e| io_error("dump request", e))?;
+        netlink::socket::send(fd, request).map_err(|e| io_error("dump request", e))?;
         let mut out = Vec::new();
         loop {
-            let n = match socket::recv(fd.as_raw_fd(), &mut self.recv_buf, MsgFlags::empty()) {
+            let n = match netlink::socket::recv(fd, &mut self.recv_buf, MsgFlags::empty()) {
                 Ok(n) => n,
                 Err(Errno::EAGAIN) => return Err(NftError::Timeout(what)),
                 Err(e) => return Err(io_error("receive", e)),
             };
-            for msg in mnl::NlMessages::new(&self.recv_buf[..n]) {
-                let msg = msg.map_err(|e| NftError::Malformed(e.to_string()))?;
-                let h = header(msg)?;
-                match h.kind {
-                    NLMSG_DONE => return Ok(out),
-                    NLMSG_ERROR if h.error != 0 => {
-                        return Err(NftError::Refused {
-                            what: format!("listing {what}"),
-                            errno: Errno::from_raw(h.error),
-                        });
-                    }
-                    NLMSG_ERROR => {}
-                    _ => out.push(msg.to_vec()),
+            let datagram = self.recv_buf.get(..n).unwrap_or_default();
+            match read_dump(datagram, |msg| out.push(msg.bytes.to_vec())) {
+                Ok(DumpProgress::More) => {}
+                Ok(DumpProgress::Done) => return Ok(out),
+                Err(DumpError::Refused(errno)) => {
+                    return Err(NftError::Refused {
+                        what: format!("listing {what}"),
+                        errno,
+                    });
                 }
+                Err(DumpError::Malformed(e)) => return Err(malformed_netlink(e)),
             }
         }
     }
@@ -275,48 +258,27 @@ impl Nft {
 
     /// The ruleset's generation: the kernel counts every committed transaction, anyone's.
     pub fn generation(&mut self) -> Result<u32, NftError> {
-        const NFT_MSG_GETGEN: u16 = 16;
-        const NFT_MSG_NEWGEN: u16 = 15;
-        const NFTA_GEN_ID: u16 = 1;
-        let subsys = u16::from(NFNL_SUBSYS_NFTABLES) << 8;
-        // nlmsghdr, then nfgenmsg (family unspec, version 0, resource 0).
-        let mut request = 20u32.to_ne_bytes().to_vec();
-        request.extend_from_slice(&(subsys | NFT_MSG_GETGEN).to_ne_bytes());
-        request.extend_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
-        request.extend_from_slice(&0u32.to_ne_bytes());
-        request.extend_from_slice(&0u32.to_ne_bytes());
-        request.extend_from_slice(&[0, 0, 0, 0]);
+        let request =
+            generation_request().map_err(|_| io_error("generation request", Errno::EMSGSIZE))?;
         let fd = sys::socket_fd(&self.socket);
-        socket::sendto(
-            fd.as_raw_fd(),
-            &request,
-            &NetlinkAddr::new(0, 0),
-            MsgFlags::empty(),
-        )
-        .map_err(|e| io_error("generation request", e))?;
+        netlink::socket::send(fd, &request).map_err(|e| io_error("generation request", e))?;
         loop {
-            let n = match socket::recv(fd.as_raw_fd(), &mut self.recv_buf, MsgFlags::empty()) {
+            let n = match netlink::socket::recv(fd, &mut self.recv_buf, MsgFlags::empty()) {
                 Ok(n) => n,
                 Err(Errno::EAGAIN) => return Err(NftError::Timeout("the generation request")),
                 Err(e) => return Err(io_error("receive", e)),
             };
-            for msg in mnl::NlMessages::new(&self.recv_buf[..n]) {
-                let msg = msg.map_err(|e| NftError::Malformed(e.to_string()))?;
-                let h = header(msg)?;
-                if h.kind == NLMSG_ERROR && h.error != 0 {
+            for msg in messages(self.recv_buf.get(..n).unwrap_or_default()) {
+                let msg = msg.map_err(malformed_netlink)?;
+                if let Some(Some(errno)) = ack(&msg)? {
                     return Err(NftError::Refused {
                         what: "reading the ruleset generation".into(),
-                        errno: Errno::from_raw(h.error),
+                        errno,
                     });
                 }
-                if h.kind == subsys | NFT_MSG_NEWGEN {
-                    let id = msg
-                        .get(NFGEN_PAYLOAD..)
-                        .and_then(|attrs| attr(attrs, NFTA_GEN_ID))
-                        .and_then(|v| v.try_into().ok())
-                        .map(u32::from_be_bytes)
-                        .ok_or_else(|| NftError::Malformed("a generation message".into()))?;
-                    return Ok(id);
+                if msg.kind == nfnl_type(NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWGEN) {
+                    return generation_id(&msg)
+                        .ok_or_else(|| NftError::Malformed("a generation message".into()));
                 }
             }
         }
@@ -369,26 +331,26 @@ impl Nft {
     }
 }
 
-/// nf_tables messages carry their attributes after the netlink header and the nfgenmsg.
-const NFGEN_PAYLOAD: usize = 16 + 4;
-/// libc's NFNL_SUBSYS_NFTABLES.
-const NFNL_SUBSYS_NFTABLES: u8 = 10;
+const NFT_MSG_GETGEN: u8 = 16;
+const NFT_MSG_NEWGEN: u8 = 15;
+const NFTA_GEN_ID: u16 = 1;
 
-/// The value of netlink attribute `kind` among `attrs`, if present.
-fn attr(attrs: &[u8], kind: u16) -> Option<&[u8]> {
-    let mut at = 0;
-    while at + 4 <= attrs.len() {
-        let len = usize::from(u16::from_ne_bytes([attrs[at], attrs[at + 1]]));
-        if len < 4 || at + len > attrs.len() {
-            return None;
-        }
-        // Without NLA_F_NESTED and NLA_F_NET_BYTEORDER.
-        if u16::from_ne_bytes([attrs[at + 2], attrs[at + 3]]) & 0x3fff == kind {
-            return Some(&attrs[at + 4..at + len]);
-        }
-        at += len.div_ceil(4) * 4;
-    }
-    None
+/// NFT_MSG_GETGEN: nfgenmsg with family unspec, resource 0.
+fn generation_request() -> Result<Vec<u8>, netlink::message::Oversize> {
+    Request::new(
+        nfnl_type(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETGEN),
+        NLM_F_REQUEST,
+        0,
+    )
+    .nfgenmsg(libc::AF_UNSPEC as u8, 0)
+    .finish()
+}
+
+/// The generation an NFT_MSG_NEWGEN message carries (NFTA_GEN_ID, big-endian).
+fn generation_id(msg: &Message<'_>) -> Option<u32> {
+    let (_, attrs) = msg.nfgenmsg().ok()?;
+    let id: [u8; 4] = attrs.value(NFTA_GEN_ID)?.try_into().ok()?;
+    Some(u32::from_be_bytes(id))
 }
 
 fn malformed(what: &str) -> NftError {
@@ -399,5 +361,67 @@ fn io_error(doing: &'static str, e: Errno) -> NftError {
     NftError::Io {
         doing,
         source: e.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_generation_request_and_answer() {
+        let r = generation_request().unwrap();
+        assert_eq!(r.len(), 20);
+        assert_eq!(&r[4..6], &0x0a10u16.to_ne_bytes());
+        assert_eq!(&r[6..8], &1u16.to_ne_bytes());
+        assert_eq!(&r[16..20], &[0, 0, 0, 0]);
+
+        let answer = |attrs: &[(u16, &[u8])]| {
+            let kind = nfnl_type(NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWGEN);
+            attrs
+                .iter()
+                .fold(Request::new(kind, 0, 0).nfgenmsg(0, 0), |r, (k, v)| {
+                    r.attr(*k, v)
+                })
+                .finish()
+                .unwrap()
+        };
+        let good = answer(&[(NFTA_GEN_ID, &42u32.to_be_bytes()), (3, b"nft\0")]);
+        let msg = Message::parse(&good).unwrap();
+        assert_eq!(generation_id(&msg), Some(42));
+        // A short id, a missing one, an id whose length runs past the message.
+        let short = answer(&[(NFTA_GEN_ID, &[0, 42])]);
+        assert_eq!(generation_id(&Message::parse(&short).unwrap()), None);
+        let none = answer(&[(3, b"nft\0")]);
+        assert_eq!(generation_id(&Message::parse(&none).unwrap()), None);
+        let mut past = good.clone();
+        past[20] = 0xf0;
+        assert_eq!(generation_id(&Message::parse(&past).unwrap()), None);
+    }
+
+    #[test]
+    fn acknowledgements_are_read_and_short_ones_are_malformed() {
+        let error = |code: i32| {
+            Request::new(libc::NLMSG_ERROR as u16, 0, 3)
+                .raw(&code.to_ne_bytes())
+                .raw(&[0; 16])
+                .finish()
+                .unwrap()
+        };
+        let ok = error(0);
+        assert_eq!(ack(&Message::parse(&ok).unwrap()).unwrap(), Some(None));
+        let refused = error(-libc::EEXIST);
+        assert_eq!(
+            ack(&Message::parse(&refused).unwrap()).unwrap(),
+            Some(Some(Errno::EEXIST))
+        );
+        let mut short = ok[..18].to_vec();
+        short[..4].copy_from_slice(&18u32.to_ne_bytes());
+        assert!(matches!(
+            ack(&Message::parse(&short).unwrap()),
+            Err(NftError::Malformed(_))
+        ));
+        let other = generation_request().unwrap();
+        assert_eq!(ack(&Message::parse(&other).unwrap()).unwrap(), None);
     }
 }

@@ -9,10 +9,12 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 
 use nix::errno::Errno;
-use nix::sys::socket::{self, MsgFlags};
+use nix::sys::socket::{MsgFlags, SockProtocol};
 
-use super::{NftError, sys};
+use super::NftError;
 use crate::core::ruleset::TABLE;
+use crate::netlink::message::NFNL_SUBSYS_NFTABLES;
+use crate::netlink::{Message, Socket, messages};
 
 /// libc's NFNLGRP_NFTABLES.
 const NFNLGRP_NFTABLES: u32 = 7;
@@ -20,8 +22,6 @@ const NFT_MSG_NEWGEN: u16 = 15;
 /// The first attribute of table, chain, rule, set and element messages names the table.
 const ATTR_TABLE: u16 = 1;
 const NFTA_GEN_PROC_NAME: u16 = 3;
-const NLMSG_HDRLEN: usize = 16;
-const NFGENMSG_LEN: usize = 4;
 /// Our own full apply of a large table is one notification per element: room for a few
 /// thousand; beyond that an overrun is resolved by the ruleset generation (see `Drained`).
 const RECV_BUFFER: usize = 4 << 20;
@@ -48,7 +48,7 @@ impl std::fmt::Display for Change {
 }
 
 pub struct Monitor {
-    socket: mnl::Socket,
+    socket: Socket,
     buf: Vec<u8>,
 }
 
@@ -61,22 +61,19 @@ impl AsRawFd for Monitor {
 impl Monitor {
     /// Subscribes to change notifications in the current network namespace.
     pub fn open() -> Result<Monitor, NftError> {
-        let socket = mnl::Socket::open(mnl::Bus::Netfilter).map_err(NftError::Socket)?;
+        let socket =
+            Socket::open(SockProtocol::NetlinkNetFilter).map_err(|e| NftError::Socket(e.into()))?;
         socket
-            .bind(1 << (NFNLGRP_NFTABLES - 1), 0)
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::EPERM) => NftError::Refused {
+            .bind(1 << (NFNLGRP_NFTABLES - 1))
+            .map_err(|e| match e {
+                Errno::EPERM => NftError::Refused {
                     what: "a subscription to nftables change notifications".into(),
                     errno: Errno::EPERM,
                 },
-                _ => NftError::Socket(e),
+                e => NftError::Socket(e.into()),
             })?;
         // Best effort: without it the overrun path still keeps us right.
-        let _ = socket::setsockopt(
-            &sys::socket_fd(&socket),
-            nix::sys::socket::sockopt::RcvBufForce,
-            &RECV_BUFFER,
-        );
+        let _ = socket.force_recv_buffer(RECV_BUFFER);
         Ok(Monitor {
             socket,
             buf: vec![0; 2 * nftnl::nft_nlmsg_maxsize() as usize],
@@ -88,9 +85,8 @@ impl Monitor {
     pub fn drain(&mut self, ours: u32) -> Result<Drained, NftError> {
         let mut drained = Drained::default();
         let changes = &mut drained.changes;
-        let fd = sys::socket_fd(&self.socket);
         loop {
-            let n = match socket::recv(fd.as_raw_fd(), &mut self.buf, MsgFlags::MSG_DONTWAIT) {
+            let n = match self.socket.recv(&mut self.buf, MsgFlags::MSG_DONTWAIT) {
                 Ok(n) => n,
                 Err(Errno::EAGAIN) => return Ok(drained),
                 Err(Errno::ENOBUFS) => {
@@ -104,7 +100,7 @@ impl Monitor {
                     });
                 }
             };
-            for msg in mnl::NlMessages::new(&self.buf[..n]) {
+            for msg in messages(self.buf.get(..n).unwrap_or_default()) {
                 let msg = msg.map_err(|e| NftError::Malformed(e.to_string()))?;
                 match parse(msg) {
                     Some(Notification::Change(c)) if c.portid != ours => changes.push(c),
@@ -138,32 +134,16 @@ enum Notification {
     },
 }
 
-fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-/// The string attribute `kind` of a message's attributes, if present.
-fn string_attr(attrs: &[u8], kind: u16) -> Option<String> {
-    let value = super::attr(attrs, kind)?;
-    let end = value.iter().position(|&b| b == 0).unwrap_or(value.len());
-    Some(String::from_utf8_lossy(&value[..end]).into_owned())
-}
-
-fn parse(msg: &[u8]) -> Option<Notification> {
-    let kind = u16_at(msg, 4)?;
-    let portid = u32_at(msg, 12)?;
-    if kind >> 8 != u16::from(super::NFNL_SUBSYS_NFTABLES) {
+fn parse(msg: Message<'_>) -> Option<Notification> {
+    let portid = msg.portid;
+    if msg.kind >> 8 != u16::from(NFNL_SUBSYS_NFTABLES) {
         return None;
     }
-    let family = *msg.get(NLMSG_HDRLEN)?;
-    let attrs = msg.get(NLMSG_HDRLEN + NFGENMSG_LEN..)?;
-    let msg_type = kind & 0xff;
+    let (nfgen, attrs) = msg.nfgenmsg().ok()?;
+    let family = nfgen.family;
+    let msg_type = msg.kind & 0xff;
     if msg_type == NFT_MSG_NEWGEN {
-        let process = string_attr(attrs, NFTA_GEN_PROC_NAME)?;
+        let process = attrs.find(NFTA_GEN_PROC_NAME)?.string();
         return Some(Notification::Generation { portid, process });
     }
     let what = match i32::from(msg_type) {
@@ -180,7 +160,7 @@ fn parse(msg: &[u8]) -> Option<Notification> {
         _ => "object changed",
     };
     let ours = family == libc::NFPROTO_INET as u8
-        && string_attr(attrs, ATTR_TABLE).as_deref() == Some(TABLE);
+        && attrs.find(ATTR_TABLE).map(|a| a.string()).as_deref() == Some(TABLE);
     ours.then_some(Notification::Change(Change {
         what,
         portid,
@@ -191,49 +171,39 @@ fn parse(msg: &[u8]) -> Option<Notification> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::Request;
+    use crate::netlink::message::{NFGENMSG_LEN, NLMSG_HDRLEN, nfnl_type};
 
-    fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
-        let mut a = ((4 + value.len()) as u16).to_ne_bytes().to_vec();
-        a.extend_from_slice(&kind.to_ne_bytes());
-        a.extend_from_slice(value);
-        while !a.len().is_multiple_of(4) {
-            a.push(0);
-        }
-        a
-    }
-
-    fn message(msg_type: u16, family: u8, portid: u32, attrs: &[Vec<u8>]) -> Vec<u8> {
-        let body: Vec<u8> = attrs.concat();
-        let len = (NLMSG_HDRLEN + NFGENMSG_LEN + body.len()) as u32;
-        let mut m = len.to_ne_bytes().to_vec();
-        m.extend_from_slice(
-            &((u16::from(crate::nft::NFNL_SUBSYS_NFTABLES) << 8) | msg_type).to_ne_bytes(),
-        );
-        m.extend_from_slice(&0u16.to_ne_bytes());
-        m.extend_from_slice(&1u32.to_ne_bytes());
-        m.extend_from_slice(&portid.to_ne_bytes());
-        m.extend_from_slice(&[family, 0, 0, 0]);
-        m.extend_from_slice(&body);
+    fn message(msg_type: u16, family: u8, portid: u32, attrs: &[(u16, &[u8])]) -> Vec<u8> {
+        let kind = nfnl_type(NFNL_SUBSYS_NFTABLES, msg_type as u8);
+        let mut m = attrs
+            .iter()
+            .fold(Request::new(kind, 0, 1).nfgenmsg(family, 0), |r, (k, v)| {
+                r.attr(*k, v)
+            })
+            .finish()
+            .unwrap();
+        m[12..16].copy_from_slice(&portid.to_ne_bytes());
         m
     }
 
+    fn parse_bytes(m: &[u8]) -> Option<Notification> {
+        parse(Message::parse(m).ok()?)
+    }
+
     fn change(m: &[u8]) -> Option<Change> {
-        match parse(m) {
+        match parse_bytes(m) {
             Some(Notification::Change(c)) => Some(c),
             _ => None,
         }
     }
 
+    const OURS: (u16, &[u8]) = (ATTR_TABLE, b"egress_fence\0");
+
     #[test]
     fn changes_to_our_table_are_recognised() {
         let inet = libc::NFPROTO_INET as u8;
-        let ours = attr(ATTR_TABLE, b"egress_fence\0");
-        let del = message(
-            libc::NFT_MSG_DELTABLE as u16,
-            inet,
-            4242,
-            std::slice::from_ref(&ours),
-        );
+        let del = message(libc::NFT_MSG_DELTABLE as u16, inet, 4242, &[OURS]);
         assert_eq!(
             change(&del),
             Some(Change {
@@ -242,25 +212,31 @@ mod tests {
                 process: None
             })
         );
-        let rule = message(
-            libc::NFT_MSG_DELRULE as u16,
+        let rule = message(libc::NFT_MSG_DELRULE as u16, inet, 7, &[OURS]);
+        assert_eq!(change(&rule).map(|c| c.what), Some("rule deleted"));
+        // The kernel may flag the attribute's byte order; the type is what counts.
+        let flagged = message(
+            libc::NFT_MSG_NEWSET as u16,
             inet,
             7,
-            std::slice::from_ref(&ours),
+            &[(ATTR_TABLE | 0x4000, b"egress_fence\0")],
         );
-        assert_eq!(change(&rule).map(|c| c.what), Some("rule deleted"));
+        assert_eq!(change(&flagged).map(|c| c.what), Some("set added"));
     }
 
     #[test]
     fn other_tables_and_families_are_ignored() {
-        let other = attr(ATTR_TABLE, b"docker\0");
+        let other: (u16, &[u8]) = (ATTR_TABLE, b"docker\0");
         let inet = libc::NFPROTO_INET as u8;
         assert_eq!(change(&message(2, inet, 1, &[other])), None);
-        let ours = attr(ATTR_TABLE, b"egress_fence\0");
         assert_eq!(
-            change(&message(2, libc::NFPROTO_IPV4 as u8, 1, &[ours])),
+            change(&message(2, libc::NFPROTO_IPV4 as u8, 1, &[OURS])),
             None
         );
+        // Another subsystem's message (conntrack, subsystem 1) with the same layout.
+        let mut ct = message(2, inet, 1, &[OURS]);
+        ct[4..6].copy_from_slice(&nfnl_type(1, 2).to_ne_bytes());
+        assert_eq!(change(&ct), None);
     }
 
     #[test]
@@ -269,20 +245,36 @@ mod tests {
             NFT_MSG_NEWGEN,
             0,
             99,
-            &[
-                attr(1, &7u32.to_be_bytes()),
-                attr(NFTA_GEN_PROC_NAME, b"nft\0"),
-            ],
+            &[(1, &7u32.to_be_bytes()), (NFTA_GEN_PROC_NAME, b"nft\0")],
         );
-        match parse(&generation) {
+        match parse_bytes(&generation) {
             Some(Notification::Generation { portid, process }) => {
                 assert_eq!((portid, process.as_str()), (99, "nft"));
             }
             _ => panic!("a NEWGEN message"),
         }
-        assert!(parse(&[1, 2, 3]).is_none());
-        let mut broken = message(2, 1, 1, &[attr(ATTR_TABLE, b"egress_fence\0")]);
+        assert!(parse_bytes(&[1, 2, 3]).is_none());
+        let mut broken = message(2, 1, 1, &[OURS]);
         broken[NLMSG_HDRLEN + NFGENMSG_LEN] = 200; // attribute length past the end
         assert!(change(&broken).is_none());
+        // A message cut inside its nfgenmsg, and every truncation of a good one.
+        let del = message(
+            libc::NFT_MSG_DELTABLE as u16,
+            libc::NFPROTO_INET as u8,
+            1,
+            &[OURS],
+        );
+        let mut cut = del[..NLMSG_HDRLEN + 2].to_vec();
+        let len = cut.len() as u32;
+        cut[..4].copy_from_slice(&len.to_ne_bytes());
+        assert!(parse_bytes(&cut).is_none());
+        // (the table's name must be whole: cut inside its value at the latest)
+        for n in 0..NLMSG_HDRLEN + NFGENMSG_LEN + 4 + 12 {
+            let mut m = del[..n].to_vec();
+            if m.len() >= 4 {
+                m[..4].copy_from_slice(&(n as u32).to_ne_bytes());
+            }
+            assert!(change(&m).is_none(), "{n}");
+        }
     }
 }

@@ -1,0 +1,95 @@
+//! A plain netlink socket to the kernel, in the network namespace of the thread that opens
+//! it: the calls every family here needs, in the widths nix takes them.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+use nix::sys::socket::{
+    self, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, sockopt,
+};
+use nix::sys::time::TimeVal;
+
+#[derive(Debug)]
+pub struct Socket {
+    fd: OwnedFd,
+}
+
+impl Socket {
+    /// A netlink socket of `protocol` (NETLINK_NETFILTER, NETLINK_SOCK_DIAG, ...), not yet
+    /// bound: the kernel binds it to a port of its choosing at the first send.
+    pub fn open(protocol: SockProtocol) -> nix::Result<Socket> {
+        let fd = socket::socket(
+            AddressFamily::Netlink,
+            SockType::Raw,
+            SockFlag::SOCK_CLOEXEC,
+            protocol,
+        )?;
+        Ok(Socket { fd })
+    }
+
+    /// Binds to a port the kernel picks, subscribed to the multicast `groups` (a bit mask).
+    pub fn bind(&self, groups: u32) -> nix::Result<()> {
+        socket::bind(self.fd.as_raw_fd(), &NetlinkAddr::new(0, groups))
+    }
+
+    /// Sends one datagram to the kernel.
+    pub fn send(&self, datagram: &[u8]) -> nix::Result<usize> {
+        send(self.fd.as_fd(), datagram)
+    }
+
+    /// Receives one datagram into `buf`; with MSG_TRUNC the datagram's real length, which may
+    /// exceed `buf`.
+    pub fn recv(&self, buf: &mut [u8], flags: MsgFlags) -> nix::Result<usize> {
+        recv(self.fd.as_fd(), buf, flags)
+    }
+
+    /// How long a blocking receive waits (`None`: for ever). A wait shorter than a
+    /// microsecond becomes one, since a zero SO_RCVTIMEO means for ever.
+    pub fn set_recv_timeout(&self, timeout: Option<Duration>) -> nix::Result<()> {
+        set_recv_timeout(self.fd.as_fd(), timeout)
+    }
+
+    /// Raises the receive buffer past the sysctl cap (needs CAP_NET_ADMIN).
+    pub fn force_recv_buffer(&self, bytes: usize) -> nix::Result<()> {
+        socket::setsockopt(&self.fd, sockopt::RcvBufForce, &bytes)
+    }
+}
+
+impl AsFd for Socket {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl AsRawFd for Socket {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// Sends one datagram to the kernel on any netlink socket (also one `mnl` opened).
+pub fn send(fd: BorrowedFd<'_>, datagram: &[u8]) -> nix::Result<usize> {
+    socket::sendto(
+        fd.as_raw_fd(),
+        datagram,
+        &NetlinkAddr::new(0, 0),
+        MsgFlags::empty(),
+    )
+}
+
+/// Receives one datagram on any netlink socket.
+pub fn recv(fd: BorrowedFd<'_>, buf: &mut [u8], flags: MsgFlags) -> nix::Result<usize> {
+    socket::recv(fd.as_raw_fd(), buf, flags)
+}
+
+/// See [`Socket::set_recv_timeout`].
+pub fn set_recv_timeout(fd: BorrowedFd<'_>, timeout: Option<Duration>) -> nix::Result<()> {
+    let tv = match timeout.map(|t| t.max(Duration::from_micros(1))) {
+        None => TimeVal::new(0, 0),
+        Some(t) => TimeVal::new(
+            t.as_secs().try_into().unwrap_or(i64::MAX as _),
+            t.subsec_micros().into(),
+        ),
+    };
+    socket::setsockopt(&fd, sockopt::ReceiveTimeout, &tv)
+}
