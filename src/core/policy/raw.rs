@@ -243,7 +243,8 @@ impl<'de> Deserialize<'de> for ListenAddr {
             .map(ListenAddr)
             .map_err(|_| {
                 serde::de::Error::custom(format!(
-                    "`{s}` is not an address to listen on; write 127.0.0.53:53, [::1]:53 or an                      address alone for port 53"
+                    "`{s}` is not an address to listen on; write 127.0.0.53:53, [::1]:53 or an \
+                     address alone for port 53"
                 ))
             })
     }
@@ -305,5 +306,19 @@ mod tests {
         assert!(msg.contains("spans more than 256 ports"), "{msg}");
         let p = parse("version: 1\nallow:\n  - domain: a.example\n    ports: [\"8000-8255\"]\n");
         assert!(p.is_ok(), "{p:?}");
+    }
+
+    #[test]
+    fn a_bad_listen_address_is_refused_in_one_sentence() {
+        let (_, _, msg) = err(
+            "version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  listen: [localhost]\n",
+        );
+        assert!(
+            msg.ends_with(
+                "`localhost` is not an address to listen on; write 127.0.0.53:53, [::1]:53 or \
+                 an address alone for port 53"
+            ),
+            "{msg}"
+        );
     }
 }
