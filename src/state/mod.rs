@@ -5,9 +5,10 @@
 //! named one (`ip netns`), `netns-ino-INODE` for one given as a path. In it:
 //!
 //! - `gen-000042.json`: one [`Generation`] per applied policy, rollback or revert: the policy
-//!   text, what its names resolved to, the [`Ruleset`] value and its nft text. Written
-//!   atomically (temporary file, fsync, rename, fsync of the directory), so a crash or a full
-//!   disk leaves the old record or the new one, never half of one; the last N are kept.
+//!   text, what its names resolved to, the [`Ruleset`](crate::core::ruleset::Ruleset) value
+//!   and its nft text. Written atomically (temporary file, fsync, rename, fsync of the
+//!   directory), so a crash or a full disk leaves the old record or the new one, never half of
+//!   one; the last N are kept.
 //! - `lock`: the writers' lock (an exclusive `flock`), with the holder's pid and command in it.
 //!   The kernel releases it when its holder dies, so a dead holder's lock is simply taken.
 //! - `pending-confirm.json`: a change that reverts by itself unless confirmed.
