@@ -157,7 +157,10 @@ fn print_apply(outcome: &ApplyOutcome, path: &Path, confirm_hint: &str) {
     print_summary(&outcome.diff);
     if let Some(p) = &outcome.armed {
         let left = p.seconds_left(SystemTime::now());
-        let when = format!("at {} (in {left} s)", state::clock_utc(p.deadline()));
+        let when = format!(
+            "at {} (in {left} s)",
+            egress_fence::core::time::clock_utc(p.deadline())
+        );
         match p.revert_to {
             Some(n) => println!(
                 "generation {} reverts to generation {n} {when} unless `{confirm_hint}` runs before",

@@ -8,3 +8,4 @@ pub mod plan;
 pub mod policy;
 pub mod resolution;
 pub mod ruleset;
+pub mod time;

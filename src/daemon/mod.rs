@@ -1489,7 +1489,7 @@ impl Daemon {
         let failing = self.names.values().filter(|s| s.failures > 0).count();
         let last = self
             .last_refresh
-            .map_or("never".to_string(), crate::state::clock_utc);
+            .map_or("never".to_string(), crate::core::time::clock_utc);
         if let Some(link) = &self.guard {
             let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
             let c = &link.counters;
