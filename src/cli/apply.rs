@@ -8,7 +8,6 @@ use egress_fence::change::{self, ApplyOutcome, ConfirmRequest, Planned, Writer};
 use egress_fence::core::policy::Interval;
 use egress_fence::core::ruleset::TABLE;
 use egress_fence::nft::Nft;
-use egress_fence::state;
 
 use super::args::{NamespaceArg, Resolving, WriterArgs};
 use super::common::{enter, lock, state_dir};

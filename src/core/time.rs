@@ -29,6 +29,19 @@ pub fn rfc3339_millis(secs: i64, millis: u32) -> Option<String> {
     ))
 }
 
+/// [`rfc3339_millis`] of a system time: the time of `watch`'s events (1970 for a time before
+/// it or past what RFC 3339 can write).
+pub fn rfc3339_millis_at(t: SystemTime) -> String {
+    let (secs, millis) = match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => (
+            i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+            d.subsec_millis(),
+        ),
+        Err(_) => (0, 0),
+    };
+    rfc3339_millis(secs, millis).unwrap_or_else(|| "1970-01-01T00:00:00.000Z".into())
+}
+
 /// `12:34:56 UTC`.
 pub fn clock_utc(t: SystemTime) -> String {
     format!("{} UTC", time_of_day(unix_seconds(t)))
@@ -111,6 +124,14 @@ mod tests {
             rfc3339_millis(1_767_225_599, 0).unwrap(),
             rfc3339(t).replace('Z', ".000Z")
         );
+    }
+
+    #[test]
+    fn system_times_with_milliseconds() {
+        let t = UNIX_EPOCH + Duration::from_millis(951_782_400_007);
+        assert_eq!(rfc3339_millis_at(t), "2000-02-29T00:00:00.007Z");
+        let before = UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(rfc3339_millis_at(before), "1970-01-01T00:00:00.000Z");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
-use super::time::system_time_rfc3339;
+use crate::core::time::rfc3339_millis_at;
 
 /// One refused packet, as read from NFLOG. Serialises (serde_json) to one JSON object per event.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -110,7 +110,7 @@ impl QueryEvent {
         note: String,
     ) -> QueryEvent {
         QueryEvent {
-            time: system_time_rfc3339(SystemTime::now()),
+            time: rfc3339_millis_at(SystemTime::now()),
             verdict: "refused".into(),
             protocol: "dns".into(),
             name,

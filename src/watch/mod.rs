@@ -12,14 +12,13 @@
 //!
 //! By concern: `nflog` binds the group and reads its messages (the [`Watcher`]), `packet`
 //! decodes the copied IP and transport headers, `event` holds the events and how they print,
-//! `hear` merges the packets with the guard's query log for `watch`, `time` writes their
-//! timestamps.
+//! `hear` merges the packets with the guard's query log for `watch`. Timestamps are written by
+//! [`crate::core::time`].
 
 mod event;
 mod hear;
 mod nflog;
 mod packet;
-mod time;
 
 use nix::errno::Errno;
 

@@ -27,7 +27,7 @@ use nix::errno::Errno;
 use nix::sys::socket::{MsgFlags, SockProtocol};
 
 use super::packet::{decode_ip, protocol_name};
-use super::time::{rfc3339_millis, system_time_rfc3339};
+use crate::core::time::{rfc3339_millis, rfc3339_millis_at};
 use super::{DropEvent, WatchError, malformed};
 use crate::netlink::bytes::{be16, be32, be64};
 use crate::netlink::message::{NFNL_SUBSYS_ULOG, NLM_F_ACK, NLM_F_REQUEST, Oversize, nfnl_type};
@@ -355,7 +355,7 @@ fn decode_packet(msg: &Message<'_>, now: SystemTime) -> Result<DropEvent, WatchE
             .and_then(|s| rfc3339_millis(s, (usec / 1000) as u32)),
         _ => None,
     }
-    .unwrap_or_else(|| system_time_rfc3339(now));
+    .unwrap_or_else(|| rfc3339_millis_at(now));
     Ok(DropEvent {
         time,
         prefix: prefix.unwrap_or_default(),

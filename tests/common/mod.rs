@@ -34,7 +34,6 @@
 //! (reading the ruleset back), `egress_fence` (running the binary, the notify socket) and
 //! `dns_client`. Everything public is re-exported here: tests `use common::*`.
 #![allow(dead_code)]
-#![allow(unsafe_code)] // two libc calls that have nix equivalents; `unsafe` is denied crate-wide (Cargo.toml)
 
 mod addrs;
 mod adversary;
