@@ -2,25 +2,23 @@
 //! `diff`, `apply`'s "unchanged" and `status`'s drift report.
 //!
 //! Pure: both sides are values. The live side is what [`crate::nft::Nft::read_table`] read
-//! back over netlink. Rules are compared in libnftnl's expression text, the one form both
-//! sides have: planned rules are encoded exactly as `apply` sends them and described by
-//! libnftnl ([`encode::rule_text`]), live rules as the kernel returned them. Counter values
-//! and element timeouts are state, not configuration, and are ignored.
+//! back over netlink, its rules decoded into the same [`Rule`] type the plan holds
+//! ([`encode::decode_rule`]); a rule the decoder does not understand equals no wanted rule.
+//! Counter values and element timeouts are state, not configuration, and are ignored.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fmt;
 
 use ipnet::IpNet;
 use serde::Serialize;
 
-use crate::core::policy::{Action, L4Proto};
 use crate::core::ruleset::{
-    Elements, Family, Icmpv6Type, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
-    SourceRoute, TABLE, Tuple, fmt_net, fmt_tuple,
+    Elements, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
+    fmt_tuple,
 };
 use crate::nft::LiveTable;
 use crate::nft::encode::{self, key_spec, set_flags};
-use crate::nft::live::describe_hook;
+use crate::nft::live::{ReadRule, describe_hook};
 
 /// What to leave out of a comparison.
 #[derive(Debug, Clone, Copy, Default)]
@@ -302,26 +300,14 @@ fn wanted_hook(chain: &str) -> Option<(u32, i32, u32)> {
 }
 
 fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
-    let known = known_rules(want);
-    let describe_live = |exprs: &[String]| -> String {
-        let key = rule_key(exprs);
-        known
-            .get(&key)
-            .cloned()
-            .unwrap_or_else(|| format!("[{}]", key.join("; ")))
-    };
     let mut out = Vec::new();
     for (name, rules) in [(OUTPUT_CHAIN, &want.output), (REFUSED_CHAIN, &want.refused)] {
-        let wanted: Vec<(Vec<String>, String)> = rules
-            .iter()
-            .map(|r| (rule_key(&encode::rule_text(r)), r.to_string()))
-            .collect();
         let Some(live_chain) = live.chains.iter().find(|c| c.name == name) else {
             out.push(ChainDiff {
                 name: name.to_string(),
                 presence: Presence::Missing,
                 definition: None,
-                added_rules: wanted.into_iter().map(|(_, text)| text).collect(),
+                added_rules: rules.iter().map(Rule::to_string).collect(),
                 removed_rules: Vec::new(),
             });
             continue;
@@ -330,20 +316,21 @@ fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
             live: describe_hook(live_chain.hook),
             want: describe_hook(wanted_hook(name)),
         });
-        let live_rules: Vec<Vec<String>> = live
+        // Each wanted rule as the kernel would report it back, beside the rules it holds.
+        let wanted: Vec<ReadRule> = rules
+            .iter()
+            .map(|r| ReadRule::Known(encode::as_read_back(r)))
+            .collect();
+        let held: Vec<&ReadRule> = live
             .rules
             .iter()
             .filter(|r| r.chain == name)
-            .map(|r| rule_key(&r.exprs))
+            .map(|r| &r.rule)
             .collect();
-        let wanted_keys: Vec<&Vec<String>> = wanted.iter().map(|(k, _)| k).collect();
-        let live_keys: Vec<&Vec<String>> = live_rules.iter().collect();
-        let (added, removed) = unmatched(&wanted_keys, &live_keys);
-        let added_rules: Vec<String> = added.iter().map(|&i| wanted[i].1.clone()).collect();
-        let removed_rules: Vec<String> = removed
-            .iter()
-            .map(|&i| describe_live(&live_rules[i]))
-            .collect();
+        let wanted_refs: Vec<&ReadRule> = wanted.iter().collect();
+        let (added, removed) = unmatched(&wanted_refs, &held);
+        let added_rules: Vec<String> = added.iter().map(|&i| rules[i].to_string()).collect();
+        let removed_rules: Vec<String> = removed.iter().map(|&i| held[i].to_string()).collect();
         if definition.is_some() || !added_rules.is_empty() || !removed_rules.is_empty() {
             out.push(ChainDiff {
                 name: name.to_string(),
@@ -365,83 +352,12 @@ fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
                     .rules
                     .iter()
                     .filter(|r| r.chain == chain.name)
-                    .map(|r| describe_live(&r.exprs))
+                    .map(|r| r.rule.to_string())
                     .collect(),
             });
         }
     }
     out
-}
-
-/// A rule's expressions as configuration: without counter values (they count packets), and
-/// without the defaults the kernel reports back although our messages leave them out.
-fn rule_key(exprs: &[String]) -> Vec<String> {
-    exprs.iter().map(|e| normalize_expr(e)).collect()
-}
-
-fn normalize_expr(e: &str) -> String {
-    if e.starts_with("counter ") {
-        return "counter".to_string();
-    }
-    let kernel_default = if e.starts_with("lookup ") {
-        // The lookup's flags: 0 unless the match is inverted (`!= @set`).
-        Some(" 0x0")
-    } else if e.starts_with("log ") {
-        // The kernel log's level when a rule names no NFLOG group: 4 (warning), nft's default.
-        Some(" level 4")
-    } else {
-        None
-    };
-    // Trimmed again: libnftnl's text is trimmed at its end, which takes a log prefix's own
-    // trailing space ("EGRESS-DROP: ") unless the kernel's default level follows it.
-    kernel_default
-        .and_then(|suffix| e.strip_suffix(suffix))
-        .unwrap_or(e)
-        .trim_end()
-        .to_string()
-}
-
-/// Every rule shape egress-fence writes, and the wanted ruleset's own rules (log rules have
-/// parameters), by their expressions: lets a live rule the plan no longer has be shown as nft
-/// writes it.
-fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
-    let mut shapes = vec![
-        Rule::AcceptEstablished,
-        Rule::AcceptLoopback,
-        Rule::AcceptMldReport,
-        Rule::GotoRefused,
-        Rule::Refuse(Action::Reject),
-        Rule::Refuse(Action::Drop),
-    ];
-    shapes.extend(
-        [
-            Icmpv6Type::NdRouterSolicit,
-            Icmpv6Type::NdNeighborSolicit,
-            Icmpv6Type::NdNeighborAdvert,
-            Icmpv6Type::Mld2ListenerReport,
-        ]
-        .map(Rule::AcceptIcmpv6),
-    );
-    for proto in [L4Proto::Tcp, L4Proto::Udp] {
-        for port in crate::core::plan::GUARDED_DNS_PORTS {
-            shapes.push(Rule::RefuseService(proto, port));
-        }
-    }
-    shapes.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
-    for family in Family::BOTH {
-        shapes.push(Rule::AcceptDhcpClient(family));
-        shapes.push(Rule::CountFamily(family));
-    }
-    for id in SetId::ALL {
-        shapes.push(Rule::RefuseDaddrIn(id));
-        shapes.push(Rule::AcceptTupleIn(id));
-    }
-    shapes
-        .iter()
-        .chain(&want.output)
-        .chain(&want.refused)
-        .map(|r| (rule_key(&encode::rule_text(r)), r.to_string()))
-        .collect()
 }
 
 /// The positions in `want` and in `live` outside a longest common subsequence: the rules to
@@ -480,15 +396,18 @@ fn unmatched<T: PartialEq>(want: &[T], live: &[T]) -> (Vec<usize>, Vec<usize>) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
     use std::path::Path;
 
     use super::*;
     use crate::core::plan::{plan, plan_with};
     use crate::core::policy::{L4Proto, Policy, PortRange};
     use crate::core::resolution::Resolution;
+    use crate::core::ruleset::Family;
     use crate::core::ruleset::Timed;
     use crate::nft::encode::set_elements;
-    use crate::nft::sys::{LiveChain, LiveElem, LiveRule, LiveSet};
+    use crate::nft::live::LiveRule;
+    use crate::nft::sys::{LiveChain, LiveElem, LiveExpr, LiveSet};
 
     const POLICY: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndeny:\n  - preset: cloud-metadata\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n";
 
@@ -501,19 +420,17 @@ mod tests {
         plan(&policy, &resolution(addrs))
     }
 
-    /// How the kernel reports an expression we sent: with counts, and with the defaults it
-    /// fills in (seen on Linux 6.18 with libnftnl 1.2.4).
-    fn as_the_kernel_reports(e: String) -> String {
-        if e.starts_with("counter ") {
-            "counter pkts 12 bytes 960".to_string()
-        } else if e.starts_with("lookup ") {
-            format!("{e} 0x0")
-        } else if e.starts_with("log ") && !e.contains(" group ") {
-            // After the default prefix's own trailing space, which the trimmed text lost.
-            format!("{e}  level 4")
-        } else {
-            e
+    /// `rule` in chain `chain` as the kernel reports it after an apply: the same encoding,
+    /// read back through the same parser and decoder, with a counter that has counted.
+    fn live_rule(chain: &str, rule: &Rule) -> LiveRule {
+        let mut dumped = encode::dumped_rule(rule).unwrap();
+        dumped.chain = chain.into();
+        for e in &mut dumped.exprs {
+            if let LiveExpr::Counter { packets, bytes } = e {
+                (*packets, *bytes) = (12, 960);
+            }
         }
+        LiveRule::decode(dumped)
     }
 
     /// The table as the kernel would report `rs` after an apply: the same encoding, read back
@@ -526,21 +443,7 @@ mod tests {
         };
         let mut rules = Vec::new();
         for (name, chain_rules) in [(OUTPUT_CHAIN, &rs.output), (REFUSED_CHAIN, &rs.refused)] {
-            for (i, r) in chain_rules.iter().enumerate() {
-                let exprs = encode::rule_text(r)
-                    .into_iter()
-                    .map(as_the_kernel_reports)
-                    .collect();
-                rules.push(LiveRule {
-                    table: TABLE.into(),
-                    chain: name.into(),
-                    handle: i as u64 + 1,
-                    exprs,
-                    counter: None,
-                    log_group: None,
-                    nfproto: None,
-                });
-            }
+            rules.extend(chain_rules.iter().map(|r| live_rule(name, r)));
         }
         let sets = rs
             .sets
@@ -600,14 +503,6 @@ mod tests {
             let diff = compare(&rs, Some(&live_of(&rs)), CompareOptions::default());
             assert!(diff.is_empty(), "{diff}");
         }
-        assert_eq!(
-            normalize_expr("lookup reg 1 set deny4 0x1"),
-            "lookup reg 1 set deny4 0x1"
-        );
-        assert_eq!(
-            normalize_expr("log prefix X:  level 5"),
-            "log prefix X:  level 5"
-        );
     }
 
     #[test]
@@ -698,11 +593,10 @@ mod tests {
             ]
         );
         assert_eq!(refused.removed_rules.len(), 2);
-        // The old log rule is not a shape of the new plan: libnftnl's words, still readable.
-        assert!(
-            refused.removed_rules[0].contains("group 100"),
-            "{:?}",
-            refused.removed_rules
+        // The old log rule, read back into a rule as nft writes it.
+        assert_eq!(
+            refused.removed_rules[0],
+            "limit rate 10/second burst 20 packets log prefix \"EGRESS-DROP: \" group 100"
         );
         assert_eq!(
             refused.removed_rules[1],
@@ -735,11 +629,9 @@ mod tests {
             userdata: None,
         }));
         // `nft delete rule ...` of the deny4 lookup, and a policy flipped to accept.
-        let deny4 = rule_key(&encode::rule_text(&Rule::RefuseDaddrIn(SetId::new(
-            SetRole::Deny,
-            Family::V4,
-        ))));
-        live.rules.retain(|r| rule_key(&r.exprs) != deny4);
+        let deny4 = Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V4));
+        live.rules
+            .retain(|r| r.rule != ReadRule::Known(deny4.clone()));
         live.chains[0].hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_ACCEPT as u32));
         // A chain and a set of someone else's inside our table.
         live.chains.push(LiveChain {
@@ -747,15 +639,7 @@ mod tests {
             name: "mine".into(),
             hook: None,
         });
-        live.rules.push(LiveRule {
-            table: TABLE.into(),
-            chain: "mine".into(),
-            handle: 99,
-            exprs: encode::rule_text(&Rule::AcceptLoopback),
-            counter: None,
-            log_group: None,
-            nfproto: None,
-        });
+        live.rules.push(live_rule("mine", &Rule::AcceptLoopback));
         live.sets.push((
             LiveSet {
                 table: TABLE.into(),
@@ -786,6 +670,33 @@ mod tests {
         assert_eq!(json["table_missing"], false);
         assert_eq!(json["sets"][0]["removed"][0], "198.51.100.9 . tcp . 80");
         assert_eq!(json["chains"][1]["presence"], "extra");
+    }
+
+    #[test]
+    fn a_rule_the_decoder_does_not_understand_is_drift() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        let mut live = live_of(&rs);
+        // `ip6 daddr != @deny6 goto refused`: one flag of one expression changed.
+        let deny6 = Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6));
+        let mut dumped = encode::dumped_rule(&deny6).unwrap();
+        for e in &mut dumped.exprs {
+            if let LiveExpr::Lookup { flags, .. } = e {
+                *flags = 1;
+            }
+        }
+        dumped.text = vec!["lookup reg 1 set deny6 0x1".into()];
+        let at = live
+            .rules
+            .iter()
+            .position(|r| r.rule == ReadRule::Known(deny6.clone()))
+            .unwrap();
+        live.rules[at] = LiveRule::decode(dumped);
+        assert!(matches!(live.rules[at].rule, ReadRule::Unknown(_)));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.to_string(),
+            "chain output: +1 -1 rules\n  + ip6 daddr @deny6 goto refused\n  - [lookup reg 1 set deny6 0x1]\n"
+        );
     }
 
     #[test]

@@ -1,16 +1,17 @@
 //! The table as read back from the kernel, decoded into the ruleset's own terms.
 
-use std::ffi::c_int;
+use std::fmt;
 use std::net::IpAddr;
 
 use ipnet::{IpNet, Ipv4Subnets, Ipv6Subnets};
 use serde::Serialize;
 
-use super::encode::comment_of;
-use super::sys::{LiveChain, LiveElem, LiveRule, LiveSet, NFT_SET_ELEM_INTERVAL_END};
+use super::encode::{comment_of, decode_rule};
+use super::sys::{DumpedRule, LiveChain, LiveElem, LiveExpr, LiveSet, NFT_SET_ELEM_INTERVAL_END};
 use crate::core::policy::{L4Proto, PortRange};
 use crate::core::ruleset::{
-    Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, SetId, SetRole, TABLE, Timed, Tuple,
+    Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, SetId, SetRole, TABLE, Timed,
+    Tuple,
 };
 
 /// Everything in the tool's table, as the kernel reports it.
@@ -19,6 +20,59 @@ pub struct LiveTable {
     pub chains: Vec<LiveChain>,
     pub rules: Vec<LiveRule>,
     pub sets: Vec<(LiveSet, Vec<LiveElem>)>,
+}
+
+/// One rule of the live table: its chain, and what it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveRule {
+    pub chain: String,
+    pub handle: u64,
+    pub rule: ReadRule,
+    /// What the rule's counter counted, if it has one.
+    pub counter: Option<Counter>,
+}
+
+/// A rule as read back from the kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadRule {
+    /// Exactly a rule egress-fence writes.
+    Known(Rule),
+    /// Anything else, as libnftnl prints its expressions: equal to no rule egress-fence
+    /// wants, so it is always drift.
+    Unknown(Vec<String>),
+}
+
+impl LiveRule {
+    /// Decodes a dumped rule (see [`decode_rule`]).
+    pub fn decode(dumped: DumpedRule) -> LiveRule {
+        let counter = dumped.exprs.iter().find_map(|e| match e {
+            LiveExpr::Counter { packets, bytes } => Some(Counter {
+                packets: *packets,
+                bytes: *bytes,
+            }),
+            _ => None,
+        });
+        let rule = match decode_rule(&dumped.exprs) {
+            Some(rule) => ReadRule::Known(rule),
+            None => ReadRule::Unknown(dumped.text),
+        };
+        LiveRule {
+            chain: dumped.chain,
+            handle: dumped.handle,
+            rule,
+            counter,
+        }
+    }
+}
+
+/// A known rule as nft writes it; any other as libnftnl's expressions, `[a; b; c]`.
+impl fmt::Display for ReadRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadRule::Known(rule) => write!(f, "{rule}"),
+            ReadRule::Unknown(text) => write!(f, "[{}]", text.join("; ")),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -77,19 +131,18 @@ impl LiveTable {
                 rules: self.rules.iter().filter(|r| r.chain == c.name).count(),
             })
             .collect();
-        let counter = |family: c_int| {
+        let counter = |family: Family| {
             self.rules
                 .iter()
-                .filter(|r| r.chain == REFUSED_CHAIN && r.nfproto == Some(family as u8))
-                .find_map(|r| r.counter)
-                .map_or_else(Counter::default, |(packets, bytes)| Counter {
-                    packets,
-                    bytes,
+                .filter(|r| {
+                    r.chain == REFUSED_CHAIN && r.rule == ReadRule::Known(Rule::CountFamily(family))
                 })
+                .find_map(|r| r.counter)
+                .unwrap_or_default()
         };
         let refused = Refused {
-            ipv4: counter(libc::NFPROTO_IPV4),
-            ipv6: counter(libc::NFPROTO_IPV6),
+            ipv4: counter(Family::V4),
+            ipv6: counter(Family::V6),
         };
         let sets = self
             .sets
@@ -123,7 +176,10 @@ pub fn log_group(rules: &[LiveRule]) -> Option<u16> {
     rules
         .iter()
         .filter(|r| r.chain == REFUSED_CHAIN)
-        .find_map(|r| r.log_group)
+        .find_map(|r| match &r.rule {
+            ReadRule::Known(Rule::Log(log)) => log.group,
+            _ => None,
+        })
 }
 
 /// Who the table lets ask the resolvers of its DNS sets.
@@ -142,48 +198,31 @@ pub struct DnsAccess {
 impl LiveTable {
     pub fn dns_access(&self) -> DnsAccess {
         let mut access = DnsAccess::default();
-        let dns_sets = Family::BOTH.map(|f| SetId::new(SetRole::Dns, f).name());
-        for rule in self.rules.iter().filter(|r| r.chain == OUTPUT_CHAIN) {
-            let dns_lookup = rule.exprs.iter().any(|e| {
-                e.starts_with("lookup ")
-                    && e.split_whitespace()
-                        .any(|w| dns_sets.iter().any(|s| s == w))
-            });
-            // The refusals before the replies look up the same sets (`meta skuid != U ...
-            // goto refused`): only accepts say who may ask.
-            let accepts = rule.exprs.last().is_some_and(|e| e.ends_with(" accept"));
-            if !dns_lookup || !accepts {
-                continue;
-            }
-            match meta_eq(&rule.exprs, "skuid") {
-                Some(uid) => {
-                    if !access.uids.contains(&uid) {
-                        access.uids.push(uid);
+        let rules = self.rules.iter().filter(|r| r.chain == OUTPUT_CHAIN);
+        // The refusals before the replies look up the same sets (`meta skuid != U ...
+        // goto refused`): only accepts say who may ask.
+        for rule in rules {
+            match &rule.rule {
+                ReadRule::Known(Rule::AcceptTupleFromGuard { set, mark, uid })
+                    if set.role == SetRole::Dns =>
+                {
+                    if !access.uids.contains(uid) {
+                        access.uids.push(*uid);
                     }
-                    if let Some(mark) = meta_eq(&rule.exprs, "mark")
-                        && !access.marks.contains(&mark)
+                    if let Some(mark) = mark
+                        && !access.marks.contains(mark)
                     {
-                        access.marks.push(mark);
+                        access.marks.push(*mark);
                     }
                 }
-                None => access.everyone = true,
+                ReadRule::Known(Rule::AcceptTupleIn(set)) if set.role == SetRole::Dns => {
+                    access.everyone = true;
+                }
+                _ => {}
             }
         }
         access
     }
-}
-
-/// The value a rule's `meta KEY V` (`skuid`, `mark`) compares with: libnftnl prints it as
-/// `meta load KEY => reg N` followed by `cmp eq reg N 0x...` (the value in host byte order).
-fn meta_eq(exprs: &[String], key: &str) -> Option<u32> {
-    let load = format!("meta load {key} => reg ");
-    exprs.windows(2).find_map(|pair| {
-        let reg = pair[0].strip_prefix(&load)?;
-        let hex = pair[1]
-            .strip_prefix(&format!("cmp eq reg {reg} 0x"))?
-            .trim();
-        u32::from_str_radix(hex, 16).ok()
-    })
 }
 
 /// In guard mode, the note for a refused packet to a DNS port (53, 853): `None` for any other.
@@ -520,14 +559,10 @@ mod tests {
 
     #[test]
     fn dns_access_reads_the_guard_uid_from_the_rules() {
-        let rule = |r: crate::core::ruleset::Rule| LiveRule {
-            table: TABLE.into(),
-            chain: OUTPUT_CHAIN.into(),
-            handle: 1,
-            exprs: crate::nft::encode::rule_text(&r),
-            counter: None,
-            log_group: None,
-            nfproto: None,
+        let rule = |r: crate::core::ruleset::Rule| {
+            let mut dumped = crate::nft::encode::dumped_rule(&r).unwrap();
+            dumped.chain = OUTPUT_CHAIN.into();
+            LiveRule::decode(dumped)
         };
         let dns4 = SetId::new(SetRole::Dns, Family::V4);
         let table = |rules| LiveTable {

@@ -337,8 +337,14 @@ impl Nft {
         if !self.table_exists()? {
             return Ok(None);
         }
-        let rules = self.dump_own(Dump::Rules, "rules", sys::parse_rule, |r| &r.table)?;
+        let rules = self.read_rules()?;
         Ok(Some(live::log_group(&rules)))
+    }
+
+    /// The rules of our table, decoded.
+    fn read_rules(&mut self) -> Result<Vec<live::LiveRule>, NftError> {
+        let dumped = self.dump_own(Dump::Rules, "rules", sys::parse_rule, |r| &r.table)?;
+        Ok(dumped.into_iter().map(live::LiveRule::decode).collect())
     }
 
     /// Reads the table back from the kernel; `None` if it is not installed.
@@ -348,7 +354,7 @@ impl Nft {
         }
         let table = encode::table_name();
         let chains = self.dump_own(Dump::Chains, "chains", sys::parse_chain, |c| &c.table)?;
-        let rules = self.dump_own(Dump::Rules, "rules", sys::parse_rule, |r| &r.table)?;
+        let rules = self.read_rules()?;
         let sets = self.dump_own(Dump::Sets, "sets", sys::parse_set, |s| &s.table)?;
         let mut with_elements = Vec::new();
         for set in sets {
