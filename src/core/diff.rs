@@ -18,7 +18,7 @@ use crate::core::ruleset::{
 };
 use crate::nft::LiveTable;
 use crate::nft::encode::{self, key_spec, set_flags};
-use crate::nft::live::{ReadRule, describe_hook};
+use crate::nft::live::{ChainDefinition, ReadRule, describe_table_flags};
 
 /// What to leave out of a comparison.
 #[derive(Debug, Clone, Copy, Default)]
@@ -75,13 +75,19 @@ pub struct ChainDiff {
 pub struct TableDiff {
     /// The table is not installed at all.
     pub table_missing: bool,
+    /// The table's flags differ (`dormant`: switched off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub table_flags: Option<Changed>,
     pub sets: Vec<SetDiff>,
     pub chains: Vec<ChainDiff>,
 }
 
 impl TableDiff {
     pub fn is_empty(&self) -> bool {
-        !self.table_missing && self.sets.is_empty() && self.chains.is_empty()
+        !self.table_missing
+            && self.table_flags.is_none()
+            && self.sets.is_empty()
+            && self.chains.is_empty()
     }
 
     /// One line per changed object: "set allow4: +2 -1 elements".
@@ -90,6 +96,12 @@ impl TableDiff {
             return vec![format!("table inet {TABLE} is new (it was not installed)")];
         }
         let mut out = Vec::new();
+        if let Some(flags) = &self.table_flags {
+            out.push(format!(
+                "table inet {TABLE}: flags {} (wanted: {})",
+                flags.live, flags.want
+            ));
+        }
         for s in &self.sets {
             out.push(format!(
                 "set {}: {}",
@@ -143,6 +155,13 @@ impl fmt::Display for TableDiff {
         if self.table_missing {
             writeln!(f, "table inet {TABLE}: not installed")?;
         }
+        if let Some(flags) = &self.table_flags {
+            writeln!(
+                f,
+                "table inet {TABLE}: flags {} (wanted: {})",
+                flags.live, flags.want
+            )?;
+        }
         for s in &self.sets {
             let what = describe_change(s.presence, &s.definition, &s.added, &s.removed, "elements");
             writeln!(f, "set {}: {what}", s.name)?;
@@ -176,6 +195,7 @@ fn write_items(f: &mut fmt::Formatter<'_>, added: &[String], removed: &[String])
 /// Compares `want` with the live table (`None`: not installed).
 pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions) -> TableDiff {
     let empty = LiveTable {
+        flags: 0,
         chains: Vec::new(),
         rules: Vec::new(),
         sets: Vec::new(),
@@ -184,6 +204,10 @@ pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions
     let live = live.unwrap_or(&empty);
     TableDiff {
         table_missing,
+        table_flags: (live.flags != 0).then(|| Changed {
+            live: describe_table_flags(live.flags),
+            want: describe_table_flags(0),
+        }),
         sets: compare_sets(want, live, options),
         chains: compare_chains(want, live),
     }
@@ -294,9 +318,16 @@ fn render(keys: &BTreeSet<ElementKey>) -> Vec<String> {
         .collect()
 }
 
-/// The hook each of our chains has.
-fn wanted_hook(chain: &str) -> Option<(u32, i32, u32)> {
-    (chain == OUTPUT_CHAIN).then_some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32))
+/// The type, hook, priority, policy and flags each of our chains has: the output chain is
+/// a filter chain on the output hook at priority 0 (`filter`) that drops what no rule
+/// accepts; the refused chain is a regular chain.
+fn wanted_chain(chain: &str) -> ChainDefinition {
+    let base = chain == OUTPUT_CHAIN;
+    ChainDefinition {
+        kind: base.then(|| "filter".to_string()),
+        hook: base.then_some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32)),
+        flags: 0,
+    }
 }
 
 fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
@@ -312,9 +343,11 @@ fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
             });
             continue;
         };
-        let definition = (live_chain.hook != wanted_hook(name)).then(|| Changed {
-            live: describe_hook(live_chain.hook),
-            want: describe_hook(wanted_hook(name)),
+        let (held_definition, wanted_definition) =
+            (ChainDefinition::of(live_chain), wanted_chain(name));
+        let definition = (held_definition != wanted_definition).then(|| Changed {
+            live: held_definition.describe(),
+            want: wanted_definition.describe(),
         });
         // Each wanted rule as the kernel would report it back, beside the rules it holds.
         let wanted: Vec<ReadRule> = rules
@@ -436,10 +469,15 @@ mod tests {
     /// The table as the kernel would report `rs` after an apply: the same encoding, read back
     /// through the same libnftnl parser, with counters that have counted something.
     fn live_of(rs: &Ruleset) -> LiveTable {
-        let chain = |name: &str| LiveChain {
-            table: TABLE.into(),
-            name: name.into(),
-            hook: wanted_hook(name),
+        let chain = |name: &str| {
+            let want = wanted_chain(name);
+            LiveChain {
+                table: TABLE.into(),
+                name: name.into(),
+                kind: want.kind,
+                flags: want.flags,
+                hook: want.hook,
+            }
         };
         let mut rules = Vec::new();
         for (name, chain_rules) in [(OUTPUT_CHAIN, &rs.output), (REFUSED_CHAIN, &rs.refused)] {
@@ -471,6 +509,7 @@ mod tests {
             })
             .collect();
         LiveTable {
+            flags: 0,
             chains: vec![chain(OUTPUT_CHAIN), chain(REFUSED_CHAIN)],
             rules,
             sets,
@@ -637,6 +676,8 @@ mod tests {
         live.chains.push(LiveChain {
             table: TABLE.into(),
             name: "mine".into(),
+            kind: None,
+            flags: 0,
             hook: None,
         });
         live.rules.push(live_rule("mine", &Rule::AcceptLoopback));
@@ -670,6 +711,57 @@ mod tests {
         assert_eq!(json["table_missing"], false);
         assert_eq!(json["sets"][0]["removed"][0], "198.51.100.9 . tcp . 80");
         assert_eq!(json["chains"][1]["presence"], "extra");
+    }
+
+    #[test]
+    fn a_dormant_table_and_a_chains_type_or_priority_are_drift() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        // `nft add table inet egress_fence '{ flags dormant; }'`
+        let mut live = live_of(&rs);
+        live.flags = crate::nft::live::TABLE_F_DORMANT;
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert!(!diff.is_empty());
+        assert_eq!(
+            diff.summary(),
+            vec!["table inet egress_fence: flags dormant (wanted: none)"]
+        );
+        assert_eq!(
+            serde_json::to_value(&diff).unwrap()["table_flags"]["live"],
+            "dormant"
+        );
+        assert_eq!(
+            compare(&rs, Some(&live_of(&rs)), CompareOptions::default()).table_flags,
+            None
+        );
+
+        // The output chain recreated as a route chain, or at another priority.
+        let mut live = live_of(&rs);
+        live.chains[0].kind = Some("route".into());
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "chain output: type route hook output priority 0 policy drop (wanted: hook \
+                 output priority 0 policy drop)"
+            ]
+        );
+        let mut live = live_of(&rs);
+        live.chains[0].hook = Some((libc::NF_INET_LOCAL_OUT as u32, 100, libc::NF_DROP as u32));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "chain output: hook output priority 100 policy drop (wanted: hook output \
+                 priority 0 policy drop)"
+            ]
+        );
+        // The refused chain made a base chain.
+        let mut live = live_of(&rs);
+        live.chains[1].kind = Some("filter".into());
+        live.chains[1].hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_ACCEPT as u32));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(diff.chains.len(), 1);
+        assert_eq!(diff.chains[0].name, "refused");
     }
 
     #[test]

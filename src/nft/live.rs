@@ -17,6 +17,8 @@ use crate::core::ruleset::{
 /// Everything in the tool's table, as the kernel reports it.
 #[derive(Debug, Clone)]
 pub struct LiveTable {
+    /// The table's flags (`NFT_TABLE_F_*`); ours has none.
+    pub flags: u32,
     pub chains: Vec<LiveChain>,
     pub rules: Vec<LiveRule>,
     pub sets: Vec<(LiveSet, Vec<LiveElem>)>,
@@ -78,6 +80,9 @@ impl fmt::Display for ReadRule {
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
     pub table: String,
+    /// The table is switched off (`flags dormant`): it refuses nothing.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub dormant: bool,
     pub chains: Vec<ChainStatus>,
     /// Packets and bytes refused since the table was installed, per family.
     pub refused: Refused,
@@ -87,6 +92,8 @@ pub struct Status {
 #[derive(Debug, Clone, Serialize)]
 pub struct ChainStatus {
     pub name: String,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hook: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -125,6 +132,7 @@ impl LiveTable {
             .iter()
             .map(|c| ChainStatus {
                 name: c.name.clone(),
+                kind: c.kind.clone(),
                 hook: c.hook.map(|(hook, _, _)| hook_name(hook).to_string()),
                 priority: c.hook.map(|(_, prio, _)| prio),
                 policy: c.hook.map(|(_, _, policy)| policy_name(policy).to_string()),
@@ -155,6 +163,7 @@ impl LiveTable {
             .collect();
         Status {
             table: format!("inet {TABLE}"),
+            dormant: self.flags & TABLE_F_DORMANT != 0,
             chains,
             refused,
             sets,
@@ -292,6 +301,63 @@ impl Destinations {
         } else {
             "not in the policy".to_string()
         }
+    }
+}
+
+/// `NFT_TABLE_F_DORMANT`: the table is switched off, and none of its chains sees a packet.
+pub const TABLE_F_DORMANT: u32 = 1;
+/// `NFT_TABLE_F_OWNER`: the table belongs to the netlink socket that made it.
+pub const TABLE_F_OWNER: u32 = 2;
+
+/// A table's flags as nft writes them: "dormant", "owner", "none".
+pub fn describe_table_flags(flags: u32) -> String {
+    let mut names: Vec<String> = [(TABLE_F_DORMANT, "dormant"), (TABLE_F_OWNER, "owner")]
+        .into_iter()
+        .filter(|(bit, _)| flags & bit != 0)
+        .map(|(_, name)| name.to_string())
+        .collect();
+    let rest = flags & !(TABLE_F_DORMANT | TABLE_F_OWNER);
+    if rest != 0 {
+        names.push(format!("{rest:#x}"));
+    }
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(",")
+    }
+}
+
+/// What makes a chain what it is, besides its rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainDefinition {
+    /// The type of a base chain (`filter`).
+    pub kind: Option<String>,
+    /// Hook number, priority and policy of a base chain.
+    pub hook: Option<(u32, i32, u32)>,
+    pub flags: u32,
+}
+
+impl ChainDefinition {
+    pub fn of(chain: &LiveChain) -> ChainDefinition {
+        ChainDefinition {
+            kind: chain.kind.clone(),
+            hook: chain.hook,
+            flags: chain.flags,
+        }
+    }
+
+    /// "hook output priority 0 policy drop", "no hook"; the type when it is not `filter`
+    /// (every chain of ours is one), the flags when there are any.
+    pub fn describe(&self) -> String {
+        let mut out = match self.kind.as_deref() {
+            Some("filter") | None => String::new(),
+            Some(kind) => format!("type {kind} "),
+        };
+        out.push_str(&describe_hook(self.hook));
+        if self.flags != 0 {
+            out.push_str(&format!(" flags {:#x}", self.flags));
+        }
+        out
     }
 }
 
@@ -566,6 +632,7 @@ mod tests {
         };
         let dns4 = SetId::new(SetRole::Dns, Family::V4);
         let table = |rules| LiveTable {
+            flags: 0,
             chains: Vec::new(),
             rules,
             sets: Vec::new(),

@@ -614,6 +614,10 @@ impl Aligned {
 pub struct LiveChain {
     pub table: String,
     pub name: String,
+    /// The type of a base chain (`filter`, `route`, `nat`).
+    pub kind: Option<String>,
+    /// `NFT_CHAIN_*` flags (hardware offload, binding); 0 for ours.
+    pub flags: u32,
     /// Hook number, priority and policy of a base chain.
     pub hook: Option<(u32, i32, u32)>,
 }
@@ -768,8 +772,9 @@ unsafe fn parse_with<T, R>(
     }
 }
 
-/// Parses one table message of a dump into its family and name.
-pub fn parse_table(msg: &[u8]) -> Option<(u32, String)> {
+/// Parses one table message of a dump into its family, name and flags (`NFT_TABLE_F_*`:
+/// dormant, owner).
+pub fn parse_table(msg: &[u8]) -> Option<(u32, String, u32)> {
     // SAFETY: the table functions belong together; attributes are read while `t` lives and
     // strings copied.
     unsafe {
@@ -782,6 +787,7 @@ pub fn parse_table(msg: &[u8]) -> Option<(u32, String)> {
                 (
                     sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FAMILY as u16),
                     owned_str(sys::nftnl_table_get_str(t, sys::NFTNL_TABLE_NAME as u16)),
+                    sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FLAGS as u16),
                 )
             },
         )
@@ -800,6 +806,9 @@ pub fn parse_chain(msg: &[u8]) -> Option<LiveChain> {
             |c| LiveChain {
                 table: owned_str(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_TABLE as u16)),
                 name: owned_str(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_NAME as u16)),
+                kind: sys::nftnl_chain_is_set(c, sys::NFTNL_CHAIN_TYPE as u16)
+                    .then(|| owned_str(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_TYPE as u16))),
+                flags: sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_FLAGS as u16),
                 hook: sys::nftnl_chain_is_set(c, sys::NFTNL_CHAIN_HOOKNUM as u16).then(|| {
                     (
                         sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_HOOKNUM as u16),
