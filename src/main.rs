@@ -1300,7 +1300,8 @@ fn report_resolution(policy: &Policy, resolution: &Resolution) {
 }
 
 fn print_status(status: &egress_fence::nft::live::Status) {
-    println!("table {}: installed", status.table);
+    let dormant = if status.dormant { " (dormant)" } else { "" };
+    println!("table {}: installed{dormant}", status.table);
     for c in &status.chains {
         match (&c.hook, c.priority, &c.policy) {
             (Some(hook), Some(prio), Some(policy)) => println!(
@@ -1316,10 +1317,11 @@ fn print_status(status: &egress_fence::nft::live::Status) {
         r.ipv4.packets, r.ipv4.bytes, r.ipv6.packets, r.ipv6.bytes
     );
     for s in &status.sets {
-        let items = match &s.contents {
+        let mut items = match &s.contents {
             Some(elements) => elements.to_nft(),
             None => vec![format!("({} kernel elements)", s.kernel_elements)],
         };
+        items.extend(s.undecodable.iter().map(|e| format!("{e} (undecodable)")));
         if items.is_empty() {
             println!("  set {}: empty", s.name);
         } else {

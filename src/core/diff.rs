@@ -238,18 +238,25 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
             live: live_definition,
             want: set.id.definition(),
         });
-        let (added, removed) = if ignore_contents {
+        let held = live.read_set(set.id);
+        let (added, mut removed) = if ignore_contents {
             (Vec::new(), Vec::new())
         } else {
-            let live_keys = live
-                .contents(set.id)
-                .map(|e| element_keys(&e))
+            let live_keys = held
+                .as_ref()
+                .map(|c| element_keys(&c.elements))
                 .unwrap_or_default();
             (
                 render(&wanted_keys.difference(&live_keys).cloned().collect()),
                 render(&live_keys.difference(&wanted_keys).cloned().collect()),
             )
         };
+        // Elements no ruleset has are drift even where the contents are the daemon's.
+        removed.extend(
+            held.into_iter()
+                .flat_map(|c| c.undecodable)
+                .map(|e| format!("{e} (undecodable)")),
+        );
         if definition.is_some() || !added.is_empty() || !removed.is_empty() {
             out.push(SetDiff {
                 name,
@@ -503,6 +510,7 @@ mod tests {
                         timeout_ms: e.timeout_ms,
                         expires_ms: e.timeout_ms.map(|t| t / 2),
                         userdata: e.userdata,
+                        unread: Vec::new(),
                     })
                     .collect();
                 (live_set, elems)
@@ -666,6 +674,7 @@ mod tests {
             timeout_ms: None,
             expires_ms: None,
             userdata: None,
+            unread: Vec::new(),
         }));
         // `nft delete rule ...` of the deny4 lookup, and a policy flipped to accept.
         let deny4 = Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V4));
@@ -762,6 +771,37 @@ mod tests {
         let diff = compare(&rs, Some(&live), CompareOptions::default());
         assert_eq!(diff.chains.len(), 1);
         assert_eq!(diff.chains[0].name, "refused");
+    }
+
+    #[test]
+    fn undecodable_elements_are_drift_even_in_the_daemons_sets() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        let mut live = live_of(&rs);
+        // `nft add element inet egress_fence resolved4 { 0.0.0.0 . udplite . 53 }`
+        let (_, elems) = live
+            .sets
+            .iter_mut()
+            .find(|(s, _)| s.name == "resolved4")
+            .unwrap();
+        elems.push(LiveElem {
+            key: encode::tuple_key("0.0.0.0".parse().unwrap(), 136, 53),
+            key_end: None,
+            flags: 0,
+            timeout_ms: None,
+            expires_ms: None,
+            userdata: None,
+            unread: Vec::new(),
+        });
+        for ignore_resolved_contents in [false, true] {
+            let options = CompareOptions {
+                ignore_resolved_contents,
+            };
+            let diff = compare(&rs, Some(&live), options);
+            assert_eq!(
+                diff.to_string(),
+                "set resolved4: +0 -1 elements\n  - 0.0.0.0 . udplite . 53 (undecodable)\n"
+            );
+        }
     }
 
     #[test]

@@ -123,6 +123,9 @@ pub struct SetStatus {
     /// The decoded contents, for the sets egress-fence knows.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub contents: Option<Elements>,
+    /// Elements of it egress-fence never writes (see [`SetContents`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub undecodable: Vec<String>,
 }
 
 impl LiveTable {
@@ -155,10 +158,18 @@ impl LiveTable {
         let sets = self
             .sets
             .iter()
-            .map(|(set, elems)| SetStatus {
-                name: set.name.clone(),
-                kernel_elements: elems.len(),
-                contents: SetId::from_name(&set.name).map(|id| decode(id, elems)),
+            .map(|(set, elems)| {
+                let read = SetId::from_name(&set.name).map(|id| decode(id, elems));
+                let (contents, undecodable) = match read {
+                    Some(c) => (Some(c.elements), c.undecodable),
+                    None => (None, Vec::new()),
+                };
+                SetStatus {
+                    name: set.name.clone(),
+                    kernel_elements: elems.len(),
+                    contents,
+                    undecodable,
+                }
             })
             .collect();
         Status {
@@ -170,8 +181,14 @@ impl LiveTable {
         }
     }
 
-    /// The decoded contents of one of our sets.
+    /// The decoded contents of one of our sets: the elements egress-fence writes (see
+    /// [`LiveTable::read_set`] for the others).
     pub fn contents(&self, id: SetId) -> Option<Elements> {
+        self.read_set(id).map(|c| c.elements)
+    }
+
+    /// Everything one of our sets holds, every element decoded or listed as undecodable.
+    pub fn read_set(&self, id: SetId) -> Option<SetContents> {
         let name = id.name();
         self.sets
             .iter()
@@ -425,37 +442,79 @@ fn top(family: Family) -> IpAddr {
     }
 }
 
-fn decode(id: SetId, elems: &[LiveElem]) -> Elements {
-    match id.shape() {
-        KeyShape::Addr => Elements::Networks(decode_intervals(id.family, elems)),
-        KeyShape::Tuple if id.timeout() => {
-            let mut timed: Vec<Timed> = elems
-                .iter()
-                .flat_map(|e| {
-                    decode_tuple(id.family, e).into_iter().map(|tuple| Timed {
+/// What one of our sets holds, as far as it is elements egress-fence writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetContents {
+    pub elements: Elements,
+    /// Elements egress-fence never writes (a catch-all `*`, another protocol, a range of
+    /// protocols, data or expressions attached), described as well as they can be: no
+    /// ruleset wants them, so they are always drift.
+    pub undecodable: Vec<String>,
+}
+
+/// `NFT_SET_ELEM_CATCHALL`: the element without a key, which matches every key.
+const NFT_SET_ELEM_CATCHALL: u32 = 2;
+
+fn decode(id: SetId, elems: &[LiveElem]) -> SetContents {
+    let mut undecodable = Vec::new();
+    let elements = match id.shape() {
+        KeyShape::Addr => {
+            let (ours, theirs): (Vec<&LiveElem>, Vec<&LiveElem>) =
+                elems.iter().partition(|e| is_interval_point(id.family, e));
+            undecodable.extend(theirs.into_iter().map(|e| describe_elem(id.family, e)));
+            Elements::Networks(decode_intervals(id.family, &ours))
+        }
+        KeyShape::Tuple => {
+            let mut decoded = Vec::new();
+            for e in elems {
+                match decode_tuple(id, e) {
+                    Some(tuples) => decoded.extend(tuples.into_iter().map(|t| (t, e))),
+                    None => undecodable.push(describe_elem(id.family, e)),
+                }
+            }
+            if id.timeout() {
+                let mut timed: Vec<Timed> = decoded
+                    .into_iter()
+                    .map(|(tuple, e)| Timed {
                         tuple,
                         timeout_ms: e.timeout_ms,
                         expires_ms: e.expires_ms,
                         name: e.userdata.as_deref().and_then(comment_of),
                     })
-                })
-                .collect();
-            timed.sort();
-            Elements::Timed(timed)
+                    .collect();
+                timed.sort();
+                Elements::Timed(timed)
+            } else {
+                let mut tuples: Vec<Tuple> = decoded.into_iter().map(|(t, _)| t).collect();
+                tuples.sort();
+                Elements::Tuples(tuples)
+            }
         }
-        KeyShape::Tuple => {
-            let mut tuples: Vec<Tuple> = elems
-                .iter()
-                .flat_map(|e| decode_tuple(id.family, e))
-                .collect();
-            tuples.sort();
-            Elements::Tuples(tuples)
-        }
+    };
+    SetContents {
+        elements,
+        undecodable,
+    }
+}
+
+/// Whether `e` is a start or end point of an interval set of addresses, as ours are made of.
+fn is_interval_point(family: Family, e: &LiveElem) -> bool {
+    e.flags & !NFT_SET_ELEM_INTERVAL_END == 0
+        && e.key.len() == addr_len(family)
+        && e.key_end.is_none()
+        && e.timeout_ms.is_none()
+        && e.unread.is_empty()
+}
+
+fn addr_len(family: Family) -> usize {
+    match family {
+        Family::V4 => 4,
+        Family::V6 => 16,
     }
 }
 
 /// Start and end elements of a plain interval set back into networks.
-fn decode_intervals(family: Family, elems: &[LiveElem]) -> Vec<IpNet> {
+fn decode_intervals(family: Family, elems: &[&LiveElem]) -> Vec<IpNet> {
     let mut points: Vec<(IpAddr, bool)> = elems
         .iter()
         .filter_map(|e| {
@@ -483,38 +542,108 @@ fn decode_intervals(family: Family, elems: &[LiveElem]) -> Vec<IpNet> {
     nets
 }
 
-fn decode_tuple(family: Family, e: &LiveElem) -> Vec<Tuple> {
-    let addr_len = match family {
-        Family::V4 => 4,
-        Family::V6 => 16,
+/// The fields of a tuple key: `addr . proto . port`, each padded to 4 bytes with zeros.
+fn tuple_fields(family: Family, key: &[u8]) -> Option<(IpAddr, u8, u16)> {
+    let n = addr_len(family);
+    if key.len() != n + 8 || key[n + 1..n + 4] != [0, 0, 0] || key[n + 6..] != [0, 0] {
+        return None;
+    }
+    let addr = addr_of(family, key)?;
+    Some((addr, key[n], u16::from_be_bytes([key[n + 4], key[n + 5]])))
+}
+
+/// The tuples element `e` of set `id` stands for (the networks covering its address range),
+/// or `None` if it is not an element egress-fence writes: every byte of its key and key end
+/// is read, and nothing else may be attached.
+fn decode_tuple(id: SetId, e: &LiveElem) -> Option<Vec<Tuple>> {
+    if e.flags != 0 || !e.unread.is_empty() || (e.timeout_ms.is_some() && !id.timeout()) {
+        return None;
+    }
+    let (first, proto, port_first) = tuple_fields(id.family, &e.key)?;
+    let (last, proto_end, port_last) = match &e.key_end {
+        Some(end) if id.interval() => tuple_fields(id.family, end)?,
+        Some(_) => return None,
+        None => (first, proto, port_first),
     };
-    let field = |key: &[u8]| -> Option<(IpAddr, u8, u16)> {
-        let addr = addr_of(family, key)?;
-        let proto = *key.get(addr_len)?;
-        let port = u16::from_be_bytes([*key.get(addr_len + 4)?, *key.get(addr_len + 5)?]);
-        Some((addr, proto, port))
+    if proto_end != proto || first > last || port_first > port_last {
+        return None;
+    }
+    let proto = L4Proto::from_number(proto)?;
+    let ports = PortRange {
+        first: port_first,
+        last: port_last,
     };
-    let Some((first, proto, port_first)) = field(&e.key) else {
-        return Vec::new();
+    Some(
+        cover(first, last)
+            .into_iter()
+            .map(|net| Tuple { net, proto, ports })
+            .collect(),
+    )
+}
+
+/// An element egress-fence does not write, as nft would about write it: `*` for a
+/// catch-all, `0.0.0.0/0 . udplite . 0-65535`, `10.0.0.1 . tcp-udp . 53`; else its bytes.
+fn describe_elem(family: Family, e: &LiveElem) -> String {
+    let mut out = if e.flags & NFT_SET_ELEM_CATCHALL != 0 {
+        "*".to_string()
+    } else if let Some((first, proto, port)) = tuple_fields(family, &e.key) {
+        let (last, proto_end, port_end) = e
+            .key_end
+            .as_deref()
+            .and_then(|end| tuple_fields(family, end))
+            .unwrap_or((first, proto, port));
+        let addrs = match cover(first, last).as_slice() {
+            [net] => crate::core::ruleset::fmt_net(net),
+            _ if first == last => first.to_string(),
+            _ => format!("{first}-{last}"),
+        };
+        let protos = if proto == proto_end {
+            proto_name(proto)
+        } else {
+            format!("{}-{}", proto_name(proto), proto_name(proto_end))
+        };
+        let ports = if port == port_end {
+            port.to_string()
+        } else {
+            format!("{port}-{port_end}")
+        };
+        format!("{addrs} . {protos} . {ports}")
+    } else if let (Some(addr), true) = (addr_of(family, &e.key), e.key.len() == addr_len(family)) {
+        addr.to_string()
+    } else {
+        format!("key 0x{}", hex(&e.key))
     };
-    let (last, port_last) = match e.key_end.as_deref().and_then(field) {
-        Some((last, _, port_last)) => (last, port_last),
-        None => (first, port_first),
-    };
-    let Some(proto) = L4Proto::from_number(proto) else {
-        return Vec::new();
-    };
-    cover(first, last)
-        .into_iter()
-        .map(|net| Tuple {
-            net,
-            proto,
-            ports: PortRange {
-                first: port_first,
-                last: port_last,
-            },
-        })
-        .collect()
+    if let Some(end) = &e.key_end
+        && tuple_fields(family, end).is_none()
+    {
+        out.push_str(&format!(" key end 0x{}", hex(end)));
+    }
+    let flags = e.flags & !NFT_SET_ELEM_CATCHALL;
+    if flags != 0 {
+        out.push_str(&format!(" flags {flags:#x}"));
+    }
+    if !e.unread.is_empty() {
+        out.push_str(" with data, a verdict or expressions attached");
+    }
+    out
+}
+
+/// nft's name of an IP protocol (`/etc/protocols`), or its number.
+fn proto_name(number: u8) -> String {
+    match number {
+        1 => "icmp".into(),
+        6 => "tcp".into(),
+        17 => "udp".into(),
+        33 => "dccp".into(),
+        58 => "ipv6-icmp".into(),
+        132 => "sctp".into(),
+        136 => "udplite".into(),
+        n => n.to_string(),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -533,6 +662,7 @@ mod tests {
                 timeout_ms: e.timeout_ms,
                 expires_ms: None,
                 userdata: e.userdata,
+                unread: Vec::new(),
             })
             .collect()
     }
@@ -556,7 +686,8 @@ mod tests {
             let mut elems = live(set_elements(id, &Elements::Networks(nets.clone())).collect());
             elems.reverse(); // the kernel lists an rbtree backwards
             let decoded = decode(id, &elems);
-            assert_eq!(decoded, Elements::Networks(nets), "{family:?}");
+            assert_eq!(decoded.elements, Elements::Networks(nets), "{family:?}");
+            assert!(decoded.undecodable.is_empty());
         }
     }
 
@@ -579,7 +710,10 @@ mod tests {
         ];
         let id = SetId::new(SetRole::Allow, Family::V4);
         let want = Elements::Tuples(tuples.to_vec());
-        assert_eq!(decode(id, &live(set_elements(id, &want).collect())), want);
+        assert_eq!(
+            decode(id, &live(set_elements(id, &want).collect())).elements,
+            want
+        );
 
         let id = SetId::new(SetRole::Resolved, Family::V4);
         let want = Elements::Timed(vec![Timed {
@@ -595,7 +729,90 @@ mod tests {
             elems[0].userdata.as_deref(),
             Some(&b"\x00\x10api.example.com\x00"[..])
         );
-        assert_eq!(decode(id, &elems), want);
+        assert_eq!(decode(id, &elems).elements, want);
+    }
+
+    #[test]
+    fn elements_egress_fence_never_writes_are_undecodable() {
+        let allow4 = SetId::new(SetRole::Allow, Family::V4);
+        let tuple = |net: &str, proto: u8, proto_end: u8, ports: (u16, u16)| {
+            let net: IpNet = net.parse().unwrap();
+            LiveElem {
+                key: crate::nft::encode::tuple_key(net.network(), proto, ports.0),
+                key_end: Some(crate::nft::encode::tuple_key(
+                    net.broadcast(),
+                    proto_end,
+                    ports.1,
+                )),
+                flags: 0,
+                timeout_ms: None,
+                expires_ms: None,
+                userdata: None,
+                unread: Vec::new(),
+            }
+        };
+        let catch_all = LiveElem {
+            key: Vec::new(),
+            key_end: None,
+            flags: NFT_SET_ELEM_CATCHALL,
+            timeout_ms: None,
+            expires_ms: None,
+            userdata: None,
+            unread: Vec::new(),
+        };
+        let mut padded = tuple("192.0.2.1/32", 6, 6, (22, 22));
+        padded.key[5] = 1;
+        let mut with_data = tuple("192.0.2.1/32", 6, 6, (22, 22));
+        with_data.unread = vec![4];
+        let cases = [
+            (catch_all.clone(), "*"),
+            (
+                tuple("0.0.0.0/0", 136, 136, (0, 65535)),
+                "0.0.0.0/0 . udplite . 0-65535",
+            ),
+            (
+                tuple("0.0.0.0/0", 6, 17, (0, 65535)),
+                "0.0.0.0/0 . tcp-udp . 0-65535",
+            ),
+            (
+                tuple("192.0.2.0/24", 6, 6, (443, 80)),
+                "192.0.2.0/24 . tcp . 443-80",
+            ),
+            (padded, "key 0xc0000201060100000016"),
+            (
+                with_data,
+                "192.0.2.1 . tcp . 22 with data, a verdict or expressions attached",
+            ),
+        ];
+        let good = tuple("192.0.2.1/32", 6, 6, (22, 22));
+        for (elem, described) in cases {
+            let read = decode(allow4, &[good.clone(), elem]);
+            assert_eq!(
+                read.elements,
+                Elements::Tuples(vec![Tuple {
+                    net: "192.0.2.1/32".parse().unwrap(),
+                    proto: L4Proto::Tcp,
+                    ports: PortRange::single(22),
+                }]),
+                "{described}"
+            );
+            assert_eq!(read.undecodable.len(), 1, "{described}");
+            assert!(read.undecodable[0].starts_with(described), "{read:?}");
+        }
+        // A hash set holds single keys: a key end is none of ours, nor a flag.
+        let resolved4 = SetId::new(SetRole::Resolved, Family::V4);
+        let read = decode(resolved4, &[tuple("192.0.2.1/32", 6, 6, (22, 22))]);
+        assert_eq!(read.undecodable.len(), 1);
+        // `deny4 { * }` and an address of the wrong length.
+        let deny4 = SetId::new(SetRole::Deny, Family::V4);
+        let short = LiveElem {
+            key: vec![10, 0],
+            flags: 0,
+            ..catch_all.clone()
+        };
+        let read = decode(deny4, &[catch_all, short]);
+        assert_eq!(read.elements, Elements::Networks(Vec::new()));
+        assert_eq!(read.undecodable, ["*", "key 0x0a00"]);
     }
 
     #[test]

@@ -639,7 +639,20 @@ pub struct LiveElem {
     pub timeout_ms: Option<u64>,
     pub expires_ms: Option<u64>,
     pub userdata: Option<Vec<u8>>,
+    /// The attributes it carries that egress-fence never sets (`NFTNL_SET_ELEM_*`: data, a
+    /// verdict, expressions, an object reference): such an element is none of ours.
+    pub unread: Vec<u32>,
 }
+
+/// Element attributes egress-fence never sets.
+const ELEM_ATTRS_NEVER_SET: [u32; 6] = [
+    sys::NFTNL_SET_ELEM_VERDICT,
+    sys::NFTNL_SET_ELEM_CHAIN,
+    sys::NFTNL_SET_ELEM_DATA,
+    sys::NFTNL_SET_ELEM_EXPR,
+    sys::NFTNL_SET_ELEM_OBJREF,
+    sys::NFTNL_SET_ELEM_EXPRESSIONS,
+];
 
 /// A rule as dumped: where it sits, and its expressions with every attribute read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -885,6 +898,10 @@ pub fn parse_elems(msg: &[u8]) -> Option<Vec<LiveElem>> {
                         timeout_ms: u64_attr(sys::NFTNL_SET_ELEM_TIMEOUT),
                         expires_ms: u64_attr(sys::NFTNL_SET_ELEM_EXPIRATION),
                         userdata: data(sys::NFTNL_SET_ELEM_USERDATA),
+                        unread: ELEM_ATTRS_NEVER_SET
+                            .into_iter()
+                            .filter(|&attr| is_set(attr))
+                            .collect(),
                     });
                     e = sys::nftnl_set_elems_iter_next(iter);
                 }
