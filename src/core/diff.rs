@@ -18,7 +18,7 @@ use crate::core::ruleset::{
 };
 use crate::nft::LiveTable;
 use crate::nft::encode::{self, key_spec, set_flags};
-use crate::nft::live::{ChainDefinition, ReadRule, describe_table_flags};
+use crate::nft::live::{ChainDefinition, NFT_CHAIN_BASE, ReadRule, describe_table_flags};
 
 /// What to leave out of a comparison.
 #[derive(Debug, Clone, Copy, Default)]
@@ -333,7 +333,7 @@ fn wanted_chain(chain: &str) -> ChainDefinition {
     ChainDefinition {
         kind: base.then(|| "filter".to_string()),
         hook: base.then_some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32)),
-        flags: 0,
+        flags: if base { NFT_CHAIN_BASE } else { 0 },
     }
 }
 

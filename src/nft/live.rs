@@ -344,6 +344,9 @@ pub fn describe_table_flags(flags: u32) -> String {
     }
 }
 
+/// `NFT_CHAIN_BASE`: the kernel's mark of a chain on a hook, reported among its flags.
+pub const NFT_CHAIN_BASE: u32 = 1;
+
 /// What makes a chain what it is, besides its rules.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChainDefinition {
@@ -351,6 +354,7 @@ pub struct ChainDefinition {
     pub kind: Option<String>,
     /// Hook number, priority and policy of a base chain.
     pub hook: Option<(u32, i32, u32)>,
+    /// `NFT_CHAIN_*`: [`NFT_CHAIN_BASE`] for a base chain; hardware offload, binding.
     pub flags: u32,
 }
 
@@ -371,8 +375,9 @@ impl ChainDefinition {
             Some(kind) => format!("type {kind} "),
         };
         out.push_str(&describe_hook(self.hook));
-        if self.flags != 0 {
-            out.push_str(&format!(" flags {:#x}", self.flags));
+        let flags = self.flags & !NFT_CHAIN_BASE;
+        if flags != 0 {
+            out.push_str(&format!(" flags {flags:#x}"));
         }
         out
     }

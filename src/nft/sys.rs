@@ -616,7 +616,7 @@ pub struct LiveChain {
     pub name: String,
     /// The type of a base chain (`filter`, `route`, `nat`).
     pub kind: Option<String>,
-    /// `NFT_CHAIN_*` flags (hardware offload, binding); 0 for ours.
+    /// `NFT_CHAIN_*` flags: base (on a hook), hardware offload, binding.
     pub flags: u32,
     /// Hook number, priority and policy of a base chain.
     pub hook: Option<(u32, i32, u32)>,
