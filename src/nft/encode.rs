@@ -688,8 +688,10 @@ pub fn dumped_rule(rule: &Rule) -> Option<DumpedRule> {
     sys::describe_rule(&nl)
 }
 
-/// The expressions of `rule` as libnftnl prints them (`nft --debug=netlink`'s form).
-pub fn rule_text(rule: &Rule) -> Vec<String> {
+/// The expressions of `rule` as libnftnl prints them (`nft --debug=netlink`'s form): what
+/// the tests compare with nft's own encoding.
+#[cfg(test)]
+fn rule_text(rule: &Rule) -> Vec<String> {
     dumped_rule(rule).map_or_else(|| vec![format!("unreadable rule: {rule}")], |r| r.text)
 }
 

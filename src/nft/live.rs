@@ -385,7 +385,7 @@ impl ChainDefinition {
 
 /// A chain's hook as nft writes it: "hook output priority 0 policy drop", or "no hook" for a
 /// regular chain.
-pub fn describe_hook(hook: Option<(u32, i32, u32)>) -> String {
+fn describe_hook(hook: Option<(u32, i32, u32)>) -> String {
     match hook {
         Some((hook, priority, policy)) => format!(
             "hook {} priority {priority} policy {}",
