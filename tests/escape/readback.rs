@@ -183,14 +183,50 @@ fn a_catch_all_element_is_drift() {
     assert_drift_then_restored(&w, &policy, "allow4 { * }", "* (undecodable)");
 }
 
+/// Sends one UDP-Lite datagram as an unprivileged user from the sandbox to a host outside
+/// the policy: `Some(true)` if it left, `Some(false)` if the output hook refused it (EPERM),
+/// `None` if this kernel has no UDP-Lite.
+fn udplite_leaves(w: &World) -> Option<bool> {
+    const SEND: &str = r#"
+import socket, sys
+try:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 136)
+except OSError as e:
+    print("unsupported", e)
+    sys.exit(0)
+try:
+    s.sendto(b"x", (sys.argv[1], 9))
+    print("sent")
+except PermissionError:
+    print("refused")
+"#;
+    let host = OTHER_V4.to_string();
+    let out = w.sandbox_cmd_as(NOBODY, &[PYTHON, "-c", SEND, &host]);
+    assert!(out.success(), "{out}");
+    match out.stdout.trim() {
+        "sent" => Some(true),
+        "refused" => Some(false),
+        _ => {
+            eprintln!("SKIP the UDP-Lite leak check: {}", out.stdout.trim());
+            None
+        }
+    }
+}
+
 #[test]
 fn an_element_for_udplite_is_drift() {
     let (w, policy) = world();
+    assert_ne!(udplite_leaves(&w), Some(true), "UDP-Lite leaves the fence");
     let element = "{ 0.0.0.0/0 . udplite . 0-65535 }";
     nft(
         &w,
         &["add", "element", "inet", "egress_fence", "allow4", element],
     );
+    // The premise: the element lets unprivileged UDP-Lite out to anywhere.
+    let leak_checked = udplite_leaves(&w).is_some();
+    if leak_checked {
+        assert_eq!(udplite_leaves(&w), Some(true), "the element opens UDP-Lite");
+    }
     let status = w.egress_fence(&["status"]);
     assert!(
         status
@@ -204,6 +240,9 @@ fn an_element_for_udplite_is_drift() {
         "an udplite element",
         "0.0.0.0/0 . udplite . 0-65535 (undecodable)",
     );
+    if leak_checked {
+        assert_eq!(udplite_leaves(&w), Some(false), "UDP-Lite after apply");
+    }
 }
 
 #[test]
