@@ -150,7 +150,8 @@ fn print_drift(drift: &Drift, state: &StateDir, unexplained: &[change::Unexplain
 }
 
 fn print_status(status: &Status) {
-    println!("table {}: installed", status.table);
+    let dormant = if status.dormant { " (dormant)" } else { "" };
+    println!("table {}: installed{dormant}", status.table);
     for c in &status.chains {
         match (&c.hook, c.priority, &c.policy) {
             (Some(hook), Some(prio), Some(policy)) => println!(
@@ -166,10 +167,11 @@ fn print_status(status: &Status) {
         r.ipv4.packets, r.ipv4.bytes, r.ipv6.packets, r.ipv6.bytes
     );
     for s in &status.sets {
-        let items = match &s.contents {
+        let mut items = match &s.contents {
             Some(elements) => elements.to_nft(),
             None => vec![format!("({} kernel elements)", s.kernel_elements)],
         };
+        items.extend(s.undecodable.iter().map(|e| format!("{e} (undecodable)")));
         if items.is_empty() {
             println!("  set {}: empty", s.name);
         } else {

@@ -2,25 +2,23 @@
 //! `diff`, `apply`'s "unchanged" and `status`'s drift report.
 //!
 //! Pure: both sides are values. The live side is what [`crate::nft::Nft::read_table`] read
-//! back over netlink. Rules are compared in libnftnl's expression text, the one form both
-//! sides have: planned rules are encoded exactly as `apply` sends them and described by
-//! libnftnl ([`encode::rule_text`]), live rules as the kernel returned them. Counter values
-//! and element timeouts are state, not configuration, and are ignored.
+//! back over netlink, its rules decoded into the same [`Rule`] type the plan holds
+//! ([`encode::decode_rule`]); a rule the decoder does not understand equals no wanted rule.
+//! Counter values and element timeouts are state, not configuration, and are ignored.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fmt;
 
 use ipnet::IpNet;
 use serde::Serialize;
 
-use crate::core::policy::{Action, L4Proto};
 use crate::core::ruleset::{
-    Elements, Family, Icmpv6Type, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
-    SourceRoute, TABLE, Tuple, fmt_net, fmt_tuple,
+    Elements, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
+    fmt_tuple,
 };
 use crate::nft::LiveTable;
 use crate::nft::encode::{self, key_spec, set_flags};
-use crate::nft::live::describe_hook;
+use crate::nft::live::{ChainDefinition, NFT_CHAIN_BASE, ReadRule, describe_table_flags};
 
 /// What to leave out of a comparison.
 #[derive(Debug, Clone, Copy, Default)]
@@ -77,13 +75,19 @@ pub struct ChainDiff {
 pub struct TableDiff {
     /// The table is not installed at all.
     pub table_missing: bool,
+    /// The table's flags differ (`dormant`: switched off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub table_flags: Option<Changed>,
     pub sets: Vec<SetDiff>,
     pub chains: Vec<ChainDiff>,
 }
 
 impl TableDiff {
     pub fn is_empty(&self) -> bool {
-        !self.table_missing && self.sets.is_empty() && self.chains.is_empty()
+        !self.table_missing
+            && self.table_flags.is_none()
+            && self.sets.is_empty()
+            && self.chains.is_empty()
     }
 
     /// One line per changed object: "set allow4: +2 -1 elements".
@@ -92,6 +96,12 @@ impl TableDiff {
             return vec![format!("table inet {TABLE} is new (it was not installed)")];
         }
         let mut out = Vec::new();
+        if let Some(flags) = &self.table_flags {
+            out.push(format!(
+                "table inet {TABLE}: flags {} (wanted: {})",
+                flags.live, flags.want
+            ));
+        }
         for s in &self.sets {
             out.push(format!(
                 "set {}: {}",
@@ -145,6 +155,13 @@ impl fmt::Display for TableDiff {
         if self.table_missing {
             writeln!(f, "table inet {TABLE}: not installed")?;
         }
+        if let Some(flags) = &self.table_flags {
+            writeln!(
+                f,
+                "table inet {TABLE}: flags {} (wanted: {})",
+                flags.live, flags.want
+            )?;
+        }
         for s in &self.sets {
             let what = describe_change(s.presence, &s.definition, &s.added, &s.removed, "elements");
             writeln!(f, "set {}: {what}", s.name)?;
@@ -178,6 +195,7 @@ fn write_items(f: &mut fmt::Formatter<'_>, added: &[String], removed: &[String])
 /// Compares `want` with the live table (`None`: not installed).
 pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions) -> TableDiff {
     let empty = LiveTable {
+        flags: 0,
         chains: Vec::new(),
         rules: Vec::new(),
         sets: Vec::new(),
@@ -186,6 +204,10 @@ pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions
     let live = live.unwrap_or(&empty);
     TableDiff {
         table_missing,
+        table_flags: (live.flags != 0).then(|| Changed {
+            live: describe_table_flags(live.flags),
+            want: describe_table_flags(0),
+        }),
         sets: compare_sets(want, live, options),
         chains: compare_chains(want, live),
     }
@@ -216,18 +238,25 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
             live: live_definition,
             want: set.id.definition(),
         });
-        let (added, removed) = if ignore_contents {
+        let held = live.read_set(set.id);
+        let (added, mut removed) = if ignore_contents {
             (Vec::new(), Vec::new())
         } else {
-            let live_keys = live
-                .contents(set.id)
-                .map(|e| element_keys(&e))
+            let live_keys = held
+                .as_ref()
+                .map(|c| element_keys(&c.elements))
                 .unwrap_or_default();
             (
                 render(&wanted_keys.difference(&live_keys).cloned().collect()),
                 render(&live_keys.difference(&wanted_keys).cloned().collect()),
             )
         };
+        // Elements no ruleset has are drift even where the contents are the daemon's.
+        removed.extend(
+            held.into_iter()
+                .flat_map(|c| c.undecodable)
+                .map(|e| format!("{e} (undecodable)")),
+        );
         if definition.is_some() || !added.is_empty() || !removed.is_empty() {
             out.push(SetDiff {
                 name,
@@ -296,54 +325,52 @@ fn render(keys: &BTreeSet<ElementKey>) -> Vec<String> {
         .collect()
 }
 
-/// The hook each of our chains has.
-fn wanted_hook(chain: &str) -> Option<(u32, i32, u32)> {
-    (chain == OUTPUT_CHAIN).then_some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32))
+/// The type, hook, priority, policy and flags each of our chains has: the output chain is
+/// a filter chain on the output hook at priority 0 (`filter`) that drops what no rule
+/// accepts; the refused chain is a regular chain.
+fn wanted_chain(chain: &str) -> ChainDefinition {
+    let base = chain == OUTPUT_CHAIN;
+    ChainDefinition {
+        kind: base.then(|| "filter".to_string()),
+        hook: base.then_some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32)),
+        flags: if base { NFT_CHAIN_BASE } else { 0 },
+    }
 }
 
 fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
-    let known = known_rules(want);
-    let describe_live = |exprs: &[String]| -> String {
-        let key = rule_key(exprs);
-        known
-            .get(&key)
-            .cloned()
-            .unwrap_or_else(|| format!("[{}]", key.join("; ")))
-    };
     let mut out = Vec::new();
     for (name, rules) in [(OUTPUT_CHAIN, &want.output), (REFUSED_CHAIN, &want.refused)] {
-        let wanted: Vec<(Vec<String>, String)> = rules
-            .iter()
-            .map(|r| (rule_key(&encode::rule_text(r)), r.to_string()))
-            .collect();
         let Some(live_chain) = live.chains.iter().find(|c| c.name == name) else {
             out.push(ChainDiff {
                 name: name.to_string(),
                 presence: Presence::Missing,
                 definition: None,
-                added_rules: wanted.into_iter().map(|(_, text)| text).collect(),
+                added_rules: rules.iter().map(Rule::to_string).collect(),
                 removed_rules: Vec::new(),
             });
             continue;
         };
-        let definition = (live_chain.hook != wanted_hook(name)).then(|| Changed {
-            live: describe_hook(live_chain.hook),
-            want: describe_hook(wanted_hook(name)),
+        let (held_definition, wanted_definition) =
+            (ChainDefinition::of(live_chain), wanted_chain(name));
+        let definition = (held_definition != wanted_definition).then(|| Changed {
+            live: held_definition.describe(),
+            want: wanted_definition.describe(),
         });
-        let live_rules: Vec<Vec<String>> = live
+        // Each wanted rule as the kernel would report it back, beside the rules it holds.
+        let wanted: Vec<ReadRule> = rules
+            .iter()
+            .map(|r| ReadRule::Known(encode::as_read_back(r)))
+            .collect();
+        let held: Vec<&ReadRule> = live
             .rules
             .iter()
             .filter(|r| r.chain == name)
-            .map(|r| rule_key(&r.exprs))
+            .map(|r| &r.rule)
             .collect();
-        let wanted_keys: Vec<&Vec<String>> = wanted.iter().map(|(k, _)| k).collect();
-        let live_keys: Vec<&Vec<String>> = live_rules.iter().collect();
-        let (added, removed) = unmatched(&wanted_keys, &live_keys);
-        let added_rules: Vec<String> = added.iter().map(|&i| wanted[i].1.clone()).collect();
-        let removed_rules: Vec<String> = removed
-            .iter()
-            .map(|&i| describe_live(&live_rules[i]))
-            .collect();
+        let wanted_refs: Vec<&ReadRule> = wanted.iter().collect();
+        let (added, removed) = unmatched(&wanted_refs, &held);
+        let added_rules: Vec<String> = added.iter().map(|&i| rules[i].to_string()).collect();
+        let removed_rules: Vec<String> = removed.iter().map(|&i| held[i].to_string()).collect();
         if definition.is_some() || !added_rules.is_empty() || !removed_rules.is_empty() {
             out.push(ChainDiff {
                 name: name.to_string(),
@@ -365,83 +392,12 @@ fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
                     .rules
                     .iter()
                     .filter(|r| r.chain == chain.name)
-                    .map(|r| describe_live(&r.exprs))
+                    .map(|r| r.rule.to_string())
                     .collect(),
             });
         }
     }
     out
-}
-
-/// A rule's expressions as configuration: without counter values (they count packets), and
-/// without the defaults the kernel reports back although our messages leave them out.
-fn rule_key(exprs: &[String]) -> Vec<String> {
-    exprs.iter().map(|e| normalize_expr(e)).collect()
-}
-
-fn normalize_expr(e: &str) -> String {
-    if e.starts_with("counter ") {
-        return "counter".to_string();
-    }
-    let kernel_default = if e.starts_with("lookup ") {
-        // The lookup's flags: 0 unless the match is inverted (`!= @set`).
-        Some(" 0x0")
-    } else if e.starts_with("log ") {
-        // The kernel log's level when a rule names no NFLOG group: 4 (warning), nft's default.
-        Some(" level 4")
-    } else {
-        None
-    };
-    // Trimmed again: libnftnl's text is trimmed at its end, which takes a log prefix's own
-    // trailing space ("EGRESS-DROP: ") unless the kernel's default level follows it.
-    kernel_default
-        .and_then(|suffix| e.strip_suffix(suffix))
-        .unwrap_or(e)
-        .trim_end()
-        .to_string()
-}
-
-/// Every rule shape egress-fence writes, and the wanted ruleset's own rules (log rules have
-/// parameters), by their expressions: lets a live rule the plan no longer has be shown as nft
-/// writes it.
-fn known_rules(want: &Ruleset) -> BTreeMap<Vec<String>, String> {
-    let mut shapes = vec![
-        Rule::AcceptEstablished,
-        Rule::AcceptLoopback,
-        Rule::AcceptMldReport,
-        Rule::GotoRefused,
-        Rule::Refuse(Action::Reject),
-        Rule::Refuse(Action::Drop),
-    ];
-    shapes.extend(
-        [
-            Icmpv6Type::NdRouterSolicit,
-            Icmpv6Type::NdNeighborSolicit,
-            Icmpv6Type::NdNeighborAdvert,
-            Icmpv6Type::Mld2ListenerReport,
-        ]
-        .map(Rule::AcceptIcmpv6),
-    );
-    for proto in [L4Proto::Tcp, L4Proto::Udp] {
-        for port in crate::core::plan::GUARDED_DNS_PORTS {
-            shapes.push(Rule::RefuseService(proto, port));
-        }
-    }
-    shapes.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
-    for family in Family::BOTH {
-        shapes.push(Rule::AcceptDhcpClient(family));
-        shapes.push(Rule::CountFamily(family));
-    }
-    for id in SetId::ALL {
-        shapes.push(Rule::RefuseDaddrIn(id));
-        shapes.push(Rule::AcceptTupleIn(id));
-    }
-    shapes
-        .iter()
-        .chain(&want.output)
-        .chain(&want.refused)
-        .map(|r| (rule_key(&encode::rule_text(r)), r.to_string()))
-        .collect()
 }
 
 /// The positions in `want` and in `live` outside a longest common subsequence: the rules to
@@ -480,15 +436,18 @@ fn unmatched<T: PartialEq>(want: &[T], live: &[T]) -> (Vec<usize>, Vec<usize>) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
     use std::path::Path;
 
     use super::*;
     use crate::core::plan::{plan, plan_with};
     use crate::core::policy::{L4Proto, Policy, PortRange};
     use crate::core::resolution::Resolution;
+    use crate::core::ruleset::Family;
     use crate::core::ruleset::Timed;
     use crate::nft::encode::set_elements;
-    use crate::nft::sys::{LiveChain, LiveElem, LiveRule, LiveSet};
+    use crate::nft::live::LiveRule;
+    use crate::nft::sys::{LiveChain, LiveElem, LiveExpr, LiveSet};
 
     const POLICY: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndeny:\n  - preset: cloud-metadata\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n";
 
@@ -501,46 +460,35 @@ mod tests {
         plan(&policy, &resolution(addrs))
     }
 
-    /// How the kernel reports an expression we sent: with counts, and with the defaults it
-    /// fills in (seen on Linux 6.18 with libnftnl 1.2.4).
-    fn as_the_kernel_reports(e: String) -> String {
-        if e.starts_with("counter ") {
-            "counter pkts 12 bytes 960".to_string()
-        } else if e.starts_with("lookup ") {
-            format!("{e} 0x0")
-        } else if e.starts_with("log ") && !e.contains(" group ") {
-            // After the default prefix's own trailing space, which the trimmed text lost.
-            format!("{e}  level 4")
-        } else {
-            e
+    /// `rule` in chain `chain` as the kernel reports it after an apply: the same encoding,
+    /// read back through the same parser and decoder, with a counter that has counted.
+    fn live_rule(chain: &str, rule: &Rule) -> LiveRule {
+        let mut dumped = encode::dumped_rule(rule).unwrap();
+        dumped.chain = chain.into();
+        for e in &mut dumped.exprs {
+            if let LiveExpr::Counter { packets, bytes } = e {
+                (*packets, *bytes) = (12, 960);
+            }
         }
+        LiveRule::decode(dumped)
     }
 
     /// The table as the kernel would report `rs` after an apply: the same encoding, read back
     /// through the same libnftnl parser, with counters that have counted something.
     fn live_of(rs: &Ruleset) -> LiveTable {
-        let chain = |name: &str| LiveChain {
-            table: TABLE.into(),
-            name: name.into(),
-            hook: wanted_hook(name),
+        let chain = |name: &str| {
+            let want = wanted_chain(name);
+            LiveChain {
+                table: TABLE.into(),
+                name: name.into(),
+                kind: want.kind,
+                flags: want.flags,
+                hook: want.hook,
+            }
         };
         let mut rules = Vec::new();
         for (name, chain_rules) in [(OUTPUT_CHAIN, &rs.output), (REFUSED_CHAIN, &rs.refused)] {
-            for (i, r) in chain_rules.iter().enumerate() {
-                let exprs = encode::rule_text(r)
-                    .into_iter()
-                    .map(as_the_kernel_reports)
-                    .collect();
-                rules.push(LiveRule {
-                    table: TABLE.into(),
-                    chain: name.into(),
-                    handle: i as u64 + 1,
-                    exprs,
-                    counter: None,
-                    log_group: None,
-                    nfproto: None,
-                });
-            }
+            rules.extend(chain_rules.iter().map(|r| live_rule(name, r)));
         }
         let sets = rs
             .sets
@@ -562,12 +510,14 @@ mod tests {
                         timeout_ms: e.timeout_ms,
                         expires_ms: e.timeout_ms.map(|t| t / 2),
                         userdata: e.userdata,
+                        unread: Vec::new(),
                     })
                     .collect();
                 (live_set, elems)
             })
             .collect();
         LiveTable {
+            flags: 0,
             chains: vec![chain(OUTPUT_CHAIN), chain(REFUSED_CHAIN)],
             rules,
             sets,
@@ -600,14 +550,6 @@ mod tests {
             let diff = compare(&rs, Some(&live_of(&rs)), CompareOptions::default());
             assert!(diff.is_empty(), "{diff}");
         }
-        assert_eq!(
-            normalize_expr("lookup reg 1 set deny4 0x1"),
-            "lookup reg 1 set deny4 0x1"
-        );
-        assert_eq!(
-            normalize_expr("log prefix X:  level 5"),
-            "log prefix X:  level 5"
-        );
     }
 
     #[test]
@@ -698,11 +640,10 @@ mod tests {
             ]
         );
         assert_eq!(refused.removed_rules.len(), 2);
-        // The old log rule is not a shape of the new plan: libnftnl's words, still readable.
-        assert!(
-            refused.removed_rules[0].contains("group 100"),
-            "{:?}",
-            refused.removed_rules
+        // The old log rule, read back into a rule as nft writes it.
+        assert_eq!(
+            refused.removed_rules[0],
+            "limit rate 10/second burst 20 packets log prefix \"EGRESS-DROP: \" group 100"
         );
         assert_eq!(
             refused.removed_rules[1],
@@ -733,29 +674,22 @@ mod tests {
             timeout_ms: None,
             expires_ms: None,
             userdata: None,
+            unread: Vec::new(),
         }));
         // `nft delete rule ...` of the deny4 lookup, and a policy flipped to accept.
-        let deny4 = rule_key(&encode::rule_text(&Rule::RefuseDaddrIn(SetId::new(
-            SetRole::Deny,
-            Family::V4,
-        ))));
-        live.rules.retain(|r| rule_key(&r.exprs) != deny4);
+        let deny4 = Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V4));
+        live.rules
+            .retain(|r| r.rule != ReadRule::Known(deny4.clone()));
         live.chains[0].hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_ACCEPT as u32));
         // A chain and a set of someone else's inside our table.
         live.chains.push(LiveChain {
             table: TABLE.into(),
             name: "mine".into(),
+            kind: None,
+            flags: 0,
             hook: None,
         });
-        live.rules.push(LiveRule {
-            table: TABLE.into(),
-            chain: "mine".into(),
-            handle: 99,
-            exprs: encode::rule_text(&Rule::AcceptLoopback),
-            counter: None,
-            log_group: None,
-            nfproto: None,
-        });
+        live.rules.push(live_rule("mine", &Rule::AcceptLoopback));
         live.sets.push((
             LiveSet {
                 table: TABLE.into(),
@@ -786,6 +720,115 @@ mod tests {
         assert_eq!(json["table_missing"], false);
         assert_eq!(json["sets"][0]["removed"][0], "198.51.100.9 . tcp . 80");
         assert_eq!(json["chains"][1]["presence"], "extra");
+    }
+
+    #[test]
+    fn a_dormant_table_and_a_chains_type_or_priority_are_drift() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        // `nft add table inet egress_fence '{ flags dormant; }'`
+        let mut live = live_of(&rs);
+        live.flags = crate::nft::live::TABLE_F_DORMANT;
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert!(!diff.is_empty());
+        assert_eq!(
+            diff.summary(),
+            vec!["table inet egress_fence: flags dormant (wanted: none)"]
+        );
+        assert_eq!(
+            serde_json::to_value(&diff).unwrap()["table_flags"]["live"],
+            "dormant"
+        );
+        assert_eq!(
+            compare(&rs, Some(&live_of(&rs)), CompareOptions::default()).table_flags,
+            None
+        );
+
+        // The output chain recreated as a route chain, or at another priority.
+        let mut live = live_of(&rs);
+        live.chains[0].kind = Some("route".into());
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "chain output: type route hook output priority 0 policy drop (wanted: hook \
+                 output priority 0 policy drop)"
+            ]
+        );
+        let mut live = live_of(&rs);
+        live.chains[0].hook = Some((libc::NF_INET_LOCAL_OUT as u32, 100, libc::NF_DROP as u32));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "chain output: hook output priority 100 policy drop (wanted: hook output \
+                 priority 0 policy drop)"
+            ]
+        );
+        // The refused chain made a base chain.
+        let mut live = live_of(&rs);
+        live.chains[1].kind = Some("filter".into());
+        live.chains[1].hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_ACCEPT as u32));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(diff.chains.len(), 1);
+        assert_eq!(diff.chains[0].name, "refused");
+    }
+
+    #[test]
+    fn undecodable_elements_are_drift_even_in_the_daemons_sets() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        let mut live = live_of(&rs);
+        // `nft add element inet egress_fence resolved4 { 0.0.0.0 . udplite . 53 }`
+        let (_, elems) = live
+            .sets
+            .iter_mut()
+            .find(|(s, _)| s.name == "resolved4")
+            .unwrap();
+        elems.push(LiveElem {
+            key: encode::tuple_key("0.0.0.0".parse().unwrap(), 136, 53),
+            key_end: None,
+            flags: 0,
+            timeout_ms: None,
+            expires_ms: None,
+            userdata: None,
+            unread: Vec::new(),
+        });
+        for ignore_resolved_contents in [false, true] {
+            let options = CompareOptions {
+                ignore_resolved_contents,
+            };
+            let diff = compare(&rs, Some(&live), options);
+            assert_eq!(
+                diff.to_string(),
+                "set resolved4: +0 -1 elements\n  - 0.0.0.0 . udplite . 53 (undecodable)\n"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rule_the_decoder_does_not_understand_is_drift() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        let mut live = live_of(&rs);
+        // `ip6 daddr != @deny6 goto refused`: one flag of one expression changed.
+        let deny6 = Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6));
+        let mut dumped = encode::dumped_rule(&deny6).unwrap();
+        for e in &mut dumped.exprs {
+            if let LiveExpr::Lookup { flags, .. } = e {
+                *flags = 1;
+            }
+        }
+        dumped.text = vec!["lookup reg 1 set deny6 0x1".into()];
+        let at = live
+            .rules
+            .iter()
+            .position(|r| r.rule == ReadRule::Known(deny6.clone()))
+            .unwrap();
+        live.rules[at] = LiveRule::decode(dumped);
+        assert!(matches!(live.rules[at].rule, ReadRule::Unknown(_)));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.to_string(),
+            "chain output: +1 -1 rules\n  + ip6 daddr @deny6 goto refused\n  - [lookup reg 1 set deny6 0x1]\n"
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! the rendered plan, so `nft list` reads our table back exactly as it reads its own.
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
+use std::ffi::{CString, c_int};
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
@@ -12,14 +12,14 @@ use nftnl::expr::{
 use nftnl::{Batch, Chain, ChainType, FinalizedBatch, Hook, MsgType, NlMsg, ProtoFamily, Table};
 
 use super::sys::{
-    self, Elem, ElemOp, Expr, KeySpec, NFT_SET_CONCAT, NFT_SET_ELEM_INTERVAL_END, NFT_SET_INTERVAL,
-    NFT_SET_TIMEOUT, NlSet, PayloadBase,
+    self, DumpedRule, Elem, ElemOp, Expr, KeySpec, LiveExpr, NFT_SET_CONCAT,
+    NFT_SET_ELEM_INTERVAL_END, NFT_SET_INTERVAL, NFT_SET_TIMEOUT, NlSet, PayloadBase,
 };
-use crate::core::policy::{Action, L4Proto};
+use crate::core::policy::{Action, L4Proto, Rate, RateUnit};
 use crate::core::ruleset::{
     DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements, Family, Icmpv6Type, KeyShape, Limit, LimitKind,
-    MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, SourceRoute,
-    TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
+    LogSpec, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
+    SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
@@ -675,17 +675,317 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     e
 }
 
-/// The expressions of `rule` as libnftnl prints them, the form [`sys::parse_rule`] gives
-/// for a rule read back from the kernel: lets a comparison match planned rules with live ones.
-pub fn rule_text(rule: &Rule) -> Vec<String> {
+/// The expressions of `rule` as the kernel reports them back after an apply: encoded as
+/// `apply` sends it, and read by the same parser as a dumped rule. Empty if libnftnl cannot
+/// read its own message (then the rule matches nothing read back: drift, never "in sync").
+pub fn dumped_rule(rule: &Rule) -> Option<DumpedRule> {
     let table = table();
     // The chain's name is not part of a rule's expressions.
     let name = cstring(OUTPUT_CHAIN);
     let chain = Chain::new(&name, &table);
-    // Set ids only matter within one batch; the text names sets by name.
+    // Set ids only matter within one batch; a dump names sets by name.
     let nl = nl_rule(&chain, rule, &BTreeMap::new());
-    sys::describe_rule(&nl).map_or_else(|| vec![format!("unreadable rule: {rule}")], |r| r.exprs)
+    sys::describe_rule(&nl)
 }
+
+/// The expressions of `rule` as libnftnl prints them (`nft --debug=netlink`'s form): what
+/// the tests compare with nft's own encoding.
+#[cfg(test)]
+fn rule_text(rule: &Rule) -> Vec<String> {
+    dumped_rule(rule).map_or_else(|| vec![format!("unreadable rule: {rule}")], |r| r.text)
+}
+
+// ---- reading rules back ----------------------------------------------------------------------
+
+/// The rule a dumped rule's expressions encode, or `None` if they are not exactly those
+/// [`rule_exprs`] writes for some [`Rule`] (what a counter counted aside). The decoder reads
+/// the parameters, then checks its answer by encoding it again: a rule that differs from
+/// every rule egress-fence writes in any attribute (another register, an inverted lookup, an
+/// extra expression) is never taken for one.
+pub fn decode_rule(exprs: &[LiveExpr]) -> Option<Rule> {
+    let rule = decoded_candidate(exprs)?;
+    let again = dumped_rule(&rule)?.exprs;
+    let config = |e: &LiveExpr| match e {
+        LiveExpr::Counter { .. } => LiveExpr::Counter {
+            packets: 0,
+            bytes: 0,
+        },
+        other => other.clone(),
+    };
+    (again.len() == exprs.len() && again.iter().zip(exprs).all(|(a, b)| config(a) == config(b)))
+        .then_some(rule)
+}
+
+/// `rule` as [`decode_rule`] reads it back: the same rule, except that a listen address
+/// given as `[::]` matches what `0.0.0.0` does (any source address) and reads back as that.
+pub fn as_read_back(rule: &Rule) -> Rule {
+    let any = |from: SocketAddr| {
+        if from.ip().is_unspecified() {
+            SocketAddr::from(([0, 0, 0, 0], from.port()))
+        } else {
+            from
+        }
+    };
+    match rule.clone() {
+        Rule::RefuseUnmarkedFromGuardPort { from, proto, mark } => {
+            Rule::RefuseUnmarkedFromGuardPort {
+                from: any(from),
+                proto,
+                mark,
+            }
+        }
+        Rule::RefuseOtherUidsFromGuardPort { from, proto, uid } => {
+            Rule::RefuseOtherUidsFromGuardPort {
+                from: any(from),
+                proto,
+                uid,
+            }
+        }
+        other => other,
+    }
+}
+
+/// What a rule's matches compare with, as [`decoded_candidate`] collects them.
+#[derive(Debug, Default)]
+struct Matches {
+    family: Option<Family>,
+    l4proto: Option<u8>,
+    saddr: Option<IpAddr>,
+    sport: Option<u16>,
+    dport: Option<u16>,
+    icmp_type: Option<u8>,
+    uid_eq: Option<u32>,
+    uid_neq: Option<u32>,
+    /// `meta skuid >= 0`: the packet has an owning socket.
+    has_owner: bool,
+    mark_eq: Option<u32>,
+    mark_neq: Option<u32>,
+    oif_eq: bool,
+    ct_state: bool,
+    hdrlength: bool,
+    routing_header: bool,
+    set: Option<SetId>,
+    limit: Option<(u64, u64, u32)>,
+    log: Option<(String, Option<u16>)>,
+    counter: bool,
+    verdict: Option<ReadVerdict>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadVerdict {
+    Accept,
+    Drop,
+    GotoRefused,
+    Reject,
+}
+
+/// What a register was last loaded with, for the comparison that follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Loaded {
+    Meta(c_int),
+    Payload(PayloadBase, u32, u32),
+    Ct,
+    Exthdr,
+}
+
+fn u32_of(data: &[u8]) -> Option<u32> {
+    Some(u32::from_ne_bytes(data.try_into().ok()?))
+}
+
+fn u16_be_of(data: &[u8]) -> Option<u16> {
+    Some(u16::from_be_bytes(data.try_into().ok()?))
+}
+
+/// The rule `exprs` would be if they are one of ours: parameters read, shape chosen, nothing
+/// checked yet (see [`decode_rule`]).
+fn decoded_candidate(exprs: &[LiveExpr]) -> Option<Rule> {
+    let mut m = Matches::default();
+    let mut loaded: Option<Loaded> = None;
+    for e in exprs {
+        match e {
+            LiveExpr::Meta { key, dreg } if *dreg == sys::REG_1 => {
+                loaded = Some(Loaded::Meta(*key as c_int));
+            }
+            LiveExpr::Payload {
+                base,
+                offset,
+                len,
+                dreg,
+            } if *dreg == sys::REG_1 => {
+                let base = match *base as c_int {
+                    libc::NFT_PAYLOAD_NETWORK_HEADER => PayloadBase::Network,
+                    libc::NFT_PAYLOAD_TRANSPORT_HEADER => PayloadBase::Transport,
+                    _ => return None,
+                };
+                loaded = Some(Loaded::Payload(base, *offset, *len));
+            }
+            LiveExpr::Ct { .. } => loaded = Some(Loaded::Ct),
+            LiveExpr::Exthdr { .. } => loaded = Some(Loaded::Exthdr),
+            LiveExpr::Cmp { op, data, .. } => {
+                let (op, eq) = (*op as c_int, *op as c_int == libc::NFT_CMP_EQ);
+                match loaded? {
+                    Loaded::Meta(libc::NFT_META_NFPROTO) => {
+                        m.family = match data.as_slice() {
+                            [p] if *p == nfproto(Family::V4) => Some(Family::V4),
+                            [p] if *p == nfproto(Family::V6) => Some(Family::V6),
+                            _ => return None,
+                        }
+                    }
+                    Loaded::Meta(libc::NFT_META_L4PROTO) => m.l4proto = data.first().copied(),
+                    Loaded::Meta(libc::NFT_META_SKUID) if op == libc::NFT_CMP_GTE => {
+                        m.has_owner = true;
+                    }
+                    Loaded::Meta(libc::NFT_META_SKUID) if eq => m.uid_eq = u32_of(data),
+                    Loaded::Meta(libc::NFT_META_SKUID) => m.uid_neq = u32_of(data),
+                    Loaded::Meta(libc::NFT_META_MARK) if eq => m.mark_eq = u32_of(data),
+                    Loaded::Meta(libc::NFT_META_MARK) => m.mark_neq = u32_of(data),
+                    Loaded::Meta(libc::NFT_META_OIF) => m.oif_eq = eq,
+                    Loaded::Payload(PayloadBase::Network, 0, 1) => m.hdrlength = true,
+                    Loaded::Payload(PayloadBase::Network, offset, len) => {
+                        let family = m.family?;
+                        if (offset, len) == saddr_field(family) {
+                            m.saddr = match family {
+                                Family::V4 => {
+                                    <[u8; 4]>::try_from(data.as_slice()).ok().map(IpAddr::from)
+                                }
+                                Family::V6 => {
+                                    <[u8; 16]>::try_from(data.as_slice()).ok().map(IpAddr::from)
+                                }
+                            };
+                        }
+                    }
+                    Loaded::Payload(PayloadBase::Transport, 0, 1) => {
+                        m.icmp_type = data.first().copied();
+                    }
+                    Loaded::Payload(PayloadBase::Transport, 0, 2) => m.sport = u16_be_of(data),
+                    Loaded::Payload(PayloadBase::Transport, 2, 2) => m.dport = u16_be_of(data),
+                    Loaded::Exthdr => m.routing_header = true,
+                    Loaded::Ct => m.ct_state = true,
+                    _ => {}
+                }
+            }
+            LiveExpr::Lookup { set, .. } => m.set = Some(SetId::from_name(set)?),
+            LiveExpr::Limit {
+                rate, unit, burst, ..
+            } => m.limit = Some((*rate, *unit, *burst)),
+            LiveExpr::Log { prefix, group, .. } => m.log = Some((prefix.clone(), *group)),
+            LiveExpr::Counter { .. } => m.counter = true,
+            LiveExpr::Verdict { code, chain } => {
+                m.verdict = Some(match (*code, chain.as_deref()) {
+                    (libc::NF_ACCEPT, None) => ReadVerdict::Accept,
+                    (libc::NF_DROP, None) => ReadVerdict::Drop,
+                    (libc::NFT_GOTO, Some(REFUSED_CHAIN)) => ReadVerdict::GotoRefused,
+                    _ => return None,
+                });
+            }
+            LiveExpr::Reject { .. } => m.verdict = Some(ReadVerdict::Reject),
+            LiveExpr::Other(_) => return None,
+            _ => {}
+        }
+    }
+    rule_of(&m)
+}
+
+fn rule_of(m: &Matches) -> Option<Rule> {
+    let proto = || m.l4proto.and_then(L4Proto::from_number);
+    let Some(verdict) = m.verdict else {
+        if let Some((prefix, group)) = &m.log {
+            let (count, unit, burst) = m.limit?;
+            let unit = [
+                RateUnit::Second,
+                RateUnit::Minute,
+                RateUnit::Hour,
+                RateUnit::Day,
+            ]
+            .into_iter()
+            .find(|u| u.seconds() == unit)?;
+            return Some(Rule::Log(LogSpec {
+                prefix: prefix.clone(),
+                group: *group,
+                rate: Rate { count, unit },
+                burst,
+            }));
+        }
+        return m.counter.then_some(Rule::CountFamily(m.family?));
+    };
+    Some(match verdict {
+        ReadVerdict::Reject => Rule::Refuse(Action::Reject),
+        ReadVerdict::Drop => Rule::Refuse(Action::Drop),
+        ReadVerdict::Accept => {
+            if m.ct_state {
+                Rule::AcceptEstablished
+            } else if let Some(set) = m.set {
+                match m.uid_eq {
+                    Some(uid) => Rule::AcceptTupleFromGuard {
+                        set,
+                        mark: m.mark_eq,
+                        uid,
+                    },
+                    None => Rule::AcceptTupleIn(set),
+                }
+            } else if let Some(number) = m.icmp_type {
+                let t = ICMPV6_TYPES.into_iter().find(|t| t.number() == number)?;
+                if m.limit.is_some() && t == Icmpv6Type::Mld2ListenerReport {
+                    Rule::AcceptMldReport
+                } else {
+                    Rule::AcceptIcmpv6(t)
+                }
+            } else if m.oif_eq {
+                Rule::AcceptLoopback
+            } else {
+                Rule::AcceptDhcpClient(m.family?)
+            }
+        }
+        ReadVerdict::GotoRefused => {
+            if m.hdrlength {
+                Rule::RefuseSourceRoute(SourceRoute::Ipv4Options)
+            } else if m.routing_header {
+                Rule::RefuseSourceRoute(SourceRoute::Ipv6RoutingHeader)
+            } else if let Some(set) = m.set {
+                match (m.uid_eq, m.uid_neq, m.mark_neq) {
+                    (_, Some(uid), _) => Rule::RefuseUpstreamFromOtherUids { set, uid },
+                    (Some(uid), None, Some(mark)) => {
+                        Rule::RefuseUpstreamUnmarked { set, uid, mark }
+                    }
+                    _ => Rule::RefuseDaddrIn(set),
+                }
+            } else if m.has_owner {
+                Rule::RefuseIcmpFromProcesses(match m.l4proto? {
+                    IPPROTO_ICMP => Family::V4,
+                    _ => Family::V6,
+                })
+            } else if let Some(port) = m.sport {
+                let ip = m.saddr.unwrap_or(IpAddr::from([0u8; 4]));
+                let from = SocketAddr::new(ip, port);
+                match (m.mark_neq, m.uid_neq) {
+                    (Some(mark), _) => Rule::RefuseUnmarkedFromGuardPort {
+                        from,
+                        proto: proto()?,
+                        mark,
+                    },
+                    (None, Some(uid)) => Rule::RefuseOtherUidsFromGuardPort {
+                        from,
+                        proto: proto()?,
+                        uid,
+                    },
+                    (None, None) => return None,
+                }
+            } else if let Some(port) = m.dport {
+                Rule::RefuseService(proto()?, port)
+            } else {
+                Rule::GotoRefused
+            }
+        }
+    })
+}
+
+/// The ICMPv6 types a rule accepts.
+const ICMPV6_TYPES: [Icmpv6Type; 4] = [
+    Icmpv6Type::NdRouterSolicit,
+    Icmpv6Type::NdNeighborSolicit,
+    Icmpv6Type::NdNeighborAdvert,
+    Icmpv6Type::Mld2ListenerReport,
+];
 
 fn nl_rule<'a>(
     chain: &'a Chain<'a>,
@@ -1124,6 +1424,216 @@ mod tests {
                 (vec![255, 255, 255, 0], 0),
             ]
         );
+    }
+
+    /// Every shape of rule, with the parameters the planner gives them (and a few it could).
+    fn every_rule() -> Vec<Rule> {
+        let mut rules = vec![
+            Rule::AcceptEstablished,
+            Rule::AcceptLoopback,
+            Rule::AcceptMldReport,
+            Rule::GotoRefused,
+            Rule::Refuse(Action::Reject),
+            Rule::Refuse(Action::Drop),
+        ];
+        rules.extend(ICMPV6_TYPES.map(Rule::AcceptIcmpv6));
+        rules.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
+        for family in Family::BOTH {
+            rules.push(Rule::AcceptDhcpClient(family));
+            rules.push(Rule::CountFamily(family));
+            rules.push(Rule::RefuseIcmpFromProcesses(family));
+        }
+        for id in SetId::ALL {
+            rules.push(Rule::RefuseDaddrIn(id));
+            rules.push(Rule::AcceptTupleIn(id));
+        }
+        for family in Family::BOTH {
+            let set = SetId::new(SetRole::Dns, family);
+            rules.push(Rule::RefuseUpstreamFromOtherUids { set, uid: 993 });
+            rules.push(Rule::RefuseUpstreamUnmarked {
+                set,
+                uid: 0,
+                mark: 0x6500_0000,
+            });
+            for mark in [Some(0x6500_0000), None] {
+                rules.push(Rule::AcceptTupleFromGuard {
+                    set,
+                    mark,
+                    uid: 993,
+                });
+            }
+        }
+        for proto in [L4Proto::Tcp, L4Proto::Udp] {
+            rules.push(Rule::RefuseService(proto, 53));
+            rules.push(Rule::RefuseService(proto, 853));
+            for from in ["127.0.0.53:53", "[::1]:5353", "0.0.0.0:53"] {
+                let from = from.parse().unwrap();
+                rules.push(Rule::RefuseUnmarkedFromGuardPort {
+                    from,
+                    proto,
+                    mark: 0x1e00,
+                });
+                rules.push(Rule::RefuseOtherUidsFromGuardPort {
+                    from,
+                    proto,
+                    uid: 993,
+                });
+            }
+        }
+        for (prefix, group, rate) in [
+            ("EGRESS-DROP: ", Some(100), "10/second"),
+            ("EGRESS-DROP: ", None, "10/second"),
+            ("x", Some(0), "3/day"),
+        ] {
+            rules.push(Rule::Log(LogSpec {
+                prefix: prefix.into(),
+                group,
+                rate: rate.parse().unwrap(),
+                burst: 20,
+            }));
+        }
+        rules
+    }
+
+    #[test]
+    fn every_rule_reads_back_as_itself() {
+        for rule in every_rule() {
+            let dumped = dumped_rule(&rule).expect("libnftnl reads its own message");
+            assert_eq!(decode_rule(&dumped.exprs), Some(rule.clone()), "{rule}");
+        }
+        // The unspecified address of either family matches any source: it reads back as
+        // 0.0.0.0, and so does the wanted rule compared with it.
+        let any6 = Rule::RefuseOtherUidsFromGuardPort {
+            from: "[::]:53".parse().unwrap(),
+            proto: L4Proto::Udp,
+            uid: 993,
+        };
+        let read = decode_rule(&dumped_rule(&any6).unwrap().exprs);
+        assert_eq!(read, Some(as_read_back(&any6)));
+        assert_ne!(as_read_back(&any6), any6);
+        for rule in every_rule() {
+            if !matches!(
+                rule,
+                Rule::RefuseOtherUidsFromGuardPort { .. }
+                    | Rule::RefuseUnmarkedFromGuardPort { .. }
+            ) {
+                assert_eq!(as_read_back(&rule), rule);
+            }
+        }
+    }
+
+    #[test]
+    fn counters_count_without_changing_the_rule() {
+        let rule = Rule::CountFamily(Family::V6);
+        let mut exprs = dumped_rule(&rule).unwrap().exprs;
+        for e in &mut exprs {
+            if let LiveExpr::Counter { packets, bytes } = e {
+                (*packets, *bytes) = (7, 560);
+            }
+        }
+        assert_eq!(decode_rule(&exprs), Some(rule));
+    }
+
+    /// A hand edit of a dumped rule's expressions.
+    type Edit = dyn Fn(&mut Vec<LiveExpr>);
+
+    #[test]
+    fn altered_or_unknown_expressions_read_as_no_rule() {
+        let exprs = |rule: &Rule| dumped_rule(rule).unwrap().exprs;
+        let deny4 = Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V4));
+        let edits: Vec<(&str, Box<Edit>)> = vec![
+            // `ip daddr != @deny4 goto refused`
+            (
+                "inverted lookup",
+                Box::new(|e| {
+                    if let LiveExpr::Lookup { flags, .. } = &mut e[3] {
+                        *flags = 1;
+                    }
+                }),
+            ),
+            (
+                "another set",
+                Box::new(|e| {
+                    if let LiveExpr::Lookup { set, .. } = &mut e[3] {
+                        *set = "theirs".into();
+                    }
+                }),
+            ),
+            ("a match fewer", Box::new(|e| drop(e.drain(0..2)))),
+            (
+                "an extra expression",
+                Box::new(|e| {
+                    e.insert(0, LiveExpr::Other("queue num 0".into()));
+                }),
+            ),
+            (
+                "another register",
+                Box::new(|e| {
+                    if let LiveExpr::Payload { dreg, .. } = &mut e[2] {
+                        *dreg = sys::REG_2;
+                    }
+                }),
+            ),
+            (
+                "another verdict",
+                Box::new(|e| {
+                    if let Some(LiveExpr::Verdict { code, chain }) = e.last_mut() {
+                        (*code, *chain) = (libc::NF_ACCEPT, None);
+                    }
+                }),
+            ),
+            (
+                "another chain",
+                Box::new(|e| {
+                    if let Some(LiveExpr::Verdict { chain, .. }) = e.last_mut() {
+                        *chain = Some("elsewhere".into());
+                    }
+                }),
+            ),
+        ];
+        for (what, edit) in edits {
+            let mut e = exprs(&deny4);
+            edit(&mut e);
+            assert_ne!(e, exprs(&deny4), "{what}: the edit changed nothing");
+            assert_eq!(decode_rule(&e), None, "{what}");
+        }
+        // A guard's rule whose mark compare became `!=`, or whose uid is another.
+        let guard = Rule::AcceptTupleFromGuard {
+            set: SetId::new(SetRole::Dns, Family::V4),
+            mark: Some(0x6500_0000),
+            uid: 993,
+        };
+        let mut e = exprs(&guard);
+        if let LiveExpr::Cmp { op, .. } = &mut e[1] {
+            *op = libc::NFT_CMP_NEQ as u32;
+        }
+        assert_eq!(decode_rule(&e), None);
+        let mut e = exprs(&guard);
+        if let LiveExpr::Cmp { data, .. } = &mut e[3] {
+            *data = 0u32.to_ne_bytes().to_vec();
+        }
+        assert_eq!(
+            decode_rule(&e),
+            Some(Rule::AcceptTupleFromGuard {
+                set: SetId::new(SetRole::Dns, Family::V4),
+                mark: Some(0x6500_0000),
+                uid: 0,
+            })
+        );
+        // A log to the kernel log at another level than nft's default.
+        let log = Rule::Log(LogSpec {
+            prefix: "X: ".into(),
+            group: None,
+            rate: "3/minute".parse().unwrap(),
+            burst: 5,
+        });
+        let mut e = exprs(&log);
+        if let LiveExpr::Log { level, .. } = &mut e[1] {
+            *level = Some(7);
+        }
+        assert_eq!(decode_rule(&e), None);
+        assert_eq!(decode_rule(&[]), None);
+        assert_eq!(decode_rule(&[LiveExpr::Other("counter".into())]), None);
     }
 
     #[test]

@@ -1,29 +1,88 @@
 //! The table as read back from the kernel, decoded into the ruleset's own terms.
 
-use std::ffi::c_int;
+use std::fmt;
 use std::net::IpAddr;
 
 use ipnet::{IpNet, Ipv4Subnets, Ipv6Subnets};
 use serde::Serialize;
 
-use super::encode::comment_of;
-use super::sys::{LiveChain, LiveElem, LiveRule, LiveSet, NFT_SET_ELEM_INTERVAL_END};
+use super::encode::{comment_of, decode_rule};
+use super::sys::{DumpedRule, LiveChain, LiveElem, LiveExpr, LiveSet, NFT_SET_ELEM_INTERVAL_END};
 use crate::core::policy::{L4Proto, PortRange};
 use crate::core::ruleset::{
-    Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, SetId, SetRole, TABLE, Timed, Tuple,
+    Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, SetId, SetRole, TABLE, Timed,
+    Tuple,
 };
 
 /// Everything in the tool's table, as the kernel reports it.
 #[derive(Debug, Clone)]
 pub struct LiveTable {
+    /// The table's flags (`NFT_TABLE_F_*`); ours has none.
+    pub flags: u32,
     pub chains: Vec<LiveChain>,
     pub rules: Vec<LiveRule>,
     pub sets: Vec<(LiveSet, Vec<LiveElem>)>,
 }
 
+/// One rule of the live table: its chain, and what it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveRule {
+    pub chain: String,
+    pub handle: u64,
+    pub rule: ReadRule,
+    /// What the rule's counter counted, if it has one.
+    pub counter: Option<Counter>,
+}
+
+/// A rule as read back from the kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadRule {
+    /// Exactly a rule egress-fence writes.
+    Known(Rule),
+    /// Anything else, as libnftnl prints its expressions: equal to no rule egress-fence
+    /// wants, so it is always drift.
+    Unknown(Vec<String>),
+}
+
+impl LiveRule {
+    /// Decodes a dumped rule (see [`decode_rule`]).
+    pub fn decode(dumped: DumpedRule) -> LiveRule {
+        let counter = dumped.exprs.iter().find_map(|e| match e {
+            LiveExpr::Counter { packets, bytes } => Some(Counter {
+                packets: *packets,
+                bytes: *bytes,
+            }),
+            _ => None,
+        });
+        let rule = match decode_rule(&dumped.exprs) {
+            Some(rule) => ReadRule::Known(rule),
+            None => ReadRule::Unknown(dumped.text),
+        };
+        LiveRule {
+            chain: dumped.chain,
+            handle: dumped.handle,
+            rule,
+            counter,
+        }
+    }
+}
+
+/// A known rule as nft writes it; any other as libnftnl's expressions, `[a; b; c]`.
+impl fmt::Display for ReadRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadRule::Known(rule) => write!(f, "{rule}"),
+            ReadRule::Unknown(text) => write!(f, "[{}]", text.join("; ")),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
     pub table: String,
+    /// The table is switched off (`flags dormant`): it refuses nothing.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub dormant: bool,
     pub chains: Vec<ChainStatus>,
     /// Packets and bytes refused since the table was installed, per family.
     pub refused: Refused,
@@ -33,6 +92,8 @@ pub struct Status {
 #[derive(Debug, Clone, Serialize)]
 pub struct ChainStatus {
     pub name: String,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hook: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -62,6 +123,9 @@ pub struct SetStatus {
     /// The decoded contents, for the sets egress-fence knows.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub contents: Option<Elements>,
+    /// Elements of it egress-fence never writes (see [`SetContents`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub undecodable: Vec<String>,
 }
 
 impl LiveTable {
@@ -71,45 +135,60 @@ impl LiveTable {
             .iter()
             .map(|c| ChainStatus {
                 name: c.name.clone(),
+                kind: c.kind.clone(),
                 hook: c.hook.map(|(hook, _, _)| hook_name(hook).to_string()),
                 priority: c.hook.map(|(_, prio, _)| prio),
                 policy: c.hook.map(|(_, _, policy)| policy_name(policy).to_string()),
                 rules: self.rules.iter().filter(|r| r.chain == c.name).count(),
             })
             .collect();
-        let counter = |family: c_int| {
+        let counter = |family: Family| {
             self.rules
                 .iter()
-                .filter(|r| r.chain == REFUSED_CHAIN && r.nfproto == Some(family as u8))
-                .find_map(|r| r.counter)
-                .map_or_else(Counter::default, |(packets, bytes)| Counter {
-                    packets,
-                    bytes,
+                .filter(|r| {
+                    r.chain == REFUSED_CHAIN && r.rule == ReadRule::Known(Rule::CountFamily(family))
                 })
+                .find_map(|r| r.counter)
+                .unwrap_or_default()
         };
         let refused = Refused {
-            ipv4: counter(libc::NFPROTO_IPV4),
-            ipv6: counter(libc::NFPROTO_IPV6),
+            ipv4: counter(Family::V4),
+            ipv6: counter(Family::V6),
         };
         let sets = self
             .sets
             .iter()
-            .map(|(set, elems)| SetStatus {
-                name: set.name.clone(),
-                kernel_elements: elems.len(),
-                contents: SetId::from_name(&set.name).map(|id| decode(id, elems)),
+            .map(|(set, elems)| {
+                let read = SetId::from_name(&set.name).map(|id| decode(id, elems));
+                let (contents, undecodable) = match read {
+                    Some(c) => (Some(c.elements), c.undecodable),
+                    None => (None, Vec::new()),
+                };
+                SetStatus {
+                    name: set.name.clone(),
+                    kernel_elements: elems.len(),
+                    contents,
+                    undecodable,
+                }
             })
             .collect();
         Status {
             table: format!("inet {TABLE}"),
+            dormant: self.flags & TABLE_F_DORMANT != 0,
             chains,
             refused,
             sets,
         }
     }
 
-    /// The decoded contents of one of our sets.
+    /// The decoded contents of one of our sets: the elements egress-fence writes (see
+    /// [`LiveTable::read_set`] for the others).
     pub fn contents(&self, id: SetId) -> Option<Elements> {
+        self.read_set(id).map(|c| c.elements)
+    }
+
+    /// Everything one of our sets holds, every element decoded or listed as undecodable.
+    pub fn read_set(&self, id: SetId) -> Option<SetContents> {
         let name = id.name();
         self.sets
             .iter()
@@ -123,7 +202,10 @@ pub fn log_group(rules: &[LiveRule]) -> Option<u16> {
     rules
         .iter()
         .filter(|r| r.chain == REFUSED_CHAIN)
-        .find_map(|r| r.log_group)
+        .find_map(|r| match &r.rule {
+            ReadRule::Known(Rule::Log(log)) => log.group,
+            _ => None,
+        })
 }
 
 /// Who the table lets ask the resolvers of its DNS sets.
@@ -142,48 +224,31 @@ pub struct DnsAccess {
 impl LiveTable {
     pub fn dns_access(&self) -> DnsAccess {
         let mut access = DnsAccess::default();
-        let dns_sets = Family::BOTH.map(|f| SetId::new(SetRole::Dns, f).name());
-        for rule in self.rules.iter().filter(|r| r.chain == OUTPUT_CHAIN) {
-            let dns_lookup = rule.exprs.iter().any(|e| {
-                e.starts_with("lookup ")
-                    && e.split_whitespace()
-                        .any(|w| dns_sets.iter().any(|s| s == w))
-            });
-            // The refusals before the replies look up the same sets (`meta skuid != U ...
-            // goto refused`): only accepts say who may ask.
-            let accepts = rule.exprs.last().is_some_and(|e| e.ends_with(" accept"));
-            if !dns_lookup || !accepts {
-                continue;
-            }
-            match meta_eq(&rule.exprs, "skuid") {
-                Some(uid) => {
-                    if !access.uids.contains(&uid) {
-                        access.uids.push(uid);
+        let rules = self.rules.iter().filter(|r| r.chain == OUTPUT_CHAIN);
+        // The refusals before the replies look up the same sets (`meta skuid != U ...
+        // goto refused`): only accepts say who may ask.
+        for rule in rules {
+            match &rule.rule {
+                ReadRule::Known(Rule::AcceptTupleFromGuard { set, mark, uid })
+                    if set.role == SetRole::Dns =>
+                {
+                    if !access.uids.contains(uid) {
+                        access.uids.push(*uid);
                     }
-                    if let Some(mark) = meta_eq(&rule.exprs, "mark")
-                        && !access.marks.contains(&mark)
+                    if let Some(mark) = mark
+                        && !access.marks.contains(mark)
                     {
-                        access.marks.push(mark);
+                        access.marks.push(*mark);
                     }
                 }
-                None => access.everyone = true,
+                ReadRule::Known(Rule::AcceptTupleIn(set)) if set.role == SetRole::Dns => {
+                    access.everyone = true;
+                }
+                _ => {}
             }
         }
         access
     }
-}
-
-/// The value a rule's `meta KEY V` (`skuid`, `mark`) compares with: libnftnl prints it as
-/// `meta load KEY => reg N` followed by `cmp eq reg N 0x...` (the value in host byte order).
-fn meta_eq(exprs: &[String], key: &str) -> Option<u32> {
-    let load = format!("meta load {key} => reg ");
-    exprs.windows(2).find_map(|pair| {
-        let reg = pair[0].strip_prefix(&load)?;
-        let hex = pair[1]
-            .strip_prefix(&format!("cmp eq reg {reg} 0x"))?
-            .trim();
-        u32::from_str_radix(hex, 16).ok()
-    })
 }
 
 /// In guard mode, the note for a refused packet to a DNS port (53, 853): `None` for any other.
@@ -256,9 +321,71 @@ impl Destinations {
     }
 }
 
+/// `NFT_TABLE_F_DORMANT`: the table is switched off, and none of its chains sees a packet.
+pub const TABLE_F_DORMANT: u32 = 1;
+/// `NFT_TABLE_F_OWNER`: the table belongs to the netlink socket that made it.
+pub const TABLE_F_OWNER: u32 = 2;
+
+/// A table's flags as nft writes them: "dormant", "owner", "none".
+pub fn describe_table_flags(flags: u32) -> String {
+    let mut names: Vec<String> = [(TABLE_F_DORMANT, "dormant"), (TABLE_F_OWNER, "owner")]
+        .into_iter()
+        .filter(|(bit, _)| flags & bit != 0)
+        .map(|(_, name)| name.to_string())
+        .collect();
+    let rest = flags & !(TABLE_F_DORMANT | TABLE_F_OWNER);
+    if rest != 0 {
+        names.push(format!("{rest:#x}"));
+    }
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(",")
+    }
+}
+
+/// `NFT_CHAIN_BASE`: the kernel's mark of a chain on a hook, reported among its flags.
+pub const NFT_CHAIN_BASE: u32 = 1;
+
+/// What makes a chain what it is, besides its rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainDefinition {
+    /// The type of a base chain (`filter`).
+    pub kind: Option<String>,
+    /// Hook number, priority and policy of a base chain.
+    pub hook: Option<(u32, i32, u32)>,
+    /// `NFT_CHAIN_*`: [`NFT_CHAIN_BASE`] for a base chain; hardware offload, binding.
+    pub flags: u32,
+}
+
+impl ChainDefinition {
+    pub fn of(chain: &LiveChain) -> ChainDefinition {
+        ChainDefinition {
+            kind: chain.kind.clone(),
+            hook: chain.hook,
+            flags: chain.flags,
+        }
+    }
+
+    /// "hook output priority 0 policy drop", "no hook"; the type when it is not `filter`
+    /// (every chain of ours is one), the flags when there are any.
+    pub fn describe(&self) -> String {
+        let mut out = match self.kind.as_deref() {
+            Some("filter") | None => String::new(),
+            Some(kind) => format!("type {kind} "),
+        };
+        out.push_str(&describe_hook(self.hook));
+        let flags = self.flags & !NFT_CHAIN_BASE;
+        if flags != 0 {
+            out.push_str(&format!(" flags {flags:#x}"));
+        }
+        out
+    }
+}
+
 /// A chain's hook as nft writes it: "hook output priority 0 policy drop", or "no hook" for a
 /// regular chain.
-pub fn describe_hook(hook: Option<(u32, i32, u32)>) -> String {
+fn describe_hook(hook: Option<(u32, i32, u32)>) -> String {
     match hook {
         Some((hook, priority, policy)) => format!(
             "hook {} priority {priority} policy {}",
@@ -320,37 +447,79 @@ fn top(family: Family) -> IpAddr {
     }
 }
 
-fn decode(id: SetId, elems: &[LiveElem]) -> Elements {
-    match id.shape() {
-        KeyShape::Addr => Elements::Networks(decode_intervals(id.family, elems)),
-        KeyShape::Tuple if id.timeout() => {
-            let mut timed: Vec<Timed> = elems
-                .iter()
-                .flat_map(|e| {
-                    decode_tuple(id.family, e).into_iter().map(|tuple| Timed {
+/// What one of our sets holds, as far as it is elements egress-fence writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetContents {
+    pub elements: Elements,
+    /// Elements egress-fence never writes (a catch-all `*`, another protocol, a range of
+    /// protocols, data or expressions attached), described as well as they can be: no
+    /// ruleset wants them, so they are always drift.
+    pub undecodable: Vec<String>,
+}
+
+/// `NFT_SET_ELEM_CATCHALL`: the element without a key, which matches every key.
+const NFT_SET_ELEM_CATCHALL: u32 = 2;
+
+fn decode(id: SetId, elems: &[LiveElem]) -> SetContents {
+    let mut undecodable = Vec::new();
+    let elements = match id.shape() {
+        KeyShape::Addr => {
+            let (ours, theirs): (Vec<&LiveElem>, Vec<&LiveElem>) =
+                elems.iter().partition(|e| is_interval_point(id.family, e));
+            undecodable.extend(theirs.into_iter().map(|e| describe_elem(id.family, e)));
+            Elements::Networks(decode_intervals(id.family, &ours))
+        }
+        KeyShape::Tuple => {
+            let mut decoded = Vec::new();
+            for e in elems {
+                match decode_tuple(id, e) {
+                    Some(tuples) => decoded.extend(tuples.into_iter().map(|t| (t, e))),
+                    None => undecodable.push(describe_elem(id.family, e)),
+                }
+            }
+            if id.timeout() {
+                let mut timed: Vec<Timed> = decoded
+                    .into_iter()
+                    .map(|(tuple, e)| Timed {
                         tuple,
                         timeout_ms: e.timeout_ms,
                         expires_ms: e.expires_ms,
                         name: e.userdata.as_deref().and_then(comment_of),
                     })
-                })
-                .collect();
-            timed.sort();
-            Elements::Timed(timed)
+                    .collect();
+                timed.sort();
+                Elements::Timed(timed)
+            } else {
+                let mut tuples: Vec<Tuple> = decoded.into_iter().map(|(t, _)| t).collect();
+                tuples.sort();
+                Elements::Tuples(tuples)
+            }
         }
-        KeyShape::Tuple => {
-            let mut tuples: Vec<Tuple> = elems
-                .iter()
-                .flat_map(|e| decode_tuple(id.family, e))
-                .collect();
-            tuples.sort();
-            Elements::Tuples(tuples)
-        }
+    };
+    SetContents {
+        elements,
+        undecodable,
+    }
+}
+
+/// Whether `e` is a start or end point of an interval set of addresses, as ours are made of.
+fn is_interval_point(family: Family, e: &LiveElem) -> bool {
+    e.flags & !NFT_SET_ELEM_INTERVAL_END == 0
+        && e.key.len() == addr_len(family)
+        && e.key_end.is_none()
+        && e.timeout_ms.is_none()
+        && e.unread.is_empty()
+}
+
+fn addr_len(family: Family) -> usize {
+    match family {
+        Family::V4 => 4,
+        Family::V6 => 16,
     }
 }
 
 /// Start and end elements of a plain interval set back into networks.
-fn decode_intervals(family: Family, elems: &[LiveElem]) -> Vec<IpNet> {
+fn decode_intervals(family: Family, elems: &[&LiveElem]) -> Vec<IpNet> {
     let mut points: Vec<(IpAddr, bool)> = elems
         .iter()
         .filter_map(|e| {
@@ -378,38 +547,108 @@ fn decode_intervals(family: Family, elems: &[LiveElem]) -> Vec<IpNet> {
     nets
 }
 
-fn decode_tuple(family: Family, e: &LiveElem) -> Vec<Tuple> {
-    let addr_len = match family {
-        Family::V4 => 4,
-        Family::V6 => 16,
+/// The fields of a tuple key: `addr . proto . port`, each padded to 4 bytes with zeros.
+fn tuple_fields(family: Family, key: &[u8]) -> Option<(IpAddr, u8, u16)> {
+    let n = addr_len(family);
+    if key.len() != n + 8 || key[n + 1..n + 4] != [0, 0, 0] || key[n + 6..] != [0, 0] {
+        return None;
+    }
+    let addr = addr_of(family, key)?;
+    Some((addr, key[n], u16::from_be_bytes([key[n + 4], key[n + 5]])))
+}
+
+/// The tuples element `e` of set `id` stands for (the networks covering its address range),
+/// or `None` if it is not an element egress-fence writes: every byte of its key and key end
+/// is read, and nothing else may be attached.
+fn decode_tuple(id: SetId, e: &LiveElem) -> Option<Vec<Tuple>> {
+    if e.flags != 0 || !e.unread.is_empty() || (e.timeout_ms.is_some() && !id.timeout()) {
+        return None;
+    }
+    let (first, proto, port_first) = tuple_fields(id.family, &e.key)?;
+    let (last, proto_end, port_last) = match &e.key_end {
+        Some(end) if id.interval() => tuple_fields(id.family, end)?,
+        Some(_) => return None,
+        None => (first, proto, port_first),
     };
-    let field = |key: &[u8]| -> Option<(IpAddr, u8, u16)> {
-        let addr = addr_of(family, key)?;
-        let proto = *key.get(addr_len)?;
-        let port = u16::from_be_bytes([*key.get(addr_len + 4)?, *key.get(addr_len + 5)?]);
-        Some((addr, proto, port))
+    if proto_end != proto || first > last || port_first > port_last {
+        return None;
+    }
+    let proto = L4Proto::from_number(proto)?;
+    let ports = PortRange {
+        first: port_first,
+        last: port_last,
     };
-    let Some((first, proto, port_first)) = field(&e.key) else {
-        return Vec::new();
+    Some(
+        cover(first, last)
+            .into_iter()
+            .map(|net| Tuple { net, proto, ports })
+            .collect(),
+    )
+}
+
+/// An element egress-fence does not write, as nft would about write it: `*` for a
+/// catch-all, `0.0.0.0/0 . udplite . 0-65535`, `10.0.0.1 . tcp-udp . 53`; else its bytes.
+fn describe_elem(family: Family, e: &LiveElem) -> String {
+    let mut out = if e.flags & NFT_SET_ELEM_CATCHALL != 0 {
+        "*".to_string()
+    } else if let Some((first, proto, port)) = tuple_fields(family, &e.key) {
+        let (last, proto_end, port_end) = e
+            .key_end
+            .as_deref()
+            .and_then(|end| tuple_fields(family, end))
+            .unwrap_or((first, proto, port));
+        let addrs = match cover(first, last).as_slice() {
+            [net] => crate::core::ruleset::fmt_net(net),
+            _ if first == last => first.to_string(),
+            _ => format!("{first}-{last}"),
+        };
+        let protos = if proto == proto_end {
+            proto_name(proto)
+        } else {
+            format!("{}-{}", proto_name(proto), proto_name(proto_end))
+        };
+        let ports = if port == port_end {
+            port.to_string()
+        } else {
+            format!("{port}-{port_end}")
+        };
+        format!("{addrs} . {protos} . {ports}")
+    } else if let (Some(addr), true) = (addr_of(family, &e.key), e.key.len() == addr_len(family)) {
+        addr.to_string()
+    } else {
+        format!("key 0x{}", hex(&e.key))
     };
-    let (last, port_last) = match e.key_end.as_deref().and_then(field) {
-        Some((last, _, port_last)) => (last, port_last),
-        None => (first, port_first),
-    };
-    let Some(proto) = L4Proto::from_number(proto) else {
-        return Vec::new();
-    };
-    cover(first, last)
-        .into_iter()
-        .map(|net| Tuple {
-            net,
-            proto,
-            ports: PortRange {
-                first: port_first,
-                last: port_last,
-            },
-        })
-        .collect()
+    if let Some(end) = &e.key_end
+        && tuple_fields(family, end).is_none()
+    {
+        out.push_str(&format!(" key end 0x{}", hex(end)));
+    }
+    let flags = e.flags & !NFT_SET_ELEM_CATCHALL;
+    if flags != 0 {
+        out.push_str(&format!(" flags {flags:#x}"));
+    }
+    if !e.unread.is_empty() {
+        out.push_str(" with data, a verdict or expressions attached");
+    }
+    out
+}
+
+/// nft's name of an IP protocol (`/etc/protocols`), or its number.
+fn proto_name(number: u8) -> String {
+    match number {
+        1 => "icmp".into(),
+        6 => "tcp".into(),
+        17 => "udp".into(),
+        33 => "dccp".into(),
+        58 => "ipv6-icmp".into(),
+        132 => "sctp".into(),
+        136 => "udplite".into(),
+        n => n.to_string(),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -428,6 +667,7 @@ mod tests {
                 timeout_ms: e.timeout_ms,
                 expires_ms: None,
                 userdata: e.userdata,
+                unread: Vec::new(),
             })
             .collect()
     }
@@ -451,7 +691,8 @@ mod tests {
             let mut elems = live(set_elements(id, &Elements::Networks(nets.clone())).collect());
             elems.reverse(); // the kernel lists an rbtree backwards
             let decoded = decode(id, &elems);
-            assert_eq!(decoded, Elements::Networks(nets), "{family:?}");
+            assert_eq!(decoded.elements, Elements::Networks(nets), "{family:?}");
+            assert!(decoded.undecodable.is_empty());
         }
     }
 
@@ -474,7 +715,10 @@ mod tests {
         ];
         let id = SetId::new(SetRole::Allow, Family::V4);
         let want = Elements::Tuples(tuples.to_vec());
-        assert_eq!(decode(id, &live(set_elements(id, &want).collect())), want);
+        assert_eq!(
+            decode(id, &live(set_elements(id, &want).collect())).elements,
+            want
+        );
 
         let id = SetId::new(SetRole::Resolved, Family::V4);
         let want = Elements::Timed(vec![Timed {
@@ -490,7 +734,90 @@ mod tests {
             elems[0].userdata.as_deref(),
             Some(&b"\x00\x10api.example.com\x00"[..])
         );
-        assert_eq!(decode(id, &elems), want);
+        assert_eq!(decode(id, &elems).elements, want);
+    }
+
+    #[test]
+    fn elements_egress_fence_never_writes_are_undecodable() {
+        let allow4 = SetId::new(SetRole::Allow, Family::V4);
+        let tuple = |net: &str, proto: u8, proto_end: u8, ports: (u16, u16)| {
+            let net: IpNet = net.parse().unwrap();
+            LiveElem {
+                key: crate::nft::encode::tuple_key(net.network(), proto, ports.0),
+                key_end: Some(crate::nft::encode::tuple_key(
+                    net.broadcast(),
+                    proto_end,
+                    ports.1,
+                )),
+                flags: 0,
+                timeout_ms: None,
+                expires_ms: None,
+                userdata: None,
+                unread: Vec::new(),
+            }
+        };
+        let catch_all = LiveElem {
+            key: Vec::new(),
+            key_end: None,
+            flags: NFT_SET_ELEM_CATCHALL,
+            timeout_ms: None,
+            expires_ms: None,
+            userdata: None,
+            unread: Vec::new(),
+        };
+        let mut padded = tuple("192.0.2.1/32", 6, 6, (22, 22));
+        padded.key[5] = 1;
+        let mut with_data = tuple("192.0.2.1/32", 6, 6, (22, 22));
+        with_data.unread = vec![4];
+        let cases = [
+            (catch_all.clone(), "*"),
+            (
+                tuple("0.0.0.0/0", 136, 136, (0, 65535)),
+                "0.0.0.0/0 . udplite . 0-65535",
+            ),
+            (
+                tuple("0.0.0.0/0", 6, 17, (0, 65535)),
+                "0.0.0.0/0 . tcp-udp . 0-65535",
+            ),
+            (
+                tuple("192.0.2.0/24", 6, 6, (443, 80)),
+                "192.0.2.0/24 . tcp . 443-80",
+            ),
+            (padded, "key 0xc0000201060100000016"),
+            (
+                with_data,
+                "192.0.2.1 . tcp . 22 with data, a verdict or expressions attached",
+            ),
+        ];
+        let good = tuple("192.0.2.1/32", 6, 6, (22, 22));
+        for (elem, described) in cases {
+            let read = decode(allow4, &[good.clone(), elem]);
+            assert_eq!(
+                read.elements,
+                Elements::Tuples(vec![Tuple {
+                    net: "192.0.2.1/32".parse().unwrap(),
+                    proto: L4Proto::Tcp,
+                    ports: PortRange::single(22),
+                }]),
+                "{described}"
+            );
+            assert_eq!(read.undecodable.len(), 1, "{described}");
+            assert!(read.undecodable[0].starts_with(described), "{read:?}");
+        }
+        // A hash set holds single keys: a key end is none of ours, nor a flag.
+        let resolved4 = SetId::new(SetRole::Resolved, Family::V4);
+        let read = decode(resolved4, &[tuple("192.0.2.1/32", 6, 6, (22, 22))]);
+        assert_eq!(read.undecodable.len(), 1);
+        // `deny4 { * }` and an address of the wrong length.
+        let deny4 = SetId::new(SetRole::Deny, Family::V4);
+        let short = LiveElem {
+            key: vec![10, 0],
+            flags: 0,
+            ..catch_all.clone()
+        };
+        let read = decode(deny4, &[catch_all, short]);
+        assert_eq!(read.elements, Elements::Networks(Vec::new()));
+        assert_eq!(read.undecodable, ["*", "key 0x0a00"]);
     }
 
     #[test]
@@ -520,17 +847,14 @@ mod tests {
 
     #[test]
     fn dns_access_reads_the_guard_uid_from_the_rules() {
-        let rule = |r: crate::core::ruleset::Rule| LiveRule {
-            table: TABLE.into(),
-            chain: OUTPUT_CHAIN.into(),
-            handle: 1,
-            exprs: crate::nft::encode::rule_text(&r),
-            counter: None,
-            log_group: None,
-            nfproto: None,
+        let rule = |r: crate::core::ruleset::Rule| {
+            let mut dumped = crate::nft::encode::dumped_rule(&r).unwrap();
+            dumped.chain = OUTPUT_CHAIN.into();
+            LiveRule::decode(dumped)
         };
         let dns4 = SetId::new(SetRole::Dns, Family::V4);
         let table = |rules| LiveTable {
+            flags: 0,
             chains: Vec::new(),
             rules,
             sets: Vec::new(),

@@ -285,12 +285,18 @@ impl Nft {
     }
 
     pub fn table_exists(&mut self) -> Result<bool, NftError> {
+        Ok(self.table_flags()?.is_some())
+    }
+
+    /// The flags of our table (`NFT_TABLE_F_DORMANT`: switched off), if it exists.
+    fn table_flags(&mut self) -> Result<Option<u32>, NftError> {
         let request = sys::dump_request(Dump::Tables, &encode::table_name(), None, 0);
         let tables = self.dump(&request, "tables")?;
         Ok(tables
             .iter()
             .filter_map(|m| sys::parse_table(m))
-            .any(|(_, name)| name == TABLE))
+            .find(|(family, name, _)| *family == libc::NFPROTO_INET as u32 && name == TABLE)
+            .map(|(_, _, flags)| flags))
     }
 
     /// The NFLOG group the installed table logs refusals to: `None` when no table is
@@ -299,18 +305,24 @@ impl Nft {
         if !self.table_exists()? {
             return Ok(None);
         }
-        let rules = self.dump_own(Dump::Rules, "rules", sys::parse_rule, |r| &r.table)?;
+        let rules = self.read_rules()?;
         Ok(Some(live::log_group(&rules)))
+    }
+
+    /// The rules of our table, decoded.
+    fn read_rules(&mut self) -> Result<Vec<live::LiveRule>, NftError> {
+        let dumped = self.dump_own(Dump::Rules, "rules", sys::parse_rule, |r| &r.table)?;
+        Ok(dumped.into_iter().map(live::LiveRule::decode).collect())
     }
 
     /// Reads the table back from the kernel; `None` if it is not installed.
     pub fn read_table(&mut self) -> Result<Option<LiveTable>, NftError> {
-        if !self.table_exists()? {
+        let Some(flags) = self.table_flags()? else {
             return Ok(None);
-        }
+        };
         let table = encode::table_name();
         let chains = self.dump_own(Dump::Chains, "chains", sys::parse_chain, |c| &c.table)?;
-        let rules = self.dump_own(Dump::Rules, "rules", sys::parse_rule, |r| &r.table)?;
+        let rules = self.read_rules()?;
         let sets = self.dump_own(Dump::Sets, "sets", sys::parse_set, |s| &s.table)?;
         let mut with_elements = Vec::new();
         for set in sets {
@@ -324,6 +336,7 @@ impl Nft {
             with_elements.push((set, elems));
         }
         Ok(Some(LiveTable {
+            flags,
             chains,
             rules,
             sets: with_elements,

@@ -614,6 +614,10 @@ impl Aligned {
 pub struct LiveChain {
     pub table: String,
     pub name: String,
+    /// The type of a base chain (`filter`, `route`, `nat`).
+    pub kind: Option<String>,
+    /// `NFT_CHAIN_*` flags: base (on a hook), hardware offload, binding.
+    pub flags: u32,
     /// Hook number, priority and policy of a base chain.
     pub hook: Option<(u32, i32, u32)>,
 }
@@ -635,21 +639,111 @@ pub struct LiveElem {
     pub timeout_ms: Option<u64>,
     pub expires_ms: Option<u64>,
     pub userdata: Option<Vec<u8>>,
+    /// The attributes it carries that egress-fence never sets (`NFTNL_SET_ELEM_*`: data, a
+    /// verdict, expressions, an object reference): such an element is none of ours.
+    pub unread: Vec<u32>,
 }
 
+/// Element attributes egress-fence never sets.
+const ELEM_ATTRS_NEVER_SET: [u32; 6] = [
+    sys::NFTNL_SET_ELEM_VERDICT,
+    sys::NFTNL_SET_ELEM_CHAIN,
+    sys::NFTNL_SET_ELEM_DATA,
+    sys::NFTNL_SET_ELEM_EXPR,
+    sys::NFTNL_SET_ELEM_OBJREF,
+    sys::NFTNL_SET_ELEM_EXPRESSIONS,
+];
+
+/// A rule as dumped: where it sits, and its expressions with every attribute read.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LiveRule {
+pub struct DumpedRule {
     pub table: String,
     pub chain: String,
     pub handle: u64,
-    /// Each expression as libnftnl prints it ("[ lookup reg 1 set allow4 ]" without brackets).
-    pub exprs: Vec<String>,
-    /// Packets and bytes of the rule's counter, if it has one.
-    pub counter: Option<(u64, u64)>,
-    /// The NFLOG group of the rule's log expression, if it logs to one.
-    pub log_group: Option<u16>,
-    /// The `meta nfproto` value the rule matches, if it matches one.
-    pub nfproto: Option<u8>,
+    pub exprs: Vec<LiveExpr>,
+    /// Each expression as libnftnl prints it ("lookup reg 1 set allow4 0x0"): how a rule
+    /// egress-fence cannot decode is shown.
+    pub text: Vec<String>,
+}
+
+/// One expression of a rule, with every attribute libnftnl read from it, for the kinds of
+/// expression egress-fence writes. Attributes the kernel fills in with a default when a
+/// message leaves them out read as that default, so a rule we sent and the same rule dumped
+/// compare equal. An expression of another kind, or with an attribute egress-fence never
+/// sets (a `meta set`, a payload write, a map lookup), is [`LiveExpr::Other`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LiveExpr {
+    /// `meta load KEY => reg DREG`
+    Meta { key: u32, dreg: u32 },
+    /// `cmp OP reg SREG DATA`
+    Cmp { sreg: u32, op: u32, data: Vec<u8> },
+    /// `payload load LEN b @ BASE header + OFFSET => reg DREG`
+    Payload {
+        base: u32,
+        offset: u32,
+        len: u32,
+        dreg: u32,
+    },
+    /// `bitwise reg DREG = ( reg SREG & MASK ) ^ XOR` (`op` 0, NFT_BITWISE_BOOL)
+    Bitwise {
+        sreg: u32,
+        dreg: u32,
+        len: u32,
+        op: u32,
+        mask: Vec<u8>,
+        xor: Vec<u8>,
+    },
+    /// `byteorder reg DREG = OP(reg SREG, SIZE, LEN)`
+    Byteorder {
+        sreg: u32,
+        dreg: u32,
+        op: u32,
+        len: u32,
+        size: u32,
+    },
+    /// `lookup reg SREG set SET FLAGS` (FLAGS 1: the match is inverted)
+    Lookup { sreg: u32, set: String, flags: u32 },
+    /// `ct load KEY => reg DREG`
+    Ct {
+        key: u32,
+        dreg: u32,
+        dir: Option<u8>,
+    },
+    /// `exthdr load ...`: whether (flags 1) or what of an extension header.
+    Exthdr {
+        dreg: u32,
+        kind: u8,
+        offset: u32,
+        len: u32,
+        flags: u32,
+        op: u32,
+    },
+    /// `limit rate RATE/UNIT burst BURST type KIND flags FLAGS`
+    Limit {
+        rate: u64,
+        unit: u64,
+        burst: u32,
+        kind: u32,
+        flags: u32,
+    },
+    /// `log prefix P [group G]`; `level` is the kernel log's (4 when a message names none),
+    /// absent for a log to an NFLOG group.
+    Log {
+        prefix: String,
+        group: Option<u16>,
+        snaplen: u32,
+        qthreshold: u32,
+        level: Option<u32>,
+        flags: u32,
+    },
+    /// `counter`: what it counted is state, not configuration.
+    Counter { packets: u64, bytes: u64 },
+    /// `immediate reg 0 VERDICT [-> CHAIN]`
+    Verdict { code: i32, chain: Option<String> },
+    /// `reject type KIND code CODE`
+    Reject { kind: u32, code: u8 },
+    /// Any other expression, as libnftnl prints it.
+    Other(String),
 }
 
 /// Reads an optional string attribute that libnftnl returns as a C string.
@@ -691,8 +785,9 @@ unsafe fn parse_with<T, R>(
     }
 }
 
-/// Parses one table message of a dump into its family and name.
-pub fn parse_table(msg: &[u8]) -> Option<(u32, String)> {
+/// Parses one table message of a dump into its family, name and flags (`NFT_TABLE_F_*`:
+/// dormant, owner).
+pub fn parse_table(msg: &[u8]) -> Option<(u32, String, u32)> {
     // SAFETY: the table functions belong together; attributes are read while `t` lives and
     // strings copied.
     unsafe {
@@ -705,6 +800,7 @@ pub fn parse_table(msg: &[u8]) -> Option<(u32, String)> {
                 (
                     sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FAMILY as u16),
                     owned_str(sys::nftnl_table_get_str(t, sys::NFTNL_TABLE_NAME as u16)),
+                    sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FLAGS as u16),
                 )
             },
         )
@@ -723,6 +819,9 @@ pub fn parse_chain(msg: &[u8]) -> Option<LiveChain> {
             |c| LiveChain {
                 table: owned_str(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_TABLE as u16)),
                 name: owned_str(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_NAME as u16)),
+                kind: sys::nftnl_chain_is_set(c, sys::NFTNL_CHAIN_TYPE as u16)
+                    .then(|| owned_str(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_TYPE as u16))),
+                flags: sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_FLAGS as u16),
                 hook: sys::nftnl_chain_is_set(c, sys::NFTNL_CHAIN_HOOKNUM as u16).then(|| {
                     (
                         sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_HOOKNUM as u16),
@@ -799,6 +898,10 @@ pub fn parse_elems(msg: &[u8]) -> Option<Vec<LiveElem>> {
                         timeout_ms: u64_attr(sys::NFTNL_SET_ELEM_TIMEOUT),
                         expires_ms: u64_attr(sys::NFTNL_SET_ELEM_EXPIRATION),
                         userdata: data(sys::NFTNL_SET_ELEM_USERDATA),
+                        unread: ELEM_ATTRS_NEVER_SET
+                            .into_iter()
+                            .filter(|&attr| is_set(attr))
+                            .collect(),
                     });
                     e = sys::nftnl_set_elems_iter_next(iter);
                 }
@@ -810,7 +913,7 @@ pub fn parse_elems(msg: &[u8]) -> Option<Vec<LiveElem>> {
 }
 
 /// Parses one rule message of a dump.
-pub fn parse_rule(msg: &[u8]) -> Option<LiveRule> {
+pub fn parse_rule(msg: &[u8]) -> Option<DumpedRule> {
     // SAFETY: as in `parse_table`, for rules; expressions belong to the rule and are only
     // read while it lives.
     unsafe {
@@ -820,81 +923,35 @@ pub fn parse_rule(msg: &[u8]) -> Option<LiveRule> {
             sys::nftnl_rule_nlmsg_parse,
             sys::nftnl_rule_free,
             |r| {
-                let RuleExprs {
-                    text: exprs,
-                    counter,
-                    log_group,
-                    nfproto,
-                } = rule_exprs(r);
-                LiveRule {
+                let (exprs, text) = rule_exprs(r);
+                DumpedRule {
                     table: owned_str(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_TABLE as u16)),
                     chain: owned_str(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_CHAIN as u16)),
                     handle: sys::nftnl_rule_get_u64(r, sys::NFTNL_RULE_HANDLE as u16),
                     exprs,
-                    counter,
-                    log_group,
-                    nfproto,
+                    text,
                 }
             },
         )
     }
 }
 
-/// What a rule's expressions say.
-struct RuleExprs {
-    text: Vec<String>,
-    counter: Option<(u64, u64)>,
-    log_group: Option<u16>,
-    nfproto: Option<u8>,
-}
-
-/// The expressions of a rule as text, its counter and its log group.
+/// The expressions of a rule, read, and as libnftnl prints them.
 ///
 /// # Safety
 /// `r` must be a live rule.
-unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> RuleExprs {
-    let mut out = RuleExprs {
-        text: Vec::new(),
-        counter: None,
-        log_group: None,
-        nfproto: None,
-    };
-    // Whether the last meta expression loaded the family, for the comparison after it.
-    let mut loaded_nfproto = false;
-    // SAFETY: per the caller; the iterator is destroyed before returning.
+unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> (Vec<LiveExpr>, Vec<String>) {
+    let (mut exprs, mut text) = (Vec::new(), Vec::new());
+    // SAFETY: per the caller; the iterator is destroyed before returning, and every
+    // expression is read while the rule lives.
     unsafe {
         let iter = sys::nftnl_expr_iter_create(r);
         if iter.is_null() {
-            return out;
+            return (exprs, text);
         }
         let mut e = sys::nftnl_expr_iter_next(iter);
         while !e.is_null() {
             let name = owned_str(sys::nftnl_expr_get_str(e, sys::NFTNL_EXPR_NAME as u16));
-            match name.as_str() {
-                "counter" => {
-                    out.counter = Some((
-                        sys::nftnl_expr_get_u64(e, sys::NFTNL_EXPR_CTR_PACKETS as u16),
-                        sys::nftnl_expr_get_u64(e, sys::NFTNL_EXPR_CTR_BYTES as u16),
-                    ));
-                }
-                "log" if sys::nftnl_expr_is_set(e, sys::NFTNL_EXPR_LOG_GROUP as u16) => {
-                    out.log_group =
-                        Some(sys::nftnl_expr_get_u16(e, sys::NFTNL_EXPR_LOG_GROUP as u16));
-                }
-                "meta" => {
-                    let key = sys::nftnl_expr_get_u32(e, sys::NFTNL_EXPR_META_KEY as u16);
-                    loaded_nfproto = key == libc::NFT_META_NFPROTO as u32;
-                }
-                "cmp" if loaded_nfproto => {
-                    let mut len = 0u32;
-                    let data = sys::nftnl_expr_get(e, sys::NFTNL_EXPR_CMP_DATA as u16, &mut len);
-                    if len == 1 && !data.is_null() {
-                        out.nfproto = Some(*data.cast::<u8>());
-                    }
-                    loaded_nfproto = false;
-                }
-                _ => {}
-            }
             let mut buf = [0u8; 512];
             let n = sys::nftnl_expr_snprintf(
                 buf.as_mut_ptr().cast::<c_char>(),
@@ -903,18 +960,222 @@ unsafe fn rule_exprs(r: *const sys::nftnl_rule) -> RuleExprs {
                 sys::NFTNL_OUTPUT_DEFAULT,
                 0,
             );
-            let text = String::from_utf8_lossy(&buf[..(n.max(0) as usize).min(buf.len() - 1)]);
-            out.text.push(format!("{name} {}", text.trim()));
+            let printed = String::from_utf8_lossy(&buf[..(n.max(0) as usize).min(buf.len() - 1)]);
+            let printed = format!("{name} {}", printed.trim());
+            exprs.push(read_expr(e, &name).unwrap_or_else(|| LiveExpr::Other(printed.clone())));
+            text.push(printed);
             e = sys::nftnl_expr_iter_next(iter);
         }
         sys::nftnl_expr_iter_destroy(iter);
     }
-    out
+    (exprs, text)
+}
+
+/// The highest attribute number of any expression type libnftnl knows (all are below 16).
+const EXPR_ATTR_MAX: u32 = 15;
+
+/// Reads expression `e` of type `name`; `None` for a kind egress-fence does not write, or
+/// one that carries an attribute it never sets or lacks one it always does.
+///
+/// # Safety
+/// `e` must be a live expression.
+unsafe fn read_expr(e: *const sys::nftnl_expr, name: &str) -> Option<LiveExpr> {
+    // SAFETY (all closures): per the caller; data pointers are copied out at once, with the
+    // length libnftnl reports.
+    let is_set = |attr: u32| unsafe { sys::nftnl_expr_is_set(e, attr as u16) };
+    let u8_attr = |attr: u32| unsafe { sys::nftnl_expr_get_u8(e, attr as u16) };
+    let u16_attr = |attr: u32| unsafe { sys::nftnl_expr_get_u16(e, attr as u16) };
+    let u32_attr = |attr: u32| unsafe { sys::nftnl_expr_get_u32(e, attr as u16) };
+    let u64_attr = |attr: u32| unsafe { sys::nftnl_expr_get_u64(e, attr as u16) };
+    let str_attr = |attr: u32| unsafe { owned_str(sys::nftnl_expr_get_str(e, attr as u16)) };
+    let data_attr = |attr: u32| unsafe {
+        let mut len = 0u32;
+        let p = sys::nftnl_expr_get(e, attr as u16, &mut len);
+        if p.is_null() {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(p.cast::<u8>(), len as usize).to_vec()
+        }
+    };
+    // Every attribute that is set is one of `allowed`, and every one of `required` is set.
+    let attrs_are = |allowed: &[u32], required: &[u32]| {
+        (1..=EXPR_ATTR_MAX).all(|a| !is_set(a) || allowed.contains(&a))
+            && required.iter().all(|&a| is_set(a))
+    };
+    match name {
+        "meta" => {
+            use sys::{NFTNL_EXPR_META_DREG as DREG, NFTNL_EXPR_META_KEY as KEY};
+            attrs_are(&[KEY, DREG], &[KEY, DREG]).then(|| LiveExpr::Meta {
+                key: u32_attr(KEY),
+                dreg: u32_attr(DREG),
+            })
+        }
+        "cmp" => {
+            use sys::{
+                NFTNL_EXPR_CMP_DATA as DATA, NFTNL_EXPR_CMP_OP as OP, NFTNL_EXPR_CMP_SREG as SREG,
+            };
+            attrs_are(&[SREG, OP, DATA], &[SREG, OP, DATA]).then(|| LiveExpr::Cmp {
+                sreg: u32_attr(SREG),
+                op: u32_attr(OP),
+                data: data_attr(DATA),
+            })
+        }
+        "payload" => {
+            use sys::{
+                NFTNL_EXPR_PAYLOAD_BASE as BASE, NFTNL_EXPR_PAYLOAD_DREG as DREG,
+                NFTNL_EXPR_PAYLOAD_LEN as LEN, NFTNL_EXPR_PAYLOAD_OFFSET as OFFSET,
+            };
+            let all = [DREG, BASE, OFFSET, LEN];
+            attrs_are(&all, &all).then(|| LiveExpr::Payload {
+                base: u32_attr(BASE),
+                offset: u32_attr(OFFSET),
+                len: u32_attr(LEN),
+                dreg: u32_attr(DREG),
+            })
+        }
+        "bitwise" => {
+            use sys::{
+                NFTNL_EXPR_BITWISE_DREG as DREG, NFTNL_EXPR_BITWISE_LEN as LEN,
+                NFTNL_EXPR_BITWISE_MASK as MASK, NFTNL_EXPR_BITWISE_OP as OP,
+                NFTNL_EXPR_BITWISE_SREG as SREG, NFTNL_EXPR_BITWISE_XOR as XOR,
+            };
+            // Kernels from 5.6 report the operation; 0 (a mask and xor) when they do not.
+            let required = [SREG, DREG, LEN, MASK, XOR];
+            attrs_are(&[SREG, DREG, LEN, MASK, XOR, OP], &required).then(|| LiveExpr::Bitwise {
+                sreg: u32_attr(SREG),
+                dreg: u32_attr(DREG),
+                len: u32_attr(LEN),
+                op: u32_attr(OP),
+                mask: data_attr(MASK),
+                xor: data_attr(XOR),
+            })
+        }
+        "byteorder" => {
+            use sys::{
+                NFTNL_EXPR_BYTEORDER_DREG as DREG, NFTNL_EXPR_BYTEORDER_LEN as LEN,
+                NFTNL_EXPR_BYTEORDER_OP as OP, NFTNL_EXPR_BYTEORDER_SIZE as SIZE,
+                NFTNL_EXPR_BYTEORDER_SREG as SREG,
+            };
+            let all = [SREG, DREG, OP, LEN, SIZE];
+            attrs_are(&all, &all).then(|| LiveExpr::Byteorder {
+                sreg: u32_attr(SREG),
+                dreg: u32_attr(DREG),
+                op: u32_attr(OP),
+                len: u32_attr(LEN),
+                size: u32_attr(SIZE),
+            })
+        }
+        "lookup" => {
+            use sys::{
+                NFTNL_EXPR_LOOKUP_FLAGS as FLAGS, NFTNL_EXPR_LOOKUP_SET as SET,
+                NFTNL_EXPR_LOOKUP_SET_ID as SET_ID, NFTNL_EXPR_LOOKUP_SREG as SREG,
+            };
+            // The set id names a set within one batch only (the kernel never reports it);
+            // the flags are 0 unless the match is inverted.
+            attrs_are(&[SREG, SET, SET_ID, FLAGS], &[SREG, SET]).then(|| LiveExpr::Lookup {
+                sreg: u32_attr(SREG),
+                set: str_attr(SET),
+                flags: u32_attr(FLAGS),
+            })
+        }
+        "ct" => {
+            use sys::{
+                NFTNL_EXPR_CT_DIR as DIR, NFTNL_EXPR_CT_DREG as DREG, NFTNL_EXPR_CT_KEY as KEY,
+            };
+            attrs_are(&[DREG, KEY, DIR], &[DREG, KEY]).then(|| LiveExpr::Ct {
+                key: u32_attr(KEY),
+                dreg: u32_attr(DREG),
+                dir: is_set(DIR).then(|| u8_attr(DIR)),
+            })
+        }
+        "exthdr" => {
+            use sys::{
+                NFTNL_EXPR_EXTHDR_DREG as DREG, NFTNL_EXPR_EXTHDR_FLAGS as FLAGS,
+                NFTNL_EXPR_EXTHDR_LEN as LEN, NFTNL_EXPR_EXTHDR_OFFSET as OFFSET,
+                NFTNL_EXPR_EXTHDR_OP as OP, NFTNL_EXPR_EXTHDR_TYPE as TYPE,
+            };
+            let allowed = [DREG, TYPE, OFFSET, LEN, FLAGS, OP];
+            attrs_are(&allowed, &[DREG, TYPE, LEN]).then(|| LiveExpr::Exthdr {
+                dreg: u32_attr(DREG),
+                kind: u8_attr(TYPE),
+                offset: u32_attr(OFFSET),
+                len: u32_attr(LEN),
+                flags: u32_attr(FLAGS),
+                op: u32_attr(OP),
+            })
+        }
+        "limit" => {
+            use sys::{
+                NFTNL_EXPR_LIMIT_BURST as BURST, NFTNL_EXPR_LIMIT_FLAGS as FLAGS,
+                NFTNL_EXPR_LIMIT_RATE as RATE, NFTNL_EXPR_LIMIT_TYPE as TYPE,
+                NFTNL_EXPR_LIMIT_UNIT as UNIT,
+            };
+            let allowed = [RATE, UNIT, BURST, TYPE, FLAGS];
+            attrs_are(&allowed, &[RATE, UNIT]).then(|| LiveExpr::Limit {
+                rate: u64_attr(RATE),
+                unit: u64_attr(UNIT),
+                burst: u32_attr(BURST),
+                kind: u32_attr(TYPE),
+                flags: u32_attr(FLAGS),
+            })
+        }
+        "log" => {
+            use sys::{
+                NFTNL_EXPR_LOG_FLAGS as FLAGS, NFTNL_EXPR_LOG_GROUP as GROUP,
+                NFTNL_EXPR_LOG_LEVEL as LEVEL, NFTNL_EXPR_LOG_PREFIX as PREFIX,
+                NFTNL_EXPR_LOG_QTHRESHOLD as QTHRESHOLD, NFTNL_EXPR_LOG_SNAPLEN as SNAPLEN,
+            };
+            let allowed = [PREFIX, GROUP, SNAPLEN, QTHRESHOLD, LEVEL, FLAGS];
+            let group = is_set(GROUP).then(|| u16_attr(GROUP));
+            // Without a group the kernel logs at level 4 (warning) unless told otherwise.
+            let level = match (group, is_set(LEVEL)) {
+                (_, true) => Some(u32_attr(LEVEL)),
+                (None, false) => Some(4),
+                (Some(_), false) => None,
+            };
+            attrs_are(&allowed, &[]).then(|| LiveExpr::Log {
+                prefix: str_attr(PREFIX),
+                group,
+                snaplen: u32_attr(SNAPLEN),
+                qthreshold: u32_attr(QTHRESHOLD),
+                level,
+                flags: u32_attr(FLAGS),
+            })
+        }
+        "counter" => {
+            use sys::{NFTNL_EXPR_CTR_BYTES as BYTES, NFTNL_EXPR_CTR_PACKETS as PACKETS};
+            attrs_are(&[PACKETS, BYTES], &[]).then(|| LiveExpr::Counter {
+                packets: u64_attr(PACKETS),
+                bytes: u64_attr(BYTES),
+            })
+        }
+        "immediate" => {
+            use sys::{
+                NFTNL_EXPR_IMM_CHAIN as CHAIN, NFTNL_EXPR_IMM_DREG as DREG,
+                NFTNL_EXPR_IMM_VERDICT as VERDICT,
+            };
+            // Register 0 is the verdict register: anything else loads data.
+            (attrs_are(&[DREG, VERDICT, CHAIN], &[DREG, VERDICT])
+                && u32_attr(DREG) == libc::NFT_REG_VERDICT as u32)
+                .then(|| LiveExpr::Verdict {
+                    code: u32_attr(VERDICT) as i32,
+                    chain: is_set(CHAIN).then(|| str_attr(CHAIN)),
+                })
+        }
+        "reject" => {
+            use sys::{NFTNL_EXPR_REJECT_CODE as CODE, NFTNL_EXPR_REJECT_TYPE as TYPE};
+            attrs_are(&[TYPE, CODE], &[TYPE]).then(|| LiveExpr::Reject {
+                kind: u32_attr(TYPE),
+                code: u8_attr(CODE),
+            })
+        }
+        _ => None,
+    }
 }
 
 /// The expressions of a message we built (a rule, say), as [`parse_rule`] reports them for
-/// a live one: lets tests and drift checks compare what we send with what the kernel holds.
-pub fn describe_rule(rule: &impl NlMsg) -> Option<LiveRule> {
+/// a live one: the form a decoder of dumped rules reads.
+pub fn describe_rule(rule: &impl NlMsg) -> Option<DumpedRule> {
     let mut buf = vec![0u32; nftnl::nft_nlmsg_maxsize() as usize / 4];
     // SAFETY: `buf` holds nft_nlmsg_maxsize bytes, the most one message may need; the length
     // read back is the header's own, within the buffer.

@@ -12,4 +12,5 @@ mod essentials;
 mod guard;
 mod inputs;
 mod raw_frames;
+mod readback;
 mod repair;
