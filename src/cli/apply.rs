@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::SystemTime;
 
 use egress_fence::change::{self, ApplyOutcome, ConfirmRequest, Planned, Writer};
-use egress_fence::core::policy::Interval;
+use egress_fence::core::policy::HumanDuration;
 use egress_fence::core::ruleset::TABLE;
 use egress_fence::nft::Nft;
 
@@ -21,7 +21,7 @@ pub fn run(
     target: &NamespaceArg,
     resolving: &Resolving,
     writer: &WriterArgs,
-    confirm_within: Option<Interval>,
+    confirm_within: Option<HumanDuration>,
     json: bool,
 ) -> Result<u8, Failure> {
     let state = state_dir(target, &writer.state)?;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::builder::TypedValueParser;
 use clap::{Args, Parser, Subcommand};
-use egress_fence::core::policy::Interval;
+use egress_fence::core::policy::HumanDuration;
 use egress_fence::state::{DEFAULT_KEEP, DEFAULT_STATE_DIR};
 
 use super::schema::SCHEMA;
@@ -63,7 +63,7 @@ pub struct LockArgs {
     /// How long to wait while another egress-fence writer (apply, rollback, confirm, the
     /// service) holds this namespace's lock, e.g. 30s or 2m.
     #[arg(long, value_name = "DURATION", default_value = "30s")]
-    pub lock_timeout: Interval,
+    pub lock_timeout: HumanDuration,
 }
 
 #[derive(Args)]
@@ -121,7 +121,7 @@ pub enum Command {
         /// management access. The revert runs in a process of its own that does not depend
         /// on this terminal.
         #[arg(long, value_name = "DURATION")]
-        confirm_within: Option<Interval>,
+        confirm_within: Option<HumanDuration>,
         /// Print the outcome as JSON.
         #[arg(long)]
         json: bool,

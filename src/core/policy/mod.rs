@@ -29,7 +29,7 @@ pub use names::{DomainName, Wildcard};
 pub use presets::Preset;
 pub use schema::*;
 pub use values::{
-    Interval, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeHost, ProbeTarget, Rate, RateUnit,
+    HumanDuration, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeHost, ProbeTarget, Rate, RateUnit,
 };
 
 #[cfg(test)]

@@ -8,7 +8,9 @@ use serde::{Deserialize, Deserializer};
 use super::names::{DomainName, Wildcard};
 use super::presets::Preset;
 use super::schema::*;
-use super::values::{Interval, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeTarget, Rate, parse_network};
+use super::values::{
+    HumanDuration, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeTarget, Rate, parse_network,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -223,11 +225,11 @@ pub(super) struct RawDns {
     pub(super) resolvers: Option<Vec<Resolver>>,
     #[serde(default)]
     pub(super) refresh: RawRefresh,
-    pub(super) grace: Option<Interval>,
+    pub(super) grace: Option<HumanDuration>,
     pub(super) listen: Option<Vec<ListenAddr>>,
     pub(super) upstream: Option<Vec<Resolver>>,
     pub(super) refuse_with: Option<RefuseWith>,
-    pub(super) floor: Option<Interval>,
+    pub(super) floor: Option<HumanDuration>,
     pub(super) mark: Option<u32>,
 }
 
@@ -253,8 +255,8 @@ impl<'de> Deserialize<'de> for ListenAddr {
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawRefresh {
-    pub(super) min: Option<Interval>,
-    pub(super) max: Option<Interval>,
+    pub(super) min: Option<HumanDuration>,
+    pub(super) max: Option<HumanDuration>,
 }
 
 #[derive(Deserialize, Default)]

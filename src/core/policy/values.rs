@@ -283,13 +283,13 @@ impl<'de> Deserialize<'de> for Rate {
 
 /// Durations end up as kernel element timeouts in milliseconds and as deadlines: a year is
 /// far beyond any sensible setting and far inside what either can hold.
-const MAX_INTERVAL_SECS: u64 = 365 * 86_400;
+const MAX_DURATION_SECS: u64 = 365 * 86_400;
 
 /// A duration written as `30s`, `10m`, `1h` or `1d`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Interval(pub Duration);
+pub struct HumanDuration(pub Duration);
 
-impl FromStr for Interval {
+impl FromStr for HumanDuration {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
@@ -310,16 +310,16 @@ impl FromStr for Interval {
         if secs == 0 {
             return Err(format!("`{s}` is zero; {hint}"));
         }
-        if secs > MAX_INTERVAL_SECS {
+        if secs > MAX_DURATION_SECS {
             return Err(format!(
                 "`{s}` is longer than a year, the longest a duration here may be"
             ));
         }
-        Ok(Interval(Duration::from_secs(secs)))
+        Ok(HumanDuration(Duration::from_secs(secs)))
     }
 }
 
-impl<'de> Deserialize<'de> for Interval {
+impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         String::deserialize(d)?
             .parse()
