@@ -34,10 +34,11 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
 use crate::core::installable::{HostAddrsCache, retain_installable, summarise};
+use crate::core::lifetime::{Lifetimes, keep_longest, renewals, timeout_ms};
 use crate::core::plan::{
-    denied_answers, element_allowed, lifetime_cap, plan_with, resolved_tuple, services_of,
+    denied_addresses, denied_answers, element_allowed, plan_elements, resolved_tuple, services_of,
 };
-use crate::core::policy::{Dns, DomainName, L4Proto, Policy, PolicyError};
+use crate::core::policy::{DomainName, L4Proto, Policy, PolicyError};
 use crate::core::resolution::{Resolution, ResolvedAddr, ResolvedHost};
 use crate::core::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Timed, Tuple};
 use crate::dns::resolve::{NameResolver, ResolveError};
@@ -255,46 +256,8 @@ fn ago(d: Duration) -> String {
     }
 }
 
-/// How long after an answer a name is asked again.
-fn interval(ttl: u32, dns: &Dns) -> Duration {
-    Duration::from_secs(ttl.into()).clamp(dns.refresh_min, dns.refresh_max)
-}
-
-/// How long an address in a guard's answer stays allowed: at least as long as the client may
-/// cache it (its TTL), at least the floor, then the grace; but never longer than
-/// `dns.refresh.max` (or the floor, if higher) plus the grace ([`lifetime_cap`]): an answer
-/// under an allowed wildcard is its owner's to write, TTL included. A client that caches
-/// longer than that asks again and renews the element.
-fn guard_lifetime(ttl: u32, guard: &crate::core::policy::Guard, dns: &Dns) -> Duration {
-    let ttl = Duration::from_secs(crate::core::installable::effective_ttl(ttl).into());
-    ttl.max(guard.floor).min(dns.refresh_max.max(guard.floor)) + dns.grace
-}
-
-/// A guard's answer renews an element only when the element would otherwise expire within
-/// this fraction of the grace: a name asked a thousand times a second costs one batch, not a
-/// thousand, and every released answer still outlives its TTL by half the grace or more.
-fn renew_slack(grace: Duration) -> Duration {
-    grace / 2
-}
-
 /// How many waiting answers go into one batch.
 const MAX_ANSWER_BATCH: usize = 256;
-
-/// How often the guard looks for live connections to addresses about to expire: a third of
-/// the shortest lifetime, between 1 and 10 seconds.
-fn sweep_every(guard: &crate::core::policy::Guard, grace: Duration) -> Duration {
-    ((guard.floor + grace) / 3).clamp(Duration::from_secs(1), Duration::from_secs(10))
-}
-
-/// Retry delay after `failures` failed lookups in a row: 1 s, 2 s, 4 s, 8 s, then every 10 s
-/// (or `cap`, the refresh floor, if shorter): a host that boots before its network resolves
-/// its names soon after the resolver answers.
-fn backoff(failures: u32, cap: Duration) -> Duration {
-    const MAX_BACKOFF: Duration = Duration::from_secs(10);
-    Duration::from_secs(1u64 << failures.clamp(1, 16).saturating_sub(1))
-        .min(cap)
-        .min(MAX_BACKOFF)
-}
 
 /// What the daemon knows of one name.
 #[derive(Debug, Clone)]
@@ -361,18 +324,17 @@ impl NameState {
                 *count += 1;
                 out.added.push(a.addr);
             }
-            let entry = self.addrs.entry(a.addr).or_insert(now);
-            *entry = (*entry).max(expires);
+            keep_longest(&mut self.addrs, a.addr, expires);
         }
         out
     }
 
     /// Takes in an answer received at `now`; returns the addresses it brought and, for a
     /// successful answer, those the previous one had and this one lacks.
-    fn answer(&mut self, host: &ResolvedHost, now: Instant, dns: &Dns) -> AnswerChanges {
+    fn answer(&mut self, host: &ResolvedHost, now: Instant, life: &Lifetimes) -> AnswerChanges {
         let mut changes = AnswerChanges {
             added: self
-                .extend(&host.addrs, now, |ttl| interval(ttl, dns) + dns.grace, true)
+                .extend(&host.addrs, now, |ttl| life.resolved(ttl), true)
                 .added,
             gone: Vec::new(),
         };
@@ -382,13 +344,12 @@ impl NameState {
             self.answered = answered;
             self.failures = 0;
             self.last_error = None;
-            let ttl = host.addrs.iter().map(|a| a.ttl).min();
-            self.next_due = now + ttl.map_or(dns.refresh_min, |t| interval(t, dns));
+            self.next_due = now + life.next_refresh(host.addrs.iter().map(|a| a.ttl));
         } else {
             // A partial answer still renews what it named; the rest keeps its expiry.
             self.failures += 1;
             self.last_error = Some(host.errors.join("; "));
-            self.next_due = now + backoff(self.failures, dns.refresh_min);
+            self.next_due = now + life.retry_after(self.failures);
         }
         changes
     }
@@ -501,28 +462,11 @@ fn desired<'a>(
         };
         for (&addr, &expires) in state.live(now) {
             for &service in ports {
-                let e = out.entry(resolved_tuple(addr, service)).or_insert(expires);
-                *e = (*e).max(expires);
+                keep_longest(&mut out, resolved_tuple(addr, service), expires);
             }
         }
     }
     out
-}
-
-/// The elements to send so the kernel holds every desired element at least until its
-/// desired expiry: new ones, and those whose expiry moved later. An element shared with
-/// names not in `desired` is never shortened: the kernel already holds their later expiry.
-/// With `slack`, an element is renewed only if its expiry would move later by more than that.
-fn renewals(
-    desired: &BTreeMap<Tuple, Instant>,
-    installed: &BTreeMap<Tuple, Instant>,
-    slack: Duration,
-) -> Vec<(Tuple, Instant)> {
-    desired
-        .iter()
-        .filter(|(t, e)| installed.get(t).is_none_or(|i| **e > *i + slack))
-        .map(|(t, e)| (*t, *e))
-        .collect()
 }
 
 /// Forgets the guard's learned names nothing has been remembered of for an hour, and, past
@@ -573,47 +517,38 @@ fn owners<'a>(
     out
 }
 
-/// Puts carried elements into the resolved sets of `ruleset`; an element both have lives as
-/// long as the later of the two says.
-fn add_carried(ruleset: &mut Ruleset, carried: &BTreeMap<Tuple, Carried>, now: Instant) {
-    if carried.is_empty() {
-        return;
+/// The resolved elements the table holds: the live addresses of `names` on their services
+/// and what a restart carried over, each until the latest expiry any of them gives it and
+/// named after the first name that gives it (else the name it was carried for).
+fn table_elements<'a>(
+    names: impl Iterator<Item = (&'a DomainName, &'a NameState)>,
+    services: &Services,
+    carried: &BTreeMap<Tuple, Carried>,
+    now: Instant,
+) -> BTreeMap<Tuple, Instant> {
+    let mut out = desired(names, services, now);
+    for (t, c) in carried {
+        keep_longest(&mut out, *t, c.expires);
     }
-    for set in &mut ruleset.sets {
-        let Elements::Timed(elements) = &mut set.elements else {
-            continue;
-        };
-        let family = set.id.family;
-        let mut merged: BTreeMap<Tuple, Timed> = elements.drain(..).map(|t| (t.tuple, t)).collect();
-        for (&tuple, c) in carried {
-            if crate::core::ruleset::Family::of_net(&tuple.net) != family {
-                continue;
-            }
-            let new = Timed {
-                name: Some(c.name.clone()),
-                ..timed(tuple, c.expires, now)
-            };
-            merged
-                .entry(tuple)
-                .and_modify(|t| {
-                    // `None` is permanent, which no carried element shortens.
-                    if let (Some(a), Some(b)) = (t.timeout_ms, new.timeout_ms) {
-                        t.timeout_ms = Some(a.max(b));
-                    }
-                })
-                .or_insert(new);
-        }
-        elements.extend(merged.into_values());
-    }
+    out
 }
 
-fn timed(tuple: Tuple, expires: Instant, now: Instant) -> Timed {
-    Timed {
-        tuple,
-        timeout_ms: Some(expires.saturating_duration_since(now).as_millis().max(1) as u64),
-        expires_ms: None,
-        name: None,
-    }
+/// `elements` as the kernel takes them: each with what is left of its lifetime and the name
+/// `name_of` gives it.
+fn timed(
+    elements: impl IntoIterator<Item = (Tuple, Instant)>,
+    now: Instant,
+    name_of: impl Fn(&Tuple) -> Option<String>,
+) -> Vec<Timed> {
+    elements
+        .into_iter()
+        .map(|(tuple, expires)| Timed {
+            tuple,
+            timeout_ms: Some(timeout_ms(expires.saturating_duration_since(now))),
+            expires_ms: None,
+            name: name_of(&tuple),
+        })
+        .collect()
 }
 
 struct Daemon {
@@ -803,7 +738,7 @@ impl Daemon {
                 Err(_) => break,
             }
         }
-        let Some(guard) = self.policy.dns.guard.clone() else {
+        if self.policy.dns.guard.is_none() {
             // Only a reload could end guard mode, and reload refuses to.
             for a in batch {
                 let _ = a.done.send(false);
@@ -811,8 +746,7 @@ impl Daemon {
             return;
         };
         let now = Instant::now();
-        let grace = self.policy.dns.grace;
-        let dns = self.policy.dns.clone();
+        let life = Lifetimes::of(&self.policy.dns);
         let mut names = BTreeSet::new();
         let mut live_names = None;
         let mut refused = Vec::new();
@@ -867,7 +801,7 @@ impl Daemon {
                 .or_insert_with(|| NameState::new(now));
             let room = self.installed.len() < MAX_RESOLVED_ELEMENTS;
             let Extended { added, left_out } =
-                state.extend(&a.addrs, now, |ttl| guard_lifetime(ttl, &guard, &dns), room);
+                state.extend(&a.addrs, now, |ttl| life.guarded(ttl), room);
             if left_out > 0
                 && let Some(held_back) =
                     self.full_log
@@ -891,20 +825,12 @@ impl Daemon {
             names.insert(a.name.clone());
         }
         self.last_refresh = Some(SystemTime::now());
-        let hosts: Vec<ResolvedHost> = batch
-            .iter()
-            .map(|a| ResolvedHost {
-                name: a.name.clone(),
-                addrs: a.addrs.clone(),
-                nxdomain: false,
-                dropped: Vec::new(),
-                errors: Vec::new(),
-            })
-            .collect();
-        for w in denied_answers(&self.policy, &hosts) {
-            warn!("{w}");
+        for a in &batch {
+            for w in denied_addresses(&self.policy, &a.name, a.addrs.iter().map(|r| r.addr)) {
+                warn!("{w}");
+            }
         }
-        let ok = self.install(&names, now, renew_slack(grace));
+        let ok = self.install(&names, now, life.renew_slack());
         for a in batch {
             let _ = a.done.send(ok);
         }
@@ -951,13 +877,7 @@ impl Daemon {
         now: Instant,
         name_of: impl Fn(&Tuple) -> Option<String>,
     ) -> Result<(), NftError> {
-        let batch: Vec<Timed> = elements
-            .iter()
-            .map(|&(t, e)| Timed {
-                name: name_of(&t),
-                ..timed(t, e, now)
-            })
-            .collect();
+        let batch = timed(elements.iter().copied(), now, name_of);
         self.nft.upsert_resolved(&batch)?;
         self.our_generation = self.nft.generation().ok();
         self.installed.extend(elements.iter().copied());
@@ -970,10 +890,10 @@ impl Daemon {
     /// connection's own packets; this keeps a client that reconnects to the address it still
     /// uses (a pool, a retry) from being refused under it.
     fn keep_connected(&mut self) {
-        let Some(guard) = &self.policy.dns.guard else {
+        let life = Lifetimes::of(&self.policy.dns);
+        let Some(every) = life.sweep_every() else {
             return;
         };
-        let every = sweep_every(guard, self.policy.dns.grace);
         let now = Instant::now();
         let soon: Vec<Tuple> = self
             .installed
@@ -991,8 +911,7 @@ impl Daemon {
                 return;
             }
         };
-        // Never past the policy's cap, though: a sweep cannot outlive what an answer may.
-        let until = now + (3 * every).min(lifetime_cap(&self.policy.dns));
+        let until = now + life.kept_connected(every);
         let keep: Vec<(Tuple, Instant)> = soon
             .into_iter()
             .filter(|t| flows.contains(&(t.net.addr(), t.proto, t.ports.first)))
@@ -1038,6 +957,7 @@ impl Daemon {
     /// hold the answers behind it, and the guard has no way to ask them.
     fn carry_over(&mut self) {
         let now = Instant::now();
+        let life = Lifetimes::of(&self.policy.dns);
         let table = match self.nft.read_table() {
             Ok(Some(t)) => t,
             Ok(None) => return,
@@ -1066,10 +986,7 @@ impl Daemon {
                 };
                 // Permanent elements (a CLI apply) get the grace, no more, and none outlives
                 // what the policy allows an answer.
-                let left = t
-                    .expires_ms
-                    .map_or(self.policy.dns.grace, Duration::from_millis)
-                    .min(lifetime_cap(&self.policy.dns));
+                let left = life.carried(t.expires_ms);
                 self.carried.insert(
                     t.tuple,
                     Carried {
@@ -1120,12 +1037,13 @@ impl Daemon {
     /// Records answers, logging what changed.
     fn take_answers(&mut self, hosts: &[ResolvedHost]) {
         let now = Instant::now();
+        let life = Lifetimes::of(&self.policy.dns);
         self.last_refresh = Some(SystemTime::now());
         for host in hosts {
             let Some(state) = self.names.get_mut(&host.name) else {
                 continue;
             };
-            let AnswerChanges { added, gone } = state.answer(host, now, &self.policy.dns);
+            let AnswerChanges { added, gone } = state.answer(host, now, &life);
             if let Some(err) = &state.last_error {
                 warn!(name = %host.name, error = %err, failures = state.failures,
                       retry_in_s = state.next_due.saturating_duration_since(now).as_secs(),
@@ -1149,7 +1067,7 @@ impl Daemon {
         }
     }
 
-    /// The live addresses as a resolution, for planning.
+    /// The live addresses as a resolution, for the generation record.
     fn resolution(&self, now: Instant) -> Resolution {
         Resolution {
             resolvers: self.resolvers.clone(),
@@ -1176,31 +1094,33 @@ impl Daemon {
     fn apply_all(&mut self) -> Result<(), NftError> {
         let now = Instant::now();
         // A reload may have lowered the cap: nothing known lives past the policy's.
-        let cap = now + lifetime_cap(&self.policy.dns);
+        let cap = now + Lifetimes::of(&self.policy.dns).cap();
         for state in self.names.values_mut() {
             for expires in state.addrs.values_mut() {
                 *expires = (*expires).min(cap);
             }
         }
-        let names = &self.names;
-        let mut ruleset = plan_with(&self.policy, &self.resolution(now), |name, addr| {
-            let expires = names.get(name)?.addrs.get(&addr)?;
-            Some(
-                expires
-                    .saturating_duration_since(now)
-                    .max(Duration::from_millis(1)),
-            )
-        });
         self.carried.retain(|_, c| c.expires > now);
-        add_carried(&mut ruleset, &self.carried, now);
+        let elements = table_elements(self.names.iter(), &self.services, &self.carried, now);
+        let owners = owners(self.names.iter(), &self.services, now);
+        let named = timed(
+            elements.iter().map(|(t, e)| (*t, *e)),
+            now,
+            |t| match owners.get(t) {
+                Some(name) => Some(name.to_string()),
+                None => self.carried.get(t).map(|c| c.name.clone()),
+            },
+        );
+        let ruleset = plan_elements(
+            &self.policy,
+            &self.resolvers,
+            self.guard_uid,
+            named.into_iter().map(|t| (t.tuple, t)).collect(),
+        );
         match self.nft.apply(&ruleset) {
             Ok(()) => {
                 self.our_generation = self.nft.generation().ok();
-                self.installed = desired(self.names.iter(), &self.services, now);
-                for (t, c) in &self.carried {
-                    let i = self.installed.entry(*t).or_insert(c.expires);
-                    *i = (*i).max(c.expires);
-                }
+                self.installed = elements;
                 self.retry_apply = None;
                 info!(
                     table = %format!("inet {TABLE}"),
@@ -1263,7 +1183,7 @@ impl Daemon {
     /// A lookup that produced no answers at all: the names it took are due again soon
     /// (take_due pushed them a whole refresh_max away while they were being looked up).
     fn retry_lookups(&mut self) {
-        let retry = Instant::now() + backoff(1, self.policy.dns.refresh_min);
+        let retry = Instant::now() + Lifetimes::of(&self.policy.dns).retry_after(1);
         for state in self.names.values_mut() {
             state.next_due = state.next_due.min(retry);
         }
@@ -1350,7 +1270,7 @@ impl Daemon {
     /// longer than it allows an answer. Once the kernel has accepted the new table, the guard
     /// answers by the new rules.
     fn reload_guard(&mut self, policy: Policy, policy_text: String, upstream: Vec<IpAddr>) -> bool {
-        let cap = Instant::now() + lifetime_cap(&policy.dns);
+        let cap = Instant::now() + Lifetimes::of(&policy.dns).cap();
         let carried = self
             .carried
             .iter()
@@ -1575,12 +1495,7 @@ impl Daemon {
         let mut last_status = self.status_line();
         let mut status_at = Instant::now();
         let mut status_tick = tokio::time::interval(Duration::from_secs(1));
-        let sweep = self
-            .policy
-            .dns
-            .guard
-            .as_ref()
-            .map(|g| sweep_every(g, self.policy.dns.grace));
+        let sweep = Lifetimes::of(&self.policy.dns).sweep_every();
         let mut sweep_tick = tokio::time::interval(sweep.unwrap_or(Duration::from_secs(3600)));
         let _ = sd_notify::notify(&[
             sd_notify::NotifyState::Ready,
@@ -1762,25 +1677,8 @@ mod tests {
     }
 
     #[test]
-    fn intervals_follow_the_ttl_within_bounds() {
-        let dns = policy().dns;
-        assert_eq!(interval(5, &dns), Duration::from_secs(30));
-        assert_eq!(interval(300, &dns), Duration::from_secs(300));
-        assert_eq!(interval(86_400, &dns), Duration::from_secs(3600));
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap() {
-        let cap = Duration::from_secs(30);
-        let got: Vec<u64> = (1..=6).map(|f| backoff(f, cap).as_secs()).collect();
-        assert_eq!(got, vec![1, 2, 4, 8, 10, 10]);
-        assert_eq!(backoff(100, cap), Duration::from_secs(10));
-        assert_eq!(backoff(4, Duration::from_secs(3)), Duration::from_secs(3));
-    }
-
-    #[test]
     fn an_answer_sets_expiry_and_schedule() {
-        let dns = policy().dns;
+        let dns = Lifetimes::of(&policy().dns);
         let now = Instant::now();
         let mut s = NameState::new(now);
         let changes = s.answer(&host("a.example", &[("192.0.2.1", 300)], &[]), now, &dns);
@@ -1811,7 +1709,7 @@ mod tests {
 
     #[test]
     fn failures_keep_the_last_good_addresses_and_back_off() {
-        let dns = policy().dns;
+        let dns = Lifetimes::of(&policy().dns);
         let now = Instant::now();
         let mut s = NameState::new(now);
         s.answer(&host("a.example", &[("192.0.2.1", 60)], &[]), now, &dns);
@@ -1897,89 +1795,6 @@ mod tests {
     }
 
     #[test]
-    fn timed_elements_carry_the_remaining_lifetime() {
-        let now = Instant::now();
-        let t = Tuple {
-            net: "192.0.2.9/32".parse().unwrap(),
-            proto: L4Proto::Tcp,
-            ports: PortRange::single(443),
-        };
-        assert_eq!(
-            timed(t, now + Duration::from_secs(90), now).timeout_ms,
-            Some(90_000)
-        );
-        assert_eq!(
-            timed(t, now, now).timeout_ms,
-            Some(1),
-            "never zero: zero means none"
-        );
-    }
-
-    #[test]
-    fn guard_answers_live_for_their_ttl_or_the_floor_plus_grace_and_renew_with_slack() {
-        let p = Policy::parse(
-            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  floor: 30s\n  grace: 10m\n",
-            Path::new("p.yaml"),
-        )
-        .expect("valid");
-        let guard = p.dns.guard.as_ref().unwrap();
-        let grace = p.dns.grace;
-        assert_eq!(
-            guard_lifetime(5, guard, &p.dns),
-            Duration::from_secs(30 + 600)
-        );
-        assert_eq!(
-            guard_lifetime(3600, guard, &p.dns),
-            Duration::from_secs(3600 + 600)
-        );
-
-        let now = Instant::now();
-        let t = Tuple {
-            net: "192.0.2.9/32".parse().unwrap(),
-            proto: L4Proto::Tcp,
-            ports: PortRange::single(443),
-        };
-        let installed = BTreeMap::from([(t, now + Duration::from_secs(630))]);
-        let slack = renew_slack(grace);
-        // Asked again a minute later: the element still outlives the new TTL by far.
-        let later = BTreeMap::from([(t, now + Duration::from_secs(690))]);
-        assert!(renewals(&later, &installed, slack).is_empty());
-        // Asked again after six minutes: less than half the grace would be left.
-        let much_later = BTreeMap::from([(t, now + Duration::from_secs(630 + 301))]);
-        assert_eq!(renewals(&much_later, &installed, slack).len(), 1);
-    }
-
-    #[test]
-    fn no_answer_lives_past_refresh_max_plus_grace_whatever_its_ttl() {
-        let p = Policy::parse(
-            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  floor: 30s\n  grace: 10m\n  refresh: { min: 30s, max: 1h }\n",
-            Path::new("p.yaml"),
-        )
-        .expect("valid");
-        let guard = p.dns.guard.as_ref().unwrap();
-        let cap = Duration::from_secs(3600 + 600);
-        assert_eq!(lifetime_cap(&p.dns), cap);
-        assert_eq!(guard_lifetime(86_400, guard, &p.dns), cap);
-        assert_eq!(guard_lifetime(0x7fff_ffff, guard, &p.dns), cap);
-        // RFC 2181: the top bit set means zero, so the floor.
-        let floor = Duration::from_secs(30 + 600);
-        assert_eq!(guard_lifetime(u32::MAX, guard, &p.dns), floor);
-        assert_eq!(guard_lifetime(0x8000_0000, guard, &p.dns), floor);
-        // A floor above refresh.max is the policy's explicit wish: it is the cap then.
-        let mut dns = p.dns.clone();
-        dns.refresh_max = Duration::from_secs(10);
-        let g = dns.guard.as_ref().unwrap();
-        assert_eq!(guard_lifetime(86_400, g, &dns), floor);
-        assert_eq!(lifetime_cap(&dns), floor);
-        // Resolve mode: the refresh interval is clamped to refresh.max.
-        let dns = policy().dns;
-        assert_eq!(
-            interval(u32::MAX >> 1, &dns) + dns.grace,
-            lifetime_cap(&dns)
-        );
-    }
-
-    #[test]
     fn a_batch_names_each_element_after_a_name_that_gives_it() {
         let p = policy();
         let now = Instant::now();
@@ -2009,11 +1824,10 @@ mod tests {
     fn carried_elements_join_the_resolved_sets_without_shortening_any() {
         let p = policy();
         let now = Instant::now();
-        let mut rs = plan_with(
-            &p,
-            &crate::core::plan::tests::resolution(&[("a.example", &["192.0.2.1"])]),
-            |_, _| Some(Duration::from_secs(100)),
-        );
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        let mut a = NameState::new(now);
+        a.addrs.insert(ip, now + Duration::from_secs(100));
+        let names = BTreeMap::from([("a.example".parse::<DomainName>().unwrap(), a)]);
         let tuple = |ip: &str| Tuple {
             net: ip.parse().unwrap(),
             proto: L4Proto::Tcp,
@@ -2028,28 +1842,71 @@ mod tests {
             (tuple("192.0.2.2/32"), carry(70)),
             (tuple("2001:db8::2/128"), carry(70)),
         ]);
-        add_carried(&mut rs, &carried, now);
-        let timed_in = |family| match &rs
-            .set(SetId::new(SetRole::Resolved, family))
-            .unwrap()
-            .elements
-        {
-            Elements::Timed(t) => t.clone(),
-            other => panic!("{other:?}"),
+        let got = table_elements(names.iter(), &services(&p), &carried, now);
+        let secs = |t: &str| got[&tuple(t)].saturating_duration_since(now).as_secs();
+        assert_eq!(secs("192.0.2.1/32"), 100, "the later expiry wins");
+        assert_eq!(secs("192.0.2.2/32"), 70);
+        assert_eq!(secs("2001:db8::2/128"), 70);
+        assert_eq!(got.len(), 3);
+        let t = timed(got, now, |_| None);
+        assert_eq!(t[0].timeout_ms, Some(100_000));
+    }
+
+    #[test]
+    fn the_table_holds_what_planning_the_live_addresses_gave() {
+        // What `apply_all` sends equals what it sent when it planned a resolution of the live
+        // addresses with their remaining lifetimes: the same elements, names and timeouts.
+        let p = policy();
+        let now = Instant::now();
+        let (ip, other): (IpAddr, IpAddr) =
+            ("192.0.2.9".parse().unwrap(), "2001:db8::9".parse().unwrap());
+        let mut a = NameState::new(now);
+        a.addrs.insert(ip, now + Duration::from_secs(100));
+        a.addrs.insert(other, now + Duration::from_millis(1500));
+        let mut b = NameState::new(now);
+        b.addrs.insert(ip, now + Duration::from_secs(200));
+        b.addrs
+            .insert("192.0.2.7".parse().unwrap(), now - Duration::from_secs(1));
+        let names = BTreeMap::from([
+            ("a.example".parse::<DomainName>().unwrap(), a),
+            ("b.example".parse::<DomainName>().unwrap(), b),
+        ]);
+        let resolution = Resolution {
+            resolvers: vec!["192.0.2.53".parse().unwrap()],
+            hosts: names
+                .iter()
+                .map(|(name, state)| ResolvedHost {
+                    name: name.clone(),
+                    addrs: state
+                        .live(now)
+                        .map(|(&addr, _)| ResolvedAddr { addr, ttl: 0 })
+                        .collect(),
+                    nxdomain: false,
+                    dropped: Vec::new(),
+                    errors: Vec::new(),
+                })
+                .collect(),
+            guard_uid: None,
         };
-        let v4 = timed_in(crate::core::ruleset::Family::V4);
-        let of = |ip: &str| {
-            v4.iter()
-                .find(|t| t.tuple == tuple(ip))
-                .map(|t| t.timeout_ms)
-        };
-        assert_eq!(
-            of("192.0.2.1/32"),
-            Some(Some(100_000)),
-            "the later expiry wins"
+        let before = crate::core::plan::plan_with(&p, &resolution, |name, addr| {
+            let expires = names.get(name)?.addrs.get(&addr)?;
+            Some(
+                expires
+                    .saturating_duration_since(now)
+                    .max(Duration::from_millis(1)),
+            )
+        });
+        let svc = services(&p);
+        let elements = table_elements(names.iter(), &svc, &BTreeMap::new(), now);
+        let owners = owners(names.iter(), &svc, now);
+        let named = timed(elements, now, |t| owners.get(t).map(|n| n.to_string()));
+        let after = plan_elements(
+            &p,
+            &resolution.resolvers,
+            None,
+            named.into_iter().map(|t| (t.tuple, t)).collect(),
         );
-        assert_eq!(of("192.0.2.2/32"), Some(Some(70_000)));
-        assert_eq!(timed_in(crate::core::ruleset::Family::V6).len(), 1);
+        assert_eq!(before, after);
     }
 
     #[test]
