@@ -1,6 +1,6 @@
 //! What the apps (`change`, the daemon) need from the kernel's table, as one interface: the
 //! netlink backend ([`super::Nft`]) implements it, and so does an in-memory double for unit
-//! tests ([`memory::MemoryTable`]), which can be told to refuse or to lose its table.
+//! tests (`memory::MemoryTable`), which can be told to refuse or to lose its table.
 //!
 //! It lives with the backend, not in `core`: its values are the core's (a [`Ruleset`],
 //! resolved [`Timed`] elements), but what it reads back ([`LiveTable`]) and how it fails
