@@ -41,7 +41,7 @@ use crate::core::ruleset::TABLE;
 use crate::dns::resolve::ResolveError;
 use crate::guard::{Guard, GuardError};
 use crate::nft::monitor::Monitor;
-use crate::nft::{Nft, NftError};
+use crate::nft::{Nft, NftError, Table};
 use crate::state::{StateDir, StateError, WriterLock};
 use crate::watch::{DropEvent, WatchError, Watcher};
 use shell::Daemon;
@@ -171,11 +171,22 @@ fn start_and_serve(
 /// The daemon could not put up its boundary: unless a table of ours is in place, put up the
 /// fail-closed one. Returns the error to exit with.
 fn fail_closed(error: DaemonError) -> DaemonError {
-    let skeleton = Nft::open().and_then(|mut nft| {
-        if nft.table_exists()? {
-            return Ok(false);
-        }
-        nft.apply(&crate::core::plan::fail_closed()).map(|()| true)
+    match Nft::open() {
+        Ok(mut nft) => fail_closed_in(&mut nft, error),
+        Err(skeleton) => DaemonError::NotEvenFailClosed {
+            error: Box::new(error),
+            skeleton,
+        },
+    }
+}
+
+/// [`fail_closed`] on `table`.
+fn fail_closed_in(table: &mut dyn Table, error: DaemonError) -> DaemonError {
+    let skeleton = table.table_exists().and_then(|exists| match exists {
+        true => Ok(false),
+        false => table
+            .apply(&crate::core::plan::fail_closed())
+            .map(|()| true),
     });
     match skeleton {
         Ok(true) => error!(
@@ -241,4 +252,45 @@ fn drop_events(group: u16) -> Result<mpsc::Receiver<DropEvent>, DaemonError> {
         })
         .map_err(io("start the refused-packet reader"))?;
     Ok(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft::table::memory::MemoryTable;
+
+    fn refused() -> DaemonError {
+        DaemonError::TableRefused(NftError::Malformed("test".into()))
+    }
+
+    #[test]
+    fn a_namespace_the_daemon_could_not_start_in_is_left_closed() {
+        let mut table = MemoryTable::new();
+        let error = fail_closed_in(&mut table, refused());
+        assert!(
+            matches!(error, DaemonError::TableRefused(_)),
+            "the error to exit with"
+        );
+        assert_eq!(table.table, Some(crate::core::plan::fail_closed()));
+    }
+
+    #[test]
+    fn a_table_already_in_place_stays_as_it_was() {
+        let mut running = crate::core::plan::fail_closed();
+        running.refused.clear();
+        let mut table = MemoryTable::holding(running);
+        let before = table.table.clone();
+        fail_closed_in(&mut table, refused());
+        assert_eq!(table.table, before);
+        assert!(table.applied.is_empty());
+    }
+
+    #[test]
+    fn a_refused_fail_closed_table_is_said_so() {
+        let mut table = MemoryTable::new();
+        table.refuse_apply = true;
+        let error = fail_closed_in(&mut table, refused());
+        assert!(matches!(error, DaemonError::NotEvenFailClosed { .. }));
+        assert_eq!(table.table, None);
+    }
 }
