@@ -257,7 +257,7 @@ impl Core {
                     fx.push(Effect::ReadFlows { at: now });
                 }
             }
-            Event::LiveFlows { flows, at } => self.keep_connected(table, &flows, at, &mut fx),
+            Event::LiveFlows { flows, at } => self.keep_connected(table, &flows, at),
             Event::Reload { loaded, resolvers } => {
                 if self.reload(table, *loaded, resolvers, now, &mut fx) {
                     fx.push(Effect::Adopted);
@@ -445,13 +445,7 @@ impl Core {
     /// to are renewed for three sweeps. `ct state established` already carries the
     /// connection's own packets; this keeps a client that reconnects to the address it still
     /// uses (a pool, a retry) from being refused under it.
-    fn keep_connected(
-        &mut self,
-        table: &mut dyn Table,
-        flows: &BTreeSet<Flow>,
-        now: Instant,
-        _fx: &mut Vec<Effect>,
-    ) {
+    fn keep_connected(&mut self, table: &mut dyn Table, flows: &BTreeSet<Flow>, now: Instant) {
         let life = Lifetimes::of(&self.policy.dns);
         let Some(every) = life.sweep_every() else {
             return;
