@@ -77,7 +77,7 @@ pub fn plan_with(
         policy,
         &resolution.resolvers,
         resolution.guard_uid,
-        resolved,
+        resolved.into_values(),
     )
 }
 
@@ -120,12 +120,13 @@ fn resolved_elements(
 }
 
 /// Builds the table for `policy` with DNS `resolvers` and the resolved elements `resolved`
-/// as they are (the daemon's ledger gives each its remaining lifetime and name).
+/// as they are: one per element, sorted by element (as a map by [`Tuple`] gives them); the
+/// daemon's ledger gives each its remaining lifetime and name.
 pub fn plan_elements(
     policy: &Policy,
     resolvers: &[IpAddr],
     guard_uid: Option<u32>,
-    resolved: BTreeMap<Tuple, Timed>,
+    resolved: impl IntoIterator<Item = Timed>,
 ) -> Ruleset {
     let mut deny: Vec<IpNet> = Vec::new();
     for d in &policy.deny {
@@ -173,7 +174,7 @@ pub fn plan_elements(
     }
     // Sorted by element, as `resolved` is.
     let (mut resolved4, mut resolved6): (Vec<Timed>, Vec<Timed>) = resolved
-        .into_values()
+        .into_iter()
         .partition(|t| Family::of_net(&t.tuple.net) == Family::V4);
     let mut sets = Vec::with_capacity(SetId::ALL.len());
     for id in SetId::ALL {

@@ -618,12 +618,7 @@ impl Core {
                 None => self.carried.get(t).map(|c| c.name.clone()),
             },
         );
-        let ruleset = plan_elements(
-            &self.policy,
-            &self.resolvers,
-            self.guard_uid,
-            named.into_iter().map(|t| (t.tuple, t)).collect(),
-        );
+        let ruleset = plan_elements(&self.policy, &self.resolvers, self.guard_uid, named);
         (ruleset, elements)
     }
 
@@ -1529,7 +1524,7 @@ mod tests {
     /// A guard-mode table a previous daemon left, with `elements` (name, address, port, ms left).
     fn running_table(elements: &[(Option<&str>, &str, u16, Option<u64>)]) -> MemoryTable {
         let p = policy(GUARD);
-        let resolved = elements
+        let resolved: BTreeMap<Tuple, Timed> = elements
             .iter()
             .map(|(name, addr, port, ms)| {
                 let t = tuple(addr, *port);
@@ -1542,7 +1537,12 @@ mod tests {
                 (t, timed)
             })
             .collect();
-        MemoryTable::holding(plan_elements(&p, &resolvers(), Some(990), resolved))
+        MemoryTable::holding(plan_elements(
+            &p,
+            &resolvers(),
+            Some(990),
+            resolved.into_values(),
+        ))
     }
 
     #[test]

@@ -570,12 +570,7 @@ mod tests {
         let elements = table_elements(names.iter(), &svc, &BTreeMap::new(), now);
         let owners = owners(names.iter(), &svc, now);
         let named = timed(elements, now, |t| owners.get(t).map(|n| n.to_string()));
-        let after = plan_elements(
-            &p,
-            &resolution.resolvers,
-            None,
-            named.into_iter().map(|t| (t.tuple, t)).collect(),
-        );
+        let after = plan_elements(&p, &resolution.resolvers, None, named);
         assert_eq!(before, after);
     }
 
