@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::core::diff::{CompareOptions, Presence, TableDiff, compare};
 use crate::core::resolution::Resolution;
 use crate::core::ruleset::{Ruleset, SetId, SetRole};
-use crate::nft::{LiveTable, Nft, NftError};
+use crate::nft::{LiveTable, NftError, Table};
 use crate::state::{
     Generation, NewGeneration, PendingConfirm, Recorder, Reverted, StateDir, StateError,
     WriterLock, current_netns_inode, rfc3339,
@@ -111,7 +111,7 @@ impl ApplyOutcome {
 
 /// Applies `planned` unless the live table already matches it, and records it.
 pub fn apply(
-    nft: &mut Nft,
+    nft: &mut impl Table,
     writer: &Writer<'_>,
     planned: Planned,
     confirm: Option<ConfirmRequest<'_>>,
@@ -302,7 +302,7 @@ pub struct RollbackOutcome {
 /// Reinstates generation `to`, or the one before the newest, exactly as it was applied
 /// (one transaction), and records that as a new generation.
 pub fn rollback(
-    nft: &mut Nft,
+    nft: &mut impl Table,
     writer: &Writer<'_>,
     to: Option<u64>,
 ) -> Result<RollbackOutcome, ChangeError> {
@@ -324,7 +324,7 @@ pub fn rollback(
 /// Puts `generation`'s ruleset in place (unless the live table already matches it) and
 /// records that.
 fn reinstate(
-    nft: &mut Nft,
+    nft: &mut impl Table,
     writer: &Writer<'_>,
     generation: &Generation,
     command: Recorder,
@@ -450,7 +450,7 @@ pub enum RevertOutcome {
 /// The deadline came: reverts the change unless it was confirmed meanwhile, and marks the
 /// record reverted.
 pub fn revert(
-    nft: &mut Nft,
+    nft: &mut impl Table,
     writer: &Writer<'_>,
     token: &str,
 ) -> Result<RevertOutcome, ChangeError> {
@@ -553,5 +553,268 @@ pub fn drift(state: &StateDir, live: &LiveTable) -> Drift {
                 Drift::Drifted(generation, diff)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::core::plan::{plan, tests::resolution};
+    use crate::core::policy::Policy;
+    use crate::nft::table::memory::MemoryTable;
+
+    const A: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n";
+    const B: &str = "version: 1\nallow:\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndns:\n  resolvers: [192.0.2.53]\n";
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        state: StateDir,
+        lock: WriterLock,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let state = StateDir::new(dir.path(), "ns");
+        let lock = state
+            .lock("test", Duration::from_secs(1), |_| {})
+            .expect("the lock");
+        Fixture {
+            _dir: dir,
+            state,
+            lock,
+        }
+    }
+
+    impl Fixture {
+        fn writer(&self) -> Writer<'_> {
+            Writer {
+                state: &self.state,
+                lock: &self.lock,
+                keep: 10,
+            }
+        }
+    }
+
+    fn planned(text: &str) -> Planned {
+        let policy = Policy::parse(text, Path::new("p.yaml")).expect("valid");
+        let resolution = resolution(&[("a.example", &["192.0.2.10"])]);
+        Planned {
+            policy_path: "p.yaml".into(),
+            policy_text: text.into(),
+            ruleset: plan(&policy, &resolution),
+            resolution,
+        }
+    }
+
+    /// A revert timer that says it is armed and leaves (nothing reverts in these tests).
+    fn armed_timer(_token: &str) -> Command {
+        let mut c = Command::new("sh");
+        c.args(["-c", "echo armed"]);
+        c
+    }
+
+    #[test]
+    fn an_apply_records_a_generation_and_an_unchanged_one_sends_nothing() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        let outcome = apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        assert!(outcome.changed());
+        assert_eq!(outcome.recorded.as_ref().map(|g| g.generation), Some(1));
+        assert_eq!(table.applied.len(), 1);
+        assert_eq!(table.table, Some(planned(A).ruleset));
+
+        let again = apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        assert!(!again.changed());
+        assert!(again.recorded.is_none(), "nothing new to record");
+        assert_eq!(again.current, Some(1));
+        assert_eq!(table.applied.len(), 1, "nothing sent");
+    }
+
+    #[test]
+    fn a_table_that_matches_but_was_not_recorded_is_recorded_without_sending() {
+        let f = fixture();
+        let mut table = MemoryTable::holding(planned(A).ruleset);
+        let outcome = apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        assert!(!outcome.changed());
+        assert_eq!(outcome.recorded.map(|g| g.generation), Some(1));
+        assert!(table.applied.is_empty());
+    }
+
+    #[test]
+    fn a_refused_apply_records_no_generation_and_leaves_the_table() {
+        let f = fixture();
+        let mut table = MemoryTable::holding(planned(B).ruleset);
+        table.refuse_apply = true;
+        let error = apply(&mut table, &f.writer(), planned(A), None).expect_err("refused");
+        assert!(matches!(error, ChangeError::Nft(NftError::Refused { .. })));
+        assert!(f.state.generation_numbers().unwrap().is_empty());
+        assert_eq!(table.table, Some(planned(B).ruleset), "untouched");
+    }
+
+    #[test]
+    fn a_refused_apply_with_a_confirmation_leaves_nothing_pending() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        table.refuse_apply = true;
+        let confirm = ConfirmRequest {
+            within: Duration::from_secs(60),
+            timer_command: &armed_timer,
+        };
+        apply(&mut table, &f.writer(), planned(A), Some(confirm)).expect_err("refused");
+        assert_eq!(f.state.pending().unwrap(), None, "the timer stands down");
+        assert!(f.state.generation_numbers().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_armed_apply_awaits_confirmation_and_confirm_clears_it() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let confirm = ConfirmRequest {
+            within: Duration::from_secs(60),
+            timer_command: &armed_timer,
+        };
+        let outcome = apply(&mut table, &f.writer(), planned(A), Some(confirm)).expect("applied");
+        let armed = outcome.armed.expect("armed");
+        assert_eq!(armed.generation, 2);
+        assert_eq!(
+            armed.revert_to,
+            Some(1),
+            "reverts to the last confirmed state"
+        );
+        assert_eq!(f.state.pending().unwrap(), Some(armed.clone()));
+
+        // A later apply while it waits: the earlier deadline also undoes this one.
+        let later = apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        assert_eq!(later.awaiting, Some(armed.clone()));
+
+        match confirm_pending(&f) {
+            ConfirmOutcome::Confirmed(p) => assert_eq!(p, armed),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(f.state.pending().unwrap(), None);
+        assert!(matches!(
+            confirm_pending(&f),
+            ConfirmOutcome::NothingPending
+        ));
+    }
+
+    fn confirm_pending(f: &Fixture) -> ConfirmOutcome {
+        confirm(&f.state, &f.lock).expect("confirm")
+    }
+
+    #[test]
+    fn rollback_reinstates_the_generation_before_the_newest() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let outcome = rollback(&mut table, &f.writer(), None).expect("rolled back");
+        assert_eq!(outcome.source.generation, 1);
+        assert_eq!(outcome.recorded.generation, 3);
+        assert_eq!(outcome.recorded.command, Recorder::Rollback);
+        assert_eq!(outcome.recorded.source_generation, Some(1));
+        assert!(!outcome.diff.is_empty());
+        assert_eq!(table.table, Some(planned(A).ruleset));
+
+        // The table someone flushed comes back the same way.
+        table.lose_table();
+        let outcome = rollback(&mut table, &f.writer(), Some(2)).expect("rolled back");
+        assert_eq!(outcome.recorded.generation, 4);
+        assert_eq!(table.table, Some(planned(B).ruleset));
+        // Already in place: recorded, nothing sent.
+        let sent = table.applied.len();
+        rollback(&mut table, &f.writer(), Some(2)).expect("rolled back");
+        assert_eq!(table.applied.len(), sent);
+    }
+
+    #[test]
+    fn a_refused_rollback_records_nothing() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        table.refuse_apply = true;
+        rollback(&mut table, &f.writer(), None).expect_err("refused");
+        assert_eq!(f.state.generation_numbers().unwrap(), vec![1, 2]);
+        assert_eq!(table.table, Some(planned(B).ruleset));
+    }
+
+    fn pending(f: &Fixture, generation: u64, revert_to: Option<u64>) -> PendingConfirm {
+        let p = PendingConfirm::new(
+            generation,
+            revert_to,
+            SystemTime::now() + Duration::from_secs(60),
+            current_netns_inode().expect("a namespace"),
+        );
+        f.state.write_pending(&f.lock, &p).expect("written");
+        p
+    }
+
+    #[test]
+    fn revert_reinstates_what_was_confirmed_and_marks_the_record() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let p = pending(&f, 2, Some(1));
+        match revert(&mut table, &f.writer(), &p.token).expect("reverted") {
+            RevertOutcome::Reinstated {
+                source, recorded, ..
+            } => assert_eq!((source, recorded), (1, 3)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(table.table, Some(planned(A).ruleset));
+        let marked = f.state.pending().unwrap().expect("kept for a late confirm");
+        assert_eq!(marked.reverted.and_then(|r| r.generation), Some(3));
+        // A late confirm learns it.
+        assert!(matches!(confirm_pending(&f), ConfirmOutcome::TooLate(_)));
+        // The record is gone: a second timer stands down.
+        assert!(matches!(
+            revert(&mut table, &f.writer(), &p.token).expect("stood down"),
+            RevertOutcome::StoodDown
+        ));
+    }
+
+    #[test]
+    fn revert_without_an_earlier_generation_deletes_the_table() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        let p = pending(&f, 1, None);
+        assert!(matches!(
+            revert(&mut table, &f.writer(), "another token").expect("stood down"),
+            RevertOutcome::StoodDown
+        ));
+        assert!(table.table.is_some());
+        assert!(matches!(
+            revert(&mut table, &f.writer(), &p.token).expect("reverted"),
+            RevertOutcome::Deleted
+        ));
+        assert_eq!(table.table, None);
+    }
+
+    #[test]
+    fn a_blocking_table_is_suspected_only_when_names_failed_and_the_dns_sets_differ() {
+        let mut p = planned(A);
+        let live = crate::nft::table::memory::live_of(&p.ruleset);
+        assert!(
+            !may_have_blocked_resolution(&p, Some(&live)),
+            "all resolved"
+        );
+        p.resolution = resolution(&[("a.example", &[])]);
+        assert!(!may_have_blocked_resolution(&p, None), "no table of ours");
+        assert!(
+            !may_have_blocked_resolution(&p, Some(&live)),
+            "same DNS sets"
+        );
+        // The live table lets other resolvers through than the plan's.
+        let policy = Policy::parse(A, Path::new("p.yaml")).expect("valid");
+        let mut elsewhere = resolution(&[]);
+        elsewhere.resolvers = vec!["192.0.2.54".parse().unwrap()];
+        let other_live = crate::nft::table::memory::live_of(&plan(&policy, &elsewhere));
+        assert!(may_have_blocked_resolution(&p, Some(&other_live)));
     }
 }

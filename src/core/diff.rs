@@ -328,7 +328,7 @@ fn render(keys: &BTreeSet<ElementKey>) -> Vec<String> {
 /// The type, hook, priority, policy and flags each of our chains has: the output chain is
 /// a filter chain on the output hook at priority 0 (`filter`) that drops what no rule
 /// accepts; the refused chain is a regular chain.
-fn wanted_chain(chain: &str) -> ChainDefinition {
+pub(crate) fn wanted_chain(chain: &str) -> ChainDefinition {
     let base = chain == OUTPUT_CHAIN;
     ChainDefinition {
         kind: base.then(|| "filter".to_string()),
@@ -460,68 +460,28 @@ mod tests {
         plan(&policy, &resolution(addrs))
     }
 
-    /// `rule` in chain `chain` as the kernel reports it after an apply: the same encoding,
-    /// read back through the same parser and decoder, with a counter that has counted.
+    /// `rule` in chain `chain` as the kernel reports it.
     fn live_rule(chain: &str, rule: &Rule) -> LiveRule {
         let mut dumped = encode::dumped_rule(rule).unwrap();
         dumped.chain = chain.into();
-        for e in &mut dumped.exprs {
-            if let LiveExpr::Counter { packets, bytes } = e {
-                (*packets, *bytes) = (12, 960);
-            }
-        }
         LiveRule::decode(dumped)
     }
 
-    /// The table as the kernel would report `rs` after an apply: the same encoding, read back
-    /// through the same libnftnl parser, with counters that have counted something.
+    /// The table as the kernel would report `rs` some time after an apply: elements half
+    /// way to expiry, counters that have counted something.
     fn live_of(rs: &Ruleset) -> LiveTable {
-        let chain = |name: &str| {
-            let want = wanted_chain(name);
-            LiveChain {
-                table: TABLE.into(),
-                name: name.into(),
-                kind: want.kind,
-                flags: want.flags,
-                hook: want.hook,
+        let mut live = crate::nft::table::memory::live_of(rs);
+        for rule in &mut live.rules {
+            if let Some(counter) = &mut rule.counter {
+                (counter.packets, counter.bytes) = (12, 960);
             }
-        };
-        let mut rules = Vec::new();
-        for (name, chain_rules) in [(OUTPUT_CHAIN, &rs.output), (REFUSED_CHAIN, &rs.refused)] {
-            rules.extend(chain_rules.iter().map(|r| live_rule(name, r)));
         }
-        let sets = rs
-            .sets
-            .iter()
-            .map(|s| {
-                let key = key_spec(s.id);
-                let live_set = LiveSet {
-                    table: TABLE.into(),
-                    name: s.id.name(),
-                    flags: set_flags(s.id),
-                    key_type: key.datatype,
-                    key_len: key.len,
-                };
-                let elems = set_elements(s.id, &s.elements)
-                    .map(|e| LiveElem {
-                        key: e.key,
-                        key_end: e.key_end,
-                        flags: e.flags,
-                        timeout_ms: e.timeout_ms,
-                        expires_ms: e.timeout_ms.map(|t| t / 2),
-                        userdata: e.userdata,
-                        unread: Vec::new(),
-                    })
-                    .collect();
-                (live_set, elems)
-            })
-            .collect();
-        LiveTable {
-            flags: 0,
-            chains: vec![chain(OUTPUT_CHAIN), chain(REFUSED_CHAIN)],
-            rules,
-            sets,
+        for (_, elems) in &mut live.sets {
+            for e in elems {
+                e.expires_ms = e.timeout_ms.map(|t| t / 2);
+            }
         }
+        live
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 pub mod diff;
 pub mod installable;
+pub mod lifetime;
 pub mod plan;
 pub mod policy;
 pub mod resolution;

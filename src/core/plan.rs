@@ -7,7 +7,8 @@ use std::time::Duration;
 use ipnet::IpNet;
 
 use crate::core::installable::HostAddrs;
-use crate::core::policy::{Dns, DomainName, Essential, L4Proto, Policy, PortRange, Target};
+use crate::core::lifetime::longer_timeout;
+use crate::core::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::core::resolution::{Resolution, ResolvedHost};
 use crate::core::ruleset::{
     Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, SourceRoute, Timed,
@@ -71,6 +72,62 @@ pub fn plan_with(
     resolution: &Resolution,
     timeout_of: impl Fn(&DomainName, IpAddr) -> Option<Duration>,
 ) -> Ruleset {
+    let resolved = resolved_elements(policy, resolution, timeout_of);
+    plan_elements(
+        policy,
+        &resolution.resolvers,
+        resolution.guard_uid,
+        resolved.into_values(),
+    )
+}
+
+/// The resolved-set elements of `resolution`'s addresses, one per address and service, each
+/// with its timeout (from `timeout_of`) and the (first) name it was answered for.
+fn resolved_elements(
+    policy: &Policy,
+    resolution: &Resolution,
+    timeout_of: impl Fn(&DomainName, IpAddr) -> Option<Duration>,
+) -> BTreeMap<Tuple, Timed> {
+    let mut exact: BTreeMap<Tuple, (Option<u64>, &DomainName)> = BTreeMap::new();
+    for host in &resolution.hosts {
+        // Resolution already left these out; a recorded or hand-made resolution may not
+        // have (the host's own addresses are the resolver's to check: they need the host).
+        let installable = host
+            .addrs
+            .iter()
+            .filter(|a| crate::core::installable::check(a.addr, &HostAddrs::none()).is_ok());
+        for a in installable {
+            let timeout = timeout_of(&host.name, a.addr).map(|d| d.as_millis() as u64);
+            for tuple in services_of(policy, &host.name).map(|s| resolved_tuple(a.addr, s)) {
+                // An address shared by names lives as long as the longest-lived of them.
+                let entry = exact.entry(tuple).or_insert((timeout, &host.name));
+                entry.0 = longer_timeout(entry.0, timeout);
+            }
+        }
+    }
+    exact
+        .into_iter()
+        .map(|(tuple, (timeout_ms, name))| {
+            let timed = Timed {
+                tuple,
+                timeout_ms,
+                expires_ms: None,
+                name: Some(name.to_string()),
+            };
+            (tuple, timed)
+        })
+        .collect()
+}
+
+/// Builds the table for `policy` with DNS `resolvers` and the resolved elements `resolved`
+/// as they are: one per element, sorted by element (as a map by [`Tuple`] gives them); the
+/// daemon's ledger gives each its remaining lifetime and name.
+pub fn plan_elements(
+    policy: &Policy,
+    resolvers: &[IpAddr],
+    guard_uid: Option<u32>,
+    resolved: impl IntoIterator<Item = Timed>,
+) -> Ruleset {
     let mut deny: Vec<IpNet> = Vec::new();
     for d in &policy.deny {
         deny.extend(d.networks.iter().copied());
@@ -90,8 +147,7 @@ pub fn plan_with(
         Some(_) => &GUARDED_DNS_PORTS,
         None => &[DNS_PORT],
     };
-    let dns: Vec<Tuple> = resolution
-        .resolvers
+    let dns: Vec<Tuple> = resolvers
         .iter()
         .flat_map(|r| {
             [L4Proto::Tcp, L4Proto::Udp]
@@ -116,28 +172,10 @@ pub fn plan_with(
             }
         }
     }
-    // Each element with its timeout and the (first) name it was answered for.
-    let mut exact: BTreeMap<Tuple, (Option<u64>, &DomainName)> = BTreeMap::new();
-    for host in &resolution.hosts {
-        // Resolution already left these out; a recorded or hand-made resolution may not
-        // have (the host's own addresses are the resolver's to check: they need the host).
-        let installable = host
-            .addrs
-            .iter()
-            .filter(|a| crate::core::installable::check(a.addr, &HostAddrs::none()).is_ok());
-        for a in installable {
-            let timeout = timeout_of(&host.name, a.addr).map(|d| d.as_millis() as u64);
-            for tuple in services_of(policy, &host.name).map(|s| resolved_tuple(a.addr, s)) {
-                // An address shared by names lives as long as the longest-lived of them.
-                let entry = exact.entry(tuple).or_insert((timeout, &host.name));
-                entry.0 = match (entry.0, timeout) {
-                    (Some(a), Some(b)) => Some(a.max(b)),
-                    _ => None,
-                };
-            }
-        }
-    }
-
+    // Sorted by element, as `resolved` is.
+    let (mut resolved4, mut resolved6): (Vec<Timed>, Vec<Timed>) = resolved
+        .into_iter()
+        .partition(|t| Family::of_net(&t.tuple.net) == Family::V4);
     let mut sets = Vec::with_capacity(SetId::ALL.len());
     for id in SetId::ALL {
         let of_family = |t: &&Tuple| Family::of_net(&t.net) == id.family;
@@ -151,25 +189,17 @@ pub fn plan_with(
             SetRole::Allow => {
                 Elements::Tuples(disjoint_tuples(ranged.iter().filter(of_family).copied()))
             }
-            SetRole::Resolved => Elements::Timed(
-                exact
-                    .iter()
-                    .filter(|(t, _)| Family::of_net(&t.net) == id.family)
-                    .map(|(&tuple, &(timeout_ms, name))| Timed {
-                        tuple,
-                        timeout_ms,
-                        expires_ms: None,
-                        name: Some(name.to_string()),
-                    })
-                    .collect(),
-            ),
+            SetRole::Resolved => Elements::Timed(std::mem::take(match id.family {
+                Family::V4 => &mut resolved4,
+                Family::V6 => &mut resolved6,
+            })),
         };
         sets.push(Set { id, elements });
     }
 
     Ruleset {
         sets,
-        output: output_rules(policy, resolution.guard_uid),
+        output: output_rules(policy, guard_uid),
         refused: vec![
             Rule::Log(LogSpec {
                 prefix: policy.log.prefix.clone(),
@@ -294,13 +324,8 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     rules
 }
 
-/// The longest lifetime any resolved element may have: `dns.refresh.max` (in guard mode at
-/// least the floor, which the policy may set higher) plus the grace. Whatever an answer's
-/// TTL says, no element outlives this, in either mode.
-pub fn lifetime_cap(dns: &Dns) -> Duration {
-    let floor = dns.guard.as_ref().map_or(Duration::ZERO, |g| g.floor);
-    dns.refresh_max.max(floor) + dns.grace
-}
+/// The longest lifetime any resolved element may have; the ledger owns it.
+pub use crate::core::lifetime::lifetime_cap;
 
 /// How much longer than [`lifetime_cap`] an element's timeout may read back from the kernel
 /// (which keeps it in jiffies) before it counts as too long.
@@ -398,25 +423,34 @@ pub fn unexplained_elements(
 
 /// Warnings for answers that land in a denied network.
 pub fn denied_answers(policy: &Policy, hosts: &[ResolvedHost]) -> Vec<String> {
+    hosts
+        .iter()
+        .flat_map(|host| denied_addresses(policy, &host.name, host.addrs.iter().map(|a| a.addr)))
+        .collect()
+}
+
+/// Warnings for the addresses `name` answered that land in a denied network (the guard's
+/// answers, which are no [`ResolvedHost`]).
+pub fn denied_addresses(
+    policy: &Policy,
+    name: &DomainName,
+    addrs: impl IntoIterator<Item = IpAddr>,
+) -> Vec<String> {
     let mut out = Vec::new();
-    for host in hosts {
-        for a in &host.addrs {
-            // A NAT64 answer reaches the IPv4 address inside it; deny6 holds its image.
-            let reaches = match a.addr {
-                IpAddr::V6(v6) => crate::core::installable::nat64_embedded(v6).map(IpAddr::V4),
-                IpAddr::V4(_) => None,
-            };
-            let denied = policy
-                .denied_by(a.addr)
-                .or_else(|| reaches.and_then(|v4| policy.denied_by(v4)));
-            if let Some(deny) = denied {
-                out.push(format!(
-                    "{} resolved to {}, inside the denied {}: it stays refused (deny wins)",
-                    host.name,
-                    a.addr,
-                    deny.describe()
-                ));
-            }
+    for addr in addrs {
+        // A NAT64 answer reaches the IPv4 address inside it; deny6 holds its image.
+        let reaches = match addr {
+            IpAddr::V6(v6) => crate::core::installable::nat64_embedded(v6).map(IpAddr::V4),
+            IpAddr::V4(_) => None,
+        };
+        let denied = policy
+            .denied_by(addr)
+            .or_else(|| reaches.and_then(|v4| policy.denied_by(v4)));
+        if let Some(deny) = denied {
+            out.push(format!(
+                "{name} resolved to {addr}, inside the denied {}: it stays refused (deny wins)",
+                deny.describe()
+            ));
         }
     }
     out

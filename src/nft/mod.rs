@@ -6,6 +6,7 @@ pub mod live;
 pub mod monitor;
 #[allow(unsafe_code)] // the one FFI module: each block has a SAFETY note
 pub mod sys;
+pub mod table;
 
 use std::collections::BTreeSet;
 use std::io::{self, IoSlice};
@@ -23,6 +24,7 @@ use crate::netlink::{
 use encode::Encoded;
 pub use live::LiveTable;
 use sys::Dump;
+pub use table::Table;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {

@@ -1,0 +1,1657 @@
+//! The daemon's decisions, apart from its sockets, signals and tasks (as boringtun keeps its
+//! protocol apart from its I/O): the running policy, what the daemon knows of its names, and
+//! what it told the kernel. [`Core::on`] takes one [`Event`] (the wakeup it asked for, answers,
+//! a reload, a change by someone else, ...) and returns the [`Effect`]s the shell must carry out
+//! (look names up, record a generation, release the guard's answers, ...).
+//!
+//! The table is written through the [`Table`] trait, within the event: whether the kernel took
+//! a batch decides what follows at once (a refused reload keeps the running policy whole, a
+//! refused batch answers the guard's clients SERVFAIL and reapplies), so its outcome is not an
+//! event of its own. In unit tests the trait's in-memory double stands in for the kernel.
+//! Logs are written where the decision is taken, as before the split.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
+use tracing::{error, info, warn};
+
+use super::names::{
+    AnswerChanges, Carried, Extended, MAX_FORMER_NAMES, MAX_LIVE_ADDRS_PER_NAME, MAX_LIVE_NAMES,
+    MAX_RESOLVED_ELEMENTS, NameState, PRUNE_EVERY, Services, desired, forget_learned_names,
+    may_track, owners, services, table_elements, timed,
+};
+use crate::core::installable::{HostAddrs, retain_installable, summarise};
+use crate::core::lifetime::{Lifetimes, renewals};
+use crate::core::plan::{
+    denied_addresses, denied_answers, element_allowed, plan_elements, services_of,
+};
+use crate::core::policy::{DomainName, Policy, PolicyError};
+use crate::core::resolution::{Resolution, ResolvedAddr, ResolvedHost};
+use crate::core::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Tuple};
+use crate::guard::{LogBudget, Rules};
+use crate::netlink::conntrack::Flow;
+use crate::nft::live::guard_dns_note;
+use crate::nft::monitor::Change;
+use crate::nft::{NftError, Table};
+use crate::state::{NewGeneration, Recorder};
+use crate::watch::DropEvent;
+
+/// What happens to the daemon.
+pub enum Event<'a> {
+    /// The time [`Core::next_wakeup`] named came: a failed apply is retried, due names are
+    /// looked up.
+    Wake,
+    /// The resolvers appeared (resolve mode, started without them).
+    ResolversFound(Vec<IpAddr>),
+    /// Names were due but there are still no resolvers to ask.
+    NoResolvers,
+    /// A lookup's answers.
+    Answers(Vec<ResolvedHost>),
+    /// A lookup failed as a whole (`task`: the task running it failed).
+    LookupFailed { error: String, task: bool },
+    /// Guard mode: answers waiting for their addresses to be installed, with this host's
+    /// addresses (which no answer may install).
+    GuardAnswers {
+        answers: Vec<GuardAnswer>,
+        host_addrs: &'a HostAddrs,
+    },
+    /// Guard mode: time to look for live connections to addresses about to expire.
+    Sweep,
+    /// The live flows conntrack showed, for the sweep at `at`.
+    LiveFlows { flows: BTreeSet<Flow>, at: Instant },
+    /// SIGHUP's policy, read and parsed; for a resolve-mode policy, its resolvers.
+    Reload {
+        loaded: Box<Result<(Policy, String), PolicyError>>,
+        resolvers: Option<Result<Vec<IpAddr>, String>>,
+    },
+    /// Someone else changed the table.
+    TableChanged(&'a [Change]),
+    /// Change notifications were lost.
+    NotificationsLost,
+    /// A refused packet (`--log-drops`).
+    Refused(DropEvent),
+}
+
+/// One answer of the guard, as the core sees it: `id` names it in [`Effect::Release`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuardAnswer {
+    pub id: usize,
+    pub name: DomainName,
+    pub addrs: Vec<ResolvedAddr>,
+}
+
+/// What the shell carries out for the core.
+#[derive(Debug)]
+pub enum Effect {
+    /// Look these names up; their answers come back as [`Event::Answers`].
+    Lookup(Vec<DomainName>),
+    /// Record the applied configuration as a generation.
+    Record(Box<NewGeneration>),
+    /// Read the live flows from conntrack, for [`Event::LiveFlows`].
+    ReadFlows { at: Instant },
+    /// Release the guard's answers: `true` once the kernel holds their addresses, `false`
+    /// for SERVFAIL.
+    Release(Vec<(usize, bool)>),
+    /// The guard answers by these rules from now on.
+    GuardRules(Rules),
+    /// A reloaded policy was adopted (its resolver replaces the running one; a lookup under
+    /// way asked for the old names).
+    Adopted,
+}
+
+pub struct Core {
+    policy: Policy,
+    /// The text `policy` was read from, for the generation record.
+    policy_text: String,
+    /// Where it was read from (absolute), for the generation record.
+    policy_path: PathBuf,
+    /// The next successful full apply records a generation (the configuration changed).
+    record_next_apply: bool,
+    resolvers: Vec<IpAddr>,
+    names: BTreeMap<DomainName, NameState>,
+    services: Services,
+    /// What the kernel was last told about each resolved element: its expiry.
+    installed: BTreeMap<Tuple, Instant>,
+    /// When expired entries are next dropped from `installed`.
+    next_prune: Instant,
+    /// When a failed full apply is tried again.
+    retry_apply: Option<Instant>,
+    /// The ruleset generation right after our last transaction: when change notifications
+    /// were lost, a different current generation means someone else committed since.
+    our_generation: Option<u32>,
+    last_refresh: Option<SystemTime>,
+    /// In guard mode, this process's uid: its sockets alone may reach the upstream resolvers.
+    guard_uid: Option<u32>,
+    /// Elements a restarted guard found in the running table, kept until they expire (clients
+    /// still hold the answers that allowed them), as long as the policy allows their names.
+    carried: BTreeMap<Tuple, Carried>,
+    /// Bounds the warnings about dropped answer addresses (the guard's answers are the
+    /// sandbox's to provoke).
+    dropped_log: LogBudget,
+    /// Bounds the warnings about answers refused past [`MAX_LIVE_NAMES`].
+    full_log: LogBudget,
+    /// Bounds the guard's "new addresses allowed" lines: every name under an allowed
+    /// wildcard is new once, and the sandbox can invent them by the hundred thousand (the
+    /// table's element comments and `status` still name each one).
+    allowed_log: LogBudget,
+}
+
+/// What a policy sets in the daemon, taken in or given back as a whole.
+struct Config {
+    policy: Policy,
+    policy_text: String,
+    services: Services,
+    names: BTreeMap<DomainName, NameState>,
+    resolvers: Vec<IpAddr>,
+    /// What a restart carried over that this configuration still allows.
+    carried: BTreeMap<Tuple, Carried>,
+}
+
+impl Core {
+    /// A daemon for `policy` that knows nothing yet: in resolve mode every name is due,
+    /// asking `resolvers`; in guard mode (`guard_uid` its process's uid) names are learned
+    /// from the guard's answers.
+    pub fn new(
+        policy: Policy,
+        policy_text: String,
+        policy_path: PathBuf,
+        resolvers: Vec<IpAddr>,
+        guard_uid: Option<u32>,
+        now: Instant,
+    ) -> Core {
+        let names = match policy.dns.guard.is_some() {
+            true => BTreeMap::new(),
+            false => policy
+                .domains()
+                .into_iter()
+                .map(|n| (n.clone(), NameState::new(now)))
+                .collect(),
+        };
+        Core {
+            services: services(&policy),
+            policy,
+            policy_text,
+            policy_path,
+            record_next_apply: true,
+            resolvers,
+            names,
+            installed: BTreeMap::new(),
+            next_prune: now,
+            retry_apply: None,
+            our_generation: None,
+            last_refresh: None,
+            guard_uid,
+            carried: BTreeMap::new(),
+            dropped_log: LogBudget::default(),
+            full_log: LogBudget::default(),
+            allowed_log: LogBudget::default(),
+        }
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub fn resolvers(&self) -> &[IpAddr] {
+        &self.resolvers
+    }
+
+    /// Every name the daemon follows (resolve mode: the policy's).
+    pub fn names(&self) -> Vec<DomainName> {
+        self.names.keys().cloned().collect()
+    }
+
+    /// Takes in one event; returns what the shell must do about it.
+    pub fn on(&mut self, event: Event<'_>, now: Instant, table: &mut dyn Table) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        match event {
+            Event::Wake => {
+                if self.retry_apply.is_some_and(|t| t <= now) {
+                    self.reapply(table, now, &mut fx);
+                }
+                let due = self.take_due(now);
+                if !due.is_empty() {
+                    fx.push(Effect::Lookup(due));
+                }
+            }
+            Event::ResolversFound(resolvers) => {
+                info!(resolvers = ?resolvers, "resolvers found");
+                self.resolvers = resolvers;
+                // The DNS sets change with them: a new configuration.
+                self.record_next_apply = true;
+                self.reapply(table, now, &mut fx);
+            }
+            Event::NoResolvers => self.retry_lookups(now),
+            Event::Answers(hosts) => {
+                self.take_answers(&hosts, now);
+                let answered: BTreeSet<DomainName> = hosts.into_iter().map(|h| h.name).collect();
+                // The cost follows the answers, not the size of the table.
+                self.install(table, &answered, now, Duration::ZERO, &mut fx);
+            }
+            Event::LookupFailed { error, task } => {
+                match task {
+                    false => error!(error = %error, "resolver failure; retrying"),
+                    true => error!(error = %error, "lookup task failed; retrying"),
+                }
+                self.retry_lookups(now);
+            }
+            Event::GuardAnswers {
+                answers,
+                host_addrs,
+            } => self.install_answers(table, answers, host_addrs, now, &mut fx),
+            Event::Sweep => {
+                if !self.expiring_soon(now).is_empty() {
+                    fx.push(Effect::ReadFlows { at: now });
+                }
+            }
+            Event::LiveFlows { flows, at } => self.keep_connected(table, &flows, at),
+            Event::Reload { loaded, resolvers } => {
+                if self.reload(table, *loaded, resolvers, now, &mut fx) {
+                    fx.push(Effect::Adopted);
+                }
+            }
+            Event::TableChanged(changes) => self.heal(table, changes, now, &mut fx),
+            Event::NotificationsLost => self.check_after_overrun(table, now, &mut fx),
+            Event::Refused(event) => self.log_drop(event, now),
+        }
+        fx
+    }
+
+    /// Installs the addresses of guard answers in one batch, then releases them all: with the
+    /// kernel's acknowledgement, or as failures (SERVFAIL) if it refused.
+    fn install_answers(
+        &mut self,
+        table: &mut dyn Table,
+        mut batch: Vec<GuardAnswer>,
+        host_addrs: &HostAddrs,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) {
+        let mut release = Vec::with_capacity(batch.len());
+        if self.policy.dns.guard.is_none() {
+            // Only a reload could end guard mode, and reload refuses to.
+            release.extend(batch.iter().map(|a| (a.id, false)));
+            fx.push(Effect::Release(release));
+            return;
+        }
+        let life = Lifetimes::of(&self.policy.dns);
+        let mut names = BTreeSet::new();
+        let mut live_names = None;
+        let mut i = 0;
+        while i < batch.len() {
+            let a = &batch[i];
+            if a.addrs.is_empty()
+                || may_track(&self.names, &a.name, now, MAX_LIVE_NAMES, &mut live_names)
+            {
+                i += 1;
+                continue;
+            }
+            if let Some(held_back) =
+                self.full_log
+                    .take(self.policy.log.rate, self.policy.log.burst, now.into_std())
+            {
+                warn!(name = %a.name, held_back,
+                      "{MAX_LIVE_NAMES} names hold live addresses; this answer is not installed \
+                       and its client gets SERVFAIL until some expire");
+            }
+            release.push((batch.swap_remove(i).id, false));
+        }
+        for a in &mut batch {
+            let dropped = retain_installable(&mut a.addrs, |r| r.addr, host_addrs);
+            for d in dropped {
+                if let Some(held_back) = self.dropped_log.take(
+                    self.policy.log.rate,
+                    self.policy.log.burst,
+                    now.into_std(),
+                ) {
+                    warn!(name = %a.name, address = %d.addr, why = %d.why, held_back,
+                          "an answered address is never allowed; not installed");
+                }
+            }
+        }
+        for a in &batch {
+            // Nothing to install: no record of the name either (a sandbox answering only
+            // refused addresses for invented names must not grow the daemon).
+            if a.addrs.is_empty() {
+                continue;
+            }
+            if !self.services.contains_key(&a.name) {
+                let services = services_of(&self.policy, &a.name).collect();
+                self.services.insert(a.name.clone(), services);
+            }
+            let state = self
+                .names
+                .entry(a.name.clone())
+                .or_insert_with(|| NameState::new(now));
+            let room = self.installed.len() < MAX_RESOLVED_ELEMENTS;
+            let Extended { added, left_out } =
+                state.extend(&a.addrs, now, |ttl| life.guarded(ttl), room);
+            if left_out > 0
+                && let Some(held_back) =
+                    self.full_log
+                        .take(self.policy.log.rate, self.policy.log.burst, now.into_std())
+            {
+                warn!(name = %a.name, left_out, held_back, room,
+                      "past {MAX_LIVE_ADDRS_PER_NAME} live addresses of a family for this name, \
+                       or {MAX_RESOLVED_ELEMENTS} resolved elements in all: new addresses are \
+                       not installed until others expire");
+            }
+            if !added.is_empty()
+                && let Some(held_back) = self.allowed_log.take(
+                    self.policy.log.rate,
+                    self.policy.log.burst,
+                    now.into_std(),
+                )
+            {
+                info!(name = %a.name, added = %summarise(&added), not_logged_before = held_back,
+                      "new addresses allowed");
+            }
+            names.insert(a.name.clone());
+        }
+        self.last_refresh = Some(SystemTime::now());
+        for a in &batch {
+            for w in denied_addresses(&self.policy, &a.name, a.addrs.iter().map(|r| r.addr)) {
+                warn!("{w}");
+            }
+        }
+        let ok = self.install(table, &names, now, life.renew_slack(), fx);
+        release.extend(batch.iter().map(|a| (a.id, ok)));
+        fx.push(Effect::Release(release));
+    }
+
+    /// Sends, as one batch, the elements of `names` that are new or live longer now by more
+    /// than `slack`; `false` if the kernel refused (the table is then applied anew).
+    fn install(
+        &mut self,
+        table: &mut dyn Table,
+        names: &BTreeSet<DomainName>,
+        now: Instant,
+        slack: Duration,
+        fx: &mut Vec<Effect>,
+    ) -> bool {
+        if now >= self.next_prune {
+            self.prune(now);
+        }
+        let states: Vec<(&DomainName, &NameState)> = names
+            .iter()
+            .filter_map(|n| self.names.get_key_value(n))
+            .collect();
+        let want = desired(states.iter().copied(), &self.services, now);
+        let send = renewals(&want, &self.installed, slack);
+        if send.is_empty() {
+            return true;
+        }
+        // Each new element carries the name it was answered for (the kernel keeps the
+        // comment of an element it already holds).
+        let owners = owners(states.iter().copied(), &self.services, now);
+        let owners: BTreeMap<Tuple, String> = send
+            .iter()
+            .filter_map(|(t, _)| Some((*t, owners.get(t)?.to_string())))
+            .collect();
+        match self.upsert(table, &send, now, |t| owners.get(t).cloned()) {
+            Ok(()) => true,
+            Err(e) => {
+                // Someone may have removed our set under us: the full apply puts it back.
+                error!(error = %e, "adding addresses refused; reapplying the table");
+                self.reapply(table, now, fx);
+                false
+            }
+        }
+    }
+
+    /// Sends `elements` with their expiries (and the name `name_of` gives each) as one batch
+    /// and records them as installed.
+    fn upsert(
+        &mut self,
+        table: &mut dyn Table,
+        elements: &[(Tuple, Instant)],
+        now: Instant,
+        name_of: impl Fn(&Tuple) -> Option<String>,
+    ) -> Result<(), NftError> {
+        let batch = timed(elements.iter().copied(), now, name_of);
+        table.upsert_resolved(&batch)?;
+        self.our_generation = table.generation().ok();
+        self.installed.extend(elements.iter().copied());
+        Ok(())
+    }
+
+    /// Installed elements that expire within two sweeps.
+    fn expiring_soon(&self, now: Instant) -> Vec<Tuple> {
+        let Some(every) = Lifetimes::of(&self.policy.dns).sweep_every() else {
+            return Vec::new();
+        };
+        self.installed
+            .iter()
+            .filter(|(_, e)| **e > now && **e <= now + 2 * every)
+            .map(|(t, _)| *t)
+            .collect()
+    }
+
+    /// In guard mode an address stays allowed while a connection to it lives, even past its
+    /// lifetime: elements about to expire (within two sweeps) that conntrack shows a live flow
+    /// to are renewed for three sweeps. `ct state established` already carries the
+    /// connection's own packets; this keeps a client that reconnects to the address it still
+    /// uses (a pool, a retry) from being refused under it.
+    fn keep_connected(&mut self, table: &mut dyn Table, flows: &BTreeSet<Flow>, now: Instant) {
+        let life = Lifetimes::of(&self.policy.dns);
+        let Some(every) = life.sweep_every() else {
+            return;
+        };
+        let until = now + life.kept_connected(every);
+        let keep: Vec<(Tuple, Instant)> = self
+            .expiring_soon(now)
+            .into_iter()
+            .filter(|t| flows.contains(&(t.net.addr(), t.proto, t.ports.first)))
+            .map(|t| (t, until))
+            .collect();
+        if keep.is_empty() {
+            return;
+        }
+        match self.upsert(table, &keep, now, |_| None) {
+            Ok(()) => {
+                let addrs: BTreeSet<IpAddr> = keep.iter().map(|(t, _)| t.net.addr()).collect();
+                info!(addresses = ?addrs, "kept addresses with live connections past their lifetime");
+                for state in self.names.values_mut() {
+                    for (addr, expires) in state.addrs.iter_mut() {
+                        if addrs.contains(addr) {
+                            *expires = (*expires).max(until);
+                        }
+                    }
+                }
+                for (t, e) in keep {
+                    if let Some(c) = self.carried.get_mut(&t) {
+                        c.expires = c.expires.max(e);
+                    }
+                }
+            }
+            Err(e) => error!(error = %e, "renewing addresses with live connections failed"),
+        }
+    }
+
+    /// Forgets expired elements, and in guard mode the names nothing is remembered of.
+    fn prune(&mut self, now: Instant) {
+        self.installed.retain(|_, e| *e > now);
+        self.carried.retain(|_, c| c.expires > now);
+        if self.policy.dns.guard.is_some() {
+            forget_learned_names(&mut self.names, now, MAX_FORMER_NAMES);
+            let names = &self.names;
+            self.services.retain(|n, _| names.contains_key(n));
+        }
+        self.next_prune = now + PRUNE_EVERY;
+    }
+
+    /// A restarted guard keeps what the running table allows until it expires: clients still
+    /// hold the answers behind it, and the guard has no way to ask them.
+    pub fn carry_over(&mut self, table: &mut dyn Table, now: Instant) {
+        let life = Lifetimes::of(&self.policy.dns);
+        let table = match table.read_table() {
+            Ok(Some(t)) => t,
+            Ok(None) => return,
+            Err(e) => {
+                warn!(error = %e, "cannot read the running table; its resolved addresses are dropped");
+                return;
+            }
+        };
+        let mut dropped = 0usize;
+        for family in crate::core::ruleset::Family::BOTH {
+            let id = SetId::new(SetRole::Resolved, family);
+            let Some(Elements::Timed(elements)) = table.contents(id) else {
+                continue;
+            };
+            for t in elements {
+                // Only what this policy allows, for the name the element was answered for
+                // and on its port: a restart must not keep what the new policy dropped.
+                let name = match element_allowed(&self.policy, t.name.as_deref(), &t.tuple) {
+                    Ok(()) => t.name.clone().unwrap_or_default(),
+                    Err(why) => {
+                        dropped += 1;
+                        info!(element = %crate::core::ruleset::fmt_timed(&t), why = %why,
+                              "not keeping an element of the running table");
+                        continue;
+                    }
+                };
+                // Permanent elements (a CLI apply) get the grace, no more, and none outlives
+                // what the policy allows an answer.
+                let left = life.carried(t.expires_ms);
+                self.carried.insert(
+                    t.tuple,
+                    Carried {
+                        expires: now + left,
+                        name,
+                    },
+                );
+            }
+        }
+        if !self.carried.is_empty() || dropped > 0 {
+            info!(
+                elements = self.carried.len(),
+                dropped, "keeping the addresses the running table allows until they expire"
+            );
+        }
+    }
+
+    /// Records answers, logging what changed.
+    pub fn take_answers(&mut self, hosts: &[ResolvedHost], now: Instant) {
+        let life = Lifetimes::of(&self.policy.dns);
+        self.last_refresh = Some(SystemTime::now());
+        for host in hosts {
+            let Some(state) = self.names.get_mut(&host.name) else {
+                continue;
+            };
+            let AnswerChanges { added, gone } = state.answer(host, now, &life);
+            if let Some(err) = &state.last_error {
+                warn!(name = %host.name, error = %err, failures = state.failures,
+                      retry_in_s = state.next_due.saturating_duration_since(now).as_secs(),
+                      "lookup failed; the last good addresses stay until their grace ends");
+            }
+            if !added.is_empty() {
+                info!(name = %host.name, added = %summarise(&added), "new addresses allowed");
+            }
+            // Once per lookup of the name, so at most once per `dns.refresh.min`.
+            for d in &host.dropped {
+                warn!(name = %host.name, address = %d.addr, why = %d.why,
+                      "an answered address is never allowed; not installed");
+            }
+            if !gone.is_empty() {
+                info!(name = %host.name, gone = %summarise(&gone), grace_s = self.policy.dns.grace.as_secs(),
+                      "addresses no longer answered stay allowed until their grace ends");
+            }
+        }
+        for w in denied_answers(&self.policy, hosts) {
+            warn!("{w}");
+        }
+    }
+
+    /// The live addresses as a resolution, for the generation record.
+    fn resolution(&self, now: Instant) -> Resolution {
+        Resolution {
+            resolvers: self.resolvers.clone(),
+            hosts: self
+                .names
+                .iter()
+                .map(|(name, state)| ResolvedHost {
+                    name: name.clone(),
+                    addrs: state
+                        .live(now)
+                        .map(|(&addr, _)| ResolvedAddr { addr, ttl: 0 })
+                        .collect(),
+                    nxdomain: false,
+                    dropped: Vec::new(),
+                    errors: Vec::new(),
+                })
+                .collect(),
+            guard_uid: self.guard_uid,
+        }
+    }
+
+    /// The table of the running configuration: the policy with the live addresses and what
+    /// was carried over, each resolved element with its remaining lifetime. A reload may have
+    /// lowered the cap: nothing known lives past the policy's.
+    fn table(&mut self, now: Instant) -> (Ruleset, BTreeMap<Tuple, Instant>) {
+        let cap = now + Lifetimes::of(&self.policy.dns).cap();
+        for state in self.names.values_mut() {
+            for expires in state.addrs.values_mut() {
+                *expires = (*expires).min(cap);
+            }
+        }
+        self.carried.retain(|_, c| c.expires > now);
+        let elements = table_elements(self.names.iter(), &self.services, &self.carried, now);
+        let owners = owners(self.names.iter(), &self.services, now);
+        let named = timed(
+            elements.iter().map(|(t, e)| (*t, *e)),
+            now,
+            |t| match owners.get(t) {
+                Some(name) => Some(name.to_string()),
+                None => self.carried.get(t).map(|c| c.name.clone()),
+            },
+        );
+        let ruleset = plan_elements(&self.policy, &self.resolvers, self.guard_uid, named);
+        (ruleset, elements)
+    }
+
+    /// Replaces the whole table with the current policy and addresses.
+    pub fn apply_all(
+        &mut self,
+        table: &mut dyn Table,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), NftError> {
+        let (ruleset, elements) = self.table(now);
+        match table.apply(&ruleset) {
+            Ok(()) => {
+                self.our_generation = table.generation().ok();
+                self.installed = elements;
+                self.retry_apply = None;
+                info!(
+                    table = %format!("inet {TABLE}"),
+                    names = self.names.len(),
+                    elements = ruleset.element_count(),
+                    "applied the table"
+                );
+                if std::mem::take(&mut self.record_next_apply) {
+                    fx.push(Effect::Record(Box::new(NewGeneration {
+                        command: Recorder::Run,
+                        source_generation: None,
+                        policy_path: self.policy_path.clone(),
+                        policy_text: self.policy_text.clone(),
+                        resolution: self.resolution(now),
+                        ruleset,
+                    })));
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.retry_apply = Some(now + Duration::from_secs(1));
+                Err(e)
+            }
+        }
+    }
+
+    /// The names whose refresh is due, now marked as being looked up.
+    fn take_due(&mut self, now: Instant) -> Vec<DomainName> {
+        if self.policy.dns.guard.is_some() {
+            return Vec::new();
+        }
+        let mut due = Vec::new();
+        for (name, state) in self.names.iter_mut().filter(|(_, s)| s.next_due <= now) {
+            // Rescheduled when the answer arrives; until then nothing is due again.
+            state.next_due = now + self.policy.dns.refresh_max;
+            due.push(name.clone());
+        }
+        due
+    }
+
+    /// A lookup that produced no answers at all: the names it took are due again soon
+    /// (take_due pushed them a whole refresh_max away while they were being looked up).
+    fn retry_lookups(&mut self, now: Instant) {
+        let retry = now + Lifetimes::of(&self.policy.dns).retry_after(1);
+        for state in self.names.values_mut() {
+            state.next_due = state.next_due.min(retry);
+        }
+    }
+
+    fn reapply(&mut self, table: &mut dyn Table, now: Instant, fx: &mut Vec<Effect>) {
+        if let Err(e) = self.apply_all(table, now, fx) {
+            error!(error = %e, "applying the table failed; retrying in 1 s");
+        }
+    }
+
+    /// SIGHUP, once the new policy is parsed (off the event loop): a valid new policy replaces
+    /// the running one once the kernel has accepted its table (with the addresses known for
+    /// the names it keeps; its new names follow as their answers arrive); an invalid one, or
+    /// one the kernel refuses, changes nothing. Returns whether the new policy was adopted.
+    fn reload(
+        &mut self,
+        table: &mut dyn Table,
+        loaded: Result<(Policy, String), PolicyError>,
+        resolvers: Option<Result<Vec<IpAddr>, String>>,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) -> bool {
+        let (policy, policy_text) = match loaded {
+            Ok(p) => p,
+            Err(e) => {
+                error!(error = %e, "the new policy is invalid; the running one stays");
+                return false;
+            }
+        };
+        // The guard's sockets and the table's uid rule are set up once.
+        let (old, new) = (&self.policy.dns.guard, &policy.dns.guard);
+        let restart = match (old, new) {
+            (Some(_), None) | (None, Some(_)) => Some("`dns.mode`"),
+            (Some(o), Some(n)) if o.listen != n.listen => Some("`dns.listen`"),
+            // The listening sockets keep the mark they were bound with: the new table would
+            // refuse their replies.
+            (Some(o), Some(n)) if o.mark != n.mark => Some("`dns.mark`"),
+            _ => None,
+        };
+        if let Some(what) = restart {
+            error!(
+                "the new policy changes {what}, which takes a restart (`systemctl restart \
+                 egress-fence`); the running policy stays"
+            );
+            return false;
+        }
+        if let Some(guard) = &policy.dns.guard {
+            let upstream = guard.upstream.clone();
+            return self.reload_guard(table, policy, policy_text, upstream, now, fx);
+        }
+        let resolvers = match resolvers {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => {
+                error!(error = %e, "the new policy's resolvers are unusable; the running one stays");
+                return false;
+            }
+            None => {
+                error!(
+                    error = "not looked for",
+                    "the new policy's resolvers are unusable; the running one stays"
+                );
+                return false;
+            }
+        };
+        let mut names: BTreeMap<DomainName, NameState> = BTreeMap::new();
+        for name in policy.domains() {
+            let mut state = self
+                .names
+                .get(name)
+                .cloned()
+                .unwrap_or_else(|| NameState::new(now));
+            state.next_due = now;
+            names.insert(name.clone(), state);
+        }
+        self.adopt(
+            table,
+            Config {
+                services: services(&policy),
+                policy,
+                policy_text,
+                resolvers,
+                names,
+                carried: self.carried.clone(),
+            },
+            now,
+            fx,
+        )
+    }
+
+    /// A reload in guard mode: learned names the new policy still allows keep their addresses,
+    /// on the ports it now gives them; the others go with the old table. What a restart
+    /// carried over goes the same way: only for names and ports the new policy allows, and no
+    /// longer than it allows an answer. Once the kernel has accepted the new table, the guard
+    /// answers by the new rules.
+    fn reload_guard(
+        &mut self,
+        table: &mut dyn Table,
+        policy: Policy,
+        policy_text: String,
+        upstream: Vec<IpAddr>,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) -> bool {
+        let cap = now + Lifetimes::of(&policy.dns).cap();
+        let carried = self
+            .carried
+            .iter()
+            .filter(|(t, c)| element_allowed(&policy, Some(&c.name), t).is_ok())
+            .map(|(t, c)| {
+                let expires = c.expires.min(cap);
+                (
+                    *t,
+                    Carried {
+                        expires,
+                        name: c.name.clone(),
+                    },
+                )
+            })
+            .collect();
+        let names: BTreeMap<DomainName, NameState> = self
+            .names
+            .iter()
+            .filter(|(name, _)| policy.allow.iter().any(|a| a.target.matches(name)))
+            .map(|(n, s)| (n.clone(), s.clone()))
+            .collect();
+        let services = names
+            .keys()
+            .map(|n| (n.clone(), services_of(&policy, n).collect()))
+            .collect();
+        let rules = Rules::of(&policy);
+        let adopted = self.adopt(
+            table,
+            Config {
+                policy,
+                policy_text,
+                services,
+                names,
+                resolvers: upstream,
+                carried,
+            },
+            now,
+            fx,
+        );
+        if adopted && let Some(rules) = rules {
+            fx.push(Effect::GuardRules(rules));
+        }
+        adopted
+    }
+
+    /// Applies the table of `new` and keeps `new` only if the kernel accepted it. Otherwise
+    /// the running configuration stays whole, so that healing and answers go on building the
+    /// table the kernel last accepted, never one it refused.
+    fn adopt(
+        &mut self,
+        table: &mut dyn Table,
+        mut new: Config,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) -> bool {
+        self.swap_config(&mut new);
+        let record = std::mem::replace(&mut self.record_next_apply, true);
+        match self.apply_all(table, now, fx) {
+            Ok(()) => true,
+            Err(e) => {
+                self.swap_config(&mut new);
+                self.record_next_apply = record;
+                error!(
+                    error = %e,
+                    "the kernel refused the new policy's table; the running policy stays in force"
+                );
+                false
+            }
+        }
+    }
+
+    fn swap_config(&mut self, other: &mut Config) {
+        std::mem::swap(&mut self.policy, &mut other.policy);
+        std::mem::swap(&mut self.policy_text, &mut other.policy_text);
+        std::mem::swap(&mut self.services, &mut other.services);
+        std::mem::swap(&mut self.names, &mut other.names);
+        std::mem::swap(&mut self.resolvers, &mut other.resolvers);
+        std::mem::swap(&mut self.carried, &mut other.carried);
+    }
+
+    /// Someone else changed the table: put it back.
+    fn heal(
+        &mut self,
+        table: &mut dyn Table,
+        changes: &[Change],
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) {
+        let mut who: Vec<String> = changes
+            .iter()
+            .map(|c| match &c.process {
+                Some(p) => format!("{p} (netlink port {})", c.portid),
+                None => format!("netlink port {}", c.portid),
+            })
+            .collect();
+        who.dedup();
+        let first = changes.first().map_or("changes lost", |c| c.what);
+        warn!(
+            first = first,
+            changes = changes.len(),
+            by = %who.join(", "),
+            "table inet {TABLE} was changed by someone else; restoring it"
+        );
+        self.reapply(table, now, fx);
+    }
+
+    /// Notifications were lost: heal only if the ruleset moved on since our last transaction.
+    fn check_after_overrun(&mut self, table: &mut dyn Table, now: Instant, fx: &mut Vec<Effect>) {
+        match table.generation() {
+            Ok(g) if Some(g) == self.our_generation => {
+                info!(
+                    "nftables notifications overran; the ruleset generation shows only our own transactions since"
+                );
+            }
+            Ok(_) | Err(_) => {
+                warn!(
+                    "nftables notifications were lost and the ruleset changed since our last transaction; restoring the table"
+                );
+                self.reapply(table, now, fx);
+            }
+        }
+    }
+
+    /// When the core wants [`Event::Wake`] next.
+    pub fn next_wakeup(&self, now: Instant) -> Instant {
+        let far = now + Duration::from_secs(3600);
+        // Guard answers come as they come; nothing is looked up on a timer. This runs on
+        // every pass of the event loop, once per answer at least: it must not walk the
+        // learned names (benches/guard.rs measured 66% of the daemon's time there at 20,000).
+        if self.policy.dns.guard.is_some() {
+            return self.retry_apply.unwrap_or(far).min(far);
+        }
+        self.names
+            .values()
+            .map(|s| s.next_due)
+            .chain(self.retry_apply)
+            .min()
+            .unwrap_or(far)
+            .min(far)
+    }
+
+    /// The status line systemd shows; `guard`: what the guard answered, refused and failed.
+    pub fn status_line(&self, now: Instant, guard: Option<(u64, u64, u64)>) -> String {
+        let addresses: usize = self.names.values().map(|s| s.live(now).count()).sum();
+        let failing = self.names.values().filter(|s| s.failures > 0).count();
+        let last = self
+            .last_refresh
+            .map_or("never".to_string(), crate::core::time::clock_utc);
+        if let Some((answered, refused, failed)) = guard {
+            return format!(
+                "guard: {} names, {addresses} addresses; {answered} answered, {refused} refused, \
+                 {failed} failed; last answer {last}",
+                self.names.len(),
+            );
+        }
+        format!(
+            "{} names, {addresses} addresses, {failing} failing, last refresh {last}",
+            self.names.len()
+        )
+    }
+
+    /// What the daemon knows of a refused packet's destination.
+    fn describe_destination(&self, dst: IpAddr, dport: Option<u16>, now: Instant) -> String {
+        if let Some(note) = self
+            .guard_uid
+            .and_then(|uid| guard_dns_note(uid, dport, self.resolvers.contains(&dst)))
+        {
+            return note;
+        }
+        if let Some(deny) = self.policy.denied_by(dst) {
+            return format!("denied: {}", deny.describe());
+        }
+        let mut live = Vec::new();
+        let mut former: Option<(&DomainName, Instant)> = None;
+        for (name, state) in &self.names {
+            match state.addrs.get(&dst) {
+                Some(&e) if e > now => live.push(name.as_str()),
+                Some(&e) if former.is_none_or(|(_, f)| e > f) => former = Some((name, e)),
+                _ => {}
+            }
+        }
+        if !live.is_empty() {
+            format!(
+                "an address of {}, allowed on other ports or protocols only",
+                live.join(", ")
+            )
+        } else if let Some((name, expired)) = former {
+            format!(
+                "was an address of {name} until {} ago (its grace ended)",
+                crate::core::time::minutes_seconds(now.saturating_duration_since(expired))
+            )
+        } else {
+            "not in the policy".to_string()
+        }
+    }
+
+    fn log_drop(&self, mut event: DropEvent, now: Instant) {
+        event.note = Some(self.describe_destination(event.dst, event.dport, now));
+        info!(
+            protocol = %event.protocol,
+            src = %event.src,
+            sport = ?event.sport,
+            dst = %event.dst,
+            dport = ?event.dport,
+            uid = ?event.uid,
+            note = event.note.as_deref().unwrap_or(""),
+            "refused packet"
+        );
+    }
+}
+
+/// The daemon's behaviours as the README describes them for `run`, one decision at a time:
+/// events in, table writes (to the in-memory double) and effects out.
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::core::policy::{L4Proto, PortRange};
+    use crate::core::ruleset::Timed;
+    use crate::nft::table::memory::MemoryTable;
+
+    const RESOLVE: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - domain: b.example\n    ports: [443, 80]\ndns:\n  resolvers: [192.0.2.53]\n  refresh: { min: 30s, max: 1h }\n  grace: 10m\n";
+    const GUARD: &str = "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\n  - domain: other.example\n    ports: [443]\ndeny:\n  - cidr: 198.51.100.0/24\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  floor: 30s\n  grace: 10m\n  refresh: { min: 30s, max: 1h }\n";
+
+    fn policy(text: &str) -> Policy {
+        Policy::parse(text, Path::new("p.yaml")).expect("valid")
+    }
+
+    fn resolvers() -> Vec<IpAddr> {
+        vec!["192.0.2.53".parse().unwrap()]
+    }
+
+    fn core(text: &str, now: Instant) -> Core {
+        let p = policy(text);
+        let guard_uid = p.dns.guard.as_ref().map(|_| 990);
+        Core::new(
+            p,
+            text.into(),
+            "/etc/p.yaml".into(),
+            resolvers(),
+            guard_uid,
+            now,
+        )
+    }
+
+    /// A daemon started on a namespace without a table: the skeleton is up.
+    fn started(text: &str, now: Instant) -> (Core, MemoryTable) {
+        let mut c = core(text, now);
+        let mut table = MemoryTable::new();
+        let mut fx = Vec::new();
+        c.apply_all(&mut table, now, &mut fx).expect("applied");
+        (c, table)
+    }
+
+    fn host(name: &str, addrs: &[(&str, u32)], errors: &[&str]) -> ResolvedHost {
+        ResolvedHost {
+            name: name.parse().unwrap(),
+            addrs: addrs
+                .iter()
+                .map(|(a, ttl)| ResolvedAddr {
+                    addr: a.parse().unwrap(),
+                    ttl: *ttl,
+                })
+                .collect(),
+            nxdomain: false,
+            dropped: Vec::new(),
+            errors: errors.iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    fn tuple(addr: &str, port: u16) -> Tuple {
+        Tuple {
+            net: addr.parse::<IpAddr>().unwrap().into(),
+            proto: L4Proto::Tcp,
+            ports: PortRange::single(port),
+        }
+    }
+
+    fn held(table: &MemoryTable, t: Tuple) -> Option<Timed> {
+        table.resolved().into_iter().find(|e| e.tuple == t)
+    }
+
+    fn answer(id: usize, name: &str, addrs: &[(&str, u32)]) -> GuardAnswer {
+        GuardAnswer {
+            id,
+            name: name.parse().unwrap(),
+            addrs: host(name, addrs, &[]).addrs,
+        }
+    }
+
+    fn guard_answers<'a>(answers: Vec<GuardAnswer>, host_addrs: &'a HostAddrs) -> Event<'a> {
+        Event::GuardAnswers {
+            answers,
+            host_addrs,
+        }
+    }
+
+    fn records(fx: &[Effect]) -> usize {
+        fx.iter().filter(|e| matches!(e, Effect::Record(_))).count()
+    }
+
+    fn released(fx: &[Effect]) -> Vec<(usize, bool)> {
+        fx.iter()
+            .flat_map(|e| match e {
+                Effect::Release(r) => r.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn at_boot_the_skeleton_goes_up_at_once_and_is_recorded() {
+        let now = Instant::now();
+        let mut c = core(RESOLVE, now);
+        let mut table = MemoryTable::new();
+        let mut fx = Vec::new();
+        c.apply_all(&mut table, now, &mut fx).expect("applied");
+        assert!(table.table.is_some());
+        assert!(table.resolved().is_empty(), "no names yet, no DNS needed");
+        assert_eq!(records(&fx), 1, "the start is a generation");
+        // A second full apply (healing) is no new configuration.
+        let mut fx = Vec::new();
+        c.apply_all(&mut table, now, &mut fx).expect("applied");
+        assert_eq!(records(&fx), 0);
+    }
+
+    #[test]
+    fn due_names_are_looked_up_and_answers_go_out_as_one_small_batch() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        assert_eq!(c.next_wakeup(now), now, "every name is due at start");
+        let fx = c.on(Event::Wake, now, &mut table);
+        let [Effect::Lookup(due)] = fx.as_slice() else {
+            panic!("{fx:?}")
+        };
+        assert_eq!(due.len(), 2);
+        // Nothing is due again while the lookup runs.
+        assert!(c.on(Event::Wake, now, &mut table).is_empty());
+
+        let answers = vec![
+            host("a.example", &[("192.0.2.1", 300)], &[]),
+            host("b.example", &[("192.0.2.2", 60)], &[]),
+        ];
+        let fx = c.on(Event::Answers(answers), now, &mut table);
+        assert!(fx.is_empty(), "{fx:?}");
+        assert_eq!(
+            table.applied.len(),
+            1,
+            "the table is never reloaded for answers"
+        );
+        assert_eq!(table.upserted.len(), 1, "one batch");
+        assert_eq!(table.upserted[0].len(), 3, "a:443, b:443, b:80");
+        // Each element lives its refresh interval plus the grace, and names its name.
+        let a = held(&table, tuple("192.0.2.1", 443)).expect("installed");
+        assert_eq!(a.timeout_ms, Some((300 + 600) * 1000));
+        assert_eq!(a.name.as_deref(), Some("a.example"));
+        let b = held(&table, tuple("192.0.2.2", 80)).expect("installed");
+        assert_eq!(
+            b.timeout_ms,
+            Some((60 + 600) * 1000),
+            "60 s is within the bounds"
+        );
+        // Asked again after the shortest TTL.
+        assert_eq!(c.next_wakeup(now), now + Duration::from_secs(60));
+    }
+
+    #[test]
+    fn a_refresh_renews_what_is_still_answered_and_lets_the_rest_expire() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        c.on(Event::Wake, now, &mut table);
+        let first = vec![host(
+            "a.example",
+            &[("192.0.2.1", 300), ("192.0.2.9", 300)],
+            &[],
+        )];
+        c.on(Event::Answers(first), now, &mut table);
+        let later = now + Duration::from_secs(300);
+        c.on(Event::Wake, later, &mut table);
+        let second = vec![host("a.example", &[("192.0.2.1", 300)], &[])];
+        c.on(Event::Answers(second), later, &mut table);
+        let renewal = table.upserted.last().expect("a batch");
+        assert_eq!(renewal.len(), 1, "only the answered address: {renewal:?}");
+        assert_eq!(renewal[0].tuple, tuple("192.0.2.1", 443));
+        assert_eq!(renewal[0].timeout_ms, Some(900_000));
+        // The other stays until its grace ends: nothing deletes it.
+        let ip: IpAddr = "192.0.2.9".parse().unwrap();
+        let state = &c.names[&"a.example".parse::<DomainName>().unwrap()];
+        assert_eq!(state.addrs[&ip], now + Duration::from_secs(900));
+        assert!(held(&table, tuple("192.0.2.9", 443)).is_some());
+    }
+
+    #[test]
+    fn a_failing_resolver_keeps_the_last_good_addresses_and_retries_with_backoff() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        c.on(Event::Wake, now, &mut table);
+        c.on(
+            Event::Answers(vec![host("a.example", &[("192.0.2.1", 300)], &[])]),
+            now,
+            &mut table,
+        );
+        let batches = table.upserted.len();
+        // The whole lookup failed: every name is due again in a second.
+        let t = now + Duration::from_secs(300);
+        c.on(Event::Wake, t, &mut table);
+        let failed = Event::LookupFailed {
+            error: "timed out".into(),
+            task: false,
+        };
+        assert!(c.on(failed, t, &mut table).is_empty());
+        assert_eq!(c.next_wakeup(t), t + Duration::from_secs(1));
+        // One name failed: it backs off 1, 2, 4 s; its addresses stay as they were.
+        for (n, wait) in [(1, 1), (2, 2), (3, 4)] {
+            c.on(
+                Event::Answers(vec![host("a.example", &[], &["A: timed out"])]),
+                t,
+                &mut table,
+            );
+            let state = &c.names[&"a.example".parse::<DomainName>().unwrap()];
+            assert_eq!(state.failures, n);
+            assert_eq!(state.next_due, t + Duration::from_secs(wait));
+        }
+        assert_eq!(table.upserted.len(), batches, "a failure renews nothing");
+        assert!(
+            held(&table, tuple("192.0.2.1", 443)).is_some(),
+            "and removes nothing"
+        );
+    }
+
+    #[test]
+    fn without_resolvers_names_wait_and_the_table_follows_when_they_appear() {
+        let now = Instant::now();
+        let p = policy(RESOLVE);
+        let mut c = Core::new(p, RESOLVE.into(), "/p".into(), Vec::new(), None, now);
+        let mut table = MemoryTable::new();
+        c.apply_all(&mut table, now, &mut Vec::new())
+            .expect("applied");
+        c.on(Event::Wake, now, &mut table);
+        c.on(Event::NoResolvers, now, &mut table);
+        assert_eq!(c.next_wakeup(now), now + Duration::from_secs(1));
+        let fx = c.on(Event::ResolversFound(resolvers()), now, &mut table);
+        assert_eq!(records(&fx), 1, "new DNS sets: a new configuration");
+        assert_eq!(table.applied.len(), 2);
+        let dns4 = table
+            .table
+            .as_ref()
+            .unwrap()
+            .set(SetId::new(SetRole::Dns, crate::core::ruleset::Family::V4));
+        assert!(matches!(dns4.map(|s| &s.elements), Some(Elements::Tuples(t)) if !t.is_empty()));
+    }
+
+    #[test]
+    fn a_table_changed_by_someone_else_is_put_back() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        c.on(Event::Wake, now, &mut table);
+        c.on(
+            Event::Answers(vec![host("a.example", &[("192.0.2.1", 300)], &[])]),
+            now,
+            &mut table,
+        );
+        table.lose_table();
+        let changes = [Change {
+            what: "table deleted",
+            portid: 4242,
+            process: Some("nft".into()),
+        }];
+        let later = now + Duration::from_secs(10);
+        let fx = c.on(Event::TableChanged(&changes), later, &mut table);
+        assert_eq!(records(&fx), 0, "healing is no new configuration");
+        let back = held(&table, tuple("192.0.2.1", 443)).expect("restored with its addresses");
+        assert_eq!(
+            back.timeout_ms,
+            Some(890_000),
+            "with what is left of its lifetime"
+        );
+    }
+
+    #[test]
+    fn lost_notifications_heal_only_when_someone_else_committed() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        c.on(Event::NotificationsLost, now, &mut table);
+        assert_eq!(table.applied.len(), 1, "only our own transactions since");
+        table.generation += 1;
+        c.on(Event::NotificationsLost, now, &mut table);
+        assert_eq!(table.applied.len(), 2);
+    }
+
+    #[test]
+    fn a_failed_apply_is_retried_a_second_later() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        c.on(Event::Wake, now, &mut table);
+        c.on(Event::Answers(vec![]), now, &mut table);
+        table.refuse_apply = true;
+        table.lose_table();
+        c.on(Event::NotificationsLost, now, &mut table);
+        assert_eq!(c.next_wakeup(now), now + Duration::from_secs(1));
+        table.refuse_apply = false;
+        let later = now + Duration::from_secs(1);
+        c.on(Event::Wake, later, &mut table);
+        assert!(table.table.is_some());
+        assert_eq!(c.retry_apply, None);
+    }
+
+    #[test]
+    fn a_refused_batch_reapplies_the_table() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        c.on(Event::Wake, now, &mut table);
+        table.refuse_upsert = true;
+        c.on(
+            Event::Answers(vec![host("a.example", &[("192.0.2.1", 300)], &[])]),
+            now,
+            &mut table,
+        );
+        assert_eq!(table.applied.len(), 2, "the full apply puts the set back");
+        assert!(held(&table, tuple("192.0.2.1", 443)).is_some());
+    }
+
+    fn reload(c: &mut Core, table: &mut MemoryTable, text: &str, now: Instant) -> Vec<Effect> {
+        let loaded = Policy::parse(text, Path::new("p.yaml")).map(|p| (p, text.to_string()));
+        let resolvers = match &loaded {
+            Ok((p, _)) if p.dns.guard.is_none() => Some(Ok(resolvers())),
+            _ => None,
+        };
+        c.on(
+            Event::Reload {
+                loaded: Box::new(loaded),
+                resolvers,
+            },
+            now,
+            table,
+        )
+    }
+
+    #[test]
+    fn a_reload_adopts_a_valid_policy_keeping_the_addresses_of_its_names() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        c.on(Event::Wake, now, &mut table);
+        c.on(
+            Event::Answers(vec![
+                host("a.example", &[("192.0.2.1", 300)], &[]),
+                host("b.example", &[("192.0.2.2", 300)], &[]),
+            ]),
+            now,
+            &mut table,
+        );
+        let new = RESOLVE.replace(
+            "  - domain: b.example\n    ports: [443, 80]\n",
+            "  - domain: c.example\n    ports: [443]\n",
+        );
+        let fx = reload(&mut c, &mut table, &new, now);
+        assert!(fx.iter().any(|e| matches!(e, Effect::Adopted)));
+        assert_eq!(records(&fx), 1, "a reload that applies is a generation");
+        assert!(
+            held(&table, tuple("192.0.2.1", 443)).is_some(),
+            "a.example kept"
+        );
+        assert!(
+            held(&table, tuple("192.0.2.2", 443)).is_none(),
+            "b.example gone"
+        );
+        // Its names are due at once, the new one too.
+        let fx = c.on(Event::Wake, now, &mut table);
+        let [Effect::Lookup(due)] = fx.as_slice() else {
+            panic!("{fx:?}")
+        };
+        assert_eq!(due.len(), 2);
+    }
+
+    #[test]
+    fn an_invalid_or_refused_policy_changes_nothing() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        let before = c.policy().clone();
+        let fx = reload(&mut c, &mut table, "version: 1\nallow: nonsense\n", now);
+        assert!(fx.is_empty());
+        assert_eq!(table.applied.len(), 1);
+
+        table.refuse_apply = true;
+        let new = RESOLVE.replace("ports: [443]", "ports: [8443]");
+        let fx = reload(&mut c, &mut table, &new, now);
+        assert!(fx.is_empty(), "not adopted, not recorded: {fx:?}");
+        assert_eq!(c.policy(), &before, "the running policy stays whole");
+        assert_eq!(c.names.len(), 2);
+        // Healing goes on building the table the kernel last accepted, and the next apply
+        // of a new policy is still recorded.
+        table.refuse_apply = false;
+        c.on(Event::NotificationsLost, now, &mut table);
+        table.generation += 1;
+        c.on(Event::NotificationsLost, now, &mut table);
+        assert_eq!(table.table, Some(table.applied[0].clone()));
+        let fx = reload(&mut c, &mut table, &new, now);
+        assert_eq!(records(&fx), 1);
+    }
+
+    #[test]
+    fn a_reload_with_unusable_resolvers_changes_nothing() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        let loaded = Ok((policy(RESOLVE), RESOLVE.to_string()));
+        let fx = c.on(
+            Event::Reload {
+                loaded: Box::new(loaded),
+                resolvers: Some(Err("no nameserver in resolv.conf".into())),
+            },
+            now,
+            &mut table,
+        );
+        assert!(fx.is_empty());
+        assert_eq!(table.applied.len(), 1);
+    }
+
+    #[test]
+    fn changing_the_dns_mode_listen_or_mark_takes_a_restart() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(GUARD, now);
+        for new in [
+            RESOLVE.to_string(),
+            GUARD.replace(
+                "  floor: 30s\n",
+                "  floor: 30s\n  listen: [127.0.0.54:53]\n",
+            ),
+            GUARD.replace("  floor: 30s\n", "  floor: 30s\n  mark: 0x1234\n"),
+        ] {
+            assert!(reload(&mut c, &mut table, &new, now).is_empty(), "{new}");
+        }
+        assert_eq!(table.applied.len(), 1);
+    }
+
+    #[test]
+    fn guard_answers_are_released_once_the_kernel_holds_their_addresses() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(GUARD, now);
+        assert_eq!(
+            c.next_wakeup(now),
+            now + Duration::from_secs(3600),
+            "no timer"
+        );
+        let none = HostAddrs::none();
+        let batch = vec![
+            answer(0, "a.pool.example", &[("192.0.2.1", 5)]),
+            answer(1, "b.pool.example", &[("192.0.2.2", 86_400)]),
+        ];
+        let fx = c.on(guard_answers(batch, &none), now, &mut table);
+        let mut r = released(&fx);
+        r.sort();
+        assert_eq!(r, vec![(0, true), (1, true)]);
+        assert_eq!(table.upserted.len(), 1, "several answers share one batch");
+        let short = held(&table, tuple("192.0.2.1", 443)).unwrap();
+        assert_eq!(
+            short.timeout_ms,
+            Some((30 + 600) * 1000),
+            "the floor, plus the grace"
+        );
+        assert_eq!(short.name.as_deref(), Some("a.pool.example"));
+        let long = held(&table, tuple("192.0.2.2", 443)).unwrap();
+        assert_eq!(
+            long.timeout_ms,
+            Some((3600 + 600) * 1000),
+            "never past the cap"
+        );
+
+        // Asked again a minute later: no batch (less than half the grace would be gained).
+        let later = now + Duration::from_secs(60);
+        let again = vec![answer(2, "a.pool.example", &[("192.0.2.1", 5)])];
+        let fx = c.on(guard_answers(again, &none), later, &mut table);
+        assert_eq!(released(&fx), vec![(2, true)]);
+        assert_eq!(table.upserted.len(), 1);
+        // After six minutes it renews.
+        let much_later = now + Duration::from_secs(360);
+        let again = vec![answer(3, "a.pool.example", &[("192.0.2.1", 5)])];
+        c.on(guard_answers(again, &none), much_later, &mut table);
+        assert_eq!(table.upserted.len(), 2);
+    }
+
+    #[test]
+    fn a_refused_guard_batch_answers_servfail_and_reapplies() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(GUARD, now);
+        table.refuse_upsert = true;
+        let none = HostAddrs::none();
+        let batch = vec![answer(7, "a.pool.example", &[("192.0.2.1", 60)])];
+        let fx = c.on(guard_answers(batch, &none), now, &mut table);
+        assert_eq!(released(&fx), vec![(7, false)]);
+        assert_eq!(table.applied.len(), 2);
+    }
+
+    #[test]
+    fn guard_answers_never_install_refused_addresses_and_still_report_denied_ones() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(GUARD, now);
+        let none = HostAddrs::none();
+        // Loopback is never installed; with nothing else the name is not even remembered.
+        let batch = vec![answer(0, "x.pool.example", &[("127.0.0.1", 60)])];
+        let fx = c.on(guard_answers(batch, &none), now, &mut table);
+        assert_eq!(released(&fx), vec![(0, true)]);
+        assert!(table.resolved().is_empty());
+        assert!(c.names.is_empty());
+        // A denied address goes in the set (the deny rule comes first) and is reported.
+        let batch = vec![answer(1, "y.pool.example", &[("198.51.100.7", 60)])];
+        c.on(guard_answers(batch, &none), now, &mut table);
+        assert!(held(&table, tuple("198.51.100.7", 443)).is_some());
+    }
+
+    #[test]
+    fn connections_that_live_keep_their_addresses_past_their_lifetime() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(GUARD, now);
+        let none = HostAddrs::none();
+        let batch = vec![answer(
+            0,
+            "a.pool.example",
+            &[("192.0.2.1", 5), ("192.0.2.2", 5)],
+        )];
+        c.on(guard_answers(batch, &none), now, &mut table);
+        // Nothing expires soon: no need to read conntrack.
+        assert!(c.on(Event::Sweep, now, &mut table).is_empty());
+        // 15 s before the end (sweeps every 10 s): look.
+        let t = now + Duration::from_secs(630 - 15);
+        let fx = c.on(Event::Sweep, t, &mut table);
+        assert!(matches!(fx.as_slice(), [Effect::ReadFlows { at }] if *at == t));
+        let flows = BTreeSet::from([("192.0.2.1".parse().unwrap(), L4Proto::Tcp, 443)]);
+        c.on(Event::LiveFlows { flows, at: t }, t, &mut table);
+        let batch = table.upserted.last().unwrap();
+        assert_eq!(batch.len(), 1, "only the connected address");
+        assert_eq!(batch[0].tuple, tuple("192.0.2.1", 443));
+        assert_eq!(batch[0].timeout_ms, Some(30_000), "three sweeps");
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        let state = &c.names[&"a.pool.example".parse::<DomainName>().unwrap()];
+        assert_eq!(state.addrs[&ip], t + Duration::from_secs(30));
+    }
+
+    /// A guard-mode table a previous daemon left, with `elements` (name, address, port, ms left).
+    fn running_table(elements: &[(Option<&str>, &str, u16, Option<u64>)]) -> MemoryTable {
+        let p = policy(GUARD);
+        let resolved: BTreeMap<Tuple, Timed> = elements
+            .iter()
+            .map(|(name, addr, port, ms)| {
+                let t = tuple(addr, *port);
+                let timed = Timed {
+                    tuple: t,
+                    timeout_ms: *ms,
+                    expires_ms: None,
+                    name: name.map(str::to_string),
+                };
+                (t, timed)
+            })
+            .collect();
+        MemoryTable::holding(plan_elements(
+            &p,
+            &resolvers(),
+            Some(990),
+            resolved.into_values(),
+        ))
+    }
+
+    #[test]
+    fn a_restarted_guard_keeps_what_the_policy_still_allows_until_it_expires() {
+        let now = Instant::now();
+        let mut table = running_table(&[
+            (Some("a.pool.example"), "192.0.2.1", 443, Some(120_000)),
+            (Some("a.pool.example"), "192.0.2.2", 80, Some(120_000)),
+            (Some("gone.example"), "192.0.2.3", 443, Some(120_000)),
+            (None, "192.0.2.4", 443, Some(120_000)),
+            (Some("other.example"), "192.0.2.5", 443, Some(999_999_999)),
+            (Some("other.example"), "192.0.2.6", 443, None),
+        ]);
+        let mut c = core(GUARD, now);
+        c.carry_over(&mut table, now);
+        let kept: Vec<Tuple> = c.carried.keys().copied().collect();
+        assert_eq!(
+            kept,
+            vec![
+                tuple("192.0.2.1", 443),
+                tuple("192.0.2.5", 443),
+                tuple("192.0.2.6", 443)
+            ],
+            "not another port, not a name the policy dropped, not one without a name"
+        );
+        assert_eq!(
+            c.carried[&tuple("192.0.2.5", 443)].expires,
+            now + Duration::from_secs(4200),
+            "the cap"
+        );
+        assert_eq!(
+            c.carried[&tuple("192.0.2.6", 443)].expires,
+            now + Duration::from_secs(600),
+            "the grace"
+        );
+        let fx = &mut Vec::new();
+        c.apply_all(&mut table, now, fx).expect("applied");
+        let e = held(&table, tuple("192.0.2.1", 443)).expect("carried into the new table");
+        assert_eq!(
+            (e.timeout_ms, e.name.as_deref()),
+            (Some(120_000), Some("a.pool.example"))
+        );
+        assert!(held(&table, tuple("192.0.2.3", 443)).is_none());
+
+        // A reload keeps only what the new policy allows, no longer than it allows.
+        let new = GUARD
+            .replace("  - domain: other.example\n    ports: [443]\n", "")
+            .replace("max: 1h", "max: 1m");
+        let fx = reload(&mut c, &mut table, &new, now);
+        assert!(fx.iter().any(|e| matches!(e, Effect::GuardRules(_))));
+        assert_eq!(
+            c.carried.keys().copied().collect::<Vec<_>>(),
+            vec![tuple("192.0.2.1", 443)]
+        );
+        assert_eq!(
+            held(&table, tuple("192.0.2.1", 443)).unwrap().timeout_ms,
+            Some(120_000)
+        );
+        assert!(held(&table, tuple("192.0.2.5", 443)).is_none());
+    }
+
+    #[test]
+    fn a_guard_reload_keeps_the_learned_names_it_still_allows() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(GUARD, now);
+        let none = HostAddrs::none();
+        let batch = vec![
+            answer(0, "a.pool.example", &[("192.0.2.1", 60)]),
+            answer(1, "other.example", &[("192.0.2.2", 60)]),
+        ];
+        c.on(guard_answers(batch, &none), now, &mut table);
+        let new = GUARD.replace("  - domain: other.example\n    ports: [443]\n", "");
+        reload(&mut c, &mut table, &new, now);
+        assert_eq!(
+            c.names(),
+            vec!["a.pool.example".parse::<DomainName>().unwrap()]
+        );
+        assert!(held(&table, tuple("192.0.2.1", 443)).is_some());
+        assert!(held(&table, tuple("192.0.2.2", 443)).is_none());
+    }
+
+    #[test]
+    fn refused_packets_are_explained_with_what_the_daemon_knows() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(RESOLVE, now);
+        c.on(Event::Wake, now, &mut table);
+        c.on(
+            Event::Answers(vec![host("a.example", &[("192.0.2.1", 300)], &[])]),
+            now,
+            &mut table,
+        );
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(
+            c.describe_destination(ip("192.0.2.1"), Some(22), now),
+            "an address of a.example, allowed on other ports or protocols only"
+        );
+        assert_eq!(
+            c.describe_destination(ip("203.0.113.1"), Some(443), now),
+            "not in the policy"
+        );
+        let later = now + Duration::from_secs(900 + 250);
+        assert_eq!(
+            c.describe_destination(ip("192.0.2.1"), Some(443), later),
+            "was an address of a.example until 4m10s ago (its grace ended)"
+        );
+    }
+
+    #[test]
+    fn the_status_line_says_names_addresses_failures_and_the_last_refresh() {
+        let now = Instant::now();
+        let (c, _) = started(RESOLVE, now);
+        assert_eq!(
+            c.status_line(now, None),
+            "2 names, 0 addresses, 0 failing, last refresh never"
+        );
+        let (g, _) = started(GUARD, now);
+        assert_eq!(
+            g.status_line(now, Some((5, 2, 1))),
+            "guard: 0 names, 0 addresses; 5 answered, 2 refused, 1 failed; last answer never"
+        );
+    }
+}

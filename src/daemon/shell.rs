@@ -1,0 +1,496 @@
+//! The daemon's I/O around its [`Core`]: the netlink table, the resolver, the DNS guard's
+//! tasks, signals, the change monitor, conntrack, the state directory and systemd. It turns
+//! what happens into [`Event`]s and carries out the [`Effect`]s the core returns; it decides
+//! nothing about names, lifetimes or the table.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep_until};
+use tracing::{error, info, warn};
+
+use super::core::{Core, Effect, Event, GuardAnswer};
+use super::{DaemonError, Options, io};
+use crate::core::installable::HostAddrsCache;
+use crate::core::lifetime::Lifetimes;
+use crate::core::policy::{Policy, PolicyError};
+use crate::core::resolution::ResolvedHost;
+use crate::core::ruleset::TABLE;
+use crate::dns::resolve::{NameResolver, ResolveError};
+use crate::guard::{Answered, Counters, Guard, Rules};
+use crate::nft::Nft;
+use crate::nft::monitor::Monitor;
+use crate::state::WriterLock;
+use crate::watch::DropEvent;
+
+/// How many waiting answers go into one batch.
+const MAX_ANSWER_BATCH: usize = 256;
+
+pub(super) struct Daemon {
+    core: Core,
+    options: Options,
+    /// Held until the daemon exits.
+    lock: Arc<WriterLock>,
+    /// `None` until the resolvers are known (resolv.conf may not exist yet at boot), and in
+    /// guard mode.
+    resolver: Option<NameResolver>,
+    nft: Nft,
+    /// The DNS guard, once it serves.
+    guard: Option<GuardLink>,
+    /// This host's addresses and subnet broadcasts, which no guard answer may install.
+    host_addrs: HostAddrsCache,
+}
+
+/// The daemon's side of the DNS guard.
+struct GuardLink {
+    rules: watch::Sender<Arc<Rules>>,
+    counters: Arc<Counters>,
+    events_path: PathBuf,
+}
+
+impl Daemon {
+    pub(super) async fn start(
+        options: Options,
+        lock: Arc<WriterLock>,
+        policy: Policy,
+        policy_text: String,
+    ) -> Result<Daemon, DaemonError> {
+        let guard_mode = policy.dns.guard.is_some();
+        let (resolvers, resolver) = match (&policy.dns.guard, resolver_for(&policy, &options)) {
+            // The guard learns names from the questions it forwards; it never looks any up.
+            (Some(guard), _) => (guard.upstream.clone(), None),
+            (None, Ok((r, resolver))) => (r, Some(resolver)),
+            // At boot resolv.conf may not be written yet: the boundary goes up without names
+            // and the resolvers are looked for again.
+            (None, Err(e)) => {
+                warn!(error = %e, "no resolvers yet; applying the boundary without names");
+                (Vec::new(), None)
+            }
+        };
+        let policy_path = std::path::absolute(&options.policy_path)
+            .unwrap_or_else(|_| options.policy_path.clone());
+        let guard_uid = guard_mode.then(|| nix::unistd::geteuid().as_raw());
+        let core = Core::new(
+            policy,
+            policy_text,
+            policy_path,
+            resolvers,
+            guard_uid,
+            Instant::now(),
+        );
+        let mut daemon = Daemon {
+            core,
+            options,
+            lock,
+            resolver,
+            nft: Nft::open()?,
+            guard: None,
+            host_addrs: HostAddrsCache::new(),
+        };
+        // A running boundary (a restart) is replaced only once its names are resolved, so
+        // that nothing allowed goes missing for a moment. Without one (boot), the
+        // deny-by-default skeleton goes up at once: it needs no DNS, and names follow as they
+        // resolve.
+        if daemon.nft.table_exists()? {
+            match guard_mode {
+                true => daemon.core.carry_over(&mut daemon.nft, Instant::now()),
+                false => daemon.resolve_all().await,
+            }
+        }
+        // The first apply must work: a daemon that cannot install its boundary exits (run()
+        // leaves the fail-closed table). A refusal is the policy's fault: only an edit fixes
+        // it, so it is not retried; anything else is, by systemd's Restart=.
+        let mut effects = Vec::new();
+        daemon
+            .core
+            .apply_all(&mut daemon.nft, Instant::now(), &mut effects)
+            .map_err(|e| match e.is_refusal_of_content() {
+                true => DaemonError::TableRefused(e),
+                false => DaemonError::Nft(e),
+            })?;
+        daemon.carry_out(effects, &mut BTreeMap::new());
+        Ok(daemon)
+    }
+
+    /// Starts serving DNS, now that the table is up; returns where answers wait for their
+    /// addresses to be installed.
+    pub(super) fn start_guard(&mut self, guard: Guard) -> mpsc::Receiver<Answered> {
+        let rules = Rules::of(self.core.policy()).expect("the policy is in guard mode");
+        let (rules_tx, rules_rx) = watch::channel(Arc::new(rules));
+        let (answered_tx, answered_rx) = mpsc::channel(1024);
+        let (events, _) = broadcast::channel(1024);
+        let counters = Arc::new(Counters::default());
+        let events_path = self.options.state.guard_events();
+        // Without it `watch` misses refused queries; the log still has them.
+        if let Err(e) = crate::guard::serve_events(events_path.clone(), events.clone()) {
+            warn!(error = %e, "refused queries will be in the log only");
+        }
+        let in_flight = guard.in_flight_limit();
+        guard.serve(crate::guard::Context {
+            in_flight,
+            log_budget: Default::default(),
+            rules: rules_rx,
+            answered: answered_tx,
+            events,
+            counters: counters.clone(),
+        });
+        let listen: Vec<SocketAddr> = self
+            .core
+            .policy()
+            .dns
+            .guard
+            .iter()
+            .flat_map(|g| g.listen.clone())
+            .collect();
+        info!(listen = ?listen, upstream = ?self.core.resolvers(), "the DNS guard is serving");
+        self.guard = Some(GuardLink {
+            rules: rules_tx,
+            counters,
+            events_path,
+        });
+        answered_rx
+    }
+
+    /// Hands `event` to the core and carries out what it asks.
+    fn handle(&mut self, event: Event<'_>, releases: &mut BTreeMap<usize, oneshot::Sender<bool>>) {
+        let effects = self.core.on(event, Instant::now(), &mut self.nft);
+        self.carry_out(effects, releases);
+    }
+
+    fn carry_out(
+        &mut self,
+        effects: Vec<Effect>,
+        releases: &mut BTreeMap<usize, oneshot::Sender<bool>>,
+    ) {
+        for effect in effects {
+            match effect {
+                Effect::Record(new) => self.record(*new),
+                Effect::Release(verdicts) => {
+                    for (id, ok) in verdicts {
+                        if let Some(done) = releases.remove(&id) {
+                            let _ = done.send(ok);
+                        }
+                    }
+                }
+                Effect::ReadFlows { at } => match crate::netlink::conntrack::live_flows() {
+                    Ok(flows) => {
+                        let effects =
+                            self.core
+                                .on(Event::LiveFlows { flows, at }, at, &mut self.nft);
+                        self.carry_out(effects, releases);
+                    }
+                    Err(e) => warn!(error = %e, "cannot read conntrack; addresses expire on time"),
+                },
+                Effect::GuardRules(rules) => {
+                    if let Some(link) = &self.guard {
+                        link.rules.send_replace(Arc::new(rules));
+                    }
+                }
+                // Only a wakeup asks for lookups and only a reload adopts: the event loop and
+                // `reload`, which own the lookup task and the resolver, take them first.
+                Effect::Lookup(_) | Effect::Adopted => {
+                    debug_assert!(false, "a lookup or adoption reached carry_out")
+                }
+            }
+        }
+    }
+
+    /// Records the applied configuration as a generation. A failure is logged, never fatal:
+    /// the boundary matters more than its record.
+    fn record(&mut self, new: crate::state::NewGeneration) {
+        match self
+            .options
+            .state
+            .record(&self.lock, new, self.options.keep)
+        {
+            Ok(g) => info!(
+                generation = g.generation,
+                "recorded generation {}", g.generation
+            ),
+            Err(e) => error!(error = %e, "the applied table could not be recorded as a generation"),
+        }
+    }
+
+    async fn resolve_all(&mut self) {
+        let Some(resolver) = self.resolver.clone() else {
+            return;
+        };
+        match resolver.lookup_all(self.core.names()).await {
+            Ok(hosts) => self.core.take_answers(&hosts, Instant::now()),
+            Err(e) => error!(error = %e, "resolver failure"),
+        }
+    }
+
+    /// The resolver, looking for the resolvers again if they were not known; when they
+    /// appear, the DNS sets change, so the table is applied anew.
+    fn resolver(&mut self) -> Option<NameResolver> {
+        if self.resolver.is_none() {
+            match resolver_for(self.core.policy(), &self.options) {
+                Ok((resolvers, resolver)) => {
+                    self.resolver = Some(resolver);
+                    self.handle(Event::ResolversFound(resolvers), &mut BTreeMap::new());
+                }
+                Err(e) => warn!(error = %e, "still no resolvers"),
+            }
+        }
+        self.resolver.clone()
+    }
+
+    /// Reads and validates the policy file on a thread of the blocking pool: the event loop
+    /// goes on healing and answering meanwhile.
+    fn parse_policy(&self) -> JoinHandle<Result<(Policy, String), PolicyError>> {
+        let path = self.options.policy_path.clone();
+        tokio::task::spawn_blocking(move || Policy::load_with_text(&path))
+    }
+
+    /// A reloaded policy, parsed: its resolvers are looked for here (they may be
+    /// resolv.conf's), then the core decides. Returns whether it was adopted.
+    fn reload(&mut self, loaded: Result<(Policy, String), PolicyError>) -> bool {
+        let mut fresh = None;
+        let resolvers = match &loaded {
+            Ok((policy, _)) if policy.dns.guard.is_none() => {
+                Some(match resolver_for(policy, &self.options) {
+                    Ok((resolvers, resolver)) => {
+                        fresh = Some(resolver);
+                        Ok(resolvers)
+                    }
+                    Err(e) => Err(e.to_string()),
+                })
+            }
+            _ => None,
+        };
+        let effects = self.core.on(
+            Event::Reload {
+                loaded: Box::new(loaded),
+                resolvers,
+            },
+            Instant::now(),
+            &mut self.nft,
+        );
+        let adopted = effects.iter().any(|e| matches!(e, Effect::Adopted));
+        if adopted {
+            // A guard-mode policy has no resolver of its own: the guard forwards.
+            self.resolver = fresh;
+        }
+        self.carry_out(
+            effects
+                .into_iter()
+                .filter(|e| !matches!(e, Effect::Adopted))
+                .collect(),
+            &mut BTreeMap::new(),
+        );
+        adopted
+    }
+
+    /// Installs the addresses of guard answers, this one and whatever else is waiting, in one
+    /// batch, then releases them all.
+    fn install_answers(&mut self, first: Answered, waiting: &mut mpsc::Receiver<Answered>) {
+        let mut batch = vec![first];
+        while batch.len() < MAX_ANSWER_BATCH {
+            match waiting.try_recv() {
+                Ok(a) => batch.push(a),
+                Err(_) => break,
+            }
+        }
+        let mut releases = BTreeMap::new();
+        let answers = batch
+            .into_iter()
+            .enumerate()
+            .map(|(id, a)| {
+                releases.insert(id, a.done);
+                GuardAnswer {
+                    id,
+                    name: a.name,
+                    addrs: a.addrs,
+                }
+            })
+            .collect();
+        let host_addrs = self.host_addrs.current();
+        let effects = self.core.on(
+            Event::GuardAnswers {
+                answers,
+                host_addrs,
+            },
+            Instant::now(),
+            &mut self.nft,
+        );
+        self.carry_out(effects, &mut releases);
+    }
+
+    fn status_line(&self) -> String {
+        let guard = self.guard.as_ref().map(|link| {
+            let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+            let c = &link.counters;
+            (count(&c.answered), count(&c.refused), count(&c.failed))
+        });
+        self.core.status_line(Instant::now(), guard)
+    }
+
+    pub(super) async fn serve(
+        mut self,
+        mut monitor: AsyncFd<Monitor>,
+        mut drops: Option<mpsc::Receiver<DropEvent>>,
+        mut answers: Option<mpsc::Receiver<Answered>>,
+    ) -> Result<(), DaemonError> {
+        let mut hangup = signal(SignalKind::hangup()).map_err(io("install SIGHUP handler"))?;
+        let mut terminate =
+            signal(SignalKind::terminate()).map_err(io("install SIGTERM handler"))?;
+        let mut interrupt =
+            signal(SignalKind::interrupt()).map_err(io("install SIGINT handler"))?;
+        let watchdog = sd_notify::watchdog_enabled().map(|d| d / 2);
+        let mut watchdog_tick =
+            tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
+        let mut last_status = self.status_line();
+        let mut status_at = Instant::now();
+        let mut status_tick = tokio::time::interval(Duration::from_secs(1));
+        let sweep = Lifetimes::of(&self.core.policy().dns).sweep_every();
+        let mut sweep_tick = tokio::time::interval(sweep.unwrap_or(Duration::from_secs(3600)));
+        let _ = sd_notify::notify(&[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status(&last_status),
+        ]);
+        info!(status = %self.status_line(), "running");
+
+        // Lookups run beside the loop, so a slow resolver never delays healing or signals.
+        let mut lookup: Option<JoinHandle<Result<Vec<ResolvedHost>, ResolveError>>> = None;
+        // So does reading a reloaded policy: its text is anyone's, and the loop heals.
+        let mut parsing: Option<JoinHandle<Result<(Policy, String), PolicyError>>> = None;
+        let mut parse_again = false;
+        let mut no_releases = BTreeMap::new();
+        loop {
+            tokio::select! {
+                _ = sleep_until(self.core.next_wakeup(Instant::now())), if lookup.is_none() => {
+                    let effects = self.core.on(Event::Wake, Instant::now(), &mut self.nft);
+                    for effect in effects {
+                        match effect {
+                            Effect::Lookup(due) => match self.resolver() {
+                                Some(resolver) => {
+                                    lookup = Some(tokio::spawn(async move {
+                                        resolver.lookup_all(due).await
+                                    }));
+                                }
+                                None => self.handle(Event::NoResolvers, &mut no_releases),
+                            },
+                            other => self.carry_out(vec![other], &mut no_releases),
+                        }
+                    }
+                }
+                done = async { lookup.as_mut().expect("guarded").await }, if lookup.is_some() => {
+                    lookup = None;
+                    let event = match done {
+                        Ok(Ok(hosts)) => Event::Answers(hosts),
+                        Ok(Err(e)) => Event::LookupFailed { error: e.to_string(), task: false },
+                        Err(e) => Event::LookupFailed { error: e.to_string(), task: true },
+                    };
+                    self.handle(event, &mut no_releases);
+                }
+                _ = hangup.recv() => {
+                    // Lets `systemctl reload` wait for the reload (Type=notify-reload).
+                    let mut reloading = vec![sd_notify::NotifyState::Reloading];
+                    reloading.extend(sd_notify::NotifyState::monotonic_usec_now().ok());
+                    let _ = sd_notify::notify(&reloading);
+                    info!(policy = %self.options.policy_path.display(), "reloading the policy");
+                    // A file changed again while it is read is read again after.
+                    match parsing {
+                        Some(_) => parse_again = true,
+                        None => parsing = Some(self.parse_policy()),
+                    }
+                }
+                parsed = async { parsing.as_mut().expect("guarded").await }, if parsing.is_some() => {
+                    parsing = None;
+                    if std::mem::take(&mut parse_again) {
+                        parsing = Some(self.parse_policy());
+                    } else {
+                        let loaded = parsed.unwrap_or_else(|e| {
+                            Err(PolicyError::Read {
+                                path: self.options.policy_path.clone(),
+                                error: std::io::Error::other(e),
+                            })
+                        });
+                        // The lookup under way asked for the old names; the new ones are due.
+                        if self.reload(loaded) && let Some(pending) = lookup.take() {
+                            pending.abort();
+                        }
+                        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+                    }
+                }
+                _ = terminate.recv() => break,
+                _ = interrupt.recv() => break,
+                ready = monitor.readable_mut() => {
+                    let mut guard = ready.map_err(io("wait for nftables changes"))?;
+                    let ours = self.nft.portid();
+                    let mut drained = guard.get_inner_mut().drain(ours)?;
+                    guard.clear_ready();
+                    drop(guard);
+                    if !drained.changes.is_empty() || drained.overrun {
+                        // A flush or a script's reset arrives as a burst: take it whole.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        let more = monitor.get_mut().drain(ours)?;
+                        drained.changes.extend(more.changes);
+                        drained.overrun |= more.overrun;
+                        let event = match drained.changes.is_empty() {
+                            false => Event::TableChanged(&drained.changes),
+                            true => Event::NotificationsLost,
+                        };
+                        self.handle(event, &mut no_releases);
+                    }
+                }
+                Some(event) = async { drops.as_mut().expect("guarded").recv().await }, if drops.is_some() => {
+                    self.handle(Event::Refused(event), &mut no_releases);
+                }
+                Some(answer) = async { answers.as_mut().expect("guarded").recv().await }, if answers.is_some() => {
+                    let waiting = answers.as_mut().expect("guarded");
+                    self.install_answers(answer, waiting);
+                }
+                // Brings the status line below up to date even when nothing else happens.
+                _ = status_tick.tick() => {}
+                _ = sweep_tick.tick(), if sweep.is_some() => self.handle(Event::Sweep, &mut no_releases),
+                _ = watchdog_tick.tick(), if watchdog.is_some() => {
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+                }
+            }
+            // Only changes, at most once a second: the notify socket is a datagram queue
+            // that a slow reader fills, and counting addresses is not free.
+            if status_at.elapsed() >= Duration::from_secs(1) {
+                status_at = Instant::now();
+                let status = self.status_line();
+                if status != last_status {
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+                    last_status = status;
+                }
+            }
+        }
+
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        if let Some(link) = &self.guard {
+            let _ = std::fs::remove_file(&link.events_path);
+        }
+        if self.options.teardown_on_exit {
+            self.nft.teardown()?;
+            info!("stopped; table inet {TABLE} deleted (--teardown-on-exit)");
+        } else {
+            info!("stopped; table inet {TABLE} stays in place");
+        }
+        Ok(())
+    }
+}
+
+fn resolver_for(
+    policy: &Policy,
+    options: &Options,
+) -> Result<(Vec<IpAddr>, NameResolver), ResolveError> {
+    let resolvers = match &policy.dns.resolvers {
+        Some(r) => r.clone(),
+        None => crate::dns::resolve::system_resolvers(&options.resolv_conf)?,
+    };
+    let resolver = NameResolver::new(&resolvers)?;
+    Ok((resolvers, resolver))
+}
