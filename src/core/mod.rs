@@ -6,6 +6,7 @@ pub mod diff;
 pub mod installable;
 pub mod plan;
 pub mod policy;
+pub mod replan;
 pub mod resolution;
 pub mod ruleset;
 pub mod time;

@@ -27,8 +27,8 @@ use nix::errno::Errno;
 use nix::sys::socket::{MsgFlags, SockProtocol};
 
 use super::packet::{decode_ip, protocol_name};
-use crate::core::time::{rfc3339_millis, rfc3339_millis_at};
 use super::{DropEvent, WatchError, malformed};
+use crate::core::time::{rfc3339_millis, rfc3339_millis_at};
 use crate::netlink::bytes::{be16, be32, be64};
 use crate::netlink::message::{NFNL_SUBSYS_ULOG, NLM_F_ACK, NLM_F_REQUEST, Oversize, nfnl_type};
 use crate::netlink::{Message, Request, Socket, messages};
