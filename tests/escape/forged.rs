@@ -227,3 +227,53 @@ fn generations_run_records_load_and_roll_back() {
         history(&w)
     );
 }
+
+/// Guard mode: the names the guard learned (for a wildcard), on the guard's uid, are in the
+/// generation a reload records; it loads and rolls back like any other.
+#[test]
+fn generations_the_guard_records_load_and_roll_back() {
+    let w = World::new();
+    w.dns_set("x.pool.example", &[HOST_V4], DEFAULT_DNS_TTL);
+    let guarded = w.write_file(
+        "guard.yaml",
+        &format!(
+            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\n\
+             dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n"
+        ),
+    );
+    let open = w.write_file("open.yaml", OPEN);
+    w.use_guard_resolver();
+    let mut daemon = w.spawn_guard(p(&guarded));
+    let dig = w.dig(Some(GUARD_V4), "x.pool.example", "A", false);
+    assert_eq!(dig.status.as_deref(), Some("NOERROR"), "{}", dig.output);
+    assert!(
+        w.resolved_element(HOST_V4, 443).is_some(),
+        "the guard allowed what it answered"
+    );
+    daemon.signal(Signal::SIGHUP);
+    assert!(
+        daemon.wait_for_output("recorded generation 2", Duration::from_secs(10)),
+        "{}",
+        daemon.stderr()
+    );
+    daemon.terminate();
+    let recorded = read_generation(&w, 2);
+    assert!(recorded["resolution"]["guard_uid"].is_u64(), "{recorded}");
+    assert!(
+        recorded["nft"]
+            .as_str()
+            .is_some_and(|nft| nft.contains("comment \"x.pool.example\"")),
+        "{recorded}"
+    );
+    assert!(
+        history(&w).iter().all(|(_, corrupt)| corrupt.is_none()),
+        "{:?}",
+        history(&w)
+    );
+
+    ok(&w, &["apply", p(&open)]);
+    let out = ok(&w, &["rollback", "--to", "2"]);
+    assert!(out.stdout.contains("generation 2"), "{out}");
+    assert!(!open_to_other_hosts(&w), "the guard's table is back");
+    assert!(w.resolved_element(HOST_V4, 443).is_some());
+}
