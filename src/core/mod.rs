@@ -3,6 +3,7 @@
 //! what the kernel holds; [`installable`] decides which answered addresses may become elements.
 
 pub mod diff;
+pub mod dns_name;
 pub mod installable;
 pub mod plan;
 pub mod policy;
