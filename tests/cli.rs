@@ -165,7 +165,7 @@ fn the_demo_shows_an_allowed_and_a_refused_connection_and_cleans_up() {
     assert!(!step("as the agent's user").contains("status:"), "{stdout}");
     assert!(stdout.contains("for the secret name 0 times"), "{stdout}");
     assert!(
-        stdout.contains("REFUSED dns query c2vjcmv0.paste.example.net"),
+        stdout.contains("REFUSED dns query c2VjcmV0.paste.example.net"),
         "{stdout}"
     );
     assert!(

@@ -183,8 +183,8 @@ fn a_query_the_guard_refused_shows_up_with_its_name() {
     let q = &got[0];
     assert_eq!(q["protocol"], "dns", "{q}");
     assert_eq!(q["verdict"], "refused", "{q}");
-    // Lower case, as QueryEvent documents.
-    assert_eq!(q["name"], "c2vjcmv0.attacker.example", "{q}");
+    // As asked, case preserved (what an exfiltrating agent encodes may need it).
+    assert_eq!(q["name"], "c2VjcmV0.attacker.example", "{q}");
     assert_eq!(q["qtype"], "TXT", "{q}");
     assert_eq!(q["answer"], "REFUSED", "{q}");
     assert_eq!(q["transport"], "udp", "{q}");
@@ -193,6 +193,35 @@ fn a_query_the_guard_refused_shows_up_with_its_name() {
             .as_str()
             .is_some_and(|c| c.starts_with("127.0.0.1:")),
         "{q}"
+    );
+}
+
+/// A refused name with bytes a terminal must not get is shown in RFC 1035 presentation form:
+/// decimal `\DDD` escapes, an escaped dot inside a label, case preserved (dig reads it back
+/// as the same name).
+#[test]
+fn refused_names_are_shown_in_rfc_1035_presentation_form() {
+    let w = World::new();
+    let policy = w.write_file("guard.yaml", GUARD_POLICY);
+    let _daemon = w.spawn_guard(policy.to_str().expect("utf-8"));
+
+    let mut watch = w.spawn_egress_fence(&["watch", "--count", "1"]);
+    assert!(
+        watch.wait_for_output("watching the DNS guard", Duration::from_secs(5)),
+        "watch did not connect to the guard: {}",
+        watch.stderr()
+    );
+    let asked = r"Ex\128\.ample\032x\027.attacker.example";
+    assert_eq!(ask_guard(&w, asked, "A"), "REFUSED");
+    assert!(
+        watch.wait_timeout(Duration::from_secs(5)).is_some(),
+        "watch did not exit after 1 event: {}",
+        watch.stderr()
+    );
+    let out = watch.stdout();
+    assert!(
+        out.contains(&format!("REFUSED dns query {asked} A from")),
+        "{out}"
     );
 }
 

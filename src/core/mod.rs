@@ -3,10 +3,12 @@
 //! what the kernel holds; [`installable`] decides which answered addresses may become elements.
 
 pub mod diff;
+pub mod dns_name;
 pub mod installable;
 pub mod lifetime;
 pub mod plan;
 pub mod policy;
+pub mod replan;
 pub mod resolution;
 pub mod ruleset;
 pub mod time;

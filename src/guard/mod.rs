@@ -838,11 +838,7 @@ pub fn judge(query: &Message, rules: &Rules) -> Verdict {
         return Verdict::Reply(ResponseCode::FormErr);
     };
     let refuse = |why| Verdict::Refuse {
-        name: question
-            .name()
-            .to_ascii()
-            .trim_end_matches('.')
-            .to_ascii_lowercase(),
+        name: crate::core::dns_name::presentation(question.name().iter()),
         qtype: question.query_type().to_string(),
         why,
     };

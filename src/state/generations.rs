@@ -13,6 +13,8 @@ use super::dir::StateDir;
 use super::error::{StateError, io_error};
 use super::files::read_regular;
 use super::lock::WriterLock;
+use crate::core::policy::Policy;
+use crate::core::replan::check_replanned;
 use crate::core::resolution::Resolution;
 use crate::core::ruleset::Ruleset;
 use crate::core::time::rfc3339;
@@ -166,6 +168,17 @@ fn parse_generation(number: u64, text: &str) -> Result<Generation, String> {
     if generation.nft != generation.ruleset.to_nft() {
         return Err("its nft text is not the rendering of its ruleset".to_string());
     }
+    // The policy text is what `history` lists it under and what a reviewer approved; the
+    // ruleset is what a rollback installs. Only a ruleset that its text plans (with the
+    // recorded resolution) is trusted, so an open ruleset under a tight policy is refused.
+    let policy = Policy::parse(&generation.policy_text, &generation.policy_path)
+        .map_err(|e| format!("its policy text is not a valid policy ({e})"))?;
+    check_replanned(&policy, &generation.resolution, &generation.ruleset).map_err(|e| {
+        format!(
+            "its ruleset is not what its policy text plans with its recorded resolution \
+             (edited, or recorded by an egress-fence that planned otherwise): {e}"
+        )
+    })?;
     Ok(generation)
 }
 
@@ -540,6 +553,52 @@ mod tests {
             state.before_newest(),
             Err(StateError::Corrupt { number: 3, .. })
         ));
+    }
+
+    #[test]
+    fn a_forged_generation_whose_ruleset_its_policy_does_not_plan_is_corrupt() {
+        let (_root, state) = temp_state();
+        let lock = lock(&state);
+        state
+            .record(&lock, new_generation(Recorder::Apply), 10)
+            .unwrap();
+        // The tight policy's text over an open ruleset, its nft text made to match, so that
+        // everything but the re-planning agrees.
+        let open = Policy::parse(
+            "version: 1\nallow:\n  - cidr: 0.0.0.0/0\n  - cidr: ::/0\n",
+            std::path::Path::new("open.yaml"),
+        )
+        .unwrap();
+        let mut forged = state.load(1).unwrap();
+        forged.generation = 2;
+        forged.ruleset = crate::core::plan::plan(&open, &forged.resolution);
+        forged.nft = forged.ruleset.to_nft();
+        let path = state.path().join(generation_file_name(2));
+        fs::write(&path, serde_json::to_vec_pretty(&forged).unwrap()).unwrap();
+
+        let entries = state.generations().unwrap();
+        assert!(entries[0].record.is_ok());
+        let why = entries[1].record.as_ref().unwrap_err();
+        assert!(
+            why.contains("not what its policy text plans") && why.contains("allow4"),
+            "{why}"
+        );
+        assert!(matches!(
+            state.newest(),
+            Err(StateError::Corrupt { number: 2, .. })
+        ));
+
+        // A policy text that no longer parses explains nothing either.
+        let mut unparsable = state.load(1).unwrap();
+        unparsable.generation = 3;
+        unparsable.policy_text = "version: 99\n".into();
+        fs::write(
+            state.path().join(generation_file_name(3)),
+            serde_json::to_vec_pretty(&unparsable).unwrap(),
+        )
+        .unwrap();
+        let why = state.load(3).unwrap_err().to_string();
+        assert!(why.contains("not a valid policy"), "{why}");
     }
 
     #[test]

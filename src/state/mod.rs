@@ -15,7 +15,9 @@
 //! - `revert-timer.log`: what revert timers did.
 //!
 //! A file that does not read back as what was written (torn, edited, truncated) is reported
-//! with its path and never used.
+//! with its path and never used; so is a generation whose ruleset is not what its policy text
+//! plans with its recorded resolution ([`crate::core::replan`]): a rollback installs only a
+//! ruleset its policy explains.
 //!
 //! Nothing found in the directory is trusted for what its name says: every file is opened
 //! without following a symbolic link and without blocking (`O_NOFOLLOW | O_NONBLOCK`) and

@@ -85,7 +85,8 @@ pub struct QueryEvent {
     pub verdict: String,
     /// Always "dns", which tells these lines from refused packets.
     pub protocol: String,
-    /// The name asked, lower case, without the trailing dot.
+    /// The name asked, as it was asked (case preserved), in RFC 1035 presentation form
+    /// without the final dot ([`crate::core::dns_name::presentation`]).
     pub name: String,
     /// "A", "AAAA", "TXT", ... ("TYPE65534" for unknown types).
     pub qtype: String,

@@ -1,0 +1,279 @@
+//! Issue 17 item 6: a generation is trusted only if its policy text, planned again with its
+//! recorded resolution, gives its ruleset. A forged one (the tight policy's text over an open
+//! ruleset, its nft text and number made to match, so that it parses) is listed as CORRUPT,
+//! refused by `rollback` and never reported "in sync"; the generations `apply` and `run`
+//! record (timed and carried elements included) still load and roll back.
+
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+use crate::common::*;
+
+const TIGHT: &str = "version: 1\nallow:\n  - domain: a.example.com\n    ports: [443]\n\
+                     dns:\n  resolvers: [192.0.2.53]\n";
+const OPEN: &str = "version: 1\nallow:\n  - cidr: 0.0.0.0/0\n    protocol: any\n\
+                    dns:\n  resolvers: [192.0.2.53]\n";
+
+fn p(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+fn ok(w: &World, args: &[&str]) -> CmdOutput {
+    let out = w.egress_fence(args);
+    assert!(out.success(), "egress-fence {args:?}: {out}");
+    out
+}
+
+fn read_generation(w: &World, n: u64) -> Value {
+    let path = w.sandbox_state_dir().join(format!("gen-{n:06}.json"));
+    let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {path:?}: {e}"));
+    serde_json::from_str(&text).expect("a generation is JSON")
+}
+
+fn write_generation(w: &World, n: u64, generation: &Value) {
+    let path = w.sandbox_state_dir().join(format!("gen-{n:06}.json"));
+    let text = serde_json::to_string_pretty(generation).expect("encode");
+    fs::write(&path, text).unwrap_or_else(|e| panic!("write {path:?}: {e}"));
+}
+
+/// Generation `open` with the policy text, path and resolution of generation `tight`, under
+/// number `n`: everything a reader checks agrees, but the ruleset opens every host.
+fn forge(w: &World, open: u64, tight: u64, n: u64) -> Value {
+    let tight = read_generation(w, tight);
+    let mut forged = read_generation(w, open);
+    for field in ["policy_text", "policy_path", "resolution"] {
+        forged[field] = tight[field].clone();
+    }
+    forged["generation"] = n.into();
+    write_generation(w, n, &forged);
+    forged
+}
+
+/// The (number, corrupt reason) of every generation `history --json` lists.
+fn history(w: &World) -> Vec<(u64, Option<String>)> {
+    let out = ok(w, &["history", "--json"]);
+    let v: Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out}"));
+    v["generations"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|g| {
+            (
+                g["generation"].as_u64().expect("a number"),
+                g["corrupt"].as_str().map(str::to_owned),
+            )
+        })
+        .collect()
+}
+
+/// Whether a process in the sandbox reaches a host the tight policy does not allow.
+fn open_to_other_hosts(w: &World) -> bool {
+    let _other = w.listen_tcp(OTHER_V4, 8443);
+    w.tcp_connects(OTHER_V4, 8443)
+}
+
+#[test]
+fn a_forged_generation_is_corrupt_and_never_rolled_back_to() {
+    let w = World::new();
+    w.dns_set("a.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let tight = w.write_file("tight.yaml", TIGHT);
+    let open = w.write_file("open.yaml", OPEN);
+    for policy in [&tight, &open, &tight] {
+        ok(&w, &["apply", p(policy)]);
+    }
+    assert!(
+        !open_to_other_hosts(&w),
+        "the tight policy is installed (premise)"
+    );
+
+    // Generation 2 rewritten as if it had been the tight policy.
+    forge(&w, 2, 1, 2);
+    let listed = history(&w);
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    assert_eq!(
+        (listed[0].0, listed[0].1.is_none()),
+        (1, true),
+        "{listed:?}"
+    );
+    assert_eq!(
+        (listed[2].0, listed[2].1.is_none()),
+        (3, true),
+        "{listed:?}"
+    );
+    let why = listed[1].1.as_deref().expect("generation 2 is corrupt");
+    assert!(
+        why.contains("not what its policy text plans with its recorded resolution")
+            && why.contains("allow4"),
+        "{why}"
+    );
+    let text = ok(&w, &["history"]).stdout;
+    let line = format!(
+        "     2  CORRUPT: {}:",
+        w.sandbox_state_dir().join("gen-000002.json").display()
+    );
+    assert!(text.contains(&line), "{text}");
+
+    let out = w.egress_fence(&["rollback", "--to", "2"]);
+    assert_eq!(out.code(), 1, "{out}");
+    assert!(
+        out.stderr.contains("generation 2")
+            && out.stderr.contains("gen-000002.json")
+            && out.stderr.contains("corrupt")
+            && out.stderr.contains("not what its policy text plans"),
+        "{out}"
+    );
+    assert!(
+        !open_to_other_hosts(&w),
+        "a refused rollback opened the fence"
+    );
+
+    // As the newest generation, over the open table: `status` trusts nothing, and a plain
+    // `rollback` goes past it only to an honest generation.
+    ok(&w, &["apply", p(&open)]);
+    assert!(open_to_other_hosts(&w), "the open policy is installed");
+    let forged = forge(&w, 4, 1, 4);
+    assert_eq!(forged["policy_text"], TIGHT);
+    let out = ok(&w, &["status"]);
+    assert!(
+        !out.stdout.contains("in sync") && out.stdout.contains("cannot check for drift"),
+        "{out}"
+    );
+    let out = ok(&w, &["rollback"]);
+    assert!(out.stdout.contains("generation 3"), "{out}");
+    assert!(
+        !open_to_other_hosts(&w),
+        "the rollback reinstated the tight policy"
+    );
+    let out = ok(&w, &["status"]);
+    assert!(out.stdout.contains("in sync with generation 5"), "{out}");
+}
+
+#[test]
+fn generations_run_records_load_and_roll_back() {
+    let w = World::new();
+    w.dns_set("a.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let tight = w.write_file("tight.yaml", TIGHT);
+    let open = w.write_file("open.yaml", OPEN);
+
+    let mut daemon = w.spawn_egress_fence(&["run", p(&tight)]);
+    for line in ["recorded generation 1", "new addresses allowed"] {
+        assert!(
+            daemon.wait_for_output(line, Duration::from_secs(10)),
+            "{}",
+            daemon.stderr()
+        );
+    }
+    // A reload with the names' addresses known: a generation with timed elements.
+    daemon.signal(Signal::SIGHUP);
+    assert!(
+        daemon.wait_for_output("recorded generation 2", Duration::from_secs(10)),
+        "{}",
+        daemon.stderr()
+    );
+    // A restart carries the running table's elements over: they are in its first generation
+    // without being in its resolution.
+    daemon.signal(Signal::SIGKILL);
+    assert!(daemon.wait_timeout(Duration::from_secs(5)).is_some());
+    let mut daemon = w.spawn_egress_fence(&["run", p(&tight)]);
+    assert!(
+        daemon.wait_for_output("recorded generation 3", Duration::from_secs(10)),
+        "{}",
+        daemon.stderr()
+    );
+    daemon.terminate();
+
+    let timed = |n: u64| {
+        read_generation(&w, n)["ruleset"]["sets"]
+            .as_array()
+            .expect("sets")
+            .iter()
+            .filter(|s| s["id"]["role"] == "resolved")
+            .flat_map(|s| {
+                s["elements"]["timed"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .filter(|e| e["timeout_ms"].is_u64())
+            .count()
+    };
+    assert!(timed(2) > 0, "generation 2 has timed elements");
+    assert!(timed(3) > 0, "generation 3 carries elements over");
+    assert!(
+        history(&w).iter().all(|(_, corrupt)| corrupt.is_none()),
+        "{:?}",
+        history(&w)
+    );
+
+    ok(&w, &["apply", p(&open)]);
+    for n in [2, 3] {
+        let out = ok(&w, &["rollback", "--to", &n.to_string()]);
+        assert!(out.stdout.contains(&format!("generation {n}")), "{out}");
+        assert!(!open_to_other_hosts(&w), "rollback to {n}");
+        assert!(
+            w.resolved_element(HOST_V4, 443)
+                .is_some_and(|e| e.timeout.is_some()),
+            "rollback to {n} has a.example.com's element, with its timeout"
+        );
+        ok(&w, &["apply", p(&open)]);
+    }
+    assert!(
+        history(&w).iter().all(|(_, corrupt)| corrupt.is_none()),
+        "{:?}",
+        history(&w)
+    );
+}
+
+/// Guard mode: the names the guard learned (for a wildcard), on the guard's uid, are in the
+/// generation a reload records; it loads and rolls back like any other.
+#[test]
+fn generations_the_guard_records_load_and_roll_back() {
+    let w = World::new();
+    w.dns_set("x.pool.example", &[HOST_V4], DEFAULT_DNS_TTL);
+    let guarded = w.write_file(
+        "guard.yaml",
+        &format!(
+            "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [443]\n\
+             dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n"
+        ),
+    );
+    let open = w.write_file("open.yaml", OPEN);
+    w.use_guard_resolver();
+    let mut daemon = w.spawn_guard(p(&guarded));
+    let dig = w.dig(Some(GUARD_V4), "x.pool.example", "A", false);
+    assert_eq!(dig.status.as_deref(), Some("NOERROR"), "{}", dig.output);
+    assert!(
+        w.resolved_element(HOST_V4, 443).is_some(),
+        "the guard allowed what it answered"
+    );
+    daemon.signal(Signal::SIGHUP);
+    assert!(
+        daemon.wait_for_output("recorded generation 2", Duration::from_secs(10)),
+        "{}",
+        daemon.stderr()
+    );
+    daemon.terminate();
+    let recorded = read_generation(&w, 2);
+    assert!(recorded["resolution"]["guard_uid"].is_u64(), "{recorded}");
+    assert!(
+        recorded["nft"]
+            .as_str()
+            .is_some_and(|nft| nft.contains("comment \"x.pool.example\"")),
+        "{recorded}"
+    );
+    assert!(
+        history(&w).iter().all(|(_, corrupt)| corrupt.is_none()),
+        "{:?}",
+        history(&w)
+    );
+
+    ok(&w, &["apply", p(&open)]);
+    let out = ok(&w, &["rollback", "--to", "2"]);
+    assert!(out.stdout.contains("generation 2"), "{out}");
+    assert!(!open_to_other_hosts(&w), "the guard's table is back");
+    assert!(w.resolved_element(HOST_V4, 443).is_some());
+}
