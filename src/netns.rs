@@ -50,6 +50,16 @@ impl Netns {
         }
     }
 
+    /// The namespace's name: as given, or the file name of a path in /run/netns (the same
+    /// namespace as that name).
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref().or_else(|| {
+            (self.path.parent() == Some(Path::new(NETNS_RUN_DIR)))
+                .then(|| self.path.file_name()?.to_str())
+                .flatten()
+        })
+    }
+
     /// Moves the calling thread into the namespace. Call it before any other thread exists:
     /// threads started earlier stay where they were.
     pub fn enter(&self) -> Result<(), NetnsError> {

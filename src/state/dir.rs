@@ -18,9 +18,6 @@ pub const CRASH_BEFORE_RENAME_ENV: &str = "EGRESS_FENCE_TEST_CRASH_BEFORE_RENAME
 
 pub const REVERT_TIMER_LOG: &str = "revert-timer.log";
 
-/// Where `ip netns add NAME` keeps its namespaces (a path there is the name).
-const NETNS_RUN_DIR: &str = "/run/netns";
-
 /// The name of a namespace's directory below the state directory: `host` without `--netns`,
 /// `netns-NAME` for a named namespace (also when given as /run/netns/NAME), and
 /// `netns-ino-INODE` for any other path (the inode of the namespace file names the namespace
@@ -29,12 +26,7 @@ pub fn namespace_dir_name(netns: Option<&Netns>) -> Result<String, StateError> {
     let Some(ns) = netns else {
         return Ok("host".to_string());
     };
-    let name = ns.name.clone().or_else(|| {
-        (ns.path.parent() == Some(Path::new(NETNS_RUN_DIR)))
-            .then(|| ns.path.file_name()?.to_str().map(str::to_string))
-            .flatten()
-    });
-    match name {
+    match ns.name() {
         Some(name) => Ok(format!("netns-{name}")),
         None => {
             let meta = fs::metadata(&ns.path).map_err(io_error("read", &ns.path))?;
