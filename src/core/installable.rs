@@ -142,7 +142,7 @@ impl HostAddrs {
 /// every answer or datagram would cost a netlink dump each.
 const HOST_ADDRS_FOR: Duration = Duration::from_secs(5);
 
-/// [`HostAddrs`] read again at most every [`HOST_ADDRS_FOR`]: what the guard's serving tasks
+/// [`HostAddrs`] read again at most every `HOST_ADDRS_FOR`: what the guard's serving tasks
 /// and the daemon check answers and clients against.
 #[derive(Debug)]
 pub struct HostAddrsCache {

@@ -1,6 +1,8 @@
 //! The pure core: values in, values out, no I/O. A [`policy::Policy`] and a
 //! [`resolution::Resolution`] make a [`ruleset::Ruleset`] ([`plan`]); [`diff`] compares it with
-//! what the kernel holds; [`installable`] decides which answered addresses may become elements.
+//! what the kernel holds; [`installable`] decides which answered addresses may become elements
+//! and [`lifetime`] how long each lives; [`replan`] checks that a recorded ruleset is what its
+//! policy plans. [`time`] and [`dns_name`] say how times and names are shown.
 
 pub mod diff;
 pub mod dns_name;

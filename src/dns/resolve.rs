@@ -96,7 +96,7 @@ const QUERY_TIMEOUT: Duration = Duration::from_secs(2);
 const QUERY_ATTEMPTS: usize = 2;
 
 /// How many names are looked up at once. Each name asks A and AAAA, each query is sent to
-/// at most [`SERVERS_PER_QUERY`] resolvers at once, and each of those sends holds a UDP socket
+/// at most `SERVERS_PER_QUERY` resolvers at once, and each of those sends holds a UDP socket
 /// of its own: at most 4 x 128 = 512 sockets, half of the usual limit of 1,024 open files, so
 /// the rest of the process (netlink, the guard, the state directory) keeps room. A local
 /// resolver answers 10,000 names as fast with 128 in flight as with more (BENCHMARKS.md).

@@ -698,7 +698,7 @@ fn rule_text(rule: &Rule) -> Vec<String> {
 // ---- reading rules back ----------------------------------------------------------------------
 
 /// The rule a dumped rule's expressions encode, or `None` if they are not exactly those
-/// [`rule_exprs`] writes for some [`Rule`] (what a counter counted aside). The decoder reads
+/// `rule_exprs` writes for some [`Rule`] (what a counter counted aside). The decoder reads
 /// the parameters, then checks its answer by encoding it again: a rule that differs from
 /// every rule egress-fence writes in any attribute (another register, an inverted lookup, an
 /// extra expression) is never taken for one.
