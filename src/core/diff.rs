@@ -19,6 +19,7 @@ use crate::core::ruleset::{
 use crate::nft::LiveTable;
 use crate::nft::encode::{self, key_spec, set_flags};
 use crate::nft::live::{ChainDefinition, NFT_CHAIN_BASE, ReadRule, describe_table_flags};
+use crate::nft::sys::{LiveSet, SetParams};
 
 /// What to leave out of a comparison.
 #[derive(Debug, Clone, Copy, Default)]
@@ -233,7 +234,7 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
             });
             continue;
         };
-        let live_definition = definition_of(live_set.flags, live_set.key_type, live_set.key_len);
+        let live_definition = definition_of(live_set);
         let definition = (live_definition != set.id.definition()).then(|| Changed {
             live: live_definition,
             want: set.id.definition(),
@@ -282,10 +283,11 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
     out
 }
 
-/// A set's type and flags as nft writes them, when they are those of one of ours; else the
-/// kernel's numbers.
-fn definition_of(flags: u32, key_type: u32, key_len: u32) -> String {
-    SetId::ALL
+/// A set's type and flags as nft writes them, when they are those of one of ours, else the
+/// kernel's numbers; then whatever else it declares (none of ours declares anything else).
+fn definition_of(set: &LiveSet) -> String {
+    let (flags, key_type, key_len) = (set.flags, set.key_type, set.key_len);
+    let mut out = SetId::ALL
         .into_iter()
         .find(|id| {
             let key = key_spec(*id);
@@ -294,7 +296,45 @@ fn definition_of(flags: u32, key_type: u32, key_len: u32) -> String {
         .map_or_else(
             || format!("key type {key_type:#x} of {key_len} bytes, flags {flags:#x}"),
             SetId::definition,
-        )
+        );
+    for param in describe_params(&set.params) {
+        out.push_str("; ");
+        out.push_str(&param);
+    }
+    out
+}
+
+/// A set's parameters other than the defaults, as nft about writes them.
+fn describe_params(p: &SetParams) -> Vec<String> {
+    let mut out = Vec::new();
+    if p.data_type != 0 || p.data_len != 0 {
+        out.push(format!(
+            "maps to data type {:#x} of {} bytes",
+            p.data_type, p.data_len
+        ));
+    }
+    if p.object_type != 0 {
+        out.push(format!("maps to objects of type {}", p.object_type));
+    }
+    if p.timeout_ms != 0 {
+        out.push(format!("timeout {}ms", p.timeout_ms));
+    }
+    if p.gc_interval_ms != 0 {
+        out.push(format!("gc-interval {}ms", p.gc_interval_ms));
+    }
+    if p.size != 0 {
+        out.push(format!("size {}", p.size));
+    }
+    if p.policy != 0 {
+        out.push(match p.policy {
+            1 => "policy memory".to_string(),
+            other => format!("policy {other}"),
+        });
+    }
+    if p.expressions {
+        out.push("expressions given to every new element".to_string());
+    }
+    out
 }
 
 /// An element, without what is state rather than configuration (timeouts).
@@ -447,7 +487,7 @@ mod tests {
     use crate::core::ruleset::Timed;
     use crate::nft::encode::set_elements;
     use crate::nft::live::LiveRule;
-    use crate::nft::sys::{LiveChain, LiveElem, LiveExpr, LiveSet};
+    use crate::nft::sys::{LiveChain, LiveElem, LiveExpr};
 
     const POLICY: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndeny:\n  - preset: cloud-metadata\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n";
 
@@ -501,6 +541,7 @@ mod tests {
                     flags: set_flags(s.id),
                     key_type: key.datatype,
                     key_len: key.len,
+                    params: SetParams::default(),
                 };
                 let elems = set_elements(s.id, &s.elements)
                     .map(|e| LiveElem {
@@ -697,6 +738,7 @@ mod tests {
                 flags: 0,
                 key_type: 7,
                 key_len: 4,
+                params: SetParams::default(),
             },
             Vec::new(),
         ));
@@ -869,6 +911,33 @@ mod tests {
                 live: "key type 0x7 of 4 bytes, flags 0x0".into(),
                 want: "type ipv4_addr; flags interval".into(),
             })
+        );
+    }
+
+    #[test]
+    fn a_sets_other_parameters_are_part_of_its_definition() {
+        let rs = ruleset_for(POLICY, &[]);
+        let mut live = live_of(&rs);
+        let (resolved4, _) = live
+            .sets
+            .iter_mut()
+            .find(|(s, _)| s.name == "resolved4")
+            .unwrap();
+        // `timeout 1h; size 2; counter`: no element shows any of it while the set is empty.
+        resolved4.params = SetParams {
+            timeout_ms: 3_600_000,
+            size: 2,
+            expressions: true,
+            ..SetParams::default()
+        };
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "set resolved4: type ipv4_addr . inet_proto . inet_service; flags timeout; \
+                 timeout 3600000ms; size 2; expressions given to every new element (wanted: \
+                 type ipv4_addr . inet_proto . inet_service; flags timeout)"
+            ]
         );
     }
 

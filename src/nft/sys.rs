@@ -629,6 +629,29 @@ pub struct LiveSet {
     pub flags: u32,
     pub key_type: u32,
     pub key_len: u32,
+    /// What else the set declares; egress-fence declares none of it.
+    pub params: SetParams,
+}
+
+/// What a set may declare besides its key and flags (`timeout 1h; gc-interval 1s; size 2;
+/// policy memory; counter`): the kernel reports each only when it is not the default, and
+/// egress-fence never sets one, so ours read back as [`SetParams::default`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SetParams {
+    /// The timeout of elements added without one (0: they never expire).
+    pub timeout_ms: u64,
+    pub gc_interval_ms: u32,
+    /// `NFT_SET_POL_*`: 0 performance, 1 memory.
+    pub policy: u32,
+    /// The most elements the set may hold (0: no bound).
+    pub size: u32,
+    /// The set gives the elements added to it expressions (a counter, a quota, a limit).
+    pub expressions: bool,
+    /// The data type and length of a map's values (0 for a set).
+    pub data_type: u32,
+    pub data_len: u32,
+    /// The type of the objects a map of objects refers to (0 for a set).
+    pub object_type: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -851,6 +874,17 @@ pub fn parse_set(msg: &[u8]) -> Option<LiveSet> {
                     flags: get(sys::NFTNL_SET_FLAGS),
                     key_type: get(sys::NFTNL_SET_KEY_TYPE),
                     key_len: get(sys::NFTNL_SET_KEY_LEN),
+                    params: SetParams {
+                        timeout_ms: sys::nftnl_set_get_u64(s, sys::NFTNL_SET_TIMEOUT as u16),
+                        gc_interval_ms: get(sys::NFTNL_SET_GC_INTERVAL),
+                        policy: get(sys::NFTNL_SET_POLICY),
+                        size: get(sys::NFTNL_SET_DESC_SIZE),
+                        expressions: sys::nftnl_set_is_set(s, sys::NFTNL_SET_EXPR as u16)
+                            || sys::nftnl_set_is_set(s, sys::NFTNL_SET_EXPRESSIONS as u16),
+                        data_type: get(sys::NFTNL_SET_DATA_TYPE),
+                        data_len: get(sys::NFTNL_SET_DATA_LEN),
+                        object_type: get(sys::NFTNL_SET_OBJ_TYPE),
+                    },
                 }
             },
         )
