@@ -81,6 +81,9 @@ pub struct TableDiff {
     pub table_flags: Option<Changed>,
     pub sets: Vec<SetDiff>,
     pub chains: Vec<ChainDiff>,
+    /// Flowtables and stateful objects in the table ("quota q"): none is egress-fence's.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub extra_objects: Vec<String>,
 }
 
 impl TableDiff {
@@ -89,6 +92,7 @@ impl TableDiff {
             && self.table_flags.is_none()
             && self.sets.is_empty()
             && self.chains.is_empty()
+            && self.extra_objects.is_empty()
     }
 
     /// One line per changed object: "set allow4: +2 -1 elements".
@@ -122,6 +126,9 @@ impl TableDiff {
                     "rules"
                 )
             ));
+        }
+        for o in &self.extra_objects {
+            out.push(format!("{o}: not egress-fence's"));
         }
         out
     }
@@ -179,6 +186,9 @@ impl fmt::Display for TableDiff {
             writeln!(f, "chain {}: {what}", c.name)?;
             write_items(f, &c.added_rules, &c.removed_rules)?;
         }
+        for o in &self.extra_objects {
+            writeln!(f, "{o}: not egress-fence's")?;
+        }
         Ok(())
     }
 }
@@ -200,6 +210,7 @@ pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions
         chains: Vec::new(),
         rules: Vec::new(),
         sets: Vec::new(),
+        objects: Vec::new(),
     };
     let table_missing = live.is_none();
     let live = live.unwrap_or(&empty);
@@ -211,6 +222,11 @@ pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions
         }),
         sets: compare_sets(want, live, options),
         chains: compare_chains(want, live),
+        extra_objects: live
+            .objects
+            .iter()
+            .map(|o| format!("{} {}", o.kind, o.name))
+            .collect(),
     }
 }
 
@@ -562,6 +578,7 @@ mod tests {
             chains: vec![chain(OUTPUT_CHAIN), chain(REFUSED_CHAIN)],
             rules,
             sets,
+            objects: Vec::new(),
         }
     }
 
@@ -938,6 +955,32 @@ mod tests {
                  timeout 3600000ms; size 2; expressions given to every new element (wanted: \
                  type ipv4_addr . inet_proto . inet_service; flags timeout)"
             ]
+        );
+    }
+
+    #[test]
+    fn flowtables_and_stateful_objects_are_drift() {
+        let rs = ruleset_for(POLICY, &[]);
+        let mut live = live_of(&rs);
+        live.objects.push(crate::nft::sys::LiveObject {
+            table: TABLE.into(),
+            name: "q".into(),
+            kind: "quota".into(),
+        });
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert!(!diff.is_empty());
+        assert_eq!(diff.summary(), vec!["quota q: not egress-fence's"]);
+        assert_eq!(diff.to_string(), "quota q: not egress-fence's\n");
+        assert_eq!(
+            serde_json::to_value(&diff).unwrap()["extra_objects"][0],
+            "quota q"
+        );
+        let in_sync = compare(&rs, Some(&live_of(&rs)), CompareOptions::default());
+        assert!(
+            serde_json::to_value(&in_sync)
+                .unwrap()
+                .get("extra_objects")
+                .is_none()
         );
     }
 

@@ -534,7 +534,13 @@ pub enum Dump {
     Rules,
     /// The elements of one set (name given to [`dump_request`]).
     Elements,
+    /// Stateful objects: named counters, quotas, limits, ct helpers and the like.
+    Objects,
+    Flowtables,
 }
+
+/// `NFT_MSG_GETFLOWTABLE`, absent from the libc crate.
+const NFT_MSG_GETFLOWTABLE: c_int = 23;
 
 /// A dump request for the objects of `table` (family inet).
 pub fn dump_request(kind: Dump, table: &CStr, set: Option<&CStr>, seq: u32) -> Vec<u8> {
@@ -545,6 +551,8 @@ pub fn dump_request(kind: Dump, table: &CStr, set: Option<&CStr>, seq: u32) -> V
         Dump::Sets => libc::NFT_MSG_GETSET,
         Dump::Rules => libc::NFT_MSG_GETRULE,
         Dump::Elements => libc::NFT_MSG_GETSETELEM,
+        Dump::Objects => libc::NFT_MSG_GETOBJ,
+        Dump::Flowtables => NFT_MSG_GETFLOWTABLE,
     };
     let flags = (libc::NLM_F_DUMP | libc::NLM_F_REQUEST) as u16;
     // SAFETY: `buf` has nft_nlmsg_maxsize bytes; the temporary objects are freed after their
@@ -570,6 +578,18 @@ pub fn dump_request(kind: Dump, table: &CStr, set: Option<&CStr>, seq: u32) -> V
                 sys::nftnl_rule_set_str(r, sys::NFTNL_RULE_TABLE as u16, table.as_ptr());
                 sys::nftnl_rule_nlmsg_build_payload(nlh, r);
                 sys::nftnl_rule_free(r);
+            }
+            Dump::Objects => {
+                let o = sys::nftnl_obj_alloc();
+                sys::nftnl_obj_set_str(o, sys::NFTNL_OBJ_TABLE as u16, table.as_ptr());
+                sys::nftnl_obj_nlmsg_build_payload(nlh, o);
+                sys::nftnl_obj_free(o);
+            }
+            Dump::Flowtables => {
+                let f = sys::nftnl_flowtable_alloc();
+                sys::nftnl_flowtable_set_str(f, sys::NFTNL_FLOWTABLE_TABLE as u16, table.as_ptr());
+                sys::nftnl_flowtable_nlmsg_build_payload(nlh, f);
+                sys::nftnl_flowtable_free(f);
             }
             Dump::Sets | Dump::Elements => {
                 let s = sys::nftnl_set_alloc();
@@ -676,6 +696,33 @@ const ELEM_ATTRS_NEVER_SET: [u32; 6] = [
     sys::NFTNL_SET_ELEM_OBJREF,
     sys::NFTNL_SET_ELEM_EXPRESSIONS,
 ];
+
+/// A flowtable or a stateful object (a named counter, quota, limit, ct helper, ...) of a
+/// table: egress-fence makes none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveObject {
+    pub table: String,
+    pub name: String,
+    /// As nft names the kind: "counter", "quota", "ct helper", "flowtable".
+    pub kind: String,
+}
+
+/// nft's name of an object type (`NFT_OBJECT_*`).
+fn object_kind(kind: u32) -> String {
+    match kind {
+        1 => "counter".into(),
+        2 => "quota".into(),
+        3 => "ct helper".into(),
+        4 => "limit".into(),
+        5 => "ct count".into(),
+        6 => "tunnel".into(),
+        7 => "ct timeout".into(),
+        8 => "secmark".into(),
+        9 => "ct expectation".into(),
+        10 => "synproxy".into(),
+        other => format!("object of type {other}"),
+    }
+}
 
 /// A rule as dumped: where it sits, and its expressions with every attribute read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -852,6 +899,48 @@ pub fn parse_chain(msg: &[u8]) -> Option<LiveChain> {
                         sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_POLICY as u16),
                     )
                 }),
+            },
+        )
+    }
+}
+
+/// Parses one stateful object message of a dump.
+pub fn parse_object(msg: &[u8]) -> Option<LiveObject> {
+    // SAFETY: as in `parse_table`, for objects.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_obj_alloc,
+            sys::nftnl_obj_nlmsg_parse,
+            sys::nftnl_obj_free,
+            |o| LiveObject {
+                table: owned_str(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_TABLE as u16)),
+                name: owned_str(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_NAME as u16)),
+                kind: object_kind(sys::nftnl_obj_get_u32(o, sys::NFTNL_OBJ_TYPE as u16)),
+            },
+        )
+    }
+}
+
+/// Parses one flowtable message of a dump.
+pub fn parse_flowtable(msg: &[u8]) -> Option<LiveObject> {
+    // SAFETY: as in `parse_table`, for flowtables.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_flowtable_alloc,
+            sys::nftnl_flowtable_nlmsg_parse,
+            sys::nftnl_flowtable_free,
+            |f| LiveObject {
+                table: owned_str(sys::nftnl_flowtable_get_str(
+                    f,
+                    sys::NFTNL_FLOWTABLE_TABLE as u16,
+                )),
+                name: owned_str(sys::nftnl_flowtable_get_str(
+                    f,
+                    sys::NFTNL_FLOWTABLE_NAME as u16,
+                )),
+                kind: "flowtable".into(),
             },
         )
     }

@@ -109,6 +109,43 @@ fn assert_boundary_holds(w: &World, after: &str) {
 }
 
 #[test]
+fn stateful_objects_in_the_table_are_drift_and_apply_removes_them() {
+    // Named counters, quotas and limits do nothing until a rule of the table uses them (and
+    // such a rule is drift), but they are in the table: status sees them, apply removes them.
+    let (w, policy) = world();
+    for (kind, name, body) in [
+        ("counter", "XXcounter", ""),
+        ("quota", "XXquota", "{ over 1 mbytes }"),
+        ("limit", "XXlimit", "{ rate 1/second }"),
+    ] {
+        nft_script(&w, &format!("add {kind} {TABLE} {name} {body}\n"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let shown = format!("{kind} {name}: not egress-fence's");
+        assert_drift_then_repaired(&w, &policy, &format!("{kind} {name}"), &shown, name);
+    }
+    assert_boundary_holds(&w, "after the objects were removed");
+}
+
+#[test]
+fn a_flowtable_in_the_table_is_drift_and_apply_removes_it() {
+    let (w, policy) = world();
+    let script = format!(
+        "add flowtable {TABLE} XXflows {{ hook ingress priority 0; devices = {{ lo }}; }}\n"
+    );
+    if let Err(e) = nft_script(&w, &script) {
+        eprintln!("SKIP: this kernel has no flowtables (nf_flow_table_inet): {e}");
+        return;
+    }
+    assert_drift_then_repaired(
+        &w,
+        &policy,
+        "a flowtable",
+        "flowtable XXflows: not egress-fence's",
+        "XXflows",
+    );
+}
+
+#[test]
 fn a_sets_parameters_are_drift() {
     // What a set declares besides its type and flags: a default timeout and garbage
     // collection, a size, a backend policy, expressions its new elements are given.
