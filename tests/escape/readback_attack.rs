@@ -185,3 +185,168 @@ fn a_sets_parameters_are_drift() {
     }
     assert_boundary_holds(&w, "after the sets were sent again");
 }
+
+#[test]
+fn rules_chains_and_elements_edited_by_hand_are_drift() {
+    // Edits the review tried that were already drift: each must stay so, and one apply must
+    // undo it. (`shown` is what status and diff print; `gone` what must leave the listing.)
+    let (w, policy) = world();
+    let edits: Vec<(&str, String, &str, &str)> = vec![
+        (
+            "the deny lookup moved after the allow lookups",
+            reloaded(&w, |l| {
+                l.replacen("\t\tip daddr @deny4 goto refused\n", "", 1)
+                    .replacen(
+                        "\t\tgoto refused\n",
+                        "\t\tip daddr @deny4 goto refused\n\t\tgoto refused\n",
+                        1,
+                    )
+            }),
+            "+ ip daddr @deny4 goto refused",
+            "@resolved6 accept\n\t\tip daddr @deny4",
+        ),
+        (
+            "a counter in a rule",
+            reloaded(&w, |l| {
+                l.replacen(
+                    "established,related accept",
+                    "established,related counter accept",
+                    1,
+                )
+            }),
+            "- [ct load state",
+            "related counter",
+        ),
+        (
+            "another log prefix",
+            reloaded(&w, |l| l.replacen("EGRESS-DROP: ", "XXDROP: ", 1)),
+            "- limit rate 10/second burst 20 packets log prefix \"XXDROP: \"",
+            "XXDROP",
+        ),
+        (
+            "a faster log limit",
+            reloaded(&w, |l| {
+                l.replacen("limit rate 10/second", "limit rate 9999/second", 1)
+            }),
+            "- limit rate 9999/second",
+            "9999",
+        ),
+        (
+            "the output chain's policy accept",
+            reloaded(&w, |l| l.replacen("policy drop;", "policy accept;", 1)),
+            "policy accept (wanted: hook output priority 0 policy drop)",
+            "policy accept",
+        ),
+        (
+            "a verdict map inserted first",
+            format!("insert rule {TABLE} output ip daddr vmap {{ 203.0.113.10 : accept }}\n"),
+            "lookup reg 1 set __map0 dreg 0",
+            "vmap",
+        ),
+        (
+            "a jump to a chain of accepts",
+            format!(
+                "add chain {TABLE} XXj\nadd rule {TABLE} XXj accept\ninsert rule {TABLE} output jump XXj\n"
+            ),
+            "chain XXj: not egress-fence's",
+            "XXj",
+        ),
+        (
+            "a second output chain accepting first",
+            format!(
+                "add chain {TABLE} XXearly {{ type filter hook output priority -10; policy accept; }}\n"
+            ),
+            "chain XXearly: not egress-fence's",
+            "XXearly",
+        ),
+        (
+            "an ingress chain on lo",
+            format!(
+                "add chain {TABLE} XXingress {{ type filter hook ingress device lo priority 0; }}\n"
+            ),
+            "chain XXingress: not egress-fence's",
+            "XXingress",
+        ),
+        (
+            "a nat chain at the same priority",
+            format!("add chain {TABLE} XXnat {{ type nat hook output priority 0; }}\n"),
+            "chain XXnat: not egress-fence's",
+            "XXnat",
+        ),
+        (
+            "a constant deny set",
+            reloaded(&w, |l| {
+                l.replacen("flags interval\n", "flags constant,interval\n", 1)
+            }),
+            "set deny4: key type 0x7 of 4 bytes, flags 0x6",
+            "constant",
+        ),
+        (
+            "a dynamic resolved set",
+            reloaded(&w, |l| {
+                l.replacen("flags timeout\n", "flags dynamic,timeout\n", 1)
+            }),
+            "set resolved4: key type 0x730d of 12 bytes, flags 0x30",
+            "dynamic",
+        ),
+        (
+            "an allowed network's key end widened",
+            reloaded(&w, |l| {
+                l.replacen(
+                    "198.51.100.0/24 . tcp . 22",
+                    "198.51.100.0/23 . tcp . 22",
+                    1,
+                )
+            }),
+            "- 198.51.100.0/23 . tcp . 22",
+            "/23",
+        ),
+        (
+            "an allowed port's key end widened",
+            reloaded(&w, |l| {
+                l.replacen(
+                    "198.51.100.0/24 . tcp . 22",
+                    "198.51.100.0/24 . tcp . 22-23",
+                    1,
+                )
+            }),
+            "- 198.51.100.0/24 . tcp . 22-23",
+            "22-23",
+        ),
+        (
+            // A quota of 0 bytes makes every lookup of the element fail: the deny is gone.
+            "a quota on every deny element",
+            reloaded(&w, |l| {
+                l.replacen(
+                    "type ipv4_addr\n\t\tflags interval\n",
+                    "type ipv4_addr\n\t\tflags interval\n\t\tquota 0 bytes\n",
+                    1,
+                )
+            }),
+            "169.254.0.0 with data, a verdict or expressions attached (undecodable)",
+            "quota",
+        ),
+    ];
+    for (edit, script, shown, gone) in edits {
+        nft_script(&w, &script).unwrap_or_else(|e| panic!("{edit}: {e}"));
+        assert_drift_then_repaired(&w, &policy, edit, shown, gone);
+    }
+    assert_boundary_holds(&w, "after the edits were undone");
+}
+
+#[test]
+fn another_tables_accept_does_not_open_the_fence() {
+    // Only our table is ours to report on. An accept in another table's chain, even one that
+    // runs first, ends that chain only: the packet still meets our output chain, and a drop
+    // in any base chain is final. So such a table is not drift, and the boundary holds.
+    let (w, policy) = world();
+    let script = "add table inet XXother\n\
+                  add chain inet XXother out { type filter hook output priority -300; policy accept; }\n\
+                  add rule inet XXother out accept\n\
+                  add table ip egress_fence\n\
+                  add chain ip egress_fence out { type filter hook output priority -300; policy accept; }\n\
+                  add rule ip egress_fence out accept\n";
+    nft_script(&w, script).unwrap_or_else(|e| panic!("{e}"));
+    assert_in_sync(&w, &policy, "another table accepting everything first");
+    assert_boundary_holds(&w, "with another table accepting everything first");
+}
