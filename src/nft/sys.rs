@@ -841,7 +841,11 @@ unsafe fn parse_with<T, R>(
     free: unsafe extern "C" fn(*const T),
     read: impl FnOnce(*mut T) -> R,
 ) -> Option<R> {
-    let msg = Aligned::new(msg);
+    // libnftnl walks the message as far as its header says: that must be within `msg`, and
+    // hold the nfgenmsg it reads first.
+    let checked = crate::netlink::Message::parse(msg).ok()?;
+    checked.nfgenmsg().ok()?;
+    let msg = Aligned::new(checked.bytes);
     // SAFETY: per the caller; the object is freed on every path, after `read` copied out what
     // it needs.
     unsafe {
@@ -1334,6 +1338,25 @@ mod tests {
             ..Elem::default()
         });
         assert_eq!(set.len(), 1);
+    }
+
+    #[test]
+    fn a_message_shorter_than_its_header_says_is_not_parsed() {
+        let table = Table::new(c"egress_fence", ProtoFamily::Inet);
+        let chain = Chain::new(c"output", &table);
+        let mut rule = Rule::new(&chain);
+        rule.add_expr(&Expr::log(c"x", None));
+        let mut buf = vec![0u32; nftnl::nft_nlmsg_maxsize() as usize / 4];
+        // SAFETY: as in `describe_rule`.
+        let len = unsafe {
+            rule.write(buf.as_mut_ptr().cast::<c_void>(), 0, MsgType::Add);
+            (*buf.as_ptr().cast::<libc::nlmsghdr>()).nlmsg_len as usize
+        };
+        let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).take(len).collect();
+        assert!(parse_rule(&bytes).is_some());
+        // libnftnl would read on past the end, as far as the header claims.
+        assert!(parse_rule(&bytes[..len - 4]).is_none());
+        assert!(parse_rule(&bytes[..16]).is_none());
     }
 
     #[test]
