@@ -1039,8 +1039,44 @@ pub fn parse_elems(msg: &[u8]) -> Option<Vec<LiveElem>> {
     }
 }
 
-/// Parses one rule message of a dump.
+/// Parses one rule message of a dump. A rule libnftnl cannot read (an expression newer
+/// than it, which the kernel accepted from another tool) is still placed, by the table,
+/// chain and handle its message names, and reads as one [`LiveExpr::Other`]: drift that
+/// `apply` replaces, instead of a table nobody can check or repair.
 pub fn parse_rule(msg: &[u8]) -> Option<DumpedRule> {
+    parse_rule_with_libnftnl(msg).or_else(|| unreadable_rule(msg))
+}
+
+/// `NFTA_RULE_*`: the attributes that say where a rule sits.
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_HANDLE: u16 = 3;
+
+/// A rule message libnftnl refused, read as far as where it sits; `None` if not even that.
+fn unreadable_rule(msg: &[u8]) -> Option<DumpedRule> {
+    let message = crate::netlink::Message::parse(msg).ok()?;
+    let (_, attrs) = message.nfgenmsg().ok()?;
+    let name = |kind: u16| {
+        let value = attrs.clone().value(kind)?;
+        let value = value.split(|&b| b == 0).next().unwrap_or_default();
+        Some(String::from_utf8_lossy(value).into_owned())
+    };
+    let handle = attrs
+        .clone()
+        .value(NFTA_RULE_HANDLE)
+        .and_then(|v| <[u8; 8]>::try_from(v).ok())
+        .map_or(0, u64::from_be_bytes);
+    let what = "an expression libnftnl cannot read".to_string();
+    Some(DumpedRule {
+        table: name(NFTA_RULE_TABLE)?,
+        chain: name(NFTA_RULE_CHAIN)?,
+        handle,
+        exprs: vec![LiveExpr::Other(what.clone())],
+        text: vec![what],
+    })
+}
+
+fn parse_rule_with_libnftnl(msg: &[u8]) -> Option<DumpedRule> {
     // SAFETY: as in `parse_table`, for rules; expressions belong to the rule and are only
     // read while it lives.
     unsafe {
@@ -1338,6 +1374,38 @@ mod tests {
             ..Elem::default()
         });
         assert_eq!(set.len(), 1);
+    }
+
+    #[test]
+    fn a_rule_libnftnl_cannot_read_is_placed_and_reads_as_unknown() {
+        let table = Table::new(c"egress_fence", ProtoFamily::Inet);
+        let chain = Chain::new(c"output", &table);
+        let mut rule = Rule::new(&chain);
+        rule.add_expr(&Expr::log(c"x", None));
+        let dumped = describe_rule(&rule).expect("libnftnl reads its own rule");
+        assert_eq!(dumped.chain, "output");
+        assert!(matches!(dumped.exprs[..], [LiveExpr::Log { .. }]));
+
+        // The same message with an expression named as none libnftnl 1.2.4 knows ("inner",
+        // from Linux 6.2 and libnftnl 1.2.5, is one): the name is patched in place.
+        let mut buf = vec![0u32; nftnl::nft_nlmsg_maxsize() as usize / 4];
+        // SAFETY: as in `describe_rule`.
+        let len = unsafe {
+            rule.write(buf.as_mut_ptr().cast::<c_void>(), 0, MsgType::Add);
+            (*buf.as_ptr().cast::<libc::nlmsghdr>()).nlmsg_len as usize
+        };
+        let mut bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).take(len).collect();
+        let at = bytes
+            .windows(4)
+            .position(|w| w == b"log\0")
+            .expect("the expression's name");
+        bytes[at..at + 3].copy_from_slice(b"lxg");
+        let dumped = parse_rule(&bytes).expect("placed although unreadable");
+        assert_eq!(
+            (dumped.table.as_str(), dumped.chain.as_str()),
+            ("egress_fence", "output")
+        );
+        assert!(matches!(dumped.exprs[..], [LiveExpr::Other(_)]));
     }
 
     #[test]
