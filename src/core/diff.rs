@@ -307,10 +307,23 @@ fn definition_of(set: &LiveSet) -> String {
         .into_iter()
         .find(|id| {
             let key = key_spec(*id);
-            set_flags(*id) == flags && key.datatype == key_type && key.len == key_len
+            // A hash set matches the key whole; a set of intervals field by field.
+            let fields_match = !id.interval() || key.concat_fields == set.key_fields;
+            set_flags(*id) == flags
+                && key.datatype == key_type
+                && key.len == key_len
+                && fields_match
         })
         .map_or_else(
-            || format!("key type {key_type:#x} of {key_len} bytes, flags {flags:#x}"),
+            || {
+                let mut raw = format!("key type {key_type:#x} of {key_len} bytes");
+                if !set.key_fields.is_empty() {
+                    let fields: Vec<String> = set.key_fields.iter().map(u8::to_string).collect();
+                    raw.push_str(&format!(", fields {}", fields.join(",")));
+                }
+                raw.push_str(&format!(", flags {flags:#x}"));
+                raw
+            },
             SetId::definition,
         );
     for param in describe_params(&set.params) {
@@ -557,6 +570,7 @@ mod tests {
                     flags: set_flags(s.id),
                     key_type: key.datatype,
                     key_len: key.len,
+                    key_fields: key.concat_fields.clone(),
                     params: SetParams::default(),
                 };
                 let elems = set_elements(s.id, &s.elements)
@@ -755,6 +769,7 @@ mod tests {
                 flags: 0,
                 key_type: 7,
                 key_len: 4,
+                key_fields: Vec::new(),
                 params: SetParams::default(),
             },
             Vec::new(),
@@ -956,6 +971,36 @@ mod tests {
                  type ipv4_addr . inet_proto . inet_service; flags timeout)"
             ]
         );
+    }
+
+    #[test]
+    fn an_interval_sets_fields_are_part_of_its_definition() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        let fields_of = |live: &mut LiveTable, name: &str, fields: Vec<u8>| {
+            let (set, _) = live.sets.iter_mut().find(|(s, _)| s.name == name).unwrap();
+            set.key_fields = fields;
+        };
+        // Address and protocol as one field of 8 bytes: every protocol matches inside the
+        // element's address range.
+        let mut live = live_of(&rs);
+        fields_of(&mut live, "allow4", vec![8, 4]);
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "set allow4: key type 0x730d of 12 bytes, fields 8,4, flags 0x84 (wanted: type \
+                 ipv4_addr . inet_proto . inet_service; flags interval)"
+            ]
+        );
+        // No fields at all: the key matched as one range.
+        let mut live = live_of(&rs);
+        fields_of(&mut live, "allow4", Vec::new());
+        assert!(!compare(&rs, Some(&live), CompareOptions::default()).is_empty());
+        // A hash set matches whole keys, however they are described.
+        let mut live = live_of(&rs);
+        fields_of(&mut live, "resolved4", vec![8, 4]);
+        fields_of(&mut live, "dns4", Vec::new());
+        assert!(compare(&rs, Some(&live), CompareOptions::default()).is_empty());
     }
 
     #[test]

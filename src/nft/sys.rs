@@ -649,6 +649,9 @@ pub struct LiveSet {
     pub flags: u32,
     pub key_type: u32,
     pub key_len: u32,
+    /// The lengths of a concatenated key's fields (unpadded), as the set describes them: a
+    /// set of intervals matches each field as a range of its own.
+    pub key_fields: Vec<u8>,
     /// What else the set declares; egress-fence declares none of it.
     pub params: SetParams,
 }
@@ -967,6 +970,22 @@ pub fn parse_set(msg: &[u8]) -> Option<LiveSet> {
                     flags: get(sys::NFTNL_SET_FLAGS),
                     key_type: get(sys::NFTNL_SET_KEY_TYPE),
                     key_len: get(sys::NFTNL_SET_KEY_LEN),
+                    key_fields: if sys::nftnl_set_is_set(s, sys::NFTNL_SET_DESC_CONCAT as u16) {
+                        // libnftnl gives the field lengths, one byte each, and their count.
+                        let mut count = 0u32;
+                        let p = sys::nftnl_set_get_data(
+                            s,
+                            sys::NFTNL_SET_DESC_CONCAT as u16,
+                            &mut count,
+                        );
+                        if p.is_null() {
+                            Vec::new()
+                        } else {
+                            std::slice::from_raw_parts(p.cast::<u8>(), count as usize).to_vec()
+                        }
+                    } else {
+                        Vec::new()
+                    },
                     params: SetParams {
                         timeout_ms: sys::nftnl_set_get_u64(s, sys::NFTNL_SET_TIMEOUT as u16),
                         gc_interval_ms: get(sys::NFTNL_SET_GC_INTERVAL),
