@@ -19,6 +19,7 @@ use crate::core::ruleset::{
 use crate::nft::LiveTable;
 use crate::nft::encode::{self, key_spec, set_flags};
 use crate::nft::live::{ChainDefinition, NFT_CHAIN_BASE, ReadRule, describe_table_flags};
+use crate::nft::sys::{LiveSet, SetParams};
 
 /// What to leave out of a comparison.
 #[derive(Debug, Clone, Copy, Default)]
@@ -80,6 +81,9 @@ pub struct TableDiff {
     pub table_flags: Option<Changed>,
     pub sets: Vec<SetDiff>,
     pub chains: Vec<ChainDiff>,
+    /// Flowtables and stateful objects in the table ("quota q"): none is egress-fence's.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub extra_objects: Vec<String>,
 }
 
 impl TableDiff {
@@ -88,6 +92,7 @@ impl TableDiff {
             && self.table_flags.is_none()
             && self.sets.is_empty()
             && self.chains.is_empty()
+            && self.extra_objects.is_empty()
     }
 
     /// One line per changed object: "set allow4: +2 -1 elements".
@@ -121,6 +126,9 @@ impl TableDiff {
                     "rules"
                 )
             ));
+        }
+        for o in &self.extra_objects {
+            out.push(format!("{o}: not egress-fence's"));
         }
         out
     }
@@ -178,6 +186,9 @@ impl fmt::Display for TableDiff {
             writeln!(f, "chain {}: {what}", c.name)?;
             write_items(f, &c.added_rules, &c.removed_rules)?;
         }
+        for o in &self.extra_objects {
+            writeln!(f, "{o}: not egress-fence's")?;
+        }
         Ok(())
     }
 }
@@ -199,6 +210,7 @@ pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions
         chains: Vec::new(),
         rules: Vec::new(),
         sets: Vec::new(),
+        objects: Vec::new(),
     };
     let table_missing = live.is_none();
     let live = live.unwrap_or(&empty);
@@ -210,6 +222,11 @@ pub fn compare(want: &Ruleset, live: Option<&LiveTable>, options: CompareOptions
         }),
         sets: compare_sets(want, live, options),
         chains: compare_chains(want, live),
+        extra_objects: live
+            .objects
+            .iter()
+            .map(|o| format!("{} {}", o.kind, o.name))
+            .collect(),
     }
 }
 
@@ -233,7 +250,7 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
             });
             continue;
         };
-        let live_definition = definition_of(live_set.flags, live_set.key_type, live_set.key_len);
+        let live_definition = definition_of(live_set);
         let definition = (live_definition != set.id.definition()).then(|| Changed {
             live: live_definition,
             want: set.id.definition(),
@@ -282,19 +299,71 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
     out
 }
 
-/// A set's type and flags as nft writes them, when they are those of one of ours; else the
-/// kernel's numbers.
-fn definition_of(flags: u32, key_type: u32, key_len: u32) -> String {
-    SetId::ALL
+/// A set's type and flags as nft writes them, when they are those of one of ours, else the
+/// kernel's numbers; then whatever else it declares (none of ours declares anything else).
+fn definition_of(set: &LiveSet) -> String {
+    let (flags, key_type, key_len) = (set.flags, set.key_type, set.key_len);
+    let mut out = SetId::ALL
         .into_iter()
         .find(|id| {
             let key = key_spec(*id);
-            set_flags(*id) == flags && key.datatype == key_type && key.len == key_len
+            // A hash set matches the key whole; a set of intervals field by field.
+            let fields_match = !id.interval() || key.concat_fields == set.key_fields;
+            set_flags(*id) == flags
+                && key.datatype == key_type
+                && key.len == key_len
+                && fields_match
         })
         .map_or_else(
-            || format!("key type {key_type:#x} of {key_len} bytes, flags {flags:#x}"),
+            || {
+                let mut raw = format!("key type {key_type:#x} of {key_len} bytes");
+                if !set.key_fields.is_empty() {
+                    let fields: Vec<String> = set.key_fields.iter().map(u8::to_string).collect();
+                    raw.push_str(&format!(", fields {}", fields.join(",")));
+                }
+                raw.push_str(&format!(", flags {flags:#x}"));
+                raw
+            },
             SetId::definition,
-        )
+        );
+    for param in describe_params(&set.params) {
+        out.push_str("; ");
+        out.push_str(&param);
+    }
+    out
+}
+
+/// A set's parameters other than the defaults, as nft about writes them.
+fn describe_params(p: &SetParams) -> Vec<String> {
+    let mut out = Vec::new();
+    if p.data_type != 0 || p.data_len != 0 {
+        out.push(format!(
+            "maps to data type {:#x} of {} bytes",
+            p.data_type, p.data_len
+        ));
+    }
+    if p.object_type != 0 {
+        out.push(format!("maps to objects of type {}", p.object_type));
+    }
+    if p.timeout_ms != 0 {
+        out.push(format!("timeout {}ms", p.timeout_ms));
+    }
+    if p.gc_interval_ms != 0 {
+        out.push(format!("gc-interval {}ms", p.gc_interval_ms));
+    }
+    if p.size != 0 {
+        out.push(format!("size {}", p.size));
+    }
+    if p.policy != 0 {
+        out.push(match p.policy {
+            1 => "policy memory".to_string(),
+            other => format!("policy {other}"),
+        });
+    }
+    if p.expressions {
+        out.push("expressions given to every new element".to_string());
+    }
+    out
 }
 
 /// An element, without what is state rather than configuration (timeouts).
@@ -447,7 +516,7 @@ mod tests {
     use crate::core::ruleset::Timed;
     use crate::nft::encode::set_elements;
     use crate::nft::live::LiveRule;
-    use crate::nft::sys::{LiveChain, LiveElem, LiveExpr, LiveSet};
+    use crate::nft::sys::{LiveChain, LiveElem, LiveExpr};
 
     const POLICY: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndeny:\n  - preset: cloud-metadata\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n";
 
@@ -657,6 +726,8 @@ mod tests {
                 flags: 0,
                 key_type: 7,
                 key_len: 4,
+                key_fields: Vec::new(),
+                params: SetParams::default(),
             },
             Vec::new(),
         ));
@@ -829,6 +900,89 @@ mod tests {
                 live: "key type 0x7 of 4 bytes, flags 0x0".into(),
                 want: "type ipv4_addr; flags interval".into(),
             })
+        );
+    }
+
+    #[test]
+    fn a_sets_other_parameters_are_part_of_its_definition() {
+        let rs = ruleset_for(POLICY, &[]);
+        let mut live = live_of(&rs);
+        let (resolved4, _) = live
+            .sets
+            .iter_mut()
+            .find(|(s, _)| s.name == "resolved4")
+            .unwrap();
+        // `timeout 1h; size 2; counter`: no element shows any of it while the set is empty.
+        resolved4.params = SetParams {
+            timeout_ms: 3_600_000,
+            size: 2,
+            expressions: true,
+            ..SetParams::default()
+        };
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "set resolved4: type ipv4_addr . inet_proto . inet_service; flags timeout; \
+                 timeout 3600000ms; size 2; expressions given to every new element (wanted: \
+                 type ipv4_addr . inet_proto . inet_service; flags timeout)"
+            ]
+        );
+    }
+
+    #[test]
+    fn an_interval_sets_fields_are_part_of_its_definition() {
+        let rs = ruleset_for(POLICY, &["192.0.2.10"]);
+        let fields_of = |live: &mut LiveTable, name: &str, fields: Vec<u8>| {
+            let (set, _) = live.sets.iter_mut().find(|(s, _)| s.name == name).unwrap();
+            set.key_fields = fields;
+        };
+        // Address and protocol as one field of 8 bytes: every protocol matches inside the
+        // element's address range.
+        let mut live = live_of(&rs);
+        fields_of(&mut live, "allow4", vec![8, 4]);
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "set allow4: key type 0x730d of 12 bytes, fields 8,4, flags 0x84 (wanted: type \
+                 ipv4_addr . inet_proto . inet_service; flags interval)"
+            ]
+        );
+        // No fields at all: the key matched as one range.
+        let mut live = live_of(&rs);
+        fields_of(&mut live, "allow4", Vec::new());
+        assert!(!compare(&rs, Some(&live), CompareOptions::default()).is_empty());
+        // A hash set matches whole keys, however they are described.
+        let mut live = live_of(&rs);
+        fields_of(&mut live, "resolved4", vec![8, 4]);
+        fields_of(&mut live, "dns4", Vec::new());
+        assert!(compare(&rs, Some(&live), CompareOptions::default()).is_empty());
+    }
+
+    #[test]
+    fn flowtables_and_stateful_objects_are_drift() {
+        let rs = ruleset_for(POLICY, &[]);
+        let mut live = live_of(&rs);
+        live.objects.push(crate::nft::sys::LiveObject {
+            table: TABLE.into(),
+            name: "q".into(),
+            kind: "quota".into(),
+        });
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert!(!diff.is_empty());
+        assert_eq!(diff.summary(), vec!["quota q: not egress-fence's"]);
+        assert_eq!(diff.to_string(), "quota q: not egress-fence's\n");
+        assert_eq!(
+            serde_json::to_value(&diff).unwrap()["extra_objects"][0],
+            "quota q"
+        );
+        let in_sync = compare(&rs, Some(&live_of(&rs)), CompareOptions::default());
+        assert!(
+            serde_json::to_value(&in_sync)
+                .unwrap()
+                .get("extra_objects")
+                .is_none()
         );
     }
 

@@ -7,7 +7,9 @@ use ipnet::{IpNet, Ipv4Subnets, Ipv6Subnets};
 use serde::Serialize;
 
 use super::encode::{comment_of, decode_rule};
-use super::sys::{DumpedRule, LiveChain, LiveElem, LiveExpr, LiveSet, NFT_SET_ELEM_INTERVAL_END};
+use super::sys::{
+    DumpedRule, LiveChain, LiveElem, LiveExpr, LiveObject, LiveSet, NFT_SET_ELEM_INTERVAL_END,
+};
 use crate::core::policy::{L4Proto, PortRange};
 use crate::core::ruleset::{
     Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, SetId, SetRole, TABLE, Timed,
@@ -22,6 +24,8 @@ pub struct LiveTable {
     pub chains: Vec<LiveChain>,
     pub rules: Vec<LiveRule>,
     pub sets: Vec<(LiveSet, Vec<LiveElem>)>,
+    /// Flowtables and stateful objects: none is egress-fence's.
+    pub objects: Vec<LiveObject>,
 }
 
 /// One rule of the live table: its chain, and what it is.
@@ -858,6 +862,7 @@ mod tests {
             chains: Vec::new(),
             rules,
             sets: Vec::new(),
+            objects: Vec::new(),
         };
         let guard = |mark| crate::core::ruleset::Rule::AcceptTupleFromGuard {
             set: dns4,

@@ -326,6 +326,14 @@ impl Nft {
         let chains = self.dump_own(Dump::Chains, "chains", sys::parse_chain, |c| &c.table)?;
         let rules = self.read_rules()?;
         let sets = self.dump_own(Dump::Sets, "sets", sys::parse_set, |s| &s.table)?;
+        let mut objects =
+            self.dump_own(Dump::Objects, "objects", sys::parse_object, |o| &o.table)?;
+        objects.extend(self.dump_own(
+            Dump::Flowtables,
+            "flowtables",
+            sys::parse_flowtable,
+            |f| &f.table,
+        )?);
         let mut with_elements = Vec::new();
         for set in sets {
             let name =
@@ -342,6 +350,7 @@ impl Nft {
             chains,
             rules,
             sets: with_elements,
+            objects,
         }))
     }
 }

@@ -534,7 +534,13 @@ pub enum Dump {
     Rules,
     /// The elements of one set (name given to [`dump_request`]).
     Elements,
+    /// Stateful objects: named counters, quotas, limits, ct helpers and the like.
+    Objects,
+    Flowtables,
 }
+
+/// `NFT_MSG_GETFLOWTABLE`, absent from the libc crate.
+const NFT_MSG_GETFLOWTABLE: c_int = 23;
 
 /// A dump request for the objects of `table` (family inet).
 pub fn dump_request(kind: Dump, table: &CStr, set: Option<&CStr>, seq: u32) -> Vec<u8> {
@@ -545,6 +551,8 @@ pub fn dump_request(kind: Dump, table: &CStr, set: Option<&CStr>, seq: u32) -> V
         Dump::Sets => libc::NFT_MSG_GETSET,
         Dump::Rules => libc::NFT_MSG_GETRULE,
         Dump::Elements => libc::NFT_MSG_GETSETELEM,
+        Dump::Objects => libc::NFT_MSG_GETOBJ,
+        Dump::Flowtables => NFT_MSG_GETFLOWTABLE,
     };
     let flags = (libc::NLM_F_DUMP | libc::NLM_F_REQUEST) as u16;
     // SAFETY: `buf` has nft_nlmsg_maxsize bytes; the temporary objects are freed after their
@@ -570,6 +578,18 @@ pub fn dump_request(kind: Dump, table: &CStr, set: Option<&CStr>, seq: u32) -> V
                 sys::nftnl_rule_set_str(r, sys::NFTNL_RULE_TABLE as u16, table.as_ptr());
                 sys::nftnl_rule_nlmsg_build_payload(nlh, r);
                 sys::nftnl_rule_free(r);
+            }
+            Dump::Objects => {
+                let o = sys::nftnl_obj_alloc();
+                sys::nftnl_obj_set_str(o, sys::NFTNL_OBJ_TABLE as u16, table.as_ptr());
+                sys::nftnl_obj_nlmsg_build_payload(nlh, o);
+                sys::nftnl_obj_free(o);
+            }
+            Dump::Flowtables => {
+                let f = sys::nftnl_flowtable_alloc();
+                sys::nftnl_flowtable_set_str(f, sys::NFTNL_FLOWTABLE_TABLE as u16, table.as_ptr());
+                sys::nftnl_flowtable_nlmsg_build_payload(nlh, f);
+                sys::nftnl_flowtable_free(f);
             }
             Dump::Sets | Dump::Elements => {
                 let s = sys::nftnl_set_alloc();
@@ -629,6 +649,32 @@ pub struct LiveSet {
     pub flags: u32,
     pub key_type: u32,
     pub key_len: u32,
+    /// The lengths of a concatenated key's fields (unpadded), as the set describes them: a
+    /// set of intervals matches each field as a range of its own.
+    pub key_fields: Vec<u8>,
+    /// What else the set declares; egress-fence declares none of it.
+    pub params: SetParams,
+}
+
+/// What a set may declare besides its key and flags (`timeout 1h; gc-interval 1s; size 2;
+/// policy memory; counter`): the kernel reports each only when it is not the default, and
+/// egress-fence never sets one, so ours read back as [`SetParams::default`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SetParams {
+    /// The timeout of elements added without one (0: they never expire).
+    pub timeout_ms: u64,
+    pub gc_interval_ms: u32,
+    /// `NFT_SET_POL_*`: 0 performance, 1 memory.
+    pub policy: u32,
+    /// The most elements the set may hold (0: no bound).
+    pub size: u32,
+    /// The set gives the elements added to it expressions (a counter, a quota, a limit).
+    pub expressions: bool,
+    /// The data type and length of a map's values (0 for a set).
+    pub data_type: u32,
+    pub data_len: u32,
+    /// The type of the objects a map of objects refers to (0 for a set).
+    pub object_type: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -653,6 +699,33 @@ const ELEM_ATTRS_NEVER_SET: [u32; 6] = [
     sys::NFTNL_SET_ELEM_OBJREF,
     sys::NFTNL_SET_ELEM_EXPRESSIONS,
 ];
+
+/// A flowtable or a stateful object (a named counter, quota, limit, ct helper, ...) of a
+/// table: egress-fence makes none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveObject {
+    pub table: String,
+    pub name: String,
+    /// As nft names the kind: "counter", "quota", "ct helper", "flowtable".
+    pub kind: String,
+}
+
+/// nft's name of an object type (`NFT_OBJECT_*`).
+fn object_kind(kind: u32) -> String {
+    match kind {
+        1 => "counter".into(),
+        2 => "quota".into(),
+        3 => "ct helper".into(),
+        4 => "limit".into(),
+        5 => "ct count".into(),
+        6 => "tunnel".into(),
+        7 => "ct timeout".into(),
+        8 => "secmark".into(),
+        9 => "ct expectation".into(),
+        10 => "synproxy".into(),
+        other => format!("object of type {other}"),
+    }
+}
 
 /// A rule as dumped: where it sits, and its expressions with every attribute read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -771,7 +844,11 @@ unsafe fn parse_with<T, R>(
     free: unsafe extern "C" fn(*const T),
     read: impl FnOnce(*mut T) -> R,
 ) -> Option<R> {
-    let msg = Aligned::new(msg);
+    // libnftnl walks the message as far as its header says: that must be within `msg`, and
+    // hold the nfgenmsg it reads first.
+    let checked = crate::netlink::Message::parse(msg).ok()?;
+    checked.nfgenmsg().ok()?;
+    let msg = Aligned::new(checked.bytes);
     // SAFETY: per the caller; the object is freed on every path, after `read` copied out what
     // it needs.
     unsafe {
@@ -834,6 +911,48 @@ pub fn parse_chain(msg: &[u8]) -> Option<LiveChain> {
     }
 }
 
+/// Parses one stateful object message of a dump.
+pub fn parse_object(msg: &[u8]) -> Option<LiveObject> {
+    // SAFETY: as in `parse_table`, for objects.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_obj_alloc,
+            sys::nftnl_obj_nlmsg_parse,
+            sys::nftnl_obj_free,
+            |o| LiveObject {
+                table: owned_str(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_TABLE as u16)),
+                name: owned_str(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_NAME as u16)),
+                kind: object_kind(sys::nftnl_obj_get_u32(o, sys::NFTNL_OBJ_TYPE as u16)),
+            },
+        )
+    }
+}
+
+/// Parses one flowtable message of a dump.
+pub fn parse_flowtable(msg: &[u8]) -> Option<LiveObject> {
+    // SAFETY: as in `parse_table`, for flowtables.
+    unsafe {
+        parse_with(
+            msg,
+            sys::nftnl_flowtable_alloc,
+            sys::nftnl_flowtable_nlmsg_parse,
+            sys::nftnl_flowtable_free,
+            |f| LiveObject {
+                table: owned_str(sys::nftnl_flowtable_get_str(
+                    f,
+                    sys::NFTNL_FLOWTABLE_TABLE as u16,
+                )),
+                name: owned_str(sys::nftnl_flowtable_get_str(
+                    f,
+                    sys::NFTNL_FLOWTABLE_NAME as u16,
+                )),
+                kind: "flowtable".into(),
+            },
+        )
+    }
+}
+
 /// Parses one set message of a dump.
 pub fn parse_set(msg: &[u8]) -> Option<LiveSet> {
     // SAFETY: as in `parse_table`, for sets.
@@ -851,6 +970,33 @@ pub fn parse_set(msg: &[u8]) -> Option<LiveSet> {
                     flags: get(sys::NFTNL_SET_FLAGS),
                     key_type: get(sys::NFTNL_SET_KEY_TYPE),
                     key_len: get(sys::NFTNL_SET_KEY_LEN),
+                    key_fields: if sys::nftnl_set_is_set(s, sys::NFTNL_SET_DESC_CONCAT as u16) {
+                        // libnftnl gives the field lengths, one byte each, and their count.
+                        let mut count = 0u32;
+                        let p = sys::nftnl_set_get_data(
+                            s,
+                            sys::NFTNL_SET_DESC_CONCAT as u16,
+                            &mut count,
+                        );
+                        if p.is_null() {
+                            Vec::new()
+                        } else {
+                            std::slice::from_raw_parts(p.cast::<u8>(), count as usize).to_vec()
+                        }
+                    } else {
+                        Vec::new()
+                    },
+                    params: SetParams {
+                        timeout_ms: sys::nftnl_set_get_u64(s, sys::NFTNL_SET_TIMEOUT as u16),
+                        gc_interval_ms: get(sys::NFTNL_SET_GC_INTERVAL),
+                        policy: get(sys::NFTNL_SET_POLICY),
+                        size: get(sys::NFTNL_SET_DESC_SIZE),
+                        expressions: sys::nftnl_set_is_set(s, sys::NFTNL_SET_EXPR as u16)
+                            || sys::nftnl_set_is_set(s, sys::NFTNL_SET_EXPRESSIONS as u16),
+                        data_type: get(sys::NFTNL_SET_DATA_TYPE),
+                        data_len: get(sys::NFTNL_SET_DATA_LEN),
+                        object_type: get(sys::NFTNL_SET_OBJ_TYPE),
+                    },
                 }
             },
         )
@@ -912,8 +1058,44 @@ pub fn parse_elems(msg: &[u8]) -> Option<Vec<LiveElem>> {
     }
 }
 
-/// Parses one rule message of a dump.
+/// Parses one rule message of a dump. A rule libnftnl cannot read (an expression newer
+/// than it, which the kernel accepted from another tool) is still placed, by the table,
+/// chain and handle its message names, and reads as one [`LiveExpr::Other`]: drift that
+/// `apply` replaces, instead of a table nobody can check or repair.
 pub fn parse_rule(msg: &[u8]) -> Option<DumpedRule> {
+    parse_rule_with_libnftnl(msg).or_else(|| unreadable_rule(msg))
+}
+
+/// `NFTA_RULE_*`: the attributes that say where a rule sits.
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_HANDLE: u16 = 3;
+
+/// A rule message libnftnl refused, read as far as where it sits; `None` if not even that.
+fn unreadable_rule(msg: &[u8]) -> Option<DumpedRule> {
+    let message = crate::netlink::Message::parse(msg).ok()?;
+    let (_, attrs) = message.nfgenmsg().ok()?;
+    let name = |kind: u16| {
+        let value = attrs.clone().value(kind)?;
+        let value = value.split(|&b| b == 0).next().unwrap_or_default();
+        Some(String::from_utf8_lossy(value).into_owned())
+    };
+    let handle = attrs
+        .clone()
+        .value(NFTA_RULE_HANDLE)
+        .and_then(|v| <[u8; 8]>::try_from(v).ok())
+        .map_or(0, u64::from_be_bytes);
+    let what = "an expression libnftnl cannot read".to_string();
+    Some(DumpedRule {
+        table: name(NFTA_RULE_TABLE)?,
+        chain: name(NFTA_RULE_CHAIN)?,
+        handle,
+        exprs: vec![LiveExpr::Other(what.clone())],
+        text: vec![what],
+    })
+}
+
+fn parse_rule_with_libnftnl(msg: &[u8]) -> Option<DumpedRule> {
     // SAFETY: as in `parse_table`, for rules; expressions belong to the rule and are only
     // read while it lives.
     unsafe {
@@ -1211,6 +1393,57 @@ mod tests {
             ..Elem::default()
         });
         assert_eq!(set.len(), 1);
+    }
+
+    #[test]
+    fn a_rule_libnftnl_cannot_read_is_placed_and_reads_as_unknown() {
+        let table = Table::new(c"egress_fence", ProtoFamily::Inet);
+        let chain = Chain::new(c"output", &table);
+        let mut rule = Rule::new(&chain);
+        rule.add_expr(&Expr::log(c"x", None));
+        let dumped = describe_rule(&rule).expect("libnftnl reads its own rule");
+        assert_eq!(dumped.chain, "output");
+        assert!(matches!(dumped.exprs[..], [LiveExpr::Log { .. }]));
+
+        // The same message with an expression named as none libnftnl 1.2.4 knows ("inner",
+        // from Linux 6.2 and libnftnl 1.2.5, is one): the name is patched in place.
+        let mut buf = vec![0u32; nftnl::nft_nlmsg_maxsize() as usize / 4];
+        // SAFETY: as in `describe_rule`.
+        let len = unsafe {
+            rule.write(buf.as_mut_ptr().cast::<c_void>(), 0, MsgType::Add);
+            (*buf.as_ptr().cast::<libc::nlmsghdr>()).nlmsg_len as usize
+        };
+        let mut bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).take(len).collect();
+        let at = bytes
+            .windows(4)
+            .position(|w| w == b"log\0")
+            .expect("the expression's name");
+        bytes[at..at + 3].copy_from_slice(b"lxg");
+        let dumped = parse_rule(&bytes).expect("placed although unreadable");
+        assert_eq!(
+            (dumped.table.as_str(), dumped.chain.as_str()),
+            ("egress_fence", "output")
+        );
+        assert!(matches!(dumped.exprs[..], [LiveExpr::Other(_)]));
+    }
+
+    #[test]
+    fn a_message_shorter_than_its_header_says_is_not_parsed() {
+        let table = Table::new(c"egress_fence", ProtoFamily::Inet);
+        let chain = Chain::new(c"output", &table);
+        let mut rule = Rule::new(&chain);
+        rule.add_expr(&Expr::log(c"x", None));
+        let mut buf = vec![0u32; nftnl::nft_nlmsg_maxsize() as usize / 4];
+        // SAFETY: as in `describe_rule`.
+        let len = unsafe {
+            rule.write(buf.as_mut_ptr().cast::<c_void>(), 0, MsgType::Add);
+            (*buf.as_ptr().cast::<libc::nlmsghdr>()).nlmsg_len as usize
+        };
+        let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).take(len).collect();
+        assert!(parse_rule(&bytes).is_some());
+        // libnftnl would read on past the end, as far as the header claims.
+        assert!(parse_rule(&bytes[..len - 4]).is_none());
+        assert!(parse_rule(&bytes[..16]).is_none());
     }
 
     #[test]

@@ -62,7 +62,7 @@ pub mod memory {
     };
     use crate::nft::encode::{dumped_rule, key_spec, set_elements, set_flags};
     use crate::nft::live::LiveRule;
-    use crate::nft::sys::{LiveChain, LiveElem, LiveSet};
+    use crate::nft::sys::{LiveChain, LiveElem, LiveSet, SetParams};
     use crate::nft::{LiveTable, NftError};
 
     #[derive(Debug, Default)]
@@ -227,6 +227,8 @@ pub mod memory {
                     flags: set_flags(s.id),
                     key_type: key.datatype,
                     key_len: key.len,
+                    key_fields: key.concat_fields.clone(),
+                    params: SetParams::default(),
                 };
                 let elems = set_elements(s.id, &s.elements)
                     .map(|e| LiveElem {
@@ -247,6 +249,7 @@ pub mod memory {
             chains: vec![chain(OUTPUT_CHAIN), chain(REFUSED_CHAIN)],
             rules,
             sets,
+            objects: Vec::new(),
         }
     }
 

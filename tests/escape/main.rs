@@ -14,4 +14,5 @@ mod guard;
 mod inputs;
 mod raw_frames;
 mod readback;
+mod readback_attack;
 mod repair;
