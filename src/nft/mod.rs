@@ -42,6 +42,11 @@ pub enum NftError {
     Timeout(&'static str),
     #[error("the kernel sent a netlink message egress-fence cannot read ({0})")]
     Malformed(String),
+    #[error(
+        "the ruleset changed while the table was read, {0} times in a row; something is \
+         rewriting it constantly (another firewall manager?)"
+    )]
+    Unsettled(usize),
 }
 
 fn hint(errno: Errno) -> &'static str {
@@ -49,7 +54,9 @@ fn hint(errno: Errno) -> &'static str {
         Errno::EPERM => {
             "; nftables needs CAP_NET_ADMIN (run as root, or grant it as the systemd unit \
              does; capabilities inside a private user namespace, such as PrivateUsers=yes \
-             gives, do not count)"
+             gives, do not count), and a table another process owns (`flags owner`, held \
+             by a running `nft -i` or firewall daemon) refuses everyone else until that \
+             process ends"
         }
         Errno::EOPNOTSUPP | Errno::ENOENT => {
             "; the kernel may lack an nftables feature egress-fence needs \
@@ -317,8 +324,21 @@ impl Nft {
         Ok(dumped.into_iter().map(live::LiveRule::decode).collect())
     }
 
-    /// Reads the table back from the kernel; `None` if it is not installed.
+    /// Reads the table back from the kernel; `None` if it is not installed. The table is read
+    /// in several dumps; a transaction between them (the ruleset generation moved) would mix
+    /// two tables, so the read is repeated until one falls within a single generation.
     pub fn read_table(&mut self) -> Result<Option<LiveTable>, NftError> {
+        for _ in 0..READ_ATTEMPTS {
+            let before = self.generation()?;
+            let table = self.read_table_once()?;
+            if self.generation()? == before {
+                return Ok(table);
+            }
+        }
+        Err(NftError::Unsettled(READ_ATTEMPTS))
+    }
+
+    fn read_table_once(&mut self) -> Result<Option<LiveTable>, NftError> {
         let Some(flags) = self.table_flags()? else {
             return Ok(None);
         };
@@ -354,6 +374,11 @@ impl Nft {
         }))
     }
 }
+
+/// How many times [`Nft::read_table`] starts again when a transaction lands during a read:
+/// the daemon's refreshes land every few seconds at most, so more than a few in a row means
+/// something rewrites the ruleset without pause.
+const READ_ATTEMPTS: usize = 8;
 
 const NFT_MSG_GETGEN: u8 = 16;
 const NFT_MSG_NEWGEN: u8 = 15;
