@@ -119,7 +119,7 @@ impl TableNotes {
                 (Instant::now(), destinations)
             }
         };
-        let note = known.1.note(dst, dport);
+        let note = known.1.why_refused(dst, dport).to_string();
         self.known = Some(known);
         Ok(note)
     }

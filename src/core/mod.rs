@@ -2,10 +2,12 @@
 //! [`resolution::Resolution`] make a [`ruleset::Ruleset`] ([`plan`]); [`diff`] compares it with
 //! what the kernel holds; [`installable`] decides which answered addresses may become elements
 //! and [`lifetime`] how long each lives; [`replan`] checks that a recorded ruleset is what its
-//! policy plans. [`time`] and [`dns_name`] say how times and names are shown.
+//! policy plans; [`explain`] says why a packet was refused. [`time`] and [`dns_name`] say how
+//! times and names are shown.
 
 pub mod diff;
 pub mod dns_name;
+pub mod explain;
 pub mod installable;
 pub mod lifetime;
 pub mod plan;

@@ -23,6 +23,7 @@ use super::names::{
     MAX_RESOLVED_ELEMENTS, NameState, PRUNE_EVERY, Services, desired, forget_learned_names,
     may_track, owners, services, table_elements, timed,
 };
+use crate::core::explain::{self, WhyRefused};
 use crate::core::installable::{HostAddrs, retain_installable, summarise};
 use crate::core::lifetime::{Lifetimes, renewals};
 use crate::core::plan::{
@@ -33,7 +34,6 @@ use crate::core::resolution::{Resolution, ResolvedAddr, ResolvedHost};
 use crate::core::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Tuple};
 use crate::guard::{LogBudget, Rules};
 use crate::netlink::conntrack::Flow;
-use crate::nft::live::guard_dns_note;
 use crate::nft::monitor::Change;
 use crate::nft::{NftError, Table};
 use crate::state::{NewGeneration, Recorder};
@@ -935,42 +935,41 @@ impl Core {
     }
 
     /// What the daemon knows of a refused packet's destination.
-    fn describe_destination(&self, dst: IpAddr, dport: Option<u16>, now: Instant) -> String {
-        if let Some(note) = self
+    /// Why a packet to `dst`:`dport` was refused, with what the daemon knows: the policy's
+    /// deny entries, and which name answered the address and until when.
+    fn why_refused(&self, dst: IpAddr, dport: Option<u16>, now: Instant) -> WhyRefused {
+        if let Some(why) = self
             .guard_uid
-            .and_then(|uid| guard_dns_note(uid, dport, self.resolvers.contains(&dst)))
+            .and_then(|uid| explain::guard_dns(uid, dport, self.resolvers.contains(&dst)))
         {
-            return note;
+            return why;
         }
         if let Some(deny) = self.policy.denied_by(dst) {
-            return format!("denied: {}", deny.describe());
+            return WhyRefused::Denied(deny.describe());
         }
         let mut live = Vec::new();
         let mut former: Option<(&DomainName, Instant)> = None;
         for (name, state) in &self.names {
             match state.addrs.get(&dst) {
-                Some(&e) if e > now => live.push(name.as_str()),
+                Some(&e) if e > now => live.push(name.to_string()),
                 Some(&e) if former.is_none_or(|(_, f)| e > f) => former = Some((name, e)),
                 _ => {}
             }
         }
         if !live.is_empty() {
-            format!(
-                "an address of {}, allowed on other ports or protocols only",
-                live.join(", ")
-            )
+            WhyRefused::OtherPortsOnly { names: live }
         } else if let Some((name, expired)) = former {
-            format!(
-                "was an address of {name} until {} ago (its grace ended)",
-                crate::core::time::minutes_seconds(now.saturating_duration_since(expired))
-            )
+            WhyRefused::LifetimeEnded {
+                name: name.to_string(),
+                ago: now.saturating_duration_since(expired),
+            }
         } else {
-            "not in the policy".to_string()
+            WhyRefused::NotInPolicy
         }
     }
 
     fn log_drop(&self, mut event: DropEvent, now: Instant) {
-        event.note = Some(self.describe_destination(event.dst, event.dport, now));
+        event.note = Some(self.why_refused(event.dst, event.dport, now).to_string());
         info!(
             protocol = %event.protocol,
             src = %event.src,
@@ -1626,16 +1625,16 @@ mod tests {
         );
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         assert_eq!(
-            c.describe_destination(ip("192.0.2.1"), Some(22), now),
+            c.why_refused(ip("192.0.2.1"), Some(22), now).to_string(),
             "an address of a.example, allowed on other ports or protocols only"
         );
         assert_eq!(
-            c.describe_destination(ip("203.0.113.1"), Some(443), now),
+            c.why_refused(ip("203.0.113.1"), Some(443), now).to_string(),
             "not in the policy"
         );
         let later = now + Duration::from_secs(900 + 250);
         assert_eq!(
-            c.describe_destination(ip("192.0.2.1"), Some(443), later),
+            c.why_refused(ip("192.0.2.1"), Some(443), later).to_string(),
             "was an address of a.example until 4m10s ago (its grace ended)"
         );
     }

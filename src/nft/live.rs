@@ -10,6 +10,7 @@ use super::encode::{comment_of, decode_rule};
 use super::sys::{
     DumpedRule, LiveChain, LiveElem, LiveExpr, LiveObject, LiveSet, NFT_SET_ELEM_INTERVAL_END,
 };
+use crate::core::explain::{self, WhyRefused};
 use crate::core::policy::{L4Proto, PortRange};
 use crate::core::ruleset::{
     Elements, Family, KeyShape, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, SetId, SetRole, TABLE, Timed,
@@ -255,19 +256,6 @@ impl LiveTable {
     }
 }
 
-/// In guard mode, the note for a refused packet to a DNS port (53, 853): `None` for any other.
-pub fn guard_dns_note(uid: u32, dport: Option<u16>, to_upstream: bool) -> Option<String> {
-    let port = dport.filter(|p| crate::core::plan::GUARDED_DNS_PORTS.contains(p))?;
-    Some(if to_upstream {
-        format!(
-            "DNS to the guard's upstream resolver: only the guard (uid {uid}, its sockets \
-             marked) may ask it"
-        )
-    } else {
-        format!("DNS (port {port}) to a resolver other than the guard: refused in guard mode")
-    })
-}
-
 /// What the installed table says about destinations, for notes on refused packets.
 #[derive(Debug, Clone, Default)]
 pub struct Destinations {
@@ -300,27 +288,26 @@ impl Destinations {
         d
     }
 
-    /// "denied (169.254.0.0/16)", "allowed on other ports or protocols only", "not in the
-    /// policy", or in guard mode what it says of DNS.
-    pub fn note(&self, dst: IpAddr, dport: Option<u16>) -> String {
+    /// Why a packet to `dst`:`dport` was refused, as far as the table tells.
+    pub fn why_refused(&self, dst: IpAddr, dport: Option<u16>) -> WhyRefused {
         let upstream = self.resolvers.iter().any(|n| n.contains(&dst));
-        if let Some(note) = self
+        if let Some(why) = self
             .guard_uid
-            .and_then(|uid| guard_dns_note(uid, dport, upstream))
+            .and_then(|uid| explain::guard_dns(uid, dport, upstream))
         {
-            return note;
+            return why;
         }
         if let Some(net) = self.denied.iter().find(|n| n.contains(&dst)) {
-            format!("denied ({})", crate::core::ruleset::fmt_net(net))
+            WhyRefused::Denied(crate::core::ruleset::fmt_net(net))
         } else if self
             .allowed
             .iter()
             .chain(&self.resolvers)
             .any(|n| n.contains(&dst))
         {
-            "allowed on other ports or protocols only".to_string()
+            WhyRefused::OtherPortsOnly { names: Vec::new() }
         } else {
-            "not in the policy".to_string()
+            WhyRefused::NotInPolicy
         }
     }
 }
@@ -833,20 +820,14 @@ mod tests {
         };
         let upstream: IpAddr = "192.0.2.53".parse().unwrap();
         let other: IpAddr = "203.0.113.9".parse().unwrap();
-        assert!(
-            d.note(upstream, Some(53))
-                .contains("only the guard (uid 993, its sockets marked)")
-        );
-        assert!(
-            d.note(other, Some(853))
-                .contains("port 853) to a resolver other than the guard")
-        );
+        assert!(d.why_refused(upstream, Some(53)) == WhyRefused::GuardUpstream { guard_uid: 993 });
+        assert!(d.why_refused(other, Some(853)) == WhyRefused::OtherResolver { port: 853 });
         assert_eq!(
-            d.note(upstream, Some(443)),
-            "allowed on other ports or protocols only"
+            d.why_refused(upstream, Some(443)),
+            WhyRefused::OtherPortsOnly { names: vec![] }
         );
         d.guard_uid = None;
-        assert_eq!(d.note(other, Some(53)), "not in the policy");
+        assert_eq!(d.why_refused(other, Some(53)), WhyRefused::NotInPolicy);
     }
 
     #[test]

@@ -1,0 +1,127 @@
+//! Why a packet was refused, in one vocabulary: the daemon's log (which knows names and
+//! expiries), `watch` (which knows only what the table holds) and their tests say it the same
+//! way. Pure: the callers gather what they know into a [`WhyRefused`] and print it.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Why the boundary refused a packet to a destination.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WhyRefused {
+    /// Guard mode: DNS to the guard's upstream resolver from a socket that is not the
+    /// guard's.
+    GuardUpstream {
+        guard_uid: u32,
+    },
+    /// Guard mode: DNS (53, 853) to a resolver other than the guard.
+    OtherResolver {
+        port: u16,
+    },
+    /// A deny entry covers it: the entry as the policy says it (`preset cloud-metadata`) or,
+    /// read from the table, the network it holds (`169.254.0.0/16`).
+    Denied(String),
+    /// It is allowed, but not to this port or protocol. `names` are the allowed names that
+    /// answered it (empty when only the table was read).
+    OtherPortsOnly {
+        names: Vec<String>,
+    },
+    /// It was an address of `name`, whose lifetime ended `ago`: what drifting CDNs look like.
+    LifetimeEnded {
+        name: String,
+        ago: Duration,
+    },
+    NotInPolicy,
+}
+
+impl fmt::Display for WhyRefused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WhyRefused::GuardUpstream { guard_uid } => write!(
+                f,
+                "DNS to the guard's upstream resolver: only the guard (uid {guard_uid}, its \
+                 sockets marked) may ask it"
+            ),
+            WhyRefused::OtherResolver { port } => write!(
+                f,
+                "DNS (port {port}) to a resolver other than the guard: refused in guard mode"
+            ),
+            WhyRefused::Denied(what) => write!(f, "denied: {what}"),
+            WhyRefused::OtherPortsOnly { names } if names.is_empty() => {
+                f.write_str("allowed on other ports or protocols only")
+            }
+            WhyRefused::OtherPortsOnly { names } => write!(
+                f,
+                "an address of {}, allowed on other ports or protocols only",
+                names.join(", ")
+            ),
+            WhyRefused::LifetimeEnded { name, ago } => write!(
+                f,
+                "was an address of {name} until {} ago (its grace ended)",
+                super::time::minutes_seconds(*ago)
+            ),
+            WhyRefused::NotInPolicy => f.write_str("not in the policy"),
+        }
+    }
+}
+
+/// In guard mode, why a packet to a DNS port (53, 853) was refused: `None` for other ports.
+/// `to_upstream`: the destination is one of the guard's upstream resolvers.
+pub fn guard_dns(guard_uid: u32, dport: Option<u16>, to_upstream: bool) -> Option<WhyRefused> {
+    let port = dport.filter(|p| super::plan::GUARDED_DNS_PORTS.contains(p))?;
+    Some(if to_upstream {
+        WhyRefused::GuardUpstream { guard_uid }
+    } else {
+        WhyRefused::OtherResolver { port }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_reason_reads_as_one_sentence() {
+        let said = [
+            WhyRefused::GuardUpstream { guard_uid: 993 },
+            WhyRefused::OtherResolver { port: 853 },
+            WhyRefused::Denied("preset cloud-metadata".into()),
+            WhyRefused::OtherPortsOnly { names: vec![] },
+            WhyRefused::OtherPortsOnly {
+                names: vec!["a.example".into(), "b.example".into()],
+            },
+            WhyRefused::LifetimeEnded {
+                name: "a.example".into(),
+                ago: Duration::from_secs(250),
+            },
+            WhyRefused::NotInPolicy,
+        ]
+        .map(|r| r.to_string());
+        assert_eq!(
+            said,
+            [
+                "DNS to the guard's upstream resolver: only the guard (uid 993, its sockets \
+                 marked) may ask it",
+                "DNS (port 853) to a resolver other than the guard: refused in guard mode",
+                "denied: preset cloud-metadata",
+                "allowed on other ports or protocols only",
+                "an address of a.example, b.example, allowed on other ports or protocols only",
+                "was an address of a.example until 4m10s ago (its grace ended)",
+                "not in the policy",
+            ]
+        );
+    }
+
+    #[test]
+    fn only_dns_ports_get_a_guard_reason() {
+        assert_eq!(
+            guard_dns(993, Some(53), true),
+            Some(WhyRefused::GuardUpstream { guard_uid: 993 })
+        );
+        assert_eq!(
+            guard_dns(993, Some(853), false),
+            Some(WhyRefused::OtherResolver { port: 853 })
+        );
+        assert_eq!(guard_dns(993, Some(443), true), None);
+        assert_eq!(guard_dns(993, None, false), None);
+    }
+}
