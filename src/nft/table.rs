@@ -56,10 +56,10 @@ pub mod memory {
     use nix::errno::Errno;
 
     use super::Table;
+    use crate::core::diff::wanted_chain;
     use crate::core::ruleset::{
         Elements, Family, OUTPUT_CHAIN, REFUSED_CHAIN, Ruleset, SetId, SetRole, TABLE, Timed,
     };
-    use crate::core::diff::wanted_chain;
     use crate::nft::encode::{dumped_rule, key_spec, set_elements, set_flags};
     use crate::nft::live::LiveRule;
     use crate::nft::sys::{LiveChain, LiveElem, LiveSet};
