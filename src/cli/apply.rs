@@ -181,10 +181,13 @@ fn print_apply(outcome: &ApplyOutcome, path: &Path, confirm_hint: &str) {
                 p.generation
             ),
             (None, None) => println!(
-                "generation {} has no earlier generation to revert to: unless `{confirm_hint}` \
+                "generation {} replaced no table, so there is nothing to revert to: unless `{confirm_hint}` \
                  runs before, table inet {TABLE} is DELETED {when} and the host is left unfenced",
                 p.generation
             ),
+        }
+        if let Some(unit) = &p.timer_unit {
+            println!("its revert timer runs as systemd unit {unit}");
         }
     }
 }
