@@ -1443,6 +1443,72 @@ mod tests {
         assert_eq!(aged(&rs, Duration::from_secs(3600)), rs);
     }
 
+    /// A fake `systemd-run` that records its arguments and, as the unit would, starts a timer
+    /// that writes its record (this test process stands in for it).
+    #[test]
+    fn a_timer_started_as_a_unit_is_recorded_with_its_unit() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let args_file = f.state.path().join("systemd-run.args");
+        let process_timer = armed_timer(&f.state);
+        let timer = |token: &str, log: &Path| {
+            let mut launch = process_timer(token, log);
+            let mut fake = Command::new("sh");
+            fake.args(["-c", "echo \"$@\" > \"$0\"", args_file.to_str().unwrap()])
+                .args(["--unit=egress-fence-revert-x", "--collect"]);
+            launch.unit = Some(("egress-fence-revert-x".into(), fake));
+            // Only the unit may start: a process would say `armed` to no one.
+            launch.process = Command::new("false");
+            launch
+        };
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        let outcome = apply(&mut table, &f.writer(), planned(A), Some(request)).expect("applied");
+        let armed = outcome.armed.expect("armed");
+        assert_eq!(armed.timer_unit.as_deref(), Some("egress-fence-revert-x"));
+        assert_eq!(f.state.pending().unwrap(), Some(armed));
+        let args = std::fs::read_to_string(&args_file).expect("systemd-run ran");
+        assert_eq!(args.trim(), "--unit=egress-fence-revert-x --collect");
+    }
+
+    #[test]
+    fn when_systemd_run_fails_the_timer_starts_as_a_process() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let process_timer = armed_timer(&f.state);
+        let timer = |token: &str, log: &Path| {
+            let mut launch = process_timer(token, log);
+            launch.unit = Some(("egress-fence-revert-x".into(), Command::new("false")));
+            launch
+        };
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        let outcome = apply(&mut table, &f.writer(), planned(A), Some(request)).expect("applied");
+        assert_eq!(outcome.armed.expect("armed").timer_unit, None);
+        let log = std::fs::read_to_string(f.state.revert_timer_log()).expect("the log");
+        assert!(log.contains("systemd-run could not start unit"), "{log}");
+    }
+
+    #[test]
+    fn a_timer_that_arms_without_a_record_fails_and_nothing_is_applied() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let timer = |_: &str, _: &Path| {
+            let mut process = Command::new("sh");
+            process.args(["-c", "echo armed"]);
+            TimerLaunch {
+                unit: None,
+                process,
+            }
+        };
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        let err = apply(&mut table, &f.writer(), planned(A), Some(request)).expect_err("failed");
+        assert!(err.to_string().contains("left no record"), "{err}");
+        assert_eq!(table.table, Some(planned(B).ruleset));
+        assert_eq!(f.state.pending().unwrap(), None);
+    }
+
     #[test]
     fn a_blocking_table_is_suspected_only_when_names_failed_and_the_dns_sets_differ() {
         let mut p = planned(A);
