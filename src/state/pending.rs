@@ -309,8 +309,11 @@ impl StateDir {
         self.write_atomically(PENDING_FILE, &json, false)
     }
 
-    /// Removes the pending confirmation; `false` if there was none.
+    /// Removes the pending confirmation (and its timer's record); `false` if there was none.
     pub fn clear_pending(&self, _lock: &WriterLock) -> Result<bool, StateError> {
+        if let Ok(Some(pending)) = self.pending() {
+            self.remove_timer_record(&pending.token)?;
+        }
         let path = self.file(PENDING_FILE);
         match fs::remove_file(&path) {
             Ok(()) => {
