@@ -174,7 +174,7 @@ pub fn apply(
     {
         if armed.is_some() {
             // Nothing changed: the timer finds its record gone and stands down.
-            writer.state.clear_pending(writer.lock)?;
+            withdraw(writer, pending.awaiting())?;
         }
         return Err(e.into());
     }
@@ -325,6 +325,17 @@ fn forget(writer: &Writer<'_>, pending: &PendingConfirm) -> Result<(), ChangeErr
     Ok(())
 }
 
+/// Takes back a confirmation just armed, for a change that did not happen: the one it
+/// replaced, if any, awaits its deadline again (its timer may have stood down meanwhile; then
+/// the first writer after the deadline reverts it, as for any timer that is gone).
+fn withdraw(writer: &Writer<'_>, replaced: Option<&PendingConfirm>) -> Result<(), ChangeError> {
+    writer.state.clear_pending(writer.lock)?;
+    if let Some(earlier) = replaced {
+        writer.state.write_pending(writer.lock, earlier)?;
+    }
+    Ok(())
+}
+
 /// Writes the pending confirmation and starts its revert timer; returns once the timer said
 /// it is armed. What it reverts to: what an earlier unconfirmed change reverts to (the last
 /// confirmed state), else what the kernel holds now (see [`revert_target`]).
@@ -360,7 +371,7 @@ fn arm(
         }
         Err(e) => {
             // The timer, should it arm late, finds no record and stands down.
-            forget(writer, &pending)?;
+            withdraw(writer, awaiting)?;
             return Err(e);
         }
     }
@@ -1008,6 +1019,23 @@ mod tests {
         apply(&mut table, &f.writer(), planned(A), Some(confirm)).expect_err("refused");
         assert_eq!(f.state.pending().unwrap(), None, "the timer stands down");
         assert!(f.state.generation_numbers().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_refused_apply_gives_back_the_confirmation_it_would_have_replaced() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        let earlier = pending_armed(&f, 2, Some(1), Duration::ZERO, Duration::from_secs(60));
+        table.refuse_apply = true;
+        let timer = armed_timer(&f.state);
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        apply(&mut table, &f.writer(), planned(B), Some(request)).expect_err("refused");
+        assert_eq!(
+            f.state.pending().unwrap(),
+            Some(earlier),
+            "still awaits its deadline"
+        );
     }
 
     #[test]
