@@ -5,23 +5,32 @@
 //! Confirm-or-revert (`apply --confirm-within`) is ordered so that no failure, and no death
 //! of the applying process, leaves an unconfirmed change in place for good: the pending
 //! confirmation is written and a revert timer started and heard from *before* the table is
-//! touched. The timer is a process of its own, in a session of its own, so it outlives the
-//! terminal and the shell that ran `apply`; it reverts at the deadline unless the pending
-//! record has been confirmed (removed) or replaced by then.
+//! touched. The timer outlives its caller's session: a transient systemd unit where systemd
+//! runs, else a process of a session of its own that is no session leader (its first stage
+//! leaves and exits). It reverts at the deadline unless the pending record has been
+//! confirmed (removed) or replaced by then. It writes its pid and start time beside the
+//! record, so anyone can see whether it lives; a writer (`apply`, `rollback`, `confirm`) that
+//! finds the deadline passed carries out the revert itself, so a killed timer delays a
+//! revert to the next writer but never loses it. What a change reverts to is what the kernel
+//! held before it: a generation that describes the live table, else the live table itself,
+//! recorded in the pending record (refused when it cannot be put back exactly), else nothing.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::core::diff::{CompareOptions, Presence, TableDiff, compare};
 use crate::core::resolution::Resolution;
-use crate::core::ruleset::{Ruleset, SetId, SetRole};
+use crate::core::ruleset::{
+    Elements, OUTPUT_CHAIN, REFUSED_CHAIN, Ruleset, Set, SetId, SetRole, TABLE,
+};
+use crate::nft::live::{ReadRule, describe_table_flags};
 use crate::nft::{LiveTable, NftError, Table};
 use crate::state::{
-    Generation, NewGeneration, PendingConfirm, Recorder, Reverted, StateDir, StateError,
-    WriterLock, current_netns_inode, rfc3339,
+    Generation, NewGeneration, Now, PendingConfirm, Recorder, Reverted, Stage, StateDir,
+    StateError, TimerLife, WriterLock, current_netns_inode, rfc3339,
 };
 
 /// How long `apply` waits for a revert timer to say it is armed.
@@ -57,6 +66,12 @@ pub enum ChangeError {
     #[error("the revert timer has nothing to guard: {0}")]
     NothingToGuard(String),
     #[error(
+        "refusing --confirm-within: table inet {TABLE} is installed but cannot be recorded to \
+         revert to ({0}), so no revert could put it back; nothing was applied (apply without \
+         --confirm-within, or remove the table first)"
+    )]
+    Unrecordable(String),
+    #[error(
         "refusing to revert: this process is in network namespace {current}, the change was applied in {applied_in}"
     )]
     WrongNamespace { current: u64, applied_in: u64 },
@@ -78,11 +93,22 @@ pub struct Planned {
     pub ruleset: Ruleset,
 }
 
-/// `--confirm-within`: the window, and how to start a revert timer for a token (the caller
-/// knows the command line; the timer must print [`TIMER_ARMED`] once armed).
+/// `--confirm-within`: the window, and how to start a revert timer for a token, given the
+/// log its standard error goes to (the caller knows the command line).
 pub struct ConfirmRequest<'a> {
     pub within: Duration,
-    pub timer_command: &'a dyn Fn(&str) -> Command,
+    pub timer: &'a dyn Fn(&str, &Path) -> TimerLaunch,
+}
+
+/// The ways to start one revert timer. Either way, the timer writes its record (see
+/// [`crate::state::TimerRecord`]) once armed.
+pub struct TimerLaunch {
+    /// A transient systemd unit (its name, and the `systemd-run` command that starts it):
+    /// tried first; when `systemd-run` cannot run or fails, the process is started instead.
+    pub unit: Option<(String, Command)>,
+    /// A process that leaves the caller's session by itself and prints [`TIMER_ARMED`] on
+    /// its standard output once armed.
+    pub process: Command,
 }
 
 /// What an `apply` did.
@@ -97,10 +123,9 @@ pub struct ApplyOutcome {
     pub current: Option<u64>,
     /// The confirmation this apply armed.
     pub armed: Option<PendingConfirm>,
-    /// An earlier change that still awaits confirmation: its deadline also undoes this one.
-    pub awaiting: Option<PendingConfirm>,
-    /// A revert that happened since the last writer, now taken note of.
-    pub noted_revert: Option<PendingConfirm>,
+    /// What this apply found of an earlier confirmation (when it armed a new one, an earlier
+    /// one that still awaited confirmation was replaced: `Nothing`).
+    pub pending: PendingNote,
 }
 
 impl ApplyOutcome {
@@ -116,7 +141,7 @@ pub fn apply(
     planned: Planned,
     confirm: Option<ConfirmRequest<'_>>,
 ) -> Result<ApplyOutcome, ChangeError> {
-    let (awaiting, noted_revert) = take_note_of_pending(writer)?;
+    let pending = take_note_of_pending(nft, writer)?;
     let live = nft.read_table()?;
     let diff = compare(&planned.ruleset, live.as_ref(), CompareOptions::default());
     let newest = writer.state.newest();
@@ -128,15 +153,20 @@ pub fn apply(
             recorded: None,
             current,
             armed: None,
-            awaiting,
-            noted_revert,
+            pending,
         });
     }
 
     let number = writer.state.next_number(writer.lock)?;
     // Nothing changes in the kernel when nothing differs, so there is nothing to confirm.
     let armed = match confirm.filter(|_| !diff.is_empty()) {
-        Some(request) => Some(arm(writer, number, awaiting.as_ref(), &request)?),
+        Some(request) => Some(arm(
+            writer,
+            number,
+            pending.awaiting(),
+            live.as_ref(),
+            &request,
+        )?),
         None => None,
     };
     if !diff.is_empty()
@@ -144,7 +174,7 @@ pub fn apply(
     {
         if armed.is_some() {
             // Nothing changed: the timer finds its record gone and stands down.
-            writer.state.clear_pending(writer.lock)?;
+            withdraw(writer, pending.awaiting())?;
         }
         return Err(e.into());
     }
@@ -169,9 +199,11 @@ pub fn apply(
         current: Some(recorded.generation),
         recorded: Some(recorded),
         // A new confirmation replaces the one that was awaited (and keeps what it reverts to).
-        awaiting: if armed.is_some() { None } else { awaiting },
+        pending: match pending {
+            PendingNote::Awaiting(_) if armed.is_some() => PendingNote::Nothing,
+            other => other,
+        },
         armed,
-        noted_revert,
     })
 }
 
@@ -199,91 +231,374 @@ pub fn may_have_blocked_resolution(planned: &Planned, live: Option<&LiveTable>) 
         })
 }
 
-/// The pending record as a writer finds it: a change still awaiting confirmation (it stays:
-/// only `confirm` or its deadline ends it), or a revert to take note of (the record goes).
-/// An abandoned record (its timer died, a reboot) goes too: nothing will act on it.
-fn take_note_of_pending(
-    writer: &Writer<'_>,
-) -> Result<(Option<PendingConfirm>, Option<PendingConfirm>), ChangeError> {
-    let Some(pending) = writer.state.pending()? else {
-        return Ok((None, None));
-    };
-    if pending.is_awaiting(SystemTime::now()) {
-        return Ok((Some(pending), None));
+/// What a writer found of an earlier confirm-or-revert.
+#[derive(Debug, Default)]
+pub enum PendingNote {
+    #[default]
+    Nothing,
+    /// A change that still awaits confirmation: its deadline also undoes this one. The record
+    /// stays: only `confirm` or its deadline ends it.
+    Awaiting(PendingConfirm),
+    /// Its revert timer reverted it since the last writer: taken note of, the record goes.
+    Reverted(PendingConfirm),
+    /// Its deadline had passed and no revert was done yet (its timer is gone, or waits for
+    /// the lock this writer holds): this writer carried it out; the record goes.
+    RevertedNow(PendingConfirm, RevertOutcome),
+    /// Void (armed before the host restarted, or in a network namespace that is gone):
+    /// dropped, and said so.
+    Dropped(PendingConfirm, String),
+}
+
+impl PendingNote {
+    pub fn awaiting(&self) -> Option<&PendingConfirm> {
+        match self {
+            PendingNote::Awaiting(p) => Some(p),
+            _ => None,
+        }
     }
+
+    /// The note in a sentence, for a writer's report (`None` when there is nothing to say).
+    pub fn describe(&self, state: &StateDir) -> Option<String> {
+        Some(match self {
+            PendingNote::Nothing => return None,
+            PendingNote::Awaiting(p) | PendingNote::Reverted(p) => state.describe_pending(p),
+            PendingNote::RevertedNow(p, outcome) => format!(
+                "generation {} was not confirmed by {} and no revert timer had reverted it: \
+                 reverted it now: {}",
+                p.generation,
+                p.deadline,
+                outcome.describe()
+            ),
+            PendingNote::Dropped(p, why) => format!(
+                "dropped the pending confirmation of generation {} (deadline {}): {why}; \
+                 nothing was reverted",
+                p.generation, p.deadline
+            ),
+        })
+    }
+}
+
+/// The pending record as a writer finds it: still awaiting confirmation (it stays), a revert
+/// to take note of, a revert that is due (carried out here, under this writer's lock, before
+/// anything else), or a void record (dropped).
+fn take_note_of_pending(
+    nft: &mut impl Table,
+    writer: &Writer<'_>,
+) -> Result<PendingNote, ChangeError> {
+    let Some(pending) = writer.state.pending()? else {
+        return Ok(PendingNote::Nothing);
+    };
+    let now = Now::read();
+    let note = match pending.stage(&now) {
+        Stage::Awaiting(_) => return Ok(PendingNote::Awaiting(pending)),
+        Stage::Reverted => PendingNote::Reverted(pending),
+        Stage::OtherBoot => PendingNote::Dropped(
+            pending,
+            "it was armed before the host restarted, which ended its revert timer and the \
+             kernel's table"
+                .into(),
+        ),
+        Stage::Due => match check_namespace(&pending) {
+            Err(ChangeError::WrongNamespace { applied_in, .. }) => PendingNote::Dropped(
+                pending,
+                format!("it was applied in network namespace {applied_in}, which is gone"),
+            ),
+            Err(e) => return Err(e),
+            Ok(()) => {
+                let outcome = carry_out(nft, writer, &pending, &now)?;
+                PendingNote::RevertedNow(pending, outcome)
+            }
+        },
+    };
+    if let PendingNote::Reverted(p) | PendingNote::RevertedNow(p, _) | PendingNote::Dropped(p, _) =
+        &note
+    {
+        forget(writer, p)?;
+    }
+    Ok(note)
+}
+
+/// Removes a pending record and its timer's record.
+fn forget(writer: &Writer<'_>, pending: &PendingConfirm) -> Result<(), ChangeError> {
     writer.state.clear_pending(writer.lock)?;
-    Ok((None, pending.reverted.is_some().then_some(pending)))
+    writer.state.remove_timer_record(&pending.token)?;
+    Ok(())
+}
+
+/// Takes back a confirmation just armed, for a change that did not happen: the one it
+/// replaced, if any, awaits its deadline again (its timer may have stood down meanwhile; then
+/// the first writer after the deadline reverts it, as for any timer that is gone).
+fn withdraw(writer: &Writer<'_>, replaced: Option<&PendingConfirm>) -> Result<(), ChangeError> {
+    writer.state.clear_pending(writer.lock)?;
+    if let Some(earlier) = replaced {
+        writer.state.write_pending(writer.lock, earlier)?;
+    }
+    Ok(())
 }
 
 /// Writes the pending confirmation and starts its revert timer; returns once the timer said
-/// it is armed. What it reverts to: the last confirmed state, which is what an earlier
-/// unconfirmed change reverts to, else the newest generation, else no table.
+/// it is armed. What it reverts to: what an earlier unconfirmed change reverts to (the last
+/// confirmed state), else what the kernel holds now (see [`revert_target`]).
 fn arm(
     writer: &Writer<'_>,
     generation: u64,
     awaiting: Option<&PendingConfirm>,
+    live: Option<&LiveTable>,
     request: &ConfirmRequest<'_>,
 ) -> Result<PendingConfirm, ChangeError> {
-    let revert_to = match awaiting {
-        Some(earlier) => earlier.revert_to,
-        None => writer.state.generation_numbers()?.last().copied(),
+    let (revert_to, revert_table) = match awaiting {
+        Some(earlier) => (earlier.revert_to, earlier.revert_table.clone()),
+        None => revert_target(writer.state, live)?,
     };
     if let Some(n) = revert_to {
         // Refuse now rather than find out at the deadline that there is nothing to revert to.
         writer.state.load(n)?;
     }
-    let deadline = SystemTime::now() + request.within;
-    let pending = PendingConfirm::new(generation, revert_to, deadline, current_netns_inode()?);
+    let mut pending = PendingConfirm::new(
+        generation,
+        revert_to,
+        &Now::read(),
+        request.within,
+        current_netns_inode()?,
+    );
+    pending.revert_table = revert_table;
     writer.state.write_pending(writer.lock, &pending)?;
-    if let Err(e) = start_timer(writer.state, &pending.token, request.timer_command) {
-        writer.state.clear_pending(writer.lock)?;
-        return Err(e);
+    match start_timer(writer.state, &pending.token, request.timer) {
+        Ok(None) => {}
+        Ok(Some(unit)) => {
+            pending.timer_unit = Some(unit);
+            writer.state.write_pending(writer.lock, &pending)?;
+        }
+        Err(e) => {
+            // The timer, should it arm late, finds no record and stands down.
+            withdraw(writer, awaiting)?;
+            return Err(e);
+        }
     }
     Ok(pending)
 }
 
-/// Starts the revert timer and waits for its [`TIMER_ARMED`] line. Its standard error goes to
-/// the state directory's log, its standard input is /dev/null: it needs no terminal.
+/// What the kernel holds, as something to revert to: the newest generation when the live
+/// table is exactly it; else the live table itself, when it can be put back exactly; else
+/// nothing, when there is no table. Never nothing when there is a table.
+fn revert_target(
+    state: &StateDir,
+    live: Option<&LiveTable>,
+) -> Result<(Option<u64>, Option<Ruleset>), ChangeError> {
+    let Some(live) = live else {
+        return Ok((None, None));
+    };
+    if let Ok(Some(newest)) = state.newest()
+        && compare(&newest.ruleset, Some(live), CompareOptions::default()).is_empty()
+    {
+        return Ok((Some(newest.generation), None));
+    }
+    let table = recorded_table(live).map_err(ChangeError::Unrecordable)?;
+    Ok((None, Some(table)))
+}
+
+/// The live table as a [`Ruleset`] that installs it again, exactly: every rule one that
+/// egress-fence writes, every set one of its eight with every element decoded, no other chain
+/// or set, no table flags, and the result compared with the live table once more (so what is
+/// recorded is what the comparison sees, all of it). `Err` says what cannot be recorded.
+pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
+    if live.flags != 0 {
+        return Err(format!(
+            "its flags are {}",
+            describe_table_flags(live.flags)
+        ));
+    }
+    let mut output = Vec::new();
+    let mut refused = Vec::new();
+    for r in &live.rules {
+        let rule = match &r.rule {
+            ReadRule::Known(rule) => rule.clone(),
+            unknown @ ReadRule::Unknown(_) => {
+                return Err(format!(
+                    "chain {} holds a rule egress-fence does not write: {unknown}",
+                    r.chain
+                ));
+            }
+        };
+        match r.chain.as_str() {
+            OUTPUT_CHAIN => output.push(rule),
+            REFUSED_CHAIN => refused.push(rule),
+            other => {
+                return Err(format!(
+                    "it has a chain egress-fence does not make: {other}"
+                ));
+            }
+        }
+    }
+    if let Some((set, _)) = live
+        .sets
+        .iter()
+        .find(|(set, _)| SetId::from_name(&set.name).is_none())
+    {
+        return Err(format!(
+            "it has a set egress-fence does not make: {}",
+            set.name
+        ));
+    }
+    let mut sets = Vec::new();
+    for id in SetId::ALL {
+        let contents = live
+            .read_set(id)
+            .ok_or_else(|| format!("its set {} is missing", id.name()))?;
+        if let Some(element) = contents.undecodable.first() {
+            return Err(format!(
+                "set {} holds an element egress-fence does not write: {element}",
+                id.name()
+            ));
+        }
+        sets.push(Set {
+            id,
+            elements: contents.elements,
+        });
+    }
+    let table = Ruleset {
+        sets,
+        output,
+        refused,
+    };
+    let diff = compare(&table, Some(live), CompareOptions::default());
+    if !diff.is_empty() {
+        return Err(format!(
+            "it would not read back the same: {}",
+            diff.summary().join("; ")
+        ));
+    }
+    Ok(table)
+}
+
+/// A recorded table `elapsed` later: its resolved elements keep only what was left of their
+/// lifetimes (an element that would have expired meanwhile is left out), so putting it back
+/// lengthens no lifetime.
+pub fn aged(table: &Ruleset, elapsed: Duration) -> Ruleset {
+    let elapsed_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+    let mut table = table.clone();
+    for set in &mut table.sets {
+        if let Elements::Timed(timed) = &mut set.elements {
+            timed.retain_mut(|t| {
+                let Some(left) = t.expires_ms.or(t.timeout_ms) else {
+                    return true;
+                };
+                match left.checked_sub(elapsed_ms).filter(|&ms| ms > 0) {
+                    Some(ms) => {
+                        t.timeout_ms = Some(ms);
+                        t.expires_ms = None;
+                        true
+                    }
+                    None => false,
+                }
+            });
+        }
+    }
+    table
+}
+
+/// Starts the revert timer (as a systemd unit if one is offered and `systemd-run` works,
+/// else as a process) and waits until it is armed; returns the unit's name if it runs as one.
 fn start_timer(
     state: &StateDir,
     token: &str,
-    timer_command: &dyn Fn(&str) -> Command,
-) -> Result<(), ChangeError> {
+    timer: &dyn Fn(&str, &Path) -> TimerLaunch,
+) -> Result<Option<String>, ChangeError> {
     let log_path = state.revert_timer_log();
     let failed = |reason: String| ChangeError::TimerStart {
         reason,
         log: log_path.clone(),
     };
+    let launch = timer(token, &log_path);
+    if let Some((unit, command)) = launch.unit {
+        match start_unit(state, token, command) {
+            Ok(()) => return Ok(Some(unit)),
+            Err(UnitStart::Failed(reason)) => return Err(failed(reason)),
+            Err(UnitStart::NoSystemdRun(reason)) => {
+                // Said in the log, which the timer's own lines follow.
+                if let Ok(mut log) = state.open_revert_timer_log() {
+                    let _ = writeln!(
+                        log,
+                        "systemd-run could not start unit {unit} ({reason}); starting the \
+                         revert timer as a process of its own session instead"
+                    );
+                }
+            }
+        }
+    }
+    start_process(state, token, launch.process).map_err(failed)?;
+    Ok(None)
+}
+
+enum UnitStart {
+    /// `systemd-run` did not run or refused: another way may work.
+    NoSystemdRun(String),
+    /// The unit started but its timer did not arm.
+    Failed(String),
+}
+
+/// Runs `systemd-run` and waits for the unit's timer to write its record.
+fn start_unit(state: &StateDir, token: &str, mut command: Command) -> Result<(), UnitStart> {
     let log = state
         .open_revert_timer_log()
-        .map_err(|e| failed(format!("cannot open its log: {e}")))?;
-    let mut child = timer_command(token)
+        .map_err(|e| UnitStart::NoSystemdRun(format!("cannot open its log: {e}")))?;
+    let status = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .status()
+        .map_err(|e| UnitStart::NoSystemdRun(format!("cannot run it: {e}")))?;
+    if !status.success() {
+        return Err(UnitStart::NoSystemdRun(format!("it exited with {status}")));
+    }
+    let until = Instant::now() + TIMER_HANDSHAKE;
+    while Instant::now() < until {
+        if state.timer_life(token) == TimerLife::Alive {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(UnitStart::Failed(format!(
+        "its unit did not arm within {} s",
+        TIMER_HANDSHAKE.as_secs()
+    )))
+}
+
+/// Starts the timer's process and waits for its [`TIMER_ARMED`] line and its record. Its
+/// standard error goes to the state directory's log, its standard input is /dev/null: it
+/// needs no terminal.
+fn start_process(state: &StateDir, token: &str, mut command: Command) -> Result<(), String> {
+    let log = state
+        .open_revert_timer_log()
+        .map_err(|e| format!("cannot open its log: {e}"))?;
+    let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(log)
         .spawn()
-        .map_err(|e| failed(format!("cannot start it: {e}")))?;
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| failed("no pipe to it".into()))?;
+        .map_err(|e| format!("cannot start it: {e}"))?;
+    let stdout = child.stdout.take().ok_or("no pipe to it")?;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut line = String::new();
         let _ = BufReader::new(stdout).read_line(&mut line);
         let _ = tx.send(line);
     });
-    match rx.recv_timeout(TIMER_HANDSHAKE) {
-        Ok(line) if line.trim() == TIMER_ARMED => Ok(()),
-        outcome => {
-            let _ = child.kill();
-            let _ = child.wait();
-            Err(failed(match outcome {
-                Ok(_) => "it exited before it was armed".into(),
-                Err(_) => format!("it did not report within {} s", TIMER_HANDSHAKE.as_secs()),
-            }))
-        }
+    let outcome = rx.recv_timeout(TIMER_HANDSHAKE);
+    if !matches!(&outcome, Ok(line) if line.trim() == TIMER_ARMED) {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(match outcome {
+            Ok(_) => "it exited before it was armed".into(),
+            Err(_) => format!("it did not report within {} s", TIMER_HANDSHAKE.as_secs()),
+        });
     }
+    // Its first stage only leaves the session and hands over: it has exited or is about to.
+    let _ = child.wait();
+    if state.timer_life(token) != TimerLife::Alive {
+        return Err("it said it was armed but left no record of itself".into());
+    }
+    Ok(())
 }
 
 /// What a `rollback` did.
@@ -295,8 +610,7 @@ pub struct RollbackOutcome {
     pub recorded: Generation,
     /// What differed from the live table (empty: nothing was sent).
     pub diff: TableDiff,
-    pub awaiting: Option<PendingConfirm>,
-    pub noted_revert: Option<PendingConfirm>,
+    pub pending: PendingNote,
 }
 
 /// Reinstates generation `to`, or the one before the newest, exactly as it was applied
@@ -310,14 +624,13 @@ pub fn rollback(
         Some(n) => writer.state.load(n)?,
         None => writer.state.before_newest()?,
     };
-    let (awaiting, noted_revert) = take_note_of_pending(writer)?;
+    let pending = take_note_of_pending(nft, writer)?;
     let (diff, recorded) = reinstate(nft, writer, &source, Recorder::Rollback)?;
     Ok(RollbackOutcome {
         source,
         recorded,
         diff,
-        awaiting,
-        noted_revert,
+        pending,
     })
 }
 
@@ -360,21 +673,22 @@ fn reinstate(
 pub enum ConfirmOutcome {
     /// The change is kept; its timer stands down.
     Confirmed(PendingConfirm),
-    /// The deadline passed and the change was reverted before the confirmation came.
-    TooLate(PendingConfirm),
+    /// The deadline passed before the confirmation came: the change was reverted (by its
+    /// timer, or now), or its record was void.
+    TooLate(PendingNote),
     NothingPending,
 }
 
-/// Confirms the change awaiting confirmation, if any.
-pub fn confirm(state: &StateDir, lock: &WriterLock) -> Result<ConfirmOutcome, ChangeError> {
-    let Some(pending) = state.pending()? else {
-        return Ok(ConfirmOutcome::NothingPending);
-    };
-    state.clear_pending(lock)?;
-    Ok(if pending.reverted.is_some() {
-        ConfirmOutcome::TooLate(pending)
-    } else {
-        ConfirmOutcome::Confirmed(pending)
+/// Confirms the change awaiting confirmation, if any. After its deadline there is nothing to
+/// confirm: a revert still due is carried out now.
+pub fn confirm(nft: &mut impl Table, writer: &Writer<'_>) -> Result<ConfirmOutcome, ChangeError> {
+    Ok(match take_note_of_pending(nft, writer)? {
+        PendingNote::Nothing => ConfirmOutcome::NothingPending,
+        PendingNote::Awaiting(p) => {
+            forget(writer, &p)?;
+            ConfirmOutcome::Confirmed(p)
+        }
+        late => ConfirmOutcome::TooLate(late),
     })
 }
 
@@ -410,13 +724,9 @@ pub enum TimerWake {
 }
 
 /// Sleeps until the deadline, waking early when the record is confirmed or replaced. The
-/// deadline is measured on the monotonic clock from now, so a clock step does not move it.
+/// deadline is the record's, on the boot clock (see [`crate::state::Now`]), so neither a
+/// step of the wall clock nor a suspend moves it.
 pub fn wait_for_deadline(state: &StateDir, pending: &PendingConfirm) -> TimerWake {
-    let left = pending
-        .deadline()
-        .duration_since(SystemTime::now())
-        .unwrap_or_default();
-    let deadline = Instant::now() + left;
     loop {
         match state.pending() {
             Ok(Some(p)) if p.token == pending.token => {}
@@ -424,11 +734,10 @@ pub fn wait_for_deadline(state: &StateDir, pending: &PendingConfirm) -> TimerWak
             Err(_) => {}
             Ok(_) => return TimerWake::StandDown,
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return TimerWake::Deadline;
+        match pending.stage(&Now::read()) {
+            Stage::Awaiting(left) => std::thread::sleep(TIMER_POLL.min(left)),
+            _ => return TimerWake::Deadline,
         }
-        std::thread::sleep(TIMER_POLL.min(deadline - now));
     }
 }
 
@@ -443,8 +752,27 @@ pub enum RevertOutcome {
         recorded: u64,
         diff: TableDiff,
     },
-    /// There was no earlier generation: the table was deleted.
+    /// The table that was live before the change (no generation) was put back.
+    Restored { diff: TableDiff },
+    /// There was no table before the change: the table was deleted.
     Deleted,
+}
+
+impl RevertOutcome {
+    pub fn describe(&self) -> String {
+        match self {
+            RevertOutcome::StoodDown => "nothing to revert".into(),
+            RevertOutcome::Reinstated {
+                source, recorded, ..
+            } => format!("reinstated generation {source}, recorded as generation {recorded}"),
+            RevertOutcome::Restored { .. } => format!(
+                "put back table inet {TABLE} as it was before the change (not a generation)"
+            ),
+            RevertOutcome::Deleted => {
+                format!("there was no table before the change: table inet {TABLE} was deleted")
+            }
+        }
+    }
 }
 
 /// The deadline came: reverts the change unless it was confirmed meanwhile, and marks the
@@ -462,21 +790,7 @@ pub fn revert(
         return Ok(RevertOutcome::StoodDown);
     };
     check_namespace(&pending)?;
-    let outcome = match pending.revert_to {
-        Some(n) => {
-            let source = writer.state.load(n)?;
-            let (diff, recorded) = reinstate(nft, writer, &source, Recorder::Revert)?;
-            RevertOutcome::Reinstated {
-                source: source.generation,
-                recorded: recorded.generation,
-                diff,
-            }
-        }
-        None => {
-            nft.teardown()?;
-            RevertOutcome::Deleted
-        }
-    };
+    let outcome = carry_out(nft, writer, &pending, &Now::read())?;
     pending.reverted = Some(Reverted {
         time: rfc3339(SystemTime::now()),
         generation: match &outcome {
@@ -486,6 +800,39 @@ pub fn revert(
     });
     writer.state.write_pending(writer.lock, &pending)?;
     Ok(outcome)
+}
+
+/// Puts back what `pending` reverts to.
+fn carry_out(
+    nft: &mut impl Table,
+    writer: &Writer<'_>,
+    pending: &PendingConfirm,
+    now: &Now,
+) -> Result<RevertOutcome, ChangeError> {
+    Ok(match (pending.revert_to, &pending.revert_table) {
+        (Some(n), _) => {
+            let source = writer.state.load(n)?;
+            let (diff, recorded) = reinstate(nft, writer, &source, Recorder::Revert)?;
+            RevertOutcome::Reinstated {
+                source: source.generation,
+                recorded: recorded.generation,
+                diff,
+            }
+        }
+        (None, Some(table)) => {
+            let table = aged(table, pending.since_armed(now));
+            let live = nft.read_table()?;
+            let diff = compare(&table, live.as_ref(), CompareOptions::default());
+            if !diff.is_empty() {
+                nft.apply(&table)?;
+            }
+            RevertOutcome::Restored { diff }
+        }
+        (None, None) => {
+            nft.teardown()?;
+            RevertOutcome::Deleted
+        }
+    })
 }
 
 /// Leaves the session of whoever started this process (the terminal of `apply`), so that
@@ -558,11 +905,10 @@ pub fn drift(state: &StateDir, live: &LiveTable) -> Drift {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
     use super::*;
     use crate::core::plan::{plan, tests::resolution};
     use crate::core::policy::Policy;
+    use crate::nft::live::ReadRule;
     use crate::nft::table::memory::MemoryTable;
 
     const A: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n";
@@ -608,11 +954,19 @@ mod tests {
         }
     }
 
-    /// A revert timer that says it is armed and leaves (nothing reverts in these tests).
-    fn armed_timer(_token: &str) -> Command {
-        let mut c = Command::new("sh");
-        c.args(["-c", "echo armed"]);
-        c
+    /// A revert timer that says it is armed and leaves (nothing reverts in these tests); its
+    /// record names this test process, which lives.
+    fn armed_timer(state: &StateDir) -> impl Fn(&str, &Path) -> TimerLaunch + '_ {
+        |token, _log| {
+            let me = crate::state::TimerRecord::of_this_process(token).expect("this process");
+            state.write_timer_record(&me).expect("written");
+            let mut process = Command::new("sh");
+            process.args(["-c", "echo armed"]);
+            TimerLaunch {
+                unit: None,
+                process,
+            }
+        }
     }
 
     #[test]
@@ -660,11 +1014,28 @@ mod tests {
         table.refuse_apply = true;
         let confirm = ConfirmRequest {
             within: Duration::from_secs(60),
-            timer_command: &armed_timer,
+            timer: &armed_timer(&f.state),
         };
         apply(&mut table, &f.writer(), planned(A), Some(confirm)).expect_err("refused");
         assert_eq!(f.state.pending().unwrap(), None, "the timer stands down");
         assert!(f.state.generation_numbers().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_refused_apply_gives_back_the_confirmation_it_would_have_replaced() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        let earlier = pending_armed(&f, 2, Some(1), Duration::ZERO, Duration::from_secs(60));
+        table.refuse_apply = true;
+        let timer = armed_timer(&f.state);
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        apply(&mut table, &f.writer(), planned(B), Some(request)).expect_err("refused");
+        assert_eq!(
+            f.state.pending().unwrap(),
+            Some(earlier),
+            "still awaits its deadline"
+        );
     }
 
     #[test]
@@ -674,7 +1045,7 @@ mod tests {
         apply(&mut table, &f.writer(), planned(B), None).expect("applied");
         let confirm = ConfirmRequest {
             within: Duration::from_secs(60),
-            timer_command: &armed_timer,
+            timer: &armed_timer(&f.state),
         };
         let outcome = apply(&mut table, &f.writer(), planned(A), Some(confirm)).expect("applied");
         let armed = outcome.armed.expect("armed");
@@ -688,7 +1059,7 @@ mod tests {
 
         // A later apply while it waits: the earlier deadline also undoes this one.
         let later = apply(&mut table, &f.writer(), planned(B), None).expect("applied");
-        assert_eq!(later.awaiting, Some(armed.clone()));
+        assert_eq!(later.pending.awaiting(), Some(&armed));
 
         match confirm_pending(&f) {
             ConfirmOutcome::Confirmed(p) => assert_eq!(p, armed),
@@ -702,7 +1073,7 @@ mod tests {
     }
 
     fn confirm_pending(f: &Fixture) -> ConfirmOutcome {
-        confirm(&f.state, &f.lock).expect("confirm")
+        confirm(&mut MemoryTable::new(), &f.writer()).expect("confirm")
     }
 
     #[test]
@@ -746,7 +1117,8 @@ mod tests {
         let p = PendingConfirm::new(
             generation,
             revert_to,
-            SystemTime::now() + Duration::from_secs(60),
+            &Now::read(),
+            Duration::from_secs(60),
             current_netns_inode().expect("a namespace"),
         );
         f.state.write_pending(&f.lock, &p).expect("written");
@@ -794,6 +1166,375 @@ mod tests {
             RevertOutcome::Deleted
         ));
         assert_eq!(table.table, None);
+    }
+
+    fn confirm_request<'a>(
+        timer: &'a dyn Fn(&str, &Path) -> TimerLaunch,
+        within: Duration,
+    ) -> ConfirmRequest<'a> {
+        ConfirmRequest { within, timer }
+    }
+
+    /// A pending confirmation armed `ago` before now with a window of `within`.
+    fn pending_armed(
+        f: &Fixture,
+        generation: u64,
+        revert_to: Option<u64>,
+        ago: Duration,
+        within: Duration,
+    ) -> PendingConfirm {
+        let now = Now::read();
+        let then = Now {
+            boot_ms: now.boot_ms - ago.as_millis() as u64,
+            wall: now.wall - ago,
+            ..now
+        };
+        let p = PendingConfirm::new(
+            generation,
+            revert_to,
+            &then,
+            within,
+            current_netns_inode().expect("a namespace"),
+        );
+        f.state.write_pending(&f.lock, &p).expect("written");
+        p
+    }
+
+    #[test]
+    fn an_overdue_revert_is_carried_out_by_the_next_apply_and_said() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        // Armed two minutes ago for one minute; no timer ever lived.
+        let p = pending_armed(
+            &f,
+            2,
+            Some(1),
+            Duration::from_secs(120),
+            Duration::from_secs(60),
+        );
+        assert_eq!(f.state.timer_life(&p.token), TimerLife::Gone);
+        let sent = table.applied.len();
+        let outcome = apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        match &outcome.pending {
+            PendingNote::RevertedNow(
+                q,
+                RevertOutcome::Reinstated {
+                    source: 1,
+                    recorded: 3,
+                    ..
+                },
+            ) => {
+                assert_eq!(q.token, p.token)
+            }
+            other => panic!("{other:?}"),
+        }
+        let said = outcome.pending.describe(&f.state).expect("said");
+        assert!(
+            said.contains("reverted it now") && said.contains("generation 1"),
+            "{said}"
+        );
+        // The revert (to A), then this apply (B again).
+        assert_eq!(table.applied.len(), sent + 2);
+        assert_eq!(table.applied[sent], planned(A).ruleset);
+        assert_eq!(outcome.recorded.map(|g| g.generation), Some(4));
+        assert_eq!(f.state.pending().unwrap(), None);
+    }
+
+    #[test]
+    fn a_confirm_after_the_deadline_is_too_late_and_carries_out_the_revert() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        pending_armed(
+            &f,
+            2,
+            Some(1),
+            Duration::from_secs(61),
+            Duration::from_secs(60),
+        );
+        match confirm(&mut table, &f.writer()).expect("confirm") {
+            ConfirmOutcome::TooLate(PendingNote::RevertedNow(..)) => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(table.table, Some(planned(A).ruleset));
+        assert!(matches!(
+            confirm(&mut table, &f.writer()).expect("confirm"),
+            ConfirmOutcome::NothingPending
+        ));
+    }
+
+    #[test]
+    fn a_wall_clock_step_drops_no_pending_revert() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        let mut p = pending_armed(&f, 2, Some(1), Duration::ZERO, Duration::from_secs(60));
+        // As if the wall clock had jumped a day ahead since it was armed.
+        p.deadline_unix_ms -= 86_400_000;
+        f.state.write_pending(&f.lock, &p).expect("written");
+        let outcome = apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        assert_eq!(outcome.pending.awaiting(), Some(&p));
+        assert_eq!(f.state.pending().unwrap(), Some(p));
+    }
+
+    #[test]
+    fn a_pending_confirmation_of_another_boot_is_dropped_and_said() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        let mut p = pending_armed(&f, 2, Some(1), Duration::ZERO, Duration::from_secs(60));
+        p.boot_id = "another boot".into();
+        f.state.write_pending(&f.lock, &p).expect("written");
+        let sent = table.applied.len();
+        let outcome = rollback(&mut table, &f.writer(), Some(1)).expect("rolled back");
+        assert!(matches!(outcome.pending, PendingNote::Dropped(..)));
+        let said = outcome.pending.describe(&f.state).expect("said");
+        assert!(
+            said.contains("restarted") && said.contains("nothing was reverted"),
+            "{said}"
+        );
+        assert_eq!(
+            table.applied.len(),
+            sent,
+            "nothing reverted, nothing to roll back"
+        );
+        assert_eq!(f.state.pending().unwrap(), None);
+    }
+
+    #[test]
+    fn a_foreign_table_is_recorded_when_armed_and_reverted_to() {
+        let f = fixture();
+        // Installed from another state directory: no generation here describes it.
+        let mut table = MemoryTable::holding(planned(B).ruleset);
+        let timer = armed_timer(&f.state);
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        let outcome = apply(&mut table, &f.writer(), planned(A), Some(request)).expect("applied");
+        let armed = outcome.armed.expect("armed");
+        assert_eq!(armed.revert_to, None);
+        // As read back (each element with how long it had left), the table that was live.
+        let recorded = armed
+            .revert_table
+            .as_ref()
+            .expect("the live table recorded");
+        assert_eq!(aged(recorded, Duration::ZERO), planned(B).ruleset);
+        assert!(armed.revert_target().contains("live before it"));
+        assert_eq!(table.table, Some(planned(A).ruleset));
+        match revert(&mut table, &f.writer(), &armed.token).expect("reverted") {
+            RevertOutcome::Restored { diff } => assert!(!diff.is_empty()),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            table.table,
+            Some(planned(B).ruleset),
+            "the foreign table is back"
+        );
+        assert_eq!(
+            f.state.generation_numbers().unwrap(),
+            vec![1],
+            "not a generation"
+        );
+    }
+
+    #[test]
+    fn a_table_that_matches_the_newest_generation_reverts_to_it_and_no_table_to_nothing() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        let live = table.read_table().unwrap();
+        assert_eq!(
+            revert_target(&f.state, live.as_ref()).unwrap(),
+            (Some(1), None)
+        );
+        assert_eq!(revert_target(&f.state, None).unwrap(), (None, None));
+        // Changed beside egress-fence: the live table itself, not the generation.
+        let other = crate::nft::table::memory::live_of(&planned(B).ruleset);
+        let (to, recorded) = revert_target(&f.state, Some(&other)).unwrap();
+        assert_eq!(to, None);
+        assert!(recorded.is_some());
+    }
+
+    #[test]
+    fn a_live_table_is_recorded_exactly_or_refused() {
+        let rs = planned(A).ruleset;
+        let live = crate::nft::table::memory::live_of(&rs);
+        let recorded = recorded_table(&live).expect("recordable");
+        assert_eq!(
+            aged(&recorded, Duration::ZERO),
+            rs,
+            "what was applied, lifetimes as left"
+        );
+
+        let mut dormant = live.clone();
+        dormant.flags = 1;
+        assert!(recorded_table(&dormant).unwrap_err().contains("flags"));
+
+        let mut unknown = live.clone();
+        unknown.rules[0].rule =
+            ReadRule::Unknown(vec!["[ payload load 4b @ network header + 16 ]".into()]);
+        let why = recorded_table(&unknown).unwrap_err();
+        assert!(why.contains("does not write"), "{why}");
+
+        let mut missing = live.clone();
+        missing.sets.pop();
+        assert!(recorded_table(&missing).unwrap_err().contains("missing"));
+
+        let mut extra = live;
+        let (mut set, elems) = extra.sets[0].clone();
+        set.name = "extra".into();
+        extra.sets.push((set, elems));
+        assert!(recorded_table(&extra).unwrap_err().contains("extra"));
+    }
+
+    #[test]
+    fn a_live_table_that_cannot_be_recorded_refuses_arming() {
+        let f = fixture();
+        // Two tables ago in the same chain: the kernel holds a rule the decoder cannot read.
+        struct Undecodable(MemoryTable);
+        impl Table for Undecodable {
+            fn apply(&mut self, r: &Ruleset) -> Result<(), NftError> {
+                self.0.apply(r)
+            }
+            fn upsert_resolved(
+                &mut self,
+                e: &[crate::core::ruleset::Timed],
+            ) -> Result<(), NftError> {
+                self.0.upsert_resolved(e)
+            }
+            fn teardown(&mut self) -> Result<bool, NftError> {
+                self.0.teardown()
+            }
+            fn table_exists(&mut self) -> Result<bool, NftError> {
+                self.0.table_exists()
+            }
+            fn read_table(&mut self) -> Result<Option<LiveTable>, NftError> {
+                Ok(self.0.read_table()?.map(|mut live| {
+                    live.rules[0].rule = ReadRule::Unknown(vec!["[ immediate accept ]".into()]);
+                    live
+                }))
+            }
+            fn generation(&mut self) -> Result<u32, NftError> {
+                self.0.generation()
+            }
+        }
+        let mut table = Undecodable(MemoryTable::holding(planned(B).ruleset));
+        let timer = armed_timer(&f.state);
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        let err = apply(&mut table, &f.writer(), planned(A), Some(request)).expect_err("refused");
+        assert!(matches!(err, ChangeError::Unrecordable(_)), "{err}");
+        assert!(err.to_string().contains("nothing was applied"), "{err}");
+        assert_eq!(table.0.table, Some(planned(B).ruleset), "untouched");
+        assert_eq!(f.state.pending().unwrap(), None);
+    }
+
+    #[test]
+    fn a_recorded_table_ages_until_it_is_put_back() {
+        let mut rs = planned(A).ruleset;
+        // As `run` keeps them: each resolved element expires unless refreshed.
+        for set in &mut rs.sets {
+            if let Elements::Timed(timed) = &mut set.elements {
+                for e in timed {
+                    e.timeout_ms = Some(60_000);
+                }
+            }
+        }
+        let live = crate::nft::table::memory::live_of(&rs);
+        let recorded = recorded_table(&live).expect("recordable");
+        let timeouts = |t: &Ruleset| -> Vec<Option<u64>> {
+            t.sets
+                .iter()
+                .flat_map(|s| match &s.elements {
+                    Elements::Timed(timed) => timed.iter().map(|e| e.timeout_ms).collect(),
+                    _ => Vec::new(),
+                })
+                .collect()
+        };
+        let before = timeouts(&aged(&recorded, Duration::ZERO));
+        assert!(
+            !before.is_empty() && before.iter().all(Option::is_some),
+            "{before:?}"
+        );
+        let full = before[0].unwrap();
+        let later = timeouts(&aged(&recorded, Duration::from_millis(full - 1000)));
+        assert_eq!(later[0], Some(1000));
+        assert!(timeouts(&aged(&recorded, Duration::from_millis(full))).is_empty());
+        // A permanent element stays permanent.
+        for set in &mut rs.sets {
+            if let Elements::Timed(timed) = &mut set.elements {
+                for e in timed {
+                    e.timeout_ms = None;
+                }
+            }
+        }
+        assert_eq!(aged(&rs, Duration::from_secs(3600)), rs);
+    }
+
+    /// A fake `systemd-run` that records its arguments and, as the unit would, starts a timer
+    /// that writes its record (this test process stands in for it).
+    #[test]
+    fn a_timer_started_as_a_unit_is_recorded_with_its_unit() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let args_file = f.state.path().join("systemd-run.args");
+        let process_timer = armed_timer(&f.state);
+        let timer = |token: &str, log: &Path| {
+            let mut launch = process_timer(token, log);
+            let mut fake = Command::new("sh");
+            fake.args(["-c", "echo \"$@\" > \"$0\"", args_file.to_str().unwrap()])
+                .args(["--unit=egress-fence-revert-x", "--collect"]);
+            launch.unit = Some(("egress-fence-revert-x".into(), fake));
+            // Only the unit may start: a process would say `armed` to no one.
+            launch.process = Command::new("false");
+            launch
+        };
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        let outcome = apply(&mut table, &f.writer(), planned(A), Some(request)).expect("applied");
+        let armed = outcome.armed.expect("armed");
+        assert_eq!(armed.timer_unit.as_deref(), Some("egress-fence-revert-x"));
+        assert_eq!(f.state.pending().unwrap(), Some(armed));
+        let args = std::fs::read_to_string(&args_file).expect("systemd-run ran");
+        assert_eq!(args.trim(), "--unit=egress-fence-revert-x --collect");
+    }
+
+    #[test]
+    fn when_systemd_run_fails_the_timer_starts_as_a_process() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let process_timer = armed_timer(&f.state);
+        let timer = |token: &str, log: &Path| {
+            let mut launch = process_timer(token, log);
+            launch.unit = Some(("egress-fence-revert-x".into(), Command::new("false")));
+            launch
+        };
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        let outcome = apply(&mut table, &f.writer(), planned(A), Some(request)).expect("applied");
+        assert_eq!(outcome.armed.expect("armed").timer_unit, None);
+        let log = std::fs::read_to_string(f.state.revert_timer_log()).expect("the log");
+        assert!(log.contains("systemd-run could not start unit"), "{log}");
+    }
+
+    #[test]
+    fn a_timer_that_arms_without_a_record_fails_and_nothing_is_applied() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let timer = |_: &str, _: &Path| {
+            let mut process = Command::new("sh");
+            process.args(["-c", "echo armed"]);
+            TimerLaunch {
+                unit: None,
+                process,
+            }
+        };
+        let request = confirm_request(&timer, Duration::from_secs(60));
+        let err = apply(&mut table, &f.writer(), planned(A), Some(request)).expect_err("failed");
+        assert!(err.to_string().contains("left no record"), "{err}");
+        assert_eq!(table.table, Some(planned(B).ruleset));
+        assert_eq!(f.state.pending().unwrap(), None);
     }
 
     #[test]

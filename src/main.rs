@@ -100,8 +100,9 @@ fn run(command: Command) -> Result<u8, Failure> {
         Command::Teardown { target } => cli::teardown::run(&target),
         Command::RevertTimer {
             token,
+            stay,
             target,
             writer,
-        } => cli::revert_timer::run(&token, &target, &writer),
+        } => cli::revert_timer::run(&token, stay, &target, &writer),
     }
 }

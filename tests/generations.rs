@@ -359,11 +359,14 @@ fn an_unconfirmed_change_reverts_by_itself_and_a_confirmed_one_stays() {
         "B is live until the deadline"
     );
 
-    // The timer depends on no terminal: a session of its own, none controlling it.
+    // The timer depends on no terminal: a session of its own, none controlling it, and
+    // (its first stage having left) it leads none, so it can never gain one.
     let timers = revert_timers(&w);
     assert_eq!(timers.len(), 1, "one revert timer: {timers:?}");
     let (session, tty) = session_and_tty(timers[0]);
-    assert_eq!(session, timers[0], "the timer leads a session of its own");
+    let (test_session, _) = session_and_tty(std::process::id());
+    assert_ne!(session, test_session, "the timer left the caller's session");
+    assert_ne!(session, timers[0], "the timer leads no session");
     assert_eq!(tty, 0, "and has no controlling terminal");
     let stdin = fs::read_link(format!("/proc/{}/fd/0", timers[0])).expect("its stdin");
     assert_eq!(stdin, Path::new("/dev/null"));
@@ -483,7 +486,7 @@ fn without_an_earlier_generation_the_revert_deletes_the_table() {
     let (w, a, _) = world();
     let out = ok(&w, &["apply", p(&a), "--confirm-within", "2s"]);
     assert!(
-        out.stdout.contains("no earlier generation to revert to") && out.stdout.contains("DELETED"),
+        out.stdout.contains("replaced no table") && out.stdout.contains("DELETED"),
         "{out}"
     );
     assert!(
@@ -503,6 +506,169 @@ fn without_an_earlier_generation_the_revert_deletes_the_table() {
     let late = w.egress_fence(&["confirm"]);
     assert_eq!(late.code(), 1, "{late}");
     assert!(late.stderr.contains("the table was deleted"), "{late}");
+}
+
+/// The pid of the one revert timer guarding the sandbox, once its first stage has gone.
+fn the_revert_timer(w: &World) -> u32 {
+    let mut timers = Vec::new();
+    assert!(
+        within(Duration::from_secs(3), || {
+            timers = revert_timers(w);
+            timers.len() == 1
+        }),
+        "one revert timer: {timers:?}"
+    );
+    timers[0]
+}
+
+fn kill_revert_timer(w: &World) {
+    let timer = the_revert_timer(w);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(timer as i32), Signal::SIGKILL)
+        .expect("kill the revert timer");
+    assert!(
+        within(Duration::from_secs(3), || revert_timers(w).is_empty()),
+        "the timer did not die"
+    );
+}
+
+#[test]
+fn a_killed_revert_timer_is_reported_and_the_next_command_carries_out_its_revert() {
+    let (w, a, b) = world();
+    ok(&w, &["apply", p(&a)]);
+    ok(&w, &["apply", p(&b), "--confirm-within", "3s"]);
+    kill_revert_timer(&w);
+
+    // Before the deadline: said, and when the revert will happen after all.
+    let out = ok(&w, &["status"]);
+    assert!(
+        out.stdout
+            .contains("generation 2 awaits confirmation until")
+            && out.stdout.contains("the revert timer is gone"),
+        "{out}"
+    );
+    thread::sleep(Duration::from_millis(3500));
+    let out = ok(&w, &["status"]);
+    assert!(
+        out.stdout
+            .contains("the revert timer is gone; the revert is overdue"),
+        "{out}"
+    );
+    assert!(!out.stdout.contains("in 0 s"), "{out}");
+    let status = json(&ok(&w, &["status", "--json"]));
+    let pending = &status["pending_confirmation"];
+    assert_eq!(pending["revert_timer_alive"], false, "{status}");
+    assert_eq!(pending["revert_overdue"], true, "{status}");
+    assert!(live_is(&w, &b), "status changes nothing");
+
+    // A late confirm: too late, and the revert it finds due is carried out now.
+    let late = w.egress_fence(&["confirm"]);
+    assert_eq!(late.code(), 1, "{late}");
+    assert!(
+        late.stderr.contains("too late") && late.stderr.contains("reverted it now"),
+        "{late}"
+    );
+    assert!(!late.stdout.contains("stands down"), "{late}");
+    assert!(live_is(&w, &a), "the revert was not carried out");
+    assert_eq!(
+        generations(&w),
+        vec![gen_apply(1), gen_apply(2), (3, "revert".into(), Some(1))]
+    );
+    let out = ok(&w, &["confirm"]);
+    assert!(out.stdout.contains("nothing awaits confirmation"), "{out}");
+
+    // The next apply carries it out just the same, says so, then applies.
+    ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+    kill_revert_timer(&w);
+    thread::sleep(Duration::from_millis(2500));
+    let out = ok(&w, &["apply", p(&b)]);
+    assert!(
+        out.stderr
+            .contains("warning: generation 4 was not confirmed by")
+            && out
+                .stderr
+                .contains("reverted it now: reinstated generation 3, recorded as generation 5"),
+        "{out}"
+    );
+    assert!(live_is(&w, &b));
+    let history = generations(&w);
+    assert_eq!(
+        history[4..],
+        [(5, "revert".into(), Some(3)), gen_apply(6)],
+        "{history:?}"
+    );
+}
+
+/// A step of the wall clock cannot be made in a test (it is the host's), so the record is
+/// stepped instead: its wall-clock deadline set an hour back is what a wall clock that jumped
+/// an hour ahead would see. Before, a plain `apply` then took the confirmation for abandoned
+/// and dropped it silently; the boot-clock deadline that decides now has not moved.
+#[test]
+fn a_wall_clock_step_does_not_drop_a_pending_revert() {
+    let (w, a, b) = world();
+    ok(&w, &["apply", p(&a)]);
+    ok(&w, &["apply", p(&b), "--confirm-within", "60s"]);
+    let path = w.sandbox_state_dir().join("pending-confirm.json");
+    let mut record: Value =
+        serde_json::from_str(&fs::read_to_string(&path).expect("the record")).expect("JSON");
+    let wall = record["deadline_unix_ms"]
+        .as_u64()
+        .expect("a wall deadline");
+    record["deadline_unix_ms"] = (wall - 3_600_000).into();
+    let stepped = w.sandbox_state_dir().join("stepped.json");
+    fs::write(&stepped, record.to_string()).expect("write");
+    fs::rename(&stepped, &path).expect("rename");
+
+    let out = ok(&w, &["apply", p(&a)]);
+    assert!(
+        out.stderr
+            .contains("warning: generation 2 awaits confirmation: it reverts to generation 1"),
+        "{out}"
+    );
+    let out = ok(&w, &["status"]);
+    assert!(
+        out.stdout.contains("generation 2 awaits confirmation"),
+        "{out}"
+    );
+    assert!(path.exists(), "the pending revert was dropped");
+    let out = ok(&w, &["confirm"]);
+    assert!(out.stdout.contains("confirmed generation 2"), "{out}");
+    assert!(
+        within(Duration::from_secs(3), || revert_timers(&w).is_empty()),
+        "the timer did not stand down"
+    );
+}
+
+/// A table installed from another state directory (so no generation here describes it) is
+/// what a revert puts back, never nothing.
+#[test]
+fn a_revert_puts_back_a_table_it_did_not_make() {
+    let (w, a, b) = world();
+    let elsewhere = w.dir().join("elsewhere");
+    ok(&w, &["apply", p(&a), "--state-dir", p(&elsewhere)]);
+    let out = ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+    assert!(
+        out.stdout.contains(
+            "generation 1 reverts to the table inet egress_fence that was live before it"
+        ),
+        "{out}"
+    );
+    assert!(!out.stdout.contains("DELETED"), "{out}");
+    assert!(
+        within(Duration::from_secs(8), || live_is(&w, &a)),
+        "the table that was there was not put back:\n{}",
+        revert_timer_log(&w)
+    );
+    let _a = w.listen_tcp(HOST_V4, 443);
+    let _b = w.listen_tcp(HOST2_V4, 443);
+    assert!(w.tcp_connects(HOST_V4, 443) && !w.tcp_connects(HOST2_V4, 443));
+    assert_eq!(
+        generations(&w),
+        vec![gen_apply(1)],
+        "the revert is no generation"
+    );
+    let late = w.egress_fence(&["confirm"]);
+    assert_eq!(late.code(), 1, "{late}");
+    assert!(late.stderr.contains("live before it"), "{late}");
 }
 
 #[test]

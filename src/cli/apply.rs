@@ -2,12 +2,12 @@
 //! as a generation, optionally guarded by a revert timer.
 
 use std::path::Path;
-use std::time::SystemTime;
 
 use egress_fence::change::{self, ApplyOutcome, ConfirmRequest, Planned, Writer};
 use egress_fence::core::policy::HumanDuration;
 use egress_fence::core::ruleset::TABLE;
 use egress_fence::nft::Nft;
+use egress_fence::state::Now;
 
 use super::args::{NamespaceArg, Resolving, WriterArgs};
 use super::common::{enter, lock, state_dir};
@@ -27,11 +27,11 @@ pub fn run(
     let state = state_dir(target, &writer.state)?;
     let resolv_conf = enter(target, Some(resolving))?;
     let lock = lock(&state, "apply", &writer.lock)?;
-    let timer_command = |token: &str| revert_timer::command(token, target, writer);
+    let timer = |token: &str, log: &Path| revert_timer::launch(token, log, target, writer);
     let confirm = || {
         confirm_within.map(|within| ConfirmRequest {
             within: within.0,
-            timer_command: &timer_command,
+            timer: &timer,
         })
     };
     let writer_ctx = Writer {
@@ -52,7 +52,16 @@ pub fn run(
              table first, then resolving again",
             planned.resolution.unresolved().count()
         );
-        change::apply(&mut nft, &writer_ctx, planned, confirm())?;
+        let first = change::apply(&mut nft, &writer_ctx, planned, confirm())?;
+        // What it found of an earlier confirmation (a revert it carried out, say) is said
+        // now: the second apply finds nothing of it.
+        if first.pending.awaiting().is_none() {
+            report_pending_notes(
+                &first.pending,
+                &state,
+                &confirm_command(target, &writer.state),
+            );
+        }
         (policy, planned) = resolve_and_plan_quietly(path, &resolv_conf)?;
     }
     report_resolution(&policy, &planned.resolution);
@@ -61,7 +70,7 @@ pub fn run(
     let outcome = change::apply(&mut nft, &writer_ctx, planned, confirm())?;
     drop(lock);
     let confirm_hint = confirm_command(target, &writer.state);
-    report_pending_notes(&outcome.awaiting, &outcome.noted_revert, &confirm_hint);
+    report_pending_notes(&outcome.pending, &state, &confirm_hint);
     if json {
         let out = serde_json::json!({
             "applied": true,
@@ -155,21 +164,30 @@ fn print_apply(outcome: &ApplyOutcome, path: &Path, confirm_hint: &str) {
     println!("applied {}{current}; changed:", path.display());
     print_summary(&outcome.diff);
     if let Some(p) = &outcome.armed {
-        let left = p.seconds_left(SystemTime::now());
+        let left = p.seconds_left(&Now::read());
         let when = format!(
             "at {} (in {left} s)",
             egress_fence::core::time::clock_utc(p.deadline())
         );
-        match p.revert_to {
-            Some(n) => println!(
+        match (p.revert_to, &p.revert_table) {
+            (Some(n), _) => println!(
                 "generation {} reverts to generation {n} {when} unless `{confirm_hint}` runs before",
                 p.generation
             ),
-            None => println!(
-                "generation {} has no earlier generation to revert to: unless `{confirm_hint}` \
+            (None, Some(_)) => println!(
+                "generation {} reverts to the table inet {TABLE} that was live before it (no \
+                 generation here describes it; recorded with the confirmation) {when} unless \
+                 `{confirm_hint}` runs before",
+                p.generation
+            ),
+            (None, None) => println!(
+                "generation {} replaced no table, so there is nothing to revert to: unless `{confirm_hint}` \
                  runs before, table inet {TABLE} is DELETED {when} and the host is left unfenced",
                 p.generation
             ),
+        }
+        if let Some(unit) = &p.timer_unit {
+            println!("its revert timer runs as systemd unit {unit}");
         }
     }
 }

@@ -293,6 +293,10 @@ pub enum Command {
     RevertTimer {
         #[arg(long)]
         token: String,
+        /// Already out of the caller's session (a systemd unit, or the timer's second
+        /// stage): wait here instead of leaving it first.
+        #[arg(long)]
+        stay: bool,
         #[command(flatten)]
         target: NamespaceArg,
         #[command(flatten)]

@@ -1,11 +1,10 @@
 //! `confirm`: keep the change applied with `apply --confirm-within`.
 
-use std::time::SystemTime;
-
-use egress_fence::change::{self, ConfirmOutcome};
+use egress_fence::change::{self, ConfirmOutcome, Writer};
+use egress_fence::nft::Nft;
 
 use super::args::{LockArgs, NamespaceArg, StateArgs};
-use super::common::{lock, state_dir};
+use super::common::{enter, lock, state_dir};
 use super::exit::{EXIT_FAILURE, Failure};
 
 pub fn run(
@@ -14,8 +13,15 @@ pub fn run(
     lock_args: &LockArgs,
 ) -> Result<u8, Failure> {
     let state = state_dir(target, state_args)?;
+    // A revert that is due is carried out here, in the namespace of the change.
+    enter(target, None)?;
     let lock = lock(&state, "confirm", lock_args)?;
-    match change::confirm(&state, &lock)? {
+    let writer = Writer {
+        state: &state,
+        lock: &lock,
+        keep: egress_fence::state::DEFAULT_KEEP,
+    };
+    match change::confirm(&mut Nft::open()?, &writer)? {
         ConfirmOutcome::Confirmed(p) => {
             println!(
                 "confirmed generation {}: it stays, its revert timer stands down",
@@ -27,10 +33,10 @@ pub fn run(
             println!("nothing awaits confirmation");
             Ok(0)
         }
-        ConfirmOutcome::TooLate(p) => {
+        ConfirmOutcome::TooLate(note) => {
             eprintln!(
-                "egress-fence: too late: {}; apply it again to retry",
-                p.describe(SystemTime::now())
+                "egress-fence: too late, the deadline passed: {}; apply it again to retry",
+                note.describe(&state).unwrap_or_default()
             );
             Ok(EXIT_FAILURE)
         }

@@ -1,7 +1,5 @@
 //! `history`: the recorded generations, and any change awaiting confirmation.
 
-use std::time::SystemTime;
-
 use super::args::{NamespaceArg, StateArgs};
 use super::common::state_dir;
 use super::exit::Failure;
@@ -53,7 +51,7 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
     }
     if !json {
         match &pending {
-            Ok(Some(p)) => println!("{}", p.describe(SystemTime::now())),
+            Ok(Some(p)) => println!("{}", state.describe_pending(p)),
             Ok(None) => {}
             Err(e) => println!("{e}"),
         }

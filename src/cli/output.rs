@@ -3,13 +3,13 @@
 //! machine-readable.
 
 use std::path::Path;
-use std::time::SystemTime;
 
+use egress_fence::change::PendingNote;
 use egress_fence::core::diff::TableDiff;
 use egress_fence::core::plan::denied_answers;
 use egress_fence::core::policy::Policy;
 use egress_fence::core::resolution::{Resolution, ResolvedHost};
-use egress_fence::state::{DEFAULT_STATE_DIR, PendingConfirm};
+use egress_fence::state::{DEFAULT_STATE_DIR, StateDir};
 
 use super::args::{NamespaceArg, StateArgs};
 
@@ -81,19 +81,15 @@ pub fn confirm_command(target: &NamespaceArg, state: &StateArgs) -> String {
 }
 
 /// What a writer learnt about an earlier confirm-or-revert, on stderr.
-pub fn report_pending_notes(
-    awaiting: &Option<PendingConfirm>,
-    noted_revert: &Option<PendingConfirm>,
-    confirm_hint: &str,
-) {
-    let now = SystemTime::now();
-    if let Some(p) = noted_revert {
-        eprintln!("note: {}", p.describe(now));
-    }
-    if let Some(p) = awaiting {
-        eprintln!(
-            "warning: {}; that revert undoes this change too (`{confirm_hint}` keeps both)",
-            p.describe(now)
-        );
+pub fn report_pending_notes(note: &PendingNote, state: &StateDir, confirm_hint: &str) {
+    let Some(text) = note.describe(state) else {
+        return;
+    };
+    match note {
+        PendingNote::Awaiting(_) => eprintln!(
+            "warning: {text}; that revert undoes this change too (`{confirm_hint}` keeps both)"
+        ),
+        PendingNote::RevertedNow(..) | PendingNote::Dropped(..) => eprintln!("warning: {text}"),
+        _ => eprintln!("note: {text}"),
     }
 }

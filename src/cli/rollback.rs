@@ -25,8 +25,8 @@ pub fn run(
     let outcome = change::rollback(&mut Nft::open()?, &writer_ctx, to)?;
     drop(lock);
     report_pending_notes(
-        &outcome.awaiting,
-        &outcome.noted_revert,
+        &outcome.pending,
+        &state,
         &confirm_command(target, &writer.state),
     );
     if json {

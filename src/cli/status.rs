@@ -1,13 +1,11 @@
 //! `status`: the installed table read back from the kernel, and whether it still matches the
 //! newest generation.
 
-use std::time::SystemTime;
-
 use egress_fence::change::{self, Drift};
 use egress_fence::core::ruleset::TABLE;
 use egress_fence::nft::Nft;
 use egress_fence::nft::live::Status;
-use egress_fence::state::StateDir;
+use egress_fence::state::{Now, PendingConfirm, Stage, StateDir, TimerLife};
 
 use super::args::{NamespaceArg, StateArgs};
 use super::common::{enter, state_dir};
@@ -18,16 +16,17 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
     let state = state_dir(target, state_args)?;
     enter(target, None)?;
     let pending = state.pending().ok().flatten();
+    let pending_json = pending_json(&state, pending.as_ref());
     let Some(live) = Nft::open()?.read_table()? else {
         if json {
             println!(
                 "{}",
-                serde_json::json!({ "installed": false, "pending_confirmation": pending })
+                serde_json::json!({ "installed": false, "pending_confirmation": pending_json })
             );
         } else {
             println!("table inet {TABLE} is not installed");
             if let Some(p) = &pending {
-                println!("{}", p.describe(SystemTime::now()));
+                println!("{}", state.describe_pending(p));
             }
         }
         return Ok(EXIT_NOT_INSTALLED);
@@ -60,7 +59,7 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
         if let Drift::Unreadable(e) = &drift {
             out["generation_error"] = e.to_string().into();
         }
-        out["pending_confirmation"] = serde_json::to_value(&pending)?;
+        out["pending_confirmation"] = pending_json;
         if !guard_uids.is_empty() {
             out["dns_guard"] = serde_json::json!({ "uids": guard_uids, "marks": guard_marks,
                                     "serving": guard_serving });
@@ -73,10 +72,24 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
         }
         print_drift(&drift, &state, &unexplained);
         if let Some(p) = &pending {
-            println!("{}", p.describe(SystemTime::now()));
+            println!("{}", state.describe_pending(p));
         }
     }
     Ok(0)
+}
+
+/// The pending confirmation as recorded, with where it stands: whether its revert timer
+/// lives, and whether its revert is overdue (the deadline passed and nothing reverted it).
+fn pending_json(state: &StateDir, pending: Option<&PendingConfirm>) -> serde_json::Value {
+    let Some(p) = pending else {
+        return serde_json::Value::Null;
+    };
+    let mut value = serde_json::to_value(p).unwrap_or_default();
+    let timer_alive = state.timer_life(&p.token) == TimerLife::Alive;
+    value["revert_timer_alive"] = timer_alive.into();
+    value["revert_overdue"] = (p.stage(&Now::read()) == Stage::Due && !timer_alive).into();
+    value["state"] = state.describe_pending(p).into();
+    value
 }
 
 /// Guard mode, as the table's DNS rule shows it, and whether a guard serves.

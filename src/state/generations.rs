@@ -470,7 +470,13 @@ mod tests {
         state
             .record(&lock, new_generation(Recorder::Apply), 1)
             .unwrap();
-        let pending = PendingConfirm::new(2, Some(1), SystemTime::now(), 7);
+        let pending = PendingConfirm::new(
+            2,
+            Some(1),
+            &Now::read(),
+            std::time::Duration::from_secs(60),
+            7,
+        );
         state.write_pending(&lock, &pending).unwrap();
         // Generation 2 is never recorded (its writer died): its number stays taken.
         assert_eq!(state.next_number(&lock).unwrap(), 3);

@@ -13,6 +13,8 @@
 //!   The kernel releases it when its holder dies, so a dead holder's lock is simply taken.
 //! - `pending-confirm.json`: a change that reverts by itself unless confirmed.
 //! - `revert-timer.log`: what revert timers did.
+//! - `revert-timer-TOKEN.json`: the pid and start time of the living revert timer for a
+//!   pending confirmation, written by the timer itself (see `timer`).
 //!
 //! A file that does not read back as what was written (torn, edited, truncated) is reported
 //! with its path and never used; so is a generation whose ruleset is not what its policy text
@@ -38,6 +40,7 @@ mod files;
 mod generations;
 mod lock;
 mod pending;
+mod timer;
 
 pub use dir::{
     CRASH_BEFORE_RENAME_ENV, REVERT_TIMER_LOG, StateDir, current_netns_inode, namespace_dir_name,
@@ -48,7 +51,8 @@ pub use generations::{
     generation_file_name, generations_to_prune, parse_generation_file_name,
 };
 pub use lock::{LockHolder, WriterLock, busy_message};
-pub use pending::{OVERDUE_AFTER, PendingConfirm, Reverted};
+pub use pending::{Now, PendingConfirm, Reverted, Stage};
+pub use timer::{TimerLife, TimerRecord, process_start_ticks};
 
 /// Kept here for the callers that reach them through `state::`; they belong to
 /// [`crate::core::time`].
