@@ -280,6 +280,13 @@ fn renew_slack(grace: Duration) -> Duration {
 /// How many waiting answers go into one batch.
 const MAX_ANSWER_BATCH: usize = 256;
 
+/// How many elements one upsert transaction carries at most. Each element is independent of
+/// the others (a renewal or an addition), so a refresh that renews more is sent as several
+/// transactions: the encoded batch, libnftnl's copy of the elements and the list they are
+/// built from then never hold more than this many. Renewing all 10,000 addresses of 1,250
+/// names at once peaked 3 MiB higher (benches/daemon.rs).
+const MAX_UPSERT_BATCH: usize = 1024;
+
 /// How often the guard looks for live connections to addresses about to expire: a third of
 /// the shortest lifetime, between 1 and 10 seconds.
 fn sweep_every(guard: &crate::core::policy::Guard, grace: Duration) -> Duration {
@@ -943,24 +950,26 @@ impl Daemon {
         }
     }
 
-    /// Sends `elements` with their expiries (and the name `name_of` gives each) as one batch
-    /// and records them as installed.
+    /// Sends `elements` with their expiries (and the name `name_of` gives each) as one batch,
+    /// or one per [`MAX_UPSERT_BATCH`] of them, and records them as installed.
     fn upsert(
         &mut self,
         elements: &[(Tuple, Instant)],
         now: Instant,
         name_of: impl Fn(&Tuple) -> Option<String>,
     ) -> Result<(), NftError> {
-        let batch: Vec<Timed> = elements
-            .iter()
-            .map(|&(t, e)| Timed {
-                name: name_of(&t),
-                ..timed(t, e, now)
-            })
-            .collect();
-        self.nft.upsert_resolved(&batch)?;
-        self.our_generation = self.nft.generation().ok();
-        self.installed.extend(elements.iter().copied());
+        for chunk in elements.chunks(MAX_UPSERT_BATCH) {
+            let batch: Vec<Timed> = chunk
+                .iter()
+                .map(|&(t, e)| Timed {
+                    name: name_of(&t),
+                    ..timed(t, e, now)
+                })
+                .collect();
+            self.nft.upsert_resolved(&batch)?;
+            self.our_generation = self.nft.generation().ok();
+            self.installed.extend(chunk.iter().copied());
+        }
         Ok(())
     }
 
