@@ -1220,6 +1220,8 @@ impl Daemon {
                 if std::mem::take(&mut self.record_next_apply) {
                     self.record(ruleset, now);
                 }
+                // The full table's plan, batch and record are gone: give their pages back.
+                crate::nft::sys::release_free_memory();
                 Ok(())
             }
             Err(e) => {
@@ -1625,6 +1627,9 @@ impl Daemon {
                             let answered: Vec<DomainName> =
                                 hosts.into_iter().map(|h| h.name).collect();
                             self.renew(&answered);
+                            // A round of lookups and its renewals leave the heap's high-water
+                            // mark at twice what stays live until the next round.
+                            crate::nft::sys::release_free_memory();
                         }
                         Ok(Err(e)) => {
                             error!(error = %e, "resolver failure; retrying");
