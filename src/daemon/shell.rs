@@ -172,7 +172,11 @@ impl Daemon {
     ) {
         for effect in effects {
             match effect {
-                Effect::Record(new) => self.record(*new),
+                Effect::Record(new) => {
+                    self.record(*new);
+                    // The full table's plan, batch and record are gone: give their pages back.
+                    crate::nft::sys::release_free_memory();
+                }
                 Effect::Release(verdicts) => {
                     for (id, ok) in verdicts {
                         if let Some(done) = releases.remove(&id) {
@@ -391,6 +395,9 @@ impl Daemon {
                         Err(e) => Event::LookupFailed { error: e.to_string(), task: true },
                     };
                     self.handle(event, &mut no_releases);
+                    // A round of lookups and its renewals leave the heap's high-water mark at
+                    // twice what stays live until the next round.
+                    crate::nft::sys::release_free_memory();
                 }
                 _ = hangup.recv() => {
                     // Lets `systemctl reload` wait for the reload (Type=notify-reload).

@@ -122,6 +122,16 @@ impl StateDir {
         bytes: &[u8],
         crash_point: bool,
     ) -> Result<(), StateError> {
+        self.write_atomically_with(name, crash_point, |f| f.write_all(bytes))
+    }
+
+    /// [`StateDir::write_atomically`] of what `write` writes into the file.
+    pub(super) fn write_atomically_with(
+        &self,
+        name: &str,
+        crash_point: bool,
+        write: impl FnOnce(&mut File) -> io::Result<()>,
+    ) -> Result<(), StateError> {
         let tmp = self.file(&temporary_name(name));
         let written = OpenOptions::new()
             .write(true)
@@ -129,7 +139,7 @@ impl StateDir {
             .mode(0o600)
             .open(&tmp)
             .and_then(|mut f| {
-                f.write_all(bytes)?;
+                write(&mut f)?;
                 f.sync_all()
             });
         if let Err(e) = written {

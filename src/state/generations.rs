@@ -2,7 +2,7 @@
 //! newest few.
 
 use std::fs;
-use std::io;
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::time::SystemTime;
 
@@ -356,12 +356,13 @@ impl StateDir {
             ruleset: new.ruleset,
             nft,
         };
-        let json = serde_json::to_vec_pretty(&generation).map_err(|e| StateError::Io {
-            doing: "encode a generation for",
-            path: self.dir.clone(),
-            source: e.into(),
+        // Written as it is encoded: a generation of 10,000 addresses is 4 MB of JSON, which
+        // the daemon would otherwise hold at once on top of the ruleset (benches/daemon.rs).
+        self.write_atomically_with(&generation_file_name(number), true, |file| {
+            let mut out = io::BufWriter::new(file);
+            serde_json::to_writer_pretty(&mut out, &generation).map_err(io::Error::from)?;
+            out.flush()
         })?;
-        self.write_atomically(&generation_file_name(number), &json, true)?;
         let protect = self
             .pending()
             .ok()
