@@ -37,11 +37,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::svcb::SvcParamValue;
 use hickory_proto::rr::{DNSClass, Name, RData, RecordType};
 use nix::sys::socket::{setsockopt, sockopt};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket, UnixListener};
 use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::time::timeout;
@@ -51,6 +51,8 @@ use crate::core::installable::{HostAddrs, HostAddrsCache, MAX_ADDRS_PER_FAMILY, 
 use crate::core::plan::DNS_PORT;
 use crate::core::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 use crate::core::resolution::ResolvedAddr;
+use crate::dns::message::{self, EdnsOffer, MAX_MESSAGE};
+use crate::dns::{exchange, frame};
 use crate::netlink::sockdiag::{self, SockDiag};
 use crate::watch::QueryEvent;
 
@@ -61,8 +63,6 @@ const TCP_IDLE: Duration = Duration::from_secs(10);
 /// How long a new TCP client has to send its first whole query: a connection that sends
 /// nothing (or one byte) must not hold a slot for long.
 const TCP_FIRST_QUERY: Duration = Duration::from_secs(2);
-/// The largest answer read from upstream: EDNS allows up to 64 KiB.
-const MAX_UDP: usize = 65_535;
 /// The largest query taken: a question (a name of at most 255 bytes) with an OPT record,
 /// cookies and padding stays far below this, the payload size that avoids fragmentation.
 /// Anything longer is no query and is dropped unread, without a reply or a slot.
@@ -727,7 +727,7 @@ async fn serve_tcp_client(
     forwarding: Arc<ClientLimits>,
 ) {
     let mut wait = TCP_FIRST_QUERY;
-    while let Ok(Ok(query)) = timeout(wait, read_query(&mut stream)).await {
+    while let Ok(Ok(query)) = timeout(wait, frame::read(&mut stream, MAX_QUERY)).await {
         wait = TCP_IDLE;
         let reply = match prepare(&context, &query, client, Transport::Tcp) {
             Prepared::Drop => continue,
@@ -736,7 +736,7 @@ async fn serve_tcp_client(
                 let Some(_slot) = forwarding.try_take(key) else {
                     debug!(client = %client, "this client has too many queries in flight");
                     match encode(&reply_to(&forward.query, ResponseCode::ServFail)) {
-                        Some(reply) if write_framed(&mut stream, &reply).await.is_ok() => {
+                        Some(reply) if frame::write(&mut stream, &reply).await.is_ok() => {
                             continue;
                         }
                         _ => return,
@@ -751,37 +751,10 @@ async fn serve_tcp_client(
                 }
             }
         };
-        if write_framed(&mut stream, &reply).await.is_err() {
+        if frame::write(&mut stream, &reply).await.is_err() {
             return;
         }
     }
-}
-
-/// One length-prefixed query; an error for a message longer than [`MAX_QUERY`], which is
-/// not read.
-async fn read_query(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
-    let len = usize::from(stream.read_u16().await?);
-    if len > MAX_QUERY {
-        return Err(io::Error::other("a message too long to be a query"));
-    }
-    let mut msg = vec![0u8; len];
-    stream.read_exact(&mut msg).await?;
-    Ok(msg)
-}
-
-async fn read_framed(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
-    let len = stream.read_u16().await?;
-    let mut msg = vec![0u8; len.into()];
-    stream.read_exact(&mut msg).await?;
-    Ok(msg)
-}
-
-async fn write_framed(stream: &mut TcpStream, msg: &[u8]) -> io::Result<()> {
-    let len = u16::try_from(msg.len()).map_err(|_| io::Error::other("message over 64 KiB"))?;
-    let mut framed = Vec::with_capacity(msg.len() + 2);
-    framed.extend_from_slice(&len.to_be_bytes());
-    framed.extend_from_slice(msg);
-    stream.write_all(&framed).await
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -924,17 +897,15 @@ async fn answer(
 /// answered here (and reported), and only an allowed name is left to forward.
 fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: Transport) -> Prepared {
     let reply = |msg: &Message| encode(msg).map_or(Prepared::Drop, Prepared::Reply);
-    let Ok(query) = Message::from_vec(raw) else {
+    let Ok(query) = message::parse(raw, MAX_QUERY) else {
         // Answer FORMERR only when there is a header to answer, and never a response: two
         // servers could answer each other's errors forever.
-        let is_response = raw.get(2).is_some_and(|flags| flags & 0x80 != 0);
-        let (Some(&high), Some(&low)) = (raw.first(), raw.get(1)) else {
+        let Some(id) = message::peek_id(raw) else {
             return Prepared::Drop;
         };
-        if is_response {
+        if message::peek_is_response(raw) {
             return Prepared::Drop;
         }
-        let id = u16::from_be_bytes([high, low]);
         return reply(&Message::error_msg(
             id,
             OpCode::Query,
@@ -1064,8 +1035,8 @@ async fn ask_upstream(
             .map_err(|e| format!("encoding the upstream query: {e}"))?;
         let exchange = async {
             match transport {
-                Transport::Udp => exchange_udp(server, mark, &ours, id).await,
-                Transport::Tcp => exchange_tcp(server, mark, &ours).await,
+                Transport::Udp => ask_udp(server, mark, &ours, id).await,
+                Transport::Tcp => ask_tcp(server, mark, &ours).await,
             }
         };
         let reply = match timeout(UPSTREAM_TIMEOUT, exchange).await {
@@ -1079,16 +1050,9 @@ async fn ask_upstream(
                 continue;
             }
         };
-        match Message::from_vec(&reply) {
-            Ok(parsed)
-                if parsed.metadata.id == id
-                    && parsed.metadata.message_type == MessageType::Response
-                    && parsed.queries == query.queries =>
-            {
-                return Ok((reply, parsed));
-            }
-            Ok(_) => errors.push(format!("{server}: an answer to another question")),
-            Err(e) => errors.push(format!("{server}: a malformed answer ({e})")),
+        match message::parse_reply(&reply, MAX_MESSAGE, id, &query.queries) {
+            Ok(parsed) => return Ok((reply, parsed)),
+            Err(e) => errors.push(format!("{server}: {e}")),
         }
     }
     Err(format!("no upstream answered: {}", errors.join("; ")))
@@ -1117,47 +1081,34 @@ const UPSTREAM_PAYLOAD: u16 = 1232;
 /// answer, authority and additional records and any trailing bytes are not forwarded: a
 /// client could otherwise carry data to the upstream (and past it) in them.
 pub fn upstream_query(query: &Message, id: u16) -> Message {
-    let mut ours = Message::query();
-    ours.metadata.id = id;
-    ours.metadata.recursion_desired = query.metadata.recursion_desired;
-    for q in &query.queries {
+    let questions = query.queries.iter().map(|q| {
         let mut question = Query::query(q.name().clone(), q.query_type());
         question.set_query_class(q.query_class());
-        ours.add_query(question);
-    }
-    if let Some(client) = &query.edns {
-        let mut edns = Edns::new();
+        question
+    });
+    let edns = query.edns.as_ref().map(|client| EdnsOffer {
         // The client's buffer bounds what it can take over UDP; the guard passes the answer
         // on as it came, so it asks for no more than that.
-        edns.set_max_payload(client.max_payload().clamp(512, UPSTREAM_PAYLOAD));
-        edns.set_dnssec_ok(client.flags().dnssec_ok);
-        ours.set_edns(edns);
-    }
-    ours
+        max_payload: client.max_payload().clamp(512, UPSTREAM_PAYLOAD),
+        dnssec_ok: client.flags().dnssec_ok,
+    });
+    message::query(id, questions, query.metadata.recursion_desired, edns)
 }
 
-async fn exchange_udp(server: SocketAddr, mark: u32, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
+/// One exchange over UDP from a fresh marked socket (a random source port), connected so
+/// that datagrams from any other address never reach it.
+async fn ask_udp(server: SocketAddr, mark: u32, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
     let local: SocketAddr = match server {
         SocketAddr::V4(_) => (IpAddr::from([0u8; 4]), 0).into(),
         SocketAddr::V6(_) => (IpAddr::from([0u16; 8]), 0).into(),
     };
     let socket = UdpSocket::bind(local).await?;
     mark_socket(&socket, mark)?;
-    // connect(): datagrams from any other address never reach us.
     socket.connect(server).await?;
-    socket.send(query).await?;
-    let mut buf = vec![0u8; MAX_UDP];
-    loop {
-        let len = socket.recv(&mut buf).await?;
-        // A stray datagram with another id is skipped, not taken for the answer.
-        if len >= 2 && buf[..2] == id.to_be_bytes() {
-            buf.truncate(len);
-            return Ok(buf);
-        }
-    }
+    exchange::udp(&socket, query, id).await
 }
 
-async fn exchange_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result<Vec<u8>> {
+async fn ask_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result<Vec<u8>> {
     let socket = match server {
         SocketAddr::V4(_) => TcpSocket::new_v4()?,
         SocketAddr::V6(_) => TcpSocket::new_v6()?,
@@ -1165,8 +1116,7 @@ async fn exchange_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result
     // Before connect: the SYN is the packet the table judges.
     mark_socket(&socket, mark)?;
     let mut stream = socket.connect(server).await?;
-    write_framed(&mut stream, query).await?;
-    read_framed(&mut stream).await
+    exchange::tcp(&mut stream, query).await
 }
 
 fn random_id() -> u16 {
@@ -1671,6 +1621,7 @@ mod tests {
     /// record and trailing bytes: upstream gets the question, RD and the guard's EDNS only.
     #[test]
     fn the_upstream_query_is_rebuilt_from_the_checked_question_alone() {
+        use hickory_proto::op::Edns;
         use hickory_proto::rr::rdata::TXT;
         use hickory_proto::rr::rdata::opt::EdnsOption;
         const SECRET: &[u8] = b"SECRET-BYTES-0123456789";
