@@ -60,7 +60,7 @@ use std::collections::HashSet;
 use std::collections::hash_map::RandomState;
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::path::Path;
 use std::sync::Mutex;
@@ -68,7 +68,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use hickory_proto::op::{Message, MessageType, OpCode, Query};
+use hickory_proto::op::Query;
 use hickory_proto::rr::{Name, RecordType};
 use ipnet::IpNet;
 use serde::Serialize;
@@ -79,6 +79,8 @@ use crate::core::policy::{
 };
 use crate::core::resolution::{ResolvedAddr, ResolvedHost};
 use crate::core::ruleset::{Elements, Family, SetId, SetRole, TABLE, Timed};
+use crate::dns::exchange;
+use crate::dns::message::{self, MAX_MESSAGE};
 use crate::dns::resolve::{ResolveError, resolve_names, system_resolvers};
 use crate::nft::{LiveTable, Nft};
 
@@ -1732,55 +1734,26 @@ fn dns_tcp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen {
     };
     let id = random_u64() as u16;
     let query = dns_query(id, name, QTYPE_A);
-    let reply = tcp_round_trip(&mut stream, &query, ctx.timeout);
+    let reply = exchange::tcp_blocking(&mut stream, &query, ctx.timeout);
     match reply.ok().as_deref().and_then(|r| dns_rcode(id, r)) {
         Some(rcode) => Seen::Answered(format!("answered over TCP ({rcode})")),
         None => Seen::Connected,
     }
 }
 
-/// One DNS exchange on an open TCP connection (each message behind its two-byte length).
-fn tcp_round_trip(stream: &mut TcpStream, query: &[u8], timeout: Duration) -> io::Result<Vec<u8>> {
-    let len = u16::try_from(query.len()).map_err(|_| io::Error::other("query over 64 KiB"))?;
-    let mut framed = len.to_be_bytes().to_vec();
-    framed.extend_from_slice(query);
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    stream.write_all(&framed)?;
-    let mut len = [0u8; 2];
-    stream.read_exact(&mut len)?;
-    let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
-    stream.read_exact(&mut reply)?;
-    Ok(reply)
-}
-
 /// A standard query for the `qtype` records of `name`, recursion desired. A name hickory
 /// cannot write (none the probe asks) leaves the question out, which no server answers as
 /// a lookup.
 fn dns_query(id: u16, name: &str, qtype: RecordType) -> Vec<u8> {
-    let mut query = Message::new(id, MessageType::Query, OpCode::Query);
-    query.metadata.recursion_desired = true;
-    if let Ok(name) = Name::from_ascii(name) {
-        query.add_query(Query::query(name, qtype));
-    }
-    query.to_vec().unwrap_or_default()
+    let question = Name::from_ascii(name).ok().map(|n| Query::query(n, qtype));
+    message::query(id, question, true, None)
+        .to_vec()
+        .unwrap_or_default()
 }
 
 /// The response code of `reply` if it is a DNS response to query `id`.
 fn dns_rcode(id: u16, reply: &[u8]) -> Option<&'static str> {
-    let header = reply.get(..12)?;
-    if header[..2] != id.to_be_bytes() || header[2] & 0x80 == 0 {
-        return None;
-    }
-    Some(match header[3] & 0x0f {
-        0 => "NOERROR",
-        1 => "FORMERR",
-        2 => "SERVFAIL",
-        3 => "NXDOMAIN",
-        4 => "NOTIMP",
-        5 => "REFUSED",
-        _ => "other response code",
-    })
+    message::response_code(reply, id).map(message::rcode_name)
 }
 
 // ---- asking the guard ----------------------------------------------------------------------
@@ -1945,12 +1918,13 @@ fn dns_exchange(
     let id = random_u64() as u16;
     let query = dns_query(id, name, qtype);
     let mut reply = udp_exchange(server, &query, id, ctx.timeout)?;
-    if reply.get(2).is_some_and(|flags| flags & 0x02 != 0) {
+    if message::peek_is_truncated(&reply) {
         reply = tcp_exchange(server, &query, id, ctx)?;
     }
     let rcode = dns_rcode(id, &reply).ok_or("the response does not match the query")?;
-    let message = Message::from_vec(&reply).map_err(|e| format!("an unreadable response ({e})"))?;
-    let addrs = message
+    let response =
+        message::parse(&reply, MAX_MESSAGE).map_err(|e| format!("an unreadable response ({e})"))?;
+    let addrs = response
         .answers
         .iter()
         .filter_map(|r| {
@@ -1976,34 +1950,15 @@ fn udp_exchange(
     let socket = UdpSocket::bind(bind)
         .and_then(|s| s.connect(server).map(|()| s))
         .map_err(|e| describe(&e))?;
-    socket.send(query).map_err(|e| describe(&e))?;
-    let deadline = Instant::now() + timeout;
-    let mut buf = vec![0u8; 65_535];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(format!("no answer within {}", fmt_duration(timeout)));
+    exchange::udp_blocking(&socket, query, id, timeout).map_err(|e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            format!("no answer within {}", fmt_duration(timeout))
         }
-        socket
-            .set_read_timeout(Some(left))
-            .map_err(|e| describe(&e))?;
-        match socket.recv(&mut buf) {
-            Ok(n) if dns_rcode(id, &buf[..n]).is_some() => return Ok(buf[..n].to_vec()),
-            Ok(_) => {} // not the response to this query
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Err(format!("no answer within {}", fmt_duration(timeout)));
-            }
-            Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
-                return Err("nothing answers there (port unreachable)".into());
-            }
-            Err(e) => return Err(describe(&e)),
+        _ if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
+            "nothing answers there (port unreachable)".into()
         }
-    }
+        _ => describe(&e),
+    })
 }
 
 fn tcp_exchange(server: SocketAddr, query: &[u8], id: u16, ctx: &Ctx) -> Result<Vec<u8>, String> {
@@ -2011,7 +1966,7 @@ fn tcp_exchange(server: SocketAddr, query: &[u8], id: u16, ctx: &Ctx) -> Result<
         Seen::RefusedRemotely(d) | Seen::RefusedHere(d) | Seen::NotSent(d) => d,
         _ => format!("no TCP connection within {}", fmt_duration(ctx.timeout)),
     })?;
-    let reply = tcp_round_trip(&mut stream, query, ctx.timeout)
+    let reply = exchange::tcp_blocking(&mut stream, query, ctx.timeout)
         .map_err(|e| format!("over TCP: {}", describe(&e)))?;
     match dns_rcode(id, &reply) {
         Some(_) => Ok(reply),
@@ -2094,7 +2049,7 @@ mod tests {
         let aaaa = dns_query(1, "a.example", QTYPE_AAAA);
         assert_eq!(&aaaa[12..], b"\x01a\x07example\x00\x00\x1c\x00\x01");
         // What the probe sends, hickory reads as the same question.
-        let parsed = Message::from_vec(&aaaa).expect("a valid message");
+        let parsed = hickory_proto::op::Message::from_vec(&aaaa).expect("a valid message");
         assert_eq!(parsed.queries[0].name().to_string(), "a.example.");
         // The query itself is not an answer (QR clear); a response with another id is not ours.
         assert_eq!(dns_rcode(0x1234, &q), None);
