@@ -10,12 +10,12 @@ use crate::core::installable::answered_addrs;
 use crate::core::resolution::ResolvedAddr;
 
 /// CNAME hops followed from the asked name, as resolvers bound them.
-pub(super) const MAX_CHAIN: usize = 16;
+const MAX_CHAIN: usize = 16;
 
 /// The addresses that answer the question: A and AAAA records, and the address hints of
 /// HTTPS and SVCB records (clients may connect to those without asking A or AAAA), owned by
 /// the asked name or by a name the CNAME chain from it reaches. Records for unrelated names
-/// are ignored. At most [`MAX_ADDRS_PER_FAMILY`] addresses of each family are taken, the
+/// are ignored. At most [`MAX_ADDRS_PER_FAMILY`](crate::core::installable::MAX_ADDRS_PER_FAMILY) addresses of each family are taken, the
 /// first ones of the answer; the second value counts those left out.
 pub fn answer_addresses(query: &Message, answer: &Message) -> (Vec<ResolvedAddr>, usize) {
     let Some(question) = query.queries.first() else {
@@ -46,7 +46,7 @@ pub fn answer_addresses(query: &Message, answer: &Message) -> (Vec<ResolvedAddr>
     answered_addrs(records)
 }
 
-pub(super) fn record_addresses(data: &RData) -> Vec<IpAddr> {
+fn record_addresses(data: &RData) -> Vec<IpAddr> {
     let svcb = match data {
         RData::HTTPS(https) => &https.0,
         RData::SVCB(svcb) => svcb,

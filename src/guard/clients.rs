@@ -80,7 +80,7 @@ pub struct ClientLimits {
 }
 
 #[derive(Debug, Default)]
-pub(super) struct Held {
+struct Held {
     by_client: std::collections::HashMap<ClientKey, usize>,
     /// The sum over the [`ClientKey::Address`] keys.
     by_address: usize,

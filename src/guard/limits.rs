@@ -6,21 +6,21 @@ use tracing::{info, warn};
 /// Queries forwarded upstream at once, over all listeners (each holds an upstream socket):
 /// beyond this a UDP query is dropped (the client asks again) and a TCP client waits for a
 /// slot. Lowered to what the limit of open files allows (see [`Limits::fit`]).
-pub(super) const MAX_IN_FLIGHT: usize = 1024;
+const MAX_IN_FLIGHT: usize = 1024;
 
 /// TCP clients served at once per listener; one more is closed at once (it retries, or uses
 /// UDP), so idle connections cannot use up the daemon's descriptors. Lowered like
 /// [`MAX_IN_FLIGHT`].
-pub(super) const MAX_TCP_CLIENTS: usize = 256;
+const MAX_TCP_CLIENTS: usize = 256;
 
 /// Descriptors left for the daemon's own use (its listening sockets, netlink sockets, state
 /// and log files, `watch` clients) when the guard's limits are fitted to RLIMIT_NOFILE.
-pub(super) const RESERVED_FDS: u64 = 256;
+const RESERVED_FDS: u64 = 256;
 
 /// Below these the guard would serve too few clients to be of use: it refuses to start.
-pub(super) const MIN_IN_FLIGHT: usize = 64;
+const MIN_IN_FLIGHT: usize = 64;
 
-pub(super) const MIN_TCP_CLIENTS: usize = 8;
+const MIN_TCP_CLIENTS: usize = 8;
 
 /// The limit of queries in flight at the design size, for tests; a serving guard takes
 /// [`Guard::in_flight_limit`].

@@ -11,7 +11,7 @@
 //!
 //! A query for any other name is answered REFUSED (or NXDOMAIN) here and never leaves the
 //! host: `<secret>.attacker.example` is a question nobody else hears. Each one is streamed to
-//! `watch` as a [`QueryEvent`] and logged (at the policy's log rate).
+//! `watch` as a [`QueryEvent`](crate::watch::QueryEvent) and logged (at the policy's log rate).
 //!
 //! One client cannot starve the others: what can never be answered (oversize datagrams,
 //! responses) is dropped at once and refusals are answered at once, without a slot; a

@@ -26,16 +26,16 @@ use super::rules::{Rules, Verdict, judge};
 use super::upstream::{Answered, forward};
 
 /// How long a TCP client may stay idle between queries.
-pub(super) const TCP_IDLE: Duration = Duration::from_secs(10);
+const TCP_IDLE: Duration = Duration::from_secs(10);
 
 /// How long a new TCP client has to send its first whole query: a connection that sends
 /// nothing (or one byte) must not hold a slot for long.
-pub(super) const TCP_FIRST_QUERY: Duration = Duration::from_secs(2);
+const TCP_FIRST_QUERY: Duration = Duration::from_secs(2);
 
 /// The largest query taken: a question (a name of at most 255 bytes) with an OPT record,
 /// cookies and padding stays far below this, the payload size that avoids fragmentation.
 /// Anything longer is no query and is dropped unread, without a reply or a slot.
-pub(super) const MAX_QUERY: usize = 1232;
+const MAX_QUERY: usize = 1232;
 
 /// What the serving tasks share.
 pub struct Context {
@@ -49,7 +49,7 @@ pub struct Context {
 
 /// What the receiving loop does with one UDP datagram or TCP message, decided at once: only
 /// a query that must be forwarded takes a slot and a task.
-pub(super) enum Prepared {
+enum Prepared {
     Drop,
     Reply(Vec<u8>),
     Forward(Forward),
@@ -177,7 +177,7 @@ pub(super) async fn serve_tcp(
 /// pipeline still get every answer, in order). The first query must arrive whole within
 /// [`TCP_FIRST_QUERY`], each later one within [`TCP_IDLE`]; a message longer than a query
 /// may be ends the connection.
-pub(super) async fn serve_tcp_client(
+async fn serve_tcp_client(
     mut stream: TcpStream,
     client: SocketAddr,
     key: ClientKey,
@@ -247,12 +247,7 @@ pub(super) async fn answer(
 
 /// What to do with `raw`, decided without waiting for anything: refusals and errors are
 /// answered here (and reported), and only an allowed name is left to forward.
-pub(super) fn prepare(
-    context: &Context,
-    raw: &[u8],
-    client: SocketAddr,
-    transport: Transport,
-) -> Prepared {
+fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: Transport) -> Prepared {
     let reply = |msg: &Message| encode(msg).map_or(Prepared::Drop, Prepared::Reply);
     let Ok(query) = message::parse(raw, MAX_QUERY) else {
         // Answer FORMERR only when there is a header to answer, and never a response: two
@@ -298,7 +293,7 @@ pub(super) fn prepare(
 }
 
 /// Forwards a checked query and returns the reply for the client (`None`: send nothing).
-pub(super) async fn forward_reply(
+async fn forward_reply(
     context: &Context,
     Forward { query, name, rules }: Forward,
     client: SocketAddr,
@@ -321,7 +316,7 @@ pub(super) async fn forward_reply(
 }
 
 /// A reply to `query` with `code`, the question echoed and no records.
-pub(super) fn reply_to(query: &Message, code: ResponseCode) -> Message {
+fn reply_to(query: &Message, code: ResponseCode) -> Message {
     let mut reply = Message::error_msg(query.metadata.id, query.metadata.op_code, code);
     reply.metadata.recursion_desired = query.metadata.recursion_desired;
     reply.metadata.recursion_available = true;
@@ -329,7 +324,7 @@ pub(super) fn reply_to(query: &Message, code: ResponseCode) -> Message {
     reply
 }
 
-pub(super) fn encode(msg: &Message) -> Option<Vec<u8>> {
+fn encode(msg: &Message) -> Option<Vec<u8>> {
     msg.to_vec()
         .inspect_err(|e| warn!(error = %e, "encoding a DNS reply"))
         .ok()

@@ -25,7 +25,7 @@ use super::rules::Rules;
 use super::serve::{Context, Transport};
 
 /// How long one upstream resolver has to answer before the next is asked.
-pub(super) const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// An answer for an allowed name, waiting for its addresses to be in the table. `done`
 /// carries whether the kernel took them.
@@ -85,7 +85,7 @@ pub(super) async fn forward(
 }
 
 /// The first upstream answer that matches the question, raw and parsed.
-pub(super) async fn ask_upstream(
+async fn ask_upstream(
     upstream: &[SocketAddr],
     mark: u32,
     query: &Message,
@@ -124,7 +124,7 @@ pub(super) async fn ask_upstream(
 
 /// The EDNS payload size the guard offers upstream: the size that avoids IP fragmentation
 /// (DNS flag day 2020), at most, and never less than the 512 bytes of plain DNS.
-pub(super) const UPSTREAM_PAYLOAD: u16 = 1232;
+const UPSTREAM_PAYLOAD: u16 = 1232;
 
 /// The query the guard sends upstream for a checked `query`, rebuilt from what the guard
 /// checked and nothing else: the question (name, type, class), the RD flag, the fresh `id`,
@@ -149,12 +149,7 @@ pub fn upstream_query(query: &Message, id: u16) -> Message {
 
 /// One exchange over UDP from a fresh marked socket (a random source port), connected so
 /// that datagrams from any other address never reach it.
-pub(super) async fn ask_udp(
-    server: SocketAddr,
-    mark: u32,
-    query: &[u8],
-    id: u16,
-) -> io::Result<Vec<u8>> {
+async fn ask_udp(server: SocketAddr, mark: u32, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
     let local: SocketAddr = match server {
         SocketAddr::V4(_) => (IpAddr::from([0u8; 4]), 0).into(),
         SocketAddr::V6(_) => (IpAddr::from([0u16; 8]), 0).into(),
@@ -165,7 +160,7 @@ pub(super) async fn ask_udp(
     exchange::udp(&socket, query, id).await
 }
 
-pub(super) async fn ask_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result<Vec<u8>> {
+async fn ask_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result<Vec<u8>> {
     let socket = match server {
         SocketAddr::V4(_) => TcpSocket::new_v4()?,
         SocketAddr::V6(_) => TcpSocket::new_v6()?,
@@ -176,7 +171,7 @@ pub(super) async fn ask_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::
     exchange::tcp(&mut stream, query).await
 }
 
-pub(super) fn random_id() -> u16 {
+fn random_id() -> u16 {
     // A failing getrandom (no entropy at early boot) still yields an id; the fresh random
     // source port of each exchange keeps guessing hard.
     getrandom::u32().map_or(0x5a5a, |r| r as u16)

@@ -25,7 +25,7 @@ pub const MAX_UDP_WAIT: Duration = Duration::from_secs(1);
 
 /// How long a UDP attempt refused with EPERM waits for `reject`'s ICMP error, which only
 /// makes the reason more precise (it arrives within microseconds when it comes at all).
-pub(super) const ICMP_WAIT: Duration = Duration::from_millis(100);
+const ICMP_WAIT: Duration = Duration::from_millis(100);
 
 /// At most this many attempts run at once.
 pub(super) const MAX_WORKERS: usize = 64;
@@ -34,7 +34,7 @@ pub(super) const QTYPE_A: RecordType = RecordType::A;
 pub(super) const QTYPE_AAAA: RecordType = RecordType::AAAA;
 
 /// The payload of a UDP attempt, so a listener's owner can tell what it saw.
-pub(super) const UDP_PAYLOAD: &[u8] = b"egress-fence probe\n";
+const UDP_PAYLOAD: &[u8] = b"egress-fence probe\n";
 
 pub(super) struct Ctx {
     pub(super) timeout: Duration,
@@ -143,7 +143,7 @@ pub(super) fn tcp_connect(target: SocketAddr, ctx: &Ctx) -> Result<TcpStream, Se
     })
 }
 
-pub(super) fn tcp_attempt(target: SocketAddr, ctx: &Ctx) -> Seen {
+fn tcp_attempt(target: SocketAddr, ctx: &Ctx) -> Seen {
     match tcp_connect(target, ctx) {
         Ok(_) => Seen::Connected,
         Err(seen) => seen,
@@ -152,7 +152,7 @@ pub(super) fn tcp_attempt(target: SocketAddr, ctx: &Ctx) -> Seen {
 
 /// Sends `payload` on a connected UDP socket and waits for a datagram that `accept` takes
 /// (returning the reason to report), an error, or silence.
-pub(super) fn udp_attempt(
+fn udp_attempt(
     target: SocketAddr,
     payload: &[u8],
     ctx: &Ctx,
@@ -220,7 +220,7 @@ pub(super) fn udp_attempt(
     }
 }
 
-pub(super) fn dns_udp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen {
+fn dns_udp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen {
     let id = random_u64() as u16;
     let query = dns_query(id, name, QTYPE_A);
     udp_attempt(target, &query, ctx, |reply| {
@@ -228,7 +228,7 @@ pub(super) fn dns_udp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen
     })
 }
 
-pub(super) fn dns_tcp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen {
+fn dns_tcp_attempt(target: SocketAddr, name: &str, ctx: &Ctx) -> Seen {
     let mut stream = match tcp_connect(target, ctx) {
         Ok(s) => s,
         Err(seen) => return seen,

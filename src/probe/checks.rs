@@ -19,7 +19,7 @@ use super::report::{Check, Outcome};
 /// The well-known metadata endpoints probed for the `cloud-metadata` preset: AWS/GCP/Azure's
 /// link-local address and the IPv6 ones of AWS, GCP and Scaleway, on the HTTP port they serve.
 /// Where one does not exist the attempt cannot leave the host, which passes too.
-pub(super) const METADATA_TARGETS: [SocketAddr; 4] = [
+const METADATA_TARGETS: [SocketAddr; 4] = [
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(169, 254, 169, 254)), 80),
     SocketAddr::new(
         IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
@@ -108,7 +108,7 @@ impl<'a> Plan<'a> {
 
     /// The attempts for one allowed address: each protocol, each single port, and both ends
     /// of each range (where an off-by-one in an interval would show).
-    pub(super) fn allowed_addr(&mut self, allow: &Allow, name: &str, addr: IpAddr) {
+    fn allowed_addr(&mut self, allow: &Allow, name: &str, addr: IpAddr) {
         let denied = self.policy.denied_by(addr).map(|d| {
             format!(
                 "expected: the address lies in the denied {} (deny wins)",
@@ -145,7 +145,7 @@ impl<'a> Plan<'a> {
     }
 
     /// TCP and UDP attempts that must be refused: "denied tcp cloud-metadata 169.254.169.254:80".
-    pub(super) fn refused_pair(&mut self, what: &str, name: Option<&str>, target: SocketAddr) {
+    fn refused_pair(&mut self, what: &str, name: Option<&str>, target: SocketAddr) {
         let name = name.map(|n| format!("{n} ")).unwrap_or_default();
         for (kind, proto) in [(Kind::Tcp, L4Proto::Tcp), (Kind::Udp, L4Proto::Udp)] {
             self.attempt(Attempt {
@@ -163,7 +163,7 @@ impl<'a> Plan<'a> {
     /// The allow entry that lets `target` through, for a refusal check that fails: a deny
     /// the policy forgot. `None` when the policy denies it or no entry covers it (then the
     /// hole is not the policy's: a changed table, or a bug).
-    pub(super) fn allowed_by(&self, target: SocketAddr, proto: L4Proto) -> Option<String> {
+    fn allowed_by(&self, target: SocketAddr, proto: L4Proto) -> Option<String> {
         let addr = target.ip();
         if self.policy.denied_by(addr).is_some() {
             return None;
@@ -267,7 +267,7 @@ impl<'a> Plan<'a> {
 
     /// The public DNS-over-HTTPS resolvers are never contacted: the installed table's deny
     /// sets must hold every network of the preset.
-    pub(super) fn doh_preset(&mut self) {
+    fn doh_preset(&mut self) {
         let preset = Preset::DnsOverHttps;
         let label = format!("denied preset {}", preset.name());
         let not_probed = "not probed: its addresses are public resolvers, which the probe never \

@@ -14,7 +14,7 @@ use super::report::{Check, Outcome};
 
 /// Who the installed table lets reach the upstream resolvers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum UpstreamAccess {
+enum UpstreamAccess {
     /// Only sockets of these uids (`meta skuid`) that carry one of these marks (`meta
     /// mark`; none: the uid alone); `source` says where that was learned.
     Uids {
@@ -161,7 +161,7 @@ impl<'a> Plan<'a> {
     }
 
     /// Who the table lets reach the upstream resolvers.
-    pub(super) fn upstream_access(&self) -> UpstreamAccess {
+    fn upstream_access(&self) -> UpstreamAccess {
         // A guard of this version marks its sockets with the policy's mark, and its table
         // asks for it.
         let policy_mark = self.policy.dns.guard.as_ref().map(|g| g.mark);

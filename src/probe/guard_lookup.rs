@@ -154,7 +154,7 @@ pub(super) fn guard_lookup(name: &DomainName, listen: &[SocketAddr], ctx: &Ctx) 
 }
 
 /// One question to the first listen address that responds.
-pub(super) fn ask_guard(
+fn ask_guard(
     listen: &[SocketAddr],
     name: &str,
     qtype: RecordType,
@@ -171,7 +171,7 @@ pub(super) fn ask_guard(
 }
 
 /// Asks `server` over UDP, and again over TCP when the response is truncated.
-pub(super) fn dns_exchange(
+fn dns_exchange(
     server: SocketAddr,
     name: &str,
     qtype: RecordType,
@@ -199,7 +199,7 @@ pub(super) fn dns_exchange(
     Ok(Asked::Answered { rcode, addrs })
 }
 
-pub(super) fn udp_exchange(
+fn udp_exchange(
     server: SocketAddr,
     query: &[u8],
     id: u16,
@@ -223,12 +223,7 @@ pub(super) fn udp_exchange(
     })
 }
 
-pub(super) fn tcp_exchange(
-    server: SocketAddr,
-    query: &[u8],
-    id: u16,
-    ctx: &Ctx,
-) -> Result<Vec<u8>, String> {
+fn tcp_exchange(server: SocketAddr, query: &[u8], id: u16, ctx: &Ctx) -> Result<Vec<u8>, String> {
     let mut stream = tcp_connect(server, ctx).map_err(|seen| match seen {
         Seen::RefusedRemotely(d) | Seen::RefusedHere(d) | Seen::NotSent(d) => d,
         _ => format!("no TCP connection within {}", fmt_duration(ctx.timeout)),

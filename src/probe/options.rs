@@ -159,7 +159,7 @@ impl TableFacts {
 
 /// The uid owning a socket bound to `addr` (or to the unspecified address on its port) in
 /// the calling thread's network namespace, from /proc/thread-self/net (readable by anyone).
-pub(super) fn socket_owner(addr: SocketAddr) -> Option<u32> {
+fn socket_owner(addr: SocketAddr) -> Option<u32> {
     let files: &[&str] = match addr {
         SocketAddr::V4(_) => &["udp", "tcp"],
         SocketAddr::V6(_) => &["udp6", "tcp6"],
@@ -178,7 +178,7 @@ pub(super) fn socket_owner(addr: SocketAddr) -> Option<u32> {
 /// The local address and owner uid of one line of /proc/net/{udp,tcp}{,6}: `sl local_address
 /// rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid ...`, addresses as hex words in
 /// host byte order.
-pub(super) fn proc_net_socket(line: &str) -> Option<(SocketAddr, u32)> {
+fn proc_net_socket(line: &str) -> Option<(SocketAddr, u32)> {
     let fields: Vec<&str> = line.split_whitespace().collect();
     let (addr, port) = fields.get(1)?.split_once(':')?;
     let port = u16::from_str_radix(port, 16).ok()?;
