@@ -1,9 +1,11 @@
 //! A minimal DNS client (UDP or TCP, no EDNS) for asking from inside a namespace.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::ErrorKind;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+use egress_fence::dns::{exchange, message};
 
 /// Record types for [`dns_ask`].
 pub const RTYPE_A: u16 = 1;
@@ -94,21 +96,8 @@ pub fn dns_ask(
 ) -> Result<DnsReply, String> {
     static NEXT_ID: AtomicU32 = AtomicU32::new(0);
     let seed = std::process::id().wrapping_mul(2_654_435_761);
-    let id = (NEXT_ID.fetch_add(1, Ordering::Relaxed).wrapping_add(seed) as u16).to_be_bytes();
-    let mut query = Vec::with_capacity(64);
-    query.extend_from_slice(&id);
-    query.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]); // RD, one question
-    for label in name.trim_end_matches('.').split('.') {
-        assert!(
-            !label.is_empty() && label.len() < 64,
-            "bad DNS name {name:?}"
-        );
-        query.push(label.len() as u8);
-        query.extend_from_slice(label.as_bytes());
-    }
-    query.push(0);
-    query.extend_from_slice(&rtype.to_be_bytes());
-    query.extend_from_slice(&[0, 1]); // IN
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed).wrapping_add(seed) as u16;
+    let query = dns_query(id, name, rtype).unwrap_or_else(|e| panic!("bad DNS name {name:?}: {e}"));
     let what = |e: std::io::Error| format!("{transport:?} {name} {rtype} to {server}: {e}");
     let deadline = Instant::now() + timeout;
     let left = || {
@@ -127,109 +116,60 @@ pub fn dns_ask(
             };
             let sock = UdpSocket::bind((any, 0)).map_err(what)?;
             sock.connect(server).map_err(what)?;
-            sock.send(&query).map_err(what)?;
-            let mut buf = vec![0u8; 65536];
-            loop {
-                sock.set_read_timeout(Some(left().map_err(what)?))
-                    .map_err(what)?;
-                let n = sock.recv(&mut buf).map_err(what)?;
-                if n >= 12 && buf[..2] == id {
-                    return parse_dns_reply(&buf[..n]).map_err(|e| format!("{name}: {e}"));
-                }
-            }
+            let reply =
+                exchange::udp_blocking(&sock, &query, id, left().map_err(what)?).map_err(what)?;
+            parse_dns_reply(&reply).map_err(|e| format!("{name}: {e}"))
         }
         Transport::Tcp => {
             let mut stream = std::net::TcpStream::connect_timeout(&server, left().map_err(what)?)
                 .map_err(what)?;
-            let mut msg = (query.len() as u16).to_be_bytes().to_vec();
-            msg.extend_from_slice(&query);
-            stream
-                .set_write_timeout(Some(left().map_err(what)?))
-                .map_err(what)?;
-            stream.write_all(&msg).map_err(what)?;
-            stream
-                .set_read_timeout(Some(left().map_err(what)?))
-                .map_err(what)?;
-            let mut len = [0u8; 2];
-            stream.read_exact(&mut len).map_err(what)?;
-            let mut buf = vec![0u8; u16::from_be_bytes(len) as usize];
-            stream.read_exact(&mut buf).map_err(what)?;
-            if buf.len() < 12 || buf[..2] != id {
+            let reply =
+                exchange::tcp_blocking(&mut stream, &query, left().map_err(what)?).map_err(what)?;
+            if message::peek_id(&reply) != Some(id) {
                 return Err(format!("{name}: a TCP response with another id"));
             }
-            parse_dns_reply(&buf).map_err(|e| format!("{name}: {e}"))
+            parse_dns_reply(&reply).map_err(|e| format!("{name}: {e}"))
         }
     }
+}
+
+/// A query for `name`/`rtype`, class IN, recursion desired, no EDNS (the library's codec).
+pub(super) fn dns_query(id: u16, name: &str, rtype: u16) -> Result<Vec<u8>, String> {
+    let name = hickory_proto::rr::Name::from_ascii(name).map_err(|e| e.to_string())?;
+    let question = hickory_proto::op::Query::query(name, rtype.into());
+    message::query(id, [question], true, None)
+        .to_vec()
+        .map_err(|e| e.to_string())
 }
 
 fn parse_dns_reply(msg: &[u8]) -> Result<DnsReply, String> {
-    let u16_at = |p: usize| -> Result<u16, String> {
-        msg.get(p..p + 2)
-            .map(|b| u16::from_be_bytes([b[0], b[1]]))
-            .ok_or_else(|| "response cut short".to_string())
-    };
-    let flags = u16_at(2)?;
-    if flags & 0x8000 == 0 {
+    use hickory_proto::rr::RData as Data;
+    use hickory_proto::serialize::binary::BinEncodable;
+    let reply = message::parse(msg, message::MAX_MESSAGE).map_err(|e| e.to_string())?;
+    if reply.metadata.message_type != hickory_proto::op::MessageType::Response {
         return Err("not a response (QR clear)".into());
     }
-    let (qdcount, ancount) = (u16_at(4)?, u16_at(6)?);
-    let mut pos = 12;
-    for _ in 0..qdcount {
-        pos = read_dns_name(msg, pos)?.1 + 4;
-    }
-    let mut answers = Vec::new();
-    for _ in 0..ancount {
-        let (name, next) = read_dns_name(msg, pos)?;
-        let rtype = u16_at(next)?;
-        let ttl = (u32::from(u16_at(next + 4)?) << 16) | u32::from(u16_at(next + 6)?);
-        let rdlen = usize::from(u16_at(next + 8)?);
-        let rdata_at = next + 10;
-        let rdata = msg
-            .get(rdata_at..rdata_at + rdlen)
-            .ok_or("record data cut short")?;
-        let data = match (rtype, rdlen) {
-            (RTYPE_A, 4) => RData::Addr(IpAddr::from(<[u8; 4]>::try_from(rdata).unwrap())),
-            (RTYPE_AAAA, 16) => RData::Addr(IpAddr::from(<[u8; 16]>::try_from(rdata).unwrap())),
-            (RTYPE_CNAME, _) => RData::Name(read_dns_name(msg, rdata_at)?.0),
-            _ => RData::Other(rdata.to_vec()),
-        };
-        answers.push(DnsAnswer {
-            name,
-            rtype,
-            ttl,
-            data,
-        });
-        pos = rdata_at + rdlen;
-    }
+    // Lower case, without the trailing dot.
+    let text =
+        |n: &hickory_proto::rr::Name| n.to_ascii().trim_end_matches('.').to_ascii_lowercase();
+    let answers = reply
+        .answers
+        .iter()
+        .map(|r| DnsAnswer {
+            name: text(&r.name),
+            rtype: r.record_type().into(),
+            ttl: r.ttl,
+            data: match &r.data {
+                Data::A(a) => RData::Addr(IpAddr::V4(a.0)),
+                Data::AAAA(a) => RData::Addr(IpAddr::V6(a.0)),
+                Data::CNAME(c) => RData::Name(text(&c.0)),
+                other => RData::Other(other.to_bytes().unwrap_or_default()),
+            },
+        })
+        .collect();
     Ok(DnsReply {
-        rcode: (flags & 0x000f) as u8,
-        truncated: flags & 0x0200 != 0,
+        rcode: reply.metadata.response_code.low(),
+        truncated: reply.metadata.truncation,
         answers,
     })
-}
-
-/// Reads a (possibly compressed) name at `pos`: the name in lower case without the trailing
-/// dot, and where the record continues.
-fn read_dns_name(msg: &[u8], mut pos: usize) -> Result<(String, usize), String> {
-    let mut labels: Vec<String> = Vec::new();
-    let mut end = None;
-    for _ in 0..128 {
-        let len = *msg.get(pos).ok_or("name cut short")? as usize;
-        match len {
-            0 => {
-                return Ok((labels.join("."), end.unwrap_or(pos + 1)));
-            }
-            l if l & 0xc0 == 0xc0 => {
-                let low = *msg.get(pos + 1).ok_or("pointer cut short")? as usize;
-                end.get_or_insert(pos + 2);
-                pos = ((l & 0x3f) << 8) | low;
-            }
-            l => {
-                let label = msg.get(pos + 1..pos + 1 + l).ok_or("label cut short")?;
-                labels.push(String::from_utf8_lossy(label).to_ascii_lowercase());
-                pos += 1 + l;
-            }
-        }
-    }
-    Err("name with a pointer loop".into())
 }

@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
+use egress_fence::dns::exchange;
+
 use super::addrs::*;
+use super::dns_client::{RTYPE_A, dns_query};
 use super::process::{ns_command, read_lossy, stop_child, wait_until};
 use super::world::World;
 
@@ -125,32 +128,12 @@ pub(super) fn dns_probe(server: IpAddr, bind: IpAddr, timeout: Duration) -> bool
     let Ok(sock) = UdpSocket::bind(SocketAddr::new(bind, 0)) else {
         return false;
     };
-    let id = (NEXT_ID.fetch_add(1, Ordering::Relaxed) as u16).to_be_bytes();
-    let mut query = Vec::with_capacity(64);
-    query.extend_from_slice(&id);
-    query.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]); // RD, one question
-    for label in PROBE_NAME.split('.') {
-        query.push(label.len() as u8);
-        query.extend_from_slice(label.as_bytes());
-    }
-    query.extend_from_slice(&[0, 0, 1, 0, 1]); // root, type A, class IN
-    // Connected, so a closed port fails at once (ICMP port unreachable) instead of timing out.
-    if sock.connect((server, 53)).is_err() || sock.send(&query).is_err() {
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed) as u16;
+    let Ok(query) = dns_query(id, PROBE_NAME, RTYPE_A) else {
         return false;
-    }
-    let deadline = Instant::now() + timeout;
-    let mut buf = [0u8; 512];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || sock.set_read_timeout(Some(left)).is_err() {
-            return false;
-        }
-        match sock.recv(&mut buf) {
-            Ok(n) if n >= 12 && buf[..2] == id => return true,
-            Ok(_) => continue,
-            Err(_) => return false,
-        }
-    }
+    };
+    // Connected, so a closed port fails at once (ICMP port unreachable) instead of timing out.
+    sock.connect((server, 53)).is_ok() && exchange::udp_blocking(&sock, &query, id, timeout).is_ok()
 }
 
 fn normalize_name(name: &str) -> String {

@@ -1,0 +1,267 @@
+//! Who a client is ([`client_key`]) and how much of the guard each one holds
+//! ([`ClientLimits`]), so that one client cannot starve the others.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use tracing::warn;
+
+use crate::core::installable::HostAddrs;
+use crate::netlink::sockdiag::{self, SockDiag};
+
+/// Who a client is, for its share of the guard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientKey {
+    /// A local client by the uid owning its socket, whatever address it sends from (any
+    /// loopback address, or one of the host's own): a local process may choose its source
+    /// address, but not its uid.
+    LocalUser(u32),
+    /// A client from a local address whose socket was gone before the guard asked (a sender
+    /// that does not wait for its answer, or a raw socket's forged datagram): all of them
+    /// share one share.
+    LocalUnknown,
+    /// Any other client by its address; an IPv4-mapped one as IPv4, an IPv6 one by its /64,
+    /// which one host usually holds whole. A source address is easy to forge (root in a
+    /// container keeps CAP_NET_RAW), so all of these together also have one share of their
+    /// own (see [`ClientLimits`]): forged sources cannot starve local clients.
+    Address(IpAddr),
+}
+
+impl ClientKey {
+    /// Whether the key is one of the [`ClientKey::Address`] keys, which share a group cap.
+    fn by_address(self) -> bool {
+        matches!(self, ClientKey::Address(_))
+    }
+}
+
+/// The key of the client at `peer` that reached our socket at `local`. A peer on a local
+/// path (a loopback address, or one of `host`'s own addresses, which the kernel never takes
+/// from outside) is a local client: `diag` (when it could be opened) tells the uid of its
+/// socket. Any other peer is its address, whatever socket shares its port: a forged
+/// datagram from elsewhere cannot be charged to a local user's share.
+pub fn client_key(
+    diag: Option<&mut SockDiag>,
+    host: &HostAddrs,
+    protocol: sockdiag::Protocol,
+    local: SocketAddr,
+    peer: SocketAddr,
+) -> ClientKey {
+    let unmapped = |a: SocketAddr| match a.ip() {
+        IpAddr::V6(v6) => SocketAddr::new(
+            v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+            a.port(),
+        ),
+        IpAddr::V4(_) => a,
+    };
+    let (peer, local) = (unmapped(peer), unmapped(local));
+    let ip = peer.ip();
+    if ip.is_loopback() || host.is_own(ip) {
+        return match diag.and_then(|d| d.owner(protocol, local, peer)) {
+            Some(uid) => ClientKey::LocalUser(uid),
+            None => ClientKey::LocalUnknown,
+        };
+    }
+    ClientKey::Address(match ip {
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            IpAddr::from([s[0], s[1], s[2], s[3], 0, 0, 0, 0])
+        }
+        v4 => v4,
+    })
+}
+
+/// How many of something (queries in flight, connections) each client holds, against a cap;
+/// and all [`ClientKey::Address`] clients together, against twice that: forged source
+/// addresses are free, so however many there are they hold no more than two clients would.
+#[derive(Debug)]
+pub struct ClientLimits {
+    cap: usize,
+    held: std::sync::Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    by_client: std::collections::HashMap<ClientKey, usize>,
+    /// The sum over the [`ClientKey::Address`] keys.
+    by_address: usize,
+}
+
+/// One unit a client holds; given back when dropped.
+#[derive(Debug)]
+pub struct ClientSlot {
+    limits: Arc<ClientLimits>,
+    key: ClientKey,
+}
+
+impl ClientLimits {
+    pub fn new(cap: usize) -> Arc<ClientLimits> {
+        Arc::new(ClientLimits {
+            cap,
+            held: Default::default(),
+        })
+    }
+
+    /// What all [`ClientKey::Address`] clients together may hold.
+    fn address_cap(&self) -> usize {
+        self.cap.saturating_mul(2)
+    }
+
+    /// A slot for the client `key`, unless it already holds its cap (or it is known by its
+    /// address only and those clients together hold theirs).
+    pub fn try_take(self: &Arc<Self>, key: ClientKey) -> Option<ClientSlot> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if key.by_address() && held.by_address >= self.address_cap() {
+            return None;
+        }
+        let count = held.by_client.entry(key).or_default();
+        if *count >= self.cap {
+            return None;
+        }
+        *count += 1;
+        if key.by_address() {
+            held.by_address += 1;
+        }
+        Some(ClientSlot {
+            limits: self.clone(),
+            key,
+        })
+    }
+
+    /// Slots held by the client `key`.
+    pub fn held(&self, key: ClientKey) -> usize {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.by_client.get(&key).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut held = self.limits.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = held.by_client.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                // Forgotten at once: a flood of spoofed sources leaves no table behind.
+                held.by_client.remove(&self.key);
+            }
+            if self.key.by_address() {
+                held.by_address -= 1;
+            }
+        }
+    }
+}
+
+/// Opens the lookup of local clients' uids; without it (no netlink, say) every local client
+/// shares one share.
+pub(super) fn open_sock_diag() -> Option<SockDiag> {
+    SockDiag::open()
+        .inspect_err(|e| warn!(error = %e, "local DNS clients cannot be told apart by uid"))
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+
+    use super::*;
+
+    /// One client holds at most its cap; others are not affected; a slot given back can be
+    /// taken again, and a client holding nothing leaves nothing behind.
+    #[test]
+    fn each_client_holds_at_most_its_share() {
+        let limits = ClientLimits::new(2);
+        let flood = ClientKey::LocalUser(4242);
+        let other = ClientKey::LocalUser(65534);
+        let a = limits.try_take(flood).expect("first");
+        let _b = limits.try_take(flood).expect("second");
+        assert!(limits.try_take(flood).is_none(), "over the cap");
+        let c = limits
+            .try_take(other)
+            .expect("another client is not affected");
+        drop(a);
+        let _again = limits.try_take(flood).expect("a slot given back");
+        drop(c);
+        assert_eq!(limits.held(other), 0);
+        assert!(!limits.held.lock().unwrap().by_client.contains_key(&other));
+    }
+
+    /// Clients known by their address only (any of which may be forged) hold at most twice
+    /// a client's cap together, however many addresses they use; local clients keep theirs.
+    #[test]
+    fn clients_known_by_address_share_one_group_cap() {
+        let limits = ClientLimits::new(2);
+        let forged = |i: u8| ClientKey::Address(IpAddr::from([203, 0, 113, i]));
+        let held: Vec<ClientSlot> = (1..=64)
+            .filter_map(|i| limits.try_take(forged(i)))
+            .collect();
+        assert_eq!(held.len(), 4, "two clients' worth, over 64 addresses");
+        let _local = limits
+            .try_take(ClientKey::LocalUser(65534))
+            .expect("a local client is not affected");
+        let _unknown = limits
+            .try_take(ClientKey::LocalUnknown)
+            .expect("nor are local clients whose socket is gone");
+        drop(held);
+        assert_eq!(limits.held.lock().unwrap().by_address, 0);
+        assert!(limits.try_take(forged(9)).is_some(), "slots given back");
+    }
+
+    /// A local client is its socket's uid, whatever loopback or own address it sends from;
+    /// any other one its address (even when a local socket has its port), an IPv6 one by
+    /// its /64.
+    #[test]
+    fn clients_are_told_apart_by_uid_when_local_and_by_address_otherwise() {
+        let me = nix::unistd::geteuid().as_raw();
+        let mut diag = SockDiag::open().expect("sock_diag");
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let local = server.local_addr().unwrap();
+        let udp = sockdiag::Protocol::Udp;
+        let none = HostAddrs::none();
+        for from in ["127.0.0.1:0", "127.0.0.2:0", "127.9.8.7:0"] {
+            let client = std::net::UdpSocket::bind(from).unwrap();
+            client.send_to(b"q", local).unwrap();
+            let peer = client.local_addr().unwrap();
+            assert_eq!(
+                client_key(Some(&mut diag), &none, udp, local, peer),
+                ClientKey::LocalUser(me),
+                "{from}"
+            );
+        }
+        // Gone before the guard asked: the local clients' shared key.
+        let gone: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        assert_eq!(
+            client_key(Some(&mut diag), &none, udp, local, gone),
+            ClientKey::LocalUnknown
+        );
+        // A socket on every address (an unconnected client's usual one) takes datagrams to
+        // its port from any source: from the host's own address it is its uid, from an
+        // address that is not the host's (a forged one, say) the address, not that uid.
+        let wildcard = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        wildcard.send_to(b"q", local).unwrap();
+        let port = wildcard.local_addr().unwrap().port();
+        let own = HostAddrs::from_interfaces([("203.0.113.7".parse().unwrap(), None, None)]);
+        let from_own = SocketAddr::new("203.0.113.7".parse().unwrap(), port);
+        assert_eq!(
+            client_key(Some(&mut diag), &own, udp, local, from_own),
+            ClientKey::LocalUser(me)
+        );
+        assert_eq!(
+            client_key(Some(&mut diag), &none, udp, local, from_own),
+            ClientKey::Address("203.0.113.7".parse().unwrap())
+        );
+        let gone_own: SocketAddr = "203.0.113.7:9".parse().unwrap();
+        assert_eq!(
+            client_key(Some(&mut diag), &own, udp, local, gone_own),
+            ClientKey::LocalUnknown
+        );
+        let key = |peer: &str| client_key(None, &none, udp, local, peer.parse().unwrap());
+        assert_eq!(key("127.0.0.1:5353"), ClientKey::LocalUnknown);
+        assert_eq!(
+            key("[::ffff:192.0.2.7]:5353"),
+            ClientKey::Address("192.0.2.7".parse().unwrap())
+        );
+        assert_eq!(
+            key("[2001:db8:1:2::1]:53"),
+            key("[2001:db8:1:2:ffff::9]:53")
+        );
+        assert_ne!(key("[2001:db8:1:2::1]:53"), key("[2001:db8:1:3::1]:53"));
+    }
+}

@@ -1,0 +1,237 @@
+//! Asking the guard: each name's A and AAAA questions, over UDP and again over TCP when the
+//! answer is truncated, with REFUSED and NXDOMAIN kept apart.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::thread;
+use std::time::Duration;
+
+use hickory_proto::rr::RecordType;
+
+use crate::core::policy::DomainName;
+use crate::core::resolution::{ResolvedAddr, ResolvedHost};
+use crate::dns::exchange;
+use crate::dns::message::{self, MAX_MESSAGE};
+
+use super::attempt::{
+    Ctx, MAX_WORKERS, QTYPE_A, QTYPE_AAAA, Seen, describe, dns_query, dns_rcode, fmt_duration,
+    tcp_connect,
+};
+use super::plan::random_u64;
+use super::report::ProbeError;
+
+/// How one question to the guard ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Asked {
+    /// A response: its code ("NOERROR", "REFUSED", ...) and the A/AAAA addresses it carries.
+    Answered {
+        rcode: &'static str,
+        addrs: Vec<ResolvedAddr>,
+    },
+    /// No response from any listen address, and why.
+    Failed(String),
+}
+
+/// A name asked of the guard, A and AAAA.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct GuardLookup {
+    pub(super) name: DomainName,
+    pub(super) a: Asked,
+    pub(super) aaaa: Asked,
+}
+
+impl GuardLookup {
+    fn asked(&self) -> [(&'static str, &Asked); 2] {
+        [("A", &self.a), ("AAAA", &self.aaaa)]
+    }
+
+    /// The lookup as the rest of the probe reads names: addresses, NXDOMAIN, and as errors
+    /// every question that got no response or another refusal.
+    pub(super) fn host(&self) -> ResolvedHost {
+        let mut host = ResolvedHost {
+            name: self.name.clone(),
+            addrs: Vec::new(),
+            nxdomain: false,
+            dropped: Vec::new(),
+            errors: Vec::new(),
+        };
+        for (qtype, asked) in self.asked() {
+            match asked {
+                Asked::Answered { rcode, addrs } => {
+                    host.addrs.extend(addrs);
+                    match *rcode {
+                        "NOERROR" => {}
+                        "NXDOMAIN" => host.nxdomain = true,
+                        other => host.errors.push(format!("{qtype}: answered {other}")),
+                    }
+                }
+                Asked::Failed(e) => host.errors.push(format!("{qtype}: {e}")),
+            }
+        }
+        host.addrs.sort();
+        host.addrs.dedup_by_key(|a| a.addr);
+        host
+    }
+
+    /// The guard's refusal: both questions answered REFUSED or NXDOMAIN, without addresses.
+    pub(super) fn refusal(&self) -> Option<&'static str> {
+        let mut code = None;
+        for (_, asked) in self.asked() {
+            match asked {
+                Asked::Answered { rcode, addrs }
+                    if addrs.is_empty() && matches!(*rcode, "REFUSED" | "NXDOMAIN") =>
+                {
+                    code = Some(*rcode);
+                }
+                _ => return None,
+            }
+        }
+        code
+    }
+
+    /// "A: REFUSED, AAAA: no answer within 2s", for reasons.
+    pub(super) fn outcome(&self) -> String {
+        self.asked()
+            .iter()
+            .map(|(qtype, asked)| match asked {
+                Asked::Answered { rcode, .. } => format!("{qtype}: answered {rcode}"),
+                Asked::Failed(e) => format!("{qtype}: {e}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// Asks the guard for the A and AAAA records of every name, a few names at a time.
+pub(super) fn guard_lookups(
+    names: &[&DomainName],
+    listen: &[SocketAddr],
+    ctx: &Ctx,
+) -> Result<Vec<GuardLookup>, ProbeError> {
+    let mut lookups = Vec::with_capacity(names.len());
+    for chunk in names.chunks(MAX_WORKERS) {
+        let done: Vec<GuardLookup> = thread::scope(|s| {
+            let mut handles = Vec::with_capacity(chunk.len());
+            for &name in chunk {
+                let handle = thread::Builder::new()
+                    .name("probe-dns".into())
+                    .spawn_scoped(s, move || guard_lookup(name, listen, ctx))
+                    .map_err(ProbeError::Thread)?;
+                handles.push(handle);
+            }
+            Ok::<_, ProbeError>(
+                handles
+                    .into_iter()
+                    .zip(chunk)
+                    .map(|(h, &name)| {
+                        h.join().unwrap_or_else(|_| GuardLookup {
+                            name: name.clone(),
+                            a: Asked::Failed("the lookup thread panicked".into()),
+                            aaaa: Asked::Failed("the lookup thread panicked".into()),
+                        })
+                    })
+                    .collect(),
+            )
+        })?;
+        lookups.extend(done);
+    }
+    Ok(lookups)
+}
+
+pub(super) fn guard_lookup(name: &DomainName, listen: &[SocketAddr], ctx: &Ctx) -> GuardLookup {
+    let (server, a) = ask_guard(listen, name.as_str(), QTYPE_A, ctx);
+    // The AAAA question goes first to the address that answered the A question.
+    let order: Vec<SocketAddr> = server
+        .into_iter()
+        .chain(listen.iter().copied().filter(|l| Some(*l) != server))
+        .collect();
+    let (_, aaaa) = ask_guard(&order, name.as_str(), QTYPE_AAAA, ctx);
+    GuardLookup {
+        name: name.clone(),
+        a,
+        aaaa,
+    }
+}
+
+/// One question to the first listen address that responds.
+fn ask_guard(
+    listen: &[SocketAddr],
+    name: &str,
+    qtype: RecordType,
+    ctx: &Ctx,
+) -> (Option<SocketAddr>, Asked) {
+    let mut failures = Vec::new();
+    for &server in listen {
+        match dns_exchange(server, name, qtype, ctx) {
+            Ok(asked) => return (Some(server), asked),
+            Err(e) => failures.push(format!("{server}: {e}")),
+        }
+    }
+    (None, Asked::Failed(failures.join("; ")))
+}
+
+/// Asks `server` over UDP, and again over TCP when the response is truncated.
+fn dns_exchange(
+    server: SocketAddr,
+    name: &str,
+    qtype: RecordType,
+    ctx: &Ctx,
+) -> Result<Asked, String> {
+    let id = random_u64() as u16;
+    let query = dns_query(id, name, qtype);
+    let mut reply = udp_exchange(server, &query, id, ctx.timeout)?;
+    if message::peek_is_truncated(&reply) {
+        reply = tcp_exchange(server, &query, id, ctx)?;
+    }
+    let rcode = dns_rcode(id, &reply).ok_or("the response does not match the query")?;
+    let response =
+        message::parse(&reply, MAX_MESSAGE).map_err(|e| format!("an unreadable response ({e})"))?;
+    let addrs = response
+        .answers
+        .iter()
+        .filter_map(|r| {
+            Some(ResolvedAddr {
+                addr: r.data.ip_addr()?,
+                ttl: r.ttl,
+            })
+        })
+        .collect();
+    Ok(Asked::Answered { rcode, addrs })
+}
+
+fn udp_exchange(
+    server: SocketAddr,
+    query: &[u8],
+    id: u16,
+    timeout: Duration,
+) -> Result<Vec<u8>, String> {
+    let bind = match server {
+        SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+        SocketAddr::V6(_) => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0),
+    };
+    let socket = UdpSocket::bind(bind)
+        .and_then(|s| s.connect(server).map(|()| s))
+        .map_err(|e| describe(&e))?;
+    exchange::udp_blocking(&socket, query, id, timeout).map_err(|e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            format!("no answer within {}", fmt_duration(timeout))
+        }
+        _ if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
+            "nothing answers there (port unreachable)".into()
+        }
+        _ => describe(&e),
+    })
+}
+
+fn tcp_exchange(server: SocketAddr, query: &[u8], id: u16, ctx: &Ctx) -> Result<Vec<u8>, String> {
+    let mut stream = tcp_connect(server, ctx).map_err(|seen| match seen {
+        Seen::RefusedRemotely(d) | Seen::RefusedHere(d) | Seen::NotSent(d) => d,
+        _ => format!("no TCP connection within {}", fmt_duration(ctx.timeout)),
+    })?;
+    let reply = exchange::tcp_blocking(&mut stream, query, ctx.timeout)
+        .map_err(|e| format!("over TCP: {}", describe(&e)))?;
+    match dns_rcode(id, &reply) {
+        Some(_) => Ok(reply),
+        None => Err("the TCP response does not match the query".into()),
+    }
+}
