@@ -18,7 +18,7 @@ use crate::core::resolution::ResolvedAddr;
 /// Why an answered address is never installed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Refusal {
+pub enum Uninstallable {
     /// 0.0.0.0/8 or `::`: "this host" / no address.
     Unspecified,
     /// 127.0.0.0/8 or `::1`.
@@ -46,25 +46,25 @@ pub enum Refusal {
     SubnetBroadcast,
 }
 
-impl Refusal {
+impl Uninstallable {
     /// Why, for log lines and warnings.
     pub fn describe(self) -> &'static str {
         match self {
-            Refusal::Unspecified => "unspecified address",
-            Refusal::Loopback => "loopback address",
-            Refusal::Multicast => "multicast address",
-            Refusal::Broadcast => "the limited broadcast address",
-            Refusal::Reserved => "reserved address (240.0.0.0/4)",
-            Refusal::LinkLocal => "IPv6 link-local address",
-            Refusal::Ipv4InIpv6 => "IPv4-mapped or IPv4-compatible IPv6 address",
-            Refusal::Nat64LocalUse => "address in the local-use NAT64 prefix 64:ff9b:1::/48",
-            Refusal::OwnAddress => "an address of this host",
-            Refusal::SubnetBroadcast => "the broadcast address of a subnet of this host",
+            Uninstallable::Unspecified => "unspecified address",
+            Uninstallable::Loopback => "loopback address",
+            Uninstallable::Multicast => "multicast address",
+            Uninstallable::Broadcast => "the limited broadcast address",
+            Uninstallable::Reserved => "reserved address (240.0.0.0/4)",
+            Uninstallable::LinkLocal => "IPv6 link-local address",
+            Uninstallable::Ipv4InIpv6 => "IPv4-mapped or IPv4-compatible IPv6 address",
+            Uninstallable::Nat64LocalUse => "address in the local-use NAT64 prefix 64:ff9b:1::/48",
+            Uninstallable::OwnAddress => "an address of this host",
+            Uninstallable::SubnetBroadcast => "the broadcast address of a subnet of this host",
         }
     }
 }
 
-impl std::fmt::Display for Refusal {
+impl std::fmt::Display for Uninstallable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.describe())
     }
@@ -207,7 +207,7 @@ fn in_nat64_local_use(addr: Ipv6Addr) -> bool {
 /// Whether `addr`, answered for an allowed name, may become a resolved-set element: `Err`
 /// says why not. An address in 64:ff9b::/96 is an IPv4 address behind a NAT64 gateway: the
 /// IPv4 checks apply to the address inside it.
-pub fn check(addr: IpAddr, host: &HostAddrs) -> Result<(), Refusal> {
+pub fn check(addr: IpAddr, host: &HostAddrs) -> Result<(), Uninstallable> {
     check_class(addr)?;
     check_host(addr, host)?;
     if let IpAddr::V6(v6) = addr
@@ -219,56 +219,56 @@ pub fn check(addr: IpAddr, host: &HostAddrs) -> Result<(), Refusal> {
     Ok(())
 }
 
-fn check_host(addr: IpAddr, host: &HostAddrs) -> Result<(), Refusal> {
+fn check_host(addr: IpAddr, host: &HostAddrs) -> Result<(), Uninstallable> {
     if host.own.contains(&addr) {
-        return Err(Refusal::OwnAddress);
+        return Err(Uninstallable::OwnAddress);
     }
     if host.broadcasts.contains(&addr) {
-        return Err(Refusal::SubnetBroadcast);
+        return Err(Uninstallable::SubnetBroadcast);
     }
     Ok(())
 }
 
 /// The part of [`check`] that the address alone decides.
-fn check_class(addr: IpAddr) -> Result<(), Refusal> {
+fn check_class(addr: IpAddr) -> Result<(), Uninstallable> {
     match addr {
         IpAddr::V4(a) => check_v4(a),
         IpAddr::V6(a) => check_v6(a),
     }
 }
 
-fn check_v4(a: Ipv4Addr) -> Result<(), Refusal> {
+fn check_v4(a: Ipv4Addr) -> Result<(), Uninstallable> {
     let first = a.octets()[0];
     if a.is_broadcast() {
-        Err(Refusal::Broadcast)
+        Err(Uninstallable::Broadcast)
     } else if first == 0 {
-        Err(Refusal::Unspecified)
+        Err(Uninstallable::Unspecified)
     } else if a.is_loopback() {
-        Err(Refusal::Loopback)
+        Err(Uninstallable::Loopback)
     } else if a.is_multicast() {
-        Err(Refusal::Multicast)
+        Err(Uninstallable::Multicast)
     } else if first >= 240 {
-        Err(Refusal::Reserved)
+        Err(Uninstallable::Reserved)
     } else {
         Ok(())
     }
 }
 
-fn check_v6(a: Ipv6Addr) -> Result<(), Refusal> {
+fn check_v6(a: Ipv6Addr) -> Result<(), Uninstallable> {
     let s = a.segments();
     if a.is_unspecified() {
-        Err(Refusal::Unspecified)
+        Err(Uninstallable::Unspecified)
     } else if a.is_loopback() {
-        Err(Refusal::Loopback)
+        Err(Uninstallable::Loopback)
     } else if a.is_multicast() {
-        Err(Refusal::Multicast)
+        Err(Uninstallable::Multicast)
     } else if s[0] & 0xffc0 == 0xfe80 {
-        Err(Refusal::LinkLocal)
+        Err(Uninstallable::LinkLocal)
     } else if a.to_ipv4_mapped().is_some() || s[..6] == [0; 6] {
         // ::ffff:a.b.c.d, and the deprecated ::a.b.c.d (`::` and `::1` are caught above).
-        Err(Refusal::Ipv4InIpv6)
+        Err(Uninstallable::Ipv4InIpv6)
     } else if in_nat64_local_use(a) {
-        Err(Refusal::Nat64LocalUse)
+        Err(Uninstallable::Nat64LocalUse)
     } else {
         Ok(())
     }
@@ -284,7 +284,7 @@ pub fn effective_ttl(ttl: u32) -> u32 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Dropped {
     pub addr: IpAddr,
-    pub why: Refusal,
+    pub why: Uninstallable,
 }
 
 /// Removes from `addrs` every address [`check`] refuses; returns those, with why.
@@ -388,23 +388,23 @@ mod tests {
     fn non_unicast_unspecified_loopback_and_link_local_are_refused() {
         let none = HostAddrs::none();
         let cases = [
-            ("255.255.255.255", Refusal::Broadcast),
-            ("0.0.0.0", Refusal::Unspecified),
-            ("0.1.2.3", Refusal::Unspecified),
-            ("127.0.0.1", Refusal::Loopback),
-            ("127.255.0.9", Refusal::Loopback),
-            ("224.0.0.1", Refusal::Multicast),
-            ("239.255.255.250", Refusal::Multicast),
-            ("240.0.0.1", Refusal::Reserved),
-            ("::", Refusal::Unspecified),
-            ("::1", Refusal::Loopback),
-            ("ff02::1", Refusal::Multicast),
-            ("ff05::1:3", Refusal::Multicast),
-            ("fe80::1", Refusal::LinkLocal),
-            ("febf::1", Refusal::LinkLocal),
-            ("::ffff:192.0.2.1", Refusal::Ipv4InIpv6),
-            ("::ffff:255.255.255.255", Refusal::Ipv4InIpv6),
-            ("::192.0.2.1", Refusal::Ipv4InIpv6),
+            ("255.255.255.255", Uninstallable::Broadcast),
+            ("0.0.0.0", Uninstallable::Unspecified),
+            ("0.1.2.3", Uninstallable::Unspecified),
+            ("127.0.0.1", Uninstallable::Loopback),
+            ("127.255.0.9", Uninstallable::Loopback),
+            ("224.0.0.1", Uninstallable::Multicast),
+            ("239.255.255.250", Uninstallable::Multicast),
+            ("240.0.0.1", Uninstallable::Reserved),
+            ("::", Uninstallable::Unspecified),
+            ("::1", Uninstallable::Loopback),
+            ("ff02::1", Uninstallable::Multicast),
+            ("ff05::1:3", Uninstallable::Multicast),
+            ("fe80::1", Uninstallable::LinkLocal),
+            ("febf::1", Uninstallable::LinkLocal),
+            ("::ffff:192.0.2.1", Uninstallable::Ipv4InIpv6),
+            ("::ffff:255.255.255.255", Uninstallable::Ipv4InIpv6),
+            ("::192.0.2.1", Uninstallable::Ipv4InIpv6),
         ];
         for (addr, why) in cases {
             assert_eq!(check(ip(addr), &none), Err(why), "{addr}");
@@ -448,18 +448,21 @@ mod tests {
                 None,
             ),
         ]);
-        assert_eq!(check(ip("198.51.100.2"), &host), Err(Refusal::OwnAddress));
+        assert_eq!(
+            check(ip("198.51.100.2"), &host),
+            Err(Uninstallable::OwnAddress)
+        );
         assert_eq!(
             check(ip("2001:db8:ffff::2"), &host),
-            Err(Refusal::OwnAddress)
+            Err(Uninstallable::OwnAddress)
         );
         assert_eq!(
             check(ip("198.51.100.255"), &host),
-            Err(Refusal::SubnetBroadcast)
+            Err(Uninstallable::SubnetBroadcast)
         );
         assert_eq!(
             check(ip("192.0.2.191"), &host),
-            Err(Refusal::SubnetBroadcast)
+            Err(Uninstallable::SubnetBroadcast)
         );
         assert_eq!(check(ip("203.0.113.9"), &host), Ok(()));
         assert_eq!(check(ip("198.51.100.3"), &host), Ok(()));
@@ -473,15 +476,18 @@ mod tests {
             Some(ip("198.51.100.255")),
         )]);
         let cases = [
-            ("64:ff9b::ffff:ffff", Err(Refusal::Broadcast)),
-            ("64:ff9b::7f00:1", Err(Refusal::Loopback)),
-            ("64:ff9b::", Err(Refusal::Unspecified)),
-            ("64:ff9b::e000:1", Err(Refusal::Multicast)),
-            ("64:ff9b::f000:1", Err(Refusal::Reserved)),
-            ("64:ff9b::198.51.100.2", Err(Refusal::OwnAddress)),
-            ("64:ff9b::198.51.100.255", Err(Refusal::SubnetBroadcast)),
-            ("64:ff9b:1::c000:20a", Err(Refusal::Nat64LocalUse)),
-            ("64:ff9b:1:ffff::1", Err(Refusal::Nat64LocalUse)),
+            ("64:ff9b::ffff:ffff", Err(Uninstallable::Broadcast)),
+            ("64:ff9b::7f00:1", Err(Uninstallable::Loopback)),
+            ("64:ff9b::", Err(Uninstallable::Unspecified)),
+            ("64:ff9b::e000:1", Err(Uninstallable::Multicast)),
+            ("64:ff9b::f000:1", Err(Uninstallable::Reserved)),
+            ("64:ff9b::198.51.100.2", Err(Uninstallable::OwnAddress)),
+            (
+                "64:ff9b::198.51.100.255",
+                Err(Uninstallable::SubnetBroadcast),
+            ),
+            ("64:ff9b:1::c000:20a", Err(Uninstallable::Nat64LocalUse)),
+            ("64:ff9b:1:ffff::1", Err(Uninstallable::Nat64LocalUse)),
             ("64:ff9b::192.0.2.10", Ok(())),
             // Outside /96: not the well-known prefix, an ordinary address.
             ("64:ff9b:0:1::7f00:1", Ok(())),
@@ -538,11 +544,11 @@ mod tests {
             vec![
                 Dropped {
                     addr: ip("255.255.255.255"),
-                    why: Refusal::Broadcast
+                    why: Uninstallable::Broadcast
                 },
                 Dropped {
                     addr: ip("::1"),
-                    why: Refusal::Loopback
+                    why: Uninstallable::Loopback
                 },
             ]
         );

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use tracing::warn;
 
 use crate::core::installable::HostAddrs;
-use crate::netlink::sockdiag::{self, SockDiag};
+use crate::core::policy::L4Proto;
+use crate::netlink::sockdiag::SockDiag;
 
 /// Who a client is, for its share of the guard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -42,7 +43,7 @@ impl ClientKey {
 pub fn client_key(
     diag: Option<&mut SockDiag>,
     host: &HostAddrs,
-    protocol: sockdiag::Protocol,
+    protocol: L4Proto,
     local: SocketAddr,
     peer: SocketAddr,
 ) -> ClientKey {
@@ -213,7 +214,7 @@ mod tests {
         let mut diag = SockDiag::open().expect("sock_diag");
         let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let local = server.local_addr().unwrap();
-        let udp = sockdiag::Protocol::Udp;
+        let udp = L4Proto::Udp;
         let none = HostAddrs::none();
         for from in ["127.0.0.1:0", "127.0.0.2:0", "127.9.8.7:0"] {
             let client = std::net::UdpSocket::bind(from).unwrap();

@@ -48,7 +48,7 @@ pub use limits::Limits;
 #[cfg(test)]
 pub use limits::in_flight_limit;
 pub use rules::{Refusal, Rules, Verdict, domain_name_of, judge};
-pub use serve::{Context, Transport};
+pub use serve::Context;
 pub use upstream::{Answered, upstream_query};
 
 use std::io;
@@ -62,7 +62,8 @@ use tokio::net::{TcpListener, TcpSocket, UdpSocket};
 use tokio::sync::Semaphore;
 use tracing::warn;
 
-use crate::netlink::sockdiag::{self, SockDiag};
+use crate::core::policy::L4Proto;
+use crate::netlink::sockdiag::SockDiag;
 
 use limits::raise_nofile;
 use serve::{serve_tcp, serve_udp};
@@ -122,9 +123,7 @@ fn udp_holder(addr: SocketAddr) -> Option<u32> {
     }
     // The lookup takes a sender; any will do for an unconnected socket.
     let sender = SocketAddr::new(addr.ip(), 1);
-    SockDiag::open()
-        .ok()?
-        .owner(sockdiag::Protocol::Udp, sender, addr)
+    SockDiag::open().ok()?.owner(L4Proto::Udp, sender, addr)
 }
 
 /// The guard's listening sockets, bound before the table goes up so that a port already taken

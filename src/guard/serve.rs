@@ -14,10 +14,9 @@ use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use crate::core::installable::HostAddrsCache;
-use crate::core::policy::DomainName;
+use crate::core::policy::{DomainName, L4Proto};
 use crate::dns::frame;
 use crate::dns::message;
-use crate::netlink::sockdiag;
 use crate::watch::QueryEvent;
 
 use super::clients::{ClientKey, ClientLimits, client_key, open_sock_diag};
@@ -87,7 +86,7 @@ pub(super) async fn serve_udp(
             debug!(client = %client, "dropping a datagram too long to be a query");
             continue;
         }
-        let forward = match prepare(&context, &buf[..len], client, Transport::Udp) {
+        let forward = match prepare(&context, &buf[..len], client, L4Proto::Udp) {
             Prepared::Drop => continue,
             Prepared::Reply(reply) => {
                 if let Err(e) = socket.send_to(&reply, client).await {
@@ -99,13 +98,7 @@ pub(super) async fn serve_udp(
         };
         // Never wait here: the loop serves every client, and a client over its share (or a
         // guard out of slots) loses this query, which it asks again.
-        let key = client_key(
-            diag.as_mut(),
-            host.current(),
-            sockdiag::Protocol::Udp,
-            local,
-            client,
-        );
+        let key = client_key(diag.as_mut(), host.current(), L4Proto::Udp, local, client);
         let Some(slot) = forwarding.try_take(key) else {
             debug!(client = %client, "this client has too many queries in flight; dropping one");
             continue;
@@ -117,7 +110,7 @@ pub(super) async fn serve_udp(
         let (socket, context) = (socket.clone(), context.clone());
         tokio::spawn(async move {
             let _held = (permit, slot);
-            if let Some(reply) = forward_reply(&context, forward, client, Transport::Udp).await
+            if let Some(reply) = forward_reply(&context, forward, client, L4Proto::Udp).await
                 && let Err(e) = socket.send_to(&reply, client).await
             {
                 debug!(error = %e, client = %client, "sending a DNS answer");
@@ -143,13 +136,7 @@ pub(super) async fn serve_tcp(
                     continue;
                 };
                 // The connection's client, once: its uid stays while it is connected.
-                let key = client_key(
-                    diag.as_mut(),
-                    host.current(),
-                    sockdiag::Protocol::Tcp,
-                    local,
-                    client,
-                );
+                let key = client_key(diag.as_mut(), host.current(), L4Proto::Tcp, local, client);
                 let Some(slot) = connected.try_take(key) else {
                     debug!(client = %client, "this client has too many DNS connections; closing this one");
                     continue;
@@ -187,7 +174,7 @@ async fn serve_tcp_client(
     let mut wait = TCP_FIRST_QUERY;
     while let Ok(Ok(query)) = timeout(wait, frame::read(&mut stream, MAX_QUERY)).await {
         wait = TCP_IDLE;
-        let reply = match prepare(&context, &query, client, Transport::Tcp) {
+        let reply = match prepare(&context, &query, client, L4Proto::Tcp) {
             Prepared::Drop => continue,
             Prepared::Reply(reply) => reply,
             Prepared::Forward(forward) => {
@@ -203,7 +190,7 @@ async fn serve_tcp_client(
                 let Ok(_permit) = context.in_flight.acquire().await else {
                     return;
                 };
-                match forward_reply(&context, forward, client, Transport::Tcp).await {
+                match forward_reply(&context, forward, client, L4Proto::Tcp).await {
                     Some(reply) => reply,
                     None => return,
                 }
@@ -215,28 +202,13 @@ async fn serve_tcp_client(
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    Udp,
-    Tcp,
-}
-
-impl Transport {
-    fn name(self) -> &'static str {
-        match self {
-            Transport::Udp => "udp",
-            Transport::Tcp => "tcp",
-        }
-    }
-}
-
 /// The reply to `raw` (`None`: send nothing).
 #[cfg(test)]
 pub(super) async fn answer(
     context: &Context,
     raw: &[u8],
     client: SocketAddr,
-    transport: Transport,
+    transport: L4Proto,
 ) -> Option<Vec<u8>> {
     match prepare(context, raw, client, transport) {
         Prepared::Drop => None,
@@ -247,7 +219,7 @@ pub(super) async fn answer(
 
 /// What to do with `raw`, decided without waiting for anything: refusals and errors are
 /// answered here (and reported), and only an allowed name is left to forward.
-fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: Transport) -> Prepared {
+fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: L4Proto) -> Prepared {
     let reply = |msg: &Message| encode(msg).map_or(Prepared::Drop, Prepared::Reply);
     let Ok(query) = message::parse(raw, MAX_QUERY) else {
         // Answer FORMERR only when there is a header to answer, and never a response: two
@@ -297,7 +269,7 @@ async fn forward_reply(
     context: &Context,
     Forward { query, name, rules }: Forward,
     client: SocketAddr,
-    transport: Transport,
+    transport: L4Proto,
 ) -> Option<Vec<u8>> {
     match forward(context, &rules, &query, name, transport).await {
         Ok(reply) => {
@@ -379,7 +351,7 @@ mod tests {
             let context = context.clone();
             (
                 q,
-                tokio::spawn(async move { answer(&context, &raw, client, Transport::Udp).await }),
+                tokio::spawn(async move { answer(&context, &raw, client, L4Proto::Udp).await }),
             )
         };
 
@@ -431,7 +403,7 @@ mod tests {
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
         // A header claiming a question the message does not hold.
         let query = [0x12, 0x34, 0x01, 0x00, 0x00, 0x01, 0, 0, 0, 0, 0, 0, 0x03];
-        let reply = answer(&context, &query, client, Transport::Udp)
+        let reply = answer(&context, &query, client, L4Proto::Udp)
             .await
             .expect("a reply");
         let reply = Message::from_vec(&reply).expect("parses");
@@ -440,12 +412,12 @@ mod tests {
         let mut response = query;
         response[2] |= 0x80;
         assert!(
-            answer(&context, &response, client, Transport::Udp)
+            answer(&context, &response, client, L4Proto::Udp)
                 .await
                 .is_none()
         );
         assert!(
-            answer(&context, &[0x12], client, Transport::Udp)
+            answer(&context, &[0x12], client, L4Proto::Udp)
                 .await
                 .is_none()
         );
@@ -484,7 +456,7 @@ mod tests {
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
         let asking = context.clone();
         let pending =
-            tokio::spawn(async move { answer(&asking, &raw, client, Transport::Udp).await });
+            tokio::spawn(async move { answer(&asking, &raw, client, L4Proto::Udp).await });
         // The mismatched id is skipped until the first upstream's time runs out; the wrong
         // question is refused at once. Either way the third upstream answers.
         let request = daemon.recv().await.expect("the daemon is asked to install");

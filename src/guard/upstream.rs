@@ -22,7 +22,8 @@ use super::addresses::answer_addresses;
 use super::counters::may_log;
 use super::mark_socket;
 use super::rules::Rules;
-use super::serve::{Context, Transport};
+use super::serve::Context;
+use crate::core::policy::L4Proto;
 
 /// How long one upstream resolver has to answer before the next is asked.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
@@ -43,7 +44,7 @@ pub(super) async fn forward(
     rules: &Rules,
     query: &Message,
     name: DomainName,
-    transport: Transport,
+    transport: L4Proto,
 ) -> Result<Vec<u8>, String> {
     let (mut reply, parsed) = ask_upstream(&rules.upstream, rules.mark, query, transport).await?;
     let arrived = Instant::now();
@@ -89,7 +90,7 @@ async fn ask_upstream(
     upstream: &[SocketAddr],
     mark: u32,
     query: &Message,
-    transport: Transport,
+    transport: L4Proto,
 ) -> Result<(Vec<u8>, Message), String> {
     let mut errors = Vec::new();
     for &server in upstream {
@@ -99,8 +100,8 @@ async fn ask_upstream(
             .map_err(|e| format!("encoding the upstream query: {e}"))?;
         let exchange = async {
             match transport {
-                Transport::Udp => ask_udp(server, mark, &ours, id).await,
-                Transport::Tcp => ask_tcp(server, mark, &ours).await,
+                L4Proto::Udp => ask_udp(server, mark, &ours, id).await,
+                L4Proto::Tcp => ask_tcp(server, mark, &ours).await,
             }
         };
         let reply = match timeout(UPSTREAM_TIMEOUT, exchange).await {

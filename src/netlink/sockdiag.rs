@@ -9,6 +9,7 @@ use nix::sys::socket::{MsgFlags, SockProtocol};
 use super::Socket;
 use super::bytes::ne32;
 use super::message::{Message, NLM_F_REQUEST, Request};
+use crate::core::policy::L4Proto;
 
 /// `SOCK_DIAG_BY_FAMILY` (linux/sock_diag.h).
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -17,13 +18,6 @@ const REQ_LEN: usize = 56;
 /// Where `idiag_uid` lies in a reply's payload: after the four one-byte fields, the 48-byte
 /// `inet_diag_sockid` and `idiag_expires`, `idiag_rqueue`, `idiag_wqueue`.
 const UID_OFFSET: usize = 4 + 48 + 12;
-
-/// The transport of the socket looked up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Protocol {
-    Udp,
-    Tcp,
-}
 
 /// A netlink socket for socket lookups, in the network namespace it was opened in.
 #[derive(Debug)]
@@ -41,12 +35,7 @@ impl SockDiag {
     /// The uid owning the socket at `peer` that talks to `local` (ours), if the kernel
     /// knows it: a UDP client's socket as long as it is open, a TCP client's connection.
     /// Both addresses must be of one family.
-    pub fn owner(
-        &mut self,
-        protocol: Protocol,
-        local: SocketAddr,
-        peer: SocketAddr,
-    ) -> Option<u32> {
+    pub fn owner(&mut self, protocol: L4Proto, local: SocketAddr, peer: SocketAddr) -> Option<u32> {
         self.seq = self.seq.wrapping_add(1);
         let request = request(protocol, local, peer, self.seq)?;
         self.socket.send(&request).ok()?;
@@ -76,15 +65,15 @@ enum Reply {
 /// looks a UDP socket up as the receiver of a datagram from `idiag_src` to `idiag_dst`, and a
 /// TCP one as the socket whose local end is `idiag_src` (net/ipv4/udp_diag.c,
 /// inet_diag.c).
-fn request(protocol: Protocol, local: SocketAddr, peer: SocketAddr, seq: u32) -> Option<Vec<u8>> {
+fn request(protocol: L4Proto, local: SocketAddr, peer: SocketAddr, seq: u32) -> Option<Vec<u8>> {
     let family = match (local.ip(), peer.ip()) {
         (IpAddr::V4(_), IpAddr::V4(_)) => libc::AF_INET as u8,
         (IpAddr::V6(_), IpAddr::V6(_)) => libc::AF_INET6 as u8,
         _ => return None,
     };
     let (src, dst, proto) = match protocol {
-        Protocol::Udp => (local, peer, libc::IPPROTO_UDP as u8),
-        Protocol::Tcp => (peer, local, libc::IPPROTO_TCP as u8),
+        L4Proto::Udp => (local, peer, libc::IPPROTO_UDP as u8),
+        L4Proto::Tcp => (peer, local, libc::IPPROTO_TCP as u8),
     };
     // struct inet_diag_req_v2
     let mut req = Vec::with_capacity(REQ_LEN);
@@ -134,7 +123,7 @@ mod tests {
     fn requests_are_laid_out_as_the_kernel_reads_them() {
         let local: SocketAddr = "127.0.0.53:53".parse().unwrap();
         let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
-        let udp = request(Protocol::Udp, local, peer, 7).unwrap();
+        let udp = request(L4Proto::Udp, local, peer, 7).unwrap();
         assert_eq!(udp.len(), NLMSG_HDRLEN + REQ_LEN);
         assert_eq!(&udp[..4], &72u32.to_ne_bytes());
         assert_eq!(&udp[4..6], &SOCK_DIAG_BY_FAMILY.to_ne_bytes());
@@ -150,12 +139,12 @@ mod tests {
         assert_eq!(&udp[28..32], &[127, 0, 0, 53]);
         assert_eq!(&udp[44..48], &[127, 0, 0, 1]);
         // TCP: source is the client's end.
-        let tcp = request(Protocol::Tcp, local, peer, 7).unwrap();
+        let tcp = request(L4Proto::Tcp, local, peer, 7).unwrap();
         assert_eq!(&tcp[24..26], &40000u16.to_be_bytes());
         assert_eq!(&tcp[28..32], &[127, 0, 0, 1]);
         let v6: SocketAddr = "[::1]:53".parse().unwrap();
         assert!(
-            request(Protocol::Udp, v6, peer, 1).is_none(),
+            request(L4Proto::Udp, v6, peer, 1).is_none(),
             "mixed families"
         );
     }
@@ -197,15 +186,15 @@ mod tests {
         let client = UdpSocket::bind("127.0.0.1:0").unwrap();
         client.send_to(b"x", server.local_addr().unwrap()).unwrap();
         let (local, peer) = (server.local_addr().unwrap(), client.local_addr().unwrap());
-        assert_eq!(diag.owner(Protocol::Udp, local, peer), Some(me));
+        assert_eq!(diag.owner(L4Proto::Udp, local, peer), Some(me));
         drop(client);
-        assert_eq!(diag.owner(Protocol::Udp, local, peer), None);
+        assert_eq!(diag.owner(L4Proto::Udp, local, peer), None);
 
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (accepted, from) = listener.accept().unwrap();
         let local = accepted.local_addr().unwrap();
         assert_eq!(from, stream.local_addr().unwrap());
-        assert_eq!(diag.owner(Protocol::Tcp, local, from), Some(me));
+        assert_eq!(diag.owner(L4Proto::Tcp, local, from), Some(me));
     }
 }

@@ -5,7 +5,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use crate::core::plan::{DNS_PORT, DOT_PORT};
-use crate::core::policy::{DomainName, Guard, L4Proto};
+use crate::core::policy::{DomainName, GuardSettings, L4Proto};
 use crate::core::ruleset::TABLE;
 
 use super::options::TableView;
@@ -75,7 +75,7 @@ impl UpstreamAccess {
 
 impl<'a> Plan<'a> {
     /// Guard mode: resolv.conf should name the guard, or programs here resolve nothing.
-    pub(super) fn system_resolver(&mut self, guard: &Guard) {
+    pub(super) fn system_resolver(&mut self, guard: &GuardSettings) {
         let Some(system) = &self.options.system else {
             return;
         };
@@ -134,7 +134,7 @@ impl<'a> Plan<'a> {
     /// Guard mode: the guard answers on each listen address, over UDP and TCP. It is asked an
     /// allowed name when the policy has one (else [`DNS_TEST_NAME`], which it refuses: any
     /// answer shows that it serves).
-    pub(super) fn guard_servers(&mut self, guard: &Guard) {
+    pub(super) fn guard_servers(&mut self, guard: &GuardSettings) {
         let name = self
             .policy
             .domains()

@@ -142,12 +142,12 @@ pub struct Dns {
     pub grace: Duration,
     /// `mode: guard`: egress-fence is the host's resolver. `None`: `mode: resolve`, names are
     /// resolved on a timer.
-    pub guard: Option<Guard>,
+    pub guard: Option<GuardSettings>,
 }
 
 /// The DNS guard: where it listens, where it forwards allowed names, how it refuses the rest.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Guard {
+pub struct GuardSettings {
     pub listen: Vec<SocketAddr>,
     /// The resolvers the guard forwards to, and that only the guard may reach.
     pub upstream: Vec<IpAddr>,

@@ -107,7 +107,7 @@ impl Policy {
                             .into(),
                     ));
                 }
-                Some(Guard {
+                Some(GuardSettings {
                     listen,
                     upstream,
                     refuse_with: raw.dns.refuse_with.unwrap_or(RefuseWith::Refused),
