@@ -20,9 +20,10 @@
 // The pure core: policy, plan, ruleset, diff, answers.
 pub mod core;
 
-// Edges that do I/O: the kernel's table, the netlink codec, DNS, the state directory,
-// network namespaces, the refusal log.
+// Edges that do I/O: the kernel's table, the netlink codec, DNS, this host's addresses, the
+// state directory, network namespaces, the refusal log.
 pub mod dns;
+pub mod host;
 pub mod netlink;
 pub mod netns;
 pub mod nft;

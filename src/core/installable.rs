@@ -9,7 +9,6 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -106,74 +105,9 @@ impl HostAddrs {
         out
     }
 
-    /// The interfaces' addresses now (getifaddrs).
-    pub fn read() -> Result<HostAddrs, nix::Error> {
-        let ip = |s: Option<nix::sys::socket::SockaddrStorage>| -> Option<IpAddr> {
-            let s = s?;
-            if let Some(v4) = s.as_sockaddr_in() {
-                return Some(IpAddr::V4(v4.ip()));
-            }
-            s.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
-        };
-        let interfaces = nix::ifaddrs::getifaddrs()?.filter_map(|i| {
-            let addr = ip(i.address)?;
-            Some((addr, ip(i.netmask), ip(i.broadcast)))
-        });
-        Ok(HostAddrs::from_interfaces(interfaces.collect::<Vec<_>>()))
-    }
-
     /// Whether `addr` is an address of one of the host's interfaces.
     pub fn is_own(&self, addr: IpAddr) -> bool {
         self.own.contains(&addr)
-    }
-
-    /// Reads the interfaces, or, when that fails, knows none (the address classes still
-    /// apply) and says so.
-    pub fn read_or_warn() -> HostAddrs {
-        HostAddrs::read().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "cannot read this host's addresses; answers are checked \
-                            without them");
-            HostAddrs::none()
-        })
-    }
-}
-
-/// How long the host's addresses are taken as read: they come and go, but reading them for
-/// every answer or datagram would cost a netlink dump each.
-const HOST_ADDRS_FOR: Duration = Duration::from_secs(5);
-
-/// [`HostAddrs`] read again at most every `HOST_ADDRS_FOR`: what the guard's serving tasks
-/// and the daemon check answers and clients against.
-#[derive(Debug)]
-pub struct HostAddrsCache {
-    addrs: HostAddrs,
-    read: Instant,
-}
-
-impl HostAddrsCache {
-    pub fn new() -> HostAddrsCache {
-        HostAddrsCache {
-            addrs: HostAddrs::read_or_warn(),
-            read: Instant::now(),
-        }
-    }
-
-    pub fn current(&mut self) -> &HostAddrs {
-        if self.read.elapsed() >= HOST_ADDRS_FOR {
-            self.read = Instant::now();
-            match HostAddrs::read() {
-                Ok(addrs) => self.addrs = addrs,
-                // The last ones read are still the best guess.
-                Err(e) => tracing::debug!(error = %e, "reading the host's addresses"),
-            }
-        }
-        &self.addrs
-    }
-}
-
-impl Default for HostAddrsCache {
-    fn default() -> Self {
-        HostAddrsCache::new()
     }
 }
 
@@ -517,12 +451,6 @@ mod tests {
         let net = nat64_image("172.16.0.0/12".parse().unwrap());
         assert!(net.contains(&"64:ff9b::172.31.255.255".parse::<Ipv6Addr>().unwrap()));
         assert!(!net.contains(&"64:ff9b::172.32.0.0".parse::<Ipv6Addr>().unwrap()));
-    }
-
-    #[test]
-    fn reading_the_interfaces_finds_loopback() {
-        let host = HostAddrs::read().expect("getifaddrs");
-        assert!(host.own.contains(&ip("127.0.0.1")), "{host:?}");
     }
 
     #[test]

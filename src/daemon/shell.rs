@@ -19,13 +19,13 @@ use tracing::{error, info, warn};
 
 use super::core::{Core, Effect, Event, GuardAnswer};
 use super::{DaemonError, Options, io};
-use crate::core::installable::HostAddrsCache;
 use crate::core::lifetime::Lifetimes;
 use crate::core::policy::{Policy, PolicyError};
 use crate::core::resolution::ResolvedHost;
 use crate::core::ruleset::TABLE;
 use crate::dns::resolve::{NameResolver, ResolveError};
 use crate::guard::{Answered, Counters, Guard, Rules};
+use crate::host::HostAddrsCache;
 use crate::nft::Nft;
 use crate::nft::monitor::Monitor;
 use crate::state::WriterLock;

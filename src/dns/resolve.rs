@@ -12,9 +12,7 @@ use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::proto::rr::RData;
 use tracing::warn;
 
-use crate::core::installable::{
-    HostAddrs, MAX_ADDRS_PER_FAMILY, answered_addrs, retain_installable,
-};
+use crate::core::installable::{MAX_ADDRS_PER_FAMILY, answered_addrs, retain_installable};
 use crate::core::policy::DomainName;
 use crate::core::resolution::{Resolution, ResolvedHost};
 
@@ -181,7 +179,7 @@ impl NameResolver {
             hosts.push(done.map_err(|e| ResolveError::Setup(e.to_string()))?);
         }
         hosts.sort_by(|a, b| a.name.cmp(&b.name));
-        let host_addrs = HostAddrs::read_or_warn();
+        let host_addrs = crate::host::read_addrs_or_warn();
         for host in &mut hosts {
             host.dropped = retain_installable(&mut host.addrs, |a| a.addr, &host_addrs);
         }

@@ -13,10 +13,10 @@ use tokio::sync::{Semaphore, broadcast, mpsc, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use crate::core::installable::HostAddrsCache;
 use crate::core::policy::{DomainName, L4Proto};
 use crate::dns::frame;
 use crate::dns::message;
+use crate::host::HostAddrsCache;
 use crate::watch::QueryEvent;
 
 use super::clients::{ClientKey, ClientLimits, client_key, open_sock_diag};
