@@ -62,7 +62,8 @@ use tokio::net::{TcpListener, TcpSocket, UdpSocket};
 use tokio::sync::Semaphore;
 use tracing::warn;
 
-use crate::core::policy::L4Proto;
+use crate::core::guard_identity::GuardIdentity;
+use crate::core::policy::{L4Proto, Policy};
 use crate::netlink::sockdiag::SockDiag;
 
 use limits::raise_nofile;
@@ -115,6 +116,15 @@ fn bind_hint(e: &io::Error) -> &'static str {
     }
 }
 
+/// The guard of `policy` as this process runs it: `None` unless the policy is in guard mode.
+///
+/// The one place that reads the guard's uid: this process's effective uid, the uid `run`
+/// keeps (the systemd unit's `DynamicUser=` gives it one of its own). `plan` and `apply` name
+/// the uid of whoever runs them, which is the service's only when that is the same user.
+pub fn identity(policy: &Policy) -> Option<GuardIdentity> {
+    GuardIdentity::of_policy(policy, nix::unistd::geteuid().as_raw())
+}
+
 /// The uid owning the UDP socket that a datagram to `addr` would reach: who holds the
 /// guard's address (a process that took it while the daemon was down, say).
 fn udp_holder(addr: SocketAddr) -> Option<u32> {
@@ -135,12 +145,13 @@ pub struct Guard {
 }
 
 impl Guard {
-    /// Must be called inside the runtime, in the target network namespace. Every listening
-    /// socket carries `mark` (the policy's `dns.mark`), and so does all it sends: replies,
-    /// accepted connections (which inherit it) and their SYN-ACKs. The table refuses what
-    /// leaves the listen addresses without it, so a process that takes the address while
-    /// the daemon is down answers nobody.
-    pub async fn bind(listen: &[SocketAddr], mark: u32) -> Result<Guard, GuardError> {
+    /// Must be called inside the runtime, in the target network namespace. Listens on the
+    /// guard's `listen` addresses; every listening socket carries its `mark` (the policy's
+    /// `dns.mark`), and so does all it sends: replies, accepted connections (which inherit
+    /// it) and their SYN-ACKs. The table refuses what leaves the listen addresses without
+    /// it, so a process that takes the address while the daemon is down answers nobody.
+    pub async fn bind(identity: &GuardIdentity) -> Result<Guard, GuardError> {
+        let (listen, mark) = (&identity.listen, identity.mark);
         let (nofile, hard) = raise_nofile();
         let limits = Limits::fit(nofile, listen.len()).ok_or(GuardError::TooFewFiles {
             nofile,
