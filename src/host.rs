@@ -1,10 +1,22 @@
-//! This host as the current network namespace shows it: the addresses of its interfaces,
-//! which no DNS answer may make an element of (see [`crate::core::installable`]).
+//! This host and process as the current network namespace shows them: the addresses of its
+//! interfaces, which no DNS answer may make an element of (see [`crate::core::installable`]),
+//! and the uid the guard runs as.
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
+use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
+use crate::core::policy::Policy;
+
+/// The guard of `policy` as this process runs it: `None` unless the policy is in guard mode.
+///
+/// The one place that reads the guard's uid: this process's effective uid, the uid `run`
+/// keeps (the systemd unit's `DynamicUser=` gives it one of its own). `plan` and `apply` name
+/// the uid of whoever runs them, which is the service's only when that is the same user.
+pub fn guard_identity(policy: &Policy) -> Option<GuardIdentity> {
+    GuardIdentity::of_policy(policy, nix::unistd::geteuid().as_raw())
+}
 
 /// The interfaces' addresses now (getifaddrs).
 pub fn read_addrs() -> Result<HostAddrs, nix::Error> {

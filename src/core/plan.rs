@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 
+use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
 use crate::core::lifetime::longer_timeout;
 use crate::core::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
@@ -73,10 +74,11 @@ pub fn plan_with(
     timeout_of: impl Fn(&DomainName, IpAddr) -> Option<Duration>,
 ) -> Ruleset {
     let resolved = resolved_elements(policy, resolution, timeout_of);
+    let guard = GuardIdentity::of_policy(policy, resolution.guard_uid.unwrap_or(NO_UID));
     plan_elements(
         policy,
         &resolution.resolvers,
-        resolution.guard_uid,
+        guard.as_ref(),
         resolved.into_values(),
     )
 }
@@ -121,11 +123,12 @@ fn resolved_elements(
 
 /// Builds the table for `policy` with DNS `resolvers` and the resolved elements `resolved`
 /// as they are: one per element, sorted by element (as a map by [`Tuple`] gives them); the
-/// daemon's ledger gives each its remaining lifetime and name.
+/// daemon's ledger gives each its remaining lifetime and name. In guard mode `guard` is the
+/// policy's guard (see [`GuardIdentity::of_policy`]): only its sockets ask `resolvers`.
 pub fn plan_elements(
     policy: &Policy,
     resolvers: &[IpAddr],
-    guard_uid: Option<u32>,
+    guard: Option<&GuardIdentity>,
     resolved: impl IntoIterator<Item = Timed>,
 ) -> Ruleset {
     let mut deny: Vec<IpNet> = Vec::new();
@@ -143,7 +146,7 @@ pub fn plan_elements(
         .collect();
     deny.extend(images);
 
-    let dns_ports: &[u16] = match policy.dns.guard {
+    let dns_ports: &[u16] = match guard {
         Some(_) => &GUARDED_DNS_PORTS,
         None => &[DNS_PORT],
     };
@@ -199,7 +202,7 @@ pub fn plan_elements(
 
     Ruleset {
         sets,
-        output: output_rules(policy, guard_uid),
+        output: output_rules(policy, guard),
         refused: vec![
             Rule::Log(LogSpec {
                 prefix: policy.log.prefix.clone(),
@@ -214,7 +217,7 @@ pub fn plan_elements(
     }
 }
 
-fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
+fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
     let has = |e| policy.essentials.contains(&e);
     // A routing header or source route option sends the packet on past the destination every
     // rule below checks, and a socket option adds one (IPV6_RTHDR for any user, IP_OPTIONS
@@ -229,12 +232,8 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     // The guard is recognised by its sockets' mark, which takes CAP_NET_ADMIN to set (or,
     // since Linux 5.17, CAP_NET_RAW, which root in a container keeps), and by its uid:
     // either alone is not enough.
-    let guard = policy
-        .dns
-        .guard
-        .as_ref()
-        .map(|g| (g.mark, guard_uid.unwrap_or(NO_UID)));
-    if let (Some(g), Some((mark, uid))) = (&policy.dns.guard, guard) {
+    if let Some(g) = guard {
+        let (mark, uid) = (g.mark, g.uid);
         // Only the guard answers from its listen address: a process that binds it while the
         // daemon is down (ports below 1024 are no barrier in a container) answers nobody.
         // Before the replies, since a squatter's answers belong to connections the clients
@@ -283,10 +282,10 @@ fn output_rules(policy: &Policy, guard_uid: Option<u32>) -> Vec<Rule> {
     for family in Family::BOTH {
         let set = SetId::new(SetRole::Dns, family);
         rules.push(match guard {
-            Some((mark, uid)) => Rule::AcceptTupleFromGuard {
+            Some(g) => Rule::AcceptTupleFromGuard {
                 set,
-                mark: Some(mark),
-                uid,
+                mark: Some(g.mark),
+                uid: g.uid,
             },
             None => Rule::AcceptTupleIn(set),
         });

@@ -23,7 +23,8 @@ use super::names::{
     MAX_RESOLVED_ELEMENTS, NameState, PRUNE_EVERY, Services, desired, forget_learned_names,
     may_track, owners, services, table_elements, timed,
 };
-use crate::core::explain::{self, WhyRefused};
+use crate::core::explain::WhyRefused;
+use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::{HostAddrs, retain_installable, summarise};
 use crate::core::lifetime::{Lifetimes, renewals};
 use crate::core::plan::{
@@ -130,8 +131,9 @@ pub struct Core {
     /// were lost, a different current generation means someone else committed since.
     our_generation: Option<u32>,
     last_refresh: Option<SystemTime>,
-    /// In guard mode, this process's uid: its sockets alone may reach the upstream resolvers.
-    guard_uid: Option<u32>,
+    /// In guard mode, who the guard is (this process's uid, its mark and addresses): its
+    /// sockets alone may reach the upstream resolvers. Its upstream follows reloads.
+    guard: Option<GuardIdentity>,
     /// Elements a restarted guard found in the running table, kept until they expire (clients
     /// still hold the answers that allowed them), as long as the policy allows their names.
     carried: BTreeMap<Tuple, Carried>,
@@ -153,20 +155,22 @@ struct Config {
     services: Services,
     names: BTreeMap<DomainName, NameState>,
     resolvers: Vec<IpAddr>,
+    /// The guard of `policy`, as this process runs it.
+    guard: Option<GuardIdentity>,
     /// What a restart carried over that this configuration still allows.
     carried: BTreeMap<Tuple, Carried>,
 }
 
 impl Core {
     /// A daemon for `policy` that knows nothing yet: in resolve mode every name is due,
-    /// asking `resolvers`; in guard mode (`guard_uid` its process's uid) names are learned
-    /// from the guard's answers.
+    /// asking `resolvers`; in guard mode (`guard` the policy's guard, as this process runs
+    /// it) names are learned from the guard's answers.
     pub fn new(
         policy: Policy,
         policy_text: String,
         policy_path: PathBuf,
         resolvers: Vec<IpAddr>,
-        guard_uid: Option<u32>,
+        guard: Option<GuardIdentity>,
         now: Instant,
     ) -> Core {
         let names = match policy.dns.guard.is_some() {
@@ -190,7 +194,7 @@ impl Core {
             retry_apply: None,
             our_generation: None,
             last_refresh: None,
-            guard_uid,
+            guard,
             carried: BTreeMap::new(),
             dropped_log: LogBudget::default(),
             full_log: LogBudget::default(),
@@ -200,6 +204,11 @@ impl Core {
 
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// In guard mode, who the guard is.
+    pub fn guard(&self) -> Option<&GuardIdentity> {
+        self.guard.as_ref()
     }
 
     pub fn resolvers(&self) -> &[IpAddr] {
@@ -592,7 +601,7 @@ impl Core {
                     errors: Vec::new(),
                 })
                 .collect(),
-            guard_uid: self.guard_uid,
+            guard_uid: self.guard.as_ref().map(|g| g.uid),
         }
     }
 
@@ -617,7 +626,7 @@ impl Core {
                 None => self.carried.get(t).map(|c| c.name.clone()),
             },
         );
-        let ruleset = plan_elements(&self.policy, &self.resolvers, self.guard_uid, named);
+        let ruleset = plan_elements(&self.policy, &self.resolvers, self.guard.as_ref(), named);
         (ruleset, elements)
     }
 
@@ -707,14 +716,17 @@ impl Core {
                 return false;
             }
         };
-        // The guard's sockets and the table's uid rule are set up once.
-        let (old, new) = (&self.policy.dns.guard, &policy.dns.guard);
-        let restart = match (old, new) {
-            (Some(_), None) | (None, Some(_)) => Some("`dns.mode`"),
-            (Some(o), Some(n)) if o.listen != n.listen => Some("`dns.listen`"),
-            // The listening sockets keep the mark they were bound with: the new table would
-            // refuse their replies.
-            (Some(o), Some(n)) if o.mark != n.mark => Some("`dns.mark`"),
+        // The guard's sockets and the table's uid rule are set up once; the new policy's
+        // guard runs as the running one.
+        let new_guard = policy
+            .dns
+            .guard
+            .as_ref()
+            .zip(self.guard.as_ref())
+            .map(|(settings, running)| GuardIdentity::of(settings, running.uid));
+        let restart = match (&self.guard, &policy.dns.guard, &new_guard) {
+            (Some(_), None, _) | (None, Some(_), _) => Some("`dns.mode`"),
+            (Some(old), _, Some(new)) => old.change_needing_restart(new),
             _ => None,
         };
         if let Some(what) = restart {
@@ -724,9 +736,8 @@ impl Core {
             );
             return false;
         }
-        if let Some(guard) = &policy.dns.guard {
-            let upstream = guard.upstream.clone();
-            return self.reload_guard(table, policy, policy_text, upstream, now, fx);
+        if let Some(guard) = new_guard {
+            return self.reload_guard(table, policy, policy_text, guard, now, fx);
         }
         let resolvers = match resolvers {
             Some(Ok(r)) => r,
@@ -759,6 +770,7 @@ impl Core {
                 policy,
                 policy_text,
                 resolvers,
+                guard: None,
                 names,
                 carried: self.carried.clone(),
             },
@@ -777,7 +789,7 @@ impl Core {
         table: &mut dyn Table,
         policy: Policy,
         policy_text: String,
-        upstream: Vec<IpAddr>,
+        guard: GuardIdentity,
         now: Instant,
         fx: &mut Vec<Effect>,
     ) -> bool {
@@ -807,7 +819,7 @@ impl Core {
             .keys()
             .map(|n| (n.clone(), services_of(&policy, n).collect()))
             .collect();
-        let rules = Rules::of(&policy);
+        let rules = Rules::of(&policy, &guard);
         let adopted = self.adopt(
             table,
             Config {
@@ -815,7 +827,8 @@ impl Core {
                 policy_text,
                 services,
                 names,
-                resolvers: upstream,
+                resolvers: guard.upstream.clone(),
+                guard: Some(guard),
                 carried,
             },
             now,
@@ -859,6 +872,7 @@ impl Core {
         std::mem::swap(&mut self.services, &mut other.services);
         std::mem::swap(&mut self.names, &mut other.names);
         std::mem::swap(&mut self.resolvers, &mut other.resolvers);
+        std::mem::swap(&mut self.guard, &mut other.guard);
         std::mem::swap(&mut self.carried, &mut other.carried);
     }
 
@@ -948,8 +962,9 @@ impl Core {
     /// deny entries, and which name answered the address and until when.
     fn why_refused(&self, dst: IpAddr, dport: Option<u16>, now: Instant) -> WhyRefused {
         if let Some(why) = self
-            .guard_uid
-            .and_then(|uid| explain::guard_dns(uid, dport, self.resolvers.contains(&dst)))
+            .guard
+            .as_ref()
+            .and_then(|g| g.why_dns_refused(dst, dport))
         {
             return why;
         }
@@ -1016,13 +1031,13 @@ mod tests {
 
     fn core(text: &str, now: Instant) -> Core {
         let p = policy(text);
-        let guard_uid = p.dns.guard.as_ref().map(|_| 990);
+        let guard = GuardIdentity::of_policy(&p, 990);
         Core::new(
             p,
             text.into(),
             "/etc/p.yaml".into(),
             resolvers(),
-            guard_uid,
+            guard,
             now,
         )
     }
@@ -1538,7 +1553,7 @@ mod tests {
         MemoryTable::holding(plan_elements(
             &p,
             &resolvers(),
-            Some(990),
+            GuardIdentity::of_policy(&p, 990).as_ref(),
             resolved.into_values(),
         ))
     }

@@ -153,11 +153,12 @@ fn start_and_serve(
         };
         // Bound before the table goes up, so that a taken port stops the daemon at once; the
         // queries that arrive meanwhile wait in the socket buffers.
-        let guard = match &policy.dns.guard {
-            Some(g) => Some(Guard::bind(&g.listen, g.mark).await?),
+        let identity = crate::host::guard_identity(&policy);
+        let guard = match &identity {
+            Some(identity) => Some(Guard::bind(identity).await?),
             None => None,
         };
-        let mut daemon = Daemon::start(options, lock, policy, policy_text).await?;
+        let mut daemon = Daemon::start(options, lock, policy, policy_text, identity).await?;
         *boundary_up = true;
         let answers = guard.map(|g| daemon.start_guard(g));
         daemon.serve(monitor, drops, answers).await

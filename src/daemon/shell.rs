@@ -19,6 +19,7 @@ use tracing::{error, info, warn};
 
 use super::core::{Core, Effect, Event, GuardAnswer};
 use super::{DaemonError, Options, io};
+use crate::core::guard_identity::GuardIdentity;
 use crate::core::lifetime::Lifetimes;
 use crate::core::policy::{Policy, PolicyError};
 use crate::core::resolution::ResolvedHost;
@@ -62,9 +63,10 @@ impl Daemon {
         lock: Arc<WriterLock>,
         policy: Policy,
         policy_text: String,
+        guard: Option<GuardIdentity>,
     ) -> Result<Daemon, DaemonError> {
-        let guard_mode = policy.dns.guard.is_some();
-        let (resolvers, resolver) = match (&policy.dns.guard, resolver_for(&policy, &options)) {
+        let guard_mode = guard.is_some();
+        let (resolvers, resolver) = match (&guard, resolver_for(&policy, &options)) {
             // The guard learns names from the questions it forwards; it never looks any up.
             (Some(guard), _) => (guard.upstream.clone(), None),
             (None, Ok((r, resolver))) => (r, Some(resolver)),
@@ -77,13 +79,12 @@ impl Daemon {
         };
         let policy_path = std::path::absolute(&options.policy_path)
             .unwrap_or_else(|_| options.policy_path.clone());
-        let guard_uid = guard_mode.then(|| nix::unistd::geteuid().as_raw());
         let core = Core::new(
             policy,
             policy_text,
             policy_path,
             resolvers,
-            guard_uid,
+            guard,
             Instant::now(),
         );
         let mut daemon = Daemon {
@@ -123,7 +124,11 @@ impl Daemon {
     /// Starts serving DNS, now that the table is up; returns where answers wait for their
     /// addresses to be installed.
     pub(super) fn start_guard(&mut self, guard: Guard) -> mpsc::Receiver<Answered> {
-        let rules = Rules::of(self.core.policy()).expect("the policy is in guard mode");
+        let rules = self
+            .core
+            .guard()
+            .and_then(|identity| Rules::of(self.core.policy(), identity))
+            .expect("the policy is in guard mode");
         let (rules_tx, rules_rx) = watch::channel(Arc::new(rules));
         let (answered_tx, answered_rx) = mpsc::channel(1024);
         let (events, _) = broadcast::channel(1024);

@@ -69,12 +69,12 @@ pub fn resolve_policy(
     resolv_conf: &Path,
 ) -> Result<Resolution, ResolveError> {
     // In guard mode names are allowed only as the guard answers them; the table allows its
-    // upstream resolvers to this process's uid, the uid `run` keeps.
-    if let Some(guard) = &policy.dns.guard {
+    // upstream resolvers to the guard as this process would run it.
+    if let Some(guard) = crate::host::guard_identity(policy) {
         return Ok(Resolution {
-            resolvers: guard.upstream.clone(),
+            resolvers: guard.upstream,
             hosts: Vec::new(),
-            guard_uid: Some(nix::unistd::geteuid().as_raw()),
+            guard_uid: Some(guard.uid),
         });
     }
     let resolvers = match &policy.dns.resolvers {

@@ -62,6 +62,7 @@ use tokio::net::{TcpListener, TcpSocket, UdpSocket};
 use tokio::sync::Semaphore;
 use tracing::warn;
 
+use crate::core::guard_identity::GuardIdentity;
 use crate::core::policy::L4Proto;
 use crate::netlink::sockdiag::SockDiag;
 
@@ -135,12 +136,13 @@ pub struct Guard {
 }
 
 impl Guard {
-    /// Must be called inside the runtime, in the target network namespace. Every listening
-    /// socket carries `mark` (the policy's `dns.mark`), and so does all it sends: replies,
-    /// accepted connections (which inherit it) and their SYN-ACKs. The table refuses what
-    /// leaves the listen addresses without it, so a process that takes the address while
-    /// the daemon is down answers nobody.
-    pub async fn bind(listen: &[SocketAddr], mark: u32) -> Result<Guard, GuardError> {
+    /// Must be called inside the runtime, in the target network namespace. Listens on the
+    /// guard's `listen` addresses; every listening socket carries its `mark` (the policy's
+    /// `dns.mark`), and so does all it sends: replies, accepted connections (which inherit
+    /// it) and their SYN-ACKs. The table refuses what leaves the listen addresses without
+    /// it, so a process that takes the address while the daemon is down answers nobody.
+    pub async fn bind(identity: &GuardIdentity) -> Result<Guard, GuardError> {
+        let (listen, mark) = (&identity.listen, identity.mark);
         let (nofile, hard) = raise_nofile();
         let limits = Limits::fit(nofile, listen.len()).ok_or(GuardError::TooFewFiles {
             nofile,

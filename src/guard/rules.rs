@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::{DNSClass, Name, RecordType};
 
-use crate::core::plan::DNS_PORT;
+use crate::core::guard_identity::GuardIdentity;
 use crate::core::policy::{DomainName, Policy, Rate, RefuseWith, Target};
 
 /// What the guard answers, from the policy; the daemon replaces it on reload.
@@ -24,8 +24,10 @@ pub struct Rules {
 }
 
 impl Rules {
-    /// `None` unless the policy is in guard mode.
-    pub fn of(policy: &Policy) -> Option<Rules> {
+    /// The rules of `policy`'s guard, which asks its upstream resolvers as `identity` (the
+    /// guard of that policy: see [`GuardIdentity::of_policy`]). `None` unless the policy is
+    /// in guard mode.
+    pub fn of(policy: &Policy, identity: &GuardIdentity) -> Option<Rules> {
         let guard = policy.dns.guard.as_ref()?;
         Some(Rules {
             allow: policy
@@ -34,13 +36,9 @@ impl Rules {
                 .filter(|a| !matches!(a.target, Target::Cidr(_)))
                 .map(|a| a.target.clone())
                 .collect(),
-            upstream: guard
-                .upstream
-                .iter()
-                .map(|&ip| SocketAddr::new(ip, DNS_PORT))
-                .collect(),
+            upstream: identity.upstream_servers(),
             refuse_with: guard.refuse_with,
-            mark: guard.mark,
+            mark: identity.mark,
             log_rate: policy.log.rate,
             log_burst: policy.log.burst,
         })

@@ -9,6 +9,7 @@ use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use tokio::net::UdpSocket;
 
+use crate::core::guard_identity::GuardIdentity;
 use crate::core::policy::Policy;
 
 use super::rules::Rules;
@@ -19,7 +20,8 @@ pub(super) fn rules() -> Rules {
         Path::new("p.yaml"),
     )
     .expect("valid");
-    Rules::of(&policy).expect("guard mode")
+    let identity = GuardIdentity::of_policy(&policy, 993).expect("guard mode");
+    Rules::of(&policy, &identity).expect("guard mode")
 }
 
 pub(super) fn query(name: &str, rtype: RecordType) -> Message {
