@@ -13,6 +13,7 @@ use crate::core::ruleset::TABLE;
 use super::guard_lookup::GuardLookup;
 use super::link_layer::{CAP_NET_ADMIN, capability_effective, link_layer_access, link_layer_check};
 use super::options::TableView;
+use super::other_protocols::OtherProto;
 use super::plan::{Attempt, Expect, Kind, Plan, join, ports_to_probe};
 use super::report::{Check, Outcome};
 
@@ -144,7 +145,10 @@ impl<'a> Plan<'a> {
         }
     }
 
-    /// TCP and UDP attempts that must be refused: "denied tcp cloud-metadata 169.254.169.254:80".
+    /// Attempts that must be refused: TCP and UDP ("denied tcp cloud-metadata
+    /// 169.254.169.254:80"), and every other transport an unprivileged process can send
+    /// (UDP-Lite, an echo request, SCTP, DCCP): the policy allows none of those anywhere, so
+    /// each one that leaves is a hole (a hand-added element, a changed rule).
     fn refused_pair(&mut self, what: &str, name: Option<&str>, target: SocketAddr) {
         let name = name.map(|n| format!("{n} ")).unwrap_or_default();
         for (kind, proto) in [(Kind::Tcp, L4Proto::Tcp), (Kind::Udp, L4Proto::Udp)] {
@@ -155,6 +159,22 @@ impl<'a> Plan<'a> {
                 expect: Expect::Refuse,
                 note: None,
                 on_fail: self.allowed_by(target, proto),
+                dns_name: None,
+            });
+        }
+        for other in OtherProto::ALL {
+            let dest = if other.has_ports() {
+                target.to_string()
+            } else {
+                target.ip().to_string()
+            };
+            self.attempt(Attempt {
+                check: format!("{what} {} {name}{dest}", other.name(target)),
+                kind: Kind::Other(other),
+                target,
+                expect: Expect::Refuse,
+                note: None,
+                on_fail: None,
                 dns_name: None,
             });
         }

@@ -7,7 +7,7 @@ use super::report::Outcome;
 
 /// Turns what was seen into a verdict and a reason a human understands.
 pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outcome, String) {
-    use Outcome::{Fail, Pass};
+    use Outcome::{Fail, Pass, Skip, Warn};
     let through = "the boundary let it through";
     let (t, w) = (fmt_duration(ctx.timeout), fmt_duration(ctx.udp_wait));
     match expect {
@@ -15,6 +15,8 @@ pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outc
             Seen::RefusedHere(d) => (Pass, format!("refused: {d}")),
             Seen::TimedOut => (Pass, format!("no answer within {t} (dropped)")),
             Seen::NotSent(d) => (Pass, format!("cannot leave this host: {d}")),
+            Seen::Unavailable(d) => (Skip, d.clone()),
+            Seen::Unconfirmed(d) => (Warn, d.clone()),
             Seen::Connected => (Fail, format!("connected: {through}")),
             Seen::Answered(d) => (Fail, format!("{d}: {through}")),
             Seen::RefusedRemotely(d) => (Fail, format!("{d}: {through}")),
@@ -49,7 +51,7 @@ pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outc
                     "timed out after {t}: dropped by the boundary, or the host does not answer"
                 ),
             ),
-            Seen::NotSent(d) => (Fail, d.clone()),
+            Seen::NotSent(d) | Seen::Unavailable(d) | Seen::Unconfirmed(d) => (Fail, d.clone()),
         },
         Expect::Answer => match seen {
             Seen::Answered(d) => (Pass, d.clone()),

@@ -63,6 +63,8 @@ mod guard_lookup;
 mod judge;
 mod link_layer;
 mod options;
+mod origin;
+mod other_protocols;
 mod plan;
 mod report;
 #[cfg(test)]
