@@ -253,6 +253,7 @@ impl<'a> Plan<'a> {
         };
         // Only the service gives elements timeouts (and in guard mode only it adds any).
         let service_owned = self.policy.dns.guard.is_some()
+            || self.options.service_table
             || facts.resolved.iter().any(|t| t.timeout_ms.is_some());
         let failed: Vec<Check> = facts
             .resolved

@@ -33,6 +33,10 @@ pub struct ProbeOptions {
     /// Guard mode: the uid owning the guard's listening socket and its address, read from
     /// /proc: the guard's uid when the table cannot be read.
     pub guard_socket: Option<(u32, SocketAddr)>,
+    /// The installed table is the service's (`run` recorded the newest generation): its
+    /// resolved elements all expire, so one without a timeout is unexplained even when no
+    /// other element shows a timeout. Set by the caller that reads the state directory.
+    pub service_table: bool,
 }
 
 impl ProbeOptions {
@@ -64,6 +68,7 @@ impl ProbeOptions {
                     .listen
                     .iter()
                     .find_map(|&l| socket_owner(l).map(|uid| (uid, l))),
+                service_table: false,
             });
         }
         let resolvers = match &policy.dns.resolvers {
@@ -77,6 +82,7 @@ impl ProbeOptions {
             table,
             system: None,
             guard_socket: None,
+            service_table: false,
         })
     }
 }

@@ -31,6 +31,7 @@ pub(super) fn options(resolvers: &[&str], table: TableView) -> ProbeOptions {
         table,
         system: None,
         guard_socket: None,
+        service_table: false,
     }
 }
 
