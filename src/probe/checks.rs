@@ -8,7 +8,7 @@ use ipnet::IpNet;
 
 use crate::core::plan::DNS_PORT;
 use crate::core::policy::{Allow, DenyOrigin, DomainName, L4Proto, Preset, ProbeHost, Target};
-use crate::core::ruleset::TABLE;
+use crate::core::ruleset::{Elements, Family, SetId, SetRole, TABLE, Tuple, fmt_tuple};
 
 use super::guard_lookup::GuardLookup;
 use super::link_layer::{CAP_NET_ADMIN, capability_effective, link_layer_access, link_layer_check};
@@ -274,6 +274,54 @@ impl<'a> Plan<'a> {
             })
             .collect();
         for check in failed {
+            self.done(check);
+        }
+    }
+
+    /// Every element of the installed allow sets must be one a `cidr:` entry of the policy
+    /// writes, and every element of every set one egress-fence can read: an element for
+    /// another protocol (`0.0.0.0/0 . udplite . 0-65535`), a catch-all or a range of
+    /// protocols opens what no traffic check may happen to try. Each one fails, named.
+    pub(super) fn table_elements(&mut self) {
+        let TableView::Read(facts) = &self.options.table else {
+            return;
+        };
+        let planned = crate::core::plan::plan_elements(self.policy, &[], None, []);
+        let mut allowed: Vec<Tuple> = Vec::new();
+        for family in Family::BOTH {
+            let id = SetId::new(SetRole::Allow, family);
+            if let Some(Elements::Tuples(t)) = planned.set(id).map(|s| &s.elements) {
+                allowed.extend(t.iter().copied());
+            }
+        }
+        let mut checks = Vec::new();
+        for live in &facts.allowed {
+            // The kernel may store what `apply` wrote merged or split: covered is explained.
+            let explained = allowed.iter().any(|p| {
+                p.proto == live.proto
+                    && p.net.contains(&live.net)
+                    && p.ports.first <= live.ports.first
+                    && live.ports.last <= p.ports.last
+            });
+            if !explained {
+                let set = SetId::new(SetRole::Allow, Family::of_net(&live.net)).name();
+                checks.push(Check::new(
+                    Outcome::Fail,
+                    format!("{set} element {}", fmt_tuple(live)),
+                    "the policy does not explain it: no cidr entry allows that network, \
+                     protocol and port",
+                ));
+            }
+        }
+        for (set, element) in &facts.undecodable {
+            checks.push(Check::new(
+                Outcome::Fail,
+                format!("{set} element {element}"),
+                "egress-fence never writes such an element (another protocol, a catch-all, a \
+                 range of protocols), so the policy does not explain it",
+            ));
+        }
+        for check in checks {
             self.done(check);
         }
     }

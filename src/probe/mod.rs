@@ -137,6 +137,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.rogue_resolvers();
             plan.exfiltration(exfil_name);
             plan.resolved_elements();
+            plan.table_elements();
             plan.link_layer();
         }
         Some(g) => {
@@ -149,6 +150,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.rogue_resolvers();
             plan.guarded_exfiltration(exfil_name);
             plan.resolved_elements();
+            plan.table_elements();
             plan.link_layer();
         }
     }

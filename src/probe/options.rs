@@ -8,7 +8,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 
 use crate::core::policy::Policy;
-use crate::core::ruleset::{Elements, Family, SetId, SetRole, Timed};
+use crate::core::ruleset::{Elements, Family, SetId, SetRole, Timed, Tuple};
 use crate::dns::resolve::system_resolvers;
 use crate::nft::{LiveTable, Nft};
 
@@ -121,6 +121,11 @@ pub struct TableFacts {
     pub denied: Vec<IpNet>,
     /// The elements of the resolved sets, which the policy must explain.
     pub resolved: Vec<Timed>,
+    /// The elements of the allow sets, which the policy's `cidr:` entries must explain.
+    pub allowed: Vec<Tuple>,
+    /// Elements of any of the table's sets that egress-fence never writes (another
+    /// protocol such as UDP-Lite, a catch-all, a range of protocols): (set, element).
+    pub undecodable: Vec<(String, String)>,
 }
 
 impl TableView {
@@ -146,8 +151,23 @@ impl TableFacts {
             dns_for_everyone: access.everyone,
             denied: Vec::new(),
             resolved: Vec::new(),
+            allowed: Vec::new(),
+            undecodable: Vec::new(),
         };
+        for id in SetId::ALL {
+            if let Some(contents) = table.read_set(id) {
+                let set = id.name();
+                facts
+                    .undecodable
+                    .extend(contents.undecodable.into_iter().map(|e| (set.clone(), e)));
+            }
+        }
         for family in Family::BOTH {
+            if let Some(Elements::Tuples(tuples)) =
+                table.contents(SetId::new(SetRole::Allow, family))
+            {
+                facts.allowed.extend(tuples);
+            }
             if let Some(Elements::Networks(nets)) =
                 table.contents(SetId::new(SetRole::Deny, family))
             {

@@ -54,6 +54,8 @@ pub(super) fn table_with_uid(uid: u32) -> TableView {
         dns_for_everyone: false,
         denied: Preset::DnsOverHttps.networks(),
         resolved: Vec::new(),
+        allowed: Vec::new(),
+        undecodable: Vec::new(),
     })
 }
 

@@ -98,6 +98,34 @@ fn probe_fails_on_a_udplite_leak_element() {
     // IPv6 has no such element: still refused.
     let udplite6 = find(&checks, "blocked udplite [2001:db8:2::10]:443");
     assert_eq!(udplite6.0, "pass", "{udplite6:?}");
+    // The element itself is named, whatever destinations the probe happens to try.
+    let element = find(&checks, "allow4 element 0.0.0.0/0 . udplite . 0-65535");
+    assert_eq!(element.0, "fail", "{element:?}");
+}
+
+/// An allow element no `cidr:` entry writes (TCP to a network the policy never names) is
+/// named even though no probe target lies in it.
+#[test]
+fn probe_names_an_allow_element_the_policy_does_not_explain() {
+    let w = world();
+    let _api = w.listen_tcp(HOST_V4, 443);
+    let path = w.write_file("policy.yaml", POLICY);
+    let path = path.to_str().expect("utf-8").to_string();
+    let applied = w.egress_fence(&["apply", &path]);
+    assert!(applied.success(), "{applied}");
+    let hole = w.sandbox_cmd(&[
+        "nft",
+        "add element inet egress_fence allow4 { 198.18.0.0/15 . tcp . 1-65535 }",
+    ]);
+    assert!(hole.success(), "{hole}");
+    let (code, checks) = probe(&w, &path);
+    assert_eq!(code, 5, "{checks:#?}");
+    let (outcome, name, reason) = checks
+        .iter()
+        .find(|(_, c, _)| c.starts_with("allow4 element 198.18.0.0/15 . tcp"))
+        .unwrap_or_else(|| panic!("the element is not named: {checks:#?}"));
+    assert_eq!(outcome, "fail", "{name}: {reason}");
+    assert!(reason.contains("no cidr entry"), "{name}: {reason}");
 }
 
 #[test]
