@@ -525,3 +525,97 @@ impl<'a> Plan<'a> {
         self.done(check);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::policy::PortRange;
+    use crate::probe::options::TableFacts;
+    use crate::probe::plan::Step;
+    use crate::probe::testing::*;
+
+    fn steps(plan: Plan<'_>) -> Vec<(String, String)> {
+        plan.steps
+            .into_iter()
+            .map(|s| match s {
+                Step::Done(c) => (c.outcome.to_string(), c.check),
+                Step::Attempt(a) => ("attempt".into(), a.check),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn refused_targets_are_tried_over_every_transport() {
+        let p =
+            policy("version: 1\nprobe:\n  blocked: [\"203.0.113.11:443\", \"[2001:db8::9]:80\"]\n");
+        let options = options(&["192.0.2.53"], TableView::NotRead);
+        let mut plan = Plan::new(&p, &options, &[], &[]);
+        plan.blocked();
+        let names: Vec<String> = steps(plan).into_iter().map(|(_, c)| c).collect();
+        assert_eq!(
+            names,
+            [
+                "blocked tcp 203.0.113.11:443",
+                "blocked udp 203.0.113.11:443",
+                "blocked udplite 203.0.113.11:443",
+                "blocked icmp 203.0.113.11",
+                "blocked sctp 203.0.113.11:443",
+                "blocked dccp 203.0.113.11:443",
+                "blocked tcp [2001:db8::9]:80",
+                "blocked udp [2001:db8::9]:80",
+                "blocked udplite [2001:db8::9]:80",
+                "blocked icmpv6 2001:db8::9",
+                "blocked sctp [2001:db8::9]:80",
+                "blocked dccp [2001:db8::9]:80",
+            ]
+        );
+    }
+
+    #[test]
+    fn allow_elements_must_be_the_policys_and_readable() {
+        let p = policy(
+            "version: 1\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [443]\n    protocol: tcp\n",
+        );
+        let tuple = |net: &str, first, last| Tuple {
+            net: net.parse().unwrap(),
+            proto: L4Proto::Tcp,
+            ports: PortRange { first, last },
+        };
+        let facts = TableFacts {
+            allowed: vec![
+                tuple("203.0.113.0/24", 443, 443),
+                // Part of what the entry writes, as a kernel may store it.
+                tuple("203.0.113.0/25", 443, 443),
+                tuple("203.0.113.0/24", 443, 444),
+                tuple("198.18.0.0/15", 1, 65535),
+            ],
+            undecodable: vec![("allow4".into(), "0.0.0.0/0 . udplite . 0-65535".into())],
+            ..TableFacts::default()
+        };
+        let options = options(&["192.0.2.53"], TableView::Read(facts));
+        let mut plan = Plan::new(&p, &options, &[], &[]);
+        plan.table_elements();
+        assert_eq!(
+            steps(plan),
+            [
+                (
+                    "FAIL".into(),
+                    "allow4 element 203.0.113.0/24 . tcp . 443-444".into()
+                ),
+                (
+                    "FAIL".into(),
+                    "allow4 element 198.18.0.0/15 . tcp . 1-65535".into()
+                ),
+                (
+                    "FAIL".into(),
+                    "allow4 element 0.0.0.0/0 . udplite . 0-65535".into()
+                ),
+            ]
+        );
+        // A table that cannot be read is judged by the other checks.
+        let unread = super::super::testing::options(&["192.0.2.53"], TableView::NotRead);
+        let mut plan = Plan::new(&p, &unread, &[], &[]);
+        plan.table_elements();
+        assert!(plan.steps.is_empty());
+    }
+}

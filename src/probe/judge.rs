@@ -84,6 +84,29 @@ mod tests {
     }
 
     #[test]
+    fn a_transport_nothing_here_can_send_is_skipped_and_an_unconfirmed_echo_warns() {
+        let unavailable = Seen::Unavailable("not available on this kernel".into());
+        let (o, reason) = judge(&unavailable, Expect::Refuse, Kind::Udp, &ctx());
+        assert_eq!(o, Outcome::Skip);
+        assert!(reason.contains("not available on this kernel"), "{reason}");
+        let unconfirmed = Seen::Unconfirmed("cannot tell".into());
+        assert_eq!(
+            judge(&unconfirmed, Expect::Refuse, Kind::Udp, &ctx()).0,
+            Outcome::Warn
+        );
+        // Where traffic must pass, neither is a pass.
+        let reach = Expect::Reach { strict: true };
+        assert_eq!(
+            judge(&unavailable, reach, Kind::Tcp, &ctx()).0,
+            Outcome::Fail
+        );
+        assert_eq!(
+            judge(&unconfirmed, reach, Kind::Tcp, &ctx()).0,
+            Outcome::Fail
+        );
+    }
+
+    #[test]
     fn a_reset_fails_a_single_allowed_port_but_not_a_range_end_or_udp() {
         let reset = Seen::RefusedRemotely("connection refused (TCP reset)".into());
         let (o, reason) = judge(&reset, Expect::Reach { strict: true }, Kind::Tcp, &ctx());
