@@ -156,7 +156,6 @@ pub(super) fn tcp_connect(target: SocketAddr, ctx: &Ctx) -> Result<TcpStream, Se
         SocketAddr::V6(_) => setsockopt(&socket, sockopt::Ipv6RecvErr, &true),
     };
     recverr.map_err(|e| Seen::NotSent(describe(&io::Error::from(e))))?;
-    let started = Instant::now();
     let connected = socket.connect_timeout(&SockAddr::from(target), ctx.timeout);
     let error = match connected {
         Ok(()) => {
@@ -169,23 +168,23 @@ pub(super) fn tcp_connect(target: SocketAddr, ctx: &Ctx) -> Result<TcpStream, Se
     };
     Err(match error.raw_os_error() {
         Some(libc::ECONNREFUSED) => Seen::RefusedRemotely("connection refused (TCP reset)".into()),
-        Some(libc::EHOSTUNREACH | libc::EACCES | libc::EPERM) => {
-            match origin::icmp_sender(&socket, target) {
-                Some(sender) if origin::is_this_host(sender) => Seen::RefusedHere(describe(&error)),
-                Some(sender) => Seen::RefusedRemotely(format!(
-                    "{}, sent by {sender} beyond this host, not by the boundary",
-                    describe(&error)
-                )),
-                None => Seen::RefusedRemotely(format!(
-                    "{}, from no ICMP error the probe can trace to this host",
-                    describe(&error)
-                )),
-            }
-        }
+        // Never a far host's: only this host's own rules fail a connect with EPERM.
+        Some(libc::EPERM) => Seen::RefusedHere(describe(&error)),
+        Some(libc::EHOSTUNREACH | libc::EACCES) => match origin::icmp_sender(&socket, target) {
+            Some(sender) if origin::is_this_host(sender) => Seen::RefusedHere(describe(&error)),
+            Some(sender) => Seen::RefusedRemotely(format!(
+                "{}, sent by {sender} beyond this host, not by the boundary",
+                describe(&error)
+            )),
+            None => Seen::RefusedRemotely(format!(
+                "{}, from no ICMP error the probe can trace to this host",
+                describe(&error)
+            )),
+        },
         _ if matches!(
             error.kind(),
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-        ) || started.elapsed() >= ctx.timeout =>
+        ) =>
         {
             Seen::TimedOut
         }

@@ -61,7 +61,8 @@
 //!   (`origin.rs`). Without the error queue entry, it is not.
 //! - The other transports (`other_protocols.rs`): UDP-Lite and ICMP echo as UDP, except that
 //!   an IPv6 ping socket is never told of the drop of its request (silence is a WARN); SCTP
-//!   and DCCP as TCP, minus the ICMP errors, which they treat as transient.
+//!   and DCCP as TCP, except that an ICMP error the kernel does not queue with its sender
+//!   cannot be traced (a WARN).
 //!
 //! Every refused destination is tried over TCP, UDP, UDP-Lite, ICMP echo, SCTP and DCCP; a
 //! transport the kernel lacks, or a ping socket the kernel refuses this process, is a SKIP

@@ -11,7 +11,10 @@ use std::time::Instant;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
+use nix::sys::socket::{setsockopt, sockopt};
+
 use super::attempt::{Ctx, Seen, datagram_exchange, describe};
+use super::origin;
 
 /// A transport the probe tries only towards destinations that must be refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,19 +147,24 @@ fn datagram(
 }
 
 /// A connection of a stream transport (SCTP, DCCP). As for TCP, a timeout is a refusal
-/// (`action: drop`, and `reject`, whose ICMP error these transports treat as transient), a
-/// reset or an ABORT proof that it got through; a connect that fails with EPERM was refused
-/// by this host. An ICMP error reported to the socket cannot be told from a far host's here,
-/// so it is not counted as the boundary's.
+/// (`action: drop`; and `reject` for SCTP, which treats the ICMP error as transient), a reset
+/// or an ABORT proof that it got through, EPERM this host's refusal. An ICMP error that
+/// fails the connect (DCCP) is traced to its sender where the kernel queues it; where it
+/// does not, it cannot be told from a far host's, and says so (a WARN).
 fn stream(socket: Socket, target: SocketAddr, ctx: &Ctx) -> Seen {
     if let Err(e) = socket.set_nonblocking(true) {
         return Seen::NotSent(describe(&e));
     }
+    // Where the transport queues its ICMP errors, they name their sender.
+    let _ = match target {
+        SocketAddr::V4(_) => setsockopt(&socket, sockopt::Ipv4RecvErr, &true),
+        SocketAddr::V6(_) => setsockopt(&socket, sockopt::Ipv6RecvErr, &true),
+    };
     let started = Instant::now();
     match socket.connect(&SockAddr::from(target)) {
         Ok(()) => return Seen::Connected,
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-        Err(e) => return stream_error(&e),
+        Err(e) => return stream_error(&socket, target, &e),
     }
     loop {
         let left = ctx.timeout.saturating_sub(started.elapsed());
@@ -174,21 +182,29 @@ fn stream(socket: Socket, target: SocketAddr, ctx: &Ctx) -> Seen {
     }
     match socket.take_error() {
         Ok(None) => Seen::Connected,
-        Ok(Some(e)) | Err(e) => stream_error(&e),
+        Ok(Some(e)) | Err(e) => stream_error(&socket, target, &e),
     }
 }
 
-fn stream_error(e: &io::Error) -> Seen {
+fn stream_error(socket: &Socket, target: SocketAddr, e: &io::Error) -> Seen {
     match e.raw_os_error() {
         Some(libc::EPERM) => Seen::RefusedHere(describe(e)),
         Some(libc::ECONNREFUSED | libc::ECONNRESET) => {
             Seen::RefusedRemotely("connection refused (reset or ABORT from the host)".into())
         }
         Some(libc::ETIMEDOUT) => Seen::TimedOut,
-        Some(libc::EHOSTUNREACH | libc::EACCES) => Seen::RefusedRemotely(format!(
-            "{}, from an ICMP error this transport cannot trace to this host",
-            describe(e)
-        )),
+        Some(libc::EHOSTUNREACH | libc::EACCES) => match origin::icmp_sender(socket, target) {
+            Some(sender) if origin::is_this_host(sender) => Seen::RefusedHere(describe(e)),
+            Some(sender) => Seen::RefusedRemotely(format!(
+                "{}, sent by {sender} beyond this host, not by the boundary",
+                describe(e)
+            )),
+            None => Seen::Unconfirmed(format!(
+                "{}: this transport does not report who sent the ICMP error, so the probe \
+                 cannot tell the boundary's refusal from a far host's",
+                describe(e)
+            )),
+        },
         _ => Seen::NotSent(describe(e)),
     }
 }
