@@ -279,38 +279,62 @@ impl<'a> Plan<'a> {
     }
 
     /// Every element of the installed allow sets must be one a `cidr:` entry of the policy
-    /// writes, and every element of every set one egress-fence can read: an element for
-    /// another protocol (`0.0.0.0/0 . udplite . 0-65535`), a catch-all or a range of
-    /// protocols opens what no traffic check may happen to try. Each one fails, named.
+    /// writes, every element of the DNS sets one of the resolvers on a DNS port, and every
+    /// element of every set one egress-fence can read: an element for another protocol
+    /// (`0.0.0.0/0 . udplite . 0-65535`), a catch-all or a range of protocols opens what no
+    /// traffic check may happen to try. Each one fails, named.
     pub(super) fn table_elements(&mut self) {
         let TableView::Read(facts) = &self.options.table else {
             return;
         };
-        let planned = crate::core::plan::plan_elements(self.policy, &[], None, []);
-        let mut allowed: Vec<Tuple> = Vec::new();
-        for family in Family::BOTH {
-            let id = SetId::new(SetRole::Allow, family);
-            if let Some(Elements::Tuples(t)) = planned.set(id).map(|s| &s.elements) {
-                allowed.extend(t.iter().copied());
-            }
-        }
+        let planned =
+            crate::core::plan::plan_elements(self.policy, &self.options.resolvers, None, []);
+        let planned_tuples = |role: SetRole| -> Vec<Tuple> {
+            Family::BOTH
+                .into_iter()
+                .filter_map(|family| match planned.set(SetId::new(role, family)) {
+                    Some(set) => match &set.elements {
+                        Elements::Tuples(t) => Some(t.clone()),
+                        _ => None,
+                    },
+                    None => None,
+                })
+                .flatten()
+                .collect()
+        };
         let mut checks = Vec::new();
-        for live in &facts.allowed {
-            // The kernel may store what `apply` wrote merged or split: covered is explained.
-            let explained = allowed.iter().any(|p| {
-                p.proto == live.proto
-                    && p.net.contains(&live.net)
-                    && p.ports.first <= live.ports.first
-                    && live.ports.last <= p.ports.last
-            });
-            if !explained {
-                let set = SetId::new(SetRole::Allow, Family::of_net(&live.net)).name();
-                checks.push(Check::new(
-                    Outcome::Fail,
-                    format!("{set} element {}", fmt_tuple(live)),
-                    "the policy does not explain it: no cidr entry allows that network, \
-                     protocol and port",
-                ));
+        let sets = [
+            (
+                SetRole::Allow,
+                &facts.allowed,
+                "no cidr entry allows that network, protocol and port",
+            ),
+            (
+                SetRole::Dns,
+                &facts.dns,
+                "it is not DNS to one of the resolvers (the policy's, else resolv.conf's; in \
+                 guard mode its upstream)",
+            ),
+        ];
+        for (role, live_tuples, why) in sets {
+            let explaining = planned_tuples(role);
+            for live in live_tuples {
+                // The kernel may store what `apply` wrote merged or split: covered is
+                // explained.
+                let explained = explaining.iter().any(|p| {
+                    p.proto == live.proto
+                        && p.net.contains(&live.net)
+                        && p.ports.first <= live.ports.first
+                        && live.ports.last <= p.ports.last
+                });
+                if !explained {
+                    let set = SetId::new(role, Family::of_net(&live.net)).name();
+                    checks.push(Check::new(
+                        Outcome::Fail,
+                        format!("{set} element {}", fmt_tuple(live)),
+                        format!("the policy does not explain it: {why}"),
+                    ));
+                }
             }
         }
         for (set, element) in &facts.undecodable {
@@ -589,6 +613,18 @@ mod tests {
                 tuple("203.0.113.0/24", 443, 444),
                 tuple("198.18.0.0/15", 1, 65535),
             ],
+            dns: vec![
+                Tuple {
+                    proto: L4Proto::Udp,
+                    ..tuple("192.0.2.53/32", 53, 53)
+                },
+                // DNS to everyone, and a resolver on another port.
+                Tuple {
+                    proto: L4Proto::Udp,
+                    ..tuple("0.0.0.0/0", 53, 53)
+                },
+                tuple("192.0.2.53/32", 443, 443),
+            ],
             undecodable: vec![("allow4".into(), "0.0.0.0/0 . udplite . 0-65535".into())],
             ..TableFacts::default()
         };
@@ -606,6 +642,8 @@ mod tests {
                     "FAIL".into(),
                     "allow4 element 198.18.0.0/15 . tcp . 1-65535".into()
                 ),
+                ("FAIL".into(), "dns4 element 0.0.0.0/0 . udp . 53".into()),
+                ("FAIL".into(), "dns4 element 192.0.2.53 . tcp . 443".into()),
                 (
                     "FAIL".into(),
                     "allow4 element 0.0.0.0/0 . udplite . 0-65535".into()

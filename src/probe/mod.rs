@@ -67,7 +67,8 @@
 //! Every refused destination is tried over TCP, UDP, UDP-Lite, ICMP echo, SCTP and DCCP; a
 //! transport the kernel lacks, or a ping socket the kernel refuses this process, is a SKIP
 //! that says so. The installed allow sets must hold only what the policy's `cidr:` entries
-//! write, and no set an element egress-fence never writes.
+//! write, the DNS sets only the resolvers on DNS ports, and no set an element egress-fence
+//! never writes.
 
 mod attempt;
 mod checks;

@@ -123,6 +123,8 @@ pub struct TableFacts {
     pub resolved: Vec<Timed>,
     /// The elements of the allow sets, which the policy's `cidr:` entries must explain.
     pub allowed: Vec<Tuple>,
+    /// The elements of the DNS sets, which the resolvers must explain.
+    pub dns: Vec<Tuple>,
     /// Elements of any of the table's sets that egress-fence never writes (another
     /// protocol such as UDP-Lite, a catch-all, a range of protocols): (set, element).
     pub undecodable: Vec<(String, String)>,
@@ -152,6 +154,7 @@ impl TableFacts {
             denied: Vec::new(),
             resolved: Vec::new(),
             allowed: Vec::new(),
+            dns: Vec::new(),
             undecodable: Vec::new(),
         };
         for id in SetId::ALL {
@@ -167,6 +170,10 @@ impl TableFacts {
                 table.contents(SetId::new(SetRole::Allow, family))
             {
                 facts.allowed.extend(tuples);
+            }
+            if let Some(Elements::Tuples(tuples)) = table.contents(SetId::new(SetRole::Dns, family))
+            {
+                facts.dns.extend(tuples);
             }
             if let Some(Elements::Networks(nets)) =
                 table.contents(SetId::new(SetRole::Deny, family))

@@ -55,6 +55,7 @@ pub(super) fn table_with_uid(uid: u32) -> TableView {
         denied: Preset::DnsOverHttps.networks(),
         resolved: Vec::new(),
         allowed: Vec::new(),
+        dns: Vec::new(),
         undecodable: Vec::new(),
     })
 }

@@ -126,6 +126,21 @@ fn probe_names_an_allow_element_the_policy_does_not_explain() {
         .unwrap_or_else(|| panic!("the element is not named: {checks:#?}"));
     assert_eq!(outcome, "fail", "{name}: {reason}");
     assert!(reason.contains("no cidr entry"), "{name}: {reason}");
+
+    // DNS to a resolver the policy does not name.
+    let rogue = w.sandbox_cmd(&[
+        "nft",
+        "add element inet egress_fence dns4 { 192.0.2.54 . udp . 53 }",
+    ]);
+    assert!(rogue.success(), "{rogue}");
+    let (code, checks) = probe(&w, &path);
+    assert_eq!(code, 5, "{checks:#?}");
+    let element = find(&checks, "dns4 element 192.0.2.54 . udp . 53");
+    assert_eq!(element.0, "fail", "{element:?}");
+    assert!(
+        element.2.contains("not DNS to one of the resolvers"),
+        "{element:?}"
+    );
 }
 
 #[test]
