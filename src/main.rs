@@ -95,8 +95,9 @@ fn run(command: Command) -> Result<u8, Failure> {
             policy,
             target,
             resolving,
+            state,
             json,
-        } => cli::probe::run(&policy, &target, &resolving, json),
+        } => cli::probe::run(&policy, &target, &resolving, &state, json),
         Command::Teardown { target } => cli::teardown::run(&target),
         Command::RevertTimer {
             token,

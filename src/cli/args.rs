@@ -276,6 +276,9 @@ pub enum Command {
         target: NamespaceArg,
         #[command(flatten)]
         resolving: Resolving,
+        /// Read to learn whether the installed table is the service's (`run`).
+        #[command(flatten)]
+        state: StateArgs,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,

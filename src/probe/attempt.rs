@@ -1,4 +1,5 @@
-//! Making the attempts: TCP connections, UDP datagrams and DNS queries, a few threads at a
+//! Making the attempts: TCP connections, UDP datagrams and DNS queries (the other transports
+//! are in [`super::other_protocols`]), a few threads at a
 //! time, and what each one saw ([`Seen`]) in words that say what happened on the wire.
 
 use std::io;
@@ -15,7 +16,11 @@ use crate::core::policy::L4Proto;
 use crate::dns::exchange;
 use crate::dns::message;
 
+use nix::sys::socket::{setsockopt, sockopt};
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
 use super::judge::judge;
+use super::origin;
 use super::plan::{Attempt, DNS_TEST_NAME, Kind, random_u64};
 use super::report::{Check, Outcome, ProbeError};
 
@@ -99,6 +104,12 @@ pub(super) enum Seen {
     TimedOut,
     /// It could not be sent for another local reason (no route, no address of the family).
     NotSent(String),
+    /// It was sent and nothing came back, on a socket that is not told when this host
+    /// drops what it sends (an ICMPv6 ping socket): why it cannot be judged.
+    Unconfirmed(String),
+    /// This process cannot send it at all: the kernel lacks the protocol, or refuses this
+    /// process a ping socket.
+    Unavailable(String),
 }
 
 impl Attempt {
@@ -106,6 +117,7 @@ impl Attempt {
         let seen = match self.kind {
             Kind::Tcp => tcp_attempt(self.target, ctx),
             Kind::Udp => udp_attempt(self.target, UDP_PAYLOAD, ctx, |_| Some("answered".into())),
+            Kind::Other(proto) => proto.attempt(self.target, ctx),
             Kind::Dns(proto) => {
                 let name = self.dns_name.as_deref().unwrap_or(DNS_TEST_NAME);
                 match proto {
@@ -128,18 +140,55 @@ pub(super) fn fmt_duration(d: Duration) -> String {
     format!("{d:?}")
 }
 
+/// A TCP connection to `target`. An ICMP error that fails it counts as this host's refusal
+/// only when this host sent it (the fence's `reject`): the socket's error queue
+/// (IP_RECVERR) names the sender, and a far host's or a router's error is a refusal beyond
+/// this host, which says nothing about the boundary.
 pub(super) fn tcp_connect(target: SocketAddr, ctx: &Ctx) -> Result<TcpStream, Seen> {
-    TcpStream::connect_timeout(&target, ctx.timeout).map_err(|e| match e.raw_os_error() {
+    let socket = Socket::new(
+        Domain::for_address(target),
+        Type::STREAM,
+        Some(Protocol::TCP),
+    )
+    .map_err(|e| Seen::NotSent(describe(&e)))?;
+    let recverr = match target {
+        SocketAddr::V4(_) => setsockopt(&socket, sockopt::Ipv4RecvErr, &true),
+        SocketAddr::V6(_) => setsockopt(&socket, sockopt::Ipv6RecvErr, &true),
+    };
+    recverr.map_err(|e| Seen::NotSent(describe(&io::Error::from(e))))?;
+    let connected = socket.connect_timeout(&SockAddr::from(target), ctx.timeout);
+    let error = match connected {
+        Ok(()) => {
+            return socket
+                .set_nonblocking(false)
+                .map(|()| TcpStream::from(socket))
+                .map_err(|e| Seen::NotSent(describe(&e)));
+        }
+        Err(e) => e,
+    };
+    Err(match error.raw_os_error() {
         Some(libc::ECONNREFUSED) => Seen::RefusedRemotely("connection refused (TCP reset)".into()),
-        Some(libc::EHOSTUNREACH | libc::EACCES | libc::EPERM) => Seen::RefusedHere(describe(&e)),
+        // Never a far host's: only this host's own rules fail a connect with EPERM.
+        Some(libc::EPERM) => Seen::RefusedHere(describe(&error)),
+        Some(libc::EHOSTUNREACH | libc::EACCES) => match origin::icmp_sender(&socket, target) {
+            Some(sender) if origin::is_this_host(sender) => Seen::RefusedHere(describe(&error)),
+            Some(sender) => Seen::RefusedRemotely(format!(
+                "{}, sent by {sender} beyond this host, not by the boundary",
+                describe(&error)
+            )),
+            None => Seen::RefusedRemotely(format!(
+                "{}, from no ICMP error the probe can trace to this host",
+                describe(&error)
+            )),
+        },
         _ if matches!(
-            e.kind(),
+            error.kind(),
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
         ) =>
         {
             Seen::TimedOut
         }
-        _ => Seen::NotSent(describe(&e)),
+        _ => Seen::NotSent(describe(&error)),
     })
 }
 
@@ -165,6 +214,24 @@ fn udp_attempt(
     let socket = match UdpSocket::bind(bind).and_then(|s| s.connect(target).map(|()| s)) {
         Ok(s) => s,
         Err(e) => return Seen::NotSent(describe(&e)),
+    };
+    datagram_exchange(socket, target, payload, ctx, accept)
+}
+
+/// Sends `payload` on `socket`, connected, of any datagram transport (UDP, UDP-Lite, a
+/// ping socket) and waits as [`udp_attempt`] does.
+pub(super) fn datagram_exchange(
+    socket: UdpSocket,
+    target: SocketAddr,
+    payload: &[u8],
+    ctx: &Ctx,
+    accept: impl Fn(&[u8]) -> Option<String>,
+) -> Seen {
+    // The ICMP errors that come back name their sender (see `after_send_error`); without
+    // the option none is traced to this host, which fails closed.
+    let _ = match target {
+        SocketAddr::V4(_) => setsockopt(&socket, sockopt::Ipv4RecvErr, &true),
+        SocketAddr::V6(_) => setsockopt(&socket, sockopt::Ipv6RecvErr, &true),
     };
     if let Err(send_error) = socket.send(payload) {
         if send_error.raw_os_error() != Some(libc::EPERM) {
@@ -206,17 +273,26 @@ fn udp_attempt(
             {
                 return Seen::Silent;
             }
-            Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
-                return Seen::RefusedRemotely("port unreachable (ICMP from the host)".into());
-            }
-            // The send succeeded, so whatever refused it sits beyond this host.
-            Err(e) => {
-                return Seen::RefusedRemotely(format!(
-                    "refused beyond this host: {}",
-                    describe(&e)
-                ));
-            }
+            Err(e) => return after_send_error(&socket, target, &e),
         }
+    }
+}
+
+/// An error reported to a datagram socket whose send succeeded. Some transports do not
+/// fail the send when the output hook refuses it (an ICMPv6 ping socket reports only the
+/// ICMP error of `reject`): an error this host sent is the boundary's refusal, any other
+/// was sent beyond this host.
+fn after_send_error(socket: &UdpSocket, target: SocketAddr, e: &io::Error) -> Seen {
+    match origin::icmp_sender(socket, target) {
+        Some(sender) if origin::is_this_host(sender) => Seen::RefusedHere(describe(e)),
+        _ if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
+            Seen::RefusedRemotely("port unreachable (ICMP from the host)".into())
+        }
+        Some(sender) => Seen::RefusedRemotely(format!(
+            "refused beyond this host, by {sender}: {}",
+            describe(e)
+        )),
+        None => Seen::RefusedRemotely(format!("refused beyond this host: {}", describe(e))),
     }
 }
 

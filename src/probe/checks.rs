@@ -8,11 +8,12 @@ use ipnet::IpNet;
 
 use crate::core::plan::DNS_PORT;
 use crate::core::policy::{Allow, DenyOrigin, DomainName, L4Proto, Preset, ProbeHost, Target};
-use crate::core::ruleset::TABLE;
+use crate::core::ruleset::{Elements, Family, SetId, SetRole, TABLE, Tuple, fmt_tuple};
 
 use super::guard_lookup::GuardLookup;
 use super::link_layer::{CAP_NET_ADMIN, capability_effective, link_layer_access, link_layer_check};
 use super::options::TableView;
+use super::other_protocols::OtherProto;
 use super::plan::{Attempt, Expect, Kind, Plan, join, ports_to_probe};
 use super::report::{Check, Outcome};
 
@@ -144,7 +145,10 @@ impl<'a> Plan<'a> {
         }
     }
 
-    /// TCP and UDP attempts that must be refused: "denied tcp cloud-metadata 169.254.169.254:80".
+    /// Attempts that must be refused: TCP and UDP ("denied tcp cloud-metadata
+    /// 169.254.169.254:80"), and every other transport an unprivileged process can send
+    /// (UDP-Lite, an echo request, SCTP, DCCP): the policy allows none of those anywhere, so
+    /// each one that leaves is a hole (a hand-added element, a changed rule).
     fn refused_pair(&mut self, what: &str, name: Option<&str>, target: SocketAddr) {
         let name = name.map(|n| format!("{n} ")).unwrap_or_default();
         for (kind, proto) in [(Kind::Tcp, L4Proto::Tcp), (Kind::Udp, L4Proto::Udp)] {
@@ -155,6 +159,22 @@ impl<'a> Plan<'a> {
                 expect: Expect::Refuse,
                 note: None,
                 on_fail: self.allowed_by(target, proto),
+                dns_name: None,
+            });
+        }
+        for other in OtherProto::ALL {
+            let dest = if other.has_ports() {
+                target.to_string()
+            } else {
+                target.ip().to_string()
+            };
+            self.attempt(Attempt {
+                check: format!("{what} {} {name}{dest}", other.name(target)),
+                kind: Kind::Other(other),
+                target,
+                expect: Expect::Refuse,
+                note: None,
+                on_fail: None,
                 dns_name: None,
             });
         }
@@ -233,6 +253,7 @@ impl<'a> Plan<'a> {
         };
         // Only the service gives elements timeouts (and in guard mode only it adds any).
         let service_owned = self.policy.dns.guard.is_some()
+            || self.options.service_table
             || facts.resolved.iter().any(|t| t.timeout_ms.is_some());
         let failed: Vec<Check> = facts
             .resolved
@@ -253,6 +274,78 @@ impl<'a> Plan<'a> {
             })
             .collect();
         for check in failed {
+            self.done(check);
+        }
+    }
+
+    /// Every element of the installed allow sets must be one a `cidr:` entry of the policy
+    /// writes, every element of the DNS sets one of the resolvers on a DNS port, and every
+    /// element of every set one egress-fence can read: an element for another protocol
+    /// (`0.0.0.0/0 . udplite . 0-65535`), a catch-all or a range of protocols opens what no
+    /// traffic check may happen to try. Each one fails, named.
+    pub(super) fn table_elements(&mut self) {
+        let TableView::Read(facts) = &self.options.table else {
+            return;
+        };
+        let planned =
+            crate::core::plan::plan_elements(self.policy, &self.options.resolvers, None, []);
+        let planned_tuples = |role: SetRole| -> Vec<Tuple> {
+            Family::BOTH
+                .into_iter()
+                .filter_map(|family| match planned.set(SetId::new(role, family)) {
+                    Some(set) => match &set.elements {
+                        Elements::Tuples(t) => Some(t.clone()),
+                        _ => None,
+                    },
+                    None => None,
+                })
+                .flatten()
+                .collect()
+        };
+        let mut checks = Vec::new();
+        let sets = [
+            (
+                SetRole::Allow,
+                &facts.allowed,
+                "no cidr entry allows that network, protocol and port",
+            ),
+            (
+                SetRole::Dns,
+                &facts.dns,
+                "it is not DNS to one of the resolvers (the policy's, else resolv.conf's; in \
+                 guard mode its upstream)",
+            ),
+        ];
+        for (role, live_tuples, why) in sets {
+            let explaining = planned_tuples(role);
+            for live in live_tuples {
+                // The kernel may store what `apply` wrote merged or split: covered is
+                // explained.
+                let explained = explaining.iter().any(|p| {
+                    p.proto == live.proto
+                        && p.net.contains(&live.net)
+                        && p.ports.first <= live.ports.first
+                        && live.ports.last <= p.ports.last
+                });
+                if !explained {
+                    let set = SetId::new(role, Family::of_net(&live.net)).name();
+                    checks.push(Check::new(
+                        Outcome::Fail,
+                        format!("{set} element {}", fmt_tuple(live)),
+                        format!("the policy does not explain it: {why}"),
+                    ));
+                }
+            }
+        }
+        for (set, element) in &facts.undecodable {
+            checks.push(Check::new(
+                Outcome::Fail,
+                format!("{set} element {element}"),
+                "egress-fence never writes such an element (another protocol, a catch-all, a \
+                 range of protocols), so the policy does not explain it",
+            ));
+        }
+        for check in checks {
             self.done(check);
         }
     }
@@ -454,5 +547,113 @@ impl<'a> Plan<'a> {
             }
         };
         self.done(check);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::policy::PortRange;
+    use crate::probe::options::TableFacts;
+    use crate::probe::plan::Step;
+    use crate::probe::testing::*;
+
+    fn steps(plan: Plan<'_>) -> Vec<(String, String)> {
+        plan.steps
+            .into_iter()
+            .map(|s| match s {
+                Step::Done(c) => (c.outcome.to_string(), c.check),
+                Step::Attempt(a) => ("attempt".into(), a.check),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn refused_targets_are_tried_over_every_transport() {
+        let p =
+            policy("version: 1\nprobe:\n  blocked: [\"203.0.113.11:443\", \"[2001:db8::9]:80\"]\n");
+        let options = options(&["192.0.2.53"], TableView::NotRead);
+        let mut plan = Plan::new(&p, &options, &[], &[]);
+        plan.blocked();
+        let names: Vec<String> = steps(plan).into_iter().map(|(_, c)| c).collect();
+        assert_eq!(
+            names,
+            [
+                "blocked tcp 203.0.113.11:443",
+                "blocked udp 203.0.113.11:443",
+                "blocked udplite 203.0.113.11:443",
+                "blocked icmp 203.0.113.11",
+                "blocked sctp 203.0.113.11:443",
+                "blocked dccp 203.0.113.11:443",
+                "blocked tcp [2001:db8::9]:80",
+                "blocked udp [2001:db8::9]:80",
+                "blocked udplite [2001:db8::9]:80",
+                "blocked icmpv6 2001:db8::9",
+                "blocked sctp [2001:db8::9]:80",
+                "blocked dccp [2001:db8::9]:80",
+            ]
+        );
+    }
+
+    #[test]
+    fn allow_elements_must_be_the_policys_and_readable() {
+        let p = policy(
+            "version: 1\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [443]\n    protocol: tcp\n",
+        );
+        let tuple = |net: &str, first, last| Tuple {
+            net: net.parse().unwrap(),
+            proto: L4Proto::Tcp,
+            ports: PortRange { first, last },
+        };
+        let facts = TableFacts {
+            allowed: vec![
+                tuple("203.0.113.0/24", 443, 443),
+                // Part of what the entry writes, as a kernel may store it.
+                tuple("203.0.113.0/25", 443, 443),
+                tuple("203.0.113.0/24", 443, 444),
+                tuple("198.18.0.0/15", 1, 65535),
+            ],
+            dns: vec![
+                Tuple {
+                    proto: L4Proto::Udp,
+                    ..tuple("192.0.2.53/32", 53, 53)
+                },
+                // DNS to everyone, and a resolver on another port.
+                Tuple {
+                    proto: L4Proto::Udp,
+                    ..tuple("0.0.0.0/0", 53, 53)
+                },
+                tuple("192.0.2.53/32", 443, 443),
+            ],
+            undecodable: vec![("allow4".into(), "0.0.0.0/0 . udplite . 0-65535".into())],
+            ..TableFacts::default()
+        };
+        let options = options(&["192.0.2.53"], TableView::Read(facts));
+        let mut plan = Plan::new(&p, &options, &[], &[]);
+        plan.table_elements();
+        assert_eq!(
+            steps(plan),
+            [
+                (
+                    "FAIL".into(),
+                    "allow4 element 203.0.113.0/24 . tcp . 443-444".into()
+                ),
+                (
+                    "FAIL".into(),
+                    "allow4 element 198.18.0.0/15 . tcp . 1-65535".into()
+                ),
+                ("FAIL".into(), "dns4 element 0.0.0.0/0 . udp . 53".into()),
+                ("FAIL".into(), "dns4 element 192.0.2.53 . tcp . 443".into()),
+                (
+                    "FAIL".into(),
+                    "allow4 element 0.0.0.0/0 . udplite . 0-65535".into()
+                ),
+            ]
+        );
+        // A table that cannot be read is judged by the other checks.
+        let unread = super::super::testing::options(&["192.0.2.53"], TableView::NotRead);
+        let mut plan = Plan::new(&p, &unread, &[], &[]);
+        plan.table_elements();
+        assert!(plan.steps.is_empty());
     }
 }

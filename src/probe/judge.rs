@@ -7,7 +7,7 @@ use super::report::Outcome;
 
 /// Turns what was seen into a verdict and a reason a human understands.
 pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outcome, String) {
-    use Outcome::{Fail, Pass};
+    use Outcome::{Fail, Pass, Skip, Warn};
     let through = "the boundary let it through";
     let (t, w) = (fmt_duration(ctx.timeout), fmt_duration(ctx.udp_wait));
     match expect {
@@ -15,6 +15,8 @@ pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outc
             Seen::RefusedHere(d) => (Pass, format!("refused: {d}")),
             Seen::TimedOut => (Pass, format!("no answer within {t} (dropped)")),
             Seen::NotSent(d) => (Pass, format!("cannot leave this host: {d}")),
+            Seen::Unavailable(d) => (Skip, d.clone()),
+            Seen::Unconfirmed(d) => (Warn, d.clone()),
             Seen::Connected => (Fail, format!("connected: {through}")),
             Seen::Answered(d) => (Fail, format!("{d}: {through}")),
             Seen::RefusedRemotely(d) => (Fail, format!("{d}: {through}")),
@@ -49,7 +51,7 @@ pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outc
                     "timed out after {t}: dropped by the boundary, or the host does not answer"
                 ),
             ),
-            Seen::NotSent(d) => (Fail, d.clone()),
+            Seen::NotSent(d) | Seen::Unavailable(d) | Seen::Unconfirmed(d) => (Fail, d.clone()),
         },
         Expect::Answer => match seen {
             Seen::Answered(d) => (Pass, d.clone()),
@@ -79,6 +81,29 @@ mod tests {
         let (outcome, reason) = judge(&Seen::Silent, Expect::Refuse, Kind::Udp, &ctx());
         assert_eq!(outcome, Outcome::Fail);
         assert!(reason.contains("left this host"), "{reason}");
+    }
+
+    #[test]
+    fn a_transport_nothing_here_can_send_is_skipped_and_an_unconfirmed_echo_warns() {
+        let unavailable = Seen::Unavailable("not available on this kernel".into());
+        let (o, reason) = judge(&unavailable, Expect::Refuse, Kind::Udp, &ctx());
+        assert_eq!(o, Outcome::Skip);
+        assert!(reason.contains("not available on this kernel"), "{reason}");
+        let unconfirmed = Seen::Unconfirmed("cannot tell".into());
+        assert_eq!(
+            judge(&unconfirmed, Expect::Refuse, Kind::Udp, &ctx()).0,
+            Outcome::Warn
+        );
+        // Where traffic must pass, neither is a pass.
+        let reach = Expect::Reach { strict: true };
+        assert_eq!(
+            judge(&unavailable, reach, Kind::Tcp, &ctx()).0,
+            Outcome::Fail
+        );
+        assert_eq!(
+            judge(&unconfirmed, reach, Kind::Tcp, &ctx()).0,
+            Outcome::Fail
+        );
     }
 
     #[test]

@@ -55,6 +55,20 @@
 //!   connect (EHOSTUNREACH or EACCES; over IPv6 only at the first SYN retransmission, after
 //!   about a second); with `drop` the connect times out. A timeout therefore counts as
 //!   refused, a TCP reset (ECONNREFUSED) as proof that the SYN got through.
+//! - Whose ICMP error: a far host or a router sends the same errors. The socket's error
+//!   queue (IP_RECVERR, IPV6_RECVERR) names the sender; only an error sent from an address
+//!   of this host (the stack answering the fence's `reject`) is this host's refusal
+//!   (`origin.rs`). Without the error queue entry, it is not.
+//! - The other transports (`other_protocols.rs`): UDP-Lite and ICMP echo as UDP, except that
+//!   an IPv6 ping socket is never told of the drop of its request (silence is a WARN); SCTP
+//!   and DCCP as TCP, except that an ICMP error the kernel does not queue with its sender
+//!   cannot be traced (a WARN).
+//!
+//! Every refused destination is tried over TCP, UDP, UDP-Lite, ICMP echo, SCTP and DCCP; a
+//! transport the kernel lacks, or a ping socket the kernel refuses this process, is a SKIP
+//! that says so. The installed allow sets must hold only what the policy's `cidr:` entries
+//! write, the DNS sets only the resolvers on DNS ports, and no set an element egress-fence
+//! never writes.
 
 mod attempt;
 mod checks;
@@ -63,6 +77,8 @@ mod guard_lookup;
 mod judge;
 mod link_layer;
 mod options;
+mod origin;
+mod other_protocols;
 mod plan;
 mod report;
 #[cfg(test)]
@@ -135,6 +151,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.rogue_resolvers();
             plan.exfiltration(exfil_name);
             plan.resolved_elements();
+            plan.table_elements();
             plan.link_layer();
         }
         Some(g) => {
@@ -147,6 +164,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.rogue_resolvers();
             plan.guarded_exfiltration(exfil_name);
             plan.resolved_elements();
+            plan.table_elements();
             plan.link_layer();
         }
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 
 use crate::core::policy::Policy;
-use crate::core::ruleset::{Elements, Family, SetId, SetRole, Timed};
+use crate::core::ruleset::{Elements, Family, SetId, SetRole, Timed, Tuple};
 use crate::dns::resolve::system_resolvers;
 use crate::nft::{LiveTable, Nft};
 
@@ -33,6 +33,10 @@ pub struct ProbeOptions {
     /// Guard mode: the uid owning the guard's listening socket and its address, read from
     /// /proc: the guard's uid when the table cannot be read.
     pub guard_socket: Option<(u32, SocketAddr)>,
+    /// The installed table is the service's (`run` recorded the newest generation): its
+    /// resolved elements all expire, so one without a timeout is unexplained even when no
+    /// other element shows a timeout. Set by the caller that reads the state directory.
+    pub service_table: bool,
 }
 
 impl ProbeOptions {
@@ -64,6 +68,7 @@ impl ProbeOptions {
                     .listen
                     .iter()
                     .find_map(|&l| socket_owner(l).map(|uid| (uid, l))),
+                service_table: false,
             });
         }
         let resolvers = match &policy.dns.resolvers {
@@ -77,6 +82,7 @@ impl ProbeOptions {
             table,
             system: None,
             guard_socket: None,
+            service_table: false,
         })
     }
 }
@@ -115,6 +121,13 @@ pub struct TableFacts {
     pub denied: Vec<IpNet>,
     /// The elements of the resolved sets, which the policy must explain.
     pub resolved: Vec<Timed>,
+    /// The elements of the allow sets, which the policy's `cidr:` entries must explain.
+    pub allowed: Vec<Tuple>,
+    /// The elements of the DNS sets, which the resolvers must explain.
+    pub dns: Vec<Tuple>,
+    /// Elements of any of the table's sets that egress-fence never writes (another
+    /// protocol such as UDP-Lite, a catch-all, a range of protocols): (set, element).
+    pub undecodable: Vec<(String, String)>,
 }
 
 impl TableView {
@@ -140,8 +153,28 @@ impl TableFacts {
             dns_for_everyone: access.everyone,
             denied: Vec::new(),
             resolved: Vec::new(),
+            allowed: Vec::new(),
+            dns: Vec::new(),
+            undecodable: Vec::new(),
         };
+        for id in SetId::ALL {
+            if let Some(contents) = table.read_set(id) {
+                let set = id.name();
+                facts
+                    .undecodable
+                    .extend(contents.undecodable.into_iter().map(|e| (set.clone(), e)));
+            }
+        }
         for family in Family::BOTH {
+            if let Some(Elements::Tuples(tuples)) =
+                table.contents(SetId::new(SetRole::Allow, family))
+            {
+                facts.allowed.extend(tuples);
+            }
+            if let Some(Elements::Tuples(tuples)) = table.contents(SetId::new(SetRole::Dns, family))
+            {
+                facts.dns.extend(tuples);
+            }
             if let Some(Elements::Networks(nets)) =
                 table.contents(SetId::new(SetRole::Deny, family))
             {

@@ -12,6 +12,7 @@ use crate::core::resolution::ResolvedHost;
 
 use super::guard_lookup::GuardLookup;
 use super::options::ProbeOptions;
+use super::other_protocols::OtherProto;
 use super::report::Check;
 
 /// The name asked of rogue resolvers and of the allowed ones: harmless, and answered by
@@ -41,6 +42,8 @@ pub(super) enum Kind {
     Udp,
     /// A DNS query over UDP or TCP.
     Dns(L4Proto),
+    /// UDP-Lite, an echo request, SCTP or DCCP (only towards refused destinations).
+    Other(OtherProto),
 }
 
 #[derive(Debug, Clone)]

@@ -31,6 +31,7 @@ pub(super) fn options(resolvers: &[&str], table: TableView) -> ProbeOptions {
         table,
         system: None,
         guard_socket: None,
+        service_table: false,
     }
 }
 
@@ -53,6 +54,9 @@ pub(super) fn table_with_uid(uid: u32) -> TableView {
         dns_for_everyone: false,
         denied: Preset::DnsOverHttps.networks(),
         resolved: Vec::new(),
+        allowed: Vec::new(),
+        dns: Vec::new(),
+        undecodable: Vec::new(),
     })
 }
 

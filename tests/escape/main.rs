@@ -12,6 +12,7 @@ mod essentials;
 mod forged;
 mod guard;
 mod inputs;
+mod probe_protocols;
 mod raw_frames;
 mod readback;
 mod readback_attack;
