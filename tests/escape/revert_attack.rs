@@ -1,0 +1,136 @@
+//! An outside review of confirm-or-revert (issue 17 items 4, 5 and 7): a revert timer that is
+//! stopped rather than killed, and a pending record edited while its timer waits. Each test
+//! failed on the main the review attacked.
+//!
+//! The state directory is root's (0700), but the threat model's root without CAP_NET_ADMIN
+//! owns it too: it can stop the timer (same uid) and rewrite the record. What it writes there
+//! may delay or cancel a revert (deleting the record is what `confirm` does), but must never
+//! make egress-fence install a table wider than both the old and the new policy, and no
+//! report may say a stopped timer is reverting.
+
+use std::fs;
+use std::path::Path;
+use std::thread;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::Value;
+
+use crate::common::*;
+
+fn policy(name: &str) -> String {
+    format!(
+        "version: 1\nallow:\n  - domain: {name}\n    ports: [443]\n\
+         dns:\n  resolvers: [192.0.2.53]\n"
+    )
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+fn ok(w: &World, args: &[&str]) -> CmdOutput {
+    let out = w.egress_fence(args);
+    assert!(out.success(), "egress-fence {args:?}: {out}");
+    out
+}
+
+fn json(out: &CmdOutput) -> Value {
+    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
+fn live_is(w: &World, policy: &Path) -> bool {
+    let out = w.egress_fence(&["diff", p(policy)]);
+    assert!(matches!(out.code(), 0 | 1), "diff failed: {out}");
+    out.code() == 0
+}
+
+/// The revert timers guarding this world's sandbox (their command lines name it).
+fn revert_timers(w: &World) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in fs::read_dir("/proc").expect("list /proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.iter().any(|a| a == "revert-timer") && args.iter().any(|a| a == w.sandbox_name()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn the_revert_timer(w: &World) -> u32 {
+    let mut timers = Vec::new();
+    assert!(
+        within(Duration::from_secs(3), || {
+            timers = revert_timers(w);
+            timers.len() == 1
+        }),
+        "one revert timer: {timers:?}"
+    );
+    timers[0]
+}
+
+fn signal(pid: u32, signal: Signal) {
+    kill(Pid::from_raw(pid as i32), signal).expect("signal the revert timer");
+}
+
+/// The world of tests/generations.rs: a.example.com is HOST_V4, b.example.com HOST2_V4.
+fn world() -> (World, std::path::PathBuf, std::path::PathBuf) {
+    let w = World::new();
+    w.dns_set("a.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    w.dns_set("b.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let a = w.write_file("a.yaml", &policy("a.example.com"));
+    let b = w.write_file("b.yaml", &policy("b.example.com"));
+    (w, a, b)
+}
+
+/// A stopped timer lives (its pid and start time are right) but reverts nothing: `status`
+/// said "its revert timer is reverting it now" for as long as it stayed stopped, and
+/// `revert_overdue` false. It is reported as stopped and the revert as overdue; the next
+/// writer carries it out, and the timer, resumed, stands down.
+#[test]
+fn a_stopped_revert_timer_is_reported_and_its_revert_carried_out_by_the_next_writer() {
+    let (w, a, b) = world();
+    ok(&w, &["apply", p(&a)]);
+    ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+    let timer = the_revert_timer(&w);
+    signal(timer, Signal::SIGSTOP);
+    thread::sleep(Duration::from_millis(2500));
+    assert!(live_is(&w, &b), "a stopped timer reverted");
+
+    let out = ok(&w, &["status"]);
+    assert!(
+        out.stdout.contains("the revert timer is stopped")
+            && out.stdout.contains("the revert is overdue"),
+        "{out}"
+    );
+    assert!(!out.stdout.contains("reverting it to"), "{out}");
+    let pending = json(&ok(&w, &["status", "--json"]))["pending_confirmation"].clone();
+    assert_eq!(pending["revert_timer_alive"], false, "{pending}");
+    assert_eq!(pending["revert_overdue"], true, "{pending}");
+
+    let late = w.egress_fence(&["confirm"]);
+    assert_eq!(late.code(), 1, "{late}");
+    assert!(late.stderr.contains("reverted it now"), "{late}");
+    assert!(live_is(&w, &a), "the revert was not carried out");
+
+    signal(timer, Signal::SIGCONT);
+    assert!(
+        within(Duration::from_secs(5), || revert_timers(&w).is_empty()),
+        "the resumed timer did not stand down"
+    );
+    assert!(live_is(&w, &a));
+    let history = json(&ok(&w, &["history", "--json"]));
+    assert_eq!(
+        history["generations"].as_array().map(Vec::len),
+        Some(3),
+        "one revert, not two: {history}"
+    );
+}
