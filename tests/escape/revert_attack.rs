@@ -26,6 +26,9 @@ fn policy(name: &str) -> String {
     )
 }
 
+const OPEN: &str = "version: 1\nallow:\n  - cidr: 0.0.0.0/0\n    protocol: any\n\
+                    dns:\n  resolvers: [192.0.2.53]\n";
+
 fn p(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")
 }
@@ -44,6 +47,10 @@ fn live_is(w: &World, policy: &Path) -> bool {
     let out = w.egress_fence(&["diff", p(policy)]);
     assert!(matches!(out.code(), 0 | 1), "diff failed: {out}");
     out.code() == 0
+}
+
+fn revert_timer_log(w: &World) -> String {
+    fs::read_to_string(w.sandbox_state_dir().join("revert-timer.log")).unwrap_or_default()
 }
 
 /// The revert timers guarding this world's sandbox (their command lines name it).
@@ -133,4 +140,59 @@ fn a_stopped_revert_timer_is_reported_and_its_revert_carried_out_by_the_next_wri
         Some(3),
         "one revert, not two: {history}"
     );
+}
+
+/// The revert target is what `apply` armed, not what the record says at the deadline: the
+/// recorded live table (item 7), rewritten while the timer waits into one that lets every
+/// host out, was installed by the timer as "the table as it was before the change".
+#[test]
+fn a_pending_record_rewritten_while_its_timer_waits_does_not_choose_the_revert() {
+    let (w, a, b) = world();
+    // A table that opens everything, recorded in a state directory of its own: the forger's
+    // material (any egress-fence ruleset would do).
+    let open_dir = w.dir().join("open-state");
+    let open = w.write_file("open.yaml", OPEN);
+    ok(&w, &["apply", p(&open), "--state-dir", p(&open_dir)]);
+    let open_ruleset: Value = serde_json::from_str(
+        &fs::read_to_string(
+            open_dir
+                .join(format!("netns-{}", w.sandbox_name()))
+                .join("gen-000001.json"),
+        )
+        .expect("the open generation"),
+    )
+    .expect("JSON");
+    // A's table from another state directory: the change reverts to it as recorded.
+    let elsewhere = w.dir().join("elsewhere");
+    ok(&w, &["apply", p(&a), "--state-dir", p(&elsewhere)]);
+    let out = ok(&w, &["apply", p(&b), "--confirm-within", "3s"]);
+    assert!(out.stdout.contains("live before it"), "{out}");
+
+    let path = w.sandbox_state_dir().join("pending-confirm.json");
+    let mut record: Value =
+        serde_json::from_str(&fs::read_to_string(&path).expect("the record")).expect("JSON");
+    assert!(record["revert_table"].is_object(), "{record}");
+    record["revert_table"] = open_ruleset["ruleset"].clone();
+    let forged = w.sandbox_state_dir().join("forged.json");
+    fs::write(&forged, record.to_string()).expect("write");
+    fs::rename(&forged, &path).expect("rename");
+
+    assert!(
+        within(Duration::from_secs(10), || revert_timers(&w).is_empty()),
+        "the timer never acted:\n{}",
+        revert_timer_log(&w)
+    );
+    let _other = w.listen_tcp(OTHER_V4, 8443);
+    assert!(
+        !w.tcp_connects(OTHER_V4, 8443),
+        "the revert installed the forged open table:\n{}",
+        revert_timer_log(&w)
+    );
+    assert!(
+        live_is(&w, &a),
+        "the table that was live was not put back:\n{}",
+        revert_timer_log(&w)
+    );
+    let log = revert_timer_log(&w);
+    assert!(log.contains("changed after it was armed"), "{log}");
 }
