@@ -966,8 +966,8 @@ mod tests {
     use crate::nft::live::ReadRule;
     use crate::nft::table::memory::MemoryTable;
 
-    const A: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n";
-    const B: &str = "version: 1\nallow:\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndns:\n  resolvers: [192.0.2.53]\n";
+    const A: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53, \"2001:db8::53\"]\n";
+    const B: &str = "version: 1\nallow:\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndns:\n  resolvers: [192.0.2.53, \"2001:db8::53\"]\n";
 
     struct Fixture {
         _dir: tempfile::TempDir,
