@@ -30,7 +30,7 @@ use crate::nft::live::{ReadRule, describe_table_flags};
 use crate::nft::{LiveTable, NftError, Table};
 use crate::state::{
     Generation, NewGeneration, Now, PendingConfirm, Recorder, Reverted, Stage, StateDir,
-    StateError, TimerLife, WriterLock, current_netns_inode, rfc3339,
+    StateError, TimerLife, WriterLock, current_netns_inode, netns_exists, rfc3339,
 };
 
 /// How long `apply` waits for a revert timer to say it is armed.
@@ -75,6 +75,20 @@ pub enum ChangeError {
         "refusing to revert: this process is in network namespace {current}, the change was applied in {applied_in}"
     )]
     WrongNamespace { current: u64, applied_in: u64 },
+    #[error(
+        "generation {generation} in {} was applied in network namespace {applied_in}, which \
+         still exists, and this process is in network namespace {current}: its confirmation \
+         or revert is not this namespace's to settle, and no write goes through that state \
+         directory from here (run egress-fence in that namespace, or name this one with \
+         --netns to use its own state directory)",
+        .dir.display()
+    )]
+    PendingElsewhere {
+        generation: u64,
+        dir: PathBuf,
+        current: u64,
+        applied_in: u64,
+    },
 }
 
 /// One writer at work: the namespace's state directory, its lock, and how many generations
@@ -289,7 +303,25 @@ fn take_note_of_pending(
         return Ok(PendingNote::Nothing);
     };
     let now = Now::read();
-    let note = match pending.stage(&now) {
+    let stage = pending.stage(&now);
+    // A state directory is named after `--netns` (or "host" without it), not after the
+    // namespace the writer is in: a writer elsewhere that took this record for its own would
+    // confirm, replace (its timer then stands down) or drop a change it cannot see.
+    if matches!(stage, Stage::Awaiting(_) | Stage::Due)
+        && let Err(ChangeError::WrongNamespace {
+            current,
+            applied_in,
+        }) = check_namespace(&pending)
+        && netns_exists(applied_in)
+    {
+        return Err(ChangeError::PendingElsewhere {
+            generation: pending.generation,
+            dir: writer.state.path().to_path_buf(),
+            current,
+            applied_in,
+        });
+    }
+    let note = match stage {
         Stage::Awaiting(_) => return Ok(PendingNote::Awaiting(pending)),
         Stage::Reverted => PendingNote::Reverted(pending),
         Stage::OtherBoot => PendingNote::Dropped(

@@ -9,6 +9,7 @@
 //! report may say a stopped timer is reverting.
 
 use std::fs;
+use std::net::IpAddr;
 use std::path::Path;
 use std::thread;
 use std::time::Duration;
@@ -195,4 +196,71 @@ fn a_pending_record_rewritten_while_its_timer_waits_does_not_choose_the_revert()
     );
     let log = revert_timer_log(&w);
     assert!(log.contains("changed after it was armed"), "{log}");
+}
+
+/// The revert timers started with the state directory `dir` (their command lines name it).
+fn revert_timers_of(dir: &Path) -> Vec<u32> {
+    let dir = dir.to_string_lossy().into_owned();
+    let mut pids = Vec::new();
+    for entry in fs::read_dir("/proc").expect("list /proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.iter().any(|a| a == "revert-timer") && args.contains(&dir) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Without `--netns` the state directory is "host" whatever namespace the writer is in. A
+/// change armed there from one namespace (its timer gone) was dropped by a `confirm` run in
+/// another, "applied in network namespace N, which is gone", though that namespace and the
+/// unconfirmed change lived on: the revert was lost and the report lied. (Before the
+/// deadline that `confirm` confirmed it, and an `apply --confirm-within` replaced it.)
+#[test]
+fn a_writer_in_another_namespace_neither_drops_nor_settles_a_pending_revert() {
+    let w = World::new();
+    let allow =
+        |addr: IpAddr| format!("version: 1\nallow:\n  - cidr: {addr}/32\n    ports: [443]\n");
+    let a = w.write_file("a.yaml", &allow(HOST_V4));
+    let b = w.write_file("b.yaml", &allow(HOST2_V4));
+    // In the sandbox, without --netns: the state directory "host" of the world's.
+    let in_sandbox = |args: &[&str]| w.sandbox_cmd(&[&[EGRESS_FENCE_BIN], args].concat());
+    let out = in_sandbox(&["apply", p(&a)]);
+    assert!(out.success(), "{out}");
+    let out = in_sandbox(&["apply", p(&b), "--confirm-within", "2s"]);
+    assert!(out.success(), "{out}");
+    let timers = revert_timers_of(&w.state_dir());
+    assert_eq!(timers.len(), 1, "{timers:?}");
+    signal(timers[0], Signal::SIGKILL);
+    thread::sleep(Duration::from_millis(2500));
+
+    let pending = w.state_dir().join("host").join("pending-confirm.json");
+    assert!(pending.exists(), "premise: the revert is overdue");
+    for args in [
+        &["confirm"][..],
+        &["apply", p(&b), "--confirm-within", "60s"],
+    ] {
+        let out = w.net_cmd(&[&[EGRESS_FENCE_BIN], args].concat());
+        assert!(!out.success(), "{args:?} from another namespace: {out}");
+        assert!(!out.stderr.contains("which is gone"), "{out}");
+        assert!(out.stderr.contains("still exists"), "{out}");
+        assert!(
+            pending.exists(),
+            "{args:?} dropped the pending revert: {out}"
+        );
+    }
+
+    // In its own namespace, the overdue revert is carried out.
+    let late = in_sandbox(&["confirm"]);
+    assert_eq!(late.code(), 1, "{late}");
+    assert!(late.stderr.contains("reverted it now"), "{late}");
+    let diff = in_sandbox(&["diff", p(&a)]);
+    assert_eq!(diff.code(), 0, "the sandbox is back to A: {diff}");
 }
