@@ -829,11 +829,16 @@ pub fn revert(
     writer: &Writer<'_>,
     armed: &PendingConfirm,
 ) -> Result<TimerRevert, ChangeError> {
-    let Some(found) = writer
-        .state
-        .pending()?
-        .filter(|p| p.token == armed.token && p.reverted.is_none())
-    else {
+    // A record that cannot be read is no confirmation (as while the timer waited): what it
+    // armed with decides, and is written back.
+    let (found, unreadable) = match writer.state.pending() {
+        Ok(found) => (found, None),
+        Err(e @ StateError::CorruptPending { .. }) => {
+            (Some(armed.clone()), Some(format!("it was unreadable: {e}")))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let Some(found) = found.filter(|p| p.token == armed.token && p.reverted.is_none()) else {
         return Ok(TimerRevert {
             outcome: RevertOutcome::StoodDown,
             altered: None,
@@ -845,7 +850,8 @@ pub fn revert(
         reverted: None,
         ..armed.clone()
     };
-    let altered = (found != pending).then(|| altered_fields(&found, &pending));
+    let altered =
+        unreadable.or_else(|| (found != pending).then(|| altered_fields(&found, &pending)));
     check_namespace(&pending)?;
     let outcome = carry_out(nft, writer, &pending, &Now::read())?;
     pending.reverted = Some(Reverted {
@@ -1289,6 +1295,22 @@ mod tests {
             .expect("written");
         let done = revert(&mut table, &f.writer(), &armed).expect("reverted");
         assert_eq!(done.altered, None);
+
+        // Unreadable: no confirmation; reverted, and the record written back whole.
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let armed = pending(&f, 8, Some(1));
+        std::fs::write(f.state.path().join("pending-confirm.json"), "{").expect("torn");
+        let done = revert(&mut table, &f.writer(), &armed).expect("reverted");
+        assert!(
+            done.altered
+                .as_deref()
+                .is_some_and(|a| a.contains("unreadable")),
+            "{done:?}"
+        );
+        assert_eq!(table.table, Some(planned(A).ruleset));
+        let marked = f.state.pending().unwrap().expect("written back");
+        assert_eq!(marked.token, armed.token);
+        assert!(marked.reverted.is_some());
     }
 
     #[test]

@@ -264,3 +264,39 @@ fn a_writer_in_another_namespace_neither_drops_nor_settles_a_pending_revert() {
     let diff = in_sandbox(&["diff", p(&a)]);
     assert_eq!(diff.code(), 0, "the sandbox is back to A: {diff}");
 }
+
+/// A pending record torn or garbled while its timer waits: `status` took the error for "no
+/// pending confirmation" and said nothing of it, and the timer, reading it at its deadline,
+/// failed and reverted nothing. An unreadable record is no confirmation: it is said, and the
+/// timer reverts to what it armed with (and writes the record back whole).
+#[test]
+fn a_corrupt_pending_record_is_said_and_its_timer_still_reverts() {
+    let (w, a, b) = world();
+    ok(&w, &["apply", p(&a)]);
+    ok(&w, &["apply", p(&b), "--confirm-within", "3s"]);
+    the_revert_timer(&w);
+    fs::write(w.sandbox_state_dir().join("pending-confirm.json"), "{").expect("garble");
+
+    let out = ok(&w, &["status"]);
+    assert!(
+        out.stdout.contains("cannot read the pending confirmation")
+            && out.stdout.contains("corrupt"),
+        "{out}"
+    );
+    let v = json(&ok(&w, &["status", "--json"]));
+    assert!(v["pending_confirmation"]["error"].is_string(), "{v}");
+
+    assert!(
+        within(Duration::from_secs(10), || live_is(&w, &a)),
+        "never reverted:\n{}",
+        revert_timer_log(&w)
+    );
+    assert!(
+        revert_timer_log(&w).contains("unreadable"),
+        "{}",
+        revert_timer_log(&w)
+    );
+    let late = w.egress_fence(&["confirm"]);
+    assert_eq!(late.code(), 1, "{late}");
+    assert!(late.stderr.contains("too late"), "{late}");
+}
