@@ -300,3 +300,27 @@ fn a_corrupt_pending_record_is_said_and_its_timer_still_reverts() {
     assert_eq!(late.code(), 1, "{late}");
     assert!(late.stderr.contains("too late"), "{late}");
 }
+
+/// A confirmation armed before the host restarted is void whatever its deadline: `confirm`
+/// said "too late, the deadline passed" of one whose deadline had not come.
+#[test]
+fn a_confirmation_of_another_boot_is_not_called_too_late() {
+    let (w, a, b) = world();
+    ok(&w, &["apply", p(&a)]);
+    ok(&w, &["apply", p(&b), "--confirm-within", "60s"]);
+    signal(the_revert_timer(&w), Signal::SIGKILL);
+    let path = w.sandbox_state_dir().join("pending-confirm.json");
+    let mut record: Value =
+        serde_json::from_str(&fs::read_to_string(&path).expect("the record")).expect("JSON");
+    record["boot_id"] = "an earlier boot".into();
+    fs::write(&path, record.to_string()).expect("write");
+
+    let out = w.egress_fence(&["confirm"]);
+    assert_eq!(out.code(), 1, "{out}");
+    assert!(
+        out.stderr.contains("nothing to confirm") && out.stderr.contains("restarted"),
+        "{out}"
+    );
+    assert!(!out.stderr.contains("deadline passed"), "{out}");
+    assert!(live_is(&w, &b), "nothing is reverted");
+}
