@@ -324,3 +324,46 @@ fn a_confirmation_of_another_boot_is_not_called_too_late() {
     assert!(!out.stderr.contains("deadline passed"), "{out}");
     assert!(live_is(&w, &b), "nothing is reverted");
 }
+
+/// `confirm` and the timer at the deadline take the lock in turn: whatever `confirm` says is
+/// what happened, never both (confirmed, then reverted) nor neither.
+#[test]
+fn a_confirm_racing_the_deadline_is_either_kept_or_reverted() {
+    let (w, a, b) = world();
+    for offset_ms in [-150i64, -40, 0, 30, 120] {
+        ok(&w, &["apply", p(&a)]);
+        let armed = std::time::Instant::now();
+        ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+        let at = Duration::from_millis((2000 + offset_ms) as u64);
+        if let Some(wait) = at.checked_sub(armed.elapsed()) {
+            thread::sleep(wait);
+        }
+        let out = w.egress_fence(&["confirm"]);
+        assert!(
+            within(Duration::from_secs(5), || revert_timers(&w).is_empty()),
+            "the timer lingers"
+        );
+        thread::sleep(Duration::from_millis(300));
+        match out.code() {
+            0 => {
+                assert!(out.stdout.contains("confirmed generation"), "{out}");
+                assert!(
+                    live_is(&w, &b),
+                    "confirmed at {offset_ms} ms, then reverted: {out}"
+                );
+            }
+            1 => {
+                assert!(out.stderr.contains("too late"), "{out}");
+                assert!(
+                    live_is(&w, &a),
+                    "too late at {offset_ms} ms, not reverted: {out}"
+                );
+            }
+            _ => panic!("{out}"),
+        }
+        assert!(
+            !w.sandbox_state_dir().join("pending-confirm.json").exists(),
+            "nothing awaits any more"
+        );
+    }
+}
