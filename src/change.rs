@@ -30,7 +30,7 @@ use crate::nft::live::{ReadRule, describe_table_flags};
 use crate::nft::{LiveTable, NftError, Table};
 use crate::state::{
     Generation, NewGeneration, Now, PendingConfirm, Recorder, Reverted, Stage, StateDir,
-    StateError, TimerLife, WriterLock, current_netns_inode, rfc3339,
+    StateError, TimerLife, WriterLock, current_netns_inode, netns_exists, rfc3339,
 };
 
 /// How long `apply` waits for a revert timer to say it is armed.
@@ -75,6 +75,20 @@ pub enum ChangeError {
         "refusing to revert: this process is in network namespace {current}, the change was applied in {applied_in}"
     )]
     WrongNamespace { current: u64, applied_in: u64 },
+    #[error(
+        "generation {generation} in {} was applied in network namespace {applied_in}, which \
+         still exists, and this process is in network namespace {current}: its confirmation \
+         or revert is not this namespace's to settle, and no write goes through that state \
+         directory from here (run egress-fence in that namespace, or name this one with \
+         --netns to use its own state directory)",
+        .dir.display()
+    )]
+    PendingElsewhere {
+        generation: u64,
+        dir: PathBuf,
+        current: u64,
+        applied_in: u64,
+    },
 }
 
 /// One writer at work: the namespace's state directory, its lock, and how many generations
@@ -289,7 +303,25 @@ fn take_note_of_pending(
         return Ok(PendingNote::Nothing);
     };
     let now = Now::read();
-    let note = match pending.stage(&now) {
+    let stage = pending.stage(&now);
+    // A state directory is named after `--netns` (or "host" without it), not after the
+    // namespace the writer is in: a writer elsewhere that took this record for its own would
+    // confirm, replace (its timer then stands down) or drop a change it cannot see.
+    if matches!(stage, Stage::Awaiting(_) | Stage::Due)
+        && let Err(ChangeError::WrongNamespace {
+            current,
+            applied_in,
+        }) = check_namespace(&pending)
+        && netns_exists(applied_in)
+    {
+        return Err(ChangeError::PendingElsewhere {
+            generation: pending.generation,
+            dir: writer.state.path().to_path_buf(),
+            current,
+            applied_in,
+        });
+    }
+    let note = match stage {
         Stage::Awaiting(_) => return Ok(PendingNote::Awaiting(pending)),
         Stage::Reverted => PendingNote::Reverted(pending),
         Stage::OtherBoot => PendingNote::Dropped(
@@ -775,20 +807,51 @@ impl RevertOutcome {
     }
 }
 
-/// The deadline came: reverts the change unless it was confirmed meanwhile, and marks the
-/// record reverted.
+/// What a revert timer did at its deadline, and whether the record had been rewritten since
+/// it armed.
+#[derive(Debug)]
+pub struct TimerRevert {
+    pub outcome: RevertOutcome,
+    /// How the record on disk differed from what the timer armed with (its revert target,
+    /// deadline, boot or namespace): changed beside egress-fence, so not obeyed.
+    pub altered: Option<String>,
+}
+
+/// The deadline came: reverts the change that `armed` (the record as the timer read it when
+/// it armed) guards, unless it was confirmed or replaced meanwhile, and marks the record
+/// reverted. The record on disk decides only whether the change still awaits confirmation
+/// (its token); what to revert to is what the timer armed with. No egress-fence writer
+/// changes a record's target or deadline once armed, so a record that says otherwise was
+/// rewritten beside it, and a rewritten target could name any table (one that lets every
+/// host out, described as "the table as it was before the change").
 pub fn revert(
     nft: &mut impl Table,
     writer: &Writer<'_>,
-    token: &str,
-) -> Result<RevertOutcome, ChangeError> {
-    let Some(mut pending) = writer
-        .state
-        .pending()?
-        .filter(|p| p.token == token && p.reverted.is_none())
-    else {
-        return Ok(RevertOutcome::StoodDown);
+    armed: &PendingConfirm,
+) -> Result<TimerRevert, ChangeError> {
+    // A record that cannot be read is no confirmation (as while the timer waited): what it
+    // armed with decides, and is written back.
+    let (found, unreadable) = match writer.state.pending() {
+        Ok(found) => (found, None),
+        Err(e @ StateError::CorruptPending { .. }) => {
+            (Some(armed.clone()), Some(format!("it was unreadable: {e}")))
+        }
+        Err(e) => return Err(e.into()),
     };
+    let Some(found) = found.filter(|p| p.token == armed.token && p.reverted.is_none()) else {
+        return Ok(TimerRevert {
+            outcome: RevertOutcome::StoodDown,
+            altered: None,
+        });
+    };
+    // `apply` names the systemd unit after the timer armed: that field may differ.
+    let mut pending = PendingConfirm {
+        timer_unit: found.timer_unit.clone(),
+        reverted: None,
+        ..armed.clone()
+    };
+    let altered =
+        unreadable.or_else(|| (found != pending).then(|| altered_fields(&found, &pending)));
     check_namespace(&pending)?;
     let outcome = carry_out(nft, writer, &pending, &Now::read())?;
     pending.reverted = Some(Reverted {
@@ -799,7 +862,37 @@ pub fn revert(
         },
     });
     writer.state.write_pending(writer.lock, &pending)?;
-    Ok(outcome)
+    Ok(TimerRevert { outcome, altered })
+}
+
+/// The fields in which `found` differs from `armed`, for the timer's log.
+fn altered_fields(found: &PendingConfirm, armed: &PendingConfirm) -> String {
+    let mut fields = Vec::new();
+    if found.generation != armed.generation {
+        fields.push("generation");
+    }
+    if found.revert_to != armed.revert_to {
+        fields.push("revert_to");
+    }
+    if found.revert_table != armed.revert_table {
+        fields.push("revert_table");
+    }
+    if found.deadline != armed.deadline || found.deadline_unix_ms != armed.deadline_unix_ms {
+        fields.push("deadline");
+    }
+    if found.boot_id != armed.boot_id
+        || found.armed_boot_ms != armed.armed_boot_ms
+        || found.deadline_boot_ms != armed.deadline_boot_ms
+    {
+        fields.push("boot clock");
+    }
+    if found.netns_inode != armed.netns_inode {
+        fields.push("netns_inode");
+    }
+    if found.format != armed.format {
+        fields.push("format");
+    }
+    fields.join(", ")
 }
 
 /// Puts back what `pending` reverts to.
@@ -911,8 +1004,8 @@ mod tests {
     use crate::nft::live::ReadRule;
     use crate::nft::table::memory::MemoryTable;
 
-    const A: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n";
-    const B: &str = "version: 1\nallow:\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndns:\n  resolvers: [192.0.2.53]\n";
+    const A: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53, \"2001:db8::53\"]\n";
+    const B: &str = "version: 1\nallow:\n  - cidr: 203.0.113.0/28\n    ports: [22]\ndns:\n  resolvers: [192.0.2.53, \"2001:db8::53\"]\n";
 
     struct Fixture {
         _dir: tempfile::TempDir,
@@ -1132,7 +1225,10 @@ mod tests {
         apply(&mut table, &f.writer(), planned(A), None).expect("applied");
         apply(&mut table, &f.writer(), planned(B), None).expect("applied");
         let p = pending(&f, 2, Some(1));
-        match revert(&mut table, &f.writer(), &p.token).expect("reverted") {
+        match revert(&mut table, &f.writer(), &p)
+            .expect("reverted")
+            .outcome
+        {
             RevertOutcome::Reinstated {
                 source, recorded, ..
             } => assert_eq!((source, recorded), (1, 3)),
@@ -1145,9 +1241,76 @@ mod tests {
         assert!(matches!(confirm_pending(&f), ConfirmOutcome::TooLate(_)));
         // The record is gone: a second timer stands down.
         assert!(matches!(
-            revert(&mut table, &f.writer(), &p.token).expect("stood down"),
+            revert(&mut table, &f.writer(), &p)
+                .expect("stood down")
+                .outcome,
             RevertOutcome::StoodDown
         ));
+    }
+
+    #[test]
+    fn revert_obeys_what_the_timer_armed_with_not_a_record_rewritten_since() {
+        let f = fixture();
+        let mut table = MemoryTable::new();
+        apply(&mut table, &f.writer(), planned(A), None).expect("applied");
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let armed = pending(&f, 2, Some(1));
+        // `apply` names the unit after the timer armed: no alteration.
+        let named = PendingConfirm {
+            timer_unit: Some("egress-fence-revert-x".into()),
+            ..armed.clone()
+        };
+        f.state.write_pending(&f.lock, &named).expect("written");
+        // Rewritten beside egress-fence: another target, and a deadline a year away.
+        let mut rewritten = named.clone();
+        rewritten.revert_to = None;
+        rewritten.revert_table = Some(planned(B).ruleset);
+        rewritten.deadline_boot_ms += 365 * 86_400_000;
+        f.state.write_pending(&f.lock, &rewritten).expect("written");
+        let done = revert(&mut table, &f.writer(), &armed).expect("reverted");
+        assert_eq!(
+            done.altered.as_deref(),
+            Some("revert_to, revert_table, boot clock")
+        );
+        assert!(matches!(
+            done.outcome,
+            RevertOutcome::Reinstated { source: 1, .. }
+        ));
+        assert_eq!(table.table, Some(planned(A).ruleset));
+        let marked = f.state.pending().unwrap().expect("kept for a late confirm");
+        assert_eq!(marked.revert_to, Some(1), "the record says what was done");
+        assert_eq!(marked.timer_unit, named.timer_unit);
+
+        // Only the unit's name differs: nothing altered.
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let armed = pending(&f, 5, Some(1));
+        f.state
+            .write_pending(
+                &f.lock,
+                &PendingConfirm {
+                    timer_unit: Some("u".into()),
+                    ..armed.clone()
+                },
+            )
+            .expect("written");
+        let done = revert(&mut table, &f.writer(), &armed).expect("reverted");
+        assert_eq!(done.altered, None);
+
+        // Unreadable: no confirmation; reverted, and the record written back whole.
+        apply(&mut table, &f.writer(), planned(B), None).expect("applied");
+        let armed = pending(&f, 8, Some(1));
+        std::fs::write(f.state.path().join("pending-confirm.json"), "{").expect("torn");
+        let done = revert(&mut table, &f.writer(), &armed).expect("reverted");
+        assert!(
+            done.altered
+                .as_deref()
+                .is_some_and(|a| a.contains("unreadable")),
+            "{done:?}"
+        );
+        assert_eq!(table.table, Some(planned(A).ruleset));
+        let marked = f.state.pending().unwrap().expect("written back");
+        assert_eq!(marked.token, armed.token);
+        assert!(marked.reverted.is_some());
     }
 
     #[test]
@@ -1156,13 +1319,21 @@ mod tests {
         let mut table = MemoryTable::new();
         apply(&mut table, &f.writer(), planned(A), None).expect("applied");
         let p = pending(&f, 1, None);
+        let other = PendingConfirm {
+            token: "another token".into(),
+            ..p.clone()
+        };
         assert!(matches!(
-            revert(&mut table, &f.writer(), "another token").expect("stood down"),
+            revert(&mut table, &f.writer(), &other)
+                .expect("stood down")
+                .outcome,
             RevertOutcome::StoodDown
         ));
         assert!(table.table.is_some());
         assert!(matches!(
-            revert(&mut table, &f.writer(), &p.token).expect("reverted"),
+            revert(&mut table, &f.writer(), &p)
+                .expect("reverted")
+                .outcome,
             RevertOutcome::Deleted
         ));
         assert_eq!(table.table, None);
@@ -1322,7 +1493,10 @@ mod tests {
         assert_eq!(aged(recorded, Duration::ZERO), planned(B).ruleset);
         assert!(armed.revert_target().contains("live before it"));
         assert_eq!(table.table, Some(planned(A).ruleset));
-        match revert(&mut table, &f.writer(), &armed.token).expect("reverted") {
+        match revert(&mut table, &f.writer(), &armed)
+            .expect("reverted")
+            .outcome
+        {
             RevertOutcome::Restored { diff } => assert!(!diff.is_empty()),
             other => panic!("{other:?}"),
         }

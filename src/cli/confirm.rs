@@ -1,6 +1,6 @@
 //! `confirm`: keep the change applied with `apply --confirm-within`.
 
-use egress_fence::change::{self, ConfirmOutcome, Writer};
+use egress_fence::change::{self, ConfirmOutcome, PendingNote, Writer};
 use egress_fence::nft::Nft;
 
 use super::args::{LockArgs, NamespaceArg, StateArgs};
@@ -32,6 +32,15 @@ pub fn run(
         ConfirmOutcome::NothingPending => {
             println!("nothing awaits confirmation");
             Ok(0)
+        }
+        // Void before its deadline, maybe (a restart, a namespace that is gone): not "too
+        // late", but nothing to confirm either.
+        ConfirmOutcome::TooLate(note @ PendingNote::Dropped(..)) => {
+            eprintln!(
+                "egress-fence: nothing to confirm: {}",
+                note.describe(&state).unwrap_or_default()
+            );
+            Ok(EXIT_FAILURE)
         }
         ConfirmOutcome::TooLate(note) => {
             eprintln!(

@@ -94,8 +94,17 @@ fn wait_and_revert(state: &StateDir, token: &str, writer: &WriterArgs) -> Result
         lock: &lock,
         keep: writer.keep,
     };
-    let outcome = change::revert(&mut Nft::open()?, &writer_ctx, token)?;
+    let change::TimerRevert { outcome, altered } =
+        change::revert(&mut Nft::open()?, &writer_ctx, &pending)?;
     let generation = pending.generation;
+    if let Some(fields) = altered {
+        warn!(
+            generation,
+            "the pending record was changed after it was armed ({fields}), not by egress-fence: \
+             reverting to what it was armed with, {}",
+            pending.revert_target()
+        );
+    }
     match &outcome {
         RevertOutcome::StoodDown => {
             info!(

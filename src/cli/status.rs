@@ -15,8 +15,22 @@ use super::output::join_display;
 pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<u8, Failure> {
     let state = state_dir(target, state_args)?;
     enter(target, None)?;
-    let pending = state.pending().ok().flatten();
-    let pending_json = pending_json(&state, pending.as_ref());
+    // An unreadable record is said, never taken for none: writers refuse until it is removed.
+    let (pending, pending_error) = match state.pending() {
+        Ok(pending) => (pending, None),
+        Err(e) => (
+            None,
+            Some(format!(
+                "cannot read the pending confirmation: {e}; a living revert timer still \
+                 reverts at its deadline, and egress-fence apply, rollback and confirm refuse \
+                 until the file is removed"
+            )),
+        ),
+    };
+    let mut pending_json = pending_json(&state, pending.as_ref());
+    if let Some(e) = &pending_error {
+        pending_json = serde_json::json!({ "error": e });
+    }
     let Some(live) = Nft::open()?.read_table()? else {
         if json {
             println!(
@@ -27,6 +41,9 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
             println!("table inet {TABLE} is not installed");
             if let Some(p) = &pending {
                 println!("{}", state.describe_pending(p));
+            }
+            if let Some(e) = &pending_error {
+                println!("{e}");
             }
         }
         return Ok(EXIT_NOT_INSTALLED);
@@ -73,6 +90,9 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
         print_drift(&drift, &state, &unexplained);
         if let Some(p) = &pending {
             println!("{}", state.describe_pending(p));
+        }
+        if let Some(e) = &pending_error {
+            println!("{e}");
         }
     }
     Ok(0)

@@ -39,6 +39,8 @@ pub enum NotPlanned {
     Sets { found: String, planned: String },
     #[error("its set {set} is not what its policy plans ({detail})")]
     Set { set: String, detail: String },
+    #[error("its resolution asked {resolver}, which is not one of the resolvers its policy names")]
+    Resolver { resolver: std::net::IpAddr },
 }
 
 /// Checks that `recorded` is what `policy` plans with `resolution` (see the module's text for
@@ -48,6 +50,15 @@ pub fn check_replanned(
     resolution: &Resolution,
     recorded: &Ruleset,
 ) -> Result<(), NotPlanned> {
+    let named = match (&policy.dns.guard, &policy.dns.resolvers) {
+        (Some(guard), _) => Some(&guard.upstream),
+        (None, named) => named.as_ref(),
+    };
+    if let Some(named) = named
+        && let Some(&resolver) = resolution.resolvers.iter().find(|r| !named.contains(r))
+    {
+        return Err(NotPlanned::Resolver { resolver });
+    }
     let planned = plan(policy, resolution);
     compare_rules("output", &recorded.output, &planned.output)?;
     compare_rules("refused", &recorded.refused, &planned.refused)?;
@@ -150,7 +161,7 @@ mod tests {
     use crate::core::ruleset::{Family, SetId};
 
     const TIGHT: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n\
-                         dns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n";
+                         dns:\n  resolvers: [192.0.2.53, \"2001:db8::53\"]\nlog:\n  group: 100\n";
 
     fn policy(text: &str) -> Policy {
         Policy::parse(text, Path::new("/etc/egress-fence/policy.yaml")).expect("valid")
@@ -196,10 +207,19 @@ mod tests {
             "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n\
              dns:\n  mode: guard\n  upstream: [192.0.2.53]\n",
         );
+        // What apply records in guard mode: the upstream resolvers, this process's uid.
         let mut with_uid = resolution(&[]);
+        with_uid.resolvers = vec!["192.0.2.53".parse().unwrap()];
         with_uid.guard_uid = Some(993);
         let rs = plan(&guarded, &with_uid);
         assert_eq!(check_replanned(&guarded, &with_uid, &rs), Ok(()));
+        // An upstream resolver its policy does not name.
+        let mut wider = with_uid.clone();
+        wider.resolvers.push("198.51.100.53".parse().unwrap());
+        assert!(matches!(
+            check_replanned(&guarded, &wider, &plan(&guarded, &wider)),
+            Err(NotPlanned::Resolver { .. })
+        ));
         let mut other_uid = with_uid.clone();
         other_uid.guard_uid = Some(0);
         assert!(matches!(
@@ -215,7 +235,7 @@ mod tests {
     fn an_open_ruleset_under_a_tight_policy_is_refused() {
         let open = policy(
             "version: 1\nallow:\n  - cidr: 0.0.0.0/0\n  - cidr: ::/0\n\
-             dns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n",
+             dns:\n  resolvers: [192.0.2.53, \"2001:db8::53\"]\nlog:\n  group: 100\n",
         );
         let (tight, r) = (policy(TIGHT), resolved());
         let err = check_replanned(&tight, &r, &plan(&open, &r)).unwrap_err();
@@ -242,6 +262,26 @@ mod tests {
         assert!(
             matches!(&err, NotPlanned::Set { set, .. } if set == "dns4"),
             "{err}"
+        );
+        // The resolution forged along with the ruleset: a resolver the policy does not name.
+        let err = check_replanned(&p, &other_resolvers, &plan(&p, &other_resolvers)).unwrap_err();
+        assert_eq!(
+            err,
+            NotPlanned::Resolver {
+                resolver: "198.51.100.53".parse().unwrap()
+            }
+        );
+        // Fewer than it names (none found yet): narrower, accepted.
+        let mut none = r.clone();
+        none.resolvers.clear();
+        assert_eq!(check_replanned(&p, &none, &plan(&p, &none)), Ok(()));
+        // A policy that names none: resolv.conf's, taken as recorded.
+        let system = policy(
+            "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\nlog:\n  group: 100\n",
+        );
+        assert_eq!(
+            check_replanned(&system, &other_resolvers, &plan(&system, &other_resolvers)),
+            Ok(())
         );
 
         let mut no_sets = plan(&p, &r);

@@ -42,6 +42,27 @@ pub fn current_netns_inode() -> Result<u64, StateError> {
     Ok(fs::metadata(path).map_err(io_error("read", path))?.ino())
 }
 
+/// Whether the network namespace with inode `inode` still exists, as far as this process can
+/// see: a name in /run/netns holds it, or a process is in it. A namespace no one holds is
+/// gone, and its table with it.
+pub fn netns_exists(inode: u64) -> bool {
+    let is_it = |path: &Path| fs::metadata(path).is_ok_and(|m| m.ino() == inode);
+    let named = fs::read_dir("/run/netns")
+        .map(|names| names.flatten().any(|e| is_it(&e.path())))
+        .unwrap_or(false);
+    named
+        || fs::read_dir("/proc")
+            .map(|procs| {
+                procs.flatten().any(|e| {
+                    e.file_name()
+                        .to_str()
+                        .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                        && is_it(&e.path().join("ns/net"))
+                })
+            })
+            .unwrap_or(false)
+}
+
 /// One namespace's directory of generations, lock and pending confirmation.
 #[derive(Debug, Clone)]
 pub struct StateDir {
@@ -185,6 +206,12 @@ mod tests {
     use crate::state::lock::LOCK_FILE;
     use crate::state::test_support::*;
     use crate::state::*;
+
+    #[test]
+    fn this_processs_namespace_exists_and_a_made_up_one_does_not() {
+        assert!(netns_exists(current_netns_inode().expect("a namespace")));
+        assert!(!netns_exists(1));
+    }
 
     #[test]
     fn namespace_directories_are_named_after_the_namespace() {

@@ -44,6 +44,7 @@ mod timer;
 
 pub use dir::{
     CRASH_BEFORE_RENAME_ENV, REVERT_TIMER_LOG, StateDir, current_netns_inode, namespace_dir_name,
+    netns_exists,
 };
 pub use error::StateError;
 pub use generations::{

@@ -242,12 +242,13 @@ impl PendingConfirm {
                 clock_utc(self.deadline()),
                 self.seconds_left(now)
             ),
-            (Stage::Awaiting(_), TimerLife::Gone) => format!(
+            (Stage::Awaiting(_), TimerLife::Gone | TimerLife::Stopped) => format!(
                 "generation {generation} awaits confirmation until {} (in {} s), but the revert \
-                 timer{unit} is gone: unless `egress-fence confirm` runs before, the next \
+                 timer{unit} {}: unless `egress-fence confirm` runs before, the next \
                  egress-fence apply, rollback or confirm after the deadline reverts it to {}",
                 clock_utc(self.deadline()),
                 self.seconds_left(now),
+                timer_not_running(timer),
                 self.revert_target()
             ),
             (Stage::Due, TimerLife::Alive) => format!(
@@ -256,14 +257,23 @@ impl PendingConfirm {
                 self.deadline,
                 self.revert_target()
             ),
-            (Stage::Due, TimerLife::Gone) => format!(
-                "generation {generation} was not confirmed by {} and the revert timer{unit} is \
-                 gone; the revert is overdue: the next egress-fence apply, rollback or confirm \
+            (Stage::Due, TimerLife::Gone | TimerLife::Stopped) => format!(
+                "generation {generation} was not confirmed by {} and the revert timer{unit} {}; \
+                 the revert is overdue: the next egress-fence apply, rollback or confirm \
                  reverts it to {}",
                 self.deadline,
+                timer_not_running(timer),
                 self.revert_target()
             ),
         }
+    }
+}
+
+/// "is gone", "is stopped (...)": a timer that will not revert by itself.
+fn timer_not_running(timer: TimerLife) -> &'static str {
+    match timer {
+        TimerLife::Stopped => "is stopped (it reverts nothing unless it is resumed)",
+        TimerLife::Alive | TimerLife::Gone => "is gone",
     }
 }
 
@@ -415,6 +425,11 @@ mod tests {
             "{overdue}"
         );
         assert!(!overdue.contains("in 0 s"), "{overdue}");
+        let stopped = p.describe(&due, TimerLife::Stopped);
+        assert!(
+            stopped.contains("the revert timer is stopped") && stopped.contains("overdue"),
+            "{stopped}"
+        );
         let mut reverted = p.clone();
         reverted.reverted = Some(Reverted {
             time: "1970-01-12T13:47:41Z".into(),

@@ -37,7 +37,21 @@ impl TimerRecord {
 
     /// Whether the process it names is still this timer (alive, not a zombie, same start).
     pub fn is_alive(&self) -> bool {
-        process_start_ticks(self.pid) == Some(self.start_ticks)
+        self.life() == TimerLife::Alive
+    }
+
+    /// Whether the process it names is still this timer, and whether it runs.
+    pub fn life(&self) -> TimerLife {
+        match process_run_state(self.pid) {
+            Some((ticks, stopped)) if ticks == self.start_ticks => {
+                if stopped {
+                    TimerLife::Stopped
+                } else {
+                    TimerLife::Alive
+                }
+            }
+            _ => TimerLife::Gone,
+        }
     }
 }
 
@@ -45,20 +59,29 @@ impl TimerRecord {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TimerLife {
     Alive,
+    /// Stopped (SIGSTOP, or held by a tracer): it lives, but acts no more until resumed, so
+    /// it is no timer anyone can count on; the first writer after the deadline reverts.
+    Stopped,
     /// Killed, died with its session or cgroup, or never started.
     Gone,
 }
 
 /// The start time of a living process (`None` for no such process, or a zombie).
 pub fn process_start_ticks(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    start_ticks_of_stat(&stat)
+    process_run_state(pid).map(|(ticks, _)| ticks)
 }
 
-/// Field 22 (starttime) of a `/proc/PID/stat` line, unless the process is dead (a zombie `Z`
-/// or `X`). The command name (field 2) is in parentheses and may hold spaces and `)`, so the
-/// fields are counted after its last `)`.
-pub fn start_ticks_of_stat(stat: &str) -> Option<u64> {
+/// The start time of a living process, and whether it is stopped.
+fn process_run_state(pid: u32) -> Option<(u64, bool)> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    run_state_of_stat(&stat)
+}
+
+/// Field 22 (starttime) of a `/proc/PID/stat` line, and whether the process is stopped (`T`)
+/// or stopped by a tracer (`t`); `None` if it is dead (a zombie `Z` or `X`). The command name
+/// (field 2) is in parentheses and may hold spaces and `)`, so the fields are counted after
+/// its last `)`.
+fn run_state_of_stat(stat: &str) -> Option<(u64, bool)> {
     let after_name = &stat[stat.rfind(')')? + 1..];
     let mut fields = after_name.split_whitespace();
     // Field 3 is the state; starttime is field 22, 19 fields later.
@@ -66,7 +89,8 @@ pub fn start_ticks_of_stat(stat: &str) -> Option<u64> {
     if state == "Z" || state == "X" {
         return None;
     }
-    fields.nth(18)?.parse().ok()
+    let ticks = fields.nth(18)?.parse().ok()?;
+    Some((ticks, state == "T" || state == "t"))
 }
 
 /// A token names a file: only what `PendingConfirm::new` makes (digits and dashes) is taken.
@@ -107,12 +131,10 @@ impl StateDir {
             .filter(|r| r.token == token)
     }
 
-    /// Whether the timer for `token` lives.
+    /// Whether the timer for `token` lives (and runs).
     pub fn timer_life(&self, token: &str) -> TimerLife {
-        match self.timer_record(token) {
-            Some(r) if r.is_alive() => TimerLife::Alive,
-            _ => TimerLife::Gone,
-        }
+        self.timer_record(token)
+            .map_or(TimerLife::Gone, |r| r.life())
     }
 
     /// Removes the record of the timer for `token` (it stood down, reverted, or is gone).
@@ -138,11 +160,15 @@ mod tests {
     fn the_start_time_is_read_after_the_command_name() {
         let stat = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 \
                     987654 1000 100";
-        assert_eq!(start_ticks_of_stat(stat), Some(987654));
+        assert_eq!(run_state_of_stat(stat), Some((987654, false)));
         let zombie = stat.replace(")) S ", ")) Z ");
-        assert_eq!(start_ticks_of_stat(&zombie), None);
-        assert_eq!(start_ticks_of_stat("4242 (short) S 1 2"), None);
-        assert_eq!(start_ticks_of_stat("garbage"), None);
+        assert_eq!(run_state_of_stat(&zombie), None);
+        for stopped in [")) T ", ")) t "] {
+            let stopped = stat.replace(")) S ", stopped);
+            assert_eq!(run_state_of_stat(&stopped), Some((987654, true)));
+        }
+        assert_eq!(run_state_of_stat("4242 (short) S 1 2"), None);
+        assert_eq!(run_state_of_stat("garbage"), None);
     }
 
     #[test]

@@ -277,3 +277,56 @@ fn generations_the_guard_records_load_and_roll_back() {
     assert!(!open_to_other_hosts(&w), "the guard's table is back");
     assert!(w.resolved_element(HOST_V4, 443).is_some());
 }
+
+/// The resolution forged along with the ruleset: a generation of the tight policy's text
+/// whose recorded resolution asked one more resolver, so that its planned DNS sets let every
+/// process out to that address on port 53. It re-planned to itself, so it was listed under
+/// the tight policy, rolled back to and reported in sync; a resolver the policy text does not
+/// name makes it CORRUPT.
+#[test]
+fn a_generation_with_a_resolver_its_policy_does_not_name_is_corrupt() {
+    let w = World::new();
+    let allow = "version: 1\nallow:\n  - cidr: 192.0.2.10/32\n    ports: [443]\n";
+    let tight = w.write_file(
+        "tight.yaml",
+        &format!("{allow}dns:\n  resolvers: [192.0.2.53]\n"),
+    );
+    let wider = w.write_file(
+        "wider.yaml",
+        &format!("{allow}dns:\n  resolvers: [192.0.2.53, {OTHER_V4}]\n"),
+    );
+    ok(&w, &["apply", p(&tight)]);
+    ok(&w, &["apply", p(&wider)]);
+    ok(&w, &["apply", p(&tight)]);
+    let _dns = w.listen_tcp(OTHER_V4, 53);
+    assert!(!w.tcp_connects(OTHER_V4, 53), "premise: the tight policy");
+
+    // Generation 2's ruleset and resolution under generation 1's policy text.
+    let mut forged = read_generation(&w, 2);
+    let text = read_generation(&w, 1);
+    for field in ["policy_text", "policy_path"] {
+        forged[field] = text[field].clone();
+    }
+    forged["generation"] = 4.into();
+    write_generation(&w, 4, &forged);
+
+    let listed = history(&w);
+    let why = listed[3]
+        .1
+        .as_deref()
+        .unwrap_or_else(|| panic!("generation 4 is listed under the tight policy: {listed:?}"));
+    assert!(
+        why.contains(&format!(
+            "its resolution asked {OTHER_V4}, which is not one of the resolvers its policy names"
+        )),
+        "{why}"
+    );
+    let out = w.egress_fence(&["rollback", "--to", "4"]);
+    assert_eq!(out.code(), 1, "{out}");
+    assert!(
+        !w.tcp_connects(OTHER_V4, 53),
+        "the rollback let DNS out to a resolver the policy does not name"
+    );
+    // Generation 2 itself names that resolver in its text: honest, and it loads.
+    assert!(listed[1].1.is_none(), "{listed:?}");
+}

@@ -17,3 +17,4 @@ mod raw_frames;
 mod readback;
 mod readback_attack;
 mod repair;
+mod revert_attack;
