@@ -39,23 +39,9 @@ fn world() -> (World, PathBuf, PathBuf) {
     (w, a, b)
 }
 
-fn p(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
-
-fn ok(w: &World, args: &[&str]) -> CmdOutput {
-    let out = w.egress_fence(args);
-    assert!(out.success(), "egress-fence {args:?}: {out}");
-    out
-}
-
-fn json(out: &CmdOutput) -> Value {
-    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
-}
-
 /// Whether the live table is what applying `policy` now would install (`diff` exits 0).
 fn live_is(w: &World, policy: &Path) -> bool {
-    let out = w.egress_fence(&["diff", p(policy)]);
+    let out = w.egress_fence(&["diff", path_arg(policy)]);
     assert!(matches!(out.code(), 0 | 1), "diff failed: {out}");
     out.code() == 0
 }
@@ -63,7 +49,7 @@ fn live_is(w: &World, policy: &Path) -> bool {
 /// (number, command, source generation) of every generation, from `history --json`; panics
 /// on a corrupt one.
 fn generations(w: &World) -> Vec<(u64, String, Option<u64>)> {
-    let history = json(&ok(w, &["history", "--json"]));
+    let history = stdout_json(&egress_fence_ok(w, &["history", "--json"]));
     history["generations"]
         .as_array()
         .expect("a list of generations")
@@ -81,29 +67,6 @@ fn generations(w: &World) -> Vec<(u64, String, Option<u64>)> {
 
 fn gen_apply(n: u64) -> (u64, String, Option<u64>) {
     (n, "apply".into(), None)
-}
-
-fn revert_timer_log(w: &World) -> String {
-    fs::read_to_string(w.sandbox_state_dir().join("revert-timer.log")).unwrap_or_default()
-}
-
-/// The revert timers guarding this world's sandbox (their command lines name it).
-fn revert_timers(w: &World) -> Vec<u32> {
-    let mut pids = Vec::new();
-    for entry in fs::read_dir("/proc").expect("list /proc").flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmdline
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if args.iter().any(|a| a == "revert-timer") && args.iter().any(|a| a == w.sandbox_name()) {
-            pids.push(pid);
-        }
-    }
-    pids
 }
 
 /// Session id and controlling terminal of `pid`, from /proc/PID/stat.
@@ -138,12 +101,12 @@ fn rollback_reinstates_the_previous_generation_exactly_and_to_picks_an_older_one
     let _b = w.listen_tcp(HOST2_V4, 443);
     let _c = w.listen_tcp(HOST3_V4, 443);
 
-    let out = ok(&w, &["apply", p(&a)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&a)]);
     assert!(out.stdout.contains("(generation 1)"), "{out}");
     let table_a = normalized_ruleset(w.nft_json());
     assert!(w.tcp_connects(HOST_V4, 443) && !w.tcp_connects(HOST2_V4, 443));
 
-    let out = ok(&w, &["apply", p(&b)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b)]);
     assert!(out.stdout.contains("(generation 2)"), "{out}");
     let table_b = normalized_ruleset(w.nft_json());
     assert!(!w.tcp_connects(HOST_V4, 443) && w.tcp_connects(HOST2_V4, 443));
@@ -151,7 +114,7 @@ fn rollback_reinstates_the_previous_generation_exactly_and_to_picks_an_older_one
     // A's name moves meanwhile: a rollback reinstates what A's generation installed, not a
     // new resolution of it.
     w.dns_set("a.example.com", &[HOST3_V4], DEFAULT_DNS_TTL);
-    let out = ok(&w, &["rollback"]);
+    let out = egress_fence_ok(&w, &["rollback"]);
     assert!(
         out.stdout
             .contains("rolled back to generation 1, recorded as generation 3"),
@@ -170,14 +133,14 @@ fn rollback_reinstates_the_previous_generation_exactly_and_to_picks_an_older_one
     assert!(!w.tcp_connects(HOST3_V4, 443), "nor A's new answer");
 
     // --to picks an older generation.
-    let out = ok(&w, &["rollback", "--to", "2"]);
+    let out = egress_fence_ok(&w, &["rollback", "--to", "2"]);
     assert!(out.stdout.contains("rolled back to generation 2"), "{out}");
     assert_eq!(normalized_ruleset(w.nft_json()), table_b);
     assert!(!w.tcp_connects(HOST_V4, 443) && w.tcp_connects(HOST2_V4, 443));
 
     // A plain rollback undoes the last change, a rollback included.
-    let out = ok(&w, &["rollback", "--json"]);
-    let out = json(&out);
+    let out = egress_fence_ok(&w, &["rollback", "--json"]);
+    let out = stdout_json(&out);
     assert_eq!(out["reinstated"], 3);
     assert_eq!(out["generation"], 5);
     assert_eq!(out["changed"], true);
@@ -193,10 +156,10 @@ fn rollback_reinstates_the_previous_generation_exactly_and_to_picks_an_older_one
             (5, "rollback".into(), Some(3)),
         ]
     );
-    let history = ok(&w, &["history"]).stdout;
+    let history = egress_fence_ok(&w, &["history"]).stdout;
     assert!(history.contains("rollback to 1"), "{history}");
     assert!(
-        history.contains(p(&a)) && history.contains(p(&b)),
+        history.contains(path_arg(&a)) && history.contains(path_arg(&b)),
         "{history}"
     );
 
@@ -214,7 +177,7 @@ fn rollback_reinstates_the_previous_generation_exactly_and_to_picks_an_older_one
 fn diff_shows_the_change_with_honest_exit_codes_and_apply_is_idempotent() {
     let (w, a, b) = world();
 
-    let out = w.egress_fence(&["diff", p(&a)]);
+    let out = w.egress_fence(&["diff", path_arg(&a)]);
     assert_eq!(
         out.code(),
         1,
@@ -226,13 +189,13 @@ fn diff_shows_the_change_with_honest_exit_codes_and_apply_is_idempotent() {
         "{out}"
     );
 
-    ok(&w, &["apply", p(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
     let handle = w.table_handle();
-    let out = w.egress_fence(&["diff", p(&a)]);
+    let out = w.egress_fence(&["diff", path_arg(&a)]);
     assert_eq!(out.code(), 0, "{out}");
     assert!(out.stdout.contains("no changes"), "{out}");
 
-    let out = w.egress_fence(&["diff", p(&b)]);
+    let out = w.egress_fence(&["diff", path_arg(&b)]);
     assert_eq!(out.code(), 1, "{out}");
     assert!(
         out.stdout.contains(
@@ -240,9 +203,9 @@ fn diff_shows_the_change_with_honest_exit_codes_and_apply_is_idempotent() {
         ),
         "{out}"
     );
-    let out = w.egress_fence(&["diff", p(&b), "--json"]);
+    let out = w.egress_fence(&["diff", path_arg(&b), "--json"]);
     assert_eq!(out.code(), 1, "{out}");
-    let v = json(&out);
+    let v = stdout_json(&out);
     assert_eq!(v["changed"], true);
     assert_eq!(v["differences"]["sets"][0]["name"], "resolved4");
     assert_eq!(
@@ -253,9 +216,9 @@ fn diff_shows_the_change_with_honest_exit_codes_and_apply_is_idempotent() {
     assert_eq!(w.table_handle(), handle, "diff changes nothing");
 
     // Applying what is already live sends nothing and records nothing.
-    let out = ok(&w, &["apply", p(&a)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&a)]);
     assert!(out.stdout.contains("unchanged"), "{out}");
-    let v = json(&ok(&w, &["apply", p(&a), "--json"]));
+    let v = stdout_json(&egress_fence_ok(&w, &["apply", path_arg(&a), "--json"]));
     assert_eq!(v["changed"], false);
     assert_eq!(v["generation"], 1);
     assert_eq!(v["recorded"], Value::Null);
@@ -266,7 +229,7 @@ fn diff_shows_the_change_with_honest_exit_codes_and_apply_is_idempotent() {
     );
     assert_eq!(generations(&w), vec![gen_apply(1)]);
 
-    let v = json(&ok(&w, &["apply", p(&b), "--json"]));
+    let v = stdout_json(&egress_fence_ok(&w, &["apply", path_arg(&b), "--json"]));
     assert_eq!(v["changed"], true);
     assert_eq!(v["generation"], 2);
     assert_eq!(
@@ -277,10 +240,10 @@ fn diff_shows_the_change_with_honest_exit_codes_and_apply_is_idempotent() {
     // An invalid policy is 2, as everywhere; a comparison that could not run is 6, never
     // "changed".
     let bad = w.write_file("bad.yaml", "version: 1\nallow: [\n");
-    assert_eq!(w.egress_fence(&["diff", p(&bad)]).code(), 2);
+    assert_eq!(w.egress_fence(&["diff", path_arg(&bad)]).code(), 2);
     let missing_ns = format!("{}-no-such-namespace", w.sandbox_name());
     let out = Command::new(EGRESS_FENCE_BIN)
-        .args(["diff", p(&a), "--netns", &missing_ns])
+        .args(["diff", path_arg(&a), "--netns", &missing_ns])
         .env(STATE_DIR_ENV, w.state_dir())
         .output()
         .expect("run egress-fence");
@@ -296,8 +259,8 @@ fn diff_shows_the_change_with_honest_exit_codes_and_apply_is_idempotent() {
 fn a_hand_edit_is_reported_by_status_and_undone_by_apply() {
     let (w, a, _) = world();
     let _ssh = w.listen_tcp(OTHER_V4, 22);
-    ok(&w, &["apply", p(&a)]);
-    let out = ok(&w, &["status"]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         out.stdout.contains("in sync with generation 1 (apply at "),
         "{out}"
@@ -316,14 +279,14 @@ fn a_hand_edit_is_reported_by_status_and_undone_by_apply() {
     assert!(edit.success(), "{edit}");
     assert!(w.tcp_connects(OTHER_V4, 22), "the hand edit opened a hole");
 
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(out.stdout.contains("DRIFT from generation 1"), "{out}");
     assert!(
         out.stdout
             .contains("set allow4: +0 -1 elements\n    - 203.0.113.10 . tcp . 22"),
         "{out}"
     );
-    let v = json(&ok(&w, &["status", "--json"]));
+    let v = stdout_json(&egress_fence_ok(&w, &["status", "--json"]));
     assert_eq!(v["drift"], true);
     assert_eq!(v["generation"]["generation"], 1);
     assert_eq!(
@@ -331,12 +294,15 @@ fn a_hand_edit_is_reported_by_status_and_undone_by_apply() {
         "203.0.113.10 . tcp . 22"
     );
 
-    let out = ok(&w, &["apply", p(&a)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&a)]);
     assert!(out.stdout.contains("set allow4: +0 -1 elements"), "{out}");
     assert!(!w.tcp_connects(OTHER_V4, 22), "apply closed the hole");
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(out.stdout.contains("in sync with generation 2"), "{out}");
-    assert_eq!(json(&ok(&w, &["status", "--json"]))["drift"], false);
+    assert_eq!(
+        stdout_json(&egress_fence_ok(&w, &["status", "--json"]))["drift"],
+        false
+    );
 }
 
 #[test]
@@ -344,9 +310,9 @@ fn an_unconfirmed_change_reverts_by_itself_and_a_confirmed_one_stays() {
     let (w, a, b) = world();
     let _a = w.listen_tcp(HOST_V4, 443);
     let _b = w.listen_tcp(HOST2_V4, 443);
-    ok(&w, &["apply", p(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
 
-    let out = ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "2s"]);
     assert!(
         out.stdout
             .contains("generation 2 reverts to generation 1 at "),
@@ -391,7 +357,7 @@ fn an_unconfirmed_change_reverts_by_itself_and_a_confirmed_one_stays() {
     assert!(late.stderr.contains("too late"), "{late}");
 
     // Nothing to change, nothing to confirm.
-    let out = ok(&w, &["apply", p(&a), "--confirm-within", "2s"]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&a), "--confirm-within", "2s"]);
     assert!(
         out.stdout.contains("unchanged") && out.stdout.contains("nothing awaits confirmation"),
         "{out}"
@@ -399,12 +365,12 @@ fn an_unconfirmed_change_reverts_by_itself_and_a_confirmed_one_stays() {
     assert!(revert_timers(&w).is_empty());
 
     // Confirmed in time: it stays.
-    let out = ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "2s"]);
     assert!(
         out.stdout.contains("generation 4 reverts to generation 3"),
         "{out}"
     );
-    let out = ok(&w, &["confirm"]);
+    let out = egress_fence_ok(&w, &["confirm"]);
     assert!(out.stdout.contains("confirmed generation 4"), "{out}");
     assert!(
         within(Duration::from_secs(3), || revert_timers(&w).is_empty()),
@@ -413,7 +379,7 @@ fn an_unconfirmed_change_reverts_by_itself_and_a_confirmed_one_stays() {
     thread::sleep(Duration::from_millis(2500));
     assert!(live_is(&w, &b), "a confirmed change must stay");
     assert_eq!(generations(&w).len(), 4, "no revert after the confirmation");
-    let out = ok(&w, &["confirm"]);
+    let out = egress_fence_ok(&w, &["confirm"]);
     assert!(out.stdout.contains("nothing awaits confirmation"), "{out}");
 }
 
@@ -422,15 +388,15 @@ fn pending_changes_revert_to_the_last_confirmed_generation() {
     let (w, a, b) = world();
     w.dns_set("c.example.com", &[HOST3_V4], DEFAULT_DNS_TTL);
     let c = w.write_file("c.yaml", &policy("c.example.com"));
-    ok(&w, &["apply", p(&a)]);
-    let out = ok(&w, &["apply", p(&b), "--confirm-within", "30s"]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "30s"]);
     assert!(
         out.stdout.contains("generation 2 reverts to generation 1"),
         "{out}"
     );
     // Generation 2 was never confirmed: a second change reverts to 1, not to 2, and the
     // first timer stands down.
-    let out = ok(&w, &["apply", p(&c), "--confirm-within", "2s"]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&c), "--confirm-within", "2s"]);
     assert!(
         out.stdout.contains("generation 3 reverts to generation 1"),
         "{out}"
@@ -441,7 +407,7 @@ fn pending_changes_revert_to_the_last_confirmed_generation() {
         revert_timers(&w)
     );
     // A plain apply meanwhile is told that the pending revert undoes it too.
-    let out = ok(&w, &["apply", p(&b)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b)]);
     assert!(
         out.stderr
             .contains("warning: generation 3 awaits confirmation: it reverts to generation 1"),
@@ -459,11 +425,11 @@ fn pending_changes_revert_to_the_last_confirmed_generation() {
 #[test]
 fn an_unconfirmed_change_reverts_even_when_apply_is_killed_right_after_applying() {
     let (w, a, b) = world();
-    ok(&w, &["apply", p(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
     // The fault injection kills `apply` (SIGKILL) once the kernel has B and while it writes
     // generation 2: after the timer is armed and the table applied, before anything else.
     let out = w.egress_fence_with_env(
-        &["apply", p(&b), "--confirm-within", "2s"],
+        &["apply", path_arg(&b), "--confirm-within", "2s"],
         &[("EGRESS_FENCE_TEST_CRASH_BEFORE_RENAME", "1")],
     );
     assert_eq!(out.code(), 128 + 9, "apply should have been killed: {out}");
@@ -484,7 +450,7 @@ fn an_unconfirmed_change_reverts_even_when_apply_is_killed_right_after_applying(
 #[test]
 fn without_an_earlier_generation_the_revert_deletes_the_table() {
     let (w, a, _) = world();
-    let out = ok(&w, &["apply", p(&a), "--confirm-within", "2s"]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&a), "--confirm-within", "2s"]);
     assert!(
         out.stdout.contains("replaced no table") && out.stdout.contains("DELETED"),
         "{out}"
@@ -497,7 +463,7 @@ fn without_an_earlier_generation_the_revert_deletes_the_table() {
         "the table was not deleted:\n{}",
         revert_timer_log(&w)
     );
-    let out = ok(&w, &["history"]);
+    let out = egress_fence_ok(&w, &["history"]);
     assert!(
         out.stdout.contains("generation 1 was not confirmed by")
             && out.stdout.contains("the table was deleted"),
@@ -534,12 +500,12 @@ fn kill_revert_timer(w: &World) {
 #[test]
 fn a_killed_revert_timer_is_reported_and_the_next_command_carries_out_its_revert() {
     let (w, a, b) = world();
-    ok(&w, &["apply", p(&a)]);
-    ok(&w, &["apply", p(&b), "--confirm-within", "3s"]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "3s"]);
     kill_revert_timer(&w);
 
     // Before the deadline: said, and when the revert will happen after all.
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         out.stdout
             .contains("generation 2 awaits confirmation until")
@@ -547,14 +513,14 @@ fn a_killed_revert_timer_is_reported_and_the_next_command_carries_out_its_revert
         "{out}"
     );
     thread::sleep(Duration::from_millis(3500));
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         out.stdout
             .contains("the revert timer is gone; the revert is overdue"),
         "{out}"
     );
     assert!(!out.stdout.contains("in 0 s"), "{out}");
-    let status = json(&ok(&w, &["status", "--json"]));
+    let status = stdout_json(&egress_fence_ok(&w, &["status", "--json"]));
     let pending = &status["pending_confirmation"];
     assert_eq!(pending["revert_timer_alive"], false, "{status}");
     assert_eq!(pending["revert_overdue"], true, "{status}");
@@ -573,14 +539,14 @@ fn a_killed_revert_timer_is_reported_and_the_next_command_carries_out_its_revert
         generations(&w),
         vec![gen_apply(1), gen_apply(2), (3, "revert".into(), Some(1))]
     );
-    let out = ok(&w, &["confirm"]);
+    let out = egress_fence_ok(&w, &["confirm"]);
     assert!(out.stdout.contains("nothing awaits confirmation"), "{out}");
 
     // The next apply carries it out just the same, says so, then applies.
-    ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+    egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "2s"]);
     kill_revert_timer(&w);
     thread::sleep(Duration::from_millis(2500));
-    let out = ok(&w, &["apply", p(&b)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b)]);
     assert!(
         out.stderr
             .contains("warning: generation 4 was not confirmed by")
@@ -605,8 +571,8 @@ fn a_killed_revert_timer_is_reported_and_the_next_command_carries_out_its_revert
 #[test]
 fn a_wall_clock_step_does_not_drop_a_pending_revert() {
     let (w, a, b) = world();
-    ok(&w, &["apply", p(&a)]);
-    ok(&w, &["apply", p(&b), "--confirm-within", "60s"]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "60s"]);
     let path = w.sandbox_state_dir().join("pending-confirm.json");
     let mut record: Value =
         serde_json::from_str(&fs::read_to_string(&path).expect("the record")).expect("JSON");
@@ -618,19 +584,19 @@ fn a_wall_clock_step_does_not_drop_a_pending_revert() {
     fs::write(&stepped, record.to_string()).expect("write");
     fs::rename(&stepped, &path).expect("rename");
 
-    let out = ok(&w, &["apply", p(&a)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&a)]);
     assert!(
         out.stderr
             .contains("warning: generation 2 awaits confirmation: it reverts to generation 1"),
         "{out}"
     );
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         out.stdout.contains("generation 2 awaits confirmation"),
         "{out}"
     );
     assert!(path.exists(), "the pending revert was dropped");
-    let out = ok(&w, &["confirm"]);
+    let out = egress_fence_ok(&w, &["confirm"]);
     assert!(out.stdout.contains("confirmed generation 2"), "{out}");
     assert!(
         within(Duration::from_secs(3), || revert_timers(&w).is_empty()),
@@ -644,8 +610,11 @@ fn a_wall_clock_step_does_not_drop_a_pending_revert() {
 fn a_revert_puts_back_a_table_it_did_not_make() {
     let (w, a, b) = world();
     let elsewhere = w.dir().join("elsewhere");
-    ok(&w, &["apply", p(&a), "--state-dir", p(&elsewhere)]);
-    let out = ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+    egress_fence_ok(
+        &w,
+        &["apply", path_arg(&a), "--state-dir", path_arg(&elsewhere)],
+    );
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "2s"]);
     assert!(
         out.stdout.contains(
             "generation 1 reverts to the table inet egress_fence that was live before it"
@@ -687,8 +656,8 @@ fn concurrent_writers_are_serialised_by_the_lock() {
     let mut held = Flock::lock(file, FlockArg::LockExclusive).expect("take the lock");
     write!(held, "{} test", std::process::id()).expect("name the holder");
 
-    let mut first = w.spawn_egress_fence(&["apply", p(&a)]);
-    let mut second = w.spawn_egress_fence(&["apply", p(&b)]);
+    let mut first = w.spawn_egress_fence(&["apply", path_arg(&a)]);
+    let mut second = w.spawn_egress_fence(&["apply", path_arg(&b)]);
     let waiting = format!(
         "waiting for the lock held by pid {} (test)",
         std::process::id()
@@ -735,7 +704,7 @@ fn concurrent_writers_are_serialised_by_the_lock() {
 fn the_service_holds_the_lock_and_a_dead_holders_lock_is_taken_over() {
     let (w, a, b) = world();
     let service = w.write_file("service.yaml", &policy("a.example.com"));
-    let mut daemon = w.spawn_egress_fence(&["run", p(&service)]);
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&service)]);
     assert!(
         daemon.wait_for_output("recorded generation 1", Duration::from_secs(10)),
         "{}",
@@ -747,7 +716,7 @@ fn the_service_holds_the_lock_and_a_dead_holders_lock_is_taken_over() {
         daemon.stderr()
     );
     // The daemon's resolved sets are its business: its refreshes are no drift.
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         out.stdout.contains("in sync with generation 1 (run at "),
         "{out}"
@@ -763,7 +732,7 @@ fn the_service_holds_the_lock_and_a_dead_holders_lock_is_taken_over() {
     );
 
     let started = Instant::now();
-    let out = w.egress_fence(&["apply", p(&a), "--lock-timeout", "1s"]);
+    let out = w.egress_fence(&["apply", path_arg(&a), "--lock-timeout", "1s"]);
     assert_eq!(out.code(), 1, "{out}");
     let holder = format!("waiting for the lock held by pid {} (run)", daemon.pid());
     assert!(out.stderr.contains(&holder), "{out}");
@@ -778,7 +747,7 @@ fn the_service_holds_the_lock_and_a_dead_holders_lock_is_taken_over() {
     daemon.signal(Signal::SIGKILL);
     assert!(daemon.wait_timeout(Duration::from_secs(5)).is_some());
     let started = Instant::now();
-    let out = ok(&w, &["apply", p(&a)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&a)]);
     assert!(!out.stderr.contains("waiting"), "{out}");
     assert!(started.elapsed() < Duration::from_secs(10));
     assert_eq!(
@@ -794,9 +763,9 @@ fn the_service_holds_the_lock_and_a_dead_holders_lock_is_taken_over() {
 #[test]
 fn the_state_directory_survives_a_crash_between_write_and_rename() {
     let (w, a, b) = world();
-    ok(&w, &["apply", p(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
     let out = w.egress_fence_with_env(
-        &["apply", p(&b)],
+        &["apply", path_arg(&b)],
         &[("EGRESS_FENCE_TEST_CRASH_BEFORE_RENAME", "1")],
     );
     assert_eq!(out.code(), 128 + 9, "apply should have been killed: {out}");
@@ -808,13 +777,13 @@ fn the_state_directory_survives_a_crash_between_write_and_rename() {
 
     // The record is whole: generation 1, and no trace of a torn generation 2.
     assert_eq!(generations(&w), vec![gen_apply(1)]);
-    let history = ok(&w, &["history"]).stdout;
+    let history = egress_fence_ok(&w, &["history"]).stdout;
     assert!(!history.contains("CORRUPT"), "{history}");
     // The kernel got B before the crash: status says so instead of trusting the record.
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(out.stdout.contains("DRIFT from generation 1"), "{out}");
 
-    let out = ok(&w, &["apply", p(&b)]);
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b)]);
     assert!(
         out.stdout.contains("unchanged") && out.stdout.contains("recorded as generation 2"),
         "{out}"
@@ -822,7 +791,7 @@ fn the_state_directory_survives_a_crash_between_write_and_rename() {
     assert!(leftovers(&w).is_empty(), "{:?}", leftovers(&w));
     assert_eq!(generations(&w), vec![gen_apply(1), gen_apply(2)]);
     assert!(
-        ok(&w, &["status"])
+        egress_fence_ok(&w, &["status"])
             .stdout
             .contains("in sync with generation 2")
     );
@@ -832,16 +801,16 @@ fn the_state_directory_survives_a_crash_between_write_and_rename() {
 fn a_corrupt_generation_is_reported_and_never_used() {
     let (w, a, b) = world();
     for policy in [&a, &b, &a] {
-        ok(&w, &["apply", p(policy)]);
+        egress_fence_ok(&w, &["apply", path_arg(policy)]);
     }
     let second = w.sandbox_state_dir().join("gen-000002.json");
     let text = fs::read_to_string(&second).expect("read generation 2");
     fs::write(&second, &text[..text.len() / 2]).expect("tear generation 2");
 
-    let history = ok(&w, &["history"]).stdout;
+    let history = egress_fence_ok(&w, &["history"]).stdout;
     let listed = format!("     2  CORRUPT: {}:", second.display());
     assert!(history.contains(&listed), "{history}");
-    let v = json(&ok(&w, &["history", "--json"]));
+    let v = stdout_json(&egress_fence_ok(&w, &["history", "--json"]));
     assert!(v["generations"][1]["corrupt"].is_string(), "{v}");
     assert_eq!(v["generations"][2]["generation"], 3);
 
@@ -857,7 +826,7 @@ fn a_corrupt_generation_is_reported_and_never_used() {
         );
         assert!(live_is(&w, &a), "a refused rollback changed the table");
     }
-    let out = ok(&w, &["rollback", "--to", "1"]);
+    let out = egress_fence_ok(&w, &["rollback", "--to", "1"]);
     assert!(
         out.stdout.contains(
             "the table already matched generation 1; recorded the rollback as generation 4"
@@ -867,7 +836,7 @@ fn a_corrupt_generation_is_reported_and_never_used() {
 
     // A corrupt newest generation: status says it cannot tell drift.
     fs::write(w.sandbox_state_dir().join("gen-000004.json"), "{}").expect("corrupt 4");
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         out.stdout.contains("cannot check for drift: generation 4"),
         "{out}"

@@ -1,6 +1,7 @@
 //! Running the egress-fence binary against the sandbox (to completion or in the background),
 //! and the systemd notify socket it reports readiness to.
 
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -117,4 +118,55 @@ impl World {
             .envs(env.iter().copied());
         self.spawn_background(cmd, format!("egress-fence {}", args.join(" ")))
     }
+}
+
+/// `path` as a command-line argument.
+pub fn path_arg(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+/// Runs egress-fence in the sandbox and asserts that it succeeded.
+pub fn egress_fence_ok(w: &World, args: &[&str]) -> CmdOutput {
+    let out = w.egress_fence(args);
+    assert!(out.success(), "egress-fence {args:?}: {out}");
+    out
+}
+
+/// The JSON a command printed.
+pub fn stdout_json(out: &CmdOutput) -> serde_json::Value {
+    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
+/// What the revert timers of this world's sandbox logged.
+pub fn revert_timer_log(w: &World) -> String {
+    std::fs::read_to_string(w.sandbox_state_dir().join("revert-timer.log")).unwrap_or_default()
+}
+
+/// The revert timers guarding this world's sandbox (their command lines name it).
+pub fn revert_timers(w: &World) -> Vec<u32> {
+    revert_timers_naming(w.sandbox_name())
+}
+
+/// The revert timers started with the state directory `dir` (their command lines name it).
+pub fn revert_timers_of(dir: &Path) -> Vec<u32> {
+    revert_timers_naming(&dir.to_string_lossy())
+}
+
+/// The revert-timer processes with `arg` among their arguments.
+fn revert_timers_naming(arg: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("list /proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.iter().any(|a| a == "revert-timer") && args.iter().any(|a| a == arg) {
+            pids.push(pid);
+        }
+    }
+    pids
 }

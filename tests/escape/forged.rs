@@ -5,7 +5,6 @@
 //! record (timed and carried elements included) still load and roll back.
 
 use std::fs;
-use std::path::Path;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -17,16 +16,6 @@ const TIGHT: &str = "version: 1\nallow:\n  - domain: a.example.com\n    ports: [
                      dns:\n  resolvers: [192.0.2.53]\n";
 const OPEN: &str = "version: 1\nallow:\n  - cidr: 0.0.0.0/0\n    protocol: any\n\
                     dns:\n  resolvers: [192.0.2.53]\n";
-
-fn p(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
-
-fn ok(w: &World, args: &[&str]) -> CmdOutput {
-    let out = w.egress_fence(args);
-    assert!(out.success(), "egress-fence {args:?}: {out}");
-    out
-}
 
 fn read_generation(w: &World, n: u64) -> Value {
     let path = w.sandbox_state_dir().join(format!("gen-{n:06}.json"));
@@ -55,7 +44,7 @@ fn forge(w: &World, open: u64, tight: u64, n: u64) -> Value {
 
 /// The (number, corrupt reason) of every generation `history --json` lists.
 fn history(w: &World) -> Vec<(u64, Option<String>)> {
-    let out = ok(w, &["history", "--json"]);
+    let out = egress_fence_ok(w, &["history", "--json"]);
     let v: Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out}"));
     v["generations"]
         .as_array()
@@ -83,7 +72,7 @@ fn a_forged_generation_is_corrupt_and_never_rolled_back_to() {
     let tight = w.write_file("tight.yaml", TIGHT);
     let open = w.write_file("open.yaml", OPEN);
     for policy in [&tight, &open, &tight] {
-        ok(&w, &["apply", p(policy)]);
+        egress_fence_ok(&w, &["apply", path_arg(policy)]);
     }
     assert!(
         !open_to_other_hosts(&w),
@@ -110,7 +99,7 @@ fn a_forged_generation_is_corrupt_and_never_rolled_back_to() {
             && why.contains("allow4"),
         "{why}"
     );
-    let text = ok(&w, &["history"]).stdout;
+    let text = egress_fence_ok(&w, &["history"]).stdout;
     let line = format!(
         "     2  CORRUPT: {}:",
         w.sandbox_state_dir().join("gen-000002.json").display()
@@ -133,22 +122,22 @@ fn a_forged_generation_is_corrupt_and_never_rolled_back_to() {
 
     // As the newest generation, over the open table: `status` trusts nothing, and a plain
     // `rollback` goes past it only to an honest generation.
-    ok(&w, &["apply", p(&open)]);
+    egress_fence_ok(&w, &["apply", path_arg(&open)]);
     assert!(open_to_other_hosts(&w), "the open policy is installed");
     let forged = forge(&w, 4, 1, 4);
     assert_eq!(forged["policy_text"], TIGHT);
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         !out.stdout.contains("in sync") && out.stdout.contains("cannot check for drift"),
         "{out}"
     );
-    let out = ok(&w, &["rollback"]);
+    let out = egress_fence_ok(&w, &["rollback"]);
     assert!(out.stdout.contains("generation 3"), "{out}");
     assert!(
         !open_to_other_hosts(&w),
         "the rollback reinstated the tight policy"
     );
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(out.stdout.contains("in sync with generation 5"), "{out}");
 }
 
@@ -159,7 +148,7 @@ fn generations_run_records_load_and_roll_back() {
     let tight = w.write_file("tight.yaml", TIGHT);
     let open = w.write_file("open.yaml", OPEN);
 
-    let mut daemon = w.spawn_egress_fence(&["run", p(&tight)]);
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&tight)]);
     for line in ["recorded generation 1", "new addresses allowed"] {
         assert!(
             daemon.wait_for_output(line, Duration::from_secs(10)),
@@ -178,7 +167,7 @@ fn generations_run_records_load_and_roll_back() {
     // without being in its resolution.
     daemon.signal(Signal::SIGKILL);
     assert!(daemon.wait_timeout(Duration::from_secs(5)).is_some());
-    let mut daemon = w.spawn_egress_fence(&["run", p(&tight)]);
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&tight)]);
     assert!(
         daemon.wait_for_output("recorded generation 3", Duration::from_secs(10)),
         "{}",
@@ -209,9 +198,9 @@ fn generations_run_records_load_and_roll_back() {
         history(&w)
     );
 
-    ok(&w, &["apply", p(&open)]);
+    egress_fence_ok(&w, &["apply", path_arg(&open)]);
     for n in [2, 3] {
-        let out = ok(&w, &["rollback", "--to", &n.to_string()]);
+        let out = egress_fence_ok(&w, &["rollback", "--to", &n.to_string()]);
         assert!(out.stdout.contains(&format!("generation {n}")), "{out}");
         assert!(!open_to_other_hosts(&w), "rollback to {n}");
         assert!(
@@ -219,7 +208,7 @@ fn generations_run_records_load_and_roll_back() {
                 .is_some_and(|e| e.timeout.is_some()),
             "rollback to {n} has a.example.com's element, with its timeout"
         );
-        ok(&w, &["apply", p(&open)]);
+        egress_fence_ok(&w, &["apply", path_arg(&open)]);
     }
     assert!(
         history(&w).iter().all(|(_, corrupt)| corrupt.is_none()),
@@ -243,7 +232,7 @@ fn generations_the_guard_records_load_and_roll_back() {
     );
     let open = w.write_file("open.yaml", OPEN);
     w.use_guard_resolver();
-    let mut daemon = w.spawn_guard(p(&guarded));
+    let mut daemon = w.spawn_guard(path_arg(&guarded));
     let dig = w.dig(Some(GUARD_V4), "x.pool.example", "A", false);
     assert_eq!(dig.status.as_deref(), Some("NOERROR"), "{}", dig.output);
     assert!(
@@ -271,8 +260,8 @@ fn generations_the_guard_records_load_and_roll_back() {
         history(&w)
     );
 
-    ok(&w, &["apply", p(&open)]);
-    let out = ok(&w, &["rollback", "--to", "2"]);
+    egress_fence_ok(&w, &["apply", path_arg(&open)]);
+    let out = egress_fence_ok(&w, &["rollback", "--to", "2"]);
     assert!(out.stdout.contains("generation 2"), "{out}");
     assert!(!open_to_other_hosts(&w), "the guard's table is back");
     assert!(w.resolved_element(HOST_V4, 443).is_some());
@@ -295,9 +284,9 @@ fn a_generation_with_a_resolver_its_policy_does_not_name_is_corrupt() {
         "wider.yaml",
         &format!("{allow}dns:\n  resolvers: [192.0.2.53, {OTHER_V4}]\n"),
     );
-    ok(&w, &["apply", p(&tight)]);
-    ok(&w, &["apply", p(&wider)]);
-    ok(&w, &["apply", p(&tight)]);
+    egress_fence_ok(&w, &["apply", path_arg(&tight)]);
+    egress_fence_ok(&w, &["apply", path_arg(&wider)]);
+    egress_fence_ok(&w, &["apply", path_arg(&tight)]);
     let _dns = w.listen_tcp(OTHER_V4, 53);
     assert!(!w.tcp_connects(OTHER_V4, 53), "premise: the tight policy");
 

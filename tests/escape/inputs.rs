@@ -6,14 +6,9 @@
 use std::fs;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-use std::path::Path;
 use std::process::Command;
 
 use crate::common::*;
-
-fn p(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
 
 /// A policy that needs no DNS answer: one network on TCP 443.
 fn cidr_policy(w: &World, file: &str, host: IpAddr) -> std::path::PathBuf {
@@ -78,7 +73,7 @@ fn apply_resolves_2000_names_under_ulimit_1024() {
     let mut cmd = Command::new("prlimit");
     cmd.args(["--nofile=1024:1024", "--", "timeout", "-k", "5", "120"])
         .arg(EGRESS_FENCE_BIN)
-        .args(["apply", p(&policy), "--netns", w.sandbox_name()])
+        .args(["apply", path_arg(&policy), "--netns", w.sandbox_name()])
         .env(STATE_DIR_ENV, w.state_dir());
     let out = output(cmd);
     assert!(out.success(), "apply under ulimit -n 1024: {out}");
@@ -114,7 +109,7 @@ fn a_symlinked_lock_is_refused_and_its_target_kept() {
     std::os::unix::fs::symlink(&victim, dir.join("lock")).expect("plant the link");
     let policy = cidr_policy(&w, "p.yaml", HOST_V4);
 
-    let out = w.egress_fence(&["apply", p(&policy)]);
+    let out = w.egress_fence(&["apply", path_arg(&policy)]);
     assert!(!out.success(), "apply followed the link: {out}");
     assert!(
         out.stderr.contains(&format!("{}/lock", dir.display()))
@@ -134,7 +129,7 @@ fn a_symlinked_lock_is_refused_and_its_target_kept() {
 fn a_fifo_named_like_a_generation_hangs_nothing() {
     let w = World::new();
     let first = cidr_policy(&w, "a.yaml", HOST_V4);
-    let out = w.egress_fence(&["apply", p(&first)]);
+    let out = w.egress_fence(&["apply", path_arg(&first)]);
     assert!(out.success(), "{out}");
     let fifo = w.sandbox_state_dir().join("gen-000002.json");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).expect("mkfifo");
@@ -148,7 +143,7 @@ fn a_fifo_named_like_a_generation_hangs_nothing() {
     let status = w.egress_fence(&["status"]);
     assert_ne!(status.code(), 124, "status hung on the FIFO");
     let second = cidr_policy(&w, "b.yaml", HOST2_V4);
-    let apply = w.egress_fence(&["apply", p(&second)]);
+    let apply = w.egress_fence(&["apply", path_arg(&second)]);
     assert_ne!(apply.code(), 124, "apply hung on the FIFO");
     assert!(apply.success(), "{apply}");
 }
@@ -159,7 +154,7 @@ fn a_fifo_named_like_a_generation_hangs_nothing() {
 fn the_last_generation_number_does_not_wrap() {
     let w = World::new();
     let first = cidr_policy(&w, "a.yaml", HOST_V4);
-    let out = w.egress_fence(&["apply", p(&first)]);
+    let out = w.egress_fence(&["apply", path_arg(&first)]);
     assert!(out.success(), "{out}");
     let dir = w.sandbox_state_dir();
     fs::copy(
@@ -170,7 +165,7 @@ fn the_last_generation_number_does_not_wrap() {
     let before = w.nft_json();
 
     let second = cidr_policy(&w, "b.yaml", HOST2_V4);
-    let out = w.egress_fence(&["apply", p(&second)]);
+    let out = w.egress_fence(&["apply", path_arg(&second)]);
     assert!(!out.success(), "{out}");
     assert!(out.stderr.contains("used up"), "{out}");
     assert!(!dir.join("gen-000000.json").exists(), "wrapped to 0");
@@ -190,7 +185,7 @@ fn a_state_directory_others_may_write_is_refused() {
     let dir = prepared_state_dir(&w);
     fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).expect("chmod");
     let policy = cidr_policy(&w, "p.yaml", HOST_V4);
-    for args in [vec!["history"], vec!["apply", p(&policy)]] {
+    for args in [vec!["history"], vec!["apply", path_arg(&policy)]] {
         let out = w.egress_fence(&args);
         assert!(!out.success(), "{args:?}: {out}");
         assert!(
@@ -219,7 +214,7 @@ fn check_warns_about_values_that_allow_everything_or_nothing_with_the_line() {
            listen: [\"127.0.0.53:0\"]\n",
     );
     let mut cmd = Command::new(EGRESS_FENCE_BIN);
-    cmd.args(["check", p(&policy)]);
+    cmd.args(["check", path_arg(&policy)]);
     let out = output(cmd);
     assert!(out.success(), "warnings are not errors: {out}");
     let path = policy.display();

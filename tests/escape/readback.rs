@@ -18,7 +18,7 @@ dns:
   resolvers: [192.0.2.53]
 "#;
 
-fn world() -> (World, String) {
+pub(crate) fn world() -> (World, String) {
     let w = World::new();
     w.dns_set("api.example.com", &[HOST_V4, HOST_V6], DEFAULT_DNS_TTL);
     let policy = w.write_file("policy.yaml", POLICY);
@@ -37,7 +37,7 @@ fn nft(w: &World, args: &[&str]) {
     assert!(out.success(), "nft {}: {out}", args.join(" "));
 }
 
-fn assert_in_sync(w: &World, policy: &str, after: &str) {
+pub(crate) fn assert_in_sync(w: &World, policy: &str, after: &str) {
     let status = w.egress_fence(&["status"]);
     assert!(status.success(), "{status}");
     assert!(

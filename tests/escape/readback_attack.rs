@@ -2,33 +2,10 @@
 //! table by root with `nft`, each either reported as drift and undone by one `apply`, or
 //! shown to leave the boundary as it was.
 
+use super::readback::{assert_in_sync, world};
 use crate::common::*;
 
-const POLICY: &str = r#"
-version: 1
-allow:
-  - domain: api.example.com
-    ports: [443]
-  - cidr: 198.51.100.0/24
-    ports: [22]
-deny:
-  - preset: cloud-metadata
-dns:
-  resolvers: [192.0.2.53]
-"#;
-
 const TABLE: &str = "inet egress_fence";
-
-fn world() -> (World, String) {
-    let w = World::new();
-    w.dns_set("api.example.com", &[HOST_V4, HOST_V6], DEFAULT_DNS_TTL);
-    let policy = w.write_file("policy.yaml", POLICY);
-    let policy = policy.to_str().expect("utf-8 path").to_owned();
-    let out = w.egress_fence(&["apply", &policy]);
-    assert_eq!(out.code(), 0, "the first apply: {out}");
-    assert_in_sync(&w, &policy, "the first apply");
-    (w, policy)
-}
 
 /// Runs an nft script in the sandbox; `Err` with nft's complaint if it refuses it.
 fn nft_script(w: &World, script: &str) -> Result<(), String> {
@@ -53,16 +30,6 @@ fn reloaded(w: &World, edit: impl Fn(&str) -> String) -> String {
     let edited = edit(&before);
     assert_ne!(edited, before, "the edit changed nothing");
     format!("delete table {TABLE}\n{edited}")
-}
-
-fn assert_in_sync(w: &World, policy: &str, after: &str) {
-    let status = w.egress_fence(&["status"]);
-    assert!(
-        status.success() && status.stdout.contains("in sync with generation"),
-        "status after {after}: {status}"
-    );
-    let diff = w.egress_fence(&["diff", policy]);
-    assert_eq!(diff.code(), 0, "diff after {after}: {diff}");
 }
 
 /// `status` reports drift naming `shown`, `diff` exits 1 naming it, and one `apply` sends the

@@ -30,47 +30,10 @@ fn policy(name: &str) -> String {
 const OPEN: &str = "version: 1\nallow:\n  - cidr: 0.0.0.0/0\n    protocol: any\n\
                     dns:\n  resolvers: [192.0.2.53]\n";
 
-fn p(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
-
-fn ok(w: &World, args: &[&str]) -> CmdOutput {
-    let out = w.egress_fence(args);
-    assert!(out.success(), "egress-fence {args:?}: {out}");
-    out
-}
-
-fn json(out: &CmdOutput) -> Value {
-    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
-}
-
 fn live_is(w: &World, policy: &Path) -> bool {
-    let out = w.egress_fence(&["diff", p(policy)]);
+    let out = w.egress_fence(&["diff", path_arg(policy)]);
     assert!(matches!(out.code(), 0 | 1), "diff failed: {out}");
     out.code() == 0
-}
-
-fn revert_timer_log(w: &World) -> String {
-    fs::read_to_string(w.sandbox_state_dir().join("revert-timer.log")).unwrap_or_default()
-}
-
-/// The revert timers guarding this world's sandbox (their command lines name it).
-fn revert_timers(w: &World) -> Vec<u32> {
-    let mut pids = Vec::new();
-    for entry in fs::read_dir("/proc").expect("list /proc").flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmdline
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if args.iter().any(|a| a == "revert-timer") && args.iter().any(|a| a == w.sandbox_name()) {
-            pids.push(pid);
-        }
-    }
-    pids
 }
 
 fn the_revert_timer(w: &World) -> u32 {
@@ -106,21 +69,22 @@ fn world() -> (World, std::path::PathBuf, std::path::PathBuf) {
 #[test]
 fn a_stopped_revert_timer_is_reported_and_its_revert_carried_out_by_the_next_writer() {
     let (w, a, b) = world();
-    ok(&w, &["apply", p(&a)]);
-    ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "2s"]);
     let timer = the_revert_timer(&w);
     signal(timer, Signal::SIGSTOP);
     thread::sleep(Duration::from_millis(2500));
     assert!(live_is(&w, &b), "a stopped timer reverted");
 
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         out.stdout.contains("the revert timer is stopped")
             && out.stdout.contains("the revert is overdue"),
         "{out}"
     );
     assert!(!out.stdout.contains("reverting it to"), "{out}");
-    let pending = json(&ok(&w, &["status", "--json"]))["pending_confirmation"].clone();
+    let pending =
+        stdout_json(&egress_fence_ok(&w, &["status", "--json"]))["pending_confirmation"].clone();
     assert_eq!(pending["revert_timer_alive"], false, "{pending}");
     assert_eq!(pending["revert_overdue"], true, "{pending}");
 
@@ -135,7 +99,7 @@ fn a_stopped_revert_timer_is_reported_and_its_revert_carried_out_by_the_next_wri
         "the resumed timer did not stand down"
     );
     assert!(live_is(&w, &a));
-    let history = json(&ok(&w, &["history", "--json"]));
+    let history = stdout_json(&egress_fence_ok(&w, &["history", "--json"]));
     assert_eq!(
         history["generations"].as_array().map(Vec::len),
         Some(3),
@@ -153,7 +117,10 @@ fn a_pending_record_rewritten_while_its_timer_waits_does_not_choose_the_revert()
     // material (any egress-fence ruleset would do).
     let open_dir = w.dir().join("open-state");
     let open = w.write_file("open.yaml", OPEN);
-    ok(&w, &["apply", p(&open), "--state-dir", p(&open_dir)]);
+    egress_fence_ok(
+        &w,
+        &["apply", path_arg(&open), "--state-dir", path_arg(&open_dir)],
+    );
     let open_ruleset: Value = serde_json::from_str(
         &fs::read_to_string(
             open_dir
@@ -165,8 +132,11 @@ fn a_pending_record_rewritten_while_its_timer_waits_does_not_choose_the_revert()
     .expect("JSON");
     // A's table from another state directory: the change reverts to it as recorded.
     let elsewhere = w.dir().join("elsewhere");
-    ok(&w, &["apply", p(&a), "--state-dir", p(&elsewhere)]);
-    let out = ok(&w, &["apply", p(&b), "--confirm-within", "3s"]);
+    egress_fence_ok(
+        &w,
+        &["apply", path_arg(&a), "--state-dir", path_arg(&elsewhere)],
+    );
+    let out = egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "3s"]);
     assert!(out.stdout.contains("live before it"), "{out}");
 
     let path = w.sandbox_state_dir().join("pending-confirm.json");
@@ -198,26 +168,6 @@ fn a_pending_record_rewritten_while_its_timer_waits_does_not_choose_the_revert()
     assert!(log.contains("changed after it was armed"), "{log}");
 }
 
-/// The revert timers started with the state directory `dir` (their command lines name it).
-fn revert_timers_of(dir: &Path) -> Vec<u32> {
-    let dir = dir.to_string_lossy().into_owned();
-    let mut pids = Vec::new();
-    for entry in fs::read_dir("/proc").expect("list /proc").flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmdline
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if args.iter().any(|a| a == "revert-timer") && args.contains(&dir) {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
 /// Without `--netns` the state directory is "host" whatever namespace the writer is in. A
 /// change armed there from one namespace (its timer gone) was dropped by a `confirm` run in
 /// another, "applied in network namespace N, which is gone", though that namespace and the
@@ -232,9 +182,9 @@ fn a_writer_in_another_namespace_neither_drops_nor_settles_a_pending_revert() {
     let b = w.write_file("b.yaml", &allow(HOST2_V4));
     // In the sandbox, without --netns: the state directory "host" of the world's.
     let in_sandbox = |args: &[&str]| w.sandbox_cmd(&[&[EGRESS_FENCE_BIN], args].concat());
-    let out = in_sandbox(&["apply", p(&a)]);
+    let out = in_sandbox(&["apply", path_arg(&a)]);
     assert!(out.success(), "{out}");
-    let out = in_sandbox(&["apply", p(&b), "--confirm-within", "2s"]);
+    let out = in_sandbox(&["apply", path_arg(&b), "--confirm-within", "2s"]);
     assert!(out.success(), "{out}");
     let timers = revert_timers_of(&w.state_dir());
     assert_eq!(timers.len(), 1, "{timers:?}");
@@ -245,7 +195,7 @@ fn a_writer_in_another_namespace_neither_drops_nor_settles_a_pending_revert() {
     assert!(pending.exists(), "premise: the revert is overdue");
     for args in [
         &["confirm"][..],
-        &["apply", p(&b), "--confirm-within", "60s"],
+        &["apply", path_arg(&b), "--confirm-within", "60s"],
     ] {
         let out = w.net_cmd(&[&[EGRESS_FENCE_BIN], args].concat());
         assert!(!out.success(), "{args:?} from another namespace: {out}");
@@ -261,7 +211,7 @@ fn a_writer_in_another_namespace_neither_drops_nor_settles_a_pending_revert() {
     let late = in_sandbox(&["confirm"]);
     assert_eq!(late.code(), 1, "{late}");
     assert!(late.stderr.contains("reverted it now"), "{late}");
-    let diff = in_sandbox(&["diff", p(&a)]);
+    let diff = in_sandbox(&["diff", path_arg(&a)]);
     assert_eq!(diff.code(), 0, "the sandbox is back to A: {diff}");
 }
 
@@ -272,18 +222,18 @@ fn a_writer_in_another_namespace_neither_drops_nor_settles_a_pending_revert() {
 #[test]
 fn a_corrupt_pending_record_is_said_and_its_timer_still_reverts() {
     let (w, a, b) = world();
-    ok(&w, &["apply", p(&a)]);
-    ok(&w, &["apply", p(&b), "--confirm-within", "3s"]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "3s"]);
     the_revert_timer(&w);
     fs::write(w.sandbox_state_dir().join("pending-confirm.json"), "{").expect("garble");
 
-    let out = ok(&w, &["status"]);
+    let out = egress_fence_ok(&w, &["status"]);
     assert!(
         out.stdout.contains("cannot read the pending confirmation")
             && out.stdout.contains("corrupt"),
         "{out}"
     );
-    let v = json(&ok(&w, &["status", "--json"]));
+    let v = stdout_json(&egress_fence_ok(&w, &["status", "--json"]));
     assert!(v["pending_confirmation"]["error"].is_string(), "{v}");
 
     assert!(
@@ -306,8 +256,8 @@ fn a_corrupt_pending_record_is_said_and_its_timer_still_reverts() {
 #[test]
 fn a_confirmation_of_another_boot_is_not_called_too_late() {
     let (w, a, b) = world();
-    ok(&w, &["apply", p(&a)]);
-    ok(&w, &["apply", p(&b), "--confirm-within", "60s"]);
+    egress_fence_ok(&w, &["apply", path_arg(&a)]);
+    egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "60s"]);
     signal(the_revert_timer(&w), Signal::SIGKILL);
     let path = w.sandbox_state_dir().join("pending-confirm.json");
     let mut record: Value =
@@ -331,9 +281,9 @@ fn a_confirmation_of_another_boot_is_not_called_too_late() {
 fn a_confirm_racing_the_deadline_is_either_kept_or_reverted() {
     let (w, a, b) = world();
     for offset_ms in [-150i64, -40, 0, 30, 120] {
-        ok(&w, &["apply", p(&a)]);
+        egress_fence_ok(&w, &["apply", path_arg(&a)]);
         let armed = std::time::Instant::now();
-        ok(&w, &["apply", p(&b), "--confirm-within", "2s"]);
+        egress_fence_ok(&w, &["apply", path_arg(&b), "--confirm-within", "2s"]);
         let at = Duration::from_millis((2000 + offset_ms) as u64);
         if let Some(wait) = at.checked_sub(armed.elapsed()) {
             thread::sleep(wait);
