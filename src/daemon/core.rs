@@ -103,6 +103,19 @@ pub enum Effect {
     Adopted,
 }
 
+/// Addresses that answers added, by name: said ("new addresses allowed") only once the table
+/// holds them, so that whoever reads the line can connect.
+#[must_use]
+pub struct NewAddresses(Vec<(DomainName, String)>);
+
+impl NewAddresses {
+    pub fn log(self) {
+        for (name, added) in self.0 {
+            info!(name = %name, added = %added, "new addresses allowed");
+        }
+    }
+}
+
 /// How many elements one upsert transaction carries at most. Each element is independent of
 /// the others (a renewal or an addition), so a refresh that renews more is sent as several
 /// transactions: the encoded batch, libnftnl's copy of the elements and the list they are
@@ -242,10 +255,12 @@ impl Core {
             }
             Event::NoResolvers => self.retry_lookups(now),
             Event::Answers(hosts) => {
-                self.take_answers(&hosts, now);
+                let added = self.take_answers(&hosts, now);
                 let answered: BTreeSet<DomainName> = hosts.into_iter().map(|h| h.name).collect();
                 // The cost follows the answers, not the size of the table.
-                self.install(table, &answered, now, Duration::ZERO, &mut fx);
+                if self.install(table, &answered, now, Duration::ZERO, &mut fx) {
+                    added.log();
+                }
             }
             Event::LookupFailed { error, task } => {
                 match task {
@@ -551,8 +566,10 @@ impl Core {
         }
     }
 
-    /// Records answers, logging what changed.
-    pub fn take_answers(&mut self, hosts: &[ResolvedHost], now: Instant) {
+    /// Records answers, logging what changed but the new addresses: those are said once the
+    /// table holds them ([`NewAddresses::log`]).
+    pub fn take_answers(&mut self, hosts: &[ResolvedHost], now: Instant) -> NewAddresses {
+        let mut new = NewAddresses(Vec::new());
         let life = Lifetimes::of(&self.policy.dns);
         self.last_refresh = Some(SystemTime::now());
         for host in hosts {
@@ -566,7 +583,7 @@ impl Core {
                       "lookup failed; the last good addresses stay until their grace ends");
             }
             if !added.is_empty() {
-                info!(name = %host.name, added = %summarise(&added), "new addresses allowed");
+                new.0.push((host.name.clone(), summarise(&added)));
             }
             // Once per lookup of the name, so at most once per `dns.refresh.min`.
             for d in &host.dropped {
@@ -581,6 +598,7 @@ impl Core {
         for w in denied_answers(&self.policy, hosts) {
             warn!("{w}");
         }
+        new
     }
 
     /// The live addresses as a resolution, for the generation record.

@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
-use super::core::{Core, Effect, Event, GuardAnswer};
+use super::core::{Core, Effect, Event, GuardAnswer, NewAddresses};
 use super::{DaemonError, Options, io};
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::lifetime::Lifetimes;
@@ -100,10 +100,11 @@ impl Daemon {
         // that nothing allowed goes missing for a moment. Without one (boot), the
         // deny-by-default skeleton goes up at once: it needs no DNS, and names follow as they
         // resolve.
+        let mut added = None;
         if daemon.nft.table_exists()? {
             match guard_mode {
                 true => daemon.core.carry_over(&mut daemon.nft, Instant::now()),
-                false => daemon.resolve_all().await,
+                false => added = daemon.resolve_all().await,
             }
         }
         // The first apply must work: a daemon that cannot install its boundary exits (run()
@@ -117,6 +118,9 @@ impl Daemon {
                 true => DaemonError::TableRefused(e),
                 false => DaemonError::Nft(e),
             })?;
+        if let Some(added) = added {
+            added.log();
+        }
         daemon.carry_out(effects, &mut BTreeMap::new());
         Ok(daemon)
     }
@@ -228,13 +232,16 @@ impl Daemon {
         }
     }
 
-    async fn resolve_all(&mut self) {
-        let Some(resolver) = self.resolver.clone() else {
-            return;
-        };
+    /// Looks every name up before the first apply; what the answers added is said once the
+    /// table holds it.
+    async fn resolve_all(&mut self) -> Option<NewAddresses> {
+        let resolver = self.resolver.clone()?;
         match resolver.lookup_all(self.core.names()).await {
-            Ok(hosts) => self.core.take_answers(&hosts, Instant::now()),
-            Err(e) => error!(error = %e, "resolver failure"),
+            Ok(hosts) => Some(self.core.take_answers(&hosts, Instant::now())),
+            Err(e) => {
+                error!(error = %e, "resolver failure");
+                None
+            }
         }
     }
 
