@@ -27,7 +27,7 @@ pub const GUARDED_DNS_PORTS: [u16; 2] = [DNS_PORT, DOT_PORT];
 
 /// The uid a guard-mode table names when none was given: no socket has it, so nothing
 /// reaches the upstream resolvers (fail closed).
-const NO_UID: u32 = u32::MAX;
+pub const NO_UID: u32 = u32::MAX;
 
 /// Builds the table for `policy` with the addresses of `resolution`, resolved elements
 /// without timeouts (nothing refreshes them).

@@ -6,6 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use ipnet::IpNet;
 
+use crate::core::guard_identity::GuardIdentity;
 use crate::core::plan::DNS_PORT;
 use crate::core::policy::{Allow, DenyOrigin, DomainName, L4Proto, Preset, ProbeHost, Target};
 use crate::core::ruleset::{Elements, Family, SetId, SetRole, TABLE, Tuple, fmt_tuple};
@@ -287,8 +288,14 @@ impl<'a> Plan<'a> {
         let TableView::Read(facts) = &self.options.table else {
             return;
         };
-        let planned =
-            crate::core::plan::plan_elements(self.policy, &self.options.resolvers, None, []);
+        // The sets' elements do not depend on the guard's uid, only on its mode and upstream.
+        let guard = GuardIdentity::of_policy(self.policy, crate::core::plan::NO_UID);
+        let planned = crate::core::plan::plan_elements(
+            self.policy,
+            &self.options.resolvers,
+            guard.as_ref(),
+            [],
+        );
         let planned_tuples = |role: SetRole| -> Vec<Tuple> {
             Family::BOTH
                 .into_iter()
