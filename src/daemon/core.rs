@@ -21,7 +21,7 @@ use tracing::{error, info, warn};
 use super::names::{
     AnswerChanges, Carried, Extended, MAX_FORMER_NAMES, MAX_LIVE_ADDRS_PER_NAME, MAX_LIVE_NAMES,
     MAX_RESOLVED_ELEMENTS, NameState, PRUNE_EVERY, Services, desired, forget_learned_names,
-    may_track, owners, services, table_elements, timed,
+    live_resolution, may_track, owners, services, table_elements, timed,
 };
 use crate::core::explain::WhyRefused;
 use crate::core::guard_identity::GuardIdentity;
@@ -603,24 +603,12 @@ impl Core {
 
     /// The live addresses as a resolution, for the generation record.
     fn resolution(&self, now: Instant) -> Resolution {
-        Resolution {
-            resolvers: self.resolvers.clone(),
-            hosts: self
-                .names
-                .iter()
-                .map(|(name, state)| ResolvedHost {
-                    name: name.clone(),
-                    addrs: state
-                        .live(now)
-                        .map(|(&addr, _)| ResolvedAddr { addr, ttl: 0 })
-                        .collect(),
-                    nxdomain: false,
-                    dropped: Vec::new(),
-                    errors: Vec::new(),
-                })
-                .collect(),
-            guard_uid: self.guard.as_ref().map(|g| g.uid),
-        }
+        live_resolution(
+            &self.names,
+            self.resolvers.clone(),
+            self.guard.as_ref().map(|g| g.uid),
+            now,
+        )
     }
 
     /// The table of the running configuration: the policy with the live addresses and what

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::core::lifetime::{Lifetimes, keep_longest, timeout_ms};
 use crate::core::plan::{resolved_tuple, services_of};
 use crate::core::policy::{DomainName, L4Proto, Policy};
-use crate::core::resolution::{ResolvedAddr, ResolvedHost};
+use crate::core::resolution::{Resolution, ResolvedAddr, ResolvedHost};
 use crate::core::ruleset::{Timed, Tuple};
 
 /// What the daemon knows of one name.
@@ -312,6 +312,33 @@ pub(super) fn timed(
         .collect()
 }
 
+/// The live addresses of `names` as a resolution: what a generation records of what the
+/// daemon holds (their lifetimes are in the ruleset's elements, so the TTL says nothing).
+pub(super) fn live_resolution(
+    names: &BTreeMap<DomainName, NameState>,
+    resolvers: Vec<IpAddr>,
+    guard_uid: Option<u32>,
+    now: Instant,
+) -> Resolution {
+    Resolution {
+        resolvers,
+        hosts: names
+            .iter()
+            .map(|(name, state)| ResolvedHost {
+                name: name.clone(),
+                addrs: state
+                    .live(now)
+                    .map(|(&addr, _)| ResolvedAddr { addr, ttl: 0 })
+                    .collect(),
+                nxdomain: false,
+                dropped: Vec::new(),
+                errors: Vec::new(),
+            })
+            .collect(),
+        guard_uid,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;
@@ -320,7 +347,6 @@ mod tests {
     use crate::core::lifetime::renewals;
     use crate::core::plan::plan_elements;
     use crate::core::policy::{L4Proto, PortRange};
-    use crate::core::resolution::Resolution;
 
     fn policy() -> Policy {
         Policy::parse(
@@ -541,23 +567,7 @@ mod tests {
             ("a.example".parse::<DomainName>().unwrap(), a),
             ("b.example".parse::<DomainName>().unwrap(), b),
         ]);
-        let resolution = Resolution {
-            resolvers: vec!["192.0.2.53".parse().unwrap()],
-            hosts: names
-                .iter()
-                .map(|(name, state)| ResolvedHost {
-                    name: name.clone(),
-                    addrs: state
-                        .live(now)
-                        .map(|(&addr, _)| ResolvedAddr { addr, ttl: 0 })
-                        .collect(),
-                    nxdomain: false,
-                    dropped: Vec::new(),
-                    errors: Vec::new(),
-                })
-                .collect(),
-            guard_uid: None,
-        };
+        let resolution = live_resolution(&names, vec!["192.0.2.53".parse().unwrap()], None, now);
         let before = crate::core::plan::plan_with(&p, &resolution, |name, addr| {
             let expires = names.get(name)?.addrs.get(&addr)?;
             Some(
