@@ -226,23 +226,29 @@ pub fn apply(
 /// edited, or the policy names other resolvers), so this process's own questions to the
 /// resolvers may have been dropped by it. `apply` then installs the plan as it is (only what
 /// the new policy allows, with the names that did resolve), which lets it ask again.
-pub fn may_have_blocked_resolution(planned: &Planned, live: Option<&LiveTable>) -> bool {
+///
+/// The table is read only when a name did not resolve: a whole read of a large table is not
+/// paid on every `apply`.
+pub fn may_have_blocked_resolution(
+    planned: &Planned,
+    nft: &mut impl Table,
+) -> Result<bool, NftError> {
     if planned.resolution.unresolved().next().is_none() {
-        return false;
+        return Ok(false);
     }
-    let Some(live) = live else {
+    let Some(live) = nft.read_table()? else {
         // No table of ours: nothing of ours refused the questions.
-        return false;
+        return Ok(false);
     };
     let options = CompareOptions {
         ignore_resolved_contents: true,
     };
-    let diff = compare(&planned.ruleset, Some(live), options);
-    !diff.chains.is_empty()
+    let diff = compare(&planned.ruleset, Some(&live), options);
+    Ok(!diff.chains.is_empty()
         || diff.sets.iter().any(|s| {
             SetId::from_name(&s.name).is_none_or(|id| id.role == SetRole::Dns)
                 && (s.presence != Presence::Both || s.definition.is_some() || !s.added.is_empty())
-        })
+        }))
 }
 
 /// What a writer found of an earlier confirm-or-revert.
@@ -1714,22 +1720,24 @@ mod tests {
     #[test]
     fn a_blocking_table_is_suspected_only_when_names_failed_and_the_dns_sets_differ() {
         let mut p = planned(A);
-        let live = crate::nft::table::memory::live_of(&p.ruleset);
+        let mut same = MemoryTable::holding(p.ruleset.clone());
+        // Every name resolved: the table is not even read.
+        same.fail_reads = true;
         assert!(
-            !may_have_blocked_resolution(&p, Some(&live)),
+            !may_have_blocked_resolution(&p, &mut same).unwrap(),
             "all resolved"
         );
+        same.fail_reads = false;
         p.resolution = resolution(&[("a.example", &[])]);
-        assert!(!may_have_blocked_resolution(&p, None), "no table of ours");
-        assert!(
-            !may_have_blocked_resolution(&p, Some(&live)),
-            "same DNS sets"
-        );
+        let blocked = |table: &mut MemoryTable| may_have_blocked_resolution(&p, table).unwrap();
+        assert!(!blocked(&mut MemoryTable::new()), "no table of ours");
+        assert!(!blocked(&mut same), "same DNS sets");
         // The live table lets other resolvers through than the plan's.
         let policy = Policy::parse(A, Path::new("p.yaml")).expect("valid");
         let mut elsewhere = resolution(&[]);
         elsewhere.resolvers = vec!["192.0.2.54".parse().unwrap()];
-        let other_live = crate::nft::table::memory::live_of(&plan(&policy, &elsewhere));
-        assert!(may_have_blocked_resolution(&p, Some(&other_live)));
+        assert!(blocked(&mut MemoryTable::holding(plan(
+            &policy, &elsewhere
+        ))));
     }
 }

@@ -44,7 +44,7 @@ pub fn run(
     // A damaged table of ours (flushed, edited) may have refused our own questions to
     // the resolvers: install what the policy allows with the names that did resolve
     // (never more than the policy allows), then ask again.
-    let repaired = change::may_have_blocked_resolution(&planned, nft.read_table()?.as_ref());
+    let repaired = change::may_have_blocked_resolution(&planned, &mut nft)?;
     if repaired {
         eprintln!(
             "table inet {TABLE} differs from the policy's and may have refused this \
