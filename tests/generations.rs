@@ -39,13 +39,6 @@ fn world() -> (World, PathBuf, PathBuf) {
     (w, a, b)
 }
 
-/// Whether the live table is what applying `policy` now would install (`diff` exits 0).
-fn live_is(w: &World, policy: &Path) -> bool {
-    let out = w.egress_fence(&["diff", path_arg(policy)]);
-    assert!(matches!(out.code(), 0 | 1), "diff failed: {out}");
-    out.code() == 0
-}
-
 /// (number, command, source generation) of every generation, from `history --json`; panics
 /// on a corrupt one.
 fn generations(w: &World) -> Vec<(u64, String, Option<u64>)> {
@@ -472,19 +465,6 @@ fn without_an_earlier_generation_the_revert_deletes_the_table() {
     let late = w.egress_fence(&["confirm"]);
     assert_eq!(late.code(), 1, "{late}");
     assert!(late.stderr.contains("the table was deleted"), "{late}");
-}
-
-/// The pid of the one revert timer guarding the sandbox, once its first stage has gone.
-fn the_revert_timer(w: &World) -> u32 {
-    let mut timers = Vec::new();
-    assert!(
-        within(Duration::from_secs(3), || {
-            timers = revert_timers(w);
-            timers.len() == 1
-        }),
-        "one revert timer: {timers:?}"
-    );
-    timers[0]
 }
 
 fn kill_revert_timer(w: &World) {

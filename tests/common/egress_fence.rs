@@ -147,6 +147,26 @@ pub fn revert_timers(w: &World) -> Vec<u32> {
     revert_timers_naming(w.sandbox_name())
 }
 
+/// The pid of the one revert timer guarding the sandbox, once its first stage has gone.
+pub fn the_revert_timer(w: &World) -> u32 {
+    let mut timers = Vec::new();
+    assert!(
+        super::process::within(Duration::from_secs(3), || {
+            timers = revert_timers(w);
+            timers.len() == 1
+        }),
+        "one revert timer: {timers:?}"
+    );
+    timers[0]
+}
+
+/// Whether the live table is what `policy` plans (`diff` exits 0; 1 is "it differs").
+pub fn live_is(w: &World, policy: &Path) -> bool {
+    let out = w.egress_fence(&["diff", path_arg(policy)]);
+    assert!(matches!(out.code(), 0 | 1), "diff failed: {out}");
+    out.code() == 0
+}
+
 /// The revert timers started with the state directory `dir` (their command lines name it).
 pub fn revert_timers_of(dir: &Path) -> Vec<u32> {
     revert_timers_naming(&dir.to_string_lossy())

@@ -10,7 +10,6 @@
 
 use std::fs;
 use std::net::IpAddr;
-use std::path::Path;
 use std::thread;
 use std::time::Duration;
 
@@ -29,24 +28,6 @@ fn policy(name: &str) -> String {
 
 const OPEN: &str = "version: 1\nallow:\n  - cidr: 0.0.0.0/0\n    protocol: any\n\
                     dns:\n  resolvers: [192.0.2.53]\n";
-
-fn live_is(w: &World, policy: &Path) -> bool {
-    let out = w.egress_fence(&["diff", path_arg(policy)]);
-    assert!(matches!(out.code(), 0 | 1), "diff failed: {out}");
-    out.code() == 0
-}
-
-fn the_revert_timer(w: &World) -> u32 {
-    let mut timers = Vec::new();
-    assert!(
-        within(Duration::from_secs(3), || {
-            timers = revert_timers(w);
-            timers.len() == 1
-        }),
-        "one revert timer: {timers:?}"
-    );
-    timers[0]
-}
 
 fn signal(pid: u32, signal: Signal) {
     kill(Pid::from_raw(pid as i32), signal).expect("signal the revert timer");
