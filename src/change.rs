@@ -24,7 +24,9 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::core::diff::{CompareOptions, Presence, TableDiff, compare};
 use crate::core::resolution::Resolution;
 use crate::core::ruleset::{
-    Elements, OUTPUT_CHAIN, REFUSED_CHAIN, Ruleset, Set, SetId, SetRole, TABLE,
+    Elements, FROM_BRIDGE_CHAIN, OUTPUT_CHAIN, REFUSED_CHAIN, Ruleset, SCOPE_CHAINS,
+    SCOPE_FORWARD_CHAIN, SCOPE_INPUT_CHAIN, SCOPE_OUTPUT_CHAIN, ScopeChains, Set, SetId, SetRole,
+    TABLE,
 };
 use crate::nft::live::{ReadRule, describe_table_flags};
 use crate::nft::{LiveTable, NftError, Table};
@@ -448,6 +450,11 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
     }
     let mut output = Vec::new();
     let mut refused = Vec::new();
+    let mut scope = ScopeChains::default();
+    let scoped = live
+        .chains
+        .iter()
+        .any(|c| SCOPE_CHAINS.contains(&c.name.as_str()));
     for r in &live.rules {
         let rule = match &r.rule {
             ReadRule::Known(rule) => rule.clone(),
@@ -461,6 +468,10 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
         match r.chain.as_str() {
             OUTPUT_CHAIN => output.push(rule),
             REFUSED_CHAIN => refused.push(rule),
+            SCOPE_OUTPUT_CHAIN => scope.output.push(rule),
+            SCOPE_FORWARD_CHAIN => scope.forward.push(rule),
+            SCOPE_INPUT_CHAIN => scope.input.push(rule),
+            FROM_BRIDGE_CHAIN => scope.from_bridge.push(rule),
             other => {
                 return Err(format!(
                     "it has a chain egress-fence does not make: {other}"
@@ -498,6 +509,7 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
         sets,
         output,
         refused,
+        scope: scoped.then_some(scope),
     };
     let diff = compare(&table, Some(live), CompareOptions::default());
     if !diff.is_empty() {

@@ -2,20 +2,154 @@
 //! interfaces, which no DNS answer may make an element of (see [`crate::core::installable`]),
 //! and the uid the guard runs as.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
-use crate::core::policy::Policy;
+use crate::core::policy::{CgroupPath, Policy};
+use crate::core::resolution::HostScope;
+use crate::core::ruleset::CgroupMatch;
 
 /// The guard of `policy` as this process runs it: `None` unless the policy is in guard mode.
 ///
 /// The one place that reads the guard's uid: this process's effective uid, the uid `run`
 /// keeps (the systemd unit's `DynamicUser=` gives it one of its own). `plan` and `apply` name
 /// the uid of whoever runs them, which is the service's only when that is the same user.
+/// With `scope.forward` the guard also listens on the listed interfaces' addresses (see
+/// [`host_scope`]).
 pub fn guard_identity(policy: &Policy) -> Option<GuardIdentity> {
     GuardIdentity::of_policy(policy, nix::unistd::geteuid().as_raw())
+        .map(|g| g.listening_also_on(&bridge_listen(policy)))
+}
+
+/// What of this host a scoped policy's table depends on: the ids of its listed cgroups that
+/// exist, and (in guard mode) where the guard listens on its listed interfaces. Empty without
+/// a `scope:`.
+pub fn host_scope(policy: &Policy) -> HostScope {
+    let Some(scope) = &policy.scope else {
+        return HostScope::default();
+    };
+    HostScope {
+        cgroups: scope
+            .cgroups
+            .iter()
+            .filter_map(|path| cgroup_match(path).ok())
+            .collect(),
+        bridge_listen: bridge_listen(policy),
+    }
+}
+
+/// Where the cgroup v2 hierarchy is mounted: /sys/fs/cgroup on a unified host, its
+/// `unified` directory on a hybrid one (from /proc/self/mountinfo).
+pub fn cgroup2_root() -> Option<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    mounts.lines().find_map(|line| {
+        // ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER
+        let (before, after) = line.split_once(" - ")?;
+        let fstype = after.split(' ').next()?;
+        let mountpoint = before.split(' ').nth(4)?;
+        (fstype == "cgroup2").then(|| PathBuf::from(unescape_mount_path(mountpoint)))
+    })
+}
+
+/// mountinfo writes a space, tab, newline and backslash as octal escapes (`\040`).
+fn unescape_mount_path(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    let mut rest = path;
+    while let Some(at) = rest.find('\\') {
+        out.push_str(&rest[..at]);
+        let code = rest
+            .get(at + 1..at + 4)
+            .and_then(|o| u8::from_str_radix(o, 8).ok());
+        match code {
+            Some(byte) => {
+                out.push(byte as char);
+                rest = &rest[at + 4..];
+            }
+            None => {
+                out.push('\\');
+                rest = &rest[at + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Why a listed cgroup has no rule.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("this host has no cgroup v2 hierarchy mounted")]
+    NoHierarchy,
+    #[error("{path} does not exist: nobody is in it yet ({error})")]
+    Missing {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{0} is not a directory of the cgroup v2 hierarchy")]
+    NotACgroup(PathBuf),
+}
+
+/// The listed cgroup `path` as the kernel matches it now: its id (the directory's inode
+/// number, what `socket cgroupv2` compares) and its level below the root.
+pub fn cgroup_match(path: &CgroupPath) -> Result<CgroupMatch, CgroupError> {
+    use std::os::unix::fs::MetadataExt;
+    let root = cgroup2_root().ok_or(CgroupError::NoHierarchy)?;
+    let dir = root.join(path.as_str());
+    let meta = std::fs::metadata(&dir).map_err(|error| CgroupError::Missing {
+        path: dir.clone(),
+        error,
+    })?;
+    if !meta.is_dir() || !dir.join("cgroup.procs").exists() {
+        return Err(CgroupError::NotACgroup(dir));
+    }
+    Ok(CgroupMatch {
+        path: path.clone(),
+        level: path.level(),
+        id: meta.ino(),
+    })
+}
+
+/// In guard mode with `scope.forward`: port 53 of every address of every interface the
+/// scope lists (link-local IPv6 addresses left out: a socket bound to one needs its
+/// interface, and containers are given a global address to ask).
+pub fn bridge_listen(policy: &Policy) -> Vec<SocketAddr> {
+    let (Some(scope), Some(_)) = (&policy.scope, &policy.dns.guard) else {
+        return Vec::new();
+    };
+    if scope.forward.is_empty() {
+        return Vec::new();
+    }
+    let Ok(interfaces) = nix::ifaddrs::getifaddrs() else {
+        tracing::warn!("cannot read this host's interfaces; the guard listens on no bridge");
+        return Vec::new();
+    };
+    let mut found: Vec<SocketAddr> = Vec::new();
+    for i in interfaces {
+        if !scope.forward.iter().any(|p| p.matches(&i.interface_name)) {
+            continue;
+        }
+        let Some(addr) = i.address else { continue };
+        let ip = if let Some(v4) = addr.as_sockaddr_in() {
+            IpAddr::V4(v4.ip())
+        } else if let Some(v6) = addr.as_sockaddr_in6() {
+            let ip = v6.ip();
+            if ip.segments()[0] & 0xffc0 == 0xfe80 {
+                continue;
+            }
+            IpAddr::V6(ip)
+        } else {
+            continue;
+        };
+        let listen = SocketAddr::new(ip, crate::core::plan::DNS_PORT);
+        if !found.contains(&listen) {
+            found.push(listen);
+        }
+    }
+    found.sort();
+    found
 }
 
 /// The interfaces' addresses now (getifaddrs).
@@ -86,6 +220,22 @@ impl Default for HostAddrsCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mount_paths_are_unescaped() {
+        assert_eq!(unescape_mount_path("/a\\040b/c"), "/a b/c");
+        assert_eq!(unescape_mount_path("/plain"), "/plain");
+        assert_eq!(unescape_mount_path("/odd\\x"), "/odd\\x");
+    }
+
+    #[test]
+    fn the_cgroup_hierarchy_is_found_and_a_missing_cgroup_named() {
+        let Some(root) = cgroup2_root() else { return };
+        assert!(root.join("cgroup.procs").exists(), "{root:?}");
+        let missing: CgroupPath = "egress-fence-no-such-cgroup".parse().unwrap();
+        let e = cgroup_match(&missing).unwrap_err();
+        assert!(e.to_string().contains("does not exist"), "{e}");
+    }
 
     #[test]
     fn reading_the_interfaces_finds_loopback() {

@@ -363,6 +363,7 @@ fn planned(w: &World) -> egress_fence::core::ruleset::Ruleset {
             resolvers: vec![DNS_V4],
             hosts,
             guard_uid: None,
+            scope: Default::default(),
         }
     });
     plan(&policy, &resolution)

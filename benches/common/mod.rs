@@ -118,6 +118,7 @@ pub fn resolution(answers: &[Vec<IpAddr>]) -> Resolution {
         resolvers: vec![RESOLVER.parse().expect("an address")],
         hosts,
         guard_uid: None,
+        scope: Default::default(),
     }
 }
 

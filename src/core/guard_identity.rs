@@ -45,6 +45,17 @@ impl GuardIdentity {
         policy.dns.guard.as_ref().map(|g| GuardIdentity::of(g, uid))
     }
 
+    /// The same guard, also listening on `more` (the listed bridges' addresses, for the
+    /// containers on them), each once.
+    pub fn listening_also_on(mut self, more: &[SocketAddr]) -> GuardIdentity {
+        for addr in more {
+            if !self.listen.contains(addr) {
+                self.listen.push(*addr);
+            }
+        }
+        self
+    }
+
     /// The upstream resolvers as the guard asks them: plain DNS, port 53.
     pub fn upstream_servers(&self) -> Vec<SocketAddr> {
         self.upstream

@@ -12,8 +12,8 @@ use crate::core::lifetime::longer_timeout;
 use crate::core::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::core::resolution::{Resolution, ResolvedHost};
 use crate::core::ruleset::{
-    Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, Set, SetId, SetRole, SourceRoute, Timed,
-    Tuple,
+    CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, ScopeChains, ScopeMatch,
+    Set, SetId, SetRole, SourceRoute, Timed, Tuple,
 };
 
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
@@ -74,11 +74,13 @@ pub fn plan_with(
     timeout_of: impl Fn(&DomainName, IpAddr) -> Option<Duration>,
 ) -> Ruleset {
     let resolved = resolved_elements(policy, resolution, timeout_of);
-    let guard = GuardIdentity::of_policy(policy, resolution.guard_uid.unwrap_or(NO_UID));
+    let guard = GuardIdentity::of_policy(policy, resolution.guard_uid.unwrap_or(NO_UID))
+        .map(|g| g.listening_also_on(&resolution.scope.bridge_listen));
     plan_elements(
         policy,
         &resolution.resolvers,
         guard.as_ref(),
+        &resolution.scope.cgroups,
         resolved.into_values(),
     )
 }
@@ -125,10 +127,13 @@ fn resolved_elements(
 /// as they are: one per element, sorted by element (as a map by [`Tuple`] gives them); the
 /// daemon's ledger gives each its remaining lifetime and name. In guard mode `guard` is the
 /// policy's guard (see [`GuardIdentity::of_policy`]): only its sockets ask `resolvers`.
+/// With a `scope:`, `cgroups` are its listed cgroups that exist (see
+/// [`crate::core::resolution::HostScope`]).
 pub fn plan_elements(
     policy: &Policy,
     resolvers: &[IpAddr],
     guard: Option<&GuardIdentity>,
+    cgroups: &[CgroupMatch],
     resolved: impl IntoIterator<Item = Timed>,
 ) -> Ruleset {
     let mut deny: Vec<IpNet> = Vec::new();
@@ -203,6 +208,7 @@ pub fn plan_elements(
     Ruleset {
         sets,
         output: output_rules(policy, guard),
+        scope: scope_chains(policy, guard, cgroups),
         refused: vec![
             Rule::Log(LogSpec {
                 prefix: policy.log.prefix.clone(),
@@ -217,18 +223,10 @@ pub fn plan_elements(
     }
 }
 
-fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
-    let has = |e| policy.essentials.contains(&e);
-    // A routing header or source route option sends the packet on past the destination every
-    // rule below checks, and a socket option adds one (IPV6_RTHDR for any user, IP_OPTIONS
-    // with CAP_NET_RAW), also to a connection already established: refused before anything
-    // is accepted.
-    let mut rules: Vec<Rule> = SourceRoute::ALL.map(Rule::RefuseSourceRoute).into();
-    // ICMP a process writes (CAP_NET_RAW) is accepted by nothing below but the replies and
-    // loopback, and an error quoting someone else's flow counts as a reply (`related`): it
-    // would carry a kilobyte to that flow's peer (the guard's upstream resolver, or anyone
-    // who connected in). The kernel's own ICMP has no owner and is not refused.
-    rules.extend(Family::BOTH.map(Rule::RefuseIcmpFromProcesses));
+/// The guard's own protections: only its marked sockets of its uid answer from where it
+/// listens, and only they ask its upstream resolvers.
+fn guard_protections(guard: Option<&GuardIdentity>) -> Vec<Rule> {
+    let mut rules = Vec::new();
     // The guard is recognised by its sockets' mark, which takes CAP_NET_ADMIN to set (or,
     // since Linux 5.17, CAP_NET_RAW, which root in a container keeps), and by its uid:
     // either alone is not enough.
@@ -253,42 +251,106 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
             rules.push(Rule::RefuseUpstreamUnmarked { set, uid, mark });
         }
     }
+    rules
+}
+
+/// Neighbour discovery and MLD reports (within their byte budget).
+fn neighbour_discovery() -> Vec<Rule> {
+    let mut rules: Vec<Rule> = [
+        Icmpv6Type::NdRouterSolicit,
+        Icmpv6Type::NdNeighborSolicit,
+        Icmpv6Type::NdNeighborAdvert,
+    ]
+    .map(Rule::AcceptIcmpv6)
+    .into();
+    // Any process chooses the groups the kernel reports: a byte budget bounds that channel
+    // while the host's own reports (solicited-node groups, so switches that snoop MLD keep
+    // forwarding neighbour discovery to it) still fit.
+    rules.push(Rule::AcceptMldReport);
+    rules
+}
+
+/// DNS to the resolvers: in guard mode from the guard's own sockets only.
+fn dns_accepts(guard: Option<&GuardIdentity>) -> Vec<Rule> {
+    Family::BOTH
+        .map(|family| {
+            let set = SetId::new(SetRole::Dns, family);
+            match guard {
+                Some(g) => Rule::AcceptTupleFromGuard {
+                    set,
+                    mark: Some(g.mark),
+                    uid: g.uid,
+                },
+                None => Rule::AcceptTupleIn(set),
+            }
+        })
+        .into()
+}
+
+/// In guard mode, DNS and DNS over TLS to anywhere but the guard.
+fn guarded_dns_refusals() -> Vec<Rule> {
+    [L4Proto::Udp, L4Proto::Tcp]
+        .into_iter()
+        .flat_map(|proto| GUARDED_DNS_PORTS.map(|port| Rule::RefuseService(proto, port)))
+        .collect()
+}
+
+/// Questions to the guard where it listens, over UDP and TCP.
+fn guard_queries(guard: &GuardIdentity) -> Vec<Rule> {
+    guard
+        .listen
+        .iter()
+        .flat_map(|&to| {
+            [L4Proto::Udp, L4Proto::Tcp].map(|proto| Rule::AcceptGuardQuery { to, proto })
+        })
+        .collect()
+}
+
+/// The fence: the rules every fenced packet meets (the base chain on the output hook when the
+/// whole namespace is fenced).
+fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
+    let has = |e| policy.essentials.contains(&e);
+    let scoped = policy.scope.is_some();
+    // A routing header or source route option sends the packet on past the destination every
+    // rule below checks, and a socket option adds one (IPV6_RTHDR for any user, IP_OPTIONS
+    // with CAP_NET_RAW), also to a connection already established: refused before anything
+    // is accepted.
+    let mut rules: Vec<Rule> = SourceRoute::ALL.map(Rule::RefuseSourceRoute).into();
+    // ICMP a process writes (CAP_NET_RAW) is accepted by nothing below but the replies and
+    // loopback, and an error quoting someone else's flow counts as a reply (`related`): it
+    // would carry a kilobyte to that flow's peer (the guard's upstream resolver, or anyone
+    // who connected in). The kernel's own ICMP has no owner and is not refused.
+    rules.extend(Family::BOTH.map(Rule::RefuseIcmpFromProcesses));
+    // With a scope they hold for every socket, in the scope's base chain.
+    if !scoped {
+        rules.extend(guard_protections(guard));
+    }
     // Replies next: the bulk of packets leaves here after one conntrack lookup.
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
+    }
+    // With a scope, the host's other processes are not fenced, and a resolver among them
+    // (systemd-resolved, dnsmasq) would ask anything for a fenced process over loopback: in
+    // guard mode fenced DNS goes to the guard alone, before loopback is accepted.
+    let scoped_guard = guard.filter(|_| scoped);
+    if let Some(g) = scoped_guard {
+        rules.extend(dns_accepts(guard));
+        rules.extend(guard_queries(g));
+        rules.extend(guarded_dns_refusals());
     }
     if has(Essential::Loopback) {
         rules.push(Rule::AcceptLoopback);
     }
     if has(Essential::Icmpv6Nd) {
-        rules.extend(
-            [
-                Icmpv6Type::NdRouterSolicit,
-                Icmpv6Type::NdNeighborSolicit,
-                Icmpv6Type::NdNeighborAdvert,
-            ]
-            .map(Rule::AcceptIcmpv6),
-        );
-        // Any process chooses the groups the kernel reports: a byte budget bounds that channel
-        // while the host's own reports (solicited-node groups, so switches that snoop MLD
-        // keep forwarding neighbour discovery to it) still fit.
-        rules.push(Rule::AcceptMldReport);
+        rules.extend(neighbour_discovery());
     }
     // DNS to the resolvers (port 53 only) comes before the deny list: a cloud host's
     // resolver usually lives in a network the deny presets cover (AWS 169.254.169.253 or the
     // VPC's .2, GCP 169.254.169.254, Azure 168.63.129.16), and the host must keep resolving.
     // In guard mode only the guard's own sockets may ask them: every other process asks the
     // guard, which answers only the policy's names.
-    for family in Family::BOTH {
-        let set = SetId::new(SetRole::Dns, family);
-        rules.push(match guard {
-            Some(g) => Rule::AcceptTupleFromGuard {
-                set,
-                mark: Some(g.mark),
-                uid: g.uid,
-            },
-            None => Rule::AcceptTupleIn(set),
-        });
+    if scoped_guard.is_none() {
+        rules.extend(dns_accepts(guard));
     }
     // Deny wins over every allow entry: a name that resolves into a denied network (DNS
     // rebinding onto the metadata service) stays refused.
@@ -307,12 +369,8 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
     }
     // ...and in guard mode DNS to anywhere else is refused even where an allow entry covers
     // it (a `cidr:` with every port, say).
-    if guard.is_some() {
-        for proto in [L4Proto::Udp, L4Proto::Tcp] {
-            for port in GUARDED_DNS_PORTS {
-                rules.push(Rule::RefuseService(proto, port));
-            }
-        }
+    if guard.is_some() && scoped_guard.is_none() {
+        rules.extend(guarded_dns_refusals());
     }
     for role in [SetRole::Allow, SetRole::Resolved] {
         for family in Family::BOTH {
@@ -321,6 +379,63 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
     }
     rules.push(Rule::GotoRefused);
     rules
+}
+
+/// With a `scope:`, the chains that send its packets through the fence: its uids, gids and
+/// (existing) cgroups on the output hook, after the guard's protections, which hold for every
+/// socket; what the listed interfaces forward; and what they send the host itself, which
+/// only gets replies, neighbour discovery and the guard.
+fn scope_chains(
+    policy: &Policy,
+    guard: Option<&GuardIdentity>,
+    cgroups: &[CgroupMatch],
+) -> Option<ScopeChains> {
+    let scope = policy.scope.as_ref()?;
+    let mut output = guard_protections(guard);
+    if scope.fences_local() {
+        output.extend(
+            scope
+                .uids()
+                .into_iter()
+                .map(|u| Rule::Fence(ScopeMatch::Uid(u))),
+        );
+        output.extend(
+            scope
+                .gids()
+                .into_iter()
+                .map(|g| Rule::Fence(ScopeMatch::Gid(g))),
+        );
+        output.extend(
+            cgroups
+                .iter()
+                .filter(|c| scope.cgroups.contains(&c.path))
+                .map(|c| Rule::Fence(ScopeMatch::Cgroup(c.clone()))),
+        );
+    }
+    let mut from_bridge = Vec::new();
+    if !scope.forward.is_empty() {
+        let has = |e| policy.essentials.contains(&e);
+        if has(Essential::Established) {
+            from_bridge.push(Rule::AcceptEstablished);
+        }
+        if has(Essential::Icmpv6Nd) {
+            from_bridge.extend(neighbour_discovery());
+        }
+        // Only where a bridge can reach: a packet from one to loopback is a martian.
+        if let Some(g) = guard {
+            from_bridge.extend(guard_queries(g).into_iter().filter(
+                |r| matches!(r, Rule::AcceptGuardQuery { to, .. } if !to.ip().is_loopback()),
+            ));
+        }
+        from_bridge.push(Rule::GotoRefused);
+    }
+    let each = |rule: fn(_) -> Rule| scope.forward.iter().cloned().map(rule).collect();
+    Some(ScopeChains {
+        output,
+        forward: each(|i| Rule::Fence(ScopeMatch::Interface(i))),
+        input: each(Rule::FromBridge),
+        from_bridge,
+    })
 }
 
 /// The longest lifetime any resolved element may have; the ledger owns it.
@@ -546,6 +661,7 @@ pub fn fail_closed() -> Ruleset {
             Rule::CountFamily(Family::V6),
             Rule::Refuse(crate::core::policy::Action::Drop),
         ],
+        scope: None,
     }
 }
 
@@ -586,6 +702,7 @@ pub(crate) mod tests {
                 })
                 .collect(),
             guard_uid: None,
+            scope: Default::default(),
         }
     }
 
@@ -1115,5 +1232,113 @@ log:
         assert_eq!(unexplained_element(&r, &permanent(None, 443), false), None);
         assert!(unexplained_element(&r, &permanent(None, 22), false).is_some());
         assert!(unexplained_element(&r, &permanent(Some("a.example"), 443), true).is_some());
+    }
+
+    const SCOPED: &str = "version: 1\nscope:\n  users: [1001, 1002]\n  cgroups: [agent.slice, \
+                          gone.slice]\n  forward: [docker0, \"br-*\"]\ndns:\n  mode: guard\n  \
+                          upstream: [192.0.2.53]\n";
+
+    fn scoped_plan(cgroups: &[CgroupMatch], bridges: &[&str]) -> Ruleset {
+        let mut r = resolution(&[]);
+        r.guard_uid = Some(993);
+        r.scope.cgroups = cgroups.to_vec();
+        r.scope.bridge_listen = bridges.iter().map(|b| b.parse().unwrap()).collect();
+        plan(&policy(SCOPED), &r)
+    }
+
+    #[test]
+    fn without_a_scope_the_table_has_its_two_chains_only() {
+        let rs = plan(&policy(POLICY), &resolution(&[]));
+        assert_eq!(rs.scope, None);
+        let names: Vec<&str> = rs.chains().iter().map(|c| c.name).collect();
+        assert_eq!(names, ["output", "refused"]);
+        assert!(rs.chains()[0].base.is_some());
+    }
+
+    #[test]
+    fn a_scope_sends_its_uids_existing_cgroups_and_bridges_through_the_fence() {
+        let agent = CgroupMatch {
+            path: "agent.slice".parse().unwrap(),
+            level: 1,
+            id: 4242,
+        };
+        let rs = scoped_plan(std::slice::from_ref(&agent), &["198.18.0.1:53"]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        // The guard's protections hold for every socket, before anyone is sent to the fence,
+        // and only there.
+        let protections = guard_protections(
+            GuardIdentity::of_policy(&policy(SCOPED), 993)
+                .map(|g| g.listening_also_on(&["198.18.0.1:53".parse().unwrap()]))
+                .as_ref(),
+        );
+        assert_eq!(scope.output[..protections.len()], protections[..]);
+        assert!(protections.iter().all(|p| !rs.output.contains(p)));
+        assert_eq!(
+            scope.output[protections.len()..],
+            [
+                Rule::Fence(ScopeMatch::Uid(1001)),
+                Rule::Fence(ScopeMatch::Uid(1002)),
+                Rule::Fence(ScopeMatch::Cgroup(agent)),
+            ]
+        );
+        // A listed cgroup that does not exist has no rule: nobody is in it.
+        assert!(!rs.to_nft().contains("gone.slice"));
+        let docker0: crate::core::policy::IfacePattern = "docker0".parse().unwrap();
+        assert_eq!(
+            scope.forward[0],
+            Rule::Fence(ScopeMatch::Interface(docker0.clone()))
+        );
+        assert_eq!(scope.input[0], Rule::FromBridge(docker0));
+        // The bridge reaches the host only for replies, neighbour discovery and the guard
+        // where it listens on the bridge.
+        assert_eq!(scope.from_bridge.first(), Some(&Rule::AcceptEstablished));
+        assert_eq!(scope.from_bridge.last(), Some(&Rule::GotoRefused));
+        let queries: Vec<&Rule> = scope
+            .from_bridge
+            .iter()
+            .filter(|r| matches!(r, Rule::AcceptGuardQuery { .. }))
+            .collect();
+        assert_eq!(queries.len(), 2, "{queries:?}");
+        let chains: Vec<(&str, bool)> = rs
+            .chains()
+            .iter()
+            .map(|c| (c.name, c.base.is_some()))
+            .collect();
+        assert_eq!(
+            chains,
+            [
+                ("output", false),
+                ("refused", false),
+                ("from_bridge", false),
+                ("scope_output", true),
+                ("scope_forward", true),
+                ("scope_input", true),
+            ]
+        );
+    }
+
+    #[test]
+    fn scoped_guard_mode_sends_fenced_dns_to_the_guard_before_loopback() {
+        let rs = scoped_plan(&[], &[]);
+        let at = |want: &Rule| rs.output.iter().position(|r| r == want).unwrap();
+        let loopback = at(&Rule::AcceptLoopback);
+        let to_guard = at(&Rule::AcceptGuardQuery {
+            to: "127.0.0.53:53".parse().unwrap(),
+            proto: L4Proto::Udp,
+        });
+        let refuse_dns = at(&Rule::RefuseService(L4Proto::Udp, 53));
+        let upstream = rs
+            .output
+            .iter()
+            .position(|r| matches!(r, Rule::AcceptTupleFromGuard { .. }))
+            .unwrap();
+        assert!(upstream < to_guard && to_guard < refuse_dns && refuse_dns < loopback);
+        assert_eq!(
+            rs.output
+                .iter()
+                .filter(|r| matches!(r, Rule::RefuseService(..)))
+                .count(),
+            4
+        );
     }
 }

@@ -1,12 +1,13 @@
 //! What resolving the policy's names produced: addresses with the TTL that carried them, and
 //! why a name has none. Plain values, shared by the planner, the resolver and the daemon.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use serde::{Deserialize, Serialize};
 
 use crate::core::installable::Dropped;
 use crate::core::policy::DomainName;
+use crate::core::ruleset::CgroupMatch;
 
 /// What resolving the policy's names produced.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -18,6 +19,30 @@ pub struct Resolution {
     /// In guard mode, the uid whose sockets alone may reach the resolvers: the guard's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guard_uid: Option<u32>,
+    /// With a `scope:`, what of the host the table was planned with.
+    #[serde(default, skip_serializing_if = "HostScope::is_empty")]
+    pub scope: HostScope,
+}
+
+/// What of the host a scoped table depends on, read by the edge (`crate::host::host_scope`)
+/// when the table is planned: cgroups are matched by id, and the guard listens on the listed
+/// bridges' addresses.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostScope {
+    /// The listed cgroups that exist, in the policy's order. One that does not exist holds
+    /// no process, and has no rule until it does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cgroups: Vec<CgroupMatch>,
+    /// In guard mode, where the guard also listens: port 53 of each address of each listed
+    /// interface, where containers on it ask.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bridge_listen: Vec<SocketAddr>,
+}
+
+impl HostScope {
+    pub fn is_empty(&self) -> bool {
+        self.cgroups.is_empty() && self.bridge_listen.is_empty()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

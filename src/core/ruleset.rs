@@ -10,12 +10,76 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::core::policy::{Action, L4Proto, PortRange, Rate, RateUnit};
+use crate::core::policy::{Action, CgroupPath, IfacePattern, L4Proto, PortRange, Rate, RateUnit};
 
 /// The one table the tool owns, in family inet. Nothing else is ever touched.
 pub const TABLE: &str = "egress_fence";
+/// The fence: the rules every fenced packet meets. A base chain on the output hook when the
+/// whole namespace is fenced; with a `scope:`, a regular chain the scope's chains go to.
 pub const OUTPUT_CHAIN: &str = "output";
 pub const REFUSED_CHAIN: &str = "refused";
+/// With a `scope:`, the base chain on the output hook: sends the scope's sockets to the fence.
+pub const SCOPE_OUTPUT_CHAIN: &str = "scope_output";
+/// With `scope.forward`, the base chain on the forward hook: sends what the listed interfaces
+/// forward to the fence.
+pub const SCOPE_FORWARD_CHAIN: &str = "scope_forward";
+/// With `scope.forward`, the base chain on the input hook: sends what the listed interfaces
+/// bring to the host itself to [`FROM_BRIDGE_CHAIN`].
+pub const SCOPE_INPUT_CHAIN: &str = "scope_input";
+/// What a listed interface (a container bridge) may send the host itself: replies, neighbour
+/// discovery, and questions to the DNS guard.
+pub const FROM_BRIDGE_CHAIN: &str = "from_bridge";
+
+/// The chains only a scoped table has.
+pub const SCOPE_CHAINS: [&str; 4] = [
+    FROM_BRIDGE_CHAIN,
+    SCOPE_OUTPUT_CHAIN,
+    SCOPE_FORWARD_CHAIN,
+    SCOPE_INPUT_CHAIN,
+];
+
+/// The netfilter hook a base chain is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hook {
+    Output,
+    Forward,
+    Input,
+}
+
+impl Hook {
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::Output => "output",
+            Hook::Forward => "forward",
+            Hook::Input => "input",
+        }
+    }
+}
+
+/// What a base chain does with a packet no rule decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChainPolicy {
+    Accept,
+    Drop,
+}
+
+/// A base chain's hook and policy (priority `filter`, type `filter`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BaseChain {
+    pub hook: Hook,
+    pub policy: ChainPolicy,
+}
+
+/// One chain of the table as the ruleset holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChainSpec<'a> {
+    pub name: &'static str,
+    /// `None`: a regular chain, entered only by `goto`.
+    pub base: Option<BaseChain>,
+    pub rules: &'a [Rule],
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Family {
@@ -430,6 +494,42 @@ pub struct LogSpec {
     pub burst: u32,
 }
 
+/// Which packets a [`Rule::Fence`] sends through the fence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScopeMatch {
+    /// `meta skuid 1001`: sockets a process of this uid made.
+    Uid(u32),
+    /// `meta skgid 2000`: sockets made while this was the process's group.
+    Gid(u32),
+    /// `socket cgroupv2 level 1 "agent.slice"`: sockets of processes in the subtree.
+    Cgroup(CgroupMatch),
+    /// `iifname "br-*"`: packets forwarded from the interface (or any it prefixes).
+    Interface(IfacePattern),
+}
+
+impl fmt::Display for ScopeMatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScopeMatch::Uid(uid) => write!(f, "meta skuid {uid}"),
+            ScopeMatch::Gid(gid) => write!(f, "meta skgid {gid}"),
+            ScopeMatch::Cgroup(c) => write!(f, "socket cgroupv2 level {} \"{}\"", c.level, c.path),
+            ScopeMatch::Interface(iface) => write!(f, "iifname \"{iface}\""),
+        }
+    }
+}
+
+/// A cgroup v2 subtree as the kernel matches it: the id (inode number) of the cgroup at
+/// `level` below the root among a socket's cgroup's ancestors. The id is the cgroup's as it
+/// was when planned: a cgroup removed and made again has a new one, and the daemon plans
+/// again (the path rides along in the rule's comment, so a table read back names it).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct CgroupMatch {
+    pub path: CgroupPath,
+    pub level: u32,
+    pub id: u64,
+}
+
 /// The shapes of rule the table uses.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -480,6 +580,14 @@ pub enum Rule {
     /// the same for sockets of the guard's uid without its mark (root in a container when
     /// the guard runs as root).
     RefuseUpstreamUnmarked { set: SetId, uid: u32, mark: u32 },
+    /// `meta skuid 1001 goto output`, `socket cgroupv2 level 1 "agent.slice" goto output`,
+    /// `iifname "docker0" goto output`: the scope's packets go through the fence.
+    Fence(ScopeMatch),
+    /// `iifname "docker0" goto from_bridge`: what a listed interface sends the host itself.
+    FromBridge(IfacePattern),
+    /// `ip daddr 198.18.0.1 udp dport 53 accept`: a question to the DNS guard where it
+    /// listens (with a scope, other resolvers on this host are not the fence's).
+    AcceptGuardQuery { to: SocketAddr, proto: L4Proto },
     /// `ct state established,related accept`
     AcceptEstablished,
     /// `oif "lo" accept`
@@ -576,6 +684,21 @@ impl fmt::Display for Rule {
                     Family::V6 => "ipv6-icmp",
                 }
             ),
+            Rule::Fence(ScopeMatch::Cgroup(c)) => write!(
+                f,
+                "socket cgroupv2 level {} \"{}\" goto {OUTPUT_CHAIN} comment \"{}\"",
+                c.level, c.path, c.path
+            ),
+            Rule::Fence(m) => write!(f, "{m} goto {OUTPUT_CHAIN}"),
+            Rule::FromBridge(iface) => write!(f, "iifname \"{iface}\" goto {FROM_BRIDGE_CHAIN}"),
+            Rule::AcceptGuardQuery { to, proto } => write!(
+                f,
+                "{} {} {} dport {} accept",
+                Family::of(to.ip()).daddr(),
+                to.ip(),
+                proto.name(),
+                to.port()
+            ),
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
@@ -662,6 +785,29 @@ pub struct Ruleset {
     pub output: Vec<Rule>,
     /// Where refused packets are logged, counted and rejected or dropped.
     pub refused: Vec<Rule>,
+    /// With a `scope:`, the chains that send the scope's packets to `output` (then a regular
+    /// chain); `None`: `output` is on the hook and fences everything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<ScopeChains>,
+}
+
+/// The chains of a scoped table besides the fence. Those without rules are left out of the
+/// table (an empty base chain would cost every packet of its hook a traversal for nothing).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScopeChains {
+    /// [`SCOPE_OUTPUT_CHAIN`]: the guard's own protections (they hold for every socket), then
+    /// one [`Rule::Fence`] per uid, gid and cgroup of the scope.
+    #[serde(default)]
+    pub output: Vec<Rule>,
+    /// [`SCOPE_FORWARD_CHAIN`]: one [`Rule::Fence`] per listed interface.
+    #[serde(default)]
+    pub forward: Vec<Rule>,
+    /// [`SCOPE_INPUT_CHAIN`]: one [`Rule::FromBridge`] per listed interface.
+    #[serde(default)]
+    pub input: Vec<Rule>,
+    /// [`FROM_BRIDGE_CHAIN`].
+    #[serde(default)]
+    pub from_bridge: Vec<Rule>,
 }
 
 impl Ruleset {
@@ -671,6 +817,64 @@ impl Ruleset {
 
     pub fn element_count(&self) -> usize {
         self.sets.iter().map(|s| s.elements.len()).sum()
+    }
+
+    /// Every chain of the table, in the order they are made (a chain exists before any rule
+    /// goes to it: the batch makes all of them before the first rule).
+    pub fn chains(&self) -> Vec<ChainSpec<'_>> {
+        let base = |hook, policy| Some(BaseChain { hook, policy });
+        let mut chains = vec![
+            ChainSpec {
+                name: OUTPUT_CHAIN,
+                base: match self.scope {
+                    None => base(Hook::Output, ChainPolicy::Drop),
+                    Some(_) => None,
+                },
+                rules: &self.output,
+            },
+            ChainSpec {
+                name: REFUSED_CHAIN,
+                base: None,
+                rules: &self.refused,
+            },
+        ];
+        if let Some(scope) = &self.scope {
+            let scoped = [
+                (FROM_BRIDGE_CHAIN, None, &scope.from_bridge),
+                (
+                    SCOPE_OUTPUT_CHAIN,
+                    base(Hook::Output, ChainPolicy::Accept),
+                    &scope.output,
+                ),
+                (
+                    SCOPE_FORWARD_CHAIN,
+                    base(Hook::Forward, ChainPolicy::Accept),
+                    &scope.forward,
+                ),
+                (
+                    SCOPE_INPUT_CHAIN,
+                    base(Hook::Input, ChainPolicy::Accept),
+                    &scope.input,
+                ),
+            ];
+            chains.extend(
+                scoped
+                    .into_iter()
+                    .filter(|(_, _, rules)| !rules.is_empty())
+                    .map(|(name, base, rules)| ChainSpec { name, base, rules }),
+            );
+        }
+        chains
+    }
+
+    /// The chain called `name`, if the table has it.
+    pub fn chain(&self, name: &str) -> Option<ChainSpec<'_>> {
+        self.chains().into_iter().find(|c| c.name == name)
+    }
+
+    /// How many rules the table has, all chains together.
+    pub fn rule_count(&self) -> usize {
+        self.chains().iter().map(|c| c.rules.len()).sum()
     }
 
     /// nft text that replaces the table atomically when loaded with `nft -f` (the same
@@ -688,20 +892,29 @@ impl fmt::Display for Ruleset {
         for set in &self.sets {
             write!(f, "{set}")?;
         }
-        writeln!(f, "\tchain {OUTPUT_CHAIN} {{")?;
-        writeln!(
-            f,
-            "\t\ttype filter hook output priority filter; policy drop;"
-        )?;
-        for rule in &self.output {
-            writeln!(f, "\t\t{rule}")?;
+        let chains = self.chains();
+        for (i, chain) in chains.iter().enumerate() {
+            writeln!(f, "\tchain {} {{", chain.name)?;
+            if let Some(base) = chain.base {
+                let policy = match base.policy {
+                    ChainPolicy::Accept => "accept",
+                    ChainPolicy::Drop => "drop",
+                };
+                writeln!(
+                    f,
+                    "\t\ttype filter hook {} priority filter; policy {policy};",
+                    base.hook.name()
+                )?;
+            }
+            for rule in chain.rules {
+                writeln!(f, "\t\t{rule}")?;
+            }
+            if i + 1 < chains.len() {
+                writeln!(f, "\t}}\n")?;
+            } else {
+                writeln!(f, "\t}}")?;
+            }
         }
-        writeln!(f, "\t}}\n")?;
-        writeln!(f, "\tchain {REFUSED_CHAIN} {{")?;
-        for rule in &self.refused {
-            writeln!(f, "\t\t{rule}")?;
-        }
-        writeln!(f, "\t}}")?;
         writeln!(f, "}}")
     }
 }

@@ -31,7 +31,7 @@ use crate::core::plan::{
     denied_addresses, denied_answers, element_allowed, plan_elements, services_of,
 };
 use crate::core::policy::{DomainName, Policy, PolicyError};
-use crate::core::resolution::{Resolution, ResolvedAddr, ResolvedHost};
+use crate::core::resolution::{HostScope, Resolution, ResolvedAddr, ResolvedHost};
 use crate::core::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Tuple};
 use crate::guard::{LogBudget, Rules};
 use crate::netlink::conntrack::Flow;
@@ -159,6 +159,9 @@ pub struct Core {
     /// wildcard is new once, and the sandbox can invent them by the hundred thousand (the
     /// table's element comments and `status` still name each one).
     allowed_log: LogBudget,
+    /// With a `scope:`, what of the host the table is planned with (the listed cgroups'
+    /// ids, where the guard listens on the listed bridges): the shell reads it.
+    host_scope: HostScope,
 }
 
 /// What a policy sets in the daemon, taken in or given back as a whole.
@@ -212,7 +215,14 @@ impl Core {
             dropped_log: LogBudget::default(),
             full_log: LogBudget::default(),
             allowed_log: LogBudget::default(),
+            host_scope: HostScope::default(),
         }
+    }
+
+    /// What of the host the table is planned with from now on (the shell reads it at start,
+    /// on a reload, and when a listed cgroup comes, goes or is made again).
+    pub fn set_host_scope(&mut self, host_scope: HostScope) {
+        self.host_scope = host_scope;
     }
 
     pub fn policy(&self) -> &Policy {
@@ -607,6 +617,7 @@ impl Core {
             &self.names,
             self.resolvers.clone(),
             self.guard.as_ref().map(|g| g.uid),
+            self.host_scope.clone(),
             now,
         )
     }
@@ -632,7 +643,13 @@ impl Core {
                 None => self.carried.get(t).map(|c| c.name.clone()),
             },
         );
-        let ruleset = plan_elements(&self.policy, &self.resolvers, self.guard.as_ref(), named);
+        let ruleset = plan_elements(
+            &self.policy,
+            &self.resolvers,
+            self.guard.as_ref(),
+            &self.host_scope.cgroups,
+            named,
+        );
         (ruleset, elements)
     }
 
@@ -1560,6 +1577,7 @@ mod tests {
             &p,
             &resolvers(),
             GuardIdentity::of_policy(&p, 990).as_ref(),
+            &[],
             resolved.into_values(),
         ))
     }

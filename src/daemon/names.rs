@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::core::lifetime::{Lifetimes, keep_longest, timeout_ms};
 use crate::core::plan::{resolved_tuple, services_of};
 use crate::core::policy::{DomainName, L4Proto, Policy};
-use crate::core::resolution::{Resolution, ResolvedAddr, ResolvedHost};
+use crate::core::resolution::{HostScope, Resolution, ResolvedAddr, ResolvedHost};
 use crate::core::ruleset::{Timed, Tuple};
 
 /// What the daemon knows of one name.
@@ -318,6 +318,7 @@ pub(super) fn live_resolution(
     names: &BTreeMap<DomainName, NameState>,
     resolvers: Vec<IpAddr>,
     guard_uid: Option<u32>,
+    scope: HostScope,
     now: Instant,
 ) -> Resolution {
     Resolution {
@@ -336,6 +337,7 @@ pub(super) fn live_resolution(
             })
             .collect(),
         guard_uid,
+        scope,
     }
 }
 
@@ -567,7 +569,13 @@ mod tests {
             ("a.example".parse::<DomainName>().unwrap(), a),
             ("b.example".parse::<DomainName>().unwrap(), b),
         ]);
-        let resolution = live_resolution(&names, vec!["192.0.2.53".parse().unwrap()], None, now);
+        let resolution = live_resolution(
+            &names,
+            vec!["192.0.2.53".parse().unwrap()],
+            None,
+            Default::default(),
+            now,
+        );
         let before = crate::core::plan::plan_with(&p, &resolution, |name, addr| {
             let expires = names.get(name)?.addrs.get(&addr)?;
             Some(
@@ -580,7 +588,7 @@ mod tests {
         let elements = table_elements(names.iter(), &svc, &BTreeMap::new(), now);
         let owners = owners(names.iter(), &svc, now);
         let named = timed(elements, now, |t| owners.get(t).map(|n| n.to_string()));
-        let after = plan_elements(&p, &resolution.resolvers, None, named);
+        let after = plan_elements(&p, &resolution.resolvers, None, &[], named);
         assert_eq!(before, after);
     }
 

@@ -79,7 +79,8 @@ impl Daemon {
         };
         let policy_path = std::path::absolute(&options.policy_path)
             .unwrap_or_else(|_| options.policy_path.clone());
-        let core = Core::new(
+        let host_scope = crate::host::host_scope(&policy);
+        let mut core = Core::new(
             policy,
             policy_text,
             policy_path,
@@ -87,6 +88,7 @@ impl Daemon {
             guard,
             Instant::now(),
         );
+        core.set_host_scope(host_scope);
         let mut daemon = Daemon {
             core,
             options,

@@ -75,6 +75,7 @@ pub fn resolve_policy(
             resolvers: guard.upstream,
             hosts: Vec::new(),
             guard_uid: Some(guard.uid),
+            scope: crate::host::host_scope(policy),
         });
     }
     let resolvers = match &policy.dns.resolvers {
@@ -86,6 +87,7 @@ pub fn resolve_policy(
         resolvers,
         hosts,
         guard_uid: None,
+        scope: crate::host::host_scope(policy),
     })
 }
 

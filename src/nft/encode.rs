@@ -523,6 +523,10 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     let accept = crate_expr(Verdict::Accept);
     let mut e = Vec::new();
     match rule {
+        // PLACEHOLDER (scope encoder helper replaces this arm before the branch reaches main).
+        Rule::Fence(_) | Rule::FromBridge(_) | Rule::AcceptGuardQuery { .. } => {
+            e.push(goto_refused());
+        }
         Rule::RefuseSourceRoute(route) => {
             e.extend(is_family(route.family()));
             match route {
@@ -1642,6 +1646,7 @@ mod tests {
             sets: vec![],
             output: vec![Rule::GotoRefused],
             refused: vec![],
+            scope: None,
         };
         let enc = replace_table(&rs);
         let seqs = enc.batch.sequence_numbers();

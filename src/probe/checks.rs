@@ -294,6 +294,7 @@ impl<'a> Plan<'a> {
             self.policy,
             &self.options.resolvers,
             guard.as_ref(),
+            &[],
             [],
         );
         let planned_tuples = |role: SetRole| -> Vec<Tuple> {

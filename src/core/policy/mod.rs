@@ -18,6 +18,7 @@ mod names;
 mod presets;
 mod raw;
 mod schema;
+mod scope;
 mod validate;
 mod values;
 mod warnings;
@@ -28,6 +29,10 @@ pub use load::{MAX_POLICY_BYTES, MAX_POLICY_NESTING};
 pub use names::{DomainName, Wildcard};
 pub use presets::Preset;
 pub use schema::*;
+pub use scope::{
+    AccountRef, Accounts, CgroupPath, IfacePattern, MAX_IFACE_NAME, Scope, ScopeGroup, ScopeUser,
+    SystemAccounts,
+};
 pub use values::{
     HumanDuration, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeHost, ProbeTarget, Rate, RateUnit,
 };

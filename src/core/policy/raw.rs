@@ -8,6 +8,7 @@ use serde::{Deserialize, Deserializer};
 use super::names::{DomainName, Wildcard};
 use super::presets::Preset;
 use super::schema::*;
+use super::scope::RawScope;
 use super::values::{
     HumanDuration, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeTarget, Rate, parse_network,
 };
@@ -85,6 +86,7 @@ pub(super) struct RawPolicy {
     pub(super) essentials: Option<Vec<Essential>>,
     #[serde(default)]
     pub(super) probe: RawProbe,
+    pub(super) scope: Option<RawScope>,
 }
 
 #[derive(Deserialize, Default)]

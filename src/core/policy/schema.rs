@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::names::{DomainName, Wildcard};
 use super::presets::Preset;
+use super::scope::Scope;
 use super::values::{PortRange, ProbeTarget, Rate, RateUnit};
 
 /// The schema version this build reads.
@@ -28,6 +29,9 @@ pub struct Policy {
     pub essentials: BTreeSet<Essential>,
     /// What `probe` checks besides the policy's own entries.
     pub probe: ProbeSettings,
+    /// Who is fenced; `None`: the whole network namespace.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scope: Option<Scope>,
 }
 
 impl Policy {

@@ -3,11 +3,12 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use super::errors::{Located, locate};
+use super::errors::{Located, locate, locate_value};
 use super::limits::{MAX_LOG_PREFIX, UNCHECKED_KERNEL_LIMITS_ENV, kernel_accepts_limit, max_burst};
 use super::presets::Preset;
 use super::raw::{DnsMode, RawPolicy};
 use super::schema::*;
+use super::scope::SystemAccounts;
 
 impl Policy {
     /// The policy `raw` describes, once the checks that relate two parts of it pass; `source`
@@ -147,6 +148,16 @@ impl Policy {
             });
         }
 
+        let scope = match raw.scope {
+            None => None,
+            Some(scope) => Some(scope.resolve(&SystemAccounts).map_err(|(message, at)| {
+                let at = match locate_value(source, "scope", |t| t == at) {
+                    (0, _) => locate(source, "scope"),
+                    at => at,
+                };
+                (at, message)
+            })?),
+        };
         let policy = Policy {
             action: raw.action,
             allow: raw.allow.into_iter().map(|a| a.0).collect(),
@@ -184,6 +195,7 @@ impl Policy {
                 || Essential::ALL.into_iter().collect(),
                 |e| e.into_iter().collect(),
             ),
+            scope,
         };
 
         if policy.dns.guard.is_none()
