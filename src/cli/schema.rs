@@ -44,7 +44,12 @@ DNS guard (`run` is the host's resolver: see `run --help`); the same keys, with 
     mark: 0x65000000              # default; the SO_MARK of the guard's upstream sockets
   allow:
     - domain: \"*.example.com\"     # wildcards (guard mode only): `*.` one label, `**.` any
-      ports: [443]                #   depth; neither covers example.com itself";
+      ports: [443]                #   depth; neither covers example.com itself
+  scope:                          # who is fenced (either mode); default: the whole namespace
+    users: [1001]                 # names (looked up when the policy is read) or uids; not root
+    groups: [2000]                # names or gids: sockets of the group and of its members
+    cgroups: [agent.slice]        # cgroup v2 subtrees, below the hierarchy's root
+    forward: [docker0, \"br-*\"]    # what these interfaces forward (containers on a bridge)";
 
 #[cfg(test)]
 mod tests {
@@ -174,6 +179,7 @@ mod tests {
             ("dns: {refresh: {KEY: 1}}", &["dns", "refresh"][..]),
             ("log: {KEY: 1}", &["log"][..]),
             ("probe: {KEY: 1}", &["probe"][..]),
+            ("scope: {KEY: 1}", &["scope"][..]),
         ] {
             let accepted = accepted_keys(section);
             let written = written_keys(path);
