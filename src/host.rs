@@ -92,12 +92,26 @@ pub enum CgroupError {
     NotACgroup(PathBuf),
 }
 
+/// Where nft looks cgroup v2 paths up (`socket cgroupv2 level 1 "agent.slice"`).
+const NFT_CGROUP_DIR: &str = "/sys/fs/cgroup";
+
 /// The listed cgroup `path` as the kernel matches it now: its id (the directory's inode
-/// number, what `socket cgroupv2` compares) and its level below the root.
+/// number, what `socket cgroupv2` compares) and its level below the root, named as nft finds
+/// it below /sys/fs/cgroup (`unified/agent.slice` on a hybrid host).
 pub fn cgroup_match(path: &CgroupPath) -> Result<CgroupMatch, CgroupError> {
     use std::os::unix::fs::MetadataExt;
     let root = cgroup2_root().ok_or(CgroupError::NoHierarchy)?;
     let dir = root.join(path.as_str());
+    let nft_path = match root.strip_prefix(NFT_CGROUP_DIR) {
+        Ok(below) if below.as_os_str().is_empty() => path.clone(),
+        Ok(below) => below
+            .join(path.as_str())
+            .to_str()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| path.clone()),
+        // Mounted elsewhere: nft cannot find it by name, the kernel still matches the id.
+        Err(_) => path.clone(),
+    };
     let meta = std::fs::metadata(&dir).map_err(|error| CgroupError::Missing {
         path: dir.clone(),
         error,
@@ -106,7 +120,7 @@ pub fn cgroup_match(path: &CgroupPath) -> Result<CgroupMatch, CgroupError> {
         return Err(CgroupError::NotACgroup(dir));
     }
     Ok(CgroupMatch {
-        path: path.clone(),
+        path: nft_path,
         level: path.level(),
         id: meta.ino(),
     })

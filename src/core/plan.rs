@@ -408,7 +408,7 @@ fn scope_chains(
         output.extend(
             cgroups
                 .iter()
-                .filter(|c| scope.cgroups.contains(&c.path))
+                .filter(|c| scope.cgroups.iter().any(|listed| c.is_of(listed)))
                 .map(|c| Rule::Fence(ScopeMatch::Cgroup(c.clone()))),
         );
     }
@@ -1281,6 +1281,14 @@ log:
                 Rule::Fence(ScopeMatch::Cgroup(agent)),
             ]
         );
+        // On a hybrid host the path is the one nft finds below /sys/fs/cgroup.
+        let hybrid = CgroupMatch {
+            path: "unified/agent.slice".parse().unwrap(),
+            ..agent.clone()
+        };
+        assert!(hybrid.is_of(&"agent.slice".parse().unwrap()));
+        assert!(!hybrid.is_of(&"unified".parse().unwrap()));
+        assert!(!hybrid.is_of(&"gent.slice".parse().unwrap()));
         // A listed cgroup that does not exist has no rule: nobody is in it.
         assert!(!rs.to_nft().contains("gone.slice"));
         let docker0: crate::core::policy::IfacePattern = "docker0".parse().unwrap();

@@ -525,9 +525,21 @@ impl fmt::Display for ScopeMatch {
 /// again (the path rides along in the rule's comment, so a table read back names it).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct CgroupMatch {
+    /// The path as nft finds it below /sys/fs/cgroup: the policy's, or on a hybrid host
+    /// (cgroup v2 mounted at /sys/fs/cgroup/unified) `unified/` and the policy's.
     pub path: CgroupPath,
+    /// The level of the policy's path below the v2 root.
     pub level: u32,
     pub id: u64,
+}
+
+impl CgroupMatch {
+    /// Whether this is the policy's `listed` cgroup.
+    pub fn is_of(&self, listed: &CgroupPath) -> bool {
+        let (path, listed) = (self.path.as_str(), listed.as_str());
+        self.level == listed.split('/').count() as u32
+            && (path == listed || path.ends_with(&format!("/{listed}")))
+    }
 }
 
 /// The shapes of rule the table uses.
