@@ -1278,7 +1278,7 @@ log:
             [
                 Rule::Fence(ScopeMatch::Uid(1001)),
                 Rule::Fence(ScopeMatch::Uid(1002)),
-                Rule::Fence(ScopeMatch::Cgroup(agent)),
+                Rule::Fence(ScopeMatch::Cgroup(agent.clone())),
             ]
         );
         // On a hybrid host the path is the one nft finds below /sys/fs/cgroup.
