@@ -164,6 +164,15 @@ dns:
         assert_refused(&out, took, &what);
     }
     assert_eq!(refused.count(), 0);
+    // Not the whole namespace: root and a user outside the group still pass.
+    let outsider = ids(UNLISTED_UID, OTHER_GID, &[account.gid + 1]);
+    for prefix in [Vec::new(), strs(&outsider)] {
+        assert_passes(
+            &w.tcp_connect_with(&prefix, OTHER_V4, PORT),
+            "a process outside the scope",
+        );
+    }
+    assert_eq!(refused.count(), 2);
 }
 
 fn cgroup_policy(w: &World, cgroups: &TestCgroups) -> PathBuf {
