@@ -23,6 +23,8 @@ scope:
 allow:
   - cidr: 192.0.2.10/32          # HOST_V4; OTHER_V4 is not allowed
     ports: [443]
+  - cidr: 2001:db8:1::10/128     # HOST_V6; OTHER_V6 is not allowed
+    ports: [443]
 deny:
   - preset: cloud-metadata
 dns:
@@ -102,6 +104,19 @@ fn a_scoped_user_is_fenced_and_another_user_and_root_pass() {
         "uid 1002 and root reached the other host"
     );
     assert_eq!(allowed.count(), 3);
+
+    let (_allowed6, refused6) = (w.listen_tcp(HOST_V6, PORT), w.listen_tcp(OTHER_V6, PORT));
+    assert_passes(
+        &w.tcp_connect_with(&strs(&scoped), HOST_V6, PORT),
+        "uid 1001 to the allowed host over IPv6",
+    );
+    let (out, took) = timed(|| w.tcp_connect_with(&strs(&scoped), OTHER_V6, PORT));
+    assert_refused(&out, took, "uid 1001 to a host not allowed, over IPv6");
+    assert_passes(
+        &w.tcp_connect_with(&strs(&other), OTHER_V6, PORT),
+        "uid 1002 to the other host over IPv6",
+    );
+    assert_eq!(refused6.count(), 1);
 }
 
 #[test]
@@ -129,7 +144,7 @@ fn a_process_of_a_listed_primary_group_is_fenced() {
 
 #[test]
 fn a_member_of_a_listed_group_stays_fenced_after_switching_its_primary_group() {
-    let account = TestAccount::member_of_new_group(100);
+    let account = TestAccount::member_of_new_group();
     let w = World::new();
     let (_allowed, refused) = listeners(&w);
     let policy = w.write_file(
@@ -379,4 +394,58 @@ fn the_guard_answers_a_bridged_container_on_the_bridge_address() {
         "the container to a name the guard did not answer",
     );
     assert_eq!(refused.count(), 0);
+}
+
+/// A UDP socket on `addr` in the sandbox, standing in for a service of the container host.
+fn host_udp_service(w: &World, addr: SocketAddr) -> std::net::UdpSocket {
+    let socket = w
+        .in_sandbox_ns(|| std::net::UdpSocket::bind(addr))
+        .unwrap_or_else(|e| panic!("bind {addr} in the sandbox: {e}"));
+    socket
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .expect("a read timeout");
+    socket
+}
+
+/// Whether a datagram arrived at `socket` within its read timeout.
+fn got_datagram(socket: &std::net::UdpSocket) -> bool {
+    let mut buf = [0u8; 512];
+    socket.recv_from(&mut buf).is_ok()
+}
+
+#[test]
+fn in_guard_mode_a_container_may_ask_only_the_guards_bridge_address() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    // Where the guard listens for the container (planned from the sandbox's interfaces);
+    // the guard itself needs `run`, so a socket stands in for it here.
+    let guard = host_udp_service(&w, SocketAddr::new(BRIDGE_V4, 53));
+    let other_port = host_udp_service(&w, SocketAddr::new(BRIDGE_V4, 5353));
+    let policy = w.write_file("scope.yaml", BRIDGE_GUARD_POLICY);
+    let plan = w.egress_fence(&["plan", path_arg(&policy)]);
+    assert!(
+        plan.stdout
+            .contains("ip daddr 198.18.0.1 udp dport 53 accept"),
+        "the plan lets the container ask the guard on the bridge address: {plan}"
+    );
+    put_up(&w, &policy, SCOPE_LOAD);
+
+    let send = |to: IpAddr, port: u16| {
+        let script = format!("echo -n question > /dev/udp/{to}/{port}");
+        container.cmd(&["bash", "-c", &script])
+    };
+    let asked = send(BRIDGE_V4, 53);
+    assert!(asked.success(), "{asked}");
+    assert!(got_datagram(&guard), "the container cannot ask the guard");
+    let _ = send(BRIDGE_V4, 5353);
+    assert!(
+        !got_datagram(&other_port),
+        "the container reached 198.18.0.1:5353"
+    );
+
+    let upstream = container.dig(DNS_V4, "api.example.com");
+    assert!(
+        !upstream.stdout.contains("status:"),
+        "the container asked the upstream resolver past the guard: {upstream}"
+    );
 }
