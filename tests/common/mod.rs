@@ -46,11 +46,12 @@ mod nft;
 mod pool;
 mod process;
 mod resolvers;
+mod scope;
 mod world;
 
 // Each test binary uses a part of the harness.
 #[allow(unused_imports)]
 pub use {
     addrs::*, adversary::*, clients::*, dns_client::*, egress_fence::*, guard::*, listener::*,
-    nft::*, pool::*, process::*, resolvers::*, world::*,
+    nft::*, pool::*, process::*, resolvers::*, scope::*, world::*,
 };

@@ -18,3 +18,4 @@ mod readback;
 mod readback_attack;
 mod repair;
 mod revert_attack;
+mod scope;
