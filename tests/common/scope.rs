@@ -49,7 +49,7 @@ pub fn put_up(w: &World, policy: &Path, how: ScopeLoad) {
         ScopeLoad::NftText => {
             let plan = w.egress_fence(&["plan", path_arg(policy)]);
             assert!(plan.success(), "egress-fence plan: {plan}");
-            let text = cgroups_for_nft(&plan.stdout);
+            let text = plan.stdout.clone();
             let out = w.nft_text_in(w.sandbox_name(), &text);
             assert!(out.success(), "nft -f of the plan text: {out}\n{text}");
         }
@@ -58,34 +58,6 @@ pub fn put_up(w: &World, policy: &Path, how: ScopeLoad) {
             assert!(out.success(), "egress-fence apply: {out}");
         }
     }
-}
-
-/// nft resolves the path of `socket cgroupv2 level N "PATH"` below /sys/fs/cgroup, egress-fence
-/// plans it below the cgroup v2 mount: on a hybrid host (v2 at /sys/fs/cgroup/unified) the
-/// plan's path needs the mount's place in front for nft (a finding reported with issue 11).
-fn cgroups_for_nft(plan: &str) -> String {
-    let Some(root) = egress_fence::host::cgroup2_root() else {
-        return plan.to_string();
-    };
-    let Ok(below) = root.strip_prefix("/sys/fs/cgroup") else {
-        return plan.to_string();
-    };
-    let below = below.to_string_lossy();
-    if below.is_empty() {
-        return plan.to_string();
-    }
-    plan.lines()
-        .map(|line| match line.split_once("socket cgroupv2 level ") {
-            Some((head, rest)) => match rest.split_once(" \"") {
-                Some((level, path)) => {
-                    format!("{head}socket cgroupv2 level {level} \"{below}/{path}")
-                }
-                None => line.to_string(),
-            },
-            None => line.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 impl World {
