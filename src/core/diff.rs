@@ -13,7 +13,7 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::core::ruleset::{
-    Elements, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
+    BaseChain, ChainPolicy, Elements, Hook, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
     fmt_tuple,
 };
 use crate::nft::LiveTable;
@@ -394,21 +394,34 @@ fn render(keys: &BTreeSet<ElementKey>) -> Vec<String> {
         .collect()
 }
 
-/// The type, hook, priority, policy and flags each of our chains has: the output chain is
-/// a filter chain on the output hook at priority 0 (`filter`) that drops what no rule
-/// accepts; the refused chain is a regular chain.
-pub(crate) fn wanted_chain(chain: &str) -> ChainDefinition {
-    let base = chain == OUTPUT_CHAIN;
+/// The type, hook, priority, policy and flags a chain of ours has: a base chain (see
+/// [`Ruleset::chains`]) is a filter chain on its hook at priority 0 (`filter`) with its
+/// policy; any other is a regular chain.
+pub(crate) fn wanted_chain(base: Option<BaseChain>) -> ChainDefinition {
+    let hook = base.map(|b| {
+        let hook = match b.hook {
+            Hook::Output => libc::NF_INET_LOCAL_OUT,
+            Hook::Forward => libc::NF_INET_FORWARD,
+            Hook::Input => libc::NF_INET_LOCAL_IN,
+        };
+        let policy = match b.policy {
+            ChainPolicy::Accept => libc::NF_ACCEPT,
+            ChainPolicy::Drop => libc::NF_DROP,
+        };
+        (hook as u32, 0, policy as u32)
+    });
     ChainDefinition {
-        kind: base.then(|| "filter".to_string()),
-        hook: base.then_some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32)),
-        flags: if base { NFT_CHAIN_BASE } else { 0 },
+        kind: base.map(|_| "filter".to_string()),
+        hook,
+        flags: if base.is_some() { NFT_CHAIN_BASE } else { 0 },
     }
 }
 
 fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
     let mut out = Vec::new();
-    for (name, rules) in [(OUTPUT_CHAIN, &want.output), (REFUSED_CHAIN, &want.refused)] {
+    let wanted_chains = want.chains();
+    for chain in &wanted_chains {
+        let (name, rules) = (chain.name, chain.rules);
         let Some(live_chain) = live.chains.iter().find(|c| c.name == name) else {
             out.push(ChainDiff {
                 name: name.to_string(),
@@ -420,7 +433,7 @@ fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
             continue;
         };
         let (held_definition, wanted_definition) =
-            (ChainDefinition::of(live_chain), wanted_chain(name));
+            (ChainDefinition::of(live_chain), wanted_chain(chain.base));
         let definition = (held_definition != wanted_definition).then(|| Changed {
             live: held_definition.describe(),
             want: wanted_definition.describe(),
@@ -451,7 +464,7 @@ fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
         }
     }
     for chain in &live.chains {
-        if chain.name != OUTPUT_CHAIN && chain.name != REFUSED_CHAIN {
+        if !wanted_chains.iter().any(|c| c.name == chain.name) {
             out.push(ChainDiff {
                 name: chain.name.clone(),
                 presence: Presence::Extra,

@@ -27,7 +27,9 @@ use std::collections::BTreeMap;
 use crate::core::plan::{plan, unexplained_element};
 use crate::core::policy::Policy;
 use crate::core::resolution::Resolution;
-use crate::core::ruleset::{Elements, Rule, Ruleset, SetRole, Timed, Tuple, fmt_timed, fmt_tuple};
+use crate::core::ruleset::{
+    ChainSpec, Elements, Rule, Ruleset, SetRole, Timed, Tuple, fmt_timed, fmt_tuple,
+};
 
 /// How a recorded ruleset differs from the one its policy plans with its resolution (the
 /// first difference found).
@@ -60,8 +62,7 @@ pub fn check_replanned(
         return Err(NotPlanned::Resolver { resolver });
     }
     let planned = plan(policy, resolution);
-    compare_rules("output", &recorded.output, &planned.output)?;
-    compare_rules("refused", &recorded.refused, &planned.refused)?;
+    compare_chains(recorded, &planned)?;
 
     let ids = |r: &Ruleset| r.sets.iter().map(|s| s.id.name()).collect::<Vec<_>>();
     if ids(recorded) != ids(&planned) {
@@ -86,6 +87,39 @@ pub fn check_replanned(
                 detail,
             });
         }
+    }
+    Ok(())
+}
+
+/// Every chain of either ruleset: the same chains, each on the same hook with the same
+/// policy (a scoped table whose `output` is on the hook again fences everyone), with the same
+/// rules.
+fn compare_chains(recorded: &Ruleset, planned: &Ruleset) -> Result<(), NotPlanned> {
+    let (found, wanted) = (recorded.chains(), planned.chains());
+    let names = wanted.iter().map(|c| c.name).chain(
+        found
+            .iter()
+            .map(|c| c.name)
+            .filter(|n| planned.chain(n).is_none()),
+    );
+    for chain in names {
+        let (found, wanted) = (recorded.chain(chain), planned.chain(chain));
+        let base = |c: &Option<ChainSpec>| c.as_ref().and_then(|c| c.base);
+        if base(&found) != base(&wanted) {
+            let describe = |c: &Option<ChainSpec>| match (c, base(c)) {
+                (None, _) => "no such chain".to_string(),
+                (Some(_), None) => "a regular chain".to_string(),
+                (Some(_), Some(b)) => {
+                    format!("on the {} hook, policy {:?}", b.hook.name(), b.policy).to_lowercase()
+                }
+            };
+            return Err(NotPlanned::Chain {
+                chain,
+                detail: format!("it is {}, the plan {}", describe(&found), describe(&wanted)),
+            });
+        }
+        let rules = |c: Option<ChainSpec>| c.map(|c| c.rules.to_vec()).unwrap_or_default();
+        compare_rules(chain, &rules(found), &rules(wanted))?;
     }
     Ok(())
 }
