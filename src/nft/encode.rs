@@ -2174,6 +2174,112 @@ mod tests {
         );
     }
 
+    /// A batch's messages with the padding after each attribute zeroed: libnftnl leaves
+    /// whatever the buffer held there, and the kernel reads none of it.
+    fn without_padding(mut batch: Vec<u8>) -> Vec<u8> {
+        fn attrs(b: &mut [u8]) {
+            let mut at = 0;
+            while at + 4 <= b.len() {
+                let len = usize::from(u16::from_ne_bytes([b[at], b[at + 1]]));
+                let kind = u16::from_ne_bytes([b[at + 2], b[at + 3]]);
+                let padded = len.next_multiple_of(4).min(b.len() - at);
+                if len < 4 || at + len > b.len() {
+                    return;
+                }
+                if kind & 0x8000 != 0 {
+                    attrs(&mut b[at + 4..at + len]);
+                }
+                b[at + len..at + padded].fill(0);
+                at += padded;
+            }
+        }
+        let mut at = 0;
+        while at + 20 <= batch.len() {
+            let len = u32::from_ne_bytes(batch[at..at + 4].try_into().unwrap()) as usize;
+            attrs(&mut batch[at + 20..at + len]);
+            at += len.next_multiple_of(4);
+        }
+        batch
+    }
+
+    #[test]
+    fn an_unscoped_tables_batch_is_the_one_before_scopes() {
+        // The transaction as replace_table built it with its two fixed chains.
+        let before = |rs: &Ruleset| {
+            let table = table();
+            let mut batch = Batch::new();
+            batch.add(&table, MsgType::Add);
+            batch.add(&table, MsgType::Del);
+            batch.add(&table, MsgType::Add);
+            let (output_name, refused_name) = (cstring(OUTPUT_CHAIN), cstring(REFUSED_CHAIN));
+            let mut output = Chain::new(&output_name, &table);
+            output.set_hook(nftnl::Hook::Out, 0);
+            output.set_type(ChainType::Filter);
+            output.set_policy(nftnl::Policy::Drop);
+            let refused = Chain::new(&refused_name, &table);
+            batch.add(&output, MsgType::Add);
+            batch.add(&refused, MsgType::Add);
+            for (chain, rules) in [(&output, &rs.output), (&refused, &rs.refused)] {
+                for rule in rules {
+                    batch.add(&nl_rule(chain, rule, &BTreeMap::new()), MsgType::Add);
+                }
+            }
+            let batch = batch.finalize();
+            without_padding(batch.iter().flatten().copied().collect())
+        };
+        let rs = Ruleset {
+            sets: vec![],
+            output: vec![Rule::AcceptEstablished, Rule::GotoRefused],
+            refused: vec![Rule::CountFamily(Family::V4), Rule::Refuse(Action::Drop)],
+            scope: None,
+        };
+        let now = replace_table(&rs);
+        let now_bytes = without_padding(now.batch.iter().flatten().copied().collect());
+        assert_eq!(now_bytes, before(&rs));
+        let mut other = rs.clone();
+        other.refused[1] = Rule::Refuse(Action::Reject);
+        assert_ne!(
+            now_bytes,
+            before(&other),
+            "the comparison sees a rule's attributes"
+        );
+        assert_eq!(
+            now.labels[3..5],
+            ["chain output".to_string(), "chain refused".to_string()]
+        );
+    }
+
+    #[test]
+    fn a_scoped_table_makes_every_chain_before_any_rule() {
+        let rules = |r: Rule| vec![r];
+        let rs = Ruleset {
+            sets: vec![],
+            output: rules(Rule::GotoRefused),
+            refused: rules(Rule::Refuse(Action::Drop)),
+            scope: Some(crate::core::ruleset::ScopeChains {
+                output: rules(Rule::Fence(ScopeMatch::Uid(1001))),
+                forward: rules(Rule::Fence(ScopeMatch::Interface(iface("br-*")))),
+                input: rules(Rule::FromBridge(iface("br-*"))),
+                from_bridge: rules(Rule::GotoRefused),
+            }),
+        };
+        let enc = replace_table(&rs);
+        let labels: Vec<&str> = enc.labels[3..].iter().map(String::as_str).collect();
+        assert_eq!(
+            labels[..6],
+            [
+                "chain output",
+                "chain refused",
+                "chain from_bridge",
+                "chain scope_output",
+                "chain scope_forward",
+                "chain scope_input"
+            ]
+        );
+        assert!(labels[6..].iter().all(|l| l.starts_with("rule 1 of chain")));
+        assert_eq!(labels.len(), 12);
+    }
+
     #[test]
     fn labels_follow_the_messages() {
         let rs = Ruleset {
