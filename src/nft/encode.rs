@@ -1828,6 +1828,17 @@ mod tests {
     }
 
     #[test]
+    fn the_longest_cgroup_path_a_policy_takes_reads_back() {
+        let longest = format!("{}/{}", "a".repeat(62), "b".repeat(62));
+        assert_eq!(longest.len(), 125);
+        let rule = Rule::Fence(ScopeMatch::Cgroup(cgroup(&longest, 7)));
+        let d = dumped_rule(&rule).unwrap();
+        assert_eq!(decode_rule(&d.exprs, d.userdata.as_deref()), Some(rule));
+        // One byte more is refused where the policy is read: its comment would not fit.
+        assert!(format!("{longest}c").parse::<CgroupPath>().is_err());
+    }
+
+    #[test]
     fn altered_scope_rules_read_as_no_rule() {
         let read = |d: &DumpedRule| decode_rule(&d.exprs, d.userdata.as_deref());
         let agent = Rule::Fence(ScopeMatch::Cgroup(cgroup("agent.slice", 0x3f)));
