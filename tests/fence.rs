@@ -583,6 +583,12 @@ fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
         0,
         "a scoped table reads back as applied: {diff}"
     );
+    // The generation it recorded is what its policy plans, scope chains included.
+    let status = w.egress_fence(&["status"]);
+    assert!(
+        status.success() && status.stdout.contains("in sync with generation 1"),
+        "{status}"
+    );
     let ours = (netlink_rules(&w), normalized_ruleset(w.nft_json()));
     assert!(
         ours.0.iter().any(|r| r.starts_with("scope_output:")

@@ -1,7 +1,9 @@
 //! What the `nftnl` crate (0.9) lacks, filled in over `nftnl-sys`: expressions with chosen
-//! registers (payload, meta, lookup, byteorder), log and limit; sets with flags, concatenated
+//! registers (payload, meta, lookup, byteorder), log, limit and `socket cgroupv2 level N`
+//! (whose level attribute the bindings lack); sets with flags, concatenated
 //! keys and elements that carry key ends, flags and timeouts; element messages with and without
-//! NLM_F_EXCL; and parsing of dumped sets, elements, chains and rules.
+//! NLM_F_EXCL; and parsing of dumped sets, elements, chains and rules (with their user data,
+//! where nft keeps a rule's comment).
 //!
 //! This is the only module with `unsafe`. Every object here owns its libnftnl allocation and
 //! frees it on drop; every pointer handed to libnftnl is valid for the duration of the call.
