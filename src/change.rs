@@ -1581,6 +1581,38 @@ mod tests {
     }
 
     #[test]
+    fn a_scoped_live_table_is_recorded_exactly_or_refused() {
+        let rs = crate::core::diff::tests::scoped_ruleset();
+        let live = crate::nft::table::memory::live_of(&rs);
+        let recorded = recorded_table(&live).expect("recordable");
+        assert_eq!(aged(&recorded, Duration::ZERO), rs);
+
+        // Its fence made a base chain again: no ruleset installs that.
+        let mut hooked = live.clone();
+        let output = hooked
+            .chains
+            .iter_mut()
+            .find(|c| c.name == "output")
+            .unwrap();
+        output.kind = Some("filter".into());
+        output.flags = crate::nft::live::NFT_CHAIN_BASE;
+        output.hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32));
+        let why = recorded_table(&hooked).unwrap_err();
+        assert!(why.contains("chain output"), "{why}");
+
+        // scope_output with policy drop.
+        let mut dropping = live.clone();
+        let scope_output = dropping
+            .chains
+            .iter_mut()
+            .find(|c| c.name == "scope_output")
+            .unwrap();
+        scope_output.hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32));
+        let why = recorded_table(&dropping).unwrap_err();
+        assert!(why.contains("chain scope_output"), "{why}");
+    }
+
+    #[test]
     fn a_live_table_that_cannot_be_recorded_refuses_arming() {
         let f = fixture();
         // Two tables ago in the same chain: the kernel holds a rule the decoder cannot read.

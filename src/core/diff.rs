@@ -13,7 +13,7 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::core::ruleset::{
-    Elements, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
+    BaseChain, ChainPolicy, Elements, Hook, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
     fmt_tuple,
 };
 use crate::nft::LiveTable;
@@ -394,21 +394,34 @@ fn render(keys: &BTreeSet<ElementKey>) -> Vec<String> {
         .collect()
 }
 
-/// The type, hook, priority, policy and flags each of our chains has: the output chain is
-/// a filter chain on the output hook at priority 0 (`filter`) that drops what no rule
-/// accepts; the refused chain is a regular chain.
-pub(crate) fn wanted_chain(chain: &str) -> ChainDefinition {
-    let base = chain == OUTPUT_CHAIN;
+/// The type, hook, priority, policy and flags a chain of ours has: a base chain (see
+/// [`Ruleset::chains`]) is a filter chain on its hook at priority 0 (`filter`) with its
+/// policy; any other is a regular chain.
+pub(crate) fn wanted_chain(base: Option<BaseChain>) -> ChainDefinition {
+    let hook = base.map(|b| {
+        let hook = match b.hook {
+            Hook::Output => libc::NF_INET_LOCAL_OUT,
+            Hook::Forward => libc::NF_INET_FORWARD,
+            Hook::Input => libc::NF_INET_LOCAL_IN,
+        };
+        let policy = match b.policy {
+            ChainPolicy::Accept => libc::NF_ACCEPT,
+            ChainPolicy::Drop => libc::NF_DROP,
+        };
+        (hook as u32, 0, policy as u32)
+    });
     ChainDefinition {
-        kind: base.then(|| "filter".to_string()),
-        hook: base.then_some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32)),
-        flags: if base { NFT_CHAIN_BASE } else { 0 },
+        kind: base.map(|_| "filter".to_string()),
+        hook,
+        flags: if base.is_some() { NFT_CHAIN_BASE } else { 0 },
     }
 }
 
 fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
     let mut out = Vec::new();
-    for (name, rules) in [(OUTPUT_CHAIN, &want.output), (REFUSED_CHAIN, &want.refused)] {
+    let wanted_chains = want.chains();
+    for chain in &wanted_chains {
+        let (name, rules) = (chain.name, chain.rules);
         let Some(live_chain) = live.chains.iter().find(|c| c.name == name) else {
             out.push(ChainDiff {
                 name: name.to_string(),
@@ -420,7 +433,7 @@ fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
             continue;
         };
         let (held_definition, wanted_definition) =
-            (ChainDefinition::of(live_chain), wanted_chain(name));
+            (ChainDefinition::of(live_chain), wanted_chain(chain.base));
         let definition = (held_definition != wanted_definition).then(|| Changed {
             live: held_definition.describe(),
             want: wanted_definition.describe(),
@@ -451,7 +464,7 @@ fn compare_chains(want: &Ruleset, live: &LiveTable) -> Vec<ChainDiff> {
         }
     }
     for chain in &live.chains {
-        if chain.name != OUTPUT_CHAIN && chain.name != REFUSED_CHAIN {
+        if !wanted_chains.iter().any(|c| c.name == chain.name) {
             out.push(ChainDiff {
                 name: chain.name.clone(),
                 presence: Presence::Extra,
@@ -504,7 +517,7 @@ fn unmatched<T: PartialEq>(want: &[T], live: &[T]) -> (Vec<usize>, Vec<usize>) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::BTreeMap;
     use std::path::Path;
 
@@ -802,6 +815,187 @@ mod tests {
         let diff = compare(&rs, Some(&live), CompareOptions::default());
         assert_eq!(diff.chains.len(), 1);
         assert_eq!(diff.chains[0].name, "refused");
+    }
+
+    /// A guard-mode policy with every kind of scope but groups (whose names the host's
+    /// accounts would have to know), and what it resolved: `agent.slice` is cgroup 4242, the
+    /// guard listens on 198.18.0.1 too. Shared by the tests of other modules.
+    pub(crate) fn scoped() -> (Policy, Resolution) {
+        let policy = Policy::parse(
+            "version: 1\nscope:\n  users: [1001, 1002]\n  cgroups: [agent.slice, a/b]\n  \
+             forward: [docker0, \"br-*\"]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n\
+             allow:\n  - domain: a.example\n    ports: [443]\n",
+            Path::new("p.yaml"),
+        )
+        .expect("valid");
+        let mut resolution = resolution(&["192.0.2.10"]);
+        resolution.resolvers = vec!["192.0.2.53".parse().unwrap()];
+        resolution.guard_uid = Some(993);
+        resolution.scope.cgroups = vec![
+            crate::core::ruleset::CgroupMatch {
+                path: "agent.slice".parse().unwrap(),
+                level: 1,
+                id: 4242,
+            },
+            crate::core::ruleset::CgroupMatch {
+                path: "a/b".parse().unwrap(),
+                level: 2,
+                id: u64::MAX,
+            },
+        ];
+        resolution.scope.bridge_listen = vec!["198.18.0.1:53".parse().unwrap()];
+        (policy, resolution)
+    }
+
+    pub(crate) fn scoped_ruleset() -> Ruleset {
+        let (policy, resolution) = scoped();
+        plan(&policy, &resolution)
+    }
+
+    #[test]
+    fn a_scoped_table_compares_equal_chain_by_chain() {
+        let rs = scoped_ruleset();
+        let names: Vec<&str> = rs.chains().iter().map(|c| c.name).collect();
+        assert_eq!(
+            names,
+            [
+                "output",
+                "refused",
+                "from_bridge",
+                "scope_output",
+                "scope_forward",
+                "scope_input"
+            ]
+        );
+        let live = live_of(&rs);
+        assert!(
+            live.rules
+                .iter()
+                .all(|r| matches!(r.rule, ReadRule::Known(_))),
+            "every rule of a scoped plan reads back as itself"
+        );
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert!(diff.is_empty(), "{diff}");
+        // The cgroup rules are there, with their ids and paths.
+        assert!(live.rules.iter().any(|r| r.chain == "scope_output"
+            && r.rule.to_string()
+                == "socket cgroupv2 level 2 \"a/b\" goto output comment \"a/b\""));
+    }
+
+    #[test]
+    fn a_scoped_tables_hooks_and_policies_are_drift() {
+        let rs = scoped_ruleset();
+        let at =
+            |live: &LiveTable, name: &str| live.chains.iter().position(|c| c.name == name).unwrap();
+        // The fence on the output hook again: it would fence every process.
+        let mut live = live_of(&rs);
+        let output = at(&live, "output");
+        live.chains[output].kind = Some("filter".into());
+        live.chains[output].flags = NFT_CHAIN_BASE;
+        live.chains[output].hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec!["chain output: hook output priority 0 policy drop (wanted: no hook)"]
+        );
+        // scope_output dropping what the scope does not name.
+        let mut live = live_of(&rs);
+        let scope_output = at(&live, "scope_output");
+        live.chains[scope_output].hook =
+            Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "chain scope_output: hook output priority 0 policy drop (wanted: hook output \
+                 priority 0 policy accept)"
+            ]
+        );
+        // scope_forward on the input hook, scope_input a regular chain.
+        let mut live = live_of(&rs);
+        let forward = at(&live, "scope_forward");
+        live.chains[forward].hook = Some((libc::NF_INET_LOCAL_IN as u32, 0, 1));
+        let input = at(&live, "scope_input");
+        (
+            live.chains[input].kind,
+            live.chains[input].hook,
+            live.chains[input].flags,
+        ) = (None, None, 0);
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        let names: Vec<&str> = diff.chains.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["scope_forward", "scope_input"], "{diff}");
+
+        // A scope chain missing, and one the plan has no more.
+        let mut live = live_of(&rs);
+        live.chains.retain(|c| c.name != "scope_input");
+        live.rules.retain(|r| r.chain != "scope_input");
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(diff.chains.len(), 1);
+        assert_eq!(diff.chains[0].presence, Presence::Missing);
+        assert_eq!(diff.chains[0].added_rules.len(), 2);
+        let unscoped = ruleset_for(POLICY, &["192.0.2.10"]);
+        let diff = compare(&unscoped, Some(&live_of(&rs)), CompareOptions::default());
+        let extra: Vec<&str> = diff
+            .chains
+            .iter()
+            .filter(|c| c.presence == Presence::Extra)
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(
+            extra,
+            [
+                "from_bridge",
+                "scope_output",
+                "scope_forward",
+                "scope_input"
+            ]
+        );
+        let output = diff.chains.iter().find(|c| c.name == "output").unwrap();
+        assert_eq!(
+            output.definition.as_ref().map(|d| d.want.as_str()),
+            Some("hook output priority 0 policy drop")
+        );
+    }
+
+    #[test]
+    fn a_scope_rule_changed_by_hand_is_drift() {
+        let rs = scoped_ruleset();
+        // The cgroup made again (another id), an interface renamed, the comment dropped.
+        let mut live = live_of(&rs);
+        let scope = rs.scope.as_ref().unwrap();
+        let agent = scope
+            .output
+            .iter()
+            .find(|r| matches!(r, Rule::Fence(crate::core::ruleset::ScopeMatch::Cgroup(_))))
+            .unwrap();
+        let at = live
+            .rules
+            .iter()
+            .position(|r| r.rule == ReadRule::Known(agent.clone()))
+            .unwrap();
+        let mut moved = agent.clone();
+        if let Rule::Fence(crate::core::ruleset::ScopeMatch::Cgroup(c)) = &mut moved {
+            c.id += 1;
+        }
+        live.rules[at] = live_rule("scope_output", &moved);
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec!["chain scope_output: +1 -1 rules"],
+            "{diff}"
+        );
+
+        let mut dumped = encode::dumped_rule(agent).unwrap();
+        dumped.chain = "scope_output".into();
+        dumped.userdata = None;
+        live.rules[at] = LiveRule::decode(dumped);
+        assert!(matches!(live.rules[at].rule, ReadRule::Unknown(_)));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec!["chain scope_output: +1 -1 rules"],
+            "{diff}"
+        );
     }
 
     #[test]

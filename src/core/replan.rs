@@ -27,7 +27,9 @@ use std::collections::BTreeMap;
 use crate::core::plan::{plan, unexplained_element};
 use crate::core::policy::Policy;
 use crate::core::resolution::Resolution;
-use crate::core::ruleset::{Elements, Rule, Ruleset, SetRole, Timed, Tuple, fmt_timed, fmt_tuple};
+use crate::core::ruleset::{
+    ChainPolicy, ChainSpec, Elements, Rule, Ruleset, SetRole, Timed, Tuple, fmt_timed, fmt_tuple,
+};
 
 /// How a recorded ruleset differs from the one its policy plans with its resolution (the
 /// first difference found).
@@ -60,8 +62,7 @@ pub fn check_replanned(
         return Err(NotPlanned::Resolver { resolver });
     }
     let planned = plan(policy, resolution);
-    compare_rules("output", &recorded.output, &planned.output)?;
-    compare_rules("refused", &recorded.refused, &planned.refused)?;
+    compare_chains(recorded, &planned)?;
 
     let ids = |r: &Ruleset| r.sets.iter().map(|s| s.id.name()).collect::<Vec<_>>();
     if ids(recorded) != ids(&planned) {
@@ -86,6 +87,44 @@ pub fn check_replanned(
                 detail,
             });
         }
+    }
+    Ok(())
+}
+
+/// Every chain of either ruleset: the same chains, each on the same hook with the same
+/// policy (a scoped table whose `output` is on the hook again fences everyone), with the same
+/// rules.
+fn compare_chains(recorded: &Ruleset, planned: &Ruleset) -> Result<(), NotPlanned> {
+    let (found, wanted) = (recorded.chains(), planned.chains());
+    let names = wanted.iter().map(|c| c.name).chain(
+        found
+            .iter()
+            .map(|c| c.name)
+            .filter(|n| planned.chain(n).is_none()),
+    );
+    for chain in names {
+        let (found, wanted) = (recorded.chain(chain), planned.chain(chain));
+        let base = |c: &Option<ChainSpec>| c.as_ref().and_then(|c| c.base);
+        if base(&found) != base(&wanted) {
+            let describe = |c: &Option<ChainSpec>| match (c, base(c)) {
+                (None, _) => "no such chain".to_string(),
+                (Some(_), None) => "a regular chain".to_string(),
+                (Some(_), Some(b)) => format!(
+                    "on the {} hook, policy {}",
+                    b.hook.name(),
+                    match b.policy {
+                        ChainPolicy::Accept => "accept",
+                        ChainPolicy::Drop => "drop",
+                    }
+                ),
+            };
+            return Err(NotPlanned::Chain {
+                chain,
+                detail: format!("it is {}, the plan {}", describe(&found), describe(&wanted)),
+            });
+        }
+        let rules = |c: Option<ChainSpec>| c.map(|c| c.rules.to_vec()).unwrap_or_default();
+        compare_rules(chain, &rules(found), &rules(wanted))?;
     }
     Ok(())
 }
@@ -290,6 +329,84 @@ mod tests {
             check_replanned(&p, &r, &no_sets),
             Err(NotPlanned::Sets { .. })
         ));
+    }
+
+    #[test]
+    fn a_scoped_ruleset_is_checked_chain_by_chain() {
+        let (p, r) = crate::core::diff::tests::scoped();
+        let planned = plan(&p, &r);
+        assert_eq!(check_replanned(&p, &r, &planned), Ok(()));
+
+        // A uid more in scope_output: more is fenced, but it is not what the policy says.
+        let mut more = planned.clone();
+        let scope = more.scope.as_mut().unwrap();
+        scope
+            .output
+            .push(Rule::Fence(crate::core::ruleset::ScopeMatch::Uid(4)));
+        let err = check_replanned(&p, &r, &more).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                NotPlanned::Chain {
+                    chain: "scope_output",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // A bridge less.
+        let mut fewer = planned.clone();
+        fewer.scope.as_mut().unwrap().forward.pop();
+        let err = check_replanned(&p, &r, &fewer).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                NotPlanned::Chain {
+                    chain: "scope_forward",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // A chain of the plan the recorded table lacks.
+        let mut no_bridge = planned.clone();
+        no_bridge.scope.as_mut().unwrap().from_bridge.clear();
+        let err = check_replanned(&p, &r, &no_bridge).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                NotPlanned::Chain {
+                    chain: "from_bridge",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Without its scope chains the fence is on the output hook again: everyone is
+        // fenced, which this policy does not say.
+        let mut unscoped = planned.clone();
+        unscoped.scope = None;
+        let err = check_replanned(&p, &r, &unscoped).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "its chain output is not what its policy plans (it is on the output hook, policy \
+             drop, the plan a regular chain)"
+        );
+        // And an unscoped policy's ruleset with scope chains is refused as well.
+        let (tight, tr) = (policy(TIGHT), resolved());
+        let mut scoped = plan(&tight, &tr);
+        scoped.scope = planned.scope.clone();
+        let err = check_replanned(&tight, &tr, &scoped).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                NotPlanned::Chain {
+                    chain: "output",
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]

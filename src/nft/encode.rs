@@ -9,16 +9,17 @@ use ipnet::IpNet;
 use nftnl::expr::{
     Bitwise, Conntrack, Counter, Expression, IcmpCode, Meta, RejectionType, States, Verdict,
 };
-use nftnl::{Batch, Chain, ChainType, FinalizedBatch, Hook, MsgType, NlMsg, ProtoFamily, Table};
+use nftnl::{Batch, Chain, ChainType, FinalizedBatch, MsgType, NlMsg, ProtoFamily, Table};
 
 use super::sys::{
     self, DumpedRule, Elem, ElemOp, Expr, KeySpec, LiveExpr, NFT_SET_CONCAT,
     NFT_SET_ELEM_INTERVAL_END, NFT_SET_INTERVAL, NFT_SET_TIMEOUT, NlSet, PayloadBase,
 };
-use crate::core::policy::{Action, L4Proto, Rate, RateUnit};
+use crate::core::policy::{Action, CgroupPath, IfacePattern, L4Proto, Rate, RateUnit};
 use crate::core::ruleset::{
-    DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements, Family, Icmpv6Type, KeyShape, Limit, LimitKind,
-    LogSpec, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, SetId, SetRole,
+    BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
+    FROM_BRIDGE_CHAIN, Family, Hook, Icmpv6Type, KeyShape, Limit, LimitKind, LogSpec,
+    MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, ScopeMatch, SetId, SetRole,
     SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
 
@@ -112,31 +113,50 @@ pub fn replace_table(ruleset: &Ruleset) -> Encoded {
         );
     }
 
-    let output_name = cstring(OUTPUT_CHAIN);
-    let refused_name = cstring(REFUSED_CHAIN);
-    let mut output = Chain::new(&output_name, &table);
-    output.set_hook(Hook::Out, 0);
-    output.set_type(ChainType::Filter);
-    output.set_policy(nftnl::Policy::Drop);
-    let refused = Chain::new(&refused_name, &table);
-    // Both chains exist before any rule jumps between them, in the order nft creates them.
-    b.add(&output, MsgType::Add, format!("chain {OUTPUT_CHAIN}"));
-    b.add(&refused, MsgType::Add, format!("chain {REFUSED_CHAIN}"));
-
-    for (chain, chain_name, rules) in [
-        (&output, OUTPUT_CHAIN, &ruleset.output),
-        (&refused, REFUSED_CHAIN, &ruleset.refused),
-    ] {
-        for (i, rule) in rules.iter().enumerate() {
+    let specs = ruleset.chains();
+    let names: Vec<CString> = specs.iter().map(|c| cstring(c.name)).collect();
+    let chains: Vec<Chain> = specs
+        .iter()
+        .zip(&names)
+        .map(|(spec, name)| nl_chain(name, &table, spec.base))
+        .collect();
+    // Every chain exists before any rule goes to one, in the order nft creates them.
+    for (spec, chain) in specs.iter().zip(&chains) {
+        b.add(chain, MsgType::Add, format!("chain {}", spec.name));
+    }
+    for (spec, chain) in specs.iter().zip(&chains) {
+        for (i, rule) in spec.rules.iter().enumerate() {
             let nl = nl_rule(chain, rule, &set_ids);
             b.add(
                 &nl,
                 MsgType::Add,
-                format!("rule {} of chain {chain_name} ({rule:?})", i + 1),
+                format!("rule {} of chain {} ({rule:?})", i + 1, spec.name),
             );
         }
     }
     b.finish()
+}
+
+/// A chain of the table: on its hook at priority `filter` (0) with its policy when it is a
+/// base chain, else a regular chain.
+fn nl_chain<'a>(name: &'a CString, table: &'a Table, base: Option<BaseChain>) -> Chain<'a> {
+    let mut chain = Chain::new(name, table);
+    if let Some(base) = base {
+        chain.set_hook(
+            match base.hook {
+                Hook::Output => nftnl::Hook::Out,
+                Hook::Forward => nftnl::Hook::Forward,
+                Hook::Input => nftnl::Hook::In,
+            },
+            0,
+        );
+        chain.set_type(ChainType::Filter);
+        chain.set_policy(match base.policy {
+            ChainPolicy::Accept => nftnl::Policy::Accept,
+            ChainPolicy::Drop => nftnl::Policy::Drop,
+        });
+    }
+    chain
 }
 
 /// The transaction that adds resolved elements or renews their timeouts, leaving everything
@@ -293,7 +313,8 @@ pub fn comment_userdata(text: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// The comment in an element's user data (see [`comment_userdata`]), if it holds one.
+/// The comment in an element's or a rule's user data (see [`comment_userdata`]), if it
+/// holds one: libnftnl's `NFTNL_UDATA_RULE_COMMENT` is the same TLV of type 0.
 pub fn comment_of(udata: &[u8]) -> Option<String> {
     let mut rest = udata;
     while let [kind, len, tail @ ..] = rest {
@@ -479,9 +500,42 @@ fn lookup(set: SetId, set_ids: &BTreeMap<SetId, u32>) -> AnyExpr {
 }
 
 fn goto_refused() -> AnyExpr {
+    goto(REFUSED_CHAIN)
+}
+
+fn goto(chain: &str) -> AnyExpr {
     crate_expr(Verdict::Goto {
-        chain: cstring(REFUSED_CHAIN),
+        chain: cstring(chain),
     })
+}
+
+/// The kernel's longest interface name, its NUL included (`IFNAMSIZ`).
+const IFNAMSIZ: usize = 16;
+
+/// `iifname "docker0"`: the whole name, NUL-padded to [`IFNAMSIZ`] bytes; `iifname "br-*"`:
+/// only the prefix's bytes, so that any name starting with them matches (as nft sends them).
+fn iifname_is(iface: &IfacePattern) -> [AnyExpr; 2] {
+    let data = match iface.prefix() {
+        Some(prefix) => prefix.as_bytes().to_vec(),
+        None => {
+            let mut name = iface.as_str().as_bytes().to_vec();
+            name.resize(IFNAMSIZ, 0);
+            name
+        }
+    };
+    [
+        own(Expr::meta(libc::NFT_META_IIFNAME, sys::REG_1)),
+        eq(&data),
+    ]
+}
+
+/// `socket cgroupv2 level N "path"`: the id of the socket's ancestor at the cgroup's level
+/// is the cgroup's (8 bytes, host order, as nft sends it).
+fn cgroup_is(cgroup: &CgroupMatch) -> [AnyExpr; 2] {
+    [
+        own(Expr::socket_cgroupv2(cgroup.level, sys::REG_1)),
+        eq(&cgroup.id.to_ne_bytes()),
+    ]
 }
 
 fn limit(l: Limit) -> AnyExpr {
@@ -523,9 +577,34 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     let accept = crate_expr(Verdict::Accept);
     let mut e = Vec::new();
     match rule {
-        // PLACEHOLDER (scope encoder helper replaces this arm before the branch reaches main).
-        Rule::Fence(_) | Rule::FromBridge(_) | Rule::AcceptGuardQuery { .. } => {
-            e.push(goto_refused());
+        Rule::Fence(matched) => {
+            match matched {
+                ScopeMatch::Uid(uid) => {
+                    e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+                    e.push(eq(&uid.to_ne_bytes()));
+                }
+                ScopeMatch::Gid(gid) => {
+                    e.push(own(Expr::meta(libc::NFT_META_SKGID, sys::REG_1)));
+                    e.push(eq(&gid.to_ne_bytes()));
+                }
+                ScopeMatch::Cgroup(cgroup) => e.extend(cgroup_is(cgroup)),
+                ScopeMatch::Interface(iface) => e.extend(iifname_is(iface)),
+            }
+            e.push(goto(OUTPUT_CHAIN));
+        }
+        Rule::FromBridge(iface) => {
+            e.extend(iifname_is(iface));
+            e.push(goto(FROM_BRIDGE_CHAIN));
+        }
+        Rule::AcceptGuardQuery { to, proto } => {
+            let family = Family::of(to.ip());
+            e.extend(is_family(family));
+            e.push(daddr_into_reg1(family));
+            e.push(eq(&addr_bytes(to.ip())));
+            e.extend(l4proto_is(proto.number()));
+            e.push(own(Expr::payload(PayloadBase::Transport, 2, 2, sys::REG_1)));
+            e.push(eq(&to.port().to_be_bytes()));
+            e.push(accept);
         }
         Rule::RefuseSourceRoute(route) => {
             e.extend(is_family(route.family()));
@@ -706,9 +785,14 @@ fn rule_text(rule: &Rule) -> Vec<String> {
 /// the parameters, then checks its answer by encoding it again: a rule that differs from
 /// every rule egress-fence writes in any attribute (another register, an inverted lookup, an
 /// extra expression) is never taken for one.
-pub fn decode_rule(exprs: &[LiveExpr]) -> Option<Rule> {
-    let rule = decoded_candidate(exprs)?;
-    let again = dumped_rule(&rule)?.exprs;
+///
+/// `userdata` is the rule's user data, where nft keeps its comment: a cgroup's rule names
+/// its path there; any other rule has none, and a rule whose user data is not exactly what
+/// egress-fence writes is none of its rules either.
+pub fn decode_rule(exprs: &[LiveExpr], userdata: Option<&[u8]>) -> Option<Rule> {
+    let comment = userdata.and_then(comment_of);
+    let rule = decoded_candidate(exprs, comment.as_deref())?;
+    let again = dumped_rule(&rule)?;
     let config = |e: &LiveExpr| match e {
         LiveExpr::Counter { .. } => LiveExpr::Counter {
             packets: 0,
@@ -716,7 +800,13 @@ pub fn decode_rule(exprs: &[LiveExpr]) -> Option<Rule> {
         },
         other => other.clone(),
     };
-    (again.len() == exprs.len() && again.iter().zip(exprs).all(|(a, b)| config(a) == config(b)))
+    (again.exprs.len() == exprs.len()
+        && again
+            .exprs
+            .iter()
+            .zip(exprs)
+            .all(|(a, b)| config(a) == config(b))
+        && again.userdata.as_deref() == userdata)
         .then_some(rule)
 }
 
@@ -755,6 +845,14 @@ struct Matches {
     family: Option<Family>,
     l4proto: Option<u8>,
     saddr: Option<IpAddr>,
+    daddr: Option<IpAddr>,
+    gid_eq: Option<u32>,
+    /// `iifname`: the bytes compared with.
+    iifname: Option<Vec<u8>>,
+    /// `socket cgroupv2 level N`: the level, and the id compared with.
+    cgroup: Option<(u32, u64)>,
+    /// The rule's comment.
+    comment: Option<String>,
     sport: Option<u16>,
     dport: Option<u16>,
     icmp_type: Option<u8>,
@@ -780,6 +878,8 @@ enum ReadVerdict {
     Accept,
     Drop,
     GotoRefused,
+    GotoOutput,
+    GotoFromBridge,
     Reject,
 }
 
@@ -790,6 +890,8 @@ enum Loaded {
     Payload(PayloadBase, u32, u32),
     Ct,
     Exthdr,
+    /// `socket cgroupv2 level N`.
+    Cgroup(u32),
 }
 
 fn u32_of(data: &[u8]) -> Option<u32> {
@@ -802,8 +904,11 @@ fn u16_be_of(data: &[u8]) -> Option<u16> {
 
 /// The rule `exprs` would be if they are one of ours: parameters read, shape chosen, nothing
 /// checked yet (see [`decode_rule`]).
-fn decoded_candidate(exprs: &[LiveExpr]) -> Option<Rule> {
-    let mut m = Matches::default();
+fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> {
+    let mut m = Matches {
+        comment: comment.map(str::to_string),
+        ..Matches::default()
+    };
     let mut loaded: Option<Loaded> = None;
     for e in exprs {
         match e {
@@ -824,6 +929,11 @@ fn decoded_candidate(exprs: &[LiveExpr]) -> Option<Rule> {
                 loaded = Some(Loaded::Payload(base, *offset, *len));
             }
             LiveExpr::Ct { .. } => loaded = Some(Loaded::Ct),
+            LiveExpr::Socket {
+                key: sys::NFT_SOCKET_CGROUPV2,
+                dreg,
+                level: Some(level),
+            } if *dreg == sys::REG_1 => loaded = Some(Loaded::Cgroup(*level)),
             LiveExpr::Exthdr { .. } => loaded = Some(Loaded::Exthdr),
             LiveExpr::Cmp { op, data, .. } => {
                 let (op, eq) = (*op as c_int, *op as c_int == libc::NFT_CMP_EQ);
@@ -844,18 +954,27 @@ fn decoded_candidate(exprs: &[LiveExpr]) -> Option<Rule> {
                     Loaded::Meta(libc::NFT_META_MARK) if eq => m.mark_eq = u32_of(data),
                     Loaded::Meta(libc::NFT_META_MARK) => m.mark_neq = u32_of(data),
                     Loaded::Meta(libc::NFT_META_OIF) => m.oif_eq = eq,
+                    Loaded::Meta(libc::NFT_META_SKGID) => m.gid_eq = u32_of(data),
+                    Loaded::Meta(libc::NFT_META_IIFNAME) => m.iifname = Some(data.clone()),
+                    Loaded::Cgroup(level) => {
+                        let id = u64::from_ne_bytes(data.as_slice().try_into().ok()?);
+                        m.cgroup = Some((level, id));
+                    }
                     Loaded::Payload(PayloadBase::Network, 0, 1) => m.hdrlength = true,
                     Loaded::Payload(PayloadBase::Network, offset, len) => {
                         let family = m.family?;
+                        let addr = match family {
+                            Family::V4 => {
+                                <[u8; 4]>::try_from(data.as_slice()).ok().map(IpAddr::from)
+                            }
+                            Family::V6 => {
+                                <[u8; 16]>::try_from(data.as_slice()).ok().map(IpAddr::from)
+                            }
+                        };
                         if (offset, len) == saddr_field(family) {
-                            m.saddr = match family {
-                                Family::V4 => {
-                                    <[u8; 4]>::try_from(data.as_slice()).ok().map(IpAddr::from)
-                                }
-                                Family::V6 => {
-                                    <[u8; 16]>::try_from(data.as_slice()).ok().map(IpAddr::from)
-                                }
-                            };
+                            m.saddr = addr;
+                        } else if (offset, len) == daddr_field(family) {
+                            m.daddr = addr;
                         }
                     }
                     Loaded::Payload(PayloadBase::Transport, 0, 1) => {
@@ -879,6 +998,8 @@ fn decoded_candidate(exprs: &[LiveExpr]) -> Option<Rule> {
                     (libc::NF_ACCEPT, None) => ReadVerdict::Accept,
                     (libc::NF_DROP, None) => ReadVerdict::Drop,
                     (libc::NFT_GOTO, Some(REFUSED_CHAIN)) => ReadVerdict::GotoRefused,
+                    (libc::NFT_GOTO, Some(OUTPUT_CHAIN)) => ReadVerdict::GotoOutput,
+                    (libc::NFT_GOTO, Some(FROM_BRIDGE_CHAIN)) => ReadVerdict::GotoFromBridge,
                     _ => return None,
                 });
             }
@@ -936,10 +1057,31 @@ fn rule_of(m: &Matches) -> Option<Rule> {
                 }
             } else if m.oif_eq {
                 Rule::AcceptLoopback
+            } else if let (Some(ip), Some(port), None) = (m.daddr, m.dport, m.limit) {
+                Rule::AcceptGuardQuery {
+                    to: SocketAddr::new(ip, port),
+                    proto: proto()?,
+                }
             } else {
                 Rule::AcceptDhcpClient(m.family?)
             }
         }
+        ReadVerdict::GotoOutput => Rule::Fence(if let Some(uid) = m.uid_eq {
+            ScopeMatch::Uid(uid)
+        } else if let Some(gid) = m.gid_eq {
+            ScopeMatch::Gid(gid)
+        } else if let Some((level, id)) = m.cgroup {
+            // The kernel knows the cgroup by its id alone; the path is the rule's comment,
+            // and a rule whose path is not as deep as its level is none of ours.
+            let path: CgroupPath = m.comment.as_deref()?.parse().ok()?;
+            if path.level() != level {
+                return None;
+            }
+            ScopeMatch::Cgroup(CgroupMatch { path, level, id })
+        } else {
+            ScopeMatch::Interface(iface_of(m.iifname.as_deref()?)?)
+        }),
+        ReadVerdict::GotoFromBridge => Rule::FromBridge(iface_of(m.iifname.as_deref()?)?),
         ReadVerdict::GotoRefused => {
             if m.hdrlength {
                 Rule::RefuseSourceRoute(SourceRoute::Ipv4Options)
@@ -983,6 +1125,17 @@ fn rule_of(m: &Matches) -> Option<Rule> {
     })
 }
 
+/// The interface pattern `iifname` compares with: a whole name NUL-padded to [`IFNAMSIZ`]
+/// bytes, or a prefix's bytes alone (`br-*`).
+fn iface_of(data: &[u8]) -> Option<IfacePattern> {
+    let text = match data.iter().position(|&b| b == 0) {
+        Some(end) if data.len() == IFNAMSIZ => std::str::from_utf8(&data[..end]).ok()?.to_string(),
+        Some(_) => return None,
+        None => format!("{}*", std::str::from_utf8(data).ok()?),
+    };
+    text.parse().ok()
+}
+
 /// The ICMPv6 types a rule accepts.
 const ICMPV6_TYPES: [Icmpv6Type; 4] = [
     Icmpv6Type::NdRouterSolicit,
@@ -1000,7 +1153,21 @@ fn nl_rule<'a>(
     for e in rule_exprs(rule, set_ids) {
         nl.add_expr(&e);
     }
+    if let Some(comment) = rule_comment(rule) {
+        // A comment libnftnl's buffer cannot hold (a path longer than 125 bytes) is left
+        // out: the rule then reads back as none of ours, drift, never as another cgroup.
+        let _ = nl.set_comment(comment);
+    }
     nl
+}
+
+/// The comment a rule carries (nft's `comment "..."`, kept in the rule's user data): a
+/// cgroup's path, which the kernel knows only by its id.
+fn rule_comment(rule: &Rule) -> Option<CString> {
+    match rule {
+        Rule::Fence(ScopeMatch::Cgroup(c)) => CString::new(c.path.as_str()).ok(),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -1008,6 +1175,7 @@ mod tests {
     use super::*;
     use crate::core::policy::{L4Proto, PortRange};
     use crate::core::ruleset::{Icmpv6Type, LogSpec, SetRole};
+    use crate::nft::sys::DumpedRule;
 
     fn exprs(rule: &Rule) -> Vec<String> {
         rule_text(rule)
@@ -1484,6 +1652,7 @@ mod tests {
                 });
             }
         }
+        rules.extend(scope_rules());
         for (prefix, group, rate) in [
             ("EGRESS-DROP: ", Some(100), "10/second"),
             ("EGRESS-DROP: ", None, "10/second"),
@@ -1499,11 +1668,384 @@ mod tests {
         rules
     }
 
+    fn iface(name: &str) -> IfacePattern {
+        name.parse().unwrap()
+    }
+
+    fn cgroup(path: &str, id: u64) -> CgroupMatch {
+        let path: CgroupPath = path.parse().unwrap();
+        CgroupMatch {
+            level: path.level(),
+            path,
+            id,
+        }
+    }
+
+    /// Every shape of rule a scope adds.
+    fn scope_rules() -> Vec<Rule> {
+        let mut rules = vec![
+            Rule::Fence(ScopeMatch::Uid(1001)),
+            Rule::Fence(ScopeMatch::Uid(0)),
+            Rule::Fence(ScopeMatch::Gid(2000)),
+            Rule::Fence(ScopeMatch::Cgroup(cgroup("agent.slice", 0x3f))),
+            Rule::Fence(ScopeMatch::Cgroup(cgroup(
+                "system.slice/agent.service",
+                u64::MAX - 7,
+            ))),
+        ];
+        for name in ["docker0", "br-*", "efbr0", "abcdefghijklmno", "x*"] {
+            rules.push(Rule::Fence(ScopeMatch::Interface(iface(name))));
+            rules.push(Rule::FromBridge(iface(name)));
+        }
+        for to in ["198.18.0.1:53", "[fd00::1]:53", "172.17.0.1:5353"] {
+            for proto in [L4Proto::Udp, L4Proto::Tcp] {
+                rules.push(Rule::AcceptGuardQuery {
+                    to: to.parse().unwrap(),
+                    proto,
+                });
+            }
+        }
+        rules
+    }
+
+    #[test]
+    fn scope_rules_match_nft() {
+        // Recorded from `nft --debug=netlink -f` (nft 1.0.6) for the same rules as nft text.
+        assert_eq!(
+            exprs(&Rule::Fence(ScopeMatch::Uid(1001))),
+            [
+                "meta load skuid => reg 1",
+                "cmp eq reg 1 0x000003e9",
+                "immediate reg 0 goto -> output"
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::Fence(ScopeMatch::Gid(2000))),
+            [
+                "meta load skgid => reg 1",
+                "cmp eq reg 1 0x000007d0",
+                "immediate reg 0 goto -> output"
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::Fence(ScopeMatch::Interface(iface("docker0")))),
+            [
+                "meta load iifname => reg 1",
+                "cmp eq reg 1 0x6b636f64 0x00307265 0x00000000 0x00000000",
+                "immediate reg 0 goto -> output"
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::Fence(ScopeMatch::Interface(iface("br-*")))),
+            [
+                "meta load iifname => reg 1",
+                "cmp eq reg 1 0x002d7262",
+                "immediate reg 0 goto -> output"
+            ]
+        );
+        // Only the prefix's three bytes, no NUL: any name that starts with them matches.
+        let prefix = dumped_rule(&Rule::FromBridge(iface("br-*"))).unwrap();
+        assert!(matches!(&prefix.exprs[1], LiveExpr::Cmp { data, .. } if data == b"br-"));
+        assert_eq!(
+            exprs(&Rule::FromBridge(iface("docker0"))),
+            [
+                "meta load iifname => reg 1",
+                "cmp eq reg 1 0x6b636f64 0x00307265 0x00000000 0x00000000",
+                "immediate reg 0 goto -> from_bridge"
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::AcceptGuardQuery {
+                to: "198.18.0.1:53".parse().unwrap(),
+                proto: L4Proto::Udp
+            }),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "payload load 4b @ network header + 16 => reg 1",
+                "cmp eq reg 1 0x010012c6",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000011",
+                "payload load 2b @ transport header + 2 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::AcceptGuardQuery {
+                to: "[fd00::1]:53".parse().unwrap(),
+                proto: L4Proto::Tcp
+            }),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "payload load 16b @ network header + 24 => reg 1",
+                "cmp eq reg 1 0x000000fd 0x00000000 0x00000000 0x01000000",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000006",
+                "payload load 2b @ transport header + 2 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "immediate reg 0 accept",
+            ]
+        );
+        // `socket cgroupv2 level 1 "egress-fence-test-enc16970" ... comment "..."` for a
+        // cgroup of inode 0x3f: nft sends key 3 (cgroupv2), register 1, level 1, the id in
+        // 8 bytes of host order, and the comment as user data TLV 0 with its NUL.
+        let path = "egress-fence-test-enc16970";
+        let rule = Rule::Fence(ScopeMatch::Cgroup(cgroup(path, 0x3f)));
+        assert_eq!(
+            exprs(&rule),
+            [
+                "socket load cgroupv2 => reg 1",
+                "cmp eq reg 1 0x0000003f 0x00000000",
+                "immediate reg 0 goto -> output"
+            ]
+        );
+        let dumped = dumped_rule(&rule).unwrap();
+        assert_eq!(
+            dumped.exprs[0],
+            LiveExpr::Socket {
+                key: 3,
+                dreg: sys::REG_1,
+                level: Some(1)
+            }
+        );
+        let mut udata = vec![0u8, 0x1b];
+        udata.extend_from_slice(path.as_bytes());
+        udata.push(0);
+        assert_eq!(dumped.userdata, Some(udata));
+        let deeper = dumped_rule(&Rule::Fence(ScopeMatch::Cgroup(cgroup("a/b/c", 1)))).unwrap();
+        assert!(matches!(
+            deeper.exprs[0],
+            LiveExpr::Socket { level: Some(3), .. }
+        ));
+        // Rules without a cgroup carry no user data, as nft's without a comment.
+        for rule in every_rule() {
+            if !matches!(rule, Rule::Fence(ScopeMatch::Cgroup(_))) {
+                assert_eq!(dumped_rule(&rule).unwrap().userdata, None, "{rule}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_longest_cgroup_path_a_policy_takes_reads_back() {
+        let longest = format!("{}/{}", "a".repeat(62), "b".repeat(62));
+        assert_eq!(longest.len(), 125);
+        let rule = Rule::Fence(ScopeMatch::Cgroup(cgroup(&longest, 7)));
+        let d = dumped_rule(&rule).unwrap();
+        assert_eq!(decode_rule(&d.exprs, d.userdata.as_deref()), Some(rule));
+        // One byte more is refused where the policy is read: its comment would not fit.
+        assert!(format!("{longest}c").parse::<CgroupPath>().is_err());
+    }
+
+    #[test]
+    fn altered_scope_rules_read_as_no_rule() {
+        let read = |d: &DumpedRule| decode_rule(&d.exprs, d.userdata.as_deref());
+        let agent = Rule::Fence(ScopeMatch::Cgroup(cgroup("agent.slice", 0x3f)));
+        let nested = Rule::Fence(ScopeMatch::Cgroup(cgroup("a.slice/b.service", 0x52)));
+        let docker0 = Rule::Fence(ScopeMatch::Interface(iface("docker0")));
+        let uid = Rule::Fence(ScopeMatch::Uid(1001));
+        let query = Rule::AcceptGuardQuery {
+            to: "198.18.0.1:53".parse().unwrap(),
+            proto: L4Proto::Udp,
+        };
+        type DumpEdit = dyn Fn(&mut DumpedRule);
+        let cases: Vec<(&str, &Rule, Box<DumpEdit>)> = vec![
+            (
+                "cgroup without its comment",
+                &agent,
+                Box::new(|d| d.userdata = None),
+            ),
+            (
+                "cgroup with a truncated comment",
+                &agent,
+                Box::new(|d| {
+                    if let Some(u) = &mut d.userdata {
+                        u.truncate(5);
+                    }
+                }),
+            ),
+            (
+                "cgroup whose comment is not as deep as its level",
+                &nested,
+                Box::new(|d| d.userdata = comment_userdata("b.service")),
+            ),
+            (
+                "cgroup at another level",
+                &nested,
+                Box::new(|d| {
+                    if let LiveExpr::Socket { level, .. } = &mut d.exprs[0] {
+                        *level = Some(1);
+                    }
+                }),
+            ),
+            (
+                "cgroup without a level",
+                &agent,
+                Box::new(|d| {
+                    if let LiveExpr::Socket { level, .. } = &mut d.exprs[0] {
+                        *level = None;
+                    }
+                }),
+            ),
+            (
+                "socket mark instead of cgroup",
+                &agent,
+                Box::new(|d| {
+                    if let LiveExpr::Socket { key, .. } = &mut d.exprs[0] {
+                        *key = 2;
+                    }
+                }),
+            ),
+            (
+                "cgroup id truncated",
+                &agent,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { data, .. } = &mut d.exprs[1] {
+                        data.truncate(4);
+                    }
+                }),
+            ),
+            (
+                "cgroup id compared with !=",
+                &agent,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { op, .. } = &mut d.exprs[1] {
+                        *op = libc::NFT_CMP_NEQ as u32;
+                    }
+                }),
+            ),
+            (
+                "interface name cut inside its padding",
+                &docker0,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { data, .. } = &mut d.exprs[1] {
+                        data.truncate(10);
+                    }
+                }),
+            ),
+            (
+                "interface name without padding beyond 15 bytes",
+                &docker0,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { data, .. } = &mut d.exprs[1] {
+                        *data = b"abcdefghijklmnop".to_vec();
+                    }
+                }),
+            ),
+            (
+                "oifname instead of iifname",
+                &docker0,
+                Box::new(|d| {
+                    if let LiveExpr::Meta { key, .. } = &mut d.exprs[0] {
+                        *key = libc::NFT_META_OIFNAME as u32;
+                    }
+                }),
+            ),
+            (
+                "a goto to another chain",
+                &uid,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Verdict { chain, .. }) = d.exprs.last_mut() {
+                        *chain = Some("elsewhere".into());
+                    }
+                }),
+            ),
+            (
+                "a jump instead of a goto",
+                &uid,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Verdict { code, .. }) = d.exprs.last_mut() {
+                        *code = libc::NFT_JUMP;
+                    }
+                }),
+            ),
+            (
+                "a comment on a rule that has none",
+                &uid,
+                Box::new(|d| d.userdata = comment_userdata("x")),
+            ),
+            (
+                "a uid compared in 2 bytes",
+                &uid,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { data, .. } = &mut d.exprs[1] {
+                        data.truncate(2);
+                    }
+                }),
+            ),
+            (
+                "a guard query without its port",
+                &query,
+                Box::new(|d| drop(d.exprs.drain(6..8))),
+            ),
+            (
+                "a guard query from the address instead of to it",
+                &query,
+                Box::new(|d| {
+                    if let LiveExpr::Payload { offset, .. } = &mut d.exprs[2] {
+                        *offset = 12;
+                    }
+                }),
+            ),
+            (
+                "a guard query with a limit",
+                &query,
+                Box::new(|d| {
+                    let at = d.exprs.len() - 1;
+                    d.exprs.insert(
+                        at,
+                        LiveExpr::Limit {
+                            rate: 1,
+                            unit: 1,
+                            burst: 0,
+                            kind: 0,
+                            flags: 0,
+                        },
+                    );
+                }),
+            ),
+        ];
+        for (what, rule, edit) in cases {
+            let mut d = dumped_rule(rule).unwrap();
+            assert_eq!(read(&d), Some(rule.clone()), "{what}: unedited");
+            edit(&mut d);
+            assert_ne!(
+                &d,
+                &dumped_rule(rule).unwrap(),
+                "{what}: the edit changed nothing"
+            );
+            assert_eq!(read(&d), None, "{what}");
+        }
+        // Another path in the comment is another rule (which no plan with this cgroup's id
+        // wants: drift all the same).
+        let mut d = dumped_rule(&agent).unwrap();
+        d.userdata = comment_userdata("other.slice");
+        assert_eq!(
+            read(&d),
+            Some(Rule::Fence(ScopeMatch::Cgroup(cgroup("other.slice", 0x3f))))
+        );
+        // A comment that is no cgroup path is unknown to the live reader too, and the
+        // reader says what it holds.
+        let mut d = dumped_rule(&agent).unwrap();
+        d.userdata = comment_userdata("other\"slice");
+        let live = crate::nft::live::LiveRule::decode(d);
+        assert!(
+            matches!(&live.rule, crate::nft::live::ReadRule::Unknown(t) if t.last().is_some_and(|l| l.contains("other"))),
+            "{:?}",
+            live.rule
+        );
+    }
+
     #[test]
     fn every_rule_reads_back_as_itself() {
         for rule in every_rule() {
             let dumped = dumped_rule(&rule).expect("libnftnl reads its own message");
-            assert_eq!(decode_rule(&dumped.exprs), Some(rule.clone()), "{rule}");
+            assert_eq!(
+                decode_rule(&dumped.exprs, dumped.userdata.as_deref()),
+                Some(rule.clone()),
+                "{rule}"
+            );
         }
         // The unspecified address of either family matches any source: it reads back as
         // 0.0.0.0, and so does the wanted rule compared with it.
@@ -1512,7 +2054,7 @@ mod tests {
             proto: L4Proto::Udp,
             uid: 993,
         };
-        let read = decode_rule(&dumped_rule(&any6).unwrap().exprs);
+        let read = decode_rule(&dumped_rule(&any6).unwrap().exprs, None);
         assert_eq!(read, Some(as_read_back(&any6)));
         assert_ne!(as_read_back(&any6), any6);
         for rule in every_rule() {
@@ -1535,7 +2077,7 @@ mod tests {
                 (*packets, *bytes) = (7, 560);
             }
         }
-        assert_eq!(decode_rule(&exprs), Some(rule));
+        assert_eq!(decode_rule(&exprs, None), Some(rule));
     }
 
     /// A hand edit of a dumped rule's expressions.
@@ -1599,7 +2141,7 @@ mod tests {
             let mut e = exprs(&deny4);
             edit(&mut e);
             assert_ne!(e, exprs(&deny4), "{what}: the edit changed nothing");
-            assert_eq!(decode_rule(&e), None, "{what}");
+            assert_eq!(decode_rule(&e, None), None, "{what}");
         }
         // A guard's rule whose mark compare became `!=`, or whose uid is another.
         let guard = Rule::AcceptTupleFromGuard {
@@ -1611,13 +2153,13 @@ mod tests {
         if let LiveExpr::Cmp { op, .. } = &mut e[1] {
             *op = libc::NFT_CMP_NEQ as u32;
         }
-        assert_eq!(decode_rule(&e), None);
+        assert_eq!(decode_rule(&e, None), None);
         let mut e = exprs(&guard);
         if let LiveExpr::Cmp { data, .. } = &mut e[3] {
             *data = 0u32.to_ne_bytes().to_vec();
         }
         assert_eq!(
-            decode_rule(&e),
+            decode_rule(&e, None),
             Some(Rule::AcceptTupleFromGuard {
                 set: SetId::new(SetRole::Dns, Family::V4),
                 mark: Some(0x6500_0000),
@@ -1635,9 +2177,118 @@ mod tests {
         if let LiveExpr::Log { level, .. } = &mut e[1] {
             *level = Some(7);
         }
-        assert_eq!(decode_rule(&e), None);
-        assert_eq!(decode_rule(&[]), None);
-        assert_eq!(decode_rule(&[LiveExpr::Other("counter".into())]), None);
+        assert_eq!(decode_rule(&e, None), None);
+        assert_eq!(decode_rule(&[], None), None);
+        assert_eq!(
+            decode_rule(&[LiveExpr::Other("counter".into())], None),
+            None
+        );
+    }
+
+    /// A batch's messages with the padding after each attribute zeroed: libnftnl leaves
+    /// whatever the buffer held there, and the kernel reads none of it.
+    fn without_padding(mut batch: Vec<u8>) -> Vec<u8> {
+        fn attrs(b: &mut [u8]) {
+            let mut at = 0;
+            while at + 4 <= b.len() {
+                let len = usize::from(u16::from_ne_bytes([b[at], b[at + 1]]));
+                let kind = u16::from_ne_bytes([b[at + 2], b[at + 3]]);
+                let padded = len.next_multiple_of(4).min(b.len() - at);
+                if len < 4 || at + len > b.len() {
+                    return;
+                }
+                if kind & 0x8000 != 0 {
+                    attrs(&mut b[at + 4..at + len]);
+                }
+                b[at + len..at + padded].fill(0);
+                at += padded;
+            }
+        }
+        let mut at = 0;
+        while at + 20 <= batch.len() {
+            let len = u32::from_ne_bytes(batch[at..at + 4].try_into().unwrap()) as usize;
+            attrs(&mut batch[at + 20..at + len]);
+            at += len.next_multiple_of(4);
+        }
+        batch
+    }
+
+    #[test]
+    fn an_unscoped_tables_batch_is_the_one_before_scopes() {
+        // The transaction as replace_table built it with its two fixed chains.
+        let before = |rs: &Ruleset| {
+            let table = table();
+            let mut batch = Batch::new();
+            batch.add(&table, MsgType::Add);
+            batch.add(&table, MsgType::Del);
+            batch.add(&table, MsgType::Add);
+            let (output_name, refused_name) = (cstring(OUTPUT_CHAIN), cstring(REFUSED_CHAIN));
+            let mut output = Chain::new(&output_name, &table);
+            output.set_hook(nftnl::Hook::Out, 0);
+            output.set_type(ChainType::Filter);
+            output.set_policy(nftnl::Policy::Drop);
+            let refused = Chain::new(&refused_name, &table);
+            batch.add(&output, MsgType::Add);
+            batch.add(&refused, MsgType::Add);
+            for (chain, rules) in [(&output, &rs.output), (&refused, &rs.refused)] {
+                for rule in rules {
+                    batch.add(&nl_rule(chain, rule, &BTreeMap::new()), MsgType::Add);
+                }
+            }
+            let batch = batch.finalize();
+            without_padding(batch.iter().flatten().copied().collect())
+        };
+        let rs = Ruleset {
+            sets: vec![],
+            output: vec![Rule::AcceptEstablished, Rule::GotoRefused],
+            refused: vec![Rule::CountFamily(Family::V4), Rule::Refuse(Action::Drop)],
+            scope: None,
+        };
+        let now = replace_table(&rs);
+        let now_bytes = without_padding(now.batch.iter().flatten().copied().collect());
+        assert_eq!(now_bytes, before(&rs));
+        let mut other = rs.clone();
+        other.refused[1] = Rule::Refuse(Action::Reject);
+        assert_ne!(
+            now_bytes,
+            before(&other),
+            "the comparison sees a rule's attributes"
+        );
+        assert_eq!(
+            now.labels[3..5],
+            ["chain output".to_string(), "chain refused".to_string()]
+        );
+    }
+
+    #[test]
+    fn a_scoped_table_makes_every_chain_before_any_rule() {
+        let rules = |r: Rule| vec![r];
+        let rs = Ruleset {
+            sets: vec![],
+            output: rules(Rule::GotoRefused),
+            refused: rules(Rule::Refuse(Action::Drop)),
+            scope: Some(crate::core::ruleset::ScopeChains {
+                output: rules(Rule::Fence(ScopeMatch::Uid(1001))),
+                forward: rules(Rule::Fence(ScopeMatch::Interface(iface("br-*")))),
+                input: rules(Rule::FromBridge(iface("br-*"))),
+                from_bridge: rules(Rule::GotoRefused),
+            }),
+        };
+        let enc = replace_table(&rs);
+        let labels: Vec<&str> = enc.labels[3..].iter().map(String::as_str).collect();
+        assert_eq!(
+            labels[..6],
+            [
+                "chain output",
+                "chain refused",
+                "chain from_bridge",
+                "chain scope_output",
+                "chain scope_forward",
+                "chain scope_input"
+            ]
+        );
+        assert!(labels[6..].iter().all(|l| l.starts_with("rule 1 of chain")));
+        assert_eq!(labels.len(), 12);
     }
 
     #[test]

@@ -59,9 +59,19 @@ impl LiveRule {
             }),
             _ => None,
         });
-        let rule = match decode_rule(&dumped.exprs) {
+        let rule = match decode_rule(&dumped.exprs, dumped.userdata.as_deref()) {
             Some(rule) => ReadRule::Known(rule),
-            None => ReadRule::Unknown(dumped.text),
+            None => {
+                let mut text = dumped.text;
+                // What nft shows as a comment is part of what makes the rule unknown.
+                if let Some(udata) = &dumped.userdata {
+                    text.push(format!(
+                        "userdata {}",
+                        String::from_utf8_lossy(udata).escape_debug()
+                    ));
+                }
+                ReadRule::Unknown(text)
+            }
         };
         LiveRule {
             chain: dumped.chain,

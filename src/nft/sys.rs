@@ -1,7 +1,9 @@
 //! What the `nftnl` crate (0.9) lacks, filled in over `nftnl-sys`: expressions with chosen
-//! registers (payload, meta, lookup, byteorder), log and limit; sets with flags, concatenated
+//! registers (payload, meta, lookup, byteorder), log, limit and `socket cgroupv2 level N`
+//! (whose level attribute the bindings lack); sets with flags, concatenated
 //! keys and elements that carry key ends, flags and timeouts; element messages with and without
-//! NLM_F_EXCL; and parsing of dumped sets, elements, chains and rules.
+//! NLM_F_EXCL; and parsing of dumped sets, elements, chains and rules (with their user data,
+//! where nft keeps a rule's comment).
 //!
 //! This is the only module with `unsafe`. Every object here owns its libnftnl allocation and
 //! frees it on drop; every pointer handed to libnftnl is valid for the duration of the call.
@@ -24,6 +26,12 @@ pub const NFT_SET_ELEM_INTERVAL_END: u32 = libc::NFT_SET_ELEM_INTERVAL_END as u3
 pub const NFT_EXTHDR_F_PRESENT: u32 = 1;
 /// The exthdr expression's operation on IPv6 extension headers (absent from libc).
 pub const NFT_EXTHDR_OP_IPV6: u32 = 0;
+/// The socket expression's key "the id of the socket's cgroup v2 ancestor at a level"
+/// (`NFT_SOCKET_CGROUPV2`, absent from libc).
+pub const NFT_SOCKET_CGROUPV2: u32 = 3;
+/// libnftnl's `NFTNL_EXPR_SOCKET_LEVEL` (libnftnl 1.2.4 has it; the bindings of nftnl-sys
+/// for it do not).
+const NFTNL_EXPR_SOCKET_LEVEL: u32 = sys::NFTNL_EXPR_SOCKET_DREG + 1;
 
 /// Registers as nft numbers them: the four 128-bit registers and the 32-bit ones from 8.
 pub const REG_1: u32 = libc::NFT_REG_1 as u32;
@@ -160,6 +168,20 @@ impl Expr {
                 (sys::NFTNL_EXPR_LIMIT_BURST, Attr::U32(burst)),
                 (sys::NFTNL_EXPR_LIMIT_TYPE, Attr::U32(kind as u32)),
                 (sys::NFTNL_EXPR_LIMIT_FLAGS, Attr::U32(0)),
+            ],
+        }
+    }
+
+    /// Loads the id (inode number) of the socket's cgroup v2 ancestor `level` below the root
+    /// into register `dreg` (8 bytes): `socket cgroupv2 level N`. A packet without a socket,
+    /// or whose cgroup is less deep, matches nothing.
+    pub fn socket_cgroupv2(level: u32, dreg: u32) -> Expr {
+        Expr {
+            name: c"socket",
+            attrs: vec![
+                (sys::NFTNL_EXPR_SOCKET_KEY, Attr::U32(NFT_SOCKET_CGROUPV2)),
+                (sys::NFTNL_EXPR_SOCKET_DREG, Attr::U32(dreg)),
+                (NFTNL_EXPR_SOCKET_LEVEL, Attr::U32(level)),
             ],
         }
     }
@@ -737,6 +759,8 @@ pub struct DumpedRule {
     /// Each expression as libnftnl prints it ("lookup reg 1 set allow4 0x0"): how a rule
     /// egress-fence cannot decode is shown.
     pub text: Vec<String>,
+    /// The rule's user data (`NFTA_RULE_USERDATA`): nft keeps a rule's `comment` there.
+    pub userdata: Option<Vec<u8>>,
 }
 
 /// One expression of a rule, with every attribute libnftnl read from it, for the kinds of
@@ -781,6 +805,12 @@ pub enum LiveExpr {
         key: u32,
         dreg: u32,
         dir: Option<u8>,
+    },
+    /// `socket load KEY => reg DREG`, with the cgroup level of `socket cgroupv2 level N`.
+    Socket {
+        key: u32,
+        dreg: u32,
+        level: Option<u32>,
     },
     /// `exthdr load ...`: whether (flags 1) or what of an extension header.
     Exthdr {
@@ -1092,6 +1122,7 @@ fn unreadable_rule(msg: &[u8]) -> Option<DumpedRule> {
         handle,
         exprs: vec![LiveExpr::Other(what.clone())],
         text: vec![what],
+        userdata: None,
     })
 }
 
@@ -1112,9 +1143,28 @@ fn parse_rule_with_libnftnl(msg: &[u8]) -> Option<DumpedRule> {
                     handle: sys::nftnl_rule_get_u64(r, sys::NFTNL_RULE_HANDLE as u16),
                     exprs,
                     text,
+                    userdata: rule_userdata(r),
                 }
             },
         )
+    }
+}
+
+/// A rule's user data, copied out, if it has any.
+///
+/// # Safety
+/// `r` must be a live rule.
+unsafe fn rule_userdata(r: *const sys::nftnl_rule) -> Option<Vec<u8>> {
+    let attr = sys::NFTNL_RULE_USERDATA as u16;
+    // SAFETY: per the caller; the data belongs to the rule and is copied at once, with the
+    // length libnftnl reports.
+    unsafe {
+        if !sys::nftnl_rule_is_set(r, attr) {
+            return None;
+        }
+        let mut len = 0u32;
+        let p = sys::nftnl_rule_get_data(r, attr, &mut len);
+        (!p.is_null()).then(|| std::slice::from_raw_parts(p.cast::<u8>(), len as usize).to_vec())
     }
 }
 
@@ -1268,6 +1318,15 @@ unsafe fn read_expr(e: *const sys::nftnl_expr, name: &str) -> Option<LiveExpr> {
                 key: u32_attr(KEY),
                 dreg: u32_attr(DREG),
                 dir: is_set(DIR).then(|| u8_attr(DIR)),
+            })
+        }
+        "socket" => {
+            use sys::{NFTNL_EXPR_SOCKET_DREG as DREG, NFTNL_EXPR_SOCKET_KEY as KEY};
+            const LEVEL: u32 = NFTNL_EXPR_SOCKET_LEVEL;
+            attrs_are(&[KEY, DREG, LEVEL], &[KEY, DREG]).then(|| LiveExpr::Socket {
+                key: u32_attr(KEY),
+                dreg: u32_attr(DREG),
+                level: is_set(LEVEL).then(|| u32_attr(LEVEL)),
             })
         }
         "exthdr" => {

@@ -57,9 +57,7 @@ pub mod memory {
 
     use super::Table;
     use crate::core::diff::wanted_chain;
-    use crate::core::ruleset::{
-        Elements, Family, OUTPUT_CHAIN, REFUSED_CHAIN, Ruleset, SetId, SetRole, TABLE, Timed,
-    };
+    use crate::core::ruleset::{Elements, Family, Ruleset, SetId, SetRole, TABLE, Timed};
     use crate::nft::encode::{dumped_rule, key_spec, set_elements, set_flags};
     use crate::nft::live::LiveRule;
     use crate::nft::sys::{LiveChain, LiveElem, LiveSet, SetParams};
@@ -198,21 +196,25 @@ pub mod memory {
     /// through the same parser and decoder (elements' expiry equal to their timeout, counters
     /// at zero).
     pub fn live_of(rs: &Ruleset) -> LiveTable {
-        let chain = |name: &str| {
-            let want = wanted_chain(name);
-            LiveChain {
-                table: TABLE.into(),
-                name: name.into(),
-                kind: want.kind,
-                flags: want.flags,
-                hook: want.hook,
-            }
-        };
+        let specs = rs.chains();
+        let chains = specs
+            .iter()
+            .map(|spec| {
+                let want = wanted_chain(spec.base);
+                LiveChain {
+                    table: TABLE.into(),
+                    name: spec.name.into(),
+                    kind: want.kind,
+                    flags: want.flags,
+                    hook: want.hook,
+                }
+            })
+            .collect();
         let mut rules = Vec::new();
-        for (name, chain_rules) in [(OUTPUT_CHAIN, &rs.output), (REFUSED_CHAIN, &rs.refused)] {
-            for rule in chain_rules {
+        for spec in &specs {
+            for rule in spec.rules {
                 let mut dumped = dumped_rule(rule).expect("every rule the planner writes encodes");
-                dumped.chain = name.into();
+                dumped.chain = spec.name.into();
                 rules.push(LiveRule::decode(dumped));
             }
         }
@@ -246,7 +248,7 @@ pub mod memory {
             .collect();
         LiveTable {
             flags: 0,
-            chains: vec![chain(OUTPUT_CHAIN), chain(REFUSED_CHAIN)],
+            chains,
             rules,
             sets,
             objects: Vec::new(),

@@ -135,6 +135,10 @@ impl fmt::Display for AccountRef {
     }
 }
 
+/// The longest cgroup path a rule's comment carries (libnftnl's 128-byte comment buffer,
+/// less the TLV's type, length and NUL).
+pub const MAX_CGROUP_PATH: usize = 125;
+
 /// A cgroup v2 subtree, relative to the root of the cgroup v2 hierarchy
 /// (`agent.slice`, `system.slice/agent.service`): its processes' sockets, and those of every
 /// cgroup below it, whenever made.
@@ -176,15 +180,16 @@ impl std::str::FromStr for CgroupPath {
         let bad_part = path
             .split('/')
             .find(|p| p.is_empty() || *p == "." || *p == ".." || p.len() > 255);
-        // nft writes the path between double quotes, and a rule's comment holds it.
+        // nft writes the path between double quotes, and a rule's comment holds it (at most
+        // MAX_CGROUP_PATH bytes: what libnftnl's comment buffer holds, its NUL included).
         let bad_char = path
             .chars()
             .find(|c| c.is_control() || *c == '"' || *c == '\\');
-        if bad_part.is_some() || bad_char.is_some() || path.len() > 200 {
+        if bad_part.is_some() || bad_char.is_some() || path.len() > MAX_CGROUP_PATH {
             return Err(format!(
                 "`{s}` is not a cgroup path: write it as below /sys/fs/cgroup, such as \
                  agent.slice or system.slice/agent.service (no `..`, quotes or empty parts, at \
-                 most 200 bytes)"
+                 most {MAX_CGROUP_PATH} bytes)"
             ));
         }
         Ok(CgroupPath(path.to_string()))
