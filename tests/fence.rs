@@ -557,7 +557,18 @@ fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
 
     let plan = w.egress_fence(&["plan", path(&policy)]);
     assert!(plan.success(), "{plan}");
-    let name = &cgroup.name;
+    // The plan names a cgroup as nft finds it below /sys/fs/cgroup (`unified/` in front on a
+    // hybrid host).
+    let root = egress_fence::host::cgroup2_root().expect("a cgroup v2 hierarchy");
+    let below = root
+        .strip_prefix("/sys/fs/cgroup")
+        .expect("mounted below /sys/fs/cgroup")
+        .to_string_lossy()
+        .into_owned();
+    let name = &match below.as_str() {
+        "" => cgroup.name.clone(),
+        below => format!("{below}/{}", cgroup.name),
+    };
     for shape in [
         "meta skuid 1001 goto output".to_string(),
         "meta skgid 4242 goto output".to_string(),
@@ -599,18 +610,10 @@ fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
         ours.0
     );
 
-    // nft loads the plan's text. `ip netns exec` gives nft a mount namespace of its own with
-    // a fresh /sys; the cgroup v2 hierarchy is mounted there at /sys/fs/cgroup, where nft
-    // looks the plan's paths up (relative to the hierarchy's root, as the plan writes them).
+    // nft loads the plan's text as it is, entered into the network namespace only (`ip netns
+    // exec` would give it a fresh /sys, without the cgroup hierarchy).
     assert!(w.egress_fence(&["teardown"]).success());
-    let load = w.sandbox_cmd_with_input(
-        &[
-            "sh",
-            "-c",
-            "mount -t cgroup2 none /sys/fs/cgroup && exec nft -f -",
-        ],
-        plan.stdout.as_bytes(),
-    );
+    let load = w.nft_text_in(w.sandbox_name(), &plan.stdout);
     assert!(load.success(), "nft -f: {load}");
     let theirs = (netlink_rules(&w), normalized_ruleset(w.nft_json()));
     assert_eq!(

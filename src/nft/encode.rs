@@ -1072,9 +1072,11 @@ fn rule_of(m: &Matches) -> Option<Rule> {
             ScopeMatch::Gid(gid)
         } else if let Some((level, id)) = m.cgroup {
             // The kernel knows the cgroup by its id alone; the path is the rule's comment,
-            // and a rule whose path is not as deep as its level is none of ours.
+            // and a rule whose path is not as deep as its level is none of ours (it may be
+            // deeper: on a hybrid host nft's path starts with the hierarchy's mount point,
+            // `unified/`).
             let path: CgroupPath = m.comment.as_deref()?.parse().ok()?;
-            if path.level() != level {
+            if path.level() < level {
                 return None;
             }
             ScopeMatch::Cgroup(CgroupMatch { path, level, id })
@@ -1871,11 +1873,11 @@ mod tests {
                 Box::new(|d| d.userdata = comment_userdata("b.service")),
             ),
             (
-                "cgroup at another level",
+                "cgroup deeper than its path",
                 &nested,
                 Box::new(|d| {
                     if let LiveExpr::Socket { level, .. } = &mut d.exprs[0] {
-                        *level = Some(1);
+                        *level = Some(3);
                     }
                 }),
             ),
