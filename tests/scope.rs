@@ -356,7 +356,6 @@ dns:
 "#;
 
 #[test]
-#[ignore = "needs the scope encoder (`run` installs its table over netlink)"]
 fn the_guard_answers_a_bridged_container_on_the_bridge_address() {
     let w = World::new();
     w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);

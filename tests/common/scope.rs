@@ -38,9 +38,10 @@ pub enum ScopeLoad {
     Apply,
 }
 
-/// How the scope tests load their tables. The lead switches this to [`ScopeLoad::Apply`] once
-/// the scope encoder is merged (one test keeps [`ScopeLoad::NftText`] on purpose).
-pub const SCOPE_LOAD: ScopeLoad = ScopeLoad::NftText;
+/// How the scope tests load their tables: through egress-fence's own encoder. That nft
+/// loads the plan text to the same table is `tests/fence.rs`'s to show; switching this to
+/// [`ScopeLoad::NftText`] runs every scope test against nft's encoding instead.
+pub const SCOPE_LOAD: ScopeLoad = ScopeLoad::Apply;
 
 /// Puts the table of `policy` up in the world's sandbox, `how` says by which path; panics with
 /// the output when that fails.
