@@ -20,8 +20,8 @@
 //!
 //! Every table is loaded as `nft -f FILE` inside the namespace, FILE being the printed plan
 //! (`egress-fence plan POLICY`, run inside the namespace; the plan text is exact nft) and then a
-//! file adding the elements (`ip netns exec` is not used: it hides the cgroup hierarchy). The table of (1)-(3) each has a namespace of its own, (4)-(6) share
-//! one; each client namespace has a veth to the one server namespace (client 198.18.I.2 and
+//! file adding the elements (`ip netns exec` is not used: it hides the cgroup hierarchy). The
+//! tables of (1)-(3) each have a namespace of their own, (4)-(6) share one; each client namespace has a veth to the one server namespace (client 198.18.I.2 and
 //! 2001:db8:I::2, server .1 and ::1; `nodad`), its ephemeral port range widened and
 //! `tcp_tw_reuse` on so that the client's TIME_WAITs never run it out of ports. The server
 //! (this binary, `--child-server`) accepts on [::]:443 (dual stack), reads each connection to
@@ -38,8 +38,8 @@
 //! leaves the client alone, and refused by the fence (ICMP admin-prohibited) when it fences the
 //! client.
 //!
-//! Figures per configuration and family: p50, p90 and mean of every sample, and the ratios of
-//! p50 and mean to no table and to the fence. With `--baseline PATH` another egress-fence
+//! Figures per configuration and family: p50, p90, p99, max and mean of every sample, and the
+//! ratios of p50 and mean to no table and to the fence. With `--baseline PATH` another egress-fence
 //! binary (a build of another commit) plans the fence of (3) too, in a namespace of its own,
 //! measured in the same rounds, and the scoped rows are also compared with it.
 //!
