@@ -21,9 +21,10 @@
 //! Every table is loaded as `nft -f FILE` inside the namespace, FILE being the printed plan
 //! (`egress-fence plan POLICY`, run inside the namespace; the plan text is exact nft) and then a
 //! file adding the elements (`ip netns exec` is not used: it hides the cgroup hierarchy). The
-//! tables of (1)-(3) each have a namespace of their own, (4)-(6) share one; each client namespace has a veth to the one server namespace (client 198.18.I.2 and
-//! 2001:db8:I::2, server .1 and ::1; `nodad`), its ephemeral port range widened and
-//! `tcp_tw_reuse` on so that the client's TIME_WAITs never run it out of ports. The server
+//! tables of (1)-(3) each have a namespace of their own, (4)-(6) share one; each client
+//! namespace has a veth to the one server namespace (client 198.18.I.2 and 2001:db8:I::2,
+//! server .1 and ::1; `nodad`), its ephemeral port range widened and `tcp_tw_reuse` on so that
+//! the client's TIME_WAITs never run it out of ports. The server
 //! (this binary, `--child-server`) accepts on [::]:443 (dual stack), reads each connection to
 //! its end and closes it, so that the client closes first. Namespaces are `efp-<pid>-<n>`.
 //!
