@@ -287,7 +287,8 @@ fn install_signal_handlers() {
     }
 }
 
-fn check_interrupted() {
+/// Panics if a signal asked us to stop (see [`install_signal_handlers`]).
+pub fn check_interrupted() {
     if INTERRUPTED.load(Ordering::SeqCst) {
         panic!("interrupted; removing the benchmark's namespaces");
     }
