@@ -367,22 +367,18 @@ impl BenchCgroup {
 }
 
 impl BenchCgroup {
-    /// `plan` text whose `socket cgroupv2` rule nft can load here. The plan names a cgroup as
-    /// the policy does, relative to the cgroup v2 hierarchy, while nft looks the path up below
-    /// /sys/fs/cgroup: on a hybrid host (v2 mounted at /sys/fs/cgroup/unified) the text needs
-    /// the mount's own part in front. The level stays: it counts from the hierarchy's root.
-    fn for_nft(&self, planned: &str) -> String {
-        let quoted = format!("\"{}\"", self.relative);
-        let rule = format!("level 1 {quoted} goto");
-        assert!(
-            planned.contains(&rule),
-            "the scoped plan has no rule for the bench's cgroup:\n{planned}"
-        );
+    /// Checks the scoped plan has the bench's cgroup rule (the plan names it as nft finds it
+    /// below /sys/fs/cgroup, `unified/` in front on a hybrid host).
+    fn check_planned(&self, planned: &str) {
         let below_sys = self
             .dir
             .strip_prefix("/sys/fs/cgroup")
             .expect("the cgroup v2 hierarchy is below /sys/fs/cgroup");
-        planned.replace(&rule, &format!("level 1 \"{}\" goto", below_sys.display()))
+        let rule = format!("level 1 \"{}\" goto", below_sys.display());
+        assert!(
+            planned.contains(&rule),
+            "the scoped plan has no rule for the bench's cgroup:\n{planned}"
+        );
     }
 }
 
@@ -740,9 +736,9 @@ fn bench(args: &[String]) {
                     Table::Fence { baseline: false } => (ours.clone(), &plain_policy),
                     _ => (ours.clone(), &scoped_policy),
                 };
-                let mut planned = plan(&c.ns, &bin, policy);
+                let planned = plan(&c.ns, &bin, policy);
                 if c.table == Table::Scoped {
-                    planned = cgroup.for_nft(&planned);
+                    cgroup.check_planned(&planned);
                 }
                 nft_load(&c.ns, &file("plan.nft", &planned));
                 nft_load(&c.ns, &file("elements.nft", &elements_text(c.server)));
