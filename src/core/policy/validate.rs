@@ -212,6 +212,21 @@ impl Policy {
                 ),
             ));
         }
+        // A fenced process may ask the guard only where it listens, and an unspecified address
+        // names no one place: the rule would have to accept port 53 of every local address,
+        // where another resolver of this host (unfenced) may listen on a specific one.
+        if let (Some(_), Some(g)) = (&policy.scope, &policy.dns.guard)
+            && let Some(any) = g.listen.iter().find(|l| l.ip().is_unspecified())
+        {
+            return Err((
+                locate_value(source, "listen", |t| t.contains(&any.ip().to_string())),
+                format!(
+                    "with a `scope:` the guard listens on named addresses, not `{any}`: fenced \
+                     processes may ask it only where it listens; write 127.0.0.53:53 or the \
+                     addresses to listen on"
+                ),
+            ));
+        }
         if policy.dns.refresh_min > policy.dns.refresh_max {
             return Err((
                 locate(source, "refresh"),
@@ -235,6 +250,20 @@ mod tests {
     use super::*;
     use crate::core::policy::test_support::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_scoped_guard_listens_on_named_addresses() {
+        let (line, col, msg) = err(
+            "version: 1\nscope:\n  users: [1001]\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  \
+             listen: [\"0.0.0.0:53\"]\n",
+        );
+        assert_eq!((line, col), (7, 13), "{msg}");
+        assert!(msg.contains("named addresses"), "{msg}");
+        assert!(
+            parse("version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n  listen: [\"0.0.0.0:53\"]\n")
+                .is_ok()
+        );
+    }
 
     #[test]
     fn empty_resolver_and_port_lists_are_refused() {
