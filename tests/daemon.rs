@@ -480,3 +480,144 @@ fn at_boot_without_resolvers_the_skeleton_goes_up_and_names_follow() {
     );
     assert!(daemon.terminate().success());
 }
+
+/// A cgroup made for one test under the cgroup v2 root, removed when dropped (also when the
+/// test fails). It holds no process.
+struct TestCgroup {
+    dir: std::path::PathBuf,
+    name: String,
+}
+
+impl TestCgroup {
+    /// A name of its own, not made yet; `None` on a host without cgroup v2.
+    fn named() -> Option<TestCgroup> {
+        let root = egress_fence::host::cgroup2_root()?;
+        let unique = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let name = format!("egress-fence-test-{}-{unique}", std::process::id());
+        Some(TestCgroup {
+            dir: root.join(&name),
+            name,
+        })
+    }
+
+    fn make(&self) {
+        std::fs::create_dir(&self.dir)
+            .unwrap_or_else(|e| panic!("mkdir {}: {e}", self.dir.display()));
+    }
+
+    fn remove(&self) {
+        std::fs::remove_dir(&self.dir)
+            .unwrap_or_else(|e| panic!("rmdir {}: {e}", self.dir.display()));
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// How many rules chain `chain` of table inet egress_fence holds in the sandbox.
+fn rules_in_chain(w: &World, chain: &str) -> usize {
+    let out = w.sandbox_cmd(&["nft", "-j", "list", "chain", "inet", "egress_fence", chain]);
+    assert!(out.success(), "nft list chain {chain}: {out}");
+    let v: Value = serde_json::from_str(&out.stdout).expect("nft -j output is JSON");
+    v["nftables"]
+        .as_array()
+        .map_or(0, |a| a.iter().filter(|o| o.get("rule").is_some()).count())
+}
+
+#[test]
+fn a_listed_cgroup_made_after_start_is_fenced_and_followed_when_made_again() {
+    let Some(cgroup) = TestCgroup::named() else {
+        eprintln!("skipped: no cgroup v2 hierarchy on this host");
+        return;
+    };
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    // A uid besides the cgroup, so that the scope's output chain exists before the cgroup does.
+    let text = policy(&["api.example.com"]).replace(
+        "version: 1\n",
+        &format!(
+            "version: 1\nscope:\n  users: [4001]\n  cgroups: [{}]\n",
+            cgroup.name
+        ),
+    );
+    let path = w.write_file("policy.yaml", &text);
+    let notify = NotifySocket::new(&w, "notify.sock");
+    let mut daemon = start(&w, &notify, &path, &[]);
+    let name = &cgroup.name;
+    assert!(
+        daemon
+            .stderr()
+            .contains(&format!("listed cgroup {name} is not fenced yet")),
+        "a missing cgroup is named at start:\n{}",
+        daemon.stderr()
+    );
+    let before = rules_in_chain(&w, "scope_output");
+
+    let count = |d: &Background, needle: &str| d.stderr().matches(needle).count();
+    let appeared = format!("cgroup {name} appeared: fenced from now on");
+    cgroup.make();
+    assert!(
+        daemon.wait_for_output(&appeared, Duration::from_secs(5)),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(
+        within(Duration::from_secs(2), || rules_in_chain(
+            &w,
+            "scope_output"
+        ) == before + 1)
+        .is_some(),
+        "the cgroup's rule is not in the table: {} rules, {before} before",
+        rules_in_chain(&w, "scope_output")
+    );
+    let listed = w.sandbox_cmd(&[
+        "nft",
+        "list",
+        "chain",
+        "inet",
+        "egress_fence",
+        "scope_output",
+    ]);
+    assert!(
+        listed
+            .stdout
+            .lines()
+            .any(|l| l.contains("socket cgroupv2") && l.contains(name.as_str())),
+        "{listed}"
+    );
+
+    // Removed: its rule goes; made again (a new id): a rule for the new one.
+    cgroup.remove();
+    let gone = format!("cgroup {name} is gone");
+    assert!(
+        daemon.wait_for_output(&gone, Duration::from_secs(5)),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(
+        within(Duration::from_secs(2), || rules_in_chain(
+            &w,
+            "scope_output"
+        ) == before)
+        .is_some()
+    );
+    cgroup.make();
+    assert!(
+        within(Duration::from_secs(5), || count(&daemon, &appeared) == 2).is_some(),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(
+        within(Duration::from_secs(2), || rules_in_chain(
+            &w,
+            "scope_output"
+        ) == before + 1)
+        .is_some()
+    );
+    assert!(daemon.terminate().success(), "{}", daemon.stderr());
+}
