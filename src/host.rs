@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
-use crate::core::policy::{CgroupPath, Policy};
+use crate::core::policy::{CgroupPath, IfacePattern, Policy, ScopeHost};
 use crate::core::resolution::HostScope;
 use crate::core::ruleset::CgroupMatch;
 
@@ -72,19 +72,37 @@ pub fn cgroup_watch_dirs(policy: &Policy) -> Vec<PathBuf> {
     dirs
 }
 
-/// Whether any interface of this host matches `pattern` (`false` when the interfaces cannot
-/// be read).
-pub fn interface_present(pattern: &crate::core::policy::IfacePattern) -> bool {
-    nix::net::if_::if_nameindex().is_ok_and(|names| {
-        names
-            .iter()
-            .any(|i| i.name().to_str().is_ok_and(|n| pattern.matches(n)))
-    })
+/// Why the listed cgroup `path` has no rule now, in a few words (`None`: it has one).
+pub fn why_cgroup_missing(path: &CgroupPath) -> Option<String> {
+    match cgroup_match(path) {
+        Ok(_) => None,
+        Err(CgroupError::Missing { path, .. }) => {
+            Some(format!("{} does not exist", path.display()))
+        }
+        Err(e) => Some(e.to_string()),
+    }
 }
 
-/// Whether this host's account database knows `uid`.
-pub fn uid_has_account(uid: u32) -> bool {
-    nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)).is_ok_and(|u| u.is_some())
+/// This host, as `check` asks about a scope: its cgroup v2 hierarchy, the interfaces of the
+/// current network namespace (none read: none match) and its account database.
+pub struct ThisHost;
+
+impl ScopeHost for ThisHost {
+    fn cgroup_missing(&self, path: &CgroupPath) -> Option<String> {
+        why_cgroup_missing(path)
+    }
+
+    fn interface_present(&self, pattern: &IfacePattern) -> bool {
+        nix::net::if_::if_nameindex().is_ok_and(|names| {
+            names
+                .iter()
+                .any(|i| i.name().to_str().is_ok_and(|n| pattern.matches(n)))
+        })
+    }
+
+    fn uid_has_account(&self, uid: u32) -> bool {
+        nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)).is_ok_and(|u| u.is_some())
+    }
 }
 
 /// Where the cgroup v2 hierarchy is mounted: /sys/fs/cgroup on a unified host, its

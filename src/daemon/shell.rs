@@ -601,14 +601,12 @@ fn warn_missing_cgroups(policy: &Policy, found: &[CgroupMatch]) {
         if found.iter().any(|c| c.path == *path) {
             continue;
         }
-        let why = match crate::host::cgroup_match(path) {
-            Err(e) => e.to_string(),
-            Ok(_) => "it appeared just now".into(),
-        };
+        let why =
+            crate::host::why_cgroup_missing(path).unwrap_or_else(|| "it appeared just now".into());
         warn!(
             cgroup = %path,
-            "listed cgroup {path} is not fenced yet: {why}; it is fenced from the moment it \
-             appears (within {}s)",
+            "listed cgroup {path} is not fenced yet ({why}): nobody is in it; it is fenced from \
+             the moment it appears (within {}s)",
             SCOPE_POLL.as_secs()
         );
     }
