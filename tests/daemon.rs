@@ -621,3 +621,71 @@ fn a_listed_cgroup_made_after_start_is_fenced_and_followed_when_made_again() {
     );
     assert!(daemon.terminate().success(), "{}", daemon.stderr());
 }
+
+/// Adds an interface `name` with `addr` (a /24) to the sandbox, up: one end of a veth pair
+/// (this kernel has no dummy interfaces), its peer `<name>p` up too.
+fn add_bridge(w: &World, name: &str, addr: &str) {
+    let peer = format!("{name}p");
+    for args in [
+        vec![
+            "ip", "link", "add", name, "type", "veth", "peer", "name", &peer,
+        ],
+        vec!["ip", "addr", "add", addr, "dev", name],
+        vec!["ip", "link", "set", &peer, "up"],
+        vec!["ip", "link", "set", name, "up"],
+    ] {
+        let out = w.sandbox_cmd(&args);
+        assert!(out.success(), "{args:?}: {out}");
+    }
+}
+
+#[test]
+fn a_scoped_guard_answers_on_the_listed_bridges_it_found_and_names_those_it_does_not() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    add_bridge(&w, "efbr0", "198.18.0.1/24");
+    let text = format!(
+        "version: 1\nscope:\n  users: [4001]\n  forward: [\"efbr*\"]\nallow:\n  - domain: \
+         api.example.com\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [{DNS_V4}]\n"
+    );
+    let path = w.write_file("policy.yaml", &text);
+    let mut daemon = w.spawn_guard(path_arg(&path));
+    assert!(
+        daemon.stderr().contains("198.18.0.1:53"),
+        "the guard says it listens on the bridge:\n{}",
+        daemon.stderr()
+    );
+    let bridge: IpAddr = "198.18.0.1".parse().expect("an address");
+    // Asked on the bridge's address, by root (not fenced) and by a fenced user.
+    for uid in [None, Some(4001)] {
+        let answer = w.dig_as(uid, Some(bridge), "api.example.com", "A", &[]);
+        assert_eq!(answer.addrs(), vec![HOST_V4], "{uid:?}: {answer:?}");
+    }
+
+    // A bridge that comes after start is named, and is no reason to refuse a reload.
+    add_bridge(&w, "efbr1", "198.18.1.1/24");
+    assert!(
+        daemon.wait_for_output(
+            "listed interface efbr1 has 198.18.1.1:53, where the DNS guard does not listen",
+            Duration::from_secs(5)
+        ),
+        "{}",
+        daemon.stderr()
+    );
+    let applied = |d: &Background| d.stderr().matches("applied the table").count();
+    let before = applied(&daemon);
+    daemon.signal(Signal::SIGHUP);
+    assert!(
+        within(Duration::from_secs(5), || applied(&daemon) > before).is_some(),
+        "the reload was not applied:\n{}",
+        daemon.stderr()
+    );
+    assert!(
+        !daemon.stderr().contains("takes a restart"),
+        "{}",
+        daemon.stderr()
+    );
+    let answer = w.dig(Some(bridge), "api.example.com", "A", false);
+    assert_eq!(answer.addrs(), vec![HOST_V4], "{answer:?}");
+    assert!(daemon.terminate().success(), "{}", daemon.stderr());
+}

@@ -180,14 +180,12 @@ impl Daemon {
             events,
             counters: counters.clone(),
         });
+        // The policy's addresses and, with `scope.forward`, the listed bridges' it bound.
         let listen: Vec<SocketAddr> = self
             .core
-            .policy()
-            .dns
-            .guard
-            .iter()
-            .flat_map(|g| g.listen.clone())
-            .collect();
+            .guard()
+            .map(|g| g.listen.clone())
+            .unwrap_or_default();
         info!(listen = ?listen, upstream = ?self.core.resolvers(), "the DNS guard is serving");
         self.guard = Some(GuardLink {
             rules: rules_tx,
