@@ -644,6 +644,18 @@ fn a_scoped_guard_answers_on_the_listed_bridges_it_found_and_names_those_it_does
     let w = World::new();
     w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
     add_bridge(&w, "efbr0", "198.18.0.1/24");
+    // An IPv6 address on an interface without carrier stays tentative: it cannot be bound.
+    let tentative = [
+        vec![
+            "ip", "link", "add", "efbr9", "type", "veth", "peer", "name", "efbr9p",
+        ],
+        vec!["ip", "link", "set", "efbr9", "up"],
+        vec!["ip", "-6", "addr", "add", "fd00:18::1/64", "dev", "efbr9"],
+    ];
+    for args in tentative {
+        let out = w.sandbox_cmd(&args);
+        assert!(out.success(), "{args:?}: {out}");
+    }
     let text = format!(
         "version: 1\nscope:\n  users: [4001]\n  forward: [\"efbr*\"]\nallow:\n  - domain: \
          api.example.com\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [{DNS_V4}]\n"
@@ -653,6 +665,13 @@ fn a_scoped_guard_answers_on_the_listed_bridges_it_found_and_names_those_it_does
     assert!(
         daemon.stderr().contains("198.18.0.1:53"),
         "the guard says it listens on the bridge:\n{}",
+        daemon.stderr()
+    );
+    assert!(
+        daemon
+            .stderr()
+            .contains("the DNS guard cannot listen on [fd00:18::1]:53"),
+        "a bridge address it cannot bind is left out, named:\n{}",
         daemon.stderr()
     );
     let bridge: IpAddr = "198.18.0.1".parse().expect("an address");

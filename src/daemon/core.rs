@@ -993,8 +993,9 @@ impl Core {
                 warn!(
                     interface = %interface, address = %addr,
                     "listed interface {interface} has {addr}, where the DNS guard does not \
-                     listen (it came after the guard started): its containers get no DNS \
-                     answer there until a restart (`systemctl restart egress-fence`)"
+                     listen (it was not there, or not usable, when the guard started): its \
+                     containers get no DNS answer there until a restart (`systemctl restart \
+                     egress-fence`)"
                 );
             }
             unserved.insert(*addr);

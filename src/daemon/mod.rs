@@ -153,10 +153,19 @@ fn start_and_serve(
         };
         // Bound before the table goes up, so that a taken port stops the daemon at once; the
         // queries that arrive meanwhile wait in the socket buffers.
-        let identity = crate::host::guard_identity(&policy);
-        let guard = match &identity {
-            Some(identity) => Some(Guard::bind(identity).await?),
-            None => None,
+        let (identity, guard) = match crate::host::guard_identity(&policy) {
+            Some(identity) => {
+                // What the policy does not name is the listed bridges'.
+                let bridges: Vec<_> = identity
+                    .listen
+                    .iter()
+                    .filter(|a| !policy.dns.guard.iter().any(|g| g.listen.contains(a)))
+                    .copied()
+                    .collect();
+                let (guard, bound) = Guard::bind(&identity, &bridges).await?;
+                (Some(bound), Some(guard))
+            }
+            None => (None, None),
         };
         let mut daemon = Daemon::start(options, lock, policy, policy_text, identity).await?;
         *boundary_up = true;
