@@ -519,6 +519,27 @@ impl Drop for TestCgroup {
     }
 }
 
+impl TestCgroup {
+    /// Whether a TCP connection to `addr`:`port` from a process of the sandbox in this cgroup
+    /// succeeds (`nc -z`, 2 s). The process waits for a flag file until the test has moved it
+    /// in, so that its socket is made inside the cgroup.
+    fn connects(&self, w: &World, addr: IpAddr, port: u16) -> bool {
+        let flag = w.dir().join(format!("moved-{}", self.name));
+        let script = format!(
+            "while [ ! -e {flag} ]; do sleep 0.02; done; exec nc -z -w 2 {addr} {port}",
+            flag = flag.display()
+        );
+        let mut nc = w.spawn_in_sandbox(&["sh", "-c", &script]);
+        let procs = self.dir.join("cgroup.procs");
+        std::fs::write(&procs, nc.pid().to_string())
+            .unwrap_or_else(|e| panic!("move {} into {}: {e}", nc.pid(), procs.display()));
+        std::fs::write(&flag, b"").expect("write the flag file");
+        let status = nc.wait_timeout(Duration::from_secs(10)).expect("nc exits");
+        let _ = std::fs::remove_file(&flag);
+        status.success()
+    }
+}
+
 /// How many rules chain `chain` of table inet egress_fence holds in the sandbox.
 fn rules_in_chain(w: &World, chain: &str) -> usize {
     let out = w.sandbox_cmd(&["nft", "-j", "list", "chain", "inet", "egress_fence", chain]);
@@ -619,7 +640,19 @@ fn a_listed_cgroup_made_after_start_is_fenced_and_followed_when_made_again() {
         ) == before + 1)
         .is_some()
     );
+    // A process in the cgroup made again is fenced; root outside it is not.
+    let _other = w.listen_tcp(HOST2_V4, 443);
+    assert!(w.tcp_connects(HOST2_V4, 443), "outside the scope");
+    assert!(
+        !cgroup.connects(&w, HOST2_V4, 443),
+        "a process of the cgroup made again reached a host the policy does not allow"
+    );
     assert!(daemon.terminate().success(), "{}", daemon.stderr());
+    // Why it is followed: with nobody following, the rule of the old id matches nothing
+    // once the cgroup is made again (this also shows the check above can fail).
+    cgroup.remove();
+    cgroup.make();
+    assert!(cgroup.connects(&w, HOST2_V4, 443));
 }
 
 /// Adds an interface `name` with `addr` (a /24) to the sandbox, up: one end of a veth pair
