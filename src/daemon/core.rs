@@ -251,6 +251,11 @@ impl Core {
         &self.policy
     }
 
+    /// What of the host the table is planned with.
+    pub fn host_scope(&self) -> &HostScope {
+        &self.host_scope
+    }
+
     /// In guard mode, who the guard is.
     pub fn guard(&self) -> Option<&GuardIdentity> {
         self.guard.as_ref()

@@ -311,9 +311,6 @@ impl Daemon {
     /// A reloaded policy, parsed: its resolvers are looked for here (they may be
     /// resolv.conf's), then the core decides. Returns whether it was adopted.
     fn reload(&mut self, (loaded, scope): Parsed) -> bool {
-        if let Ok((policy, _)) = &loaded {
-            warn_missing_cgroups(policy, &scope.cgroups);
-        }
         let mut fresh = None;
         let resolvers = match &loaded {
             Ok((policy, _)) if policy.dns.guard.is_none() => {
@@ -340,6 +337,7 @@ impl Daemon {
         if adopted {
             // A guard-mode policy has no resolver of its own: the guard forwards.
             self.resolver = fresh;
+            warn_missing_cgroups(self.core.policy(), &self.core.host_scope().cgroups);
         }
         self.carry_out(
             effects
@@ -531,7 +529,7 @@ impl Daemon {
                     }
                     self.follow_host_scope();
                 }
-                _ = scope_tick.tick(), if self.core.policy().scope.is_some() => {
+                _ = scope_tick.tick(), if follows_host(self.core.policy()) => {
                     // A parent made since is watched from now on.
                     cgroup_watch.watch(self.core.policy());
                     self.follow_host_scope();
@@ -579,6 +577,14 @@ fn resolver_for(
     };
     let resolver = NameResolver::new(&resolvers)?;
     Ok((resolvers, resolver))
+}
+
+/// Whether anything of the host `policy`'s table or guard depends on can change: listed
+/// cgroups, or (in guard mode) listed interfaces' addresses.
+fn follows_host(policy: &Policy) -> bool {
+    policy.scope.as_ref().is_some_and(|s| {
+        !s.cgroups.is_empty() || (policy.dns.guard.is_some() && !s.forward.is_empty())
+    })
 }
 
 /// What of the host `policy`'s scope lists, as it is now.
