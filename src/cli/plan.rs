@@ -91,6 +91,13 @@ fn describe_scope(policy: &Policy, host: &HostScope) -> Vec<String> {
             )),
         }
     }
+    if !scope.cgroups.is_empty() {
+        out.push(
+            "  cgroups are matched by id: one removed and made again is fenced again by `run` \
+             (which follows them) or by applying anew"
+                .to_string(),
+        );
+    }
     if !scope.forward.is_empty() {
         out.push(format!(
             "  forwarded from interfaces: {} (matched by name, whenever they exist)",
