@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
-use crate::core::policy::{CgroupPath, Policy};
+use crate::core::policy::{CgroupPath, IfacePattern, Policy, ScopeHost};
 use crate::core::resolution::HostScope;
 use crate::core::ruleset::CgroupMatch;
 
@@ -28,16 +28,80 @@ pub fn guard_identity(policy: &Policy) -> Option<GuardIdentity> {
 /// exist, and (in guard mode) where the guard listens on its listed interfaces. Empty without
 /// a `scope:`.
 pub fn host_scope(policy: &Policy) -> HostScope {
-    let Some(scope) = &policy.scope else {
+    if policy.scope.is_none() {
         return HostScope::default();
-    };
+    }
     HostScope {
-        cgroups: scope
-            .cgroups
-            .iter()
-            .filter_map(|path| cgroup_match(path).ok())
-            .collect(),
+        cgroups: listed_cgroups(policy),
         bridge_listen: bridge_listen(policy),
+    }
+}
+
+/// The cgroups `policy`'s scope lists that exist now, with their ids, in the policy's order.
+pub fn listed_cgroups(policy: &Policy) -> Vec<CgroupMatch> {
+    let Some(scope) = &policy.scope else {
+        return Vec::new();
+    };
+    scope
+        .cgroups
+        .iter()
+        .filter_map(|path| cgroup_match(path).ok())
+        .collect()
+}
+
+/// The directories whose entries come and go when a listed cgroup appears or is removed:
+/// the hierarchy's root, each listed cgroup's parent and the listed cgroup itself (for its
+/// own removal). Those that do not exist yet are left to the caller's polling.
+pub fn cgroup_watch_dirs(policy: &Policy) -> Vec<PathBuf> {
+    let (Some(scope), Some(root)) = (&policy.scope, cgroup2_root()) else {
+        return Vec::new();
+    };
+    if scope.cgroups.is_empty() {
+        return Vec::new();
+    }
+    let mut dirs = vec![root.clone()];
+    for path in &scope.cgroups {
+        let dir = root.join(path.as_str());
+        if let Some(parent) = dir.parent() {
+            dirs.push(parent.to_path_buf());
+        }
+        dirs.push(dir);
+    }
+    dirs.sort();
+    dirs.dedup();
+    dirs
+}
+
+/// Why the listed cgroup `path` has no rule now, in a few words (`None`: it has one).
+pub fn why_cgroup_missing(path: &CgroupPath) -> Option<String> {
+    match cgroup_match(path) {
+        Ok(_) => None,
+        Err(CgroupError::Missing { path, .. }) => {
+            Some(format!("{} does not exist", path.display()))
+        }
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// This host, as `check` asks about a scope: its cgroup v2 hierarchy, the interfaces of the
+/// current network namespace (none read: none match) and its account database.
+pub struct ThisHost;
+
+impl ScopeHost for ThisHost {
+    fn cgroup_missing(&self, path: &CgroupPath) -> Option<String> {
+        why_cgroup_missing(path)
+    }
+
+    fn interface_present(&self, pattern: &IfacePattern) -> bool {
+        nix::net::if_::if_nameindex().is_ok_and(|names| {
+            names
+                .iter()
+                .any(|i| i.name().to_str().is_ok_and(|n| pattern.matches(n)))
+        })
+    }
+
+    fn uid_has_account(&self, uid: u32) -> bool {
+        nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)).is_ok_and(|u| u.is_some())
     }
 }
 
@@ -130,6 +194,18 @@ pub fn cgroup_match(path: &CgroupPath) -> Result<CgroupMatch, CgroupError> {
 /// scope lists (link-local IPv6 addresses left out: a socket bound to one needs its
 /// interface, and containers are given a global address to ask).
 pub fn bridge_listen(policy: &Policy) -> Vec<SocketAddr> {
+    let mut found: Vec<SocketAddr> = listed_bridge_addrs(policy)
+        .into_iter()
+        .map(|(_, addr)| addr)
+        .collect();
+    found.sort();
+    found.dedup();
+    found
+}
+
+/// [`bridge_listen`] by interface: each listed interface's name with port 53 of each of its
+/// addresses (what a warning names when the guard does not listen there).
+pub fn listed_bridge_addrs(policy: &Policy) -> Vec<(String, SocketAddr)> {
     let (Some(scope), Some(_)) = (&policy.scope, &policy.dns.guard) else {
         return Vec::new();
     };
@@ -140,7 +216,7 @@ pub fn bridge_listen(policy: &Policy) -> Vec<SocketAddr> {
         tracing::warn!("cannot read this host's interfaces; the guard listens on no bridge");
         return Vec::new();
     };
-    let mut found: Vec<SocketAddr> = Vec::new();
+    let mut found: Vec<(String, SocketAddr)> = Vec::new();
     for i in interfaces {
         if !scope.forward.iter().any(|p| p.matches(&i.interface_name)) {
             continue;
@@ -157,7 +233,10 @@ pub fn bridge_listen(policy: &Policy) -> Vec<SocketAddr> {
         } else {
             continue;
         };
-        let listen = SocketAddr::new(ip, crate::core::plan::DNS_PORT);
+        let listen = (
+            i.interface_name,
+            SocketAddr::new(ip, crate::core::plan::DNS_PORT),
+        );
         if !found.contains(&listen) {
             found.push(listen);
         }

@@ -480,3 +480,264 @@ fn at_boot_without_resolvers_the_skeleton_goes_up_and_names_follow() {
     );
     assert!(daemon.terminate().success());
 }
+
+/// A cgroup made for one test under the cgroup v2 root, removed when dropped (also when the
+/// test fails). It holds no process.
+struct TestCgroup {
+    dir: std::path::PathBuf,
+    name: String,
+}
+
+impl TestCgroup {
+    /// A name of its own, not made yet; `None` on a host without cgroup v2.
+    fn named() -> Option<TestCgroup> {
+        let root = egress_fence::host::cgroup2_root()?;
+        let unique = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let name = format!("egress-fence-test-{}-{unique}", std::process::id());
+        Some(TestCgroup {
+            dir: root.join(&name),
+            name,
+        })
+    }
+
+    fn make(&self) {
+        std::fs::create_dir(&self.dir)
+            .unwrap_or_else(|e| panic!("mkdir {}: {e}", self.dir.display()));
+    }
+
+    fn remove(&self) {
+        std::fs::remove_dir(&self.dir)
+            .unwrap_or_else(|e| panic!("rmdir {}: {e}", self.dir.display()));
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+impl TestCgroup {
+    /// Whether a TCP connection to `addr`:`port` from a process of the sandbox in this cgroup
+    /// succeeds (`nc -z`, 2 s). The process waits for a flag file until the test has moved it
+    /// in, so that its socket is made inside the cgroup.
+    fn connects(&self, w: &World, addr: IpAddr, port: u16) -> bool {
+        let flag = w.dir().join(format!("moved-{}", self.name));
+        let script = format!(
+            "while [ ! -e {flag} ]; do sleep 0.02; done; exec nc -z -w 2 {addr} {port}",
+            flag = flag.display()
+        );
+        let mut nc = w.spawn_in_sandbox(&["sh", "-c", &script]);
+        let procs = self.dir.join("cgroup.procs");
+        std::fs::write(&procs, nc.pid().to_string())
+            .unwrap_or_else(|e| panic!("move {} into {}: {e}", nc.pid(), procs.display()));
+        std::fs::write(&flag, b"").expect("write the flag file");
+        let status = nc.wait_timeout(Duration::from_secs(10)).expect("nc exits");
+        let _ = std::fs::remove_file(&flag);
+        status.success()
+    }
+}
+
+/// How many rules chain `chain` of table inet egress_fence holds in the sandbox.
+fn rules_in_chain(w: &World, chain: &str) -> usize {
+    let out = w.sandbox_cmd(&["nft", "-j", "list", "chain", "inet", "egress_fence", chain]);
+    assert!(out.success(), "nft list chain {chain}: {out}");
+    let v: Value = serde_json::from_str(&out.stdout).expect("nft -j output is JSON");
+    v["nftables"]
+        .as_array()
+        .map_or(0, |a| a.iter().filter(|o| o.get("rule").is_some()).count())
+}
+
+#[test]
+fn a_listed_cgroup_made_after_start_is_fenced_and_followed_when_made_again() {
+    let Some(cgroup) = TestCgroup::named() else {
+        eprintln!("skipped: no cgroup v2 hierarchy on this host");
+        return;
+    };
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    // A uid besides the cgroup, so that the scope's output chain exists before the cgroup does.
+    let text = policy(&["api.example.com"]).replace(
+        "version: 1\n",
+        &format!(
+            "version: 1\nscope:\n  users: [4001]\n  cgroups: [{}]\n",
+            cgroup.name
+        ),
+    );
+    let path = w.write_file("policy.yaml", &text);
+    let notify = NotifySocket::new(&w, "notify.sock");
+    let mut daemon = start(&w, &notify, &path, &[]);
+    let name = &cgroup.name;
+    assert!(
+        daemon
+            .stderr()
+            .contains(&format!("listed cgroup {name} is not fenced yet")),
+        "a missing cgroup is named at start:\n{}",
+        daemon.stderr()
+    );
+    let before = rules_in_chain(&w, "scope_output");
+
+    let count = |d: &Background, needle: &str| d.stderr().matches(needle).count();
+    let appeared = format!("cgroup {name} appeared: fenced from now on");
+    cgroup.make();
+    assert!(
+        daemon.wait_for_output(&appeared, Duration::from_secs(5)),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(
+        within(Duration::from_secs(2), || rules_in_chain(
+            &w,
+            "scope_output"
+        ) == before + 1)
+        .is_some(),
+        "the cgroup's rule is not in the table: {} rules, {before} before",
+        rules_in_chain(&w, "scope_output")
+    );
+    let listed = w.sandbox_cmd(&[
+        "nft",
+        "list",
+        "chain",
+        "inet",
+        "egress_fence",
+        "scope_output",
+    ]);
+    assert!(
+        listed
+            .stdout
+            .lines()
+            .any(|l| l.contains("socket cgroupv2") && l.contains(name.as_str())),
+        "{listed}"
+    );
+
+    // Removed: its rule goes; made again (a new id): a rule for the new one.
+    cgroup.remove();
+    let gone = format!("cgroup {name} is gone");
+    assert!(
+        daemon.wait_for_output(&gone, Duration::from_secs(5)),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(
+        within(Duration::from_secs(2), || rules_in_chain(
+            &w,
+            "scope_output"
+        ) == before)
+        .is_some()
+    );
+    cgroup.make();
+    assert!(
+        within(Duration::from_secs(5), || count(&daemon, &appeared) == 2).is_some(),
+        "{}",
+        daemon.stderr()
+    );
+    assert!(
+        within(Duration::from_secs(2), || rules_in_chain(
+            &w,
+            "scope_output"
+        ) == before + 1)
+        .is_some()
+    );
+    // A process in the cgroup made again is fenced; root outside it is not.
+    let _other = w.listen_tcp(HOST2_V4, 443);
+    assert!(w.tcp_connects(HOST2_V4, 443), "outside the scope");
+    assert!(
+        !cgroup.connects(&w, HOST2_V4, 443),
+        "a process of the cgroup made again reached a host the policy does not allow"
+    );
+    assert!(daemon.terminate().success(), "{}", daemon.stderr());
+    // Why it is followed: with nobody following, the rule of the old id matches nothing
+    // once the cgroup is made again (this also shows the check above can fail).
+    cgroup.remove();
+    cgroup.make();
+    assert!(cgroup.connects(&w, HOST2_V4, 443));
+}
+
+/// Adds an interface `name` with `addr` (a /24) to the sandbox, up: one end of a veth pair
+/// (this kernel has no dummy interfaces), its peer `<name>p` up too.
+fn add_bridge(w: &World, name: &str, addr: &str) {
+    let peer = format!("{name}p");
+    for args in [
+        vec![
+            "ip", "link", "add", name, "type", "veth", "peer", "name", &peer,
+        ],
+        vec!["ip", "addr", "add", addr, "dev", name],
+        vec!["ip", "link", "set", &peer, "up"],
+        vec!["ip", "link", "set", name, "up"],
+    ] {
+        let out = w.sandbox_cmd(&args);
+        assert!(out.success(), "{args:?}: {out}");
+    }
+}
+
+#[test]
+fn a_scoped_guard_answers_on_the_listed_bridges_it_found_and_names_those_it_does_not() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    add_bridge(&w, "efbr0", "198.18.0.1/24");
+    // An IPv6 address on an interface without carrier stays tentative: it cannot be bound.
+    let tentative = [
+        vec![
+            "ip", "link", "add", "efbr9", "type", "veth", "peer", "name", "efbr9p",
+        ],
+        vec!["ip", "link", "set", "efbr9", "up"],
+        vec!["ip", "-6", "addr", "add", "fd00:18::1/64", "dev", "efbr9"],
+    ];
+    for args in tentative {
+        let out = w.sandbox_cmd(&args);
+        assert!(out.success(), "{args:?}: {out}");
+    }
+    let text = format!(
+        "version: 1\nscope:\n  users: [4001]\n  forward: [\"efbr*\"]\nallow:\n  - domain: \
+         api.example.com\n    ports: [443]\ndns:\n  mode: guard\n  upstream: [{DNS_V4}]\n"
+    );
+    let path = w.write_file("policy.yaml", &text);
+    let mut daemon = w.spawn_guard(path_arg(&path));
+    assert!(
+        daemon.stderr().contains("198.18.0.1:53"),
+        "the guard says it listens on the bridge:\n{}",
+        daemon.stderr()
+    );
+    assert!(
+        daemon
+            .stderr()
+            .contains("the DNS guard cannot listen on [fd00:18::1]:53"),
+        "a bridge address it cannot bind is left out, named:\n{}",
+        daemon.stderr()
+    );
+    let bridge: IpAddr = "198.18.0.1".parse().expect("an address");
+    // Asked on the bridge's address, by root (not fenced) and by a fenced user.
+    for uid in [None, Some(4001)] {
+        let answer = w.dig_as(uid, Some(bridge), "api.example.com", "A", &[]);
+        assert_eq!(answer.addrs(), vec![HOST_V4], "{uid:?}: {answer:?}");
+    }
+
+    // A bridge that comes after start is named, and is no reason to refuse a reload.
+    add_bridge(&w, "efbr1", "198.18.1.1/24");
+    assert!(
+        daemon.wait_for_output(
+            "listed interface efbr1 has 198.18.1.1:53, where the DNS guard does not listen",
+            Duration::from_secs(5)
+        ),
+        "{}",
+        daemon.stderr()
+    );
+    let applied = |d: &Background| d.stderr().matches("applied the table").count();
+    let before = applied(&daemon);
+    daemon.signal(Signal::SIGHUP);
+    assert!(
+        within(Duration::from_secs(5), || applied(&daemon) > before).is_some(),
+        "the reload was not applied:\n{}",
+        daemon.stderr()
+    );
+    assert!(
+        !daemon.stderr().contains("takes a restart"),
+        "{}",
+        daemon.stderr()
+    );
+    let answer = w.dig(Some(bridge), "api.example.com", "A", false);
+    assert_eq!(answer.addrs(), vec![HOST_V4], "{answer:?}");
+    assert!(daemon.terminate().success(), "{}", daemon.stderr());
+}

@@ -11,7 +11,7 @@
 //! Logs are written where the decision is taken, as before the split.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
@@ -32,7 +32,7 @@ use crate::core::plan::{
 };
 use crate::core::policy::{DomainName, Policy, PolicyError};
 use crate::core::resolution::{HostScope, Resolution, ResolvedAddr, ResolvedHost};
-use crate::core::ruleset::{Elements, Ruleset, SetId, SetRole, TABLE, Tuple};
+use crate::core::ruleset::{CgroupMatch, Elements, Ruleset, SetId, SetRole, TABLE, Tuple};
 use crate::guard::{LogBudget, Rules};
 use crate::netlink::conntrack::Flow;
 use crate::nft::monitor::Change;
@@ -63,17 +63,32 @@ pub enum Event<'a> {
     Sweep,
     /// The live flows conntrack showed, for the sweep at `at`.
     LiveFlows { flows: BTreeSet<Flow>, at: Instant },
-    /// SIGHUP's policy, read and parsed; for a resolve-mode policy, its resolvers.
+    /// SIGHUP's policy, read and parsed; for a resolve-mode policy, its resolvers; what of
+    /// the host its scope lists, read with it.
     Reload {
         loaded: Box<Result<(Policy, String), PolicyError>>,
         resolvers: Option<Result<Vec<IpAddr>, String>>,
+        scope: ScopeFacts,
     },
+    /// What of the host the running policy's scope lists, read again (a listed cgroup came,
+    /// went or was made again; a listed bridge's addresses changed): the table follows its
+    /// cgroups.
+    HostScope(ScopeFacts),
     /// Someone else changed the table.
     TableChanged(&'a [Change]),
     /// Change notifications were lost.
     NotificationsLost,
     /// A refused packet (`--log-drops`).
     Refused(DropEvent),
+}
+
+/// What of the host a scope lists, as the shell read it (`crate::host`): its listed cgroups
+/// that exist, with their ids, and (in guard mode) the addresses of its listed interfaces,
+/// by interface.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScopeFacts {
+    pub cgroups: Vec<CgroupMatch>,
+    pub bridges: Vec<(String, SocketAddr)>,
 }
 
 /// One answer of the guard, as the core sees it: `id` names it in [`Effect::Release`].
@@ -161,7 +176,11 @@ pub struct Core {
     allowed_log: LogBudget,
     /// With a `scope:`, what of the host the table is planned with (the listed cgroups'
     /// ids, where the guard listens on the listed bridges): the shell reads it.
+    /// `bridge_listen` is where the guard bound its sockets at start, for the process's life.
     host_scope: HostScope,
+    /// Addresses of listed interfaces the guard does not listen on (they came after it
+    /// bound its sockets), already warned about.
+    unserved_bridges: BTreeSet<SocketAddr>,
 }
 
 /// What a policy sets in the daemon, taken in or given back as a whole.
@@ -175,6 +194,8 @@ struct Config {
     guard: Option<GuardIdentity>,
     /// What a restart carried over that this configuration still allows.
     carried: BTreeMap<Tuple, Carried>,
+    /// The listed cgroups of `policy` that exist, with their ids.
+    cgroups: Vec<CgroupMatch>,
 }
 
 impl Core {
@@ -216,6 +237,7 @@ impl Core {
             full_log: LogBudget::default(),
             allowed_log: LogBudget::default(),
             host_scope: HostScope::default(),
+            unserved_bridges: BTreeSet::new(),
         }
     }
 
@@ -227,6 +249,11 @@ impl Core {
 
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// What of the host the table is planned with.
+    pub fn host_scope(&self) -> &HostScope {
+        &self.host_scope
     }
 
     /// In guard mode, who the guard is.
@@ -289,10 +316,19 @@ impl Core {
                 }
             }
             Event::LiveFlows { flows, at } => self.keep_connected(table, &flows, at),
-            Event::Reload { loaded, resolvers } => {
-                if self.reload(table, *loaded, resolvers, now, &mut fx) {
+            Event::Reload {
+                loaded,
+                resolvers,
+                scope,
+            } => {
+                if self.reload(table, *loaded, resolvers, scope.cgroups, now, &mut fx) {
                     fx.push(Effect::Adopted);
+                    self.warn_unserved_bridges(&scope.bridges);
                 }
+            }
+            Event::HostScope(facts) => {
+                self.warn_unserved_bridges(&facts.bridges);
+                self.follow_cgroups(table, facts.cgroups, now, &mut fx);
             }
             Event::TableChanged(changes) => self.heal(table, changes, now, &mut fx),
             Event::NotificationsLost => self.check_after_overrun(table, now, &mut fx),
@@ -729,6 +765,7 @@ impl Core {
         table: &mut dyn Table,
         loaded: Result<(Policy, String), PolicyError>,
         resolvers: Option<Result<Vec<IpAddr>, String>>,
+        cgroups: Vec<CgroupMatch>,
         now: Instant,
         fx: &mut Vec<Effect>,
     ) -> bool {
@@ -740,13 +777,18 @@ impl Core {
             }
         };
         // The guard's sockets and the table's uid rule are set up once; the new policy's
-        // guard runs as the running one.
-        let new_guard = policy
-            .dns
-            .guard
-            .as_ref()
-            .zip(self.guard.as_ref())
-            .map(|(settings, running)| GuardIdentity::of(settings, running.uid));
+        // guard runs as the running one, listening where it bound its sockets on the listed
+        // bridges at start (a bridge address that came since is served after a restart).
+        let new_guard =
+            policy
+                .dns
+                .guard
+                .as_ref()
+                .zip(self.guard.as_ref())
+                .map(|(settings, running)| {
+                    GuardIdentity::of(settings, running.uid)
+                        .listening_also_on(&self.host_scope.bridge_listen)
+                });
         let restart = match (&self.guard, &policy.dns.guard, &new_guard) {
             (Some(_), None, _) | (None, Some(_), _) => Some("`dns.mode`"),
             (Some(old), _, Some(new)) => old.change_needing_restart(new),
@@ -760,7 +802,7 @@ impl Core {
             return false;
         }
         if let Some(guard) = new_guard {
-            return self.reload_guard(table, policy, policy_text, guard, now, fx);
+            return self.reload_guard(table, (policy, policy_text), guard, cgroups, now, fx);
         }
         let resolvers = match resolvers {
             Some(Ok(r)) => r,
@@ -796,6 +838,7 @@ impl Core {
                 guard: None,
                 names,
                 carried: self.carried.clone(),
+                cgroups,
             },
             now,
             fx,
@@ -810,9 +853,9 @@ impl Core {
     fn reload_guard(
         &mut self,
         table: &mut dyn Table,
-        policy: Policy,
-        policy_text: String,
+        (policy, policy_text): (Policy, String),
         guard: GuardIdentity,
+        cgroups: Vec<CgroupMatch>,
         now: Instant,
         fx: &mut Vec<Effect>,
     ) -> bool {
@@ -853,6 +896,7 @@ impl Core {
                 resolvers: guard.upstream.clone(),
                 guard: Some(guard),
                 carried,
+                cgroups,
             },
             now,
             fx,
@@ -897,6 +941,71 @@ impl Core {
         std::mem::swap(&mut self.resolvers, &mut other.resolvers);
         std::mem::swap(&mut self.guard, &mut other.guard);
         std::mem::swap(&mut self.carried, &mut other.carried);
+        std::mem::swap(&mut self.host_scope.cgroups, &mut other.cgroups);
+    }
+
+    /// The listed cgroups as the host has them now: when one appeared, went, or was removed
+    /// and made again (a new id, which the old rule does not match: new processes in it would
+    /// go unfenced), the table is applied anew with their rules, and recorded (its
+    /// configuration changed).
+    fn follow_cgroups(
+        &mut self,
+        table: &mut dyn Table,
+        cgroups: Vec<CgroupMatch>,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) {
+        if cgroups == self.host_scope.cgroups {
+            return;
+        }
+        let listed = self.policy.scope.iter().flat_map(|s| &s.cgroups);
+        for path in listed {
+            let find = |of: &[CgroupMatch]| of.iter().find(|c| c.path == *path).map(|c| c.id);
+            match (find(&self.host_scope.cgroups), find(&cgroups)) {
+                (None, Some(id)) => {
+                    info!(cgroup = %path, id, "cgroup {path} appeared: fenced from now on")
+                }
+                (Some(was), Some(id)) if was != id => warn!(
+                    cgroup = %path, id, was,
+                    "cgroup {path} changed (removed and made again): fenced from now on"
+                ),
+                (Some(_), None) => info!(
+                    cgroup = %path,
+                    "cgroup {path} is gone: nobody is in it; it is fenced again from the moment \
+                     it reappears"
+                ),
+                _ => {}
+            }
+        }
+        self.host_scope.cgroups = cgroups;
+        self.record_next_apply = true;
+        self.reapply(table, now, fx);
+    }
+
+    /// Warns, once each, about addresses of listed interfaces the guard does not listen on:
+    /// its sockets are bound at start, so containers asking there get no answer until a
+    /// restart.
+    fn warn_unserved_bridges(&mut self, bridges: &[(String, SocketAddr)]) {
+        let Some(guard) = &self.guard else {
+            return;
+        };
+        let mut unserved = BTreeSet::new();
+        for (interface, addr) in bridges {
+            if guard.listen.contains(addr) {
+                continue;
+            }
+            if !self.unserved_bridges.contains(addr) {
+                warn!(
+                    interface = %interface, address = %addr,
+                    "listed interface {interface} has {addr}, where the DNS guard does not \
+                     listen (it was not there, or not usable, when the guard started): its \
+                     containers get no DNS answer there until a restart (`systemctl restart \
+                     egress-fence`)"
+                );
+            }
+            unserved.insert(*addr);
+        }
+        self.unserved_bridges = unserved;
     }
 
     /// Someone else changed the table: put it back.
@@ -1038,7 +1147,7 @@ mod tests {
 
     use super::*;
     use crate::core::policy::{L4Proto, PortRange};
-    use crate::core::ruleset::Timed;
+    use crate::core::ruleset::{Rule, ScopeMatch, Timed};
     use crate::nft::table::memory::MemoryTable;
 
     const RESOLVE: &str = "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\n  - domain: b.example\n    ports: [443, 80]\ndns:\n  resolvers: [192.0.2.53]\n  refresh: { min: 30s, max: 1h }\n  grace: 10m\n";
@@ -1343,6 +1452,17 @@ mod tests {
     }
 
     fn reload(c: &mut Core, table: &mut MemoryTable, text: &str, now: Instant) -> Vec<Effect> {
+        reload_on(c, table, text, ScopeFacts::default(), now)
+    }
+
+    /// A reload of `text`, whose scope's host facts the shell read as `scope`.
+    fn reload_on(
+        c: &mut Core,
+        table: &mut MemoryTable,
+        text: &str,
+        scope: ScopeFacts,
+        now: Instant,
+    ) -> Vec<Effect> {
         let loaded = Policy::parse(text, Path::new("p.yaml")).map(|p| (p, text.to_string()));
         let resolvers = match &loaded {
             Ok((p, _)) if p.dns.guard.is_none() => Some(Ok(resolvers())),
@@ -1352,6 +1472,7 @@ mod tests {
             Event::Reload {
                 loaded: Box::new(loaded),
                 resolvers,
+                scope,
             },
             now,
             table,
@@ -1429,6 +1550,7 @@ mod tests {
             Event::Reload {
                 loaded: Box::new(loaded),
                 resolvers: Some(Err("no nameserver in resolv.conf".into())),
+                scope: ScopeFacts::default(),
             },
             now,
             &mut table,
@@ -1700,5 +1822,159 @@ mod tests {
             g.status_line(now, Some((5, 2, 1))),
             "guard: 0 names, 0 addresses; 5 answered, 2 refused, 1 failed; last answer never"
         );
+    }
+
+    const SCOPED: &str = "version: 1\nscope:\n  users: [1001]\n  cgroups: [agent.slice]\nallow:\n  - domain: a.example\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n";
+
+    fn agent_slice(id: u64) -> CgroupMatch {
+        CgroupMatch {
+            path: "agent.slice".parse().unwrap(),
+            level: 1,
+            id,
+        }
+    }
+
+    fn cgroups_found(ids: &[u64]) -> ScopeFacts {
+        ScopeFacts {
+            cgroups: ids.iter().map(|&id| agent_slice(id)).collect(),
+            bridges: Vec::new(),
+        }
+    }
+
+    /// The cgroups the table in force fences.
+    fn fenced_cgroups(table: &MemoryTable) -> Vec<CgroupMatch> {
+        let ruleset = table.table.as_ref().expect("a table");
+        let scope = ruleset.scope.as_ref().expect("scope chains");
+        scope
+            .output
+            .iter()
+            .filter_map(|r| match r {
+                Rule::Fence(ScopeMatch::Cgroup(c)) => Some(c.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_listed_cgroup_that_appears_is_made_again_or_goes_is_followed_at_once() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(SCOPED, now);
+        assert!(
+            fenced_cgroups(&table).is_empty(),
+            "missing at start: no rule"
+        );
+
+        let fx = c.on(Event::HostScope(cgroups_found(&[7])), now, &mut table);
+        assert_eq!(table.applied.len(), 2, "a full apply");
+        assert_eq!(fenced_cgroups(&table), vec![agent_slice(7)]);
+        assert_eq!(records(&fx), 1, "the table's configuration changed");
+
+        let fx = c.on(Event::HostScope(cgroups_found(&[7])), now, &mut table);
+        assert!(fx.is_empty(), "{fx:?}");
+        assert_eq!(table.applied.len(), 2, "unchanged: nothing");
+
+        // Removed and made again: a new id, which the old rule would not match.
+        c.on(Event::HostScope(cgroups_found(&[9])), now, &mut table);
+        assert_eq!(table.applied.len(), 3);
+        assert_eq!(fenced_cgroups(&table), vec![agent_slice(9)]);
+
+        c.on(Event::HostScope(cgroups_found(&[])), now, &mut table);
+        assert_eq!(table.applied.len(), 4);
+        assert!(fenced_cgroups(&table).is_empty());
+        // The generation records what the table was planned with.
+        let fx = c.on(Event::HostScope(cgroups_found(&[11])), now, &mut table);
+        let Some(Effect::Record(new)) = fx.first() else {
+            panic!("{fx:?}")
+        };
+        assert_eq!(new.resolution.scope.cgroups, vec![agent_slice(11)]);
+    }
+
+    #[test]
+    fn a_refused_apply_after_a_cgroup_change_is_retried_with_the_new_cgroup() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(SCOPED, now);
+        table.refuse_apply = true;
+        c.on(Event::HostScope(cgroups_found(&[7])), now, &mut table);
+        assert_eq!(table.applied.len(), 1);
+        table.refuse_apply = false;
+        c.on(Event::Wake, now + Duration::from_secs(1), &mut table);
+        assert_eq!(table.applied.len(), 2);
+        assert_eq!(fenced_cgroups(&table), vec![agent_slice(7)]);
+    }
+
+    #[test]
+    fn a_reload_plans_with_the_cgroups_read_for_the_new_policy_and_a_refused_one_keeps_the_old() {
+        let now = Instant::now();
+        let (mut c, mut table) = started(SCOPED, now);
+        c.on(Event::HostScope(cgroups_found(&[7])), now, &mut table);
+        let new = SCOPED.replace("ports: [443]", "ports: [8443]");
+        table.refuse_apply = true;
+        let fx = reload_on(&mut c, &mut table, &new, cgroups_found(&[9]), now);
+        assert!(fx.is_empty(), "{fx:?}");
+        table.refuse_apply = false;
+        c.on(Event::NotificationsLost, now, &mut table);
+        table.generation += 1;
+        c.on(Event::NotificationsLost, now, &mut table);
+        assert_eq!(fenced_cgroups(&table), vec![agent_slice(7)], "the old ids");
+
+        let fx = reload_on(&mut c, &mut table, &new, cgroups_found(&[9]), now);
+        assert!(fx.iter().any(|e| matches!(e, Effect::Adopted)));
+        assert_eq!(fenced_cgroups(&table), vec![agent_slice(9)]);
+        // Nothing changed since the reload read them.
+        let applied = table.applied.len();
+        c.on(Event::HostScope(cgroups_found(&[9])), now, &mut table);
+        assert_eq!(table.applied.len(), applied);
+    }
+
+    #[test]
+    fn the_guard_keeps_its_bridge_addresses_across_reloads_and_names_ones_it_does_not_serve() {
+        let now = Instant::now();
+        let text = GUARD.replace(
+            "version: 1\n",
+            "version: 1\nscope:\n  forward: [\"br-*\"]\n",
+        );
+        let p = policy(&text);
+        let bound: SocketAddr = "198.18.0.1:53".parse().unwrap();
+        let guard = GuardIdentity::of_policy(&p, 990).map(|g| g.listening_also_on(&[bound]));
+        let mut c = Core::new(
+            p,
+            text.clone(),
+            "/etc/p.yaml".into(),
+            resolvers(),
+            guard,
+            now,
+        );
+        c.set_host_scope(HostScope {
+            cgroups: Vec::new(),
+            bridge_listen: vec![bound],
+        });
+        let mut table = MemoryTable::new();
+        c.apply_all(&mut table, now, &mut Vec::new())
+            .expect("applied");
+
+        // A bridge that got an address after start takes no restart to reload the policy,
+        // and the guard keeps listening where it bound.
+        let later: SocketAddr = "198.18.1.1:53".parse().unwrap();
+        let bridges = vec![("br-a".to_string(), bound), ("br-b".to_string(), later)];
+        let facts = ScopeFacts {
+            cgroups: Vec::new(),
+            bridges: bridges.clone(),
+        };
+        let fx = reload_on(&mut c, &mut table, &text, facts.clone(), now);
+        assert!(fx.iter().any(|e| matches!(e, Effect::Adopted)), "{fx:?}");
+        assert_eq!(c.guard().unwrap().listen.last(), Some(&bound));
+        assert_eq!(c.unserved_bridges, BTreeSet::from([later]));
+        // Seen again by the poll: no new apply (and the warning is not repeated).
+        let applied = table.applied.len();
+        let fx = c.on(Event::HostScope(facts), now, &mut table);
+        assert!(fx.is_empty());
+        assert_eq!(table.applied.len(), applied);
+        assert_eq!(c.unserved_bridges, BTreeSet::from([later]));
+        // A changed `dns.listen` still takes a restart.
+        let moved = text.replace(
+            "  floor: 30s\n",
+            "  floor: 30s\n  listen: [127.0.0.54:53]\n",
+        );
+        assert!(reload(&mut c, &mut table, &moved, now).is_empty());
     }
 }

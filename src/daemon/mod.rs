@@ -19,6 +19,15 @@
 //! instead. It records a generation when it starts, on each reload and when its resolvers
 //! appear: whenever the configuration it applies changes, never for a refresh.
 //!
+//! A policy with a `scope:` depends on the host as well: its listed cgroups are matched by
+//! id, so one that appears, or is removed and made again (a new id, which the old rule does
+//! not match), is followed with a full apply at once (inotify on the cgroup directories, and
+//! a poll every 2 s for what inotify misses); one missing at start is named and fenced once
+//! it appears. In guard mode the guard also listens on the listed interfaces' addresses it
+//! can bind at start, for its whole life: an address that comes later is named in a warning
+//! and served after a restart (a reload keeps the guard's addresses, so it is no reason to
+//! refuse one).
+//!
 //! Its parts: `names` (what it knows of each name, and the elements that makes), `core` (its
 //! decisions: `Core::on(event, now)` returns effects, writing the table through
 //! [`crate::nft::Table`]) and `shell` (sockets, signals, tasks, systemd: it turns what happens
@@ -153,10 +162,19 @@ fn start_and_serve(
         };
         // Bound before the table goes up, so that a taken port stops the daemon at once; the
         // queries that arrive meanwhile wait in the socket buffers.
-        let identity = crate::host::guard_identity(&policy);
-        let guard = match &identity {
-            Some(identity) => Some(Guard::bind(identity).await?),
-            None => None,
+        let (identity, guard) = match crate::host::guard_identity(&policy) {
+            Some(identity) => {
+                // What the policy does not name is the listed bridges'.
+                let bridges: Vec<_> = identity
+                    .listen
+                    .iter()
+                    .filter(|a| !policy.dns.guard.iter().any(|g| g.listen.contains(a)))
+                    .copied()
+                    .collect();
+                let (guard, bound) = Guard::bind(&identity, &bridges).await?;
+                (Some(bound), Some(guard))
+            }
+            None => (None, None),
         };
         let mut daemon = Daemon::start(options, lock, policy, policy_text, identity).await?;
         *boundary_up = true;

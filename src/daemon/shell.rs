@@ -17,12 +17,13 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
-use super::core::{Core, Effect, Event, GuardAnswer, NewAddresses};
+use super::core::{Core, Effect, Event, GuardAnswer, NewAddresses, ScopeFacts};
 use super::{DaemonError, Options, io};
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::lifetime::Lifetimes;
 use crate::core::policy::{Policy, PolicyError};
-use crate::core::resolution::ResolvedHost;
+use crate::core::resolution::{HostScope, ResolvedHost};
+use crate::core::ruleset::CgroupMatch;
 use crate::core::ruleset::TABLE;
 use crate::dns::resolve::{NameResolver, ResolveError};
 use crate::guard::{Answered, Counters, Guard, Rules};
@@ -31,9 +32,19 @@ use crate::nft::Nft;
 use crate::nft::monitor::Monitor;
 use crate::state::WriterLock;
 use crate::watch::DropEvent;
+use nix::sys::inotify::Inotify;
 
 /// How many waiting answers go into one batch.
 const MAX_ANSWER_BATCH: usize = 256;
+
+/// How often a scoped policy's host facts are read again, besides when inotify says a
+/// watched cgroup directory changed: it catches what inotify cannot (a listed cgroup below a
+/// parent that did not exist yet, a bridge's addresses). The longest a listed cgroup made
+/// again goes unfenced.
+const SCOPE_POLL: Duration = Duration::from_secs(2);
+
+/// A policy that parsed, with what of the host its scope lists, read right after.
+type Parsed = (Result<(Policy, String), PolicyError>, ScopeFacts);
 
 pub(super) struct Daemon {
     core: Core,
@@ -79,7 +90,23 @@ impl Daemon {
         };
         let policy_path = std::path::absolute(&options.policy_path)
             .unwrap_or_else(|_| options.policy_path.clone());
-        let host_scope = crate::host::host_scope(&policy);
+        // The guard bound its sockets a moment ago: the bridge addresses it listens on are
+        // those, for its whole life.
+        let bridge_listen = match (&guard, &policy.dns.guard) {
+            (Some(identity), Some(settings)) => identity
+                .listen
+                .iter()
+                .filter(|a| !settings.listen.contains(a))
+                .copied()
+                .collect(),
+            _ => Vec::new(),
+        };
+        let cgroups = crate::host::listed_cgroups(&policy);
+        warn_missing_cgroups(&policy, &cgroups);
+        let host_scope = HostScope {
+            cgroups,
+            bridge_listen,
+        };
         let mut core = Core::new(
             policy,
             policy_text,
@@ -153,14 +180,12 @@ impl Daemon {
             events,
             counters: counters.clone(),
         });
+        // The policy's addresses and, with `scope.forward`, the listed bridges' it bound.
         let listen: Vec<SocketAddr> = self
             .core
-            .policy()
-            .dns
-            .guard
-            .iter()
-            .flat_map(|g| g.listen.clone())
-            .collect();
+            .guard()
+            .map(|g| g.listen.clone())
+            .unwrap_or_default();
         info!(listen = ?listen, upstream = ?self.core.resolvers(), "the DNS guard is serving");
         self.guard = Some(GuardLink {
             rules: rules_tx,
@@ -262,16 +287,30 @@ impl Daemon {
         self.resolver.clone()
     }
 
-    /// Reads and validates the policy file on a thread of the blocking pool: the event loop
-    /// goes on healing and answering meanwhile.
-    fn parse_policy(&self) -> JoinHandle<Result<(Policy, String), PolicyError>> {
+    /// Reads and validates the policy file on a thread of the blocking pool, and what of the
+    /// host its scope lists: the event loop goes on healing and answering meanwhile.
+    fn parse_policy(&self) -> JoinHandle<Parsed> {
         let path = self.options.policy_path.clone();
-        tokio::task::spawn_blocking(move || Policy::load_with_text(&path))
+        tokio::task::spawn_blocking(move || {
+            let loaded = Policy::load_with_text(&path);
+            let facts = match &loaded {
+                Ok((policy, _)) => scope_facts(policy),
+                Err(_) => ScopeFacts::default(),
+            };
+            (loaded, facts)
+        })
+    }
+
+    /// What of the host the running policy's scope lists, read again: the core has the table
+    /// follow its cgroups.
+    fn follow_host_scope(&mut self) {
+        let facts = scope_facts(self.core.policy());
+        self.handle(Event::HostScope(facts), &mut BTreeMap::new());
     }
 
     /// A reloaded policy, parsed: its resolvers are looked for here (they may be
     /// resolv.conf's), then the core decides. Returns whether it was adopted.
-    fn reload(&mut self, loaded: Result<(Policy, String), PolicyError>) -> bool {
+    fn reload(&mut self, (loaded, scope): Parsed) -> bool {
         let mut fresh = None;
         let resolvers = match &loaded {
             Ok((policy, _)) if policy.dns.guard.is_none() => {
@@ -289,6 +328,7 @@ impl Daemon {
             Event::Reload {
                 loaded: Box::new(loaded),
                 resolvers,
+                scope,
             },
             Instant::now(),
             &mut self.nft,
@@ -297,6 +337,7 @@ impl Daemon {
         if adopted {
             // A guard-mode policy has no resolver of its own: the guard forwards.
             self.resolver = fresh;
+            warn_missing_cgroups(self.core.policy(), &self.core.host_scope().cgroups);
         }
         self.carry_out(
             effects
@@ -380,7 +421,12 @@ impl Daemon {
         // Lookups run beside the loop, so a slow resolver never delays healing or signals.
         let mut lookup: Option<JoinHandle<Result<Vec<ResolvedHost>, ResolveError>>> = None;
         // So does reading a reloaded policy: its text is anyone's, and the loop heals.
-        let mut parsing: Option<JoinHandle<Result<(Policy, String), PolicyError>>> = None;
+        let mut parsing: Option<JoinHandle<Parsed>> = None;
+        // Where listed cgroups come and go; polled as well.
+        let mut cgroup_watch = CgroupWatch::new();
+        cgroup_watch.watch(self.core.policy());
+        let mut scope_tick = tokio::time::interval(SCOPE_POLL);
+        scope_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut parse_again = false;
         let mut no_releases = BTreeMap::new();
         loop {
@@ -430,15 +476,19 @@ impl Daemon {
                     if std::mem::take(&mut parse_again) {
                         parsing = Some(self.parse_policy());
                     } else {
-                        let loaded = parsed.unwrap_or_else(|e| {
-                            Err(PolicyError::Read {
+                        let parsed = parsed.unwrap_or_else(|e| {
+                            let error = PolicyError::Read {
                                 path: self.options.policy_path.clone(),
                                 error: std::io::Error::other(e),
-                            })
+                            };
+                            (Err(error), ScopeFacts::default())
                         });
-                        // The lookup under way asked for the old names; the new ones are due.
-                        if self.reload(loaded) && let Some(pending) = lookup.take() {
-                            pending.abort();
+                        if self.reload(parsed) {
+                            cgroup_watch.watch(self.core.policy());
+                            // The lookup under way asked for the old names; the new ones are due.
+                            if let Some(pending) = lookup.take() {
+                                pending.abort();
+                            }
                         }
                         let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
                     }
@@ -470,6 +520,19 @@ impl Daemon {
                 Some(answer) = async { answers.as_mut().expect("guarded").recv().await }, if answers.is_some() => {
                     let waiting = answers.as_mut().expect("guarded");
                     self.install_answers(answer, waiting);
+                }
+                changed = cgroup_watch.changed(), if cgroup_watch.watching() => {
+                    match changed {
+                        // A parent made just now is watched from now on.
+                        true => cgroup_watch.watch(self.core.policy()),
+                        false => cgroup_watch.stop(),
+                    }
+                    self.follow_host_scope();
+                }
+                _ = scope_tick.tick(), if follows_host(self.core.policy()) => {
+                    // A parent made since is watched from now on.
+                    cgroup_watch.watch(self.core.policy());
+                    self.follow_host_scope();
                 }
                 // Brings the status line below up to date even when nothing else happens.
                 _ = status_tick.tick() => {}
@@ -514,4 +577,148 @@ fn resolver_for(
     };
     let resolver = NameResolver::new(&resolvers)?;
     Ok((resolvers, resolver))
+}
+
+/// Whether anything of the host `policy`'s table or guard depends on can change: listed
+/// cgroups, or (in guard mode) listed interfaces' addresses.
+fn follows_host(policy: &Policy) -> bool {
+    policy.scope.as_ref().is_some_and(|s| {
+        !s.cgroups.is_empty() || (policy.dns.guard.is_some() && !s.forward.is_empty())
+    })
+}
+
+/// What of the host `policy`'s scope lists, as it is now.
+fn scope_facts(policy: &Policy) -> ScopeFacts {
+    if policy.scope.is_none() {
+        return ScopeFacts::default();
+    }
+    ScopeFacts {
+        cgroups: crate::host::listed_cgroups(policy),
+        bridges: crate::host::listed_bridge_addrs(policy),
+    }
+}
+
+/// Names each listed cgroup that does not exist (`found` are those that do): nobody is in it
+/// yet, and it is fenced once it appears.
+fn warn_missing_cgroups(policy: &Policy, found: &[CgroupMatch]) {
+    for path in policy.scope.iter().flat_map(|s| &s.cgroups) {
+        if found.iter().any(|c| c.path == *path) {
+            continue;
+        }
+        let why =
+            crate::host::why_cgroup_missing(path).unwrap_or_else(|| "it appeared just now".into());
+        warn!(
+            cgroup = %path,
+            "listed cgroup {path} is not fenced yet ({why}): nobody is in it; it is fenced from \
+             the moment it appears (within {}s)",
+            SCOPE_POLL.as_secs()
+        );
+    }
+}
+
+/// inotify on the directories where the listed cgroups come and go
+/// ([`crate::host::cgroup_watch_dirs`]), so that the table follows at once; [`SCOPE_POLL`]
+/// catches the rest, and all of it when inotify is not to be had. One instance for the
+/// daemon's life, read on a thread of its own (blocking reads keep `unsafe` out of here);
+/// a reload only adds the new policy's directories (a stale watch wakes the daemon for
+/// nothing: its facts are unchanged).
+struct CgroupWatch {
+    inotify: Option<(Arc<Inotify>, mpsc::Receiver<()>)>,
+    /// inotify failed once: polling only from then on.
+    failed: bool,
+}
+
+impl CgroupWatch {
+    fn new() -> CgroupWatch {
+        CgroupWatch {
+            inotify: None,
+            failed: false,
+        }
+    }
+
+    fn stop(&mut self) {
+        self.inotify = None;
+        self.failed = true;
+    }
+
+    fn watching(&self) -> bool {
+        self.inotify.is_some()
+    }
+
+    /// Watches the directories of `policy`'s listed cgroups that exist now (one already
+    /// watched keeps its watch; a removed one lost it), starting inotify at the first.
+    fn watch(&mut self, policy: &Policy) {
+        use nix::sys::inotify::AddWatchFlags as F;
+        let dirs = crate::host::cgroup_watch_dirs(policy);
+        if dirs.is_empty() || self.failed {
+            return;
+        }
+        if self.inotify.is_none() {
+            self.inotify = match start_inotify() {
+                Ok(started) => Some(started),
+                Err(e) => {
+                    warn!(error = %e, "cannot watch the cgroup hierarchy; listed cgroups are \
+                                       looked for every {}s", SCOPE_POLL.as_secs());
+                    self.failed = true;
+                    return;
+                }
+            };
+        }
+        let Some((inotify, _)) = &self.inotify else {
+            return;
+        };
+        let events = F::IN_CREATE
+            | F::IN_DELETE
+            | F::IN_DELETE_SELF
+            | F::IN_MOVED_FROM
+            | F::IN_MOVED_TO
+            | F::IN_ONLYDIR;
+        for dir in dirs {
+            // Not there yet: the poll finds it.
+            let _ = inotify.add_watch(&dir, events);
+        }
+    }
+
+    /// Waits until a watched directory changed; `false` when the watch ended (polling goes
+    /// on).
+    async fn changed(&mut self) -> bool {
+        match &mut self.inotify {
+            Some((_, changes)) => changes.recv().await.is_some(),
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// An inotify instance, and a thread that reads it and says when something changed (many
+/// events at once are one change: a new cgroup comes with its files).
+fn start_inotify() -> Result<(Arc<Inotify>, mpsc::Receiver<()>), DaemonError> {
+    use nix::sys::inotify::InitFlags;
+    let inotify = Inotify::init(InitFlags::IN_CLOEXEC)
+        .map(Arc::new)
+        .map_err(|e| DaemonError::Io {
+            doing: "start inotify",
+            source: e.into(),
+        })?;
+    let (tx, rx) = mpsc::channel(1);
+    let reader = inotify.clone();
+    std::thread::Builder::new()
+        .name("cgroup-watch".into())
+        .spawn(move || {
+            loop {
+                match reader.read_events() {
+                    Ok(_) => {
+                        if let Err(mpsc::error::TrySendError::Closed(())) = tx.try_send(()) {
+                            return;
+                        }
+                    }
+                    Err(nix::errno::Errno::EINTR) => {}
+                    Err(e) => {
+                        warn!(error = %e, "watching the cgroup hierarchy failed; polling only");
+                        return;
+                    }
+                }
+            }
+        })
+        .map_err(io("start the cgroup watch"))?;
+    Ok((inotify, rx))
 }

@@ -141,7 +141,17 @@ impl Guard {
     /// `dns.mark`), and so does all it sends: replies, accepted connections (which inherit
     /// it) and their SYN-ACKs. The table refuses what leaves the listen addresses without
     /// it, so a process that takes the address while the daemon is down answers nobody.
-    pub async fn bind(identity: &GuardIdentity) -> Result<Guard, GuardError> {
+    ///
+    /// `optional` are addresses of `identity.listen` that are the host's, not the policy's
+    /// (the listed bridges', see [`crate::host::bridge_listen`]): one the kernel will not
+    /// bind (an IPv6 address still tentative, as on a bridge with no port yet, or one gone
+    /// since it was read) is left out with a warning, not a reason to stop. Returns the
+    /// guard and who it is: `identity` less what it left out, which is what the table must
+    /// name.
+    pub async fn bind(
+        identity: &GuardIdentity,
+        optional: &[SocketAddr],
+    ) -> Result<(Guard, GuardIdentity), GuardError> {
         let (listen, mark) = (&identity.listen, identity.mark);
         let (nofile, hard) = raise_nofile();
         let limits = Limits::fit(nofile, listen.len()).ok_or(GuardError::TooFewFiles {
@@ -162,6 +172,7 @@ impl Guard {
             tcp: Vec::new(),
             limits,
         };
+        let mut bound = identity.clone();
         for &addr in listen {
             let bind = |transport| {
                 move |source| GuardError::Bind {
@@ -178,7 +189,19 @@ impl Guard {
                     source,
                 }
             };
-            let udp = UdpSocket::bind(addr).await.map_err(|source| {
+            let udp = match UdpSocket::bind(addr).await {
+                Err(e)
+                    if optional.contains(&addr) && e.kind() == io::ErrorKind::AddrNotAvailable =>
+                {
+                    warn!(address = %addr, error = %e,
+                          "the DNS guard cannot listen on {addr}, an address of a listed \
+                           interface, now: it is left out (served after a restart once usable)");
+                    bound.listen.retain(|a| *a != addr);
+                    continue;
+                }
+                other => other,
+            };
+            let udp = udp.map_err(|source| {
                 let holder = (source.kind() == io::ErrorKind::AddrInUse)
                     .then(|| udp_holder(addr))
                     .flatten();
@@ -203,7 +226,7 @@ impl Guard {
             tcp.bind(addr).map_err(bind("tcp"))?;
             guard.tcp.push(tcp.listen(1024).map_err(bind("tcp"))?);
         }
-        Ok(guard)
+        Ok((guard, bound))
     }
 
     /// The limit of queries in flight this guard's [`Context`] takes.

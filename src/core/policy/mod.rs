@@ -36,6 +36,7 @@ pub use scope::{
 pub use values::{
     HumanDuration, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeHost, ProbeTarget, Rate, RateUnit,
 };
+pub use warnings::{HostFinding, ScopeHost};
 
 #[cfg(test)]
 mod test_support;

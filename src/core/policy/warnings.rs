@@ -7,6 +7,7 @@ use ipnet::IpNet;
 
 use super::errors::{locate_value, location};
 use super::schema::*;
+use super::scope::{CgroupPath, IfacePattern};
 use super::values::parse_network;
 
 impl Policy {
@@ -232,6 +233,90 @@ impl Policy {
     }
 }
 
+/// What `check` asks of this host about a scope (answered by the edge, `crate::host`).
+pub trait ScopeHost {
+    /// Why the listed cgroup `path` is not there to match (`None`: it is).
+    fn cgroup_missing(&self, path: &CgroupPath) -> Option<String>;
+    /// Whether some interface of this host matches `pattern` now.
+    fn interface_present(&self, pattern: &IfacePattern) -> bool;
+    /// Whether the account database knows `uid`.
+    fn uid_has_account(&self, uid: u32) -> bool;
+}
+
+/// What `check` found of a scope on this host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostFinding {
+    /// Probably not what is meant here.
+    Warning(String),
+    /// Fine, but worth knowing.
+    Note(String),
+}
+
+impl Policy {
+    /// The scope against this host, each finding located in `source` like an error
+    /// (`path:line:column: ...`): a listed cgroup that does not exist (a warning: nobody is
+    /// in it, and what fences it once it appears), a listed interface pattern no interface
+    /// matches (a warning), a user listed by uid without an account (a note). Empty without a
+    /// `scope:`.
+    pub fn scope_findings(
+        &self,
+        source: &str,
+        path: &Path,
+        host: &dyn ScopeHost,
+    ) -> Vec<HostFinding> {
+        let Some(scope) = &self.scope else {
+            return Vec::new();
+        };
+        let at = |key: &str, is_it: &dyn Fn(&str) -> bool| {
+            let (line, column) = locate_value(source, key, is_it);
+            location(path, line, column)
+        };
+        let mut out = Vec::new();
+        for cgroup in &scope.cgroups {
+            if let Some(why) = host.cgroup_missing(cgroup) {
+                out.push(HostFinding::Warning(format!(
+                    "{}: cgroup `{cgroup}` is not on this host ({why}): nobody is in it, and \
+                     no rule matches it yet. `egress-fence run` fences it from the moment it \
+                     appears (within seconds) and again whenever it is made anew; a table put \
+                     up by `apply` fences it only once applied again after it exists",
+                    at("cgroups", &|t| t
+                        .parse::<CgroupPath>()
+                        .is_ok_and(|c| c == *cgroup))
+                )));
+            }
+        }
+        for pattern in &scope.forward {
+            if !host.interface_present(pattern) {
+                let guard = match self.dns.guard {
+                    Some(_) => {
+                        "; the DNS guard listens on its addresses only once started after they \
+                         exist"
+                    }
+                    None => "",
+                };
+                out.push(HostFinding::Warning(format!(
+                    "{}: no interface of this host matches `{pattern}`: its forwarded traffic \
+                     is fenced from the moment one exists (nft matches the name){guard}",
+                    at("forward", &|t| t
+                        .parse::<IfacePattern>()
+                        .is_ok_and(|i| i == *pattern))
+                )));
+            }
+        }
+        for user in scope.users.iter().filter(|u| u.name.is_none()) {
+            if !host.uid_has_account(user.uid) {
+                out.push(HostFinding::Note(format!(
+                    "{}: uid {} has no account on this host (a user of a container's user \
+                     namespace, say): its sockets are fenced all the same",
+                    at("users", &|t| t.parse::<u32>() == Ok(user.uid)),
+                    user.uid
+                )));
+            }
+        }
+        out
+    }
+}
+
 /// The IPv4 network an IPv4-mapped IPv6 network (`::ffff:0:0/96` and below) stands for.
 fn ipv4_mapped(net: &IpNet) -> Option<ipnet::Ipv4Net> {
     let IpNet::V6(v6) = net else {
@@ -409,5 +494,61 @@ mod tests {
             "{refresh:?}"
         );
         assert!(with("*.pool.example").is_empty());
+    }
+
+    /// A host with `agent.slice`, interfaces `docker0` and `eth0`, and an account for uid
+    /// 1001 only.
+    struct Host;
+
+    impl ScopeHost for Host {
+        fn cgroup_missing(&self, path: &CgroupPath) -> Option<String> {
+            (path.as_str() != "agent.slice").then(|| "it does not exist".to_string())
+        }
+        fn interface_present(&self, pattern: &IfacePattern) -> bool {
+            ["docker0", "eth0"].iter().any(|i| pattern.matches(i))
+        }
+        fn uid_has_account(&self, uid: u32) -> bool {
+            uid == 1001
+        }
+    }
+
+    #[test]
+    fn a_scope_is_checked_against_the_host_with_where_each_value_is() {
+        let text = "version: 1\nscope:\n  users: [1001, 4242]\n  cgroups: [agent.slice, \
+                    /sys/fs/cgroup/gone.slice]\n  forward: [docker0, \"br-*\"]\ndns:\n  mode: \
+                    guard\n  upstream: [192.0.2.53]\n";
+        let p = parse(text).expect("valid");
+        let found = p.scope_findings(text, Path::new("p.yaml"), &Host);
+        let [
+            HostFinding::Warning(cgroup),
+            HostFinding::Warning(iface),
+            HostFinding::Note(uid),
+        ] = found.as_slice()
+        else {
+            panic!("{found:?}")
+        };
+        assert!(
+            cgroup.starts_with(
+                "p.yaml:4:26: cgroup `gone.slice` is not on this host (it does \
+                                not exist): nobody is in it"
+            ),
+            "{cgroup}"
+        );
+        assert!(cgroup.contains("from the moment it appears"), "{cgroup}");
+        assert!(
+            iface.starts_with("p.yaml:5:23: no interface of this host matches `br-*`"),
+            "{iface}"
+        );
+        assert!(iface.contains("DNS guard"), "{iface}");
+        assert!(
+            uid.starts_with("p.yaml:3:17: uid 4242 has no account on this host"),
+            "{uid}"
+        );
+        assert!(
+            parse(FULL)
+                .unwrap()
+                .scope_findings(FULL, Path::new("p.yaml"), &Host)
+                .is_empty()
+        );
     }
 }
