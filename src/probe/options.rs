@@ -13,6 +13,7 @@ use crate::dns::resolve::system_resolvers;
 use crate::nft::{LiveTable, Nft};
 
 use super::report::ProbeError;
+use super::scope::Prober;
 
 /// What [`run`](super::run) needs besides the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,6 +38,10 @@ pub struct ProbeOptions {
     /// resolved elements all expire, so one without a timeout is unexplained even when no
     /// other element shows a timeout. Set by the caller that reads the state directory.
     pub service_table: bool,
+    /// Set when the policy's `scope:` leaves this probe's sender out: the report's opening
+    /// line ("nobody (uid 65534) is not in the scope: expect everything to pass"), and the
+    /// fence's refusals are then expected not to happen. See [`Prober`](super::Prober).
+    pub outside_scope: Option<String>,
 }
 
 impl ProbeOptions {
@@ -69,6 +74,7 @@ impl ProbeOptions {
                     .iter()
                     .find_map(|&l| socket_owner(l).map(|uid| (uid, l))),
                 service_table: false,
+                outside_scope: Prober::current().outside_scope(policy),
             });
         }
         let resolvers = match &policy.dns.resolvers {
@@ -83,6 +89,7 @@ impl ProbeOptions {
             system: None,
             guard_socket: None,
             service_table: false,
+            outside_scope: Prober::current().outside_scope(policy),
         })
     }
 }

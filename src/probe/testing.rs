@@ -32,6 +32,7 @@ pub(super) fn options(resolvers: &[&str], table: TableView) -> ProbeOptions {
         system: None,
         guard_socket: None,
         service_table: false,
+        outside_scope: None,
     }
 }
 
