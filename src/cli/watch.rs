@@ -65,7 +65,8 @@ pub fn run(
                 event.scope = notes
                     .scope
                     .as_ref()
-                    .and_then(|scope| scope.matched(&event, &mut host));
+                    .and_then(|scope| scope.matched(&event, &mut host))
+                    .map(Box::new);
                 event.note = match Preset::containing(event.dst) {
                     Some(p) => Some(format!("{} (preset {})", p.describe(), p.name())),
                     None => Some(table_note),

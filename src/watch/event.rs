@@ -48,9 +48,10 @@ pub struct DropEvent {
     #[serde(skip)]
     pub in_ifindex: Option<u32>,
     /// With a scoped table: the part of the scope the packet was refused in, filled in by
-    /// the caller ([`FencedScope::matched`](super::FencedScope::matched)).
+    /// the caller ([`FencedScope::matched`](super::FencedScope::matched)). Boxed: events
+    /// travel in enums beside small variants.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub scope: Option<ScopeMatched>,
+    pub scope: Option<Box<ScopeMatched>>,
 }
 
 impl fmt::Display for DropEvent {
