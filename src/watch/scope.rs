@@ -33,6 +33,9 @@ pub struct FencedScope {
     pub forwarded: Vec<IfacePattern>,
     /// `iifname "IFACE" goto from_bridge` (the input hook: the path to the host).
     pub bridges: Vec<IfacePattern>,
+    /// `ip daddr A udp dport 53 accept` in `from_bridge`: where the guard answers the
+    /// containers, once per address and port.
+    pub guard_on_bridges: Vec<SocketAddr>,
 }
 
 impl FencedScope {
@@ -44,7 +47,8 @@ impl FencedScope {
                 .output
                 .iter()
                 .chain(&chains.forward)
-                .chain(&chains.input),
+                .chain(&chains.input)
+                .chain(&chains.from_bridge),
         ))
     }
 
@@ -75,6 +79,9 @@ impl FencedScope {
                 Rule::Fence(ScopeMatch::Cgroup(c)) => scope.cgroups.push(c.clone()),
                 Rule::Fence(ScopeMatch::Interface(i)) => scope.forwarded.push(i.clone()),
                 Rule::FromBridge(i) => scope.bridges.push(i.clone()),
+                Rule::AcceptGuardQuery { to, .. } if !scope.guard_on_bridges.contains(to) => {
+                    scope.guard_on_bridges.push(*to)
+                }
                 _ => {}
             }
         }
@@ -88,6 +95,7 @@ impl FencedScope {
             && self.cgroups.is_empty()
             && self.forwarded.is_empty()
             && self.bridges.is_empty()
+            && self.guard_on_bridges.is_empty()
     }
 
     /// The part of the scope that `event` was refused in, as the table decides it: a
