@@ -92,13 +92,16 @@ pub fn run(
 
 /// A container asks the guard on its bridge's addresses, and its resolv.conf is its
 /// runtime's business, not this host's.
+/// And the bridge's host, whose fence the attempts cross, refuses them from the bridge's
+/// addresses.
 fn aim_at_the_bridge(policy: &mut Policy, options: &mut ProbeOptions, from: &FromBridge) {
+    let bridge = probe::interface_addrs(&from.iface).unwrap_or_default();
+    options.fence_router = bridge.clone();
     let Some(guard) = policy.dns.guard.as_mut() else {
         return;
     };
     let port = egress_fence::core::plan::DNS_PORT;
-    guard.listen = probe::interface_addrs(&from.iface)
-        .unwrap_or_default()
+    guard.listen = bridge
         .into_iter()
         .map(|ip| std::net::SocketAddr::new(ip, port))
         .collect();

@@ -114,6 +114,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
     let ctx = Ctx {
         timeout: options.timeout,
         udp_wait: options.timeout.min(MAX_UDP_WAIT),
+        fence_router: options.fence_router.clone(),
     };
     let guard = policy.dns.guard.as_ref();
     // The guard refuses every name outside the policy, so it can always be checked: under a

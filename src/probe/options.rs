@@ -42,6 +42,10 @@ pub struct ProbeOptions {
     /// line ("nobody (uid 65534) is not in the scope: expect everything to pass"), and the
     /// fence's refusals are then expected not to happen. See [`Prober`](super::Prober).
     pub outside_scope: Option<String>,
+    /// `probe --from`: the addresses of the router whose fence the attempts cross (the
+    /// bridge's host). Its `reject` answers from one of them, so an ICMP error from one is the
+    /// fence's refusal, as one from this host is. Empty otherwise.
+    pub fence_router: Vec<IpAddr>,
 }
 
 impl ProbeOptions {
@@ -75,6 +79,7 @@ impl ProbeOptions {
                     .find_map(|&l| socket_owner(l).map(|uid| (uid, l))),
                 service_table: false,
                 outside_scope: Prober::current().outside_scope(policy),
+                fence_router: Vec::new(),
             });
         }
         let resolvers = match &policy.dns.resolvers {
@@ -90,6 +95,7 @@ impl ProbeOptions {
             guard_socket: None,
             service_table: false,
             outside_scope: Prober::current().outside_scope(policy),
+            fence_router: Vec::new(),
         })
     }
 }
