@@ -715,6 +715,119 @@ fn probe_as_a_user_outside_the_scope_expects_everything_to_pass() {
     }
 }
 
+// ---- scope: `probe --from IFACE=ADDRESS` ----------------------------------------------------
+
+/// IPv4 only: the throwaway container of `--from` gets one IPv4 address.
+const FROM_POLICY: &str = r#"
+version: 1
+SCOPE
+allow:
+  - domain: api.example.com        # HOST_V4, TCP 443
+    ports: [443]
+deny:
+  - preset: cloud-metadata
+dns:
+  resolvers: [192.0.2.53]
+probe:
+  blocked: ["203.0.113.11:443"]
+  rogue_resolvers: [192.0.2.54]
+"#;
+
+/// A bridge in the sandbox, as a container host has one: efbr0 with 198.18.0.1/24, IPv4
+/// forwarding, and NAT of the bridge's network out of the sandbox (in a table of the test's
+/// own, in the sandbox).
+fn bridge_in_the_sandbox(w: &World) {
+    for cmd in [
+        &["ip", "link", "add", "efbr0", "type", "bridge"][..],
+        &["ip", "addr", "add", "198.18.0.1/24", "dev", "efbr0"],
+        &["ip", "link", "set", "efbr0", "up"],
+        &["sysctl", "-w", "net.ipv4.ip_forward=1"],
+        // Every refusal's ICMP error, not one a second per container.
+        &["sysctl", "-w", "net.ipv4.icmp_ratelimit=0"],
+    ] {
+        let out = w.sandbox_cmd(cmd);
+        assert!(out.success(), "{cmd:?}: {out}");
+    }
+    let nat = "table ip eft_nat {\n chain post {\n  type nat hook postrouting priority srcnat;\n  \
+               ip saddr 198.18.0.0/24 oifname != \"efbr0\" masquerade\n }\n}\n";
+    let out = w.sandbox_cmd_with_input(&["nft", "-f", "-"], nat.as_bytes());
+    assert!(out.success(), "nat: {out}");
+}
+
+/// What `--from` leaves behind in the sandbox: namespaces named like its own, and veths on
+/// the bridge.
+fn from_leftovers(w: &World) -> Vec<String> {
+    let mut left: Vec<String> = w
+        .sandbox_cmd(&["ip", "netns", "list"])
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("ef-probe-"))
+        .map(String::from)
+        .collect();
+    let links = w.sandbox_cmd(&["ip", "-o", "link", "show", "master", "efbr0"]);
+    left.extend(links.stdout.lines().map(String::from));
+    left
+}
+
+/// `--from efbr0=198.18.0.250/24` proves the forward path: a bridge the scope leaves out is
+/// not fenced (the report says so and everything passes); one it lists is fenced like a
+/// local user; the throwaway namespace is gone afterwards.
+#[test]
+fn probe_from_a_bridge_proves_the_forward_path() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let mut _listeners = vec![w.listen_tcp(HOST_V4, 443)];
+    _listeners.push(w.listen_tcp(OTHER2_V4, 443));
+    _listeners.push(w.listen_udp(OTHER2_V4, 443));
+    bridge_in_the_sandbox(&w);
+
+    let unscoped = FROM_POLICY.replace("SCOPE\n", "");
+    let path = w.write_file("unscoped.yaml", &unscoped);
+    let path = path.to_str().expect("utf-8 path");
+    load_plan(&w, path);
+    let (code, open) = probe_cli(&w, path, &["--from", "efbr0=198.18.0.250/24"]);
+    assert_eq!(code, 0, "{open:?}");
+    let scope = outcome_of(&open, "scope");
+    assert_eq!(
+        scope.2, "198.18.0.250 behind efbr0 is not in the scope: expect everything to pass",
+        "{scope:?}"
+    );
+    assert!(
+        open.iter()
+            .any(|c| c.1 == "blocked tcp 203.0.113.11:443" && c.2.starts_with("connected")),
+        "{open:?}"
+    );
+    assert_eq!(from_leftovers(&w), Vec::<String>::new());
+
+    let scoped = FROM_POLICY.replace("SCOPE\n", "scope:\n  forward: [efbr0]\n");
+    let path = w.write_file("scoped.yaml", &scoped);
+    let path = path.to_str().expect("utf-8 path");
+    load_plan(&w, path);
+    let (code, fenced) = probe_cli(&w, path, &["--from", "efbr0=198.18.0.250/24"]);
+    assert!(fenced.iter().all(|c| c.1 != "scope"), "{fenced:?}");
+    let blocked = outcome_of(&fenced, "blocked tcp 203.0.113.11:443");
+    assert_eq!(blocked.0, "pass", "{blocked:?}");
+    assert!(blocked.2.starts_with("refused"), "{blocked:?}");
+    let allowed = outcome_of(&fenced, "allowed tcp api.example.com 192.0.2.10:443");
+    assert_eq!(allowed.0, "pass", "{allowed:?}");
+    assert_eq!(code, 0, "{fenced:?}");
+    assert_eq!(from_leftovers(&w), Vec::<String>::new());
+
+    // Ended by a signal while its attempts run: the namespace goes all the same.
+    let mut probe = w.spawn_egress_fence(&["probe", path, "--from", "efbr0=198.18.0.250/24"]);
+    let started = Instant::now();
+    while from_leftovers(&w).is_empty() && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!from_leftovers(&w).is_empty(), "the namespace never appeared");
+    nix::sys::signal::kill(probe.pid(), nix::sys::signal::Signal::SIGTERM).expect("signal");
+    assert!(
+        probe.wait_timeout(Duration::from_secs(10)).is_some(),
+        "the probe did not end on SIGTERM"
+    );
+    assert_eq!(from_leftovers(&w), Vec::<String>::new());
+}
+
 // ---- guard mode --------------------------------------------------------------------------------
 
 /// Guard mode: the guard on 127.0.0.53 forwards to the world's resolver. One exact name with

@@ -35,8 +35,19 @@ pub fn run(
     let run_as = sender.run_as.as_deref().map(RunAs::lookup).transpose()?;
     if !sender.probe_child && (run_as.is_some() || from.is_some()) {
         enter(target, None)?;
-        let forward_ns = from.as_ref().map(ForwardNs::create).transpose()?;
-        return run_child(forward_ns.as_ref());
+        // Blocked before anything is made, so that a signal cannot end this process
+        // between making the namespace and removing it; std's spawn clears the mask in the
+        // processes it starts.
+        let waited = ending_signals();
+        waited.thread_block()?;
+        let forward_ns = from
+            .as_ref()
+            .map(ForwardNs::create)
+            .transpose()
+            .map_err(Failure::from);
+        let code = forward_ns.and_then(|ns| run_child(ns.as_ref(), &waited));
+        let _ = waited.thread_unblock();
+        return code;
     }
 
     // Whether the service wrote the table. A state directory this user cannot read leaves
@@ -108,16 +119,19 @@ fn aim_at_the_bridge(policy: &mut Policy, options: &mut ProbeOptions, from: &Fro
     options.system = None;
 }
 
+/// The signals that would end this process, and SIGCHLD: waited for while the child runs.
+fn ending_signals() -> SigSet {
+    let mut set: SigSet = ENDING.into_iter().collect();
+    set.add(Signal::SIGCHLD);
+    set
+}
+
+const ENDING: [Signal; 3] = [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP];
+
 /// Starts this command again as the child that makes the attempts, passes on the signals
 /// that would end this process (so that it outlives the child and cleans up), and returns
-/// the child's exit code.
-fn run_child(forward_ns: Option<&ForwardNs>) -> Result<u8, Failure> {
-    let ending = [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP];
-    let mut waited: SigSet = ending.into_iter().collect();
-    waited.add(Signal::SIGCHLD);
-    // Blocked before the child exists, so none is missed; std's spawn clears the mask in
-    // the child.
-    waited.thread_block()?;
+/// the child's exit code. `waited` must be blocked.
+fn run_child(forward_ns: Option<&ForwardNs>, waited: &SigSet) -> Result<u8, Failure> {
     let exe = std::env::current_exe().context("cannot find this program to start the probe")?;
     let mut command = Command::new(exe);
     command
@@ -127,9 +141,7 @@ fn run_child(forward_ns: Option<&ForwardNs>) -> Result<u8, Failure> {
         command.arg("--attempts-netns").arg(ns.path());
     }
     let mut child = command.spawn().context("cannot start the probe's child")?;
-    let code = wait_passing_signals(&mut child, &waited, &ending);
-    let _ = waited.thread_unblock();
-    code
+    wait_passing_signals(&mut child, waited, &ENDING)
 }
 
 fn wait_passing_signals(

@@ -20,6 +20,16 @@ pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outc
             Seen::Connected => (Fail, format!("connected: {through}")),
             Seen::Answered(d) => (Fail, format!("{d}: {through}")),
             Seen::RefusedRemotely(d) => (Fail, format!("{d}: {through}")),
+            // From behind a bridge (`probe --from`) the fence is another host's: its drop
+            // is silent, and its reject's ICMP errors are rate-limited.
+            Seen::Silent if !ctx.fence_router.is_empty() => (
+                Warn,
+                format!(
+                    "sent, no answer within {w}: the router's fence dropped it, or its ICMP \
+                     error was rate-limited (net.ipv4.icmp_ratelimit), or it left unanswered; \
+                     from behind a bridge these look the same"
+                ),
+            ),
             Seen::Silent => (
                 Fail,
                 format!(
@@ -103,6 +113,13 @@ mod tests {
         let (outcome, reason) = judge(&Seen::Silent, Expect::Refuse, Kind::Udp, &ctx());
         assert_eq!(outcome, Outcome::Fail);
         assert!(reason.contains("left this host"), "{reason}");
+        // From behind a bridge, silence cannot be told from the router's drop.
+        let forwarded = Ctx {
+            fence_router: vec!["198.18.0.1".parse().unwrap()],
+            ..ctx()
+        };
+        let (outcome, reason) = judge(&Seen::Silent, Expect::Refuse, Kind::Udp, &forwarded);
+        assert_eq!(outcome, Outcome::Warn, "{reason}");
     }
 
     #[test]
