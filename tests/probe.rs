@@ -819,7 +819,14 @@ fn probe_from_a_bridge_proves_the_forward_path() {
     while from_leftovers(&w).is_empty() && started.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(!from_leftovers(&w).is_empty(), "the namespace never appeared");
+    if from_leftovers(&w).is_empty() {
+        probe.wait_timeout(Duration::from_secs(5));
+        panic!(
+            "the namespace never appeared: {}\n{}",
+            probe.stdout(),
+            probe.stderr()
+        );
+    }
     nix::sys::signal::kill(probe.pid(), nix::sys::signal::Signal::SIGTERM).expect("signal");
     assert!(
         probe.wait_timeout(Duration::from_secs(10)).is_some(),

@@ -81,7 +81,18 @@ impl ForwardNs {
             veth: format!("efp{pid:x}"),
             bridge_addrs,
         };
-        ip(&["netns", "add", &ns.name])?;
+        // A first `ip netns add` on the host mounts /run/netns, and two at once can race:
+        // another try then finds it mounted.
+        let mut added = ip(&["netns", "add", &ns.name]);
+        for _ in 0..3 {
+            if added.is_ok() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let _ = ip(&["netns", "del", &ns.name]);
+            added = ip(&["netns", "add", &ns.name]);
+        }
+        added?;
         // From here on, dropping `ns` removes whatever was made.
         let n = ns.name.as_str();
         let peer = [
