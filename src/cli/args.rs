@@ -99,7 +99,10 @@ pub struct ProbeSender {
     /// sees them: a network namespace with a veth attached to IFACE, ADDRESS (with its
     /// prefix, e.g. `efbr0=198.18.0.250/24`) on it and a default route via IFACE's address
     /// of the same family. Removed afterwards, also on failure or Ctrl-C. In guard mode the
-    /// names are asked of the guard on IFACE's addresses.
+    /// names are asked of the guard on IFACE's addresses. The fence is then the bridge host's
+    /// forward hook: its `reject` answers from IFACE's addresses, and a refused datagram
+    /// that meets silence is a WARN (its drop and a rate-limited ICMP error look alike).
+    /// With `--as` too, the attempts are made as USER in the container.
     #[arg(long, value_name = "IFACE=ADDRESS")]
     pub from: Option<String>,
     /// Set on the child process that makes the attempts (`--as`, `--from`).
