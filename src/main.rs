@@ -97,7 +97,8 @@ fn run(command: Command) -> Result<u8, Failure> {
             resolving,
             state,
             json,
-        } => cli::probe::run(&policy, &target, &resolving, &state, json),
+            sender,
+        } => cli::probe::run(&policy, &target, &resolving, &state, json, &sender),
         Command::Teardown { target } => cli::teardown::run(&target),
         Command::RevertTimer {
             token,

@@ -578,6 +578,263 @@ fn the_probe_command_gates_on_the_boundary() {
     assert!(v["checks"].as_array().is_some_and(|c| !c.is_empty()));
 }
 
+// ---- scope: `probe --as USER` ----------------------------------------------------------------
+
+/// `egress-fence probe POLICY --json [ARGS]` (as root, from the sandbox): the exit code and
+/// the checks as (outcome, check, reason).
+fn probe_cli(w: &World, path: &str, args: &[&str]) -> (i32, Vec<(String, String, String)>) {
+    let out = w.egress_fence(&[&["probe", path, "--json"][..], args].concat());
+    let v: serde_json::Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|e| panic!("probe --json is not JSON ({e}): {out}"));
+    let checks = v["checks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no checks: {out}"))
+        .iter()
+        .map(|c| {
+            let s = |k: &str| c[k].as_str().unwrap_or_default().to_string();
+            (s("outcome"), s("check"), s("reason"))
+        })
+        .collect::<Vec<_>>();
+    for (outcome, check, reason) in &checks {
+        eprintln!("[probe {args:?}] {outcome} {check}: {reason}");
+    }
+    (out.code(), checks)
+}
+
+/// Loads the plan of the policy at `path` into the sandbox with `nft -f` (the plan text is
+/// exact nft), as `apply` would install it.
+fn load_plan(w: &World, path: &str) {
+    let plan = w.egress_fence(&["plan", path]);
+    assert_eq!(plan.code(), 0, "plan: {plan}");
+    let loaded = w.sandbox_cmd_with_input(&["nft", "-f", "-"], plan.stdout.as_bytes());
+    assert!(loaded.success(), "nft -f: {loaded}\n{}", plan.stdout);
+}
+
+/// The world of the `--as` tests: the main policy's names and listeners (the refused
+/// targets listen too, so that an untouched attempt is answered).
+fn as_world() -> (World, Vec<Listener>) {
+    let w = World::new();
+    w.add_host(GCP_METADATA_V6);
+    w.add_host(SCALEWAY_METADATA_V6);
+    w.dns_set("api.example.com", &[HOST_V4, HOST_V6], DEFAULT_DNS_TTL);
+    w.dns_set("ntp.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
+    w.dns_set("paste.example.com", &[OTHER_V4, OTHER_V6], DEFAULT_DNS_TTL);
+    let mut listeners = vec![
+        w.listen_tcp(HOST_V4, 443),
+        w.listen_tcp(HOST_V6, 443),
+        w.listen_udp(HOST2_V4, 123),
+    ];
+    for (ip, port) in [(OTHER_V4, 443), (OTHER_V6, 443), (OTHER2_V4, 443)] {
+        listeners.push(w.listen_tcp(ip, port));
+        listeners.push(w.listen_udp(ip, port));
+    }
+    (w, listeners)
+}
+
+/// Unscoped, the user is fenced like everyone: `--as nobody` gives root's verdicts (but for
+/// the link-layer check, which root skips), and they all hold.
+#[test]
+fn probe_as_a_user_of_an_unscoped_fence_gets_roots_verdicts() {
+    let (w, _listeners) = as_world();
+    let text = POLICY.replace("ACTION", "reject");
+    apply(&w, &text, 0);
+    let path = w.write_file("policy.yaml", &text);
+    let path = path.to_str().expect("utf-8 path");
+
+    let (root_code, root) = probe_cli(&w, path, &[]);
+    let (code, nobody) = probe_cli(&w, path, &["--as", "nobody"]);
+    assert_eq!((root_code, code), (0, 0), "both pass");
+    assert_eq!(
+        root.iter().map(|c| &c.1).collect::<Vec<_>>(),
+        nobody.iter().map(|c| &c.1).collect::<Vec<_>>(),
+        "the same checks"
+    );
+    for (r, n) in root.iter().zip(&nobody) {
+        if r.1 == LINK_LAYER_CHECK {
+            assert_eq!(
+                (r.0.as_str(), n.0.as_str()),
+                ("skip", "pass"),
+                "{r:?} {n:?}"
+            );
+        } else {
+            assert_eq!(r.0, n.0, "{r:?} {n:?}");
+        }
+    }
+    assert!(nobody.iter().all(|c| c.1 != "scope"), "{nobody:?}");
+    let refused = nobody.iter().filter(|c| must_be_refused(&c.1)).count();
+    assert!(refused > 0, "{nobody:?}");
+
+    // Nobody cannot read nftables: had the child kept root's privileges, the table would
+    // still be read, and the packet socket open.
+    let bad = w.egress_fence(&["probe", path, "--as", "root"]);
+    assert_ne!(bad.code(), 0, "{bad}");
+    assert!(bad.stderr.contains("that is root"), "{bad}");
+}
+
+/// A scope that does not list the user leaves it alone: the report says so, and everything
+/// the fence refuses its users goes through; a scope that lists it fences it as before.
+#[test]
+fn probe_as_a_user_outside_the_scope_expects_everything_to_pass() {
+    let (w, _listeners) = as_world();
+    let others = POLICY
+        .replace("ACTION", "reject")
+        .replace("version: 1\n", "version: 1\nscope:\n  users: [daemon]\n");
+    let path = w.write_file("others.yaml", &others);
+    let path = path.to_str().expect("utf-8 path");
+    load_plan(&w, path);
+    let (code, nobody) = probe_cli(&w, path, &["--as", "nobody"]);
+    assert_eq!(code, 0, "{nobody:?}");
+    let scope = outcome_of(&nobody, "scope");
+    assert_eq!(
+        scope.2, "nobody (uid 65534) is not in the scope: expect everything to pass",
+        "{scope:?}"
+    );
+    for c in nobody.iter().filter(|c| must_be_refused(&c.1)) {
+        assert!(c.0 == "pass" || c.0 == "skip", "{c:?}");
+        if c.0 == "pass" {
+            assert!(c.2.contains("not touched by the fence"), "{c:?}");
+        }
+    }
+    assert!(
+        nobody
+            .iter()
+            .any(|c| c.1 == "blocked tcp 203.0.113.11:443" && c.2.starts_with("connected")),
+        "{nobody:?}"
+    );
+
+    let listed = others.replace("users: [daemon]", "users: [nobody]");
+    let path = w.write_file("listed.yaml", &listed);
+    let path = path.to_str().expect("utf-8 path");
+    load_plan(&w, path);
+    let (code, fenced) = probe_cli(&w, path, &["--as", "nobody"]);
+    assert_eq!(code, 0, "{fenced:?}");
+    assert!(fenced.iter().all(|c| c.1 != "scope"), "{fenced:?}");
+    for c in fenced.iter().filter(|c| must_be_refused(&c.1)) {
+        assert!(c.0 == "pass" || c.0 == "skip", "{c:?}");
+        assert!(!c.2.contains("not touched"), "{c:?}");
+    }
+}
+
+// ---- scope: `probe --from IFACE=ADDRESS` ----------------------------------------------------
+
+/// IPv4 only: the throwaway container of `--from` gets one IPv4 address.
+const FROM_POLICY: &str = r#"
+version: 1
+SCOPE
+allow:
+  - domain: api.example.com        # HOST_V4, TCP 443
+    ports: [443]
+deny:
+  - preset: cloud-metadata
+dns:
+  resolvers: [192.0.2.53]
+probe:
+  blocked: ["203.0.113.11:443"]
+  rogue_resolvers: [192.0.2.54]
+"#;
+
+/// A bridge in the sandbox, as a container host has one: efbr0 with 198.18.0.1/24, IPv4
+/// forwarding, and NAT of the bridge's network out of the sandbox (in a table of the test's
+/// own, in the sandbox).
+fn bridge_in_the_sandbox(w: &World) {
+    for cmd in [
+        &["ip", "link", "add", "efbr0", "type", "bridge"][..],
+        &["ip", "addr", "add", "198.18.0.1/24", "dev", "efbr0"],
+        &["ip", "link", "set", "efbr0", "up"],
+        &["sysctl", "-w", "net.ipv4.ip_forward=1"],
+        // Every refusal's ICMP error, not one a second per container.
+        &["sysctl", "-w", "net.ipv4.icmp_ratelimit=0"],
+    ] {
+        let out = w.sandbox_cmd(cmd);
+        assert!(out.success(), "{cmd:?}: {out}");
+    }
+    let nat = "table ip eft_nat {\n chain post {\n  type nat hook postrouting priority srcnat;\n  \
+               ip saddr 198.18.0.0/24 oifname != \"efbr0\" masquerade\n }\n}\n";
+    let out = w.sandbox_cmd_with_input(&["nft", "-f", "-"], nat.as_bytes());
+    assert!(out.success(), "nat: {out}");
+}
+
+/// What `--from` leaves behind in the sandbox: namespaces named like its own, and veths on
+/// the bridge.
+fn from_leftovers(w: &World) -> Vec<String> {
+    let mut left: Vec<String> = w
+        .sandbox_cmd(&["ip", "netns", "list"])
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("ef-probe-"))
+        .map(String::from)
+        .collect();
+    let links = w.sandbox_cmd(&["ip", "-o", "link", "show", "master", "efbr0"]);
+    left.extend(links.stdout.lines().map(String::from));
+    left
+}
+
+/// `--from efbr0=198.18.0.250/24` proves the forward path: a bridge the scope leaves out is
+/// not fenced (the report says so and everything passes); one it lists is fenced like a
+/// local user; the throwaway namespace is gone afterwards.
+#[test]
+fn probe_from_a_bridge_proves_the_forward_path() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let mut _listeners = vec![w.listen_tcp(HOST_V4, 443)];
+    _listeners.push(w.listen_tcp(OTHER2_V4, 443));
+    _listeners.push(w.listen_udp(OTHER2_V4, 443));
+    bridge_in_the_sandbox(&w);
+
+    let unscoped = FROM_POLICY.replace("SCOPE\n", "");
+    let path = w.write_file("unscoped.yaml", &unscoped);
+    let path = path.to_str().expect("utf-8 path");
+    load_plan(&w, path);
+    let (code, open) = probe_cli(&w, path, &["--from", "efbr0=198.18.0.250/24"]);
+    assert_eq!(code, 0, "{open:?}");
+    let scope = outcome_of(&open, "scope");
+    assert_eq!(
+        scope.2, "198.18.0.250 behind efbr0 is not in the scope: expect everything to pass",
+        "{scope:?}"
+    );
+    assert!(
+        open.iter()
+            .any(|c| c.1 == "blocked tcp 203.0.113.11:443" && c.2.starts_with("connected")),
+        "{open:?}"
+    );
+    assert_eq!(from_leftovers(&w), Vec::<String>::new());
+
+    let scoped = FROM_POLICY.replace("SCOPE\n", "scope:\n  forward: [efbr0]\n");
+    let path = w.write_file("scoped.yaml", &scoped);
+    let path = path.to_str().expect("utf-8 path");
+    load_plan(&w, path);
+    let (code, fenced) = probe_cli(&w, path, &["--from", "efbr0=198.18.0.250/24"]);
+    assert!(fenced.iter().all(|c| c.1 != "scope"), "{fenced:?}");
+    let blocked = outcome_of(&fenced, "blocked tcp 203.0.113.11:443");
+    assert_eq!(blocked.0, "pass", "{blocked:?}");
+    assert!(blocked.2.starts_with("refused"), "{blocked:?}");
+    let allowed = outcome_of(&fenced, "allowed tcp api.example.com 192.0.2.10:443");
+    assert_eq!(allowed.0, "pass", "{allowed:?}");
+    assert_eq!(code, 0, "{fenced:?}");
+    assert_eq!(from_leftovers(&w), Vec::<String>::new());
+
+    // Ended by a signal while its attempts run: the namespace goes all the same.
+    let mut probe = w.spawn_egress_fence(&["probe", path, "--from", "efbr0=198.18.0.250/24"]);
+    let started = Instant::now();
+    while from_leftovers(&w).is_empty() && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if from_leftovers(&w).is_empty() {
+        probe.wait_timeout(Duration::from_secs(5));
+        panic!(
+            "the namespace never appeared: {}\n{}",
+            probe.stdout(),
+            probe.stderr()
+        );
+    }
+    nix::sys::signal::kill(probe.pid(), nix::sys::signal::Signal::SIGTERM).expect("signal");
+    assert!(
+        probe.wait_timeout(Duration::from_secs(10)).is_some(),
+        "the probe did not end on SIGTERM"
+    );
+    assert_eq!(from_leftovers(&w), Vec::<String>::new());
+}
+
 // ---- guard mode --------------------------------------------------------------------------------
 
 /// Guard mode: the guard on 127.0.0.53 forwards to the world's resolver. One exact name with

@@ -86,6 +86,33 @@ pub struct Resolving {
     pub resolv_conf: Option<PathBuf>,
 }
 
+/// Who `probe` sends its attempts as, or from.
+#[derive(Args)]
+pub struct ProbeSender {
+    /// Make the attempts as USER (a name, or a uid; not root): the table and the state are
+    /// read with this command's privileges first, then a child process drops to USER's uid,
+    /// gid and groups (keeping no capability) and makes every attempt. A uid without an
+    /// account runs with the same number as its gid and no other groups.
+    #[arg(long = "as", value_name = "USER")]
+    pub run_as: Option<String>,
+    /// Make the attempts from a throwaway container on bridge IFACE, as the forward path
+    /// sees them: a network namespace with a veth attached to IFACE, ADDRESS (with its
+    /// prefix, e.g. `efbr0=198.18.0.250/24`) on it and a default route via IFACE's address
+    /// of the same family. Removed afterwards, also on failure or Ctrl-C. In guard mode the
+    /// names are asked of the guard on IFACE's addresses. The fence is then the bridge host's
+    /// forward hook: its `reject` answers from IFACE's addresses, and a refused datagram
+    /// that meets silence is a WARN (its drop and a rate-limited ICMP error look alike).
+    /// With `--as` too, the attempts are made as USER in the container.
+    #[arg(long, value_name = "IFACE=ADDRESS")]
+    pub from: Option<String>,
+    /// Set on the child process that makes the attempts (`--as`, `--from`).
+    #[arg(long, hide = true)]
+    pub probe_child: bool,
+    /// The child makes its attempts from this network namespace (`--from`).
+    #[arg(long, hide = true, value_name = "PATH")]
+    pub attempts_netns: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 pub enum Command {
     /// Validate a policy without touching the network or the kernel, and warn about what
@@ -267,8 +294,16 @@ pub enum Command {
     /// allowed name's, on its ports, within the lifetime cap). Last, the probe must fail to
     /// open a packet socket (AF_PACKET) and an XDP socket (AF_XDP): frames written to them
     /// pass every nftables rule (a process with CAP_NET_ADMIN skips this check). So run it as
-    /// the fenced user, e.g. `ip netns exec sandbox setpriv --reuid=agent --regid=agent
-    /// --clear-groups egress-fence probe ...`.
+    /// the fenced user: `egress-fence probe policy.yaml --as agent` (or, by hand, `ip netns
+    /// exec sandbox setpriv --reuid=agent --regid=agent --clear-groups egress-fence probe
+    /// ...`).
+    ///
+    /// With a `scope:`, the fence applies only to the users, groups, cgroups and forwarded
+    /// interfaces it lists. A probe whose traffic the scope leaves out opens its report with
+    /// "USER is not in the scope: expect everything to pass", and then every attempt the
+    /// fence would refuse must go through untouched (a refusal here FAILs); in guard mode DNS
+    /// straight to the upstream resolvers stays refused, for everyone. `--as USER` and
+    /// `--from IFACE=ADDRESS` prove the scope from a listed user and from a container.
     #[command(after_help = EXIT_CODES)]
     Probe {
         policy: PathBuf,
@@ -282,6 +317,8 @@ pub enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        sender: ProbeSender,
     },
     /// Delete the tool's table (and nothing else); a no-op if it is absent. The emergency
     /// exit: it takes no lock and records nothing (a running service puts the table back;

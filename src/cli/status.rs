@@ -1,11 +1,18 @@
 //! `status`: the installed table read back from the kernel, and whether it still matches the
 //! newest generation.
 
+use std::fmt;
+use std::net::SocketAddr;
+
+use serde::Serialize;
+
 use egress_fence::change::{self, Drift};
+use egress_fence::core::policy::{CgroupPath, Policy};
 use egress_fence::core::ruleset::TABLE;
 use egress_fence::nft::Nft;
 use egress_fence::nft::live::Status;
 use egress_fence::state::{Now, PendingConfirm, Stage, StateDir, TimerLife};
+use egress_fence::watch::{FencedScope, Host, HostLookup};
 
 use super::args::{NamespaceArg, StateArgs};
 use super::common::{enter, state_dir};
@@ -59,6 +66,25 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
     let (guard_uids, guard_marks) = (access.uids, access.marks);
     let guard_serving = !guard_uids.is_empty()
         && std::os::unix::net::UnixStream::connect(state.guard_events()).is_ok();
+    let scope = FencedScope::of_live(&live).map(|live_scope| {
+        let generation = match &drift {
+            Drift::InSync(g) | Drift::Drifted(g, _) => Some(g),
+            Drift::NoGeneration | Drift::Unreadable(_) => None,
+        };
+        // Scope rules not read back as egress-fence's: the generation's, which wrote them.
+        let fenced = match generation.and_then(|g| FencedScope::of_ruleset(&g.ruleset)) {
+            Some(recorded) if live_scope.is_empty() => recorded,
+            _ => live_scope,
+        };
+        let listed = generation
+            .and_then(|g| Policy::parse(&g.policy_text, &g.policy_path).ok())
+            .and_then(|p| p.scope)
+            .map(|s| s.cgroups)
+            .unwrap_or_default();
+        ScopeStatus::of(&fenced, &listed, &mut Host::default(), |path| {
+            egress_fence::host::cgroup_match(path).ok().map(|m| m.id)
+        })
+    });
     if json {
         let mut out = serde_json::to_value(&status)?;
         out["installed"] = true.into();
@@ -77,6 +103,9 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
             out["generation_error"] = e.to_string().into();
         }
         out["pending_confirmation"] = pending_json;
+        if let Some(scope) = &scope {
+            out["scope"] = serde_json::to_value(scope)?;
+        }
         if !guard_uids.is_empty() {
             out["dns_guard"] = serde_json::json!({ "uids": guard_uids, "marks": guard_marks,
                                     "serving": guard_serving });
@@ -84,6 +113,9 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         print_status(&status);
+        if let Some(scope) = &scope {
+            print!("{scope}");
+        }
         if !guard_uids.is_empty() {
             print_dns_guard(&guard_uids, &guard_marks, guard_serving);
         }
@@ -210,5 +242,287 @@ fn print_status(status: &Status) {
         } else {
             println!("  set {}: {}", s.name, items.join(", "));
         }
+    }
+}
+
+/// The scope of a scoped table, for `status`: who it fences (uids and gids with their names),
+/// what became of the listed cgroups, the interfaces it fences forwarded traffic from and
+/// where the guard answers on them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+struct ScopeStatus {
+    users: Vec<Account>,
+    groups: Vec<Account>,
+    cgroups: Vec<CgroupStatus>,
+    forwarded: Vec<String>,
+    bridges: Vec<String>,
+    guard_on_bridges: Vec<SocketAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+struct Account {
+    id: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+struct CgroupStatus {
+    path: CgroupPath,
+    /// The id the table's rule matches; none for a listed cgroup that has no rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<u64>,
+    state: CgroupState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "is")]
+enum CgroupState {
+    /// It exists, with the id of the rule.
+    Found,
+    /// Listed, but it did not exist when the table was planned: no rule fences it.
+    Missing,
+    /// The rule's cgroup is gone.
+    Gone,
+    /// Removed and made again: it has another id now, which the rule does not match.
+    Changed { now: u64 },
+}
+
+impl ScopeStatus {
+    /// From the table's scope, the cgroups the policy lists, the host's account names and
+    /// the cgroups' ids now.
+    fn of(
+        scope: &FencedScope,
+        listed: &[CgroupPath],
+        names: &mut impl HostLookup,
+        cgroup_now: impl Fn(&CgroupPath) -> Option<u64>,
+    ) -> ScopeStatus {
+        let users = scope
+            .uids
+            .iter()
+            .map(|&id| Account {
+                id,
+                name: names.user_name(id),
+            })
+            .collect();
+        let groups = scope
+            .gids
+            .iter()
+            .map(|&id| Account {
+                id,
+                name: names.group_name(id),
+            })
+            .collect();
+        let mut cgroups: Vec<CgroupStatus> = scope
+            .cgroups
+            .iter()
+            .map(|c| CgroupStatus {
+                path: c.path.clone(),
+                id: Some(c.id),
+                state: match cgroup_now(&c.path) {
+                    Some(now) if now == c.id => CgroupState::Found,
+                    Some(now) => CgroupState::Changed { now },
+                    None => CgroupState::Gone,
+                },
+            })
+            .collect();
+        for path in listed {
+            if !cgroups.iter().any(|c| &c.path == path) {
+                cgroups.push(CgroupStatus {
+                    path: path.clone(),
+                    id: None,
+                    state: CgroupState::Missing,
+                });
+            }
+        }
+        let names = |patterns: &[egress_fence::core::policy::IfacePattern]| {
+            patterns.iter().map(ToString::to_string).collect()
+        };
+        ScopeStatus {
+            users,
+            groups,
+            cgroups,
+            forwarded: names(&scope.forwarded),
+            bridges: names(&scope.bridges),
+            guard_on_bridges: scope.guard_on_bridges.clone(),
+        }
+    }
+}
+
+impl fmt::Display for Account {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.id)?;
+        self.name
+            .as_ref()
+            .map_or(Ok(()), |name| write!(f, " ({name})"))
+    }
+}
+
+impl fmt::Display for ScopeStatus {
+    /// The `status` lines, indented like the table's.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "  scope: only these are fenced; everything else passes this table"
+        )?;
+        if self.users.is_empty()
+            && self.groups.is_empty()
+            && self.cgroups.is_empty()
+            && self.forwarded.is_empty()
+        {
+            writeln!(
+                f,
+                "    nobody: no rule of the scope chains reads back as one egress-fence writes"
+            )?;
+        }
+        if !self.users.is_empty() {
+            writeln!(f, "    uids: {}", join_display(&self.users))?;
+        }
+        if !self.groups.is_empty() {
+            writeln!(f, "    gids: {}", join_display(&self.groups))?;
+        }
+        for c in &self.cgroups {
+            let id = c.id.unwrap_or_default();
+            match c.state {
+                CgroupState::Found => writeln!(f, "    cgroup {}: id {id}", c.path)?,
+                CgroupState::Missing => writeln!(
+                    f,
+                    "    cgroup {}: listed but missing, so no rule fences it (it gets one when \
+                     it exists and the table is planned again)",
+                    c.path
+                )?,
+                CgroupState::Gone => writeln!(
+                    f,
+                    "    cgroup {}: id {id} in the table, but the cgroup is gone",
+                    c.path
+                )?,
+                CgroupState::Changed { now } => writeln!(
+                    f,
+                    "    cgroup {}: id {id} in the table, but it was made again and is id \
+                     {now} now, which the table does not fence until it is planned again",
+                    c.path
+                )?,
+            }
+        }
+        if !self.forwarded.is_empty() {
+            writeln!(f, "    forwarded from: {}", self.forwarded.join(", "))?;
+        }
+        if !self.bridges.is_empty() {
+            writeln!(
+                f,
+                "    to the host from: {} (refused, but for replies and DNS to the guard)",
+                self.bridges.join(", ")
+            )?;
+        }
+        if !self.guard_on_bridges.is_empty() {
+            writeln!(
+                f,
+                "    guard on the bridges: {}",
+                join_display(&self.guard_on_bridges)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use egress_fence::core::ruleset::{CgroupMatch, Rule, ScopeMatch};
+    use egress_fence::watch::DropEvent;
+
+    struct Names;
+
+    impl HostLookup for Names {
+        fn user_name(&mut self, uid: u32) -> Option<String> {
+            (uid == 1001).then(|| "agent".into())
+        }
+        fn group_name(&mut self, gid: u32) -> Option<String> {
+            (gid == 2000).then(|| "agents".into())
+        }
+        fn iface_name(&mut self, _: u32) -> Option<String> {
+            None
+        }
+        fn socket_cgroup(&mut self, _: &DropEvent) -> Option<u64> {
+            None
+        }
+        fn cgroup_holds(&mut self, _: &CgroupPath, _: u64) -> bool {
+            false
+        }
+    }
+
+    fn cgroup(path: &str, id: u64) -> Rule {
+        let path: CgroupPath = path.parse().unwrap();
+        Rule::Fence(ScopeMatch::Cgroup(CgroupMatch {
+            level: path.level(),
+            path,
+            id,
+        }))
+    }
+
+    #[test]
+    fn the_scope_section_names_accounts_and_what_became_of_the_cgroups() {
+        let rules = [
+            Rule::Fence(ScopeMatch::Uid(1001)),
+            Rule::Fence(ScopeMatch::Uid(1002)),
+            Rule::Fence(ScopeMatch::Gid(2000)),
+            cgroup("agent.slice", 40),
+            cgroup("remade.slice", 41),
+            cgroup("gone.slice", 42),
+            Rule::Fence(ScopeMatch::Interface("br-*".parse().unwrap())),
+            Rule::FromBridge("br-*".parse().unwrap()),
+            Rule::AcceptGuardQuery {
+                to: "198.18.0.1:53".parse().unwrap(),
+                proto: egress_fence::core::policy::L4Proto::Udp,
+            },
+            Rule::AcceptGuardQuery {
+                to: "198.18.0.1:53".parse().unwrap(),
+                proto: egress_fence::core::policy::L4Proto::Tcp,
+            },
+        ];
+        let scope = FencedScope::of_rules(&rules);
+        let listed: Vec<CgroupPath> = ["agent.slice", "later.slice"]
+            .iter()
+            .map(|p| p.parse().unwrap())
+            .collect();
+        let now = |p: &CgroupPath| match p.as_str() {
+            "agent.slice" => Some(40),
+            "remade.slice" => Some(77),
+            _ => None,
+        };
+        let status = ScopeStatus::of(&scope, &listed, &mut Names, now);
+        let text = status.to_string();
+        let expected = [
+            "  scope: only these are fenced; everything else passes this table",
+            "    uids: 1001 (agent), 1002",
+            "    gids: 2000 (agents)",
+            "    cgroup agent.slice: id 40",
+            "    cgroup remade.slice: id 41 in the table, but it was made again and is id 77 \
+             now, which the table does not fence until it is planned again",
+            "    cgroup gone.slice: id 42 in the table, but the cgroup is gone",
+            "    cgroup later.slice: listed but missing, so no rule fences it (it gets one when \
+             it exists and the table is planned again)",
+            "    forwarded from: br-*",
+            "    to the host from: br-* (refused, but for replies and DNS to the guard)",
+            "    guard on the bridges: 198.18.0.1:53",
+        ];
+        assert_eq!(text.lines().collect::<Vec<_>>(), expected, "{text}");
+
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(
+            json["users"],
+            serde_json::json!([{"id": 1001, "name": "agent"}, {"id": 1002}])
+        );
+        assert_eq!(
+            json["cgroups"][1],
+            serde_json::json!({"path": "remade.slice", "id": 41, "state": {"is": "changed", "now": 77}})
+        );
+        assert_eq!(
+            json["cgroups"][3],
+            serde_json::json!({"path": "later.slice", "state": {"is": "missing"}})
+        );
+        assert_eq!(
+            json["guard_on_bridges"],
+            serde_json::json!(["198.18.0.1:53"])
+        );
     }
 }

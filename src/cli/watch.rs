@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use egress_fence::core::policy::Preset;
 use egress_fence::core::ruleset::TABLE;
-use egress_fence::nft::Nft;
 use egress_fence::nft::live::Destinations;
-use egress_fence::watch::{Heard, Watcher};
+use egress_fence::nft::{LiveTable, Nft};
+use egress_fence::state::StateDir;
+use egress_fence::watch::{FencedScope, Heard, Host, Watcher};
 
 use super::args::{NamespaceArg, StateArgs};
 use super::common::{enter, state_dir};
@@ -39,7 +40,8 @@ pub fn run(
 
     let rx = egress_fence::watch::hear(watcher, state.guard_events())?;
 
-    let mut notes = TableNotes::open()?;
+    let mut notes = TableNotes::open(&state)?;
+    let mut host = Host::open();
     let mut seen = 0;
     let mut stdout = std::io::stdout().lock();
     while count.is_none_or(|c| seen < c) {
@@ -60,6 +62,11 @@ pub fn run(
             Heard::Query(query) => query.to_string(),
             Heard::Packet(Ok(mut event)) => {
                 let table_note = notes.note(event.dst, event.dport)?;
+                event.scope = notes
+                    .scope
+                    .as_ref()
+                    .and_then(|scope| scope.matched(&event, &mut host))
+                    .map(Box::new);
                 event.note = match Preset::containing(event.dst) {
                     Some(p) => Some(format!("{} (preset {})", p.describe(), p.name())),
                     None => Some(table_note),
@@ -95,17 +102,21 @@ fn installed_group() -> Result<u16, Failure> {
 }
 
 /// What the table says of destinations, read again now and then: a daemon keeps changing the
-/// resolved sets.
+/// resolved sets. With a scoped table, its scope, as of the last reading.
 struct TableNotes {
     nft: Nft,
     known: Option<(Instant, Destinations)>,
+    scope: Option<FencedScope>,
+    state: StateDir,
 }
 
 impl TableNotes {
-    fn open() -> Result<TableNotes, Failure> {
+    fn open(state: &StateDir) -> Result<TableNotes, Failure> {
         Ok(TableNotes {
             nft: Nft::open()?,
             known: None,
+            scope: None,
+            state: state.clone(),
         })
     }
 
@@ -116,11 +127,27 @@ impl TableNotes {
             _ => {
                 let table = self.nft.read_table()?;
                 let destinations = table.as_ref().map(Destinations::of).unwrap_or_default();
+                self.scope = table.as_ref().and_then(|t| self.scope_of(t));
                 (Instant::now(), destinations)
             }
         };
         let note = known.1.why_refused(dst, dport).to_string();
         self.known = Some(known);
         Ok(note)
+    }
+
+    /// The live table's scope; when its scope rules are not read back as egress-fence's own
+    /// (an older reader), the scope of the newest generation, which installed them.
+    fn scope_of(&self, table: &LiveTable) -> Option<FencedScope> {
+        let live = FencedScope::of_live(table)?;
+        if !live.is_empty() {
+            return Some(live);
+        }
+        let recorded = self.state.newest().ok().flatten();
+        Some(
+            recorded
+                .and_then(|g| FencedScope::of_ruleset(&g.ruleset))
+                .unwrap_or(live),
+        )
     }
 }

@@ -1,6 +1,7 @@
-//! Which uid owns a local socket, asked of the kernel (`NETLINK_SOCK_DIAG`, one exact lookup
-//! by address and port): the DNS guard tells local clients apart by their uid, since a local
-//! process can send from any loopback address it likes.
+//! Which uid owns a local socket, and which cgroup made it, asked of the kernel
+//! (`NETLINK_SOCK_DIAG`, one exact lookup by address and port): the DNS guard tells local
+//! clients apart by their uid, since a local process can send from any loopback address it
+//! likes; `watch` names the cgroup of the scope a refused packet's socket belongs to.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -18,6 +19,20 @@ const REQ_LEN: usize = 56;
 /// Where `idiag_uid` lies in a reply's payload: after the four one-byte fields, the 48-byte
 /// `inet_diag_sockid` and `idiag_expires`, `idiag_rqueue`, `idiag_wqueue`.
 const UID_OFFSET: usize = 4 + 48 + 12;
+/// Bytes of `struct inet_diag_msg`; its attributes follow.
+const MSG_LEN: usize = UID_OFFSET + 8;
+/// `INET_DIAG_CGROUP_ID` (Linux 5.7): the id of the cgroup v2 the socket was made in, a u64
+/// in host order, sent with every reply.
+const INET_DIAG_CGROUP_ID: u16 = 21;
+
+/// What the kernel says of one socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketInfo {
+    pub uid: u32,
+    /// The id of the socket's cgroup v2 (its directory's inode number); `None` before Linux
+    /// 5.7.
+    pub cgroup_id: Option<u64>,
+}
 
 /// A netlink socket for socket lookups, in the network namespace it was opened in.
 #[derive(Debug)]
@@ -36,6 +51,16 @@ impl SockDiag {
     /// knows it: a UDP client's socket as long as it is open, a TCP client's connection.
     /// Both addresses must be of one family.
     pub fn owner(&mut self, protocol: L4Proto, local: SocketAddr, peer: SocketAddr) -> Option<u32> {
+        self.socket_info(protocol, local, peer).map(|info| info.uid)
+    }
+
+    /// Like [`SockDiag::owner`], with the socket's cgroup.
+    pub fn socket_info(
+        &mut self,
+        protocol: L4Proto,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Option<SocketInfo> {
         self.seq = self.seq.wrapping_add(1);
         let request = request(protocol, local, peer, self.seq)?;
         self.socket.send(&request).ok()?;
@@ -44,7 +69,7 @@ impl SockDiag {
         loop {
             let len = self.socket.recv(&mut reply, MsgFlags::MSG_DONTWAIT).ok()?;
             match parse_reply(reply.get(..len).unwrap_or(&reply), self.seq) {
-                Reply::Owner(uid) => return Some(uid),
+                Reply::Found(info) => return Some(info),
                 Reply::NotFound => return None,
                 Reply::Stale => continue,
             }
@@ -55,7 +80,7 @@ impl SockDiag {
 /// One reply message, judged.
 #[derive(Debug, PartialEq, Eq)]
 enum Reply {
-    Owner(u32),
+    Found(SocketInfo),
     NotFound,
     /// A reply to an earlier request (one that was given up on).
     Stale,
@@ -106,12 +131,33 @@ fn parse_reply(reply: &[u8], seq: u32) -> Reply {
     }
     match Message::parse(reply) {
         Ok(msg) if msg.kind == SOCK_DIAG_BY_FAMILY => match ne32(msg.payload, UID_OFFSET) {
-            Some(uid) => Reply::Owner(uid),
+            Some(uid) => Reply::Found(SocketInfo {
+                uid,
+                cgroup_id: msg.payload.get(MSG_LEN..).and_then(cgroup_id),
+            }),
             None => Reply::NotFound,
         },
         // NLMSG_ERROR (ENOENT: no such socket), or anything else.
         _ => Reply::NotFound,
     }
+}
+
+/// The `INET_DIAG_CGROUP_ID` attribute among a reply's attributes (`struct nlattr`s, each
+/// padded to 4 bytes), every length checked.
+fn cgroup_id(mut attrs: &[u8]) -> Option<u64> {
+    while attrs.len() >= 4 {
+        let len = usize::from(u16::from_ne_bytes([attrs[0], attrs[1]]));
+        let kind = u16::from_ne_bytes([attrs[2], attrs[3]]) & 0x3fff;
+        if len < 4 || len > attrs.len() {
+            return None;
+        }
+        if kind == INET_DIAG_CGROUP_ID {
+            let value: [u8; 8] = attrs.get(4..12)?.try_into().ok()?;
+            return (len >= 12).then(|| u64::from_ne_bytes(value));
+        }
+        attrs = attrs.get(len.next_multiple_of(4)..).unwrap_or_default();
+    }
+    None
 }
 
 #[cfg(test)]
@@ -159,7 +205,29 @@ mod tests {
         payload.extend_from_slice(&1000u32.to_ne_bytes());
         payload.extend_from_slice(&[0; 8]);
         let good = reply(SOCK_DIAG_BY_FAMILY, 3, &payload);
-        assert_eq!(parse_reply(&good, 3), Reply::Owner(1000));
+        let found = |cgroup_id| {
+            Reply::Found(SocketInfo {
+                uid: 1000,
+                cgroup_id,
+            })
+        };
+        assert_eq!(parse_reply(&good, 3), found(None));
+        // Attributes after the message: another one, then the cgroup id.
+        let mut with_cgroup = payload[..MSG_LEN].to_vec();
+        with_cgroup.extend_from_slice(&5u16.to_ne_bytes());
+        with_cgroup.extend_from_slice(&1u16.to_ne_bytes());
+        with_cgroup.extend_from_slice(&[7, 0, 0, 0]);
+        with_cgroup.extend_from_slice(&12u16.to_ne_bytes());
+        with_cgroup.extend_from_slice(&INET_DIAG_CGROUP_ID.to_ne_bytes());
+        with_cgroup.extend_from_slice(&4242u64.to_ne_bytes());
+        let reply_with = reply(SOCK_DIAG_BY_FAMILY, 3, &with_cgroup);
+        assert_eq!(parse_reply(&reply_with, 3), found(Some(4242)));
+        let cut = reply(
+            SOCK_DIAG_BY_FAMILY,
+            3,
+            &with_cgroup[..with_cgroup.len() - 4],
+        );
+        assert_eq!(parse_reply(&cut, 3), found(None));
         assert_eq!(parse_reply(&good, 4), Reply::Stale);
         let enoent = reply(2, 3, &(-libc::ENOENT).to_ne_bytes());
         assert_eq!(parse_reply(&enoent, 3), Reply::NotFound);
@@ -196,5 +264,17 @@ mod tests {
         let local = accepted.local_addr().unwrap();
         assert_eq!(from, stream.local_addr().unwrap());
         assert_eq!(diag.owner(L4Proto::Tcp, local, from), Some(me));
+        // This process's cgroup v2, where the kernel has one to say (Linux 5.7 on).
+        let info = diag.socket_info(L4Proto::Tcp, local, from).expect("found");
+        if let (Some(id), Some(root)) = (info.cgroup_id, crate::host::cgroup2_root()) {
+            use std::os::unix::fs::MetadataExt;
+            let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+            let path = own
+                .lines()
+                .find_map(|l| l.strip_prefix("0::"))
+                .unwrap_or("/");
+            let dir = root.join(path.trim().trim_start_matches('/'));
+            assert_eq!(std::fs::metadata(&dir).expect("own cgroup").ino(), id);
+        }
     }
 }

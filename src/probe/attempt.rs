@@ -44,6 +44,16 @@ const UDP_PAYLOAD: &[u8] = b"egress-fence probe\n";
 pub(super) struct Ctx {
     pub(super) timeout: Duration,
     pub(super) udp_wait: Duration,
+    /// See [`ProbeOptions::fence_router`](super::ProbeOptions::fence_router).
+    pub(super) fence_router: Vec<IpAddr>,
+}
+
+impl Ctx {
+    /// Whether an ICMP error from `sender` is the fence's refusal: sent by this host's own
+    /// stack, or by the router whose fence the attempts cross (`probe --from`).
+    pub(super) fn is_fence(&self, sender: IpAddr) -> bool {
+        self.fence_router.contains(&sender) || origin::is_this_host(sender)
+    }
 }
 
 /// Runs the attempts on a few threads (they inherit the caller's network namespace) and
@@ -171,7 +181,7 @@ pub(super) fn tcp_connect(target: SocketAddr, ctx: &Ctx) -> Result<TcpStream, Se
         // Never a far host's: only this host's own rules fail a connect with EPERM.
         Some(libc::EPERM) => Seen::RefusedHere(describe(&error)),
         Some(libc::EHOSTUNREACH | libc::EACCES) => match origin::icmp_sender(&socket, target) {
-            Some(sender) if origin::is_this_host(sender) => Seen::RefusedHere(describe(&error)),
+            Some(sender) if ctx.is_fence(sender) => Seen::RefusedHere(describe(&error)),
             Some(sender) => Seen::RefusedRemotely(format!(
                 "{}, sent by {sender} beyond this host, not by the boundary",
                 describe(&error)
@@ -273,7 +283,7 @@ pub(super) fn datagram_exchange(
             {
                 return Seen::Silent;
             }
-            Err(e) => return after_send_error(&socket, target, &e),
+            Err(e) => return after_send_error(&socket, target, &e, ctx),
         }
     }
 }
@@ -282,9 +292,9 @@ pub(super) fn datagram_exchange(
 /// fail the send when the output hook refuses it (an ICMPv6 ping socket reports only the
 /// ICMP error of `reject`): an error this host sent is the boundary's refusal, any other
 /// was sent beyond this host.
-fn after_send_error(socket: &UdpSocket, target: SocketAddr, e: &io::Error) -> Seen {
+fn after_send_error(socket: &UdpSocket, target: SocketAddr, e: &io::Error, ctx: &Ctx) -> Seen {
     match origin::icmp_sender(socket, target) {
-        Some(sender) if origin::is_this_host(sender) => Seen::RefusedHere(describe(e)),
+        Some(sender) if ctx.is_fence(sender) => Seen::RefusedHere(describe(e)),
         _ if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
             Seen::RefusedRemotely("port unreachable (ICMP from the host)".into())
         }

@@ -133,7 +133,7 @@ impl<'a> Plan<'a> {
                         },
                         target,
                         expect: if denied.is_some() {
-                            Expect::Refuse
+                            self.fence_refuses()
                         } else {
                             Expect::Reach { strict }
                         },
@@ -157,7 +157,7 @@ impl<'a> Plan<'a> {
                 check: format!("{what} {} {name}{target}", proto.name()),
                 kind,
                 target,
-                expect: Expect::Refuse,
+                expect: self.fence_refuses(),
                 note: None,
                 on_fail: self.allowed_by(target, proto),
                 dns_name: None,
@@ -173,7 +173,7 @@ impl<'a> Plan<'a> {
                 check: format!("{what} {} {name}{dest}", other.name(target)),
                 kind: Kind::Other(other),
                 target,
-                expect: Expect::Refuse,
+                expect: self.fence_refuses(),
                 note: None,
                 on_fail: None,
                 dns_name: None,
@@ -500,7 +500,7 @@ impl<'a> Plan<'a> {
                     check: format!("rogue resolver {} {target}", proto.name()),
                     kind: Kind::Dns(proto),
                     target,
-                    expect: Expect::Refuse,
+                    expect: self.fence_refuses(),
                     note: None,
                     on_fail: None,
                     dns_name: None,

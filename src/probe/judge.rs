@@ -20,6 +20,16 @@ pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outc
             Seen::Connected => (Fail, format!("connected: {through}")),
             Seen::Answered(d) => (Fail, format!("{d}: {through}")),
             Seen::RefusedRemotely(d) => (Fail, format!("{d}: {through}")),
+            // From behind a bridge (`probe --from`) the fence is another host's: its drop
+            // is silent, and its reject's ICMP errors are rate-limited.
+            Seen::Silent if !ctx.fence_router.is_empty() => (
+                Warn,
+                format!(
+                    "sent, no answer within {w}: the router's fence dropped it, or its ICMP \
+                     error was rate-limited (net.ipv4.icmp_ratelimit), or it left unanswered; \
+                     from behind a bridge these look the same"
+                ),
+            ),
             Seen::Silent => (
                 Fail,
                 format!(
@@ -27,6 +37,28 @@ pub(super) fn judge(seen: &Seen, expect: Expect, kind: Kind, ctx: &Ctx) -> (Outc
                 ),
             ),
         },
+        // A prober outside the scope: any refusal by this host is the fence reaching too far.
+        Expect::Untouched => {
+            let outside = "outside the scope, the fence must not touch it";
+            match seen {
+                Seen::Connected => (Pass, "connected: not touched by the fence".into()),
+                Seen::Answered(d) | Seen::RefusedRemotely(d) => {
+                    (Pass, format!("{d}: not touched by the fence"))
+                }
+                Seen::Silent => (
+                    Pass,
+                    format!("sent, no answer within {w}: not touched by the fence"),
+                ),
+                Seen::RefusedHere(d) => (Fail, format!("refused here: {d}; {outside}")),
+                // A drop and a host that does not answer look the same to TCP.
+                Seen::TimedOut => (
+                    Warn,
+                    format!("no answer within {t}: dropped here, or nothing answers there"),
+                ),
+                Seen::NotSent(d) | Seen::Unconfirmed(d) => (Warn, format!("cannot tell: {d}")),
+                Seen::Unavailable(d) => (Skip, d.clone()),
+            }
+        }
         Expect::Reach { strict } => match seen {
             Seen::Connected => (Pass, "connected".into()),
             Seen::Answered(d) => (Pass, d.clone()),
@@ -81,6 +113,31 @@ mod tests {
         let (outcome, reason) = judge(&Seen::Silent, Expect::Refuse, Kind::Udp, &ctx());
         assert_eq!(outcome, Outcome::Fail);
         assert!(reason.contains("left this host"), "{reason}");
+        // From behind a bridge, silence cannot be told from the router's drop.
+        let forwarded = Ctx {
+            fence_router: vec!["198.18.0.1".parse().unwrap()],
+            ..ctx()
+        };
+        let (outcome, reason) = judge(&Seen::Silent, Expect::Refuse, Kind::Udp, &forwarded);
+        assert_eq!(outcome, Outcome::Warn, "{reason}");
+    }
+
+    #[test]
+    fn outside_the_scope_only_a_refusal_here_fails() {
+        let untouched = |seen| judge(&seen, Expect::Untouched, Kind::Tcp, &ctx()).0;
+        assert_eq!(untouched(Seen::Connected), Outcome::Pass);
+        assert_eq!(untouched(Seen::Silent), Outcome::Pass);
+        assert_eq!(
+            untouched(Seen::RefusedRemotely("reset".into())),
+            Outcome::Pass
+        );
+        assert_eq!(untouched(Seen::RefusedHere("EPERM".into())), Outcome::Fail);
+        assert_eq!(untouched(Seen::TimedOut), Outcome::Warn);
+        assert_eq!(untouched(Seen::NotSent("no route".into())), Outcome::Warn);
+        assert_eq!(
+            untouched(Seen::Unavailable("no sctp".into())),
+            Outcome::Skip
+        );
     }
 
     #[test]

@@ -72,6 +72,7 @@
 
 mod attempt;
 mod checks;
+mod forward_ns;
 mod guard_checks;
 mod guard_lookup;
 mod judge;
@@ -81,14 +82,19 @@ mod origin;
 mod other_protocols;
 mod plan;
 mod report;
+mod run_as;
+mod scope;
 #[cfg(test)]
 mod testing;
 
 pub use attempt::MAX_UDP_WAIT;
+pub use forward_ns::{ForwardNs, ForwardNsError, FromBridge, interface_addrs};
 pub use link_layer::LINK_LAYER_CHECK;
 pub use options::{ProbeOptions, SystemResolvers, TableFacts, TableView};
 pub use plan::DEFAULT_EXFIL_ZONE;
 pub use report::{Check, Outcome, ProbeError, Report};
+pub use run_as::{RunAs, RunAsError};
+pub use scope::Prober;
 
 use crate::core::policy::{DomainName, Policy, ProbeHost};
 use crate::dns::resolve::resolve_names;
@@ -108,6 +114,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
     let ctx = Ctx {
         timeout: options.timeout,
         udp_wait: options.timeout.min(MAX_UDP_WAIT),
+        fence_router: options.fence_router.clone(),
     };
     let guard = policy.dns.guard.as_ref();
     // The guard refuses every name outside the policy, so it can always be checked: under a
@@ -142,6 +149,9 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
     };
 
     let mut plan = Plan::new(policy, options, &hosts, &lookups);
+    if let Some(line) = &options.outside_scope {
+        plan.done(Check::new(Outcome::Skip, "scope", line.clone()));
+    }
     match guard {
         None => {
             plan.resolvers();

@@ -13,6 +13,7 @@ use crate::dns::resolve::system_resolvers;
 use crate::nft::{LiveTable, Nft};
 
 use super::report::ProbeError;
+use super::scope::Prober;
 
 /// What [`run`](super::run) needs besides the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,6 +38,14 @@ pub struct ProbeOptions {
     /// resolved elements all expire, so one without a timeout is unexplained even when no
     /// other element shows a timeout. Set by the caller that reads the state directory.
     pub service_table: bool,
+    /// Set when the policy's `scope:` leaves this probe's sender out: the report's opening
+    /// line ("nobody (uid 65534) is not in the scope: expect everything to pass"), and the
+    /// fence's refusals are then expected not to happen. See [`Prober`](super::Prober).
+    pub outside_scope: Option<String>,
+    /// `probe --from`: the addresses of the router whose fence the attempts cross (the
+    /// bridge's host). Its `reject` answers from one of them, so an ICMP error from one is the
+    /// fence's refusal, as one from this host is. Empty otherwise.
+    pub fence_router: Vec<IpAddr>,
 }
 
 impl ProbeOptions {
@@ -69,6 +78,8 @@ impl ProbeOptions {
                     .iter()
                     .find_map(|&l| socket_owner(l).map(|uid| (uid, l))),
                 service_table: false,
+                outside_scope: Prober::current().outside_scope(policy),
+                fence_router: Vec::new(),
             });
         }
         let resolvers = match &policy.dns.resolvers {
@@ -83,6 +94,8 @@ impl ProbeOptions {
             system: None,
             guard_socket: None,
             service_table: false,
+            outside_scope: Prober::current().outside_scope(policy),
+            fence_router: Vec::new(),
         })
     }
 }

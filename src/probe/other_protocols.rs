@@ -164,7 +164,7 @@ fn stream(socket: Socket, target: SocketAddr, ctx: &Ctx) -> Seen {
     match socket.connect(&SockAddr::from(target)) {
         Ok(()) => return Seen::Connected,
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-        Err(e) => return stream_error(&socket, target, &e),
+        Err(e) => return stream_error(&socket, target, &e, ctx),
     }
     loop {
         let left = ctx.timeout.saturating_sub(started.elapsed());
@@ -182,11 +182,11 @@ fn stream(socket: Socket, target: SocketAddr, ctx: &Ctx) -> Seen {
     }
     match socket.take_error() {
         Ok(None) => Seen::Connected,
-        Ok(Some(e)) | Err(e) => stream_error(&socket, target, &e),
+        Ok(Some(e)) | Err(e) => stream_error(&socket, target, &e, ctx),
     }
 }
 
-fn stream_error(socket: &Socket, target: SocketAddr, e: &io::Error) -> Seen {
+fn stream_error(socket: &Socket, target: SocketAddr, e: &io::Error, ctx: &Ctx) -> Seen {
     match e.raw_os_error() {
         Some(libc::EPERM) => Seen::RefusedHere(describe(e)),
         Some(libc::ECONNREFUSED | libc::ECONNRESET) => {
@@ -194,7 +194,7 @@ fn stream_error(socket: &Socket, target: SocketAddr, e: &io::Error) -> Seen {
         }
         Some(libc::ETIMEDOUT) => Seen::TimedOut,
         Some(libc::EHOSTUNREACH | libc::EACCES) => match origin::icmp_sender(socket, target) {
-            Some(sender) if origin::is_this_host(sender) => Seen::RefusedHere(describe(e)),
+            Some(sender) if ctx.is_fence(sender) => Seen::RefusedHere(describe(e)),
             Some(sender) => Seen::RefusedRemotely(format!(
                 "{}, sent by {sender} beyond this host, not by the boundary",
                 describe(e)

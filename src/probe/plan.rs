@@ -34,6 +34,9 @@ pub(super) enum Expect {
     Answer,
     /// A destination the boundary must refuse.
     Refuse,
+    /// A destination the fence would refuse, tried by a prober the policy's scope leaves
+    /// out: this host must let it go (whatever answers beyond).
+    Untouched,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +165,15 @@ impl<'a> Plan<'a> {
         match &self.policy.dns.guard {
             Some(g) => format!("the guard {}", join_sockets(&g.listen)),
             None => join(&self.options.resolvers),
+        }
+    }
+
+    /// What a destination the fence refuses must show: refused, unless the scope leaves
+    /// this probe out (then the fence must not touch it).
+    pub(super) fn fence_refuses(&self) -> Expect {
+        match self.options.outside_scope {
+            Some(_) => Expect::Untouched,
+            None => Expect::Refuse,
         }
     }
 

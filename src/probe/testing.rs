@@ -16,6 +16,7 @@ pub(super) fn ctx() -> Ctx {
     Ctx {
         timeout: Duration::from_secs(2),
         udp_wait: Duration::from_secs(1),
+        fence_router: Vec::new(),
     }
 }
 
@@ -32,6 +33,8 @@ pub(super) fn options(resolvers: &[&str], table: TableView) -> ProbeOptions {
         system: None,
         guard_socket: None,
         service_table: false,
+        outside_scope: None,
+        fence_router: Vec::new(),
     }
 }
 

@@ -7,6 +7,7 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
+use super::scope::ScopeMatched;
 use crate::core::time::rfc3339_millis_at;
 
 /// One refused packet, as read from NFLOG. Serialises (serde_json) to one JSON object per event.
@@ -42,11 +43,20 @@ pub struct DropEvent {
     /// api.example.com until 4 minutes ago"), filled in by the caller.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// The interface a forwarded (or bridge-to-host) packet came in on, as the kernel's
+    /// index; absent for packets this host sent. Named in [`DropEvent::scope`].
+    #[serde(skip)]
+    pub in_ifindex: Option<u32>,
+    /// With a scoped table: the part of the scope the packet was refused in, filled in by
+    /// the caller ([`FencedScope::matched`](super::FencedScope::matched)). Boxed: events
+    /// travel in enums beside small variants.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scope: Option<Box<ScopeMatched>>,
 }
 
 impl fmt::Display for DropEvent {
-    /// `TIME REFUSED PROTO SRC[:PORT] -> DST[:PORT] [uid=U] [gid=G] [PREFIX]`, with IPv6
-    /// addresses bracketed when a port follows.
+    /// `TIME REFUSED PROTO SRC[:PORT] -> DST[:PORT] [uid=U] [gid=G] [PREFIX] [scope: S]
+    /// [NOTE]`, with IPv6 addresses bracketed when a port follows.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -66,6 +76,9 @@ impl fmt::Display for DropEvent {
         let prefix = self.prefix.trim();
         if !prefix.is_empty() {
             write!(f, " {prefix}")?;
+        }
+        if let Some(scope) = &self.scope {
+            write!(f, " [scope: {scope}]")?;
         }
         if let Some(note) = &self.note {
             write!(f, " [{note}]")?;

@@ -12,13 +12,15 @@
 //!
 //! By concern: `nflog` binds the group and reads its messages (the [`Watcher`]), `packet`
 //! decodes the copied IP and transport headers, `event` holds the events and how they print,
-//! `hear` merges the packets with the guard's query log for `watch`. Timestamps are written by
+//! `hear` merges the packets with the guard's query log for `watch`, `scope` says which part
+//! of a scoped table's scope a refused packet was refused in. Timestamps are written by
 //! [`crate::core::time`].
 
 mod event;
 mod hear;
 mod nflog;
 mod packet;
+mod scope;
 
 use nix::errno::Errno;
 
@@ -26,6 +28,7 @@ pub use event::{DropEvent, QueryEvent};
 pub use hear::{Heard, hear};
 use nflog::ACK_TIMEOUT;
 pub use nflog::{COPY_RANGE, Watcher};
+pub use scope::{FencedScope, Host, HostLookup, ScopeMatched};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {

@@ -59,6 +59,7 @@ const NFULA_PAYLOAD: u16 = libc::NFULA_PAYLOAD as u16;
 const NFULA_PREFIX: u16 = libc::NFULA_PREFIX as u16;
 const NFULA_UID: u16 = libc::NFULA_UID as u16;
 const NFULA_GID: u16 = libc::NFULA_GID as u16;
+const NFULA_IFINDEX_INDEV: u16 = libc::NFULA_IFINDEX_INDEV as u16;
 
 const NFULA_CFG_CMD: u16 = libc::NFULA_CFG_CMD as u16;
 const NFULA_CFG_MODE: u16 = libc::NFULA_CFG_MODE as u16;
@@ -312,6 +313,7 @@ struct PacketAttrs<'a> {
     prefix: Option<&'a [u8]>,
     uid: Option<u32>,
     gid: Option<u32>,
+    indev: Option<u32>,
 }
 
 /// Decodes one NFULNL_MSG_PACKET message.
@@ -336,6 +338,7 @@ fn decode_packet(msg: &Message<'_>, now: SystemTime) -> Result<DropEvent, WatchE
             NFULA_PREFIX => attrs.prefix = Some(value),
             NFULA_UID => attrs.uid = Some(be32(value, 0).ok_or_else(short)?),
             NFULA_GID => attrs.gid = Some(be32(value, 0).ok_or_else(short)?),
+            NFULA_IFINDEX_INDEV => attrs.indev = Some(be32(value, 0).ok_or_else(short)?),
             _ => {}
         }
     }
@@ -369,6 +372,8 @@ fn decode_packet(msg: &Message<'_>, now: SystemTime) -> Result<DropEvent, WatchE
         gid: attrs.gid,
         verdict: "refused",
         note: None,
+        in_ifindex: attrs.indev,
+        scope: None,
     })
 }
 
@@ -457,6 +462,8 @@ mod tests {
                 gid: Some(1001),
                 verdict: "refused",
                 note: None,
+                in_ifindex: None,
+                scope: None,
             }
         );
         assert_eq!(
@@ -494,6 +501,20 @@ mod tests {
         let json = serde_json::to_value(&e).unwrap();
         assert!(json["uid"].is_null());
         assert_eq!(json["src"], "2001:db8::2");
+    }
+
+    /// A forwarded packet: no socket, so no uid, but the interface it came in on.
+    #[test]
+    fn a_forwarded_packet_carries_its_input_interface() {
+        let msg = Msg::new(NFPROTO_IPV4, 100)
+            .attr(NFULA_IFINDEX_INDEV, &7u32.to_be_bytes())
+            .attr(NFULA_PAYLOAD, &ipv4_tcp(40001, 443))
+            .bytes();
+        let e = decode(&msg).unwrap();
+        assert_eq!((e.in_ifindex, e.uid), (Some(7), None));
+        let json = serde_json::to_value(&e).unwrap();
+        assert!(json.get("in_ifindex").is_none(), "{json}");
+        assert!(json.get("scope").is_none(), "{json}");
     }
 
     #[test]
