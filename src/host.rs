@@ -73,6 +73,23 @@ pub fn cgroup_watch_dirs(policy: &Policy) -> Vec<PathBuf> {
 }
 
 /// Why the listed cgroup `path` has no rule now, in a few words (`None`: it has one).
+/// The directory of a cgroup a table names (as nft finds it below /sys/fs/cgroup; a table
+/// planned where the hierarchy is mounted elsewhere names it below that), if it is one now.
+pub fn cgroup_dir(in_table: &CgroupPath) -> Option<PathBuf> {
+    let below_nft = PathBuf::from(NFT_CGROUP_DIR).join(in_table.as_str());
+    let below_root = cgroup2_root().map(|root| root.join(in_table.as_str()));
+    [Some(below_nft), below_root]
+        .into_iter()
+        .flatten()
+        .find(|dir| dir.join("cgroup.procs").exists())
+}
+
+/// The id a cgroup a table names has now (see [`cgroup_dir`]).
+pub fn cgroup_id_now(in_table: &CgroupPath) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(cgroup_dir(in_table)?).ok().map(|m| m.ino())
+}
+
 pub fn why_cgroup_missing(path: &CgroupPath) -> Option<String> {
     match cgroup_match(path) {
         Ok(_) => None,

@@ -312,7 +312,6 @@ log:
 /// A refusal of a scoped user names the scope it matched; root, outside the scope, is not
 /// refused at all.
 #[test]
-#[ignore = "needs the scope read-back (the live table's scope rules decoded as egress-fence's)"]
 fn a_scoped_refusal_names_the_user_it_matched() {
     let w = World::new();
     let policy = w.write_file("scoped.yaml", SCOPED_POLICY);

@@ -81,7 +81,7 @@ fn describe_scope(policy: &Policy, host: &HostScope) -> Vec<String> {
         ));
     }
     for path in &scope.cgroups {
-        match host.cgroups.iter().find(|c| c.path == *path) {
+        match host.cgroups.iter().find(|c| c.is_of(path)) {
             Some(c) => out.push(format!(
                 "  cgroup {path}: id {}, level {} (and every cgroup below it)",
                 c.id, c.level

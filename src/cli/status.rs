@@ -81,9 +81,12 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
             .and_then(|p| p.scope)
             .map(|s| s.cgroups)
             .unwrap_or_default();
-        ScopeStatus::of(&fenced, &listed, &mut Host::default(), |path| {
-            egress_fence::host::cgroup_match(path).ok().map(|m| m.id)
-        })
+        ScopeStatus::of(
+            &fenced,
+            &listed,
+            &mut Host::default(),
+            egress_fence::host::cgroup_id_now,
+        )
     });
     if json {
         let mut out = serde_json::to_value(&status)?;
@@ -326,7 +329,7 @@ impl ScopeStatus {
             })
             .collect();
         for path in listed {
-            if !cgroups.iter().any(|c| &c.path == path) {
+            if !scope.cgroups.iter().any(|c| c.is_of(path)) {
                 cgroups.push(CgroupStatus {
                     path: path.clone(),
                     id: None,

@@ -960,7 +960,7 @@ impl Core {
         }
         let listed = self.policy.scope.iter().flat_map(|s| &s.cgroups);
         for path in listed {
-            let find = |of: &[CgroupMatch]| of.iter().find(|c| c.path == *path).map(|c| c.id);
+            let find = |of: &[CgroupMatch]| of.iter().find(|c| c.is_of(path)).map(|c| c.id);
             match (find(&self.host_scope.cgroups), find(&cgroups)) {
                 (None, Some(id)) => {
                     info!(cgroup = %path, id, "cgroup {path} appeared: fenced from now on")

@@ -602,7 +602,7 @@ fn scope_facts(policy: &Policy) -> ScopeFacts {
 /// yet, and it is fenced once it appears.
 fn warn_missing_cgroups(policy: &Policy, found: &[CgroupMatch]) {
     for path in policy.scope.iter().flat_map(|s| &s.cgroups) {
-        if found.iter().any(|c| c.path == *path) {
+        if found.iter().any(|c| c.is_of(path)) {
             continue;
         }
         let why =

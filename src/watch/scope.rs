@@ -247,11 +247,11 @@ impl HostLookup for Host {
     }
 
     fn cgroup_holds(&mut self, path: &CgroupPath, id: u64) -> bool {
-        let Some(root) = crate::host::cgroup2_root() else {
+        let Some(dir) = crate::host::cgroup_dir(path) else {
             return false;
         };
         let mut budget = MAX_CGROUPS_WALKED;
-        subtree_holds(&root.join(path.as_str()), id, &mut budget)
+        subtree_holds(&dir, id, &mut budget)
     }
 }
 
