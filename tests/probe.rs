@@ -813,7 +813,12 @@ fn probe_from_a_bridge_proves_the_forward_path() {
     assert_eq!(code, 0, "{fenced:?}");
     assert_eq!(from_leftovers(&w), Vec::<String>::new());
 
-    // Ended by a signal while its attempts run: the namespace goes all the same.
+    // Ended by a signal while its attempts run: the namespace goes all the same. Unscoped,
+    // where its unanswered datagrams wait a second each (fenced, every attempt is refused at
+    // once, and the run may be over before the namespace is seen).
+    let unscoped = w.write_file("unscoped-again.yaml", &unscoped);
+    let path = unscoped.to_str().expect("utf-8 path");
+    load_plan(&w, path);
     let mut probe = w.spawn_egress_fence(&["probe", path, "--from", "efbr0=198.18.0.250/24"]);
     let started = Instant::now();
     while from_leftovers(&w).is_empty() && started.elapsed() < Duration::from_secs(10) {
