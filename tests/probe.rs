@@ -584,6 +584,12 @@ fn the_probe_command_gates_on_the_boundary() {
 /// the checks as (outcome, check, reason).
 fn probe_cli(w: &World, path: &str, args: &[&str]) -> (i32, Vec<(String, String, String)>) {
     let out = w.egress_fence(&[&["probe", path, "--json"][..], args].concat());
+    probe_checks(&out, &format!("probe {args:?}"))
+}
+
+/// The exit code of `probe --json` and its checks as (outcome, check, reason), each also
+/// printed with `label` (the test's output shows them when it fails).
+fn probe_checks(out: &CmdOutput, label: &str) -> (i32, Vec<(String, String, String)>) {
     let v: serde_json::Value = serde_json::from_str(&out.stdout)
         .unwrap_or_else(|e| panic!("probe --json is not JSON ({e}): {out}"));
     let checks = v["checks"]
@@ -596,7 +602,7 @@ fn probe_cli(w: &World, path: &str, args: &[&str]) -> (i32, Vec<(String, String,
         })
         .collect::<Vec<_>>();
     for (outcome, check, reason) in &checks {
-        eprintln!("[probe {args:?}] {outcome} {check}: {reason}");
+        eprintln!("[{label}] {outcome} {check}: {reason}");
     }
     (out.code(), checks)
 }
@@ -924,21 +930,7 @@ fn guard_probe(w: &World, policy: &Policy) -> Report {
 /// and the checks as (outcome, check, reason).
 fn probe_as_nobody(w: &World, policy_path: &str) -> (i32, Vec<(String, String, String)>) {
     let out = w.sandbox_cmd_as(NOBODY, &[EGRESS_FENCE_BIN, "probe", policy_path, "--json"]);
-    let v: serde_json::Value = serde_json::from_str(&out.stdout)
-        .unwrap_or_else(|e| panic!("probe --json is not JSON ({e}): {out}"));
-    let checks = v["checks"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no checks: {out}"))
-        .iter()
-        .map(|c| {
-            let s = |k: &str| c[k].as_str().unwrap_or_default().to_string();
-            (s("outcome"), s("check"), s("reason"))
-        })
-        .collect::<Vec<_>>();
-    for (outcome, check, reason) in &checks {
-        eprintln!("[nobody] {outcome} {check}: {reason}");
-    }
-    (out.code(), checks)
+    probe_checks(&out, "nobody")
 }
 
 fn outcome_of<'a>(
