@@ -86,6 +86,21 @@ impl World {
         run(&mut cmd, None)
     }
 
+    /// Like [`World::sandbox_cmd_in_cgroup`], but enters the sandbox with `nsenter --net` (the
+    /// network namespace only), so that the client still sees the host's /sys/fs/cgroup (to
+    /// move itself to another cgroup, as an attacker would). Killed after 60 s.
+    pub fn sandbox_net_only_cmd_in_cgroup(&self, cgroup: &Path, args: &[&str]) -> CmdOutput {
+        let procs = cgroup.join("cgroup.procs");
+        let netns = format!("--net=/run/netns/{}", self.sandbox_name());
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", r#"echo $$ > "$0" && exec "$@""#])
+            .arg(&procs)
+            .args(["nsenter", netns.as_str()])
+            .args(with_timeout(args));
+        clean_env(&mut cmd).env(STATE_DIR_ENV, self.state_dir());
+        run(&mut cmd, None)
+    }
+
     /// `nc -z -v -w 2 HOST PORT` from the sandbox with `prefix` (e.g. a `setpriv`) in front.
     pub fn tcp_connect_with(&self, prefix: &[&str], host: IpAddr, port: u16) -> CmdOutput {
         let (host, port) = (host.to_string(), port.to_string());

@@ -1,0 +1,486 @@
+//! A red-team pass over scope (issue 11): a listed user, a process in a listed cgroup and root
+//! in a container on a listed bridge try to get out. Tests marked `#[ignore = "HOLE: ..."]`
+//! are ways out that the current code leaves open (they fail when run with `--ignored`);
+//! the others are attempts the scope holds, kept so that they stay closed.
+
+use std::fs;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::os::unix::fs::chown;
+use std::time::Duration;
+
+use crate::common::*;
+
+const SCOPED_UID: u32 = 1001;
+const SCOPED: Adversary = Adversary::User(SCOPED_UID);
+const UDP_PORT: u16 = 7000;
+
+/// Guard mode; uid 1001 is fenced and may reach HOST_V4:443 only.
+const USER_POLICY: &str = r#"
+version: 1
+action: reject
+scope:
+  users: [1001]
+allow:
+  - cidr: 192.0.2.10/32
+    ports: [443]
+dns:
+  mode: guard
+  upstream: [192.0.2.53]
+"#;
+
+fn user_scoped_world() -> World {
+    let w = World::new();
+    let policy = w.write_file("scope.yaml", USER_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    w
+}
+
+/// A UDP socket bound in the sandbox (a service of the host itself).
+fn sandbox_udp(w: &World, addr: SocketAddr) -> UdpSocket {
+    let socket = w
+        .in_sandbox_ns(|| UdpSocket::bind(addr))
+        .unwrap_or_else(|e| panic!("bind {addr} in the sandbox: {e}"));
+    socket
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .expect("a read timeout");
+    socket
+}
+
+/// The payloads that arrived at `socket` until it stays quiet for its read timeout.
+fn received(socket: &UdpSocket) -> Vec<String> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 2048];
+    while let Ok((n, _)) = socket.recv_from(&mut buf) {
+        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+    }
+    got
+}
+
+/// Joins the IPv4 multicast group 239.69.70.71 (its last bytes `EFG` mark the reports' group
+/// records; an attacker would encode 28 bits of data per group, one group per socket) on the interface of ARGV[1], then waits for
+/// the kernel's unsolicited reports. Needs no privilege.
+const JOIN_GROUPS: &str = r#"
+import socket, struct, sys, time
+socks = []
+for n in range(1):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    group = socket.inet_aton('239.69.70.71')
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, group + socket.inet_aton(sys.argv[1]))
+    socks.append(s)
+time.sleep(2)
+print('joined')
+"#;
+
+/// A scoped user makes the kernel send IGMP membership reports whose group addresses it
+/// chooses (28 bits each, as many as it joins): the reports have no socket owner, so no scope
+/// rule sends them to the fence, while the unscoped fence refuses them (no rule accepts IGMP).
+/// MLD (IPv6) reports go the same way, past the fence's 1 kbyte/minute limit on them.
+#[test]
+#[ignore = "HOLE: IGMP/MLD reports a scoped user triggers by joining groups have no socket owner and pass scope_output"]
+fn a_scoped_user_sends_no_chosen_multicast_reports() {
+    let w = World::new();
+    let iface = SANDBOX_V4.to_string();
+    let join = || w.adversary_cmd(SCOPED, &[PYTHON, "-c", JOIN_GROUPS, &iface]);
+    // Without a table the reports leave: the capture sees them, the test can prove a hole.
+    let (count, joined) = w.count_marked_frames(0x0800, "EFG", 3, join);
+    assert!(joined.success(), "{joined}");
+    let before: u32 = count.stdout.trim().parse().expect("a count");
+    assert!(
+        before > 0,
+        "no report without a table: the test proves nothing"
+    );
+
+    let policy = w.write_file("scope.yaml", USER_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    let (count, joined) = w.count_marked_frames(0x0800, "EFG", 3, join);
+    assert!(joined.success(), "{joined}");
+    assert_eq!(
+        count.stdout.trim(),
+        "0",
+        "uid 1001's group reports left the host through the scope"
+    );
+}
+
+/// The same joins under the whole-namespace fence (no scope): the kernel's reports meet the
+/// output chain, where no rule accepts IGMP. The scope must not do worse.
+#[test]
+fn the_unscoped_fence_refuses_chosen_multicast_reports() {
+    let w = World::new();
+    let policy = w.write_file(
+        "fence.yaml",
+        &USER_POLICY.replace("scope:\n  users: [1001]\n", ""),
+    );
+    put_up(&w, &policy, SCOPE_LOAD);
+    let iface = SANDBOX_V4.to_string();
+    let (count, joined) = w.count_marked_frames(0x0800, "EFG", 3, || {
+        w.adversary_cmd(SCOPED, &[PYTHON, "-c", JOIN_GROUPS, &iface])
+    });
+    assert!(joined.success(), "{joined}");
+    assert_eq!(
+        count.stdout.trim(),
+        "0",
+        "reports left the fenced namespace"
+    );
+}
+
+/// When the guard does not hold its listen address (not started yet, restarting, crashed),
+/// the table still accepts every scoped query to 127.0.0.53:53, and any resolver bound to
+/// the wildcard address (dnsmasq's default) receives it and can recurse it out as an
+/// unscoped process. The guard's own answers are protected (`ip saddr 127.0.0.53 udp sport
+/// 53 meta mark != GUARD_MARK goto refused`); the question is not.
+#[test]
+#[ignore = "HOLE: a query to the guard's address reaches any wildcard :53 listener when the guard is not bound there"]
+fn a_scoped_query_to_the_guards_address_reaches_only_the_guard() {
+    let w = user_scoped_world();
+    let wildcard = sandbox_udp(&w, SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 53));
+    let script = r#"echo -n exfil-by-query > /dev/udp/127.0.0.53/53"#;
+    let _ = w.adversary_cmd(SCOPED, &["bash", "-c", script]);
+    assert_eq!(
+        received(&wildcard),
+        Vec::<String>::new(),
+        "a resolver that is not the guard got uid 1001's query on 127.0.0.53"
+    );
+}
+
+/// The fence's target for the cgroup tests: refused for the scoped, listened to count.
+const OTHER_PORT: u16 = 443;
+
+fn cgroup_policy(cgroup: &str) -> String {
+    format!(
+        "version: 1\naction: reject\nscope:\n  cgroups: [{cgroup}]\nallow:\n  - cidr: \
+         192.0.2.10/32\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n"
+    )
+}
+
+/// Runs, as uid 1001 from inside cgroup `from`, a shell that writes its own pid to
+/// `to`'s cgroup.procs and then connects to OTHER_V4:443.
+fn move_then_connect(w: &World, from: &std::path::Path, to: &std::path::Path) -> CmdOutput {
+    let procs = to.join("cgroup.procs");
+    let procs = procs.to_str().expect("utf-8 path");
+    let who = as_ids(SCOPED_UID, SCOPED_UID, &[]);
+    let mut args: Vec<&str> = who.iter().map(String::as_str).collect();
+    let other = OTHER_V4.to_string();
+    let port = OTHER_PORT.to_string();
+    args.extend([
+        "sh",
+        "-c",
+        r#"echo $$ > "$0" || echo "cannot move: $?" >&2; exec nc -z -v -w 2 "$1" "$2""#,
+        procs,
+        &other,
+        &port,
+    ]);
+    w.sandbox_net_only_cmd_in_cgroup(from, &args)
+}
+
+/// A listed cgroup that sits in a subtree delegated to the fenced user (systemd's
+/// `user@UID.service`, a rootless container manager's cgroup): the user may write the
+/// cgroup.procs of its delegated subtree, so a fenced process moves itself to a sibling
+/// cgroup that no rule lists and its next socket is not fenced. `check` says nothing.
+#[test]
+#[ignore = "HOLE: a listed cgroup inside a subtree delegated to the user: the process moves itself out (check does not warn)"]
+fn a_process_in_a_delegated_listed_cgroup_cannot_move_itself_out() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let delegated = cgroups.make("delegated");
+    let fenced = cgroups.make("delegated/fenced");
+    let free = cgroups.make("delegated/free");
+    // The delegation as systemd makes it: the directory and its cgroup.procs are the user's.
+    for path in [
+        delegated.clone(),
+        delegated.join("cgroup.procs"),
+        free.clone(),
+        free.join("cgroup.procs"),
+        fenced.clone(),
+        fenced.join("cgroup.procs"),
+    ] {
+        chown(&path, Some(SCOPED_UID), Some(SCOPED_UID))
+            .unwrap_or_else(|e| panic!("chown {}: {e}", path.display()));
+    }
+    let policy = w.write_file(
+        "scope.yaml",
+        &cgroup_policy(&cgroups.policy_path("delegated/fenced")),
+    );
+    put_up(&w, &policy, SCOPE_LOAD);
+    let listener = w.listen_tcp(OTHER_V4, OTHER_PORT);
+
+    let stay = move_then_connect(&w, &fenced, &fenced);
+    assert!(!stay.success(), "the fenced cgroup is not fenced: {stay}");
+    let out = move_then_connect(&w, &fenced, &free);
+    assert!(
+        !out.success() && listener.count() == 0,
+        "a process of the listed cgroup moved itself out and connected: {out}"
+    );
+}
+
+/// The same move out of a listed cgroup that the user was not delegated: cgroup.procs is
+/// root's, the write fails, the process stays fenced.
+#[test]
+fn a_process_in_a_listed_cgroup_cannot_move_itself_out_without_a_delegation() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let fenced = cgroups.make("fenced");
+    let free = cgroups.make("free");
+    let policy = w.write_file("scope.yaml", &cgroup_policy(&cgroups.policy_path("fenced")));
+    put_up(&w, &policy, SCOPE_LOAD);
+    let listener = w.listen_tcp(OTHER_V4, OTHER_PORT);
+
+    let out = move_then_connect(&w, &fenced, &free);
+    assert!(out.stderr.contains("cannot move"), "{out}");
+    assert!(!out.success(), "{out}");
+    assert_eq!(listener.count(), 0);
+    let procs = fs::read_to_string(free.join("cgroup.procs")).unwrap_or_default();
+    assert!(procs.trim().is_empty(), "something moved: {procs}");
+}
+
+/// A scoped user in its own user namespace (`unshare -Ur`: root there, with every
+/// capability of that namespace) still owns its sockets as uid 1001 on the host.
+#[test]
+fn a_scoped_user_in_its_own_user_namespace_stays_fenced() {
+    let w = user_scoped_world();
+    let listener = w.listen_tcp(OTHER_V4, 443);
+    let probe = w.adversary_cmd(SCOPED, &["unshare", "-Ur", "id", "-u"]);
+    assert_eq!(probe.stdout.trim(), "0", "no user namespace here: {probe}");
+    let out = w.adversary_cmd(
+        SCOPED,
+        &[
+            "unshare",
+            "-Ur",
+            "nc",
+            "-z",
+            "-v",
+            "-w",
+            "2",
+            "203.0.113.10",
+            "443",
+        ],
+    );
+    assert!(
+        !out.success(),
+        "uid 1001 as root of a user namespace: {out}"
+    );
+    assert_eq!(listener.count(), 0);
+}
+
+/// TCP fast open (data in the SYN), UDP GSO (one send, many datagrams), sendmmsg, and
+/// datagrams to a multicast group and to the limited broadcast, from a scoped user.
+/// Prints one word per attempt: `sent` or `refused`.
+const ODD_SENDS: &str = r#"
+import socket, sys
+other, port = sys.argv[1], int(sys.argv[2])
+def attempt(f):
+    try:
+        f()
+        return 'sent'
+    except (PermissionError, ConnectionRefusedError, OSError):
+        return 'refused'
+def tfo():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(2)
+    s.sendto(b'tfo-data', socket.MSG_FASTOPEN, (other, 443))
+    s.recv(10)
+def gso():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_UDP, 103, 100)  # UDP_SEGMENT
+    s.sendto(b'gso-data' * 50, (other, port))
+def mmsg():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect((other, port))
+    s.sendmsg([b'mmsg-data'])
+def multicast():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(sys.argv[3]))
+    s.sendto(b'mcast-data', ('239.1.2.3', port))
+def broadcast():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+    s.sendto(b'bcast-data', ('255.255.255.255', 67))
+print(' '.join(attempt(f) for f in (tfo, gso, mmsg, multicast, broadcast)))
+"#;
+
+#[test]
+fn a_scoped_user_gets_nothing_out_by_fast_open_gso_multicast_or_broadcast() {
+    let w = user_scoped_world();
+    let tcp = w.listen_tcp(OTHER_V4, 443);
+    let udp = w.listen_udp(OTHER_V4, UDP_PORT);
+    let (other, port, iface) = (
+        OTHER_V4.to_string(),
+        UDP_PORT.to_string(),
+        SANDBOX_V4.to_string(),
+    );
+    let (capture, out) = w.count_marked_frames(0x0800, "-data", 3, || {
+        w.adversary_cmd(SCOPED, &[PYTHON, "-c", ODD_SENDS, &other, &port, &iface])
+    });
+    assert_eq!(
+        out.stdout.trim(),
+        "refused refused refused refused refused",
+        "{out}"
+    );
+    assert_eq!(
+        capture.stdout.trim(),
+        "0",
+        "a scoped datagram left: {capture}"
+    );
+    assert_eq!(tcp.count() + udp.count(), 0);
+}
+
+/// A scoped user's DNS to the upstream over TCP 53 and DoT 853, and to a public resolver of
+/// the deny list: all refused (the guard alone asks the upstream).
+#[test]
+fn a_scoped_user_reaches_no_upstream_over_tcp_or_dot() {
+    let w = user_scoped_world();
+    for port in [53u16, 853] {
+        let out = w.adversary_cmd(
+            SCOPED,
+            &["nc", "-z", "-v", "-w", "2", "192.0.2.53", &port.to_string()],
+        );
+        assert!(
+            !out.success(),
+            "uid 1001 reached the upstream on {port}: {out}"
+        );
+    }
+    let out = w.adversary_cmd(SCOPED, &["nc", "-z", "-v", "-w", "2", "8.8.8.8", "443"]);
+    assert!(!out.success(), "{out}");
+}
+
+/// Writes one IPv4/UDP datagram to DST:PORT as a raw frame on the container's eth0 to the
+/// bridge's MAC, from source SRC, with payload MARKER; whole, or in two fragments when ARGV[6]
+/// is `frag`, from source port SPORT. Arguments: DST_MAC SRC DST PORT MARKER (whole|frag)
+/// SPORT.
+const SPOOFED_FRAME: &str = r#"
+import socket, struct, sys
+dst_mac, src, dst, port, marker, how, sport = sys.argv[1:8]
+port, sport = int(port), int(sport)
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(('eth0', 0))
+src_mac = s.getsockname()[4]
+payload = (marker * 8).encode()
+udp = struct.pack('!HHHH', sport, port, 8 + len(payload), 0) + payload
+def checksum(b):
+    t = sum(struct.unpack('!%dH' % (len(b) // 2), b))
+    while t >> 16:
+        t = (t & 0xffff) + (t >> 16)
+    return ~t & 0xffff
+def ip(body, offset, more, proto=17):
+    flags = (0x2000 if more else 0) | (offset // 8)
+    h = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(body), 777, flags, 64, proto, 0,
+                    socket.inet_aton(src), socket.inet_aton(dst))
+    return h[:10] + struct.pack('!H', checksum(h)) + h[12:] + body
+mac = bytes.fromhex(dst_mac.replace(':', '')) + src_mac + b'\x08\x00'
+packets = [ip(udp, 0, False)] if how == 'whole' else [ip(udp[:16], 0, True), ip(udp[16:], 16, False)]
+for _ in range(2):
+    for p in packets:
+        s.send(mac + p)
+print('written')
+"#;
+
+/// The container may reach HOST_V4:443; resolve mode.
+const BRIDGE_POLICY: &str = r#"
+version: 1
+action: reject
+scope:
+  forward: [efbr0]
+allow:
+  - cidr: 192.0.2.10/32
+    ports: [443]
+dns:
+  resolvers: [192.0.2.53]
+"#;
+
+/// Root in the container spoofs its source (another container's address, an outside
+/// address, the upstream resolver's) and fragments its datagrams: the forward path fences
+/// what comes in on the bridge, whoever it claims to be from.
+#[test]
+fn a_container_gets_nothing_out_with_spoofed_sources_or_fragments() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let mac = w.sandbox_cmd(&["cat", &format!("/sys/class/net/{BRIDGE}/address")]);
+    assert!(mac.success(), "{mac}");
+    let mac = mac.stdout.trim().to_string();
+    let no_rp = w.sandbox_cmd(&["sysctl", "-q", "-w", "net.ipv4.conf.all.rp_filter=0"]);
+    assert!(no_rp.success(), "{no_rp}");
+    let _ = w.sandbox_cmd(&[
+        "sysctl",
+        "-q",
+        "-w",
+        &format!("net.ipv4.conf.{BRIDGE}.rp_filter=0"),
+    ]);
+    let listener = w.listen_udp(OTHER_V4, UDP_PORT);
+    let sources = ["198.18.0.2", "198.18.0.3", "203.0.113.11", "192.0.2.53"];
+    // Each phase its own source port: the first phase's flows are established in conntrack.
+    let send = |marker: &str, sport: &str| {
+        for src in sources {
+            for how in ["whole", "frag"] {
+                let out = container.cmd(&[
+                    PYTHON,
+                    "-c",
+                    SPOOFED_FRAME,
+                    &mac,
+                    src,
+                    &OTHER_V4.to_string(),
+                    &UDP_PORT.to_string(),
+                    marker,
+                    how,
+                    sport,
+                ]);
+                assert!(out.success(), "{out}");
+            }
+        }
+    };
+    send("pre", "40000");
+    assert!(
+        listener.wait_for(2, Duration::from_secs(2)),
+        "without a table no datagram arrives: the test proves nothing"
+    );
+    let before = listener.count();
+
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    send("post", "40001");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        listener.count(),
+        before,
+        "a spoofed or fragmented datagram left the container: {:?}",
+        listener
+            .hits()
+            .last()
+            .map(|h| String::from_utf8_lossy(&h.data).into_owned())
+    );
+}
+
+/// Root in the container reaches the host's bridge address on UDP-Lite, ICMP echo and IPv6
+/// link-local and all-nodes multicast: refused on the input path like everything but DNS to
+/// the guard. Prints `sent`/`refused` for UDP-Lite; the host's socket tells what arrived.
+#[test]
+fn a_container_reaches_the_host_on_no_other_protocol() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    // UDP-Lite (protocol 136) on the bridge address.
+    let lite = w
+        .in_sandbox_ns(|| {
+            let s = socket2::Socket::new(
+                socket2::Domain::IPV4,
+                socket2::Type::DGRAM,
+                Some(socket2::Protocol::from(136)),
+            )?;
+            s.bind(&SocketAddr::new(BRIDGE_V4, 5300).into())?;
+            s.set_read_timeout(Some(Duration::from_millis(500)))?;
+            Ok::<_, std::io::Error>(s)
+        })
+        .expect("a UDP-Lite socket in the sandbox");
+    let send_lite = "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 136)\n\
+                     s.sendto(b'lite', ('198.18.0.1', 5300))\nprint('sent')";
+    let _ = container.cmd(&[PYTHON, "-c", send_lite]);
+    let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 64];
+    assert!(
+        lite.recv(&mut buf).is_err(),
+        "a UDP-Lite datagram from the container reached the host"
+    );
+    let ping = container.cmd(&["ping", "-c", "1", "-W", "1", "198.18.0.1"]);
+    assert!(
+        !ping.success(),
+        "the host answered the container's ping: {ping}"
+    );
+}
