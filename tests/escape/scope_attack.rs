@@ -484,3 +484,159 @@ fn a_container_reaches_the_host_on_no_other_protocol() {
         "the host answered the container's ping: {ping}"
     );
 }
+
+/// Guard mode with the guard also on the bridge's address; the container is fenced.
+const BRIDGE_GUARD_POLICY: &str = r#"
+version: 1
+action: reject
+scope:
+  forward: [efbr0]
+allow:
+  - cidr: 192.0.2.10/32
+    ports: [443]
+dns:
+  mode: guard
+  upstream: [192.0.2.53]
+  listen: ["127.0.0.53:53", "198.18.0.1:53"]
+"#;
+
+/// The container's side of the hole above: while the guard does not hold the bridge's
+/// address, `from_bridge` still accepts DNS to it and a wildcard :53 listener of the host
+/// (dnsmasq, a stub left running) receives the container's question.
+#[test]
+#[ignore = "HOLE: a container's query to the guard's bridge address reaches any wildcard :53 listener of the host when the guard is not bound"]
+fn a_containers_query_to_the_guards_bridge_address_reaches_only_the_guard() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_GUARD_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    let wildcard = sandbox_udp(&w, SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 53));
+    let script = format!("echo -n exfil-by-query > /dev/udp/{BRIDGE_V4}/53");
+    let _ = container.cmd(&["bash", "-c", &script]);
+    assert_eq!(
+        received(&wildcard),
+        Vec::<String>::new(),
+        "a resolver that is not the guard got the container's query on the bridge address"
+    );
+}
+
+/// Root in the container writes to the host's IPv6 link-local address on the bridge and to
+/// all-nodes (ff02::1): the input path refuses both (only neighbour discovery and MLD pass).
+#[test]
+fn a_container_reaches_no_host_service_over_ipv6_link_local_or_multicast() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let link_local = within(Duration::from_secs(5), || {
+        let out = w.sandbox_cmd(&[
+            "ip", "-6", "-o", "addr", "show", "dev", BRIDGE, "scope", "link",
+        ]);
+        out.stdout.contains("fe80") && !out.stdout.contains("tentative")
+    });
+    assert!(link_local, "the bridge has no link-local address");
+    let out = w.sandbox_cmd(&[
+        "ip", "-6", "-o", "addr", "show", "dev", BRIDGE, "scope", "link",
+    ]);
+    let addr = out
+        .stdout
+        .split_whitespace()
+        .find(|word| word.starts_with("fe80"))
+        .and_then(|word| word.split('/').next())
+        .expect("a link-local address")
+        .to_string();
+    let service = sandbox_udp(&w, "[::]:5301".parse().expect("an address"));
+    let send = |marker: &str| {
+        for to in [addr.as_str(), "ff02::1"] {
+            let script = format!(
+                "import socket\ns = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n\
+                 s.sendto(b'{marker}', ('{to}', 5301, 0, socket.if_nametoindex('eth0')))"
+            );
+            let out = container.cmd(&[PYTHON, "-c", &script]);
+            assert!(out.success(), "{out}");
+        }
+    };
+    send("before");
+    assert!(
+        !received(&service).is_empty(),
+        "without a table nothing arrives: the test proves nothing"
+    );
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    send("after");
+    assert_eq!(received(&service), Vec::<String>::new());
+}
+
+/// Puts a second port on the bridge: a veth whose other end is in the world's net namespace
+/// with 198.18.0.50/24 (a LAN router on the bridge's segment, as when the bridge holds the
+/// host's NIC, or a VM's tap). The container then routes through it, not through the host.
+fn bridge_lan_port(w: &World) {
+    let peer = format!("netns {}", w.net_name());
+    let script = format!(
+        "ip link add lan0 type veth peer name ctlan {peer} && ip link set lan0 master {BRIDGE} && ip link set lan0 up"
+    );
+    let out = w.sandbox_cmd(&["sh", "-c", &script]);
+    assert!(out.success(), "{out}");
+    let out = w.net_cmd(&[
+        "sh",
+        "-c",
+        "ip addr add 198.18.0.50/24 dev ctlan && ip link set ctlan up",
+    ]);
+    assert!(out.success(), "{out}");
+}
+
+/// What the container sends to OTHER_V4:7000 by the LAN router (its own route: root in the
+/// container sets it); whether the datagram arrived.
+fn container_out_by_the_lan(w: &World, container: &BridgedContainer) -> bool {
+    let listener = w.listen_udp(OTHER_V4, UDP_PORT);
+    let route = container.cmd(&["ip", "route", "replace", "default", "via", "198.18.0.50"]);
+    assert!(route.success(), "{route}");
+    let script = format!("echo -n by-the-lan > /dev/udp/{OTHER_V4}/{UDP_PORT}");
+    for _ in 0..3 {
+        let _ = container.cmd(&["bash", "-c", &script]);
+    }
+    listener.wait_for(1, Duration::from_secs(2))
+}
+
+/// With bridge netfilter on (Docker loads br_netfilter and sets bridge-nf-call-iptables),
+/// frames bridged from the container to another port of a listed bridge meet the forward
+/// hook with the bridge as input interface: fenced.
+#[test]
+fn a_container_on_a_bridge_with_a_lan_port_is_fenced_with_bridge_netfilter() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    bridge_lan_port(&w);
+    let nf = w.sandbox_cmd(&["sysctl", "-q", "-w", "net.bridge.bridge-nf-call-iptables=1"]);
+    assert!(nf.success(), "{nf}");
+    assert!(
+        container_out_by_the_lan(&w, &container),
+        "without a table the container does not get out by the LAN: the test proves nothing"
+    );
+    // Each datagram comes from a fresh socket (another source port): a new flow.
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    assert!(
+        !container_out_by_the_lan(&w, &container),
+        "the container got out through the bridge's LAN port"
+    );
+}
+
+/// Without bridge netfilter, frames the bridge switches between its ports never meet the
+/// inet table: a container on a listed bridge that has another port (the host's NIC, a
+/// VM's tap, a veth to another namespace) routes by that port's router and is not fenced.
+/// Fix: refuse (or warn at `check`/`apply`) a listed bridge whose ports are not all
+/// container veths unless bridge-nf-call-iptables/ip6tables is on in the namespace, or fence
+/// bridged frames in a `bridge` family table.
+#[test]
+#[ignore = "HOLE: a listed bridge with a LAN port and bridge-nf-call-iptables off: containers' frames are switched out unfenced"]
+fn a_container_on_a_bridge_with_a_lan_port_is_fenced_without_bridge_netfilter() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    bridge_lan_port(&w);
+    let nf = w.sandbox_cmd(&["sysctl", "-q", "-w", "net.bridge.bridge-nf-call-iptables=0"]);
+    assert!(nf.success(), "{nf}");
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    assert!(
+        !container_out_by_the_lan(&w, &container),
+        "the container got out through the bridge's LAN port"
+    );
+}
