@@ -101,6 +101,39 @@ fn a_scoped_user_sends_no_chosen_multicast_reports() {
     );
 }
 
+/// Joins 400 IPv6 multicast groups ff0e::4546:4748:N (the bytes `EFGH` mark the reports'
+/// records; an attacker has 112 bits per group) on the sandbox's eth0, then waits for the
+/// kernel's reports. Needs no privilege.
+const JOIN_GROUPS6: &str = r#"
+import socket, struct, time
+index = socket.if_nametoindex('eth0')
+socks = []
+for n in range(400):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    group = socket.inet_pton(socket.AF_INET6, 'ff0e::4546:4748:%x' % (n + 1))
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP, group + struct.pack('@I', index))
+    socks.append(s)
+time.sleep(2)
+print('joined')
+"#;
+
+/// The fence lets MLD reports out at 1 kbyte/minute with a burst of 1500 bytes; a scoped
+/// user's joins make the kernel send as many as it likes, each group record a 112-bit
+/// address of its choosing, past the scope.
+#[test]
+#[ignore = "HOLE: MLD reports a scoped user triggers pass scope_output without the fence's rate limit"]
+fn a_scoped_users_mld_reports_are_bounded_as_the_fence_bounds_them() {
+    let w = user_scoped_world();
+    let ((frames, bytes), joined) = count_on(&w, "veth0", "EFGH", || {
+        w.adversary_cmd(SCOPED, &[PYTHON, "-c", JOIN_GROUPS6])
+    });
+    assert!(joined.success(), "{joined}");
+    assert!(
+        bytes <= 1500,
+        "{frames} MLD reports ({bytes} bytes) with uid 1001's group addresses left through the scope"
+    );
+}
+
 /// The same joins under the whole-namespace fence (no scope): the kernel's reports meet the
 /// output chain, where no rule accepts IGMP. The scope must not do worse.
 #[test]
@@ -829,15 +862,15 @@ for _ in range(3):
 print('written')
 "#;
 
-/// Counts, for 3 s, the frames arriving on `ctlan` (the LAN router's port, in the net
-/// namespace) that carry ARGV[2]; creates ARGV[1] once bound.
-const COUNT_ON_LAN: &str = r#"
+/// Counts, for 4 s, the frames arriving on interface ARGV[3] of the net namespace that carry
+/// ARGV[2]; creates ARGV[1] once bound. Prints the count and their bytes: `FRAMES BYTES`.
+const COUNT_ON: &str = r#"
 import socket, sys, time
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
-s.bind(('ctlan', 0))
+s.bind((sys.argv[3], 0))
 s.settimeout(0.2)
 open(sys.argv[1], 'w').close()
-end, count = time.time() + 3, 0
+end, count, size = time.time() + 4, 0, 0
 while time.time() < end:
     try:
         frame, addr = s.recvfrom(65535)
@@ -845,8 +878,37 @@ while time.time() < end:
         continue
     if addr[2] != socket.PACKET_OUTGOING and sys.argv[2].encode() in frame:
         count += 1
-print(count)
+        size += len(frame)
+print(count, size)
 "#;
+
+/// Runs `during` while [`COUNT_ON`] counts the frames carrying `marker` that arrive on
+/// `iface` of the net namespace; returns `(frames, bytes)` and what `during` gave.
+fn count_on<T: Send>(
+    w: &World,
+    iface: &str,
+    marker: &str,
+    during: impl FnOnce() -> T + Send,
+) -> ((u64, u64), T) {
+    let ready = w.dir().join(format!("capture-ready-{iface}-{marker}"));
+    let ready_arg = ready.to_str().expect("utf-8 path").to_string();
+    std::thread::scope(|scope| {
+        let capture =
+            scope.spawn(|| w.net_cmd(&[PYTHON, "-c", COUNT_ON, &ready_arg, marker, iface]));
+        assert!(
+            within(Duration::from_secs(5), || ready.exists()),
+            "the capture did not start"
+        );
+        let during = during();
+        let out = capture.join().expect("the capture thread");
+        let mut numbers = out
+            .stdout
+            .split_whitespace()
+            .map(|n| n.parse::<u64>().unwrap_or(0));
+        let counted = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+        (counted, during)
+    })
+}
 
 /// Bridge netfilter passes untagged IP frames to the inet hooks, but by default
 /// (`bridge-nf-filter-vlan-tagged=0`, `...-pppoe-tagged=0`) not 802.1Q- or PPPoE-tagged ones:
@@ -872,16 +934,8 @@ fn a_containers_vlan_tagged_frames_are_fenced_on_a_bridge_with_a_lan_port() {
     let lan_mac = w.net_cmd(&["cat", "/sys/class/net/ctlan/address"]);
     assert!(lan_mac.success(), "{lan_mac}");
     let lan_mac = lan_mac.stdout.trim().to_string();
-    let ready = w.dir().join("lan-capture-ready");
-    let ready_arg = ready.to_str().expect("utf-8 path").to_string();
-    let (capture, sent) = std::thread::scope(|scope| {
-        let capture =
-            scope.spawn(|| w.net_cmd(&[PYTHON, "-c", COUNT_ON_LAN, &ready_arg, "tagged-out"]));
-        assert!(
-            within(Duration::from_secs(5), || ready.exists()),
-            "the capture did not start"
-        );
-        let sent = container.cmd(&[
+    let ((frames, _), sent) = count_on(&w, "ctlan", "tagged-out", || {
+        container.cmd(&[
             PYTHON,
             "-c",
             TAGGED_FRAME,
@@ -889,13 +943,11 @@ fn a_containers_vlan_tagged_frames_are_fenced_on_a_bridge_with_a_lan_port() {
             &OTHER_V4.to_string(),
             &UDP_PORT.to_string(),
             "tagged-out",
-        ]);
-        (capture.join().expect("the capture thread"), sent)
+        ])
     });
     assert!(sent.success(), "{sent}");
     assert_eq!(
-        capture.stdout.trim(),
-        "0",
+        frames, 0,
         "the container's VLAN-tagged frames reached the LAN router unfenced"
     );
 }
