@@ -294,7 +294,7 @@ fn a_scoped_user_in_its_own_user_namespace_stays_fenced() {
     assert_eq!(listener.count(), 0);
 }
 
-/// TCP fast open (data in the SYN), UDP GSO (one send, many datagrams), sendmmsg, and
+/// TCP fast open (data in the SYN), UDP GSO (one send, many datagrams), sendmsg, and
 /// datagrams to a multicast group and to the limited broadcast, from a scoped user.
 /// Prints one word per attempt: `sent` or `refused`.
 const ODD_SENDS: &str = r#"
@@ -315,10 +315,10 @@ def gso():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_UDP, 103, 100)  # UDP_SEGMENT
     s.sendto(b'gso-data' * 50, (other, port))
-def mmsg():
+def sendmsg():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.connect((other, port))
-    s.sendmsg([b'mmsg-data'])
+    s.sendmsg([b"msg-data"])
 def multicast():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(sys.argv[3]))
@@ -327,7 +327,7 @@ def broadcast():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
     s.sendto(b'bcast-data', ('255.255.255.255', 67))
-print(' '.join(attempt(f) for f in (tfo, gso, mmsg, multicast, broadcast)))
+print(' '.join(attempt(f) for f in (tfo, gso, sendmsg, multicast, broadcast)))
 "#;
 
 #[test]
@@ -1039,4 +1039,77 @@ fn a_container_gets_no_data_out_as_neighbour_discovery() {
         "0",
         "the container's data left as neighbour discovery to {other}"
     );
+}
+
+/// Makes a UDP and a TCP socket, prints `ready`, waits for the file ARGV[1], then sends a
+/// datagram to ARGV[2]:7000 and connects to ARGV[2]:443 with them; prints `udp X tcp Y`
+/// (`sent`/`refused`, `connected`/`refused`).
+const SOCKETS_MADE_BEFORE: &str = r#"
+import os, socket, sys, time
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+tcp.settimeout(2)
+print('ready', flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+try:
+    udp.sendto(b'made-before', (sys.argv[2], 7000))
+    u = 'sent'
+except OSError:
+    u = 'refused'
+try:
+    tcp.connect((sys.argv[2], 443))
+    t = 'connected'
+except OSError:
+    t = 'refused'
+print('udp', u, 'tcp', t, flush=True)
+"#;
+
+/// Sockets a scoped user made before the table went up are judged when they send, by the
+/// owner and cgroup they were made with: fenced from their first packet after it.
+#[test]
+fn sockets_made_before_the_table_are_fenced_once_it_is_up() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let fenced = cgroups.make("fenced");
+    let policy = format!(
+        "version: 1\naction: reject\nscope:\n  users: [1001]\n  cgroups: [{}]\nallow:\n  - cidr: \
+         192.0.2.10/32\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n",
+        cgroups.policy_path("fenced")
+    );
+    let policy = w.write_file("scope.yaml", &policy);
+    let udp = w.listen_udp(OTHER_V4, UDP_PORT);
+    let tcp = w.listen_tcp(OTHER_V4, 443);
+    let go = std::env::temp_dir().join(format!("eft-red1-go-{}", std::process::id()));
+    let _ = fs::remove_file(&go);
+    let go_arg = go.to_str().expect("utf-8 path").to_string();
+    let other = OTHER_V4.to_string();
+    let args = [PYTHON, "-c", SOCKETS_MADE_BEFORE, &go_arg, &other];
+    let mut by_uid = w.spawn_adversary(SCOPED, &args);
+    assert!(by_uid.wait_for_output("ready", Duration::from_secs(5)));
+    let mut by_cgroup = w.spawn_net_only_in_cgroup(&fenced, &args);
+    assert!(by_cgroup.wait_for_output("ready", Duration::from_secs(5)));
+
+    put_up(&w, &policy, SCOPE_LOAD);
+    fs::write(&go, b"").expect("the go file");
+    let done_uid = by_uid.wait_for_output("udp ", Duration::from_secs(10));
+    let done_cgroup = by_cgroup.wait_for_output("udp ", Duration::from_secs(10));
+    let _ = fs::remove_file(&go);
+    assert!(
+        done_uid && done_cgroup,
+        "{} / {}",
+        by_uid.stdout(),
+        by_cgroup.stdout()
+    );
+    for (who, out) in [
+        ("uid 1001", by_uid.stdout()),
+        ("the cgroup", by_cgroup.stdout()),
+    ] {
+        assert!(
+            out.contains("udp refused tcp refused"),
+            "{who}'s sockets made before the table: {out}"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(udp.count() + tcp.count(), 0);
 }
