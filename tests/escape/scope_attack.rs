@@ -566,6 +566,14 @@ fn a_container_reaches_no_host_service_over_ipv6_link_local_or_multicast() {
         out.stdout.contains("fe80") && !out.stdout.contains("tentative")
     });
     assert!(link_local, "the bridge has no link-local address");
+    // The container sends from its own link-local address: once its DAD is over.
+    let own = within(Duration::from_secs(5), || {
+        let out = container.cmd(&[
+            "ip", "-6", "-o", "addr", "show", "dev", "eth0", "scope", "link",
+        ]);
+        out.stdout.contains("fe80") && !out.stdout.contains("tentative")
+    });
+    assert!(own, "the container has no link-local address");
     let out = w.sandbox_cmd(&[
         "ip", "-6", "-o", "addr", "show", "dev", BRIDGE, "scope", "link",
     ]);
