@@ -1121,3 +1121,47 @@ fn sockets_made_before_the_table_are_fenced_once_it_is_up() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(udp.count() + tcp.count(), 0);
 }
+
+/// Binds a UDP socket to `lo` (SO_BINDTODEVICE: no privilege for a socket not bound to a
+/// device yet), from source ARGV[2] when given, and sends a datagram carrying ARGV[3] to
+/// ARGV[1]:7000; prints `sent` or `refused`.
+const SEND_BOUND_TO_LO: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b'lo')
+if sys.argv[2] != '-':
+    s.bind((sys.argv[2], 0))
+try:
+    for _ in range(3):
+        s.sendto(sys.argv[3].encode(), (sys.argv[1], 7000))
+    print('sent')
+except OSError as e:
+    print('refused', e)
+"#;
+
+/// The fence accepts whatever leaves by `lo` (`oif "lo" accept`). A scoped user binds its
+/// socket to `lo` and sends to an outside address, on a host that forwards (a container
+/// host): the datagram goes out by `lo`, but nothing brings it from `lo` to the uplink.
+#[test]
+fn a_scoped_user_gets_nothing_out_through_a_socket_bound_to_lo() {
+    let w = World::new();
+    let _container = BridgedContainer::new(&w); // forwarding on, as on a container host
+    let policy = w.write_file("scope.yaml", USER_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    let other = OTHER_V4.to_string();
+    let sandbox = SANDBOX_V4.to_string();
+    for (source, marker) in [("-", "bound-lo-any"), (sandbox.as_str(), "bound-lo-uplink")] {
+        let (capture, out) = w.count_marked_frames(0x0800, marker, 2, || {
+            w.adversary_cmd(
+                SCOPED,
+                &[PYTHON, "-c", SEND_BOUND_TO_LO, &other, source, marker],
+            )
+        });
+        assert!(out.success(), "{out}");
+        assert_eq!(
+            capture.stdout.trim(),
+            "0",
+            "uid 1001's datagram by lo from {source} left the host: {out}"
+        );
+    }
+}
