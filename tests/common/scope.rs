@@ -25,7 +25,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 use super::egress_fence::{STATE_DIR_ENV, path_arg};
-use super::process::{CmdOutput, clean_env, run, with_timeout, within};
+use super::process::{Background, CmdOutput, clean_env, run, with_timeout, within};
 use super::world::World;
 
 /// How [`put_up`] loads a scoped policy's table into the sandbox.
@@ -84,6 +84,35 @@ impl World {
             .args(with_timeout(args));
         clean_env(&mut cmd).env(STATE_DIR_ENV, self.state_dir());
         run(&mut cmd, None)
+    }
+
+    /// Like [`World::sandbox_cmd_in_cgroup`], but enters the sandbox with `nsenter --net` (the
+    /// network namespace only), so that the client still sees the host's /sys/fs/cgroup (to
+    /// move itself to another cgroup, as an attacker would). Killed after 60 s.
+    pub fn sandbox_net_only_cmd_in_cgroup(&self, cgroup: &Path, args: &[&str]) -> CmdOutput {
+        let procs = cgroup.join("cgroup.procs");
+        let netns = format!("--net=/run/netns/{}", self.sandbox_name());
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", r#"echo $$ > "$0" && exec "$@""#])
+            .arg(&procs)
+            .args(["nsenter", netns.as_str()])
+            .args(with_timeout(args));
+        clean_env(&mut cmd).env(STATE_DIR_ENV, self.state_dir());
+        run(&mut cmd, None)
+    }
+
+    /// Starts `args` in the background in the sandbox (`nsenter --net`) from inside cgroup
+    /// `cgroup`; killed when the handle drops.
+    pub fn spawn_net_only_in_cgroup(&self, cgroup: &Path, args: &[&str]) -> Background {
+        let procs = cgroup.join("cgroup.procs");
+        let netns = format!("--net=/run/netns/{}", self.sandbox_name());
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", r#"echo $$ > "$0" && exec "$@""#])
+            .arg(&procs)
+            .args(["nsenter", netns.as_str()])
+            .args(args);
+        clean_env(&mut cmd);
+        self.spawn_background(cmd, args.join(" "))
     }
 
     /// `nc -z -v -w 2 HOST PORT` from the sandbox with `prefix` (e.g. a `setpriv`) in front.

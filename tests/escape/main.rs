@@ -19,3 +19,4 @@ mod readback_attack;
 mod repair;
 mod revert_attack;
 mod scope;
+mod scope_attack;
