@@ -87,7 +87,9 @@ pub fn cgroup_dir(in_table: &CgroupPath) -> Option<PathBuf> {
 /// The id a cgroup a table names has now (see [`cgroup_dir`]).
 pub fn cgroup_id_now(in_table: &CgroupPath) -> Option<u64> {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(cgroup_dir(in_table)?).ok().map(|m| m.ino())
+    std::fs::metadata(cgroup_dir(in_table)?)
+        .ok()
+        .map(|m| m.ino())
 }
 
 pub fn why_cgroup_missing(path: &CgroupPath) -> Option<String> {

@@ -448,3 +448,49 @@ fn in_guard_mode_a_container_may_ask_only_the_guards_bridge_address() {
         "the container asked the upstream resolver past the guard: {upstream}"
     );
 }
+
+/// A container's refusal is logged with its own address (the forward path sees it before the
+/// host masquerades it), and `watch` names the bridge it came from.
+#[test]
+fn a_containers_refusal_is_logged_with_its_address_and_bridge() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    let container = BridgedContainer::new(&w);
+    let policy = w.write_file(
+        "scope.yaml",
+        &format!("{BRIDGE_POLICY}log:\n  group: 100\n"),
+    );
+    put_up(&w, &policy, SCOPE_LOAD);
+
+    let mut watch = w.spawn_egress_fence(&["watch", "--json", "--count", "1"]);
+    assert!(
+        watch.wait_for_output("watching NFLOG group 100", Duration::from_secs(5)),
+        "{}",
+        watch.stderr()
+    );
+    let (out, took) = timed(|| container.tcp_connect(OTHER_V4, PORT));
+    assert_refused(
+        &out,
+        took,
+        "the container to a host the policy does not name",
+    );
+    assert!(
+        watch.wait_timeout(Duration::from_secs(5)).is_some(),
+        "watch did not exit after 1 event: {}",
+        watch.stderr()
+    );
+    let events: Vec<serde_json::Value> = watch
+        .stdout()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert_eq!(events.len(), 1, "{}", watch.stdout());
+    let event = &events[0];
+    assert_eq!(event["src"], CONTAINER_V4.to_string(), "{event}");
+    assert_eq!(event["dst"], OTHER_V4.to_string(), "{event}");
+    assert_eq!(
+        event["scope"],
+        serde_json::json!({"from": BRIDGE, "src": CONTAINER_V4.to_string()}),
+        "{event}"
+    );
+}
