@@ -494,3 +494,79 @@ fn a_containers_refusal_is_logged_with_its_address_and_bridge() {
         "{event}"
     );
 }
+
+/// Docker's embedded DNS (127.0.0.11 inside a container on a user-defined network) forwards
+/// from the container's own namespace: its questions meet the forward path like the
+/// container's, so it reaches the upstream resolver no more than the container does, and
+/// pointed at the guard (`--dns <bridge address>`) it answers what the guard answers. A
+/// dnsmasq on 127.0.0.11 in the container stands in for it.
+#[test]
+fn dockers_embedded_dns_is_no_way_around_the_guard() {
+    let w = World::new();
+    w.dns_set("api.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    w.dns_set("elsewhere.example.com", &[OTHER_V4], DEFAULT_DNS_TTL);
+    let container = BridgedContainer::new(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_GUARD_POLICY);
+    let _guard = w.spawn_guard(path_arg(&policy));
+    let embedded: IpAddr = "127.0.0.11".parse().expect("an address");
+    let lo = container.cmd(&["ip", "addr", "add", "127.0.0.11/32", "dev", "lo"]);
+    assert!(lo.success(), "{lo}");
+    let forwarder = |upstream: IpAddr| {
+        let server = format!("--server={upstream}");
+        let mut child = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                container.name(),
+                "dnsmasq",
+                "-k",
+                "--user=root",
+            ])
+            .args([
+                "--no-resolv",
+                "--no-hosts",
+                "--cache-size=0",
+                "--bind-interfaces",
+            ])
+            .args(["--listen-address=127.0.0.11", "--pid-file=", &server])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("dnsmasq starts");
+        let up = within(Duration::from_secs(5), || {
+            let listening = container.cmd(&["ss", "-H", "-lun", "src", "127.0.0.11:53"]);
+            !listening.stdout.trim().is_empty()
+        });
+        if !up {
+            let _ = child.kill();
+            panic!("the stand-in for Docker's embedded DNS does not answer");
+        }
+        child
+    };
+
+    // Forwarding to the upstream resolver, as Docker does with the host's resolvers.
+    let mut to_upstream = forwarder(DNS_V4);
+    for name in ["api.example.com", "elsewhere.example.com"] {
+        let out = container.dig(embedded, name);
+        assert!(
+            !out.stdout.contains("status: NOERROR"),
+            "127.0.0.11 got an answer for {name} from the upstream resolver: {out}"
+        );
+    }
+    let _ = to_upstream.kill();
+    let _ = to_upstream.wait();
+
+    // Forwarding to the guard on the bridge address: what the guard answers, and only that.
+    let mut to_guard = forwarder(BRIDGE_V4);
+    let allowed = container.dig(embedded, "api.example.com");
+    assert!(
+        allowed.stdout.contains(&HOST_V4.to_string()),
+        "127.0.0.11 through the guard: {allowed}"
+    );
+    let outside = container.dig(embedded, "elsewhere.example.com");
+    assert!(
+        !outside.stdout.contains(&OTHER_V4.to_string()),
+        "127.0.0.11 answered a name outside the policy: {outside}"
+    );
+    let _ = to_guard.kill();
+    let _ = to_guard.wait();
+}
