@@ -205,19 +205,14 @@ fn move_then_connect(w: &World, from: &std::path::Path, to: &std::path::Path) ->
     w.sandbox_net_only_cmd_in_cgroup(from, &args)
 }
 
-/// A listed cgroup that sits in a subtree delegated to the fenced user (systemd's
-/// `user@UID.service`, a rootless container manager's cgroup): the user may write the
-/// cgroup.procs of its delegated subtree, so a fenced process moves itself to a sibling
-/// cgroup that no rule lists and its next socket is not fenced. `check` says nothing.
-#[test]
-#[ignore = "HOLE: a listed cgroup inside a subtree delegated to the user: the process moves itself out (check does not warn)"]
-fn a_process_in_a_delegated_listed_cgroup_cannot_move_itself_out() {
-    let w = World::new();
-    let mut cgroups = TestCgroups::new();
+/// Makes `delegated/fenced` and `delegated/free` below `cgroups`, delegated to the scoped
+/// user as systemd delegates (`user@UID.service`, a unit with `Delegate=`, a rootless
+/// container manager's cgroup): the directories and their cgroup.procs are the user's.
+/// Returns (fenced, free).
+fn delegate_cgroups(cgroups: &mut TestCgroups) -> (std::path::PathBuf, std::path::PathBuf) {
     let delegated = cgroups.make("delegated");
     let fenced = cgroups.make("delegated/fenced");
     let free = cgroups.make("delegated/free");
-    // The delegation as systemd makes it: the directory and its cgroup.procs are the user's.
     for path in [
         delegated.clone(),
         delegated.join("cgroup.procs"),
@@ -229,19 +224,86 @@ fn a_process_in_a_delegated_listed_cgroup_cannot_move_itself_out() {
         chown(&path, Some(SCOPED_UID), Some(SCOPED_UID))
             .unwrap_or_else(|e| panic!("chown {}: {e}", path.display()));
     }
+    (fenced, free)
+}
+
+/// A listed cgroup that sits in a subtree delegated to the fenced user: the user may write
+/// the cgroup.procs of its delegated subtree, so a fenced process moves itself to a sibling
+/// cgroup that no rule lists and its next socket is not fenced. No table can stop that (the
+/// move is the kernel's cgroup permission, not a packet): the hole is closed by refusing
+/// the configuration. The plan's table, put up by nft past egress-fence's checks, shows the
+/// move out; `check` fails on the policy, and `apply` and `run` refuse it, naming the user to
+/// list as well.
+#[test]
+fn a_process_in_a_delegated_listed_cgroup_cannot_move_itself_out() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let (fenced, free) = delegate_cgroups(&mut cgroups);
     let policy = w.write_file(
         "scope.yaml",
         &cgroup_policy(&cgroups.policy_path("delegated/fenced")),
     );
-    put_up(&w, &policy, SCOPE_LOAD);
+    put_up(&w, &policy, ScopeLoad::NftText);
     let listener = w.listen_tcp(OTHER_V4, OTHER_PORT);
-
     let stay = move_then_connect(&w, &fenced, &fenced);
     assert!(!stay.success(), "the fenced cgroup is not fenced: {stay}");
     let out = move_then_connect(&w, &fenced, &free);
     assert!(
+        out.success() && listener.wait_for(1, Duration::from_secs(2)),
+        "the process did not get out by moving itself: the test proves nothing: {out}"
+    );
+
+    let refusal = "lies in a subtree delegated to uid 1001";
+    let advice = "unless the same policy also lists user 1001 in `scope.users`";
+    let check = std::process::Command::new(EGRESS_FENCE_BIN)
+        .args(["check", path_arg(&policy)])
+        .output()
+        .expect("run egress-fence check");
+    let check_err = String::from_utf8_lossy(&check.stderr);
+    assert_eq!(check.status.code(), Some(2), "{check_err}");
+    assert!(
+        check_err.contains(&format!("error: {}", path_arg(&policy)))
+            && check_err.contains(refusal)
+            && check_err.contains(advice),
+        "{check_err}"
+    );
+    let before = w.table_handle();
+    for command in ["apply", "run"] {
+        let out = w.egress_fence(&[command, path_arg(&policy)]);
+        assert_eq!(out.code(), 2, "{command}: {out}");
+        assert!(
+            out.stderr.contains(refusal) && out.stderr.contains(advice),
+            "{command}: {out}"
+        );
+    }
+    assert_eq!(
+        w.table_handle(),
+        before,
+        "a refused policy replaced the table"
+    );
+}
+
+/// The same delegated cgroup, with its user listed too: `apply` accepts the policy, and the
+/// process that moves itself out of the listed cgroup is still fenced, by its uid.
+#[test]
+fn a_process_in_a_delegated_listed_cgroup_whose_user_is_listed_stays_fenced_when_it_moves() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let (fenced, free) = delegate_cgroups(&mut cgroups);
+    let text = cgroup_policy(&cgroups.policy_path("delegated/fenced"))
+        .replace("scope:\n", "scope:\n  users: [1001]\n");
+    let policy = w.write_file("scope.yaml", &text);
+    put_up(&w, &policy, SCOPE_LOAD);
+    let listener = w.listen_tcp(OTHER_V4, OTHER_PORT);
+
+    let out = move_then_connect(&w, &fenced, &free);
+    assert!(
+        !out.stderr.contains("cannot move"),
+        "the move failed: {out}"
+    );
+    assert!(
         !out.success() && listener.count() == 0,
-        "a process of the listed cgroup moved itself out and connected: {out}"
+        "a process of the listed user moved itself out and connected: {out}"
     );
 }
 
