@@ -792,6 +792,35 @@ fn a_container_on_a_bridge_with_a_lan_port_is_fenced_without_bridge_netfilter() 
     assert_lan_port_refused(&w, &policy);
 }
 
+/// A LAN port that appears on a listed bridge while `run` fences it: the table has no rule
+/// that could refuse what the bridge switches, so the daemon's host poll says so as an error,
+/// every time it looks, until the port is gone.
+#[test]
+fn a_lan_port_added_to_a_listed_bridge_while_running_is_logged_as_an_error() {
+    let w = World::new();
+    let _container = BridgedContainer::new(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(20)),
+        "the daemon did not start: {}",
+        daemon.stderr()
+    );
+    bridge_tunnel_port(&w);
+    let said = "listed bridge efbr0 has port lanvx (a vxlan device)";
+    let seen_twice = within(Duration::from_secs(10), || {
+        daemon.stderr().matches(said).count() >= 2
+    });
+    let log = daemon.stderr();
+    let _ = daemon.terminate();
+    assert!(seen_twice, "the daemon did not keep saying so: {log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains(said) && l.contains("ERROR") && l.contains("NOT fenced")),
+        "{log}"
+    );
+}
+
 /// Connects an MPTCP socket (its subflows are TCP sockets the kernel makes) to ARGV[1]:443;
 /// prints `connected` or `refused`.
 const MPTCP_CONNECT: &str = r#"
