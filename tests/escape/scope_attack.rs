@@ -794,7 +794,7 @@ fn a_container_on_a_bridge_with_a_lan_port_is_fenced_without_bridge_netfilter() 
 
 /// A LAN port that appears on a listed bridge while `run` fences it: the table has no rule
 /// that could refuse what the bridge switches, so the daemon's host poll says so as an error,
-/// every time it looks, until the port is gone.
+/// every time it looks, until the port is gone; a reload then refuses the policy.
 #[test]
 fn a_lan_port_added_to_a_listed_bridge_while_running_is_logged_as_an_error() {
     let w = World::new();
@@ -811,9 +811,16 @@ fn a_lan_port_added_to_a_listed_bridge_while_running_is_logged_as_an_error() {
     let seen_twice = within(Duration::from_secs(10), || {
         daemon.stderr().matches(said).count() >= 2
     });
+    // A reload now finds the policy refused, and the running one stays.
+    daemon.signal(nix::sys::signal::Signal::SIGHUP);
+    let reload_refused = daemon.wait_for_output(
+        "the new policy is invalid; the running one stays",
+        Duration::from_secs(10),
+    );
     let log = daemon.stderr();
     let _ = daemon.terminate();
     assert!(seen_twice, "the daemon did not keep saying so: {log}");
+    assert!(reload_refused, "the reload was not refused: {log}");
     assert!(
         log.lines()
             .any(|l| l.contains(said) && l.contains("ERROR") && l.contains("NOT fenced")),
