@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
-use crate::core::policy::{CgroupPath, IfacePattern, Policy, ScopeHost};
+use crate::core::policy::{
+    BridgePort, CgroupDelegation, CgroupPath, Delegate, IfacePattern, Policy, ScopeHost,
+};
 use crate::core::resolution::HostScope;
 use crate::core::ruleset::CgroupMatch;
 
@@ -102,8 +104,9 @@ pub fn why_cgroup_missing(path: &CgroupPath) -> Option<String> {
     }
 }
 
-/// This host, as `check` asks about a scope: its cgroup v2 hierarchy, the interfaces of the
-/// current network namespace (none read: none match) and its account database.
+/// This host, as `check`, `apply` and `run` ask about a scope: its cgroup v2 hierarchy (who
+/// may write it), the interfaces of the current network namespace (none read: none match;
+/// a bridge's ports) and its account database.
 pub struct ThisHost;
 
 impl ScopeHost for ThisHost {
@@ -122,6 +125,101 @@ impl ScopeHost for ThisHost {
     fn uid_has_account(&self, uid: u32) -> bool {
         nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)).is_ok_and(|u| u.is_some())
     }
+
+    fn cgroup_delegations(&self, path: &CgroupPath) -> Vec<CgroupDelegation> {
+        cgroup_delegations(path)
+    }
+
+    fn bridge_ports(&self, pattern: &IfacePattern) -> Result<Vec<BridgePort>, String> {
+        bridge_ports(pattern).map_err(|e| e.to_string())
+    }
+}
+
+/// The holes this host's configuration opens in `policy`'s scope, each as its message: what
+/// the daemon logs as an error whenever its host poll sees one.
+pub fn scope_holes(policy: &Policy) -> Vec<String> {
+    policy
+        .scope_holes(&ThisHost)
+        .into_iter()
+        .map(|hole| hole.message)
+        .collect()
+}
+
+/// Who besides root may move processes into or out of the listed cgroup `path` (see
+/// [`ScopeHost::cgroup_delegations`]): moving a process takes write access to the
+/// destination's `cgroup.procs` and to that of the common ancestor, so a writable file or an
+/// owned directory anywhere from the listed cgroup up to the root may be a way out. Parts
+/// that do not exist (yet) are skipped: whoever may write the existing ancestor above them
+/// makes them.
+pub fn cgroup_delegations(path: &CgroupPath) -> Vec<CgroupDelegation> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(root) = cgroup2_root() else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    let mut dir = root.join(path.as_str());
+    loop {
+        if let Ok(meta) = std::fs::metadata(&dir) {
+            if meta.uid() != 0 {
+                found.push(CgroupDelegation {
+                    path: dir.clone(),
+                    to: Delegate::Uid(meta.uid()),
+                });
+            }
+            for file in ["cgroup.procs", "cgroup.threads"] {
+                let file = dir.join(file);
+                let Ok(meta) = std::fs::metadata(&file) else {
+                    continue;
+                };
+                let mode = meta.mode();
+                let mut push = |to| {
+                    found.push(CgroupDelegation {
+                        path: file.clone(),
+                        to,
+                    })
+                };
+                if meta.uid() != 0 && mode & 0o200 != 0 {
+                    push(Delegate::Uid(meta.uid()));
+                }
+                if mode & 0o020 != 0 {
+                    push(Delegate::Group(meta.gid()));
+                }
+                if mode & 0o002 != 0 {
+                    push(Delegate::Everyone);
+                }
+            }
+        }
+        if dir == root || !dir.pop() || !dir.starts_with(&root) {
+            break;
+        }
+    }
+    found
+}
+
+/// The ports of every bridge of the current network namespace whose name matches `pattern`,
+/// with their link types (rtnetlink: /sys/class/net shows the namespace sysfs was mounted
+/// in, not the one this thread entered).
+pub fn bridge_ports(
+    pattern: &IfacePattern,
+) -> Result<Vec<BridgePort>, crate::netlink::link::LinkError> {
+    let links = crate::netlink::link::links()?;
+    let mut ports = Vec::new();
+    for bridge in links
+        .iter()
+        .filter(|l| l.kind.as_deref() == Some("bridge") && pattern.matches(&l.name))
+    {
+        ports.extend(
+            links
+                .iter()
+                .filter(|l| l.master == Some(bridge.index))
+                .map(|port| BridgePort {
+                    bridge: bridge.name.clone(),
+                    port: port.name.clone(),
+                    kind: port.kind.clone(),
+                }),
+        );
+    }
+    Ok(ports)
 }
 
 /// Where the cgroup v2 hierarchy is mounted: /sys/fs/cgroup on a unified host, its

@@ -12,7 +12,7 @@ use egress_fence::state::Now;
 use super::args::{NamespaceArg, Resolving, WriterArgs};
 use super::common::{enter, lock, state_dir};
 use super::exit::{Failure, resolution_code};
-use super::load::resolve_and_plan_quietly;
+use super::load::{refuse_scope_holes, resolve_and_plan_quietly};
 use super::output::{confirm_command, print_summary, report_pending_notes, report_resolution};
 use super::revert_timer;
 
@@ -41,6 +41,7 @@ pub fn run(
     };
     let mut nft = Nft::open()?;
     let (mut policy, mut planned) = resolve_and_plan_quietly(path, &resolv_conf)?;
+    refuse_scope_holes(&policy, &planned)?;
     // A damaged table of ours (flushed, edited) may have refused our own questions to
     // the resolvers: install what the policy allows with the names that did resolve
     // (never more than the policy allows), then ask again.
@@ -63,6 +64,7 @@ pub fn run(
             );
         }
         (policy, planned) = resolve_and_plan_quietly(path, &resolv_conf)?;
+        refuse_scope_holes(&policy, &planned)?;
     }
     report_resolution(&policy, &planned.resolution);
     let code = resolution_code(&planned.resolution);

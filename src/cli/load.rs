@@ -23,6 +23,18 @@ pub fn load_with_text(path: &Path) -> Result<(Policy, String), Failure> {
     Ok((policy, text))
 }
 
+/// Refuses a policy whose scope this host opens a way past (see
+/// [`Policy::refuse_scope_holes`]): what `apply` checks before it changes anything.
+pub fn refuse_scope_holes(policy: &Policy, planned: &Planned) -> Result<(), Failure> {
+    policy
+        .refuse_scope_holes(
+            &planned.policy_text,
+            &planned.policy_path,
+            &egress_fence::host::ThisHost,
+        )
+        .map_err(Failure::from)
+}
+
 /// Resolves and plans `path`, warning about names on stderr.
 pub fn resolve_and_plan(path: &Path, resolv_conf: &Path) -> Result<Planned, Failure> {
     let (policy, planned) = resolve_and_plan_quietly(path, resolv_conf)?;

@@ -23,7 +23,10 @@
 //! id, so one that appears, or is removed and made again (a new id, which the old rule does
 //! not match), is followed with a full apply at once (inotify on the cgroup directories, and
 //! a poll every 2 s for what inotify misses); one missing at start is named and fenced once
-//! it appears. In guard mode the guard also listens on the listed interfaces' addresses it
+//! it appears. A scope this host opens a way past (a listed cgroup in a subtree delegated to
+//! an unfenced user, a listed bridge with a port that is not a container's veth) is refused at
+//! start and on reload, and whenever the poll sees one appear while running it is logged as an
+//! error, each time it is seen. In guard mode the guard also listens on the listed interfaces' addresses it
 //! can bind at start, for its whole life: an address that comes later is named in a warning
 //! and served after a restart (a reload keeps the guard's addresses, so it is no reason to
 //! refuse one).
@@ -147,6 +150,9 @@ fn start_and_serve(
     boundary_up: &mut bool,
 ) -> Result<(), DaemonError> {
     let (policy, policy_text) = Policy::load_with_text(&options.policy_path)?;
+    // A scope this host opens a way past is refused like an invalid policy: the namespace is
+    // left closed (see `run`), and an edit or the host's fix and a restart put it up.
+    policy.refuse_scope_holes(&policy_text, &options.policy_path, &crate::host::ThisHost)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -39,8 +39,8 @@ const MAX_ANSWER_BATCH: usize = 256;
 
 /// How often a scoped policy's host facts are read again, besides when inotify says a
 /// watched cgroup directory changed: it catches what inotify cannot (a listed cgroup below a
-/// parent that did not exist yet, a bridge's addresses). The longest a listed cgroup made
-/// again goes unfenced.
+/// parent that did not exist yet, a bridge's addresses and ports, a cgroup delegated since).
+/// The longest a listed cgroup made again goes unfenced.
 const SCOPE_POLL: Duration = Duration::from_secs(2);
 
 /// A policy that parsed, with what of the host its scope lists, read right after.
@@ -292,7 +292,10 @@ impl Daemon {
     fn parse_policy(&self) -> JoinHandle<Parsed> {
         let path = self.options.policy_path.clone();
         tokio::task::spawn_blocking(move || {
-            let loaded = Policy::load_with_text(&path);
+            let loaded = Policy::load_with_text(&path).and_then(|(policy, text)| {
+                policy.refuse_scope_holes(&text, &path, &crate::host::ThisHost)?;
+                Ok((policy, text))
+            });
             let facts = match &loaded {
                 Ok((policy, _)) => scope_facts(policy),
                 Err(_) => ScopeFacts::default(),
@@ -304,6 +307,11 @@ impl Daemon {
     /// What of the host the running policy's scope lists, read again: the core has the table
     /// follow its cgroups.
     fn follow_host_scope(&mut self) {
+        // The table has no rule for these (refusing forwarding from a bridge that gained a
+        // port to the LAN needs one): each is said loudly, every time it is seen.
+        for hole in crate::host::scope_holes(self.core.policy()) {
+            error!("{hole}; this scope is NOT fenced as its policy says until the host is fixed");
+        }
         let facts = scope_facts(self.core.policy());
         self.handle(Event::HostScope(facts), &mut BTreeMap::new());
     }
@@ -579,12 +587,14 @@ fn resolver_for(
     Ok((resolvers, resolver))
 }
 
-/// Whether anything of the host `policy`'s table or guard depends on can change: listed
-/// cgroups, or (in guard mode) listed interfaces' addresses.
+/// Whether anything of the host `policy`'s table, guard or fence depends on can change:
+/// listed cgroups (their ids, who may write them), listed interfaces (a bridge's ports, and in
+/// guard mode their addresses).
 fn follows_host(policy: &Policy) -> bool {
-    policy.scope.as_ref().is_some_and(|s| {
-        !s.cgroups.is_empty() || (policy.dns.guard.is_some() && !s.forward.is_empty())
-    })
+    policy
+        .scope
+        .as_ref()
+        .is_some_and(|s| !s.cgroups.is_empty() || !s.forward.is_empty())
 }
 
 /// What of the host `policy`'s scope lists, as it is now.

@@ -10,7 +10,8 @@
 //! Its users: NFLOG (`watch`), the nf_tables change monitor and the acknowledgements of
 //! nf_tables batches and dumps (`nft`; the nf_tables objects themselves are encoded and
 //! decoded by libnftnl in `nft::sys`), and the two families below, [`sockdiag`] (who owns a
-//! socket) and [`conntrack`] (which flows are alive).
+//! socket), [`conntrack`] (which flows are alive) and rtnetlink's
+//! interface list, [`link`] (which ports a bridge has).
 //!
 //! Why not the `netlink-packet-*` crates: they cover NFLOG and conntrack, but not sock_diag
 //! or nf_tables notifications in the same crate family; they parse every message into owned
@@ -20,6 +21,7 @@
 pub mod attr;
 pub mod bytes;
 pub mod conntrack;
+pub mod link;
 pub mod message;
 pub mod sockdiag;
 pub mod socket;

@@ -205,19 +205,14 @@ fn move_then_connect(w: &World, from: &std::path::Path, to: &std::path::Path) ->
     w.sandbox_net_only_cmd_in_cgroup(from, &args)
 }
 
-/// A listed cgroup that sits in a subtree delegated to the fenced user (systemd's
-/// `user@UID.service`, a rootless container manager's cgroup): the user may write the
-/// cgroup.procs of its delegated subtree, so a fenced process moves itself to a sibling
-/// cgroup that no rule lists and its next socket is not fenced. `check` says nothing.
-#[test]
-#[ignore = "HOLE: a listed cgroup inside a subtree delegated to the user: the process moves itself out (check does not warn)"]
-fn a_process_in_a_delegated_listed_cgroup_cannot_move_itself_out() {
-    let w = World::new();
-    let mut cgroups = TestCgroups::new();
+/// Makes `delegated/fenced` and `delegated/free` below `cgroups`, delegated to the scoped
+/// user as systemd delegates (`user@UID.service`, a unit with `Delegate=`, a rootless
+/// container manager's cgroup): the directories and their cgroup.procs are the user's.
+/// Returns (fenced, free).
+fn delegate_cgroups(cgroups: &mut TestCgroups) -> (std::path::PathBuf, std::path::PathBuf) {
     let delegated = cgroups.make("delegated");
     let fenced = cgroups.make("delegated/fenced");
     let free = cgroups.make("delegated/free");
-    // The delegation as systemd makes it: the directory and its cgroup.procs are the user's.
     for path in [
         delegated.clone(),
         delegated.join("cgroup.procs"),
@@ -229,19 +224,86 @@ fn a_process_in_a_delegated_listed_cgroup_cannot_move_itself_out() {
         chown(&path, Some(SCOPED_UID), Some(SCOPED_UID))
             .unwrap_or_else(|e| panic!("chown {}: {e}", path.display()));
     }
+    (fenced, free)
+}
+
+/// A listed cgroup that sits in a subtree delegated to the fenced user: the user may write
+/// the cgroup.procs of its delegated subtree, so a fenced process moves itself to a sibling
+/// cgroup that no rule lists and its next socket is not fenced. No table can stop that (the
+/// move is the kernel's cgroup permission, not a packet): the hole is closed by refusing
+/// the configuration. The plan's table, put up by nft past egress-fence's checks, shows the
+/// move out; `check` fails on the policy, and `apply` and `run` refuse it, naming the user to
+/// list as well.
+#[test]
+fn a_process_in_a_delegated_listed_cgroup_cannot_move_itself_out() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let (fenced, free) = delegate_cgroups(&mut cgroups);
     let policy = w.write_file(
         "scope.yaml",
         &cgroup_policy(&cgroups.policy_path("delegated/fenced")),
     );
-    put_up(&w, &policy, SCOPE_LOAD);
+    put_up(&w, &policy, ScopeLoad::NftText);
     let listener = w.listen_tcp(OTHER_V4, OTHER_PORT);
-
     let stay = move_then_connect(&w, &fenced, &fenced);
     assert!(!stay.success(), "the fenced cgroup is not fenced: {stay}");
     let out = move_then_connect(&w, &fenced, &free);
     assert!(
+        out.success() && listener.wait_for(1, Duration::from_secs(2)),
+        "the process did not get out by moving itself: the test proves nothing: {out}"
+    );
+
+    let refusal = "lies in a subtree delegated to uid 1001";
+    let advice = "unless the same policy also lists user 1001 in `scope.users`";
+    let check = std::process::Command::new(EGRESS_FENCE_BIN)
+        .args(["check", path_arg(&policy)])
+        .output()
+        .expect("run egress-fence check");
+    let check_err = String::from_utf8_lossy(&check.stderr);
+    assert_eq!(check.status.code(), Some(2), "{check_err}");
+    assert!(
+        check_err.contains(&format!("error: {}", path_arg(&policy)))
+            && check_err.contains(refusal)
+            && check_err.contains(advice),
+        "{check_err}"
+    );
+    let before = w.table_handle();
+    for command in ["apply", "run"] {
+        let out = w.egress_fence(&[command, path_arg(&policy)]);
+        assert_eq!(out.code(), 2, "{command}: {out}");
+        assert!(
+            out.stderr.contains(refusal) && out.stderr.contains(advice),
+            "{command}: {out}"
+        );
+    }
+    assert_eq!(
+        w.table_handle(),
+        before,
+        "a refused policy replaced the table"
+    );
+}
+
+/// The same delegated cgroup, with its user listed too: `apply` accepts the policy, and the
+/// process that moves itself out of the listed cgroup is still fenced, by its uid.
+#[test]
+fn a_process_in_a_delegated_listed_cgroup_whose_user_is_listed_stays_fenced_when_it_moves() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let (fenced, free) = delegate_cgroups(&mut cgroups);
+    let text = cgroup_policy(&cgroups.policy_path("delegated/fenced"))
+        .replace("scope:\n", "scope:\n  users: [1001]\n");
+    let policy = w.write_file("scope.yaml", &text);
+    put_up(&w, &policy, SCOPE_LOAD);
+    let listener = w.listen_tcp(OTHER_V4, OTHER_PORT);
+
+    let out = move_then_connect(&w, &fenced, &free);
+    assert!(
+        !out.stderr.contains("cannot move"),
+        "the move failed: {out}"
+    );
+    assert!(
         !out.success() && listener.count() == 0,
-        "a process of the listed cgroup moved itself out and connected: {out}"
+        "a process of the listed user moved itself out and connected: {out}"
     );
 }
 
@@ -637,6 +699,52 @@ fn container_out_by_the_lan(w: &World, container: &BridgedContainer) -> bool {
     listener.wait_for(1, Duration::from_secs(2))
 }
 
+/// Puts a port on the bridge that leads out of the host at layer 2, as a NIC, a VM's tap or
+/// an overlay's tunnel does: a VXLAN device over the sandbox's uplink, whose other end in the
+/// world's net namespace (`ctlan`, 198.18.0.50/24) is a LAN router on the bridge's segment.
+/// (This kernel has no VLAN or bonding driver; any port that is not a veth is refused alike.)
+fn bridge_tunnel_port(w: &World) {
+    let script = format!(
+        "ip link add lanvx type vxlan id 42 local 198.51.100.2 remote 198.51.100.1 dstport \
+         4789 dev eth0 && ip link set lanvx master {BRIDGE} && ip link set lanvx up"
+    );
+    let out = w.sandbox_cmd(&["sh", "-c", &script]);
+    assert!(out.success(), "{out}");
+    let out = w.net_cmd(&[
+        "sh",
+        "-c",
+        "ip link add ctlan type vxlan id 42 local 198.51.100.1 remote 198.51.100.2 dstport \
+         4789 dev veth0 && ip addr add 198.18.0.50/24 dev ctlan && ip link set ctlan up",
+    ]);
+    assert!(out.success(), "{out}");
+}
+
+/// `apply` and `run` refuse `policy` (BRIDGE_POLICY) on a bridge with the LAN port of
+/// [`bridge_tunnel_port`], leaving the table as it was.
+fn assert_lan_port_refused(w: &World, policy: &std::path::Path) {
+    let before = w.table_handle();
+    for command in ["apply", "run"] {
+        let out = w.egress_fence(&[command, path_arg(policy)]);
+        assert_eq!(out.code(), 2, "{command}: {out}");
+        assert!(
+            out.stderr
+                .contains("listed bridge efbr0 has port lanvx (a vxlan device)")
+                && out
+                    .stderr
+                    .contains("reach the LAN at layer 2 past the fence")
+                && out
+                    .stderr
+                    .contains("Remove the port from the bridge, or fence at the router"),
+            "{command}: {out}"
+        );
+    }
+    assert_eq!(
+        w.table_handle(),
+        before,
+        "a refused policy replaced the table"
+    );
+}
+
 /// With bridge netfilter on (Docker loads br_netfilter and sets bridge-nf-call-iptables),
 /// frames bridged from the container to another port of a listed bridge meet the forward
 /// hook with the bridge as input interface: fenced.
@@ -661,24 +769,62 @@ fn a_container_on_a_bridge_with_a_lan_port_is_fenced_with_bridge_netfilter() {
 }
 
 /// Without bridge netfilter, frames the bridge switches between its ports never meet the
-/// inet table: a container on a listed bridge that has another port (the host's NIC, a
-/// VM's tap, a veth to another namespace) routes by that port's router and is not fenced.
-/// Fix: refuse (or warn at `check`/`apply`) a listed bridge whose ports are not all
-/// container veths unless bridge-nf-call-iptables/ip6tables is on in the namespace, or fence
-/// bridged frames in a `bridge` family table.
+/// inet table: a container on a listed bridge that has another port (the host's NIC, a VM's
+/// tap, a tunnel) routes by that port's router and is not fenced. No inet rule can see those
+/// frames: the hole is closed by refusing the configuration. The plan's table, put up by nft
+/// past egress-fence's checks, shows the container getting out; `apply` and `run` refuse the
+/// policy. (A veth port to a router's namespace, as in the test with bridge netfilter above,
+/// looks like a container's and is not refused: see the README's scope limits.)
 #[test]
-#[ignore = "HOLE: a listed bridge with a LAN port and bridge-nf-call-iptables off: containers' frames are switched out unfenced"]
 fn a_container_on_a_bridge_with_a_lan_port_is_fenced_without_bridge_netfilter() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
-    bridge_lan_port(&w);
+    bridge_tunnel_port(&w);
     let nf = w.sandbox_cmd(&["sysctl", "-q", "-w", "net.bridge.bridge-nf-call-iptables=0"]);
     assert!(nf.success(), "{nf}");
     let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
-    put_up(&w, &policy, SCOPE_LOAD);
+    put_up(&w, &policy, ScopeLoad::NftText);
     assert!(
-        !container_out_by_the_lan(&w, &container),
-        "the container got out through the bridge's LAN port"
+        container_out_by_the_lan(&w, &container),
+        "the container did not get out through the bridge's LAN port past the plan's table: \
+         the test proves nothing"
+    );
+    assert_lan_port_refused(&w, &policy);
+}
+
+/// A LAN port that appears on a listed bridge while `run` fences it: the table has no rule
+/// that could refuse what the bridge switches, so the daemon's host poll says so as an error,
+/// every time it looks, until the port is gone; a reload then refuses the policy.
+#[test]
+fn a_lan_port_added_to_a_listed_bridge_while_running_is_logged_as_an_error() {
+    let w = World::new();
+    let _container = BridgedContainer::new(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(20)),
+        "the daemon did not start: {}",
+        daemon.stderr()
+    );
+    bridge_tunnel_port(&w);
+    let said = "listed bridge efbr0 has port lanvx (a vxlan device)";
+    let seen_twice = within(Duration::from_secs(10), || {
+        daemon.stderr().matches(said).count() >= 2
+    });
+    // A reload now finds the policy refused, and the running one stays.
+    daemon.signal(nix::sys::signal::Signal::SIGHUP);
+    let reload_refused = daemon.wait_for_output(
+        "the new policy is invalid; the running one stays",
+        Duration::from_secs(10),
+    );
+    let log = daemon.stderr();
+    let _ = daemon.terminate();
+    assert!(seen_twice, "the daemon did not keep saying so: {log}");
+    assert!(reload_refused, "the reload was not refused: {log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains(said) && l.contains("ERROR") && l.contains("NOT fenced")),
+        "{log}"
     );
 }
 
@@ -922,19 +1068,18 @@ fn count_on<T: Send>(
 /// (`bridge-nf-filter-vlan-tagged=0`, `...-pppoe-tagged=0`) not 802.1Q- or PPPoE-tagged ones:
 /// root in the container writes tagged frames, and the bridge switches them to its LAN port
 /// (to a router there that routes VLAN 100) unfenced, even where untagged ones are fenced.
-/// Fix: as for the LAN port without bridge netfilter (refuse such bridges, or a `bridge`
-/// family table that drops tagged frames from the container ports), or set the
-/// `bridge-nf-filter-vlan-tagged`/`-pppoe-tagged` sysctls and check them.
+/// Closed as the LAN port without bridge netfilter is: the plan's table, put up by nft past
+/// egress-fence's checks, fences the untagged frames and not the tagged ones; `apply` and
+/// `run` refuse a listed bridge with such a port.
 #[test]
-#[ignore = "HOLE: with bridge netfilter on, a container's VLAN-tagged frames are switched out of a listed bridge's LAN port unfenced"]
 fn a_containers_vlan_tagged_frames_are_fenced_on_a_bridge_with_a_lan_port() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
-    bridge_lan_port(&w);
+    bridge_tunnel_port(&w);
     let nf = w.sandbox_cmd(&["sysctl", "-q", "-w", "net.bridge.bridge-nf-call-iptables=1"]);
     assert!(nf.success(), "{nf}");
     let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
-    put_up(&w, &policy, SCOPE_LOAD);
+    put_up(&w, &policy, ScopeLoad::NftText);
     assert!(
         !container_out_by_the_lan(&w, &container),
         "untagged frames are not fenced: the test proves nothing"
@@ -954,10 +1099,12 @@ fn a_containers_vlan_tagged_frames_are_fenced_on_a_bridge_with_a_lan_port() {
         ])
     });
     assert!(sent.success(), "{sent}");
-    assert_eq!(
-        frames, 0,
-        "the container's VLAN-tagged frames reached the LAN router unfenced"
+    assert!(
+        frames > 0,
+        "the container's VLAN-tagged frames did not reach the LAN router past the plan's \
+         table: the test proves nothing"
     );
+    assert_lan_port_refused(&w, &policy);
 }
 
 /// Writes 3 ICMPv6 messages of each type in ARGV[2] (comma separated numbers: 128 echo

@@ -36,7 +36,9 @@ pub use scope::{
 pub use values::{
     HumanDuration, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeHost, ProbeTarget, Rate, RateUnit,
 };
-pub use warnings::{HostFinding, ScopeHost};
+pub use warnings::{
+    BridgePort, CgroupDelegation, Delegate, HostFinding, ScopeEntry, ScopeHole, ScopeHost,
+};
 
 #[cfg(test)]
 mod test_support;

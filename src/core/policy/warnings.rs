@@ -1,11 +1,12 @@
-//! What a valid policy allows but probably does not mean: printed, never fatal.
+//! What a valid policy allows but probably does not mean: printed, never fatal; and what this
+//! host's configuration opens past a scope's fence, which `apply` and `run` refuse.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
 
-use super::errors::{locate_value, location};
+use super::errors::{PolicyError, locate_value, location};
 use super::schema::*;
 use super::scope::{CgroupPath, IfacePattern};
 use super::values::parse_network;
@@ -233,7 +234,8 @@ impl Policy {
     }
 }
 
-/// What `check` asks of this host about a scope (answered by the edge, `crate::host`).
+/// What `check`, `apply` and `run` ask of this host about a scope (answered by the edge,
+/// `crate::host`).
 pub trait ScopeHost {
     /// Why the listed cgroup `path` is not there to match (`None`: it is).
     fn cgroup_missing(&self, path: &CgroupPath) -> Option<String>;
@@ -241,23 +243,211 @@ pub trait ScopeHost {
     fn interface_present(&self, pattern: &IfacePattern) -> bool;
     /// Whether the account database knows `uid`.
     fn uid_has_account(&self, uid: u32) -> bool;
+    /// Who besides root may move processes into or out of the listed cgroup `path`: the
+    /// owners and writers of its directory, its `cgroup.procs` and `cgroup.threads` and
+    /// those of each of its ancestors that exists, up to the hierarchy's root.
+    fn cgroup_delegations(&self, path: &CgroupPath) -> Vec<CgroupDelegation>;
+    /// The ports of every bridge whose name matches `pattern` (`Err`: why they cannot be
+    /// read).
+    fn bridge_ports(&self, pattern: &IfacePattern) -> Result<Vec<BridgePort>, String>;
+}
+
+/// A file or directory of the cgroup hierarchy that someone other than root may write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupDelegation {
+    /// What they may write (a directory they own, a `cgroup.procs` they may write).
+    pub path: PathBuf,
+    pub to: Delegate,
+}
+
+/// Who a [`CgroupDelegation`] lets move processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delegate {
+    /// This uid owns it (systemd's `Delegate=`, a user's `user@UID.service`, a rootless
+    /// container manager's cgroup).
+    Uid(u32),
+    /// Members of this group may write it.
+    Group(u32),
+    /// Every user may write it.
+    Everyone,
+}
+
+/// A port of a listed bridge, as this host has it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BridgePort {
+    pub bridge: String,
+    pub port: String,
+    /// Its link type (`veth`, `tun`, `vxlan`...); `None` for a device without one (a NIC).
+    pub kind: Option<String>,
+}
+
+impl BridgePort {
+    /// A container's end of a veth pair: what a container runtime puts on its bridge.
+    /// Anything else (a NIC, a VM's tap, a VLAN or tunnel device) leads out of the host.
+    pub fn is_container_veth(&self) -> bool {
+        self.kind.as_deref() == Some("veth")
+    }
 }
 
 /// What `check` found of a scope on this host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HostFinding {
+    /// A way past the fence that this host's configuration opens: `check` fails on it,
+    /// `apply` and `run` refuse the policy (see [`Policy::refuse_scope_holes`]).
+    Error(String),
     /// Probably not what is meant here.
     Warning(String),
     /// Fine, but worth knowing.
     Note(String),
 }
 
+/// The scope entry a [`ScopeHole`] is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScopeEntry {
+    Cgroup(CgroupPath),
+    Forward(IfacePattern),
+}
+
+/// A way past the fence that this host's configuration opens for one entry of a scope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScopeHole {
+    pub entry: ScopeEntry,
+    pub message: String,
+}
+
 impl Policy {
+    /// The ways past the fence this host's configuration opens for the scope:
+    ///
+    /// * a listed cgroup in a subtree delegated to someone other than root: a process in it
+    ///   may write its own pid into a sibling's `cgroup.procs` and its next socket is not
+    ///   the listed cgroup's. Not a hole when the delegate's uid (or group) is fenced by the
+    ///   same scope: its sockets are fenced by uid wherever its processes move.
+    /// * a listed bridge with a port that is not a container's veth: the bridge switches the
+    ///   containers' frames to that port at layer 2, where no inet hook sees them (and
+    ///   bridge netfilter, where on, passes VLAN- and PPPoE-tagged frames by).
+    ///
+    /// Empty without a `scope:`.
+    pub fn scope_holes(&self, host: &dyn ScopeHost) -> Vec<ScopeHole> {
+        let Some(scope) = &self.scope else {
+            return Vec::new();
+        };
+        let uids = scope.uids();
+        let gids = scope.gids();
+        let mut out = Vec::new();
+        for cgroup in &scope.cgroups {
+            let mut delegations = host.cgroup_delegations(cgroup);
+            delegations.retain(|d| match d.to {
+                Delegate::Uid(uid) => !uids.contains(&uid),
+                Delegate::Group(gid) => !gids.contains(&gid),
+                Delegate::Everyone => true,
+            });
+            let mut seen: Vec<Delegate> = Vec::new();
+            for d in delegations {
+                if seen.contains(&d.to) {
+                    continue;
+                }
+                seen.push(d.to);
+                let path = d.path.display();
+                let message = match d.to {
+                    Delegate::Uid(uid) => format!(
+                        "cgroup `{cgroup}` lies in a subtree delegated to uid {uid} ({path} is \
+                         theirs): a process in it can write its pid into another cgroup's \
+                         cgroup.procs and leave the fence. Refused unless the same policy also \
+                         lists user {uid} in `scope.users` (its sockets are then fenced by uid \
+                         wherever its processes move); or list a cgroup only root may move \
+                         processes out of"
+                    ),
+                    Delegate::Group(gid) => format!(
+                        "cgroup `{cgroup}` lies in a subtree that group {gid} may write \
+                         ({path}): its members' processes in it can move themselves out and \
+                         leave the fence. Refused unless the same policy also lists group \
+                         {gid} in `scope.groups`, or {path} is made writable by root only"
+                    ),
+                    Delegate::Everyone => format!(
+                        "cgroup `{cgroup}` lies in a subtree every user may write ({path}): \
+                         any process in it can move itself out and leave the fence. Refused \
+                         until {path} is writable by root only"
+                    ),
+                };
+                out.push(ScopeHole {
+                    entry: ScopeEntry::Cgroup(cgroup.clone()),
+                    message,
+                });
+            }
+        }
+        for pattern in &scope.forward {
+            let ports = match host.bridge_ports(pattern) {
+                Ok(ports) => ports,
+                Err(why) => {
+                    out.push(ScopeHole {
+                        entry: ScopeEntry::Forward(pattern.clone()),
+                        message: format!(
+                            "cannot read the ports of the bridges matching `{pattern}` ({why}): \
+                             a port that leads out of the host would let containers past the \
+                             fence, so the scope is refused"
+                        ),
+                    });
+                    continue;
+                }
+            };
+            for port in ports.iter().filter(|p| !p.is_container_veth()) {
+                let kind = match port.kind.as_deref() {
+                    Some("tun") => "a tap device (a VM's, say)".to_string(),
+                    Some(kind) => format!("a {kind} device"),
+                    None => "a network card".to_string(),
+                };
+                out.push(ScopeHole {
+                    entry: ScopeEntry::Forward(pattern.clone()),
+                    message: format!(
+                        "listed bridge {} has port {} ({kind}), which is not a container's \
+                         veth: containers on it reach the LAN at layer 2 past the fence (the \
+                         frames the bridge switches between its ports never meet the inet \
+                         hooks, and bridge netfilter lets VLAN- and PPPoE-tagged ones by). \
+                         Remove the port from the bridge, or fence at the router",
+                        port.bridge, port.port
+                    ),
+                });
+            }
+        }
+        out
+    }
+
+    /// `Err` with every [`Policy::scope_holes`] of this host, located in `source` like an
+    /// error (`path:line:column: ...`): what `apply` and `run` check before they put up a
+    /// table.
+    pub fn refuse_scope_holes(
+        &self,
+        source: &str,
+        path: &Path,
+        host: &dyn ScopeHost,
+    ) -> Result<(), PolicyError> {
+        let holes = self.scope_holes(host);
+        let Some(first) = holes.first() else {
+            return Ok(());
+        };
+        let (line, column) = locate_entry(source, &first.entry);
+        let mut message = first.message.clone();
+        for hole in &holes[1..] {
+            let (line, column) = locate_entry(source, &hole.entry);
+            message.push_str(&format!(
+                "\n{}: {}",
+                location(path, line, column),
+                hole.message
+            ));
+        }
+        Err(PolicyError::Invalid {
+            path: path.to_path_buf(),
+            line,
+            column,
+            message,
+        })
+    }
+
     /// The scope against this host, each finding located in `source` like an error
-    /// (`path:line:column: ...`): a listed cgroup that does not exist (a warning: nobody is
-    /// in it, and what fences it once it appears), a listed interface pattern no interface
-    /// matches (a warning), a user listed by uid without an account (a note). Empty without a
-    /// `scope:`.
+    /// (`path:line:column: ...`): its holes ([`Policy::scope_holes`], errors), a listed cgroup
+    /// that does not exist (a warning: nobody is in it, and what fences it once it appears), a
+    /// listed interface pattern no interface matches (a warning), a user listed by uid without
+    /// an account (a note). Empty without a `scope:`.
     pub fn scope_findings(
         &self,
         source: &str,
@@ -271,7 +461,18 @@ impl Policy {
             let (line, column) = locate_value(source, key, is_it);
             location(path, line, column)
         };
-        let mut out = Vec::new();
+        let mut out: Vec<HostFinding> = self
+            .scope_holes(host)
+            .into_iter()
+            .map(|hole| {
+                let (line, column) = locate_entry(source, &hole.entry);
+                HostFinding::Error(format!(
+                    "{}: {}",
+                    location(path, line, column),
+                    hole.message
+                ))
+            })
+            .collect();
         for cgroup in &scope.cgroups {
             if let Some(why) = host.cgroup_missing(cgroup) {
                 out.push(HostFinding::Warning(format!(
@@ -314,6 +515,18 @@ impl Policy {
             }
         }
         out
+    }
+}
+
+/// Where a scope entry is written in `source`.
+fn locate_entry(source: &str, entry: &ScopeEntry) -> (usize, usize) {
+    match entry {
+        ScopeEntry::Cgroup(cgroup) => locate_value(source, "cgroups", |t| {
+            t.parse::<CgroupPath>().is_ok_and(|c| c == *cgroup)
+        }),
+        ScopeEntry::Forward(pattern) => locate_value(source, "forward", |t| {
+            t.parse::<IfacePattern>().is_ok_and(|i| i == *pattern)
+        }),
     }
 }
 
@@ -510,6 +723,137 @@ mod tests {
         fn uid_has_account(&self, uid: u32) -> bool {
             uid == 1001
         }
+        fn cgroup_delegations(&self, _: &CgroupPath) -> Vec<CgroupDelegation> {
+            Vec::new()
+        }
+        fn bridge_ports(&self, _: &IfacePattern) -> Result<Vec<BridgePort>, String> {
+            Ok(Vec::new())
+        }
+    }
+
+    /// A host where `user.slice/...` is delegated to uid 1001, `shared.slice` is writable by
+    /// everyone, and bridge `docker0` has a container's veth and the host's NIC `eth1`,
+    /// `br-lab` a VM's tap.
+    struct Delegating;
+
+    impl ScopeHost for Delegating {
+        fn cgroup_missing(&self, _: &CgroupPath) -> Option<String> {
+            None
+        }
+        fn interface_present(&self, _: &IfacePattern) -> bool {
+            true
+        }
+        fn uid_has_account(&self, _: u32) -> bool {
+            true
+        }
+        fn cgroup_delegations(&self, path: &CgroupPath) -> Vec<CgroupDelegation> {
+            let at = |p: &str, to| CgroupDelegation {
+                path: PathBuf::from(p),
+                to,
+            };
+            match path.as_str() {
+                "user.slice/user@1001.service/agent.scope" => vec![
+                    at(
+                        "/cg/user.slice/user@1001.service/agent.scope",
+                        Delegate::Uid(1001),
+                    ),
+                    at("/cg/user.slice/user@1001.service", Delegate::Uid(1001)),
+                    at(
+                        "/cg/user.slice/user@1001.service/cgroup.procs",
+                        Delegate::Uid(1001),
+                    ),
+                ],
+                "shared.slice" => vec![at("/cg/shared.slice/cgroup.procs", Delegate::Everyone)],
+                _ => Vec::new(),
+            }
+        }
+        fn bridge_ports(&self, pattern: &IfacePattern) -> Result<Vec<BridgePort>, String> {
+            let port = |bridge: &str, port: &str, kind: Option<&str>| BridgePort {
+                bridge: bridge.into(),
+                port: port.into(),
+                kind: kind.map(str::to_string),
+            };
+            let all = [
+                port("docker0", "veth1a2b", Some("veth")),
+                port("docker0", "eth1", None),
+                port("br-lab", "vnet0", Some("tun")),
+                port("br-ok", "veth9", Some("veth")),
+            ];
+            Ok(all
+                .into_iter()
+                .filter(|p| pattern.matches(&p.bridge))
+                .collect())
+        }
+    }
+
+    const DELEGATED: &str = "version: 1\nscope:\n  cgroups: [user.slice/user@1001.service/agent.scope, \
+                             shared.slice, system.slice]\n  forward: [docker0, \"br-*\"]\n";
+
+    #[test]
+    fn a_delegated_cgroup_and_a_bridge_with_a_lan_port_are_errors() {
+        let p = parse(DELEGATED).expect("valid");
+        let found = p.scope_findings(DELEGATED, Path::new("p.yaml"), &Delegating);
+        let errors: Vec<&String> = found
+            .iter()
+            .filter_map(|f| match f {
+                HostFinding::Error(e) => Some(e),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(errors.len(), 4, "{found:?}");
+        let [delegated, everyone, nic, tap] = errors.as_slice() else {
+            unreachable!()
+        };
+        assert!(
+            delegated.starts_with(
+                "p.yaml:3:13: cgroup `user.slice/user@1001.service/agent.scope` lies in a \
+                 subtree delegated to uid 1001"
+            ),
+            "{delegated}"
+        );
+        assert!(
+            delegated.contains("unless the same policy also lists user 1001 in `scope.users`"),
+            "{delegated}"
+        );
+        assert!(
+            everyone.starts_with("p.yaml:3:55: cgroup `shared.slice`")
+                && everyone.contains("every user may write"),
+            "{everyone}"
+        );
+        assert!(
+            nic.starts_with("p.yaml:4:13: listed bridge docker0 has port eth1 (a network card)"),
+            "{nic}"
+        );
+        assert!(
+            nic.contains("reach the LAN at layer 2 past the fence")
+                && nic.contains("Remove the port from the bridge, or fence at the router"),
+            "{nic}"
+        );
+        assert!(
+            tap.starts_with("p.yaml:4:23: listed bridge br-lab has port vnet0 (a tap device"),
+            "{tap}"
+        );
+
+        let refused = p
+            .refuse_scope_holes(DELEGATED, Path::new("p.yaml"), &Delegating)
+            .expect_err("refused");
+        let text = refused.to_string();
+        assert!(text.starts_with("p.yaml:3:13: cgroup"), "{text}");
+        assert_eq!(text.lines().count(), 4, "{text}");
+    }
+
+    #[test]
+    fn a_cgroup_delegated_to_a_listed_user_is_fenced_by_uid() {
+        let text = "version: 1\nscope:\n  users: [1001]\n  cgroups: \
+                    [user.slice/user@1001.service/agent.scope]\n  forward: [br-ok]\n";
+        let p = parse(text).expect("valid");
+        assert_eq!(p.scope_holes(&Delegating), Vec::new());
+        assert!(
+            p.refuse_scope_holes(text, Path::new("p.yaml"), &Delegating)
+                .is_ok()
+        );
+        let unscoped = parse(FULL).expect("valid");
+        assert!(unscoped.scope_holes(&Delegating).is_empty());
     }
 
     #[test]

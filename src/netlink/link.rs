@@ -1,0 +1,203 @@
+//! The interfaces of the current network namespace as rtnetlink lists them (one RTM_GETLINK
+//! dump): each one's name, the bridge (or other master) it is a port of, and its link type.
+//! A scoped policy's listed bridges are checked by it for ports that are not a container's
+//! veth (`crate::host`). Read over netlink, not /sys/class/net: sysfs shows the interfaces of
+//! the namespace it was mounted in, not those of a namespace entered with `setns`.
+
+use std::time::Duration;
+
+use nix::errno::Errno;
+use nix::sys::socket::{MsgFlags, SockProtocol};
+
+use super::bytes::ne32;
+use super::message::{DumpError, DumpProgress, NLM_F_DUMP, NLM_F_REQUEST, Oversize, Request};
+use super::{Attrs, Socket, read_dump};
+
+const RTM_NEWLINK: u16 = 16;
+const RTM_GETLINK: u16 = 18;
+/// Bytes of `struct ifinfomsg`.
+const IFINFOMSG_LEN: usize = 16;
+const IFLA_IFNAME: u16 = 3;
+const IFLA_MASTER: u16 = 10;
+const IFLA_LINKINFO: u16 = 18;
+const IFLA_INFO_KIND: u16 = 1;
+
+/// A dump that takes longer than this is abandoned.
+const DUMP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One interface.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+    /// The interface index of the bridge (bond, VRF...) this one is a port of.
+    pub master: Option<u32>,
+    /// Its link type (`bridge`, `veth`, `tun`, `vxlan`, `macvlan`...); `None` for a device
+    /// with no rtnetlink link type, which is what a physical NIC is.
+    pub kind: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("interface dump: {doing}: {source}")]
+    Io { doing: &'static str, source: Errno },
+    #[error("interface dump refused by the kernel: {0}")]
+    Refused(Errno),
+}
+
+/// Every interface of the network namespace of the calling thread.
+pub fn links() -> Result<Vec<Link>, LinkError> {
+    let io = |doing| move |source| LinkError::Io { doing, source };
+    let socket = Socket::open(SockProtocol::NetlinkRoute).map_err(io("socket"))?;
+    socket.bind(0).map_err(io("bind"))?;
+    socket
+        .set_recv_timeout(Some(DUMP_TIMEOUT))
+        .map_err(io("timeout"))?;
+    let request = dump_request(1).map_err(|_| io("request")(Errno::EMSGSIZE))?;
+    socket.send(&request).map_err(io("send"))?;
+
+    let mut found = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = socket
+            .recv(&mut buf, MsgFlags::empty())
+            .map_err(io("receive"))?;
+        match parse_datagram(&buf[..n.min(buf.len())], &mut found) {
+            Ok(DumpProgress::More) => {}
+            Ok(DumpProgress::Done) => return Ok(found),
+            Err(DumpError::Refused(errno)) => return Err(LinkError::Refused(errno)),
+            // A link left out could be a bridge's port: a partial list is no answer.
+            Err(DumpError::Malformed(_)) => return Err(io("parse")(Errno::EBADMSG)),
+        }
+    }
+}
+
+/// RTM_GETLINK with NLM_F_DUMP and an empty `struct ifinfomsg` (every family, every link).
+fn dump_request(seq: u32) -> Result<Vec<u8>, Oversize> {
+    Request::new(RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq)
+        .raw(&[0; IFINFOMSG_LEN])
+        .finish()
+}
+
+fn parse_datagram(data: &[u8], found: &mut Vec<Link>) -> Result<DumpProgress, DumpError> {
+    read_dump(data, |msg| {
+        if msg.kind != RTM_NEWLINK {
+            return;
+        }
+        if let Some(link) = parse_link(msg.payload) {
+            found.push(link);
+        }
+    })
+}
+
+/// One RTM_NEWLINK payload: `struct ifinfomsg` (family, pad, type, index, flags, change),
+/// then attributes.
+fn parse_link(payload: &[u8]) -> Option<Link> {
+    let index = ne32(payload, 4)?;
+    let attrs = Attrs::new(payload.get(IFINFOMSG_LEN..)?);
+    let name = attrs.clone().find(IFLA_IFNAME)?.string();
+    let master = attrs
+        .clone()
+        .value(IFLA_MASTER)
+        .and_then(|m| ne32(m, 0))
+        .filter(|&m| m != 0);
+    let kind = attrs
+        .find(IFLA_LINKINFO)
+        .and_then(|info| info.nested().find(IFLA_INFO_KIND))
+        .map(|k| k.string());
+    Some(Link {
+        index,
+        name,
+        master,
+        kind,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn link_message(index: u32, name: &str, master: Option<u32>, kind: Option<&str>) -> Vec<u8> {
+        let mut name_z = name.as_bytes().to_vec();
+        name_z.push(0);
+        let mut ifinfo = [0u8; IFINFOMSG_LEN];
+        ifinfo[4..8].copy_from_slice(&index.to_ne_bytes());
+        let mut request = Request::new(RTM_NEWLINK, 2, 1)
+            .raw(&ifinfo)
+            .attr(IFLA_IFNAME, &name_z);
+        if let Some(m) = master {
+            request = request.attr(IFLA_MASTER, &m.to_ne_bytes());
+        }
+        if let Some(k) = kind {
+            request = request.nested(IFLA_LINKINFO, |r| r.attr(IFLA_INFO_KIND, k.as_bytes()));
+        }
+        request.finish().expect("small")
+    }
+
+    fn done() -> Vec<u8> {
+        Request::new(super::super::message::NLMSG_DONE, 2, 1)
+            .raw(&0u32.to_ne_bytes())
+            .finish()
+            .expect("small")
+    }
+
+    #[test]
+    fn the_request_is_a_dump_of_every_link() {
+        let request = dump_request(7).expect("small");
+        assert_eq!(request.len(), 16 + IFINFOMSG_LEN);
+        assert_eq!(u16::from_ne_bytes([request[4], request[5]]), RTM_GETLINK);
+    }
+
+    #[test]
+    fn links_are_read_with_their_master_and_kind() {
+        let mut datagram = link_message(1, "eth0", Some(3), None);
+        datagram.extend(link_message(3, "br0", None, Some("bridge")));
+        datagram.extend(link_message(4, "veth1", Some(3), Some("veth")));
+        let mut found = Vec::new();
+        assert_eq!(
+            parse_datagram(&datagram, &mut found),
+            Ok(DumpProgress::More)
+        );
+        assert_eq!(
+            found,
+            vec![
+                Link {
+                    index: 1,
+                    name: "eth0".into(),
+                    master: Some(3),
+                    kind: None
+                },
+                Link {
+                    index: 3,
+                    name: "br0".into(),
+                    master: None,
+                    kind: Some("bridge".into())
+                },
+                Link {
+                    index: 4,
+                    name: "veth1".into(),
+                    master: Some(3),
+                    kind: Some("veth".into())
+                },
+            ]
+        );
+        assert_eq!(parse_datagram(&done(), &mut found), Ok(DumpProgress::Done));
+    }
+
+    #[test]
+    fn a_truncated_dump_is_no_answer() {
+        let message = link_message(1, "eth0", Some(3), None);
+        let mut found = Vec::new();
+        let cut = &message[..message.len() - 3];
+        assert!(matches!(
+            parse_datagram(cut, &mut found),
+            Err(DumpError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn this_namespace_has_loopback() {
+        let links = links().expect("an interface dump");
+        assert!(links.iter().any(|l| l.name == "lo"), "{links:?}");
+    }
+}
