@@ -577,6 +577,9 @@ fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
         "iifname \"docker0\" goto output".to_string(),
         "iifname \"br-*\" goto output".to_string(),
         "iifname \"br-*\" goto from_bridge".to_string(),
+        "type filter hook prerouting priority raw; policy accept;".to_string(),
+        "iifname \"docker0\" fib saddr . iif oif missing drop".to_string(),
+        "iifname \"br-*\" fib saddr . iif oif missing drop".to_string(),
         "ip daddr 198.18.0.1 udp dport 53 accept".to_string(),
         "ip daddr 127.0.0.53 tcp dport 53 accept".to_string(),
     ] {

@@ -429,12 +429,16 @@ fn scope_chains(
         }
         from_bridge.push(Rule::GotoRefused);
     }
-    let each = |rule: fn(_) -> Rule| scope.forward.iter().cloned().map(rule).collect();
+    let each = |rule: fn(_) -> Rule| scope.forward.iter().cloned().map(rule).collect::<Vec<_>>();
     Some(ScopeChains {
         output,
         forward: each(|i| Rule::Fence(ScopeMatch::Interface(i))),
         input: each(Rule::FromBridge),
         from_bridge,
+        // A listed interface's packets from a source that does not route back through it
+        // are dropped before anything answers that source: the fence's reject and the
+        // guard's answers would quote a container's data to an outside address it spoofed.
+        prerouting: each(Rule::DropSpoofedFrom),
     })
 }
 
@@ -1321,8 +1325,46 @@ log:
                 ("scope_output", true),
                 ("scope_forward", true),
                 ("scope_input", true),
+                ("scope_prerouting", true),
             ]
         );
+    }
+
+    #[test]
+    fn a_listed_interface_drops_spoofed_sources_before_anything_answers_them() {
+        let rs = scoped_plan(&[], &["198.18.0.1:53"]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        let iface = |name: &str| name.parse().unwrap();
+        assert_eq!(
+            scope.prerouting,
+            [
+                Rule::DropSpoofedFrom(iface("docker0")),
+                Rule::DropSpoofedFrom(iface("br-*")),
+            ]
+        );
+        // Before conntrack (-200) and the routing decision: nothing has answered yet.
+        let chain = rs.chain("scope_prerouting").expect("the chain");
+        assert_eq!(
+            chain
+                .base
+                .map(|b| (b.hook.name(), b.hook.priority(), b.policy)),
+            Some((
+                "prerouting",
+                -300,
+                crate::core::ruleset::ChainPolicy::Accept
+            ))
+        );
+        assert!(rs.to_nft().contains(
+            "\tchain scope_prerouting {\n\t\ttype filter hook prerouting priority raw; policy \
+             accept;\n\t\tiifname \"docker0\" fib saddr . iif oif missing drop\n"
+        ));
+        // Without listed interfaces nothing is forwarded to check: no chain.
+        let mut p = policy(SCOPED);
+        if let Some(scope) = p.scope.as_mut() {
+            scope.forward.clear();
+        }
+        let rs = plan(&p, &resolution(&[]));
+        assert!(rs.chain("scope_prerouting").is_none());
     }
 
     #[test]

@@ -774,7 +774,6 @@ fn loose_rp_filter_and_bridge_mac(w: &World) -> String {
 /// (`iifname "efbr0" fib saddr . iif oif missing drop`, or a check of the bridge's
 /// prefixes) before anything answers it, and/or refuse from a bridge by `drop`.
 #[test]
-#[ignore = "HOLE: the fence's reject quotes a container's refused datagram to its spoofed (outside) source"]
 fn a_container_cannot_make_the_fence_reflect_its_data_to_a_spoofed_source() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
@@ -812,7 +811,6 @@ fn a_container_cannot_make_the_fence_reflect_its_data_to_a_spoofed_source() {
 /// goes to that source out of the uplink. Fix as above (the guard answers only sources of
 /// the bridge's networks; the table drops spoofed sources from a listed bridge).
 #[test]
-#[ignore = "HOLE: the guard answers a container's spoofed outside source, echoing the question out of the uplink"]
 fn a_container_cannot_make_the_guard_answer_a_spoofed_source() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
