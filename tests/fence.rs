@@ -580,6 +580,8 @@ fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
         "type filter hook prerouting priority raw; policy accept;".to_string(),
         "iifname \"docker0\" fib saddr . iif oif missing drop".to_string(),
         "iifname \"br-*\" fib saddr . iif oif missing drop".to_string(),
+        "icmpv6 type nd-neighbor-solicit goto refused".to_string(),
+        "icmpv6 type mld-listener-report goto refused".to_string(),
         "ip daddr 198.18.0.1 udp dport 53 accept".to_string(),
         "ip daddr 127.0.0.53 tcp dport 53 accept".to_string(),
     ] {

@@ -430,9 +430,17 @@ fn scope_chains(
         from_bridge.push(Rule::GotoRefused);
     }
     let each = |rule: fn(_) -> Rule| scope.forward.iter().cloned().map(rule).collect::<Vec<_>>();
+    // Link-scoped ICMPv6 is never forwarded, and the fence accepts neighbour discovery by
+    // type alone (a forwarded packet has no owner for `meta skuid >= 0` to refuse): a
+    // container would write it with any payload to any address.
+    let mut forward = Vec::new();
+    if !scope.forward.is_empty() {
+        forward.extend(Icmpv6Type::LINK_SCOPED.map(Rule::RefuseIcmpv6));
+    }
+    forward.extend(each(|i| Rule::Fence(ScopeMatch::Interface(i))));
     Some(ScopeChains {
         output,
-        forward: each(|i| Rule::Fence(ScopeMatch::Interface(i))),
+        forward,
         input: each(Rule::FromBridge),
         from_bridge,
         // A listed interface's packets from a source that does not route back through it
@@ -1296,9 +1304,10 @@ log:
         // A listed cgroup that does not exist has no rule: nobody is in it.
         assert!(!rs.to_nft().contains("gone.slice"));
         let docker0: crate::core::policy::IfacePattern = "docker0".parse().unwrap();
-        assert_eq!(
-            scope.forward[0],
-            Rule::Fence(ScopeMatch::Interface(docker0.clone()))
+        assert!(
+            scope
+                .forward
+                .contains(&Rule::Fence(ScopeMatch::Interface(docker0.clone())))
         );
         assert_eq!(scope.input[0], Rule::FromBridge(docker0));
         // The bridge reaches the host only for replies, neighbour discovery and the guard
@@ -1328,6 +1337,41 @@ log:
                 ("scope_prerouting", true),
             ]
         );
+    }
+
+    #[test]
+    fn the_forward_path_refuses_link_scoped_icmpv6_before_the_fence() {
+        let rs = scoped_plan(&[], &[]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        let refused: Vec<Icmpv6Type> = scope
+            .forward
+            .iter()
+            .map_while(|r| match r {
+                Rule::RefuseIcmpv6(t) => Some(*t),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(refused, Icmpv6Type::LINK_SCOPED);
+        // Everything the fence accepts by ICMPv6 type alone is among them.
+        for rule in &rs.output {
+            if let Rule::AcceptIcmpv6(t) = rule {
+                assert!(refused.contains(t), "{rule}");
+            }
+        }
+        assert!(refused.contains(&Icmpv6Type::Mld2ListenerReport));
+        assert!(matches!(
+            &scope.forward[refused.len()..],
+            [
+                Rule::Fence(ScopeMatch::Interface(_)),
+                Rule::Fence(ScopeMatch::Interface(_))
+            ]
+        ));
+        // Without listed interfaces the scope forwards nothing to the fence: no chain.
+        let mut p = policy(SCOPED);
+        if let Some(scope) = p.scope.as_mut() {
+            scope.forward.clear();
+        }
+        assert!(plan(&p, &resolution(&[])).chain("scope_forward").is_none());
     }
 
     #[test]
