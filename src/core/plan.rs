@@ -411,6 +411,12 @@ fn scope_chains(
                 .filter(|c| scope.cgroups.iter().any(|listed| c.is_of(listed)))
                 .map(|c| Rule::Fence(ScopeMatch::Cgroup(c.clone()))),
         );
+        // The kernel reports the groups a process joins (of its choice: data) from sockets
+        // without an owner, which no rule above matches: every report goes through the
+        // fence, as without a scope (IGMP refused, MLD within its byte budget). The host's
+        // own reports with them.
+        output.push(Rule::FenceIgmp);
+        output.extend(Icmpv6Type::MLD_REPORTS.map(Rule::FenceIcmpv6));
     }
     let mut from_bridge = Vec::new();
     if !scope.forward.is_empty() {
@@ -1286,7 +1292,7 @@ log:
         assert_eq!(scope.output[..protections.len()], protections[..]);
         assert!(protections.iter().all(|p| !rs.output.contains(p)));
         assert_eq!(
-            scope.output[protections.len()..],
+            scope.output[protections.len()..protections.len() + 3],
             [
                 Rule::Fence(ScopeMatch::Uid(1001)),
                 Rule::Fence(ScopeMatch::Uid(1002)),
@@ -1372,6 +1378,36 @@ log:
             scope.forward.clear();
         }
         assert!(plan(&p, &resolution(&[])).chain("scope_forward").is_none());
+    }
+
+    #[test]
+    fn every_multicast_report_goes_through_the_fence_of_a_scope_with_local_sockets() {
+        let rs = scoped_plan(&[], &[]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        let reports = [
+            Rule::FenceIgmp,
+            Rule::FenceIcmpv6(Icmpv6Type::Mld2ListenerReport),
+            Rule::FenceIcmpv6(Icmpv6Type::MldListenerReport),
+            Rule::FenceIcmpv6(Icmpv6Type::MldListenerDone),
+        ];
+        assert!(scope.output.ends_with(&reports), "{:?}", scope.output);
+        // The fence they go to accepts no IGMP, and MLDv2 reports only within their budget.
+        assert!(rs.output.contains(&Rule::AcceptMldReport));
+        assert!(!rs.output.iter().any(|r| matches!(
+            r,
+            Rule::AcceptIcmpv6(Icmpv6Type::MldListenerReport | Icmpv6Type::MldListenerDone)
+                | Rule::AcceptIcmpv6(Icmpv6Type::Mld2ListenerReport)
+        )));
+        // A scope of interfaces only fences no local socket's joins: the host's reports stay
+        // its own.
+        let mut p = policy(SCOPED);
+        if let Some(scope) = p.scope.as_mut() {
+            scope.users.clear();
+            scope.cgroups.clear();
+        }
+        let rs = plan(&p, &resolution(&[]));
+        let output = &rs.scope.as_ref().expect("scope chains").output;
+        assert!(reports.iter().all(|r| !output.contains(r)), "{output:?}");
     }
 
     #[test]

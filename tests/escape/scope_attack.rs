@@ -76,7 +76,6 @@ print('joined')
 /// rule sends them to the fence, while the unscoped fence refuses them (no rule accepts IGMP).
 /// MLD (IPv6) reports go the same way, past the fence's 1 kbyte/minute limit on them.
 #[test]
-#[ignore = "HOLE: IGMP/MLD reports a scoped user triggers by joining groups have no socket owner and pass scope_output"]
 fn a_scoped_user_sends_no_chosen_multicast_reports() {
     let w = World::new();
     let iface = SANDBOX_V4.to_string();
