@@ -584,6 +584,8 @@ fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
         "icmpv6 type mld-listener-report goto refused".to_string(),
         "meta l4proto igmp goto output".to_string(),
         "icmpv6 type mld-listener-done goto output".to_string(),
+        "ip daddr 127.0.0.53 udp dport 53 socket mark != 0x65000000 goto refused".to_string(),
+        "ip daddr 198.18.0.1 tcp dport 53 socket mark != 0x65000000 goto refused".to_string(),
         "ip daddr 198.18.0.1 udp dport 53 accept".to_string(),
         "ip daddr 127.0.0.53 tcp dport 53 accept".to_string(),
     ] {

@@ -949,7 +949,10 @@ pub(crate) mod tests {
         let diff = compare(&rs, Some(&live), CompareOptions::default());
         assert_eq!(diff.chains.len(), 1);
         assert_eq!(diff.chains[0].presence, Presence::Missing);
-        assert_eq!(diff.chains[0].added_rules.len(), 2);
+        assert_eq!(
+            diff.chains[0].added_rules.len(),
+            rs.chain("scope_input").unwrap().rules.len()
+        );
         let unscoped = ruleset_for(POLICY, &["192.0.2.10"]);
         let diff = compare(&unscoped, Some(&live_of(&rs)), CompareOptions::default());
         let extra: Vec<&str> = diff

@@ -444,10 +444,29 @@ fn scope_chains(
         forward.extend(Icmpv6Type::LINK_SCOPED.map(Rule::RefuseIcmpv6));
     }
     forward.extend(each(|i| Rule::Fence(ScopeMatch::Interface(i))));
+    // A question to the guard's address that the guard's own (marked) socket would not get,
+    // because it is not bound there, reaches whatever listens on the wildcard address (a
+    // resolver that recurses it out unfenced): refused for everyone, before a bridge's
+    // questions are accepted in `from_bridge`.
+    let mut input: Vec<Rule> = guard
+        .map(|g| {
+            g.listen
+                .iter()
+                .flat_map(|&to| {
+                    [L4Proto::Udp, L4Proto::Tcp].map(|proto| Rule::RefuseGuardQueryToOtherSockets {
+                        to,
+                        proto,
+                        mark: g.mark,
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    input.extend(each(Rule::FromBridge));
     Some(ScopeChains {
         output,
         forward,
-        input: each(Rule::FromBridge),
+        input,
         from_bridge,
         // A listed interface's packets from a source that does not route back through it
         // are dropped before anything answers that source: the fence's reject and the
@@ -1315,7 +1334,7 @@ log:
                 .forward
                 .contains(&Rule::Fence(ScopeMatch::Interface(docker0.clone())))
         );
-        assert_eq!(scope.input[0], Rule::FromBridge(docker0));
+        assert!(scope.input.contains(&Rule::FromBridge(docker0)));
         // The bridge reaches the host only for replies, neighbour discovery and the guard
         // where it listens on the bridge.
         assert_eq!(scope.from_bridge.first(), Some(&Rule::AcceptEstablished));
@@ -1408,6 +1427,46 @@ log:
         let rs = plan(&p, &resolution(&[]));
         let output = &rs.scope.as_ref().expect("scope chains").output;
         assert!(reports.iter().all(|r| !output.contains(r)), "{output:?}");
+    }
+
+    #[test]
+    fn only_the_guards_sockets_get_questions_to_its_addresses() {
+        let rs = scoped_plan(&[], &["198.18.0.1:53"]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        let refusal = |to: &str, proto| Rule::RefuseGuardQueryToOtherSockets {
+            to: to.parse().unwrap(),
+            proto,
+            mark: crate::core::policy::DEFAULT_GUARD_MARK,
+        };
+        // Every listen address, the bridges' included, before the bridges' questions are
+        // accepted.
+        assert_eq!(
+            scope.input[..4],
+            [
+                refusal("127.0.0.53:53", L4Proto::Udp),
+                refusal("127.0.0.53:53", L4Proto::Tcp),
+                refusal("198.18.0.1:53", L4Proto::Udp),
+                refusal("198.18.0.1:53", L4Proto::Tcp),
+            ]
+        );
+        assert!(matches!(
+            scope.input[4..],
+            [Rule::FromBridge(_), Rule::FromBridge(_)]
+        ));
+        // A scope of users alone has the chain for them.
+        let mut p = policy(SCOPED);
+        if let Some(scope) = p.scope.as_mut() {
+            scope.forward.clear();
+        }
+        let mut r = resolution(&[]);
+        r.guard_uid = Some(993);
+        let rs = plan(&p, &r);
+        let input = rs.chain("scope_input").expect("scope_input");
+        assert_eq!(input.rules.len(), 2, "{:?}", input.rules);
+        // Without a guard there is nothing to protect.
+        let resolve = "version: 1\nscope:\n  users: [1001]\ndns:\n  resolvers: [192.0.2.53]\n";
+        let rs = plan(&policy(resolve), &resolution(&[]));
+        assert!(rs.chain("scope_input").is_none());
     }
 
     #[test]

@@ -161,7 +161,6 @@ fn the_unscoped_fence_refuses_chosen_multicast_reports() {
 /// unscoped process. The guard's own answers are protected (`ip saddr 127.0.0.53 udp sport
 /// 53 meta mark != GUARD_MARK goto refused`); the question is not.
 #[test]
-#[ignore = "HOLE: a query to the guard's address reaches any wildcard :53 listener when the guard is not bound there"]
 fn a_scoped_query_to_the_guards_address_reaches_only_the_guard() {
     let w = user_scoped_world();
     let wildcard = sandbox_udp(&w, SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 53));
@@ -536,7 +535,6 @@ dns:
 /// address, `from_bridge` still accepts DNS to it and a wildcard :53 listener of the host
 /// (dnsmasq, a stub left running) receives the container's question.
 #[test]
-#[ignore = "HOLE: a container's query to the guard's bridge address reaches any wildcard :53 listener of the host when the guard is not bound"]
 fn a_containers_query_to_the_guards_bridge_address_reaches_only_the_guard() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
