@@ -1611,6 +1611,17 @@ mod tests {
         scope_output.hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32));
         let why = recorded_table(&dropping).unwrap_err();
         assert!(why.contains("chain scope_output"), "{why}");
+
+        // The spoof check after conntrack: no ruleset installs that either.
+        let mut late = live.clone();
+        let prerouting = late
+            .chains
+            .iter_mut()
+            .find(|c| c.name == "scope_prerouting")
+            .unwrap();
+        prerouting.hook = Some((libc::NF_INET_PRE_ROUTING as u32, 0, libc::NF_ACCEPT as u32));
+        let why = recorded_table(&late).unwrap_err();
+        assert!(why.contains("chain scope_prerouting"), "{why}");
     }
 
     #[test]
