@@ -25,8 +25,8 @@ use crate::core::diff::{CompareOptions, Presence, TableDiff, compare};
 use crate::core::resolution::Resolution;
 use crate::core::ruleset::{
     Elements, FROM_BRIDGE_CHAIN, OUTPUT_CHAIN, REFUSED_CHAIN, Ruleset, SCOPE_CHAINS,
-    SCOPE_FORWARD_CHAIN, SCOPE_INPUT_CHAIN, SCOPE_OUTPUT_CHAIN, ScopeChains, Set, SetId, SetRole,
-    TABLE,
+    SCOPE_FORWARD_CHAIN, SCOPE_INPUT_CHAIN, SCOPE_OUTPUT_CHAIN, SCOPE_PREROUTING_CHAIN,
+    ScopeChains, Set, SetId, SetRole, TABLE,
 };
 use crate::nft::live::{ReadRule, describe_table_flags};
 use crate::nft::{LiveTable, NftError, Table};
@@ -471,6 +471,7 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
             SCOPE_OUTPUT_CHAIN => scope.output.push(rule),
             SCOPE_FORWARD_CHAIN => scope.forward.push(rule),
             SCOPE_INPUT_CHAIN => scope.input.push(rule),
+            SCOPE_PREROUTING_CHAIN => scope.prerouting.push(rule),
             FROM_BRIDGE_CHAIN => scope.from_bridge.push(rule),
             other => {
                 return Err(format!(
@@ -1610,6 +1611,17 @@ mod tests {
         scope_output.hook = Some((libc::NF_INET_LOCAL_OUT as u32, 0, libc::NF_DROP as u32));
         let why = recorded_table(&dropping).unwrap_err();
         assert!(why.contains("chain scope_output"), "{why}");
+
+        // The spoof check after conntrack: no ruleset installs that either.
+        let mut late = live.clone();
+        let prerouting = late
+            .chains
+            .iter_mut()
+            .find(|c| c.name == "scope_prerouting")
+            .unwrap();
+        prerouting.hook = Some((libc::NF_INET_PRE_ROUTING as u32, 0, libc::NF_ACCEPT as u32));
+        let why = recorded_table(&late).unwrap_err();
+        assert!(why.contains("chain scope_prerouting"), "{why}");
     }
 
     #[test]

@@ -417,8 +417,15 @@ fn in_guard_mode_a_container_may_ask_only_the_guards_bridge_address() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
     // Where the guard listens for the container (planned from the sandbox's interfaces);
-    // the guard itself needs `run`, so a socket stands in for it here.
+    // the guard itself needs `run`, so a socket with the guard's mark stands in for it here
+    // (the table gives questions to the guard's address to the guard's sockets alone).
     let guard = host_udp_service(&w, SocketAddr::new(BRIDGE_V4, 53));
+    nix::sys::socket::setsockopt(
+        &guard,
+        nix::sys::socket::sockopt::Mark,
+        &egress_fence::core::policy::DEFAULT_GUARD_MARK,
+    )
+    .expect("the guard's mark on the stand-in");
     let other_port = host_udp_service(&w, SocketAddr::new(BRIDGE_V4, 5353));
     let policy = w.write_file("scope.yaml", BRIDGE_GUARD_POLICY);
     let plan = w.egress_fence(&["plan", path_arg(&policy)]);

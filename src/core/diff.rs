@@ -395,20 +395,21 @@ fn render(keys: &BTreeSet<ElementKey>) -> Vec<String> {
 }
 
 /// The type, hook, priority, policy and flags a chain of ours has: a base chain (see
-/// [`Ruleset::chains`]) is a filter chain on its hook at priority 0 (`filter`) with its
-/// policy; any other is a regular chain.
+/// [`Ruleset::chains`]) is a filter chain on its hook at the hook's priority (see
+/// [`Hook::priority`]) with its policy; any other is a regular chain.
 pub(crate) fn wanted_chain(base: Option<BaseChain>) -> ChainDefinition {
     let hook = base.map(|b| {
         let hook = match b.hook {
             Hook::Output => libc::NF_INET_LOCAL_OUT,
             Hook::Forward => libc::NF_INET_FORWARD,
             Hook::Input => libc::NF_INET_LOCAL_IN,
+            Hook::Prerouting => libc::NF_INET_PRE_ROUTING,
         };
         let policy = match b.policy {
             ChainPolicy::Accept => libc::NF_ACCEPT,
             ChainPolicy::Drop => libc::NF_DROP,
         };
-        (hook as u32, 0, policy as u32)
+        (hook as u32, b.hook.priority(), policy as u32)
     });
     ChainDefinition {
         kind: base.map(|_| "filter".to_string()),
@@ -864,7 +865,8 @@ pub(crate) mod tests {
                 "from_bridge",
                 "scope_output",
                 "scope_forward",
-                "scope_input"
+                "scope_input",
+                "scope_prerouting"
             ]
         );
         let live = live_of(&rs);
@@ -925,6 +927,21 @@ pub(crate) mod tests {
         let names: Vec<&str> = diff.chains.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["scope_forward", "scope_input"], "{diff}");
 
+        // The spoof check after conntrack (priority filter): an ICMP error about a spoofed
+        // packet could be made before it.
+        let mut live = live_of(&rs);
+        let prerouting = at(&live, "scope_prerouting");
+        live.chains[prerouting].hook =
+            Some((libc::NF_INET_PRE_ROUTING as u32, 0, libc::NF_ACCEPT as u32));
+        let diff = compare(&rs, Some(&live), CompareOptions::default());
+        assert_eq!(
+            diff.summary(),
+            vec![
+                "chain scope_prerouting: hook prerouting priority 0 policy accept (wanted: hook \
+                 prerouting priority -300 policy accept)"
+            ]
+        );
+
         // A scope chain missing, and one the plan has no more.
         let mut live = live_of(&rs);
         live.chains.retain(|c| c.name != "scope_input");
@@ -932,7 +949,10 @@ pub(crate) mod tests {
         let diff = compare(&rs, Some(&live), CompareOptions::default());
         assert_eq!(diff.chains.len(), 1);
         assert_eq!(diff.chains[0].presence, Presence::Missing);
-        assert_eq!(diff.chains[0].added_rules.len(), 2);
+        assert_eq!(
+            diff.chains[0].added_rules.len(),
+            rs.chain("scope_input").unwrap().rules.len()
+        );
         let unscoped = ruleset_for(POLICY, &["192.0.2.10"]);
         let diff = compare(&unscoped, Some(&live_of(&rs)), CompareOptions::default());
         let extra: Vec<&str> = diff
@@ -947,7 +967,8 @@ pub(crate) mod tests {
                 "from_bridge",
                 "scope_output",
                 "scope_forward",
-                "scope_input"
+                "scope_input",
+                "scope_prerouting"
             ]
         );
         let output = diff.chains.iter().find(|c| c.name == "output").unwrap();

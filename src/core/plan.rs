@@ -411,6 +411,12 @@ fn scope_chains(
                 .filter(|c| scope.cgroups.iter().any(|listed| c.is_of(listed)))
                 .map(|c| Rule::Fence(ScopeMatch::Cgroup(c.clone()))),
         );
+        // The kernel reports the groups a process joins (of its choice: data) from sockets
+        // without an owner, which no rule above matches: every report goes through the
+        // fence, as without a scope (IGMP refused, MLD within its byte budget). The host's
+        // own reports with them.
+        output.push(Rule::FenceIgmp);
+        output.extend(Icmpv6Type::MLD_REPORTS.map(Rule::FenceIcmpv6));
     }
     let mut from_bridge = Vec::new();
     if !scope.forward.is_empty() {
@@ -429,12 +435,43 @@ fn scope_chains(
         }
         from_bridge.push(Rule::GotoRefused);
     }
-    let each = |rule: fn(_) -> Rule| scope.forward.iter().cloned().map(rule).collect();
+    let each = |rule: fn(_) -> Rule| scope.forward.iter().cloned().map(rule).collect::<Vec<_>>();
+    // Link-scoped ICMPv6 is never forwarded, and the fence accepts neighbour discovery by
+    // type alone (a forwarded packet has no owner for `meta skuid >= 0` to refuse): a
+    // container would write it with any payload to any address.
+    let mut forward = Vec::new();
+    if !scope.forward.is_empty() {
+        forward.extend(Icmpv6Type::LINK_SCOPED.map(Rule::RefuseIcmpv6));
+    }
+    forward.extend(each(|i| Rule::Fence(ScopeMatch::Interface(i))));
+    // A question to the guard's address that the guard's own (marked) socket would not get,
+    // because it is not bound there, reaches whatever listens on the wildcard address (a
+    // resolver that recurses it out unfenced): refused for everyone, before a bridge's
+    // questions are accepted in `from_bridge`.
+    let mut input: Vec<Rule> = guard
+        .map(|g| {
+            g.listen
+                .iter()
+                .flat_map(|&to| {
+                    [L4Proto::Udp, L4Proto::Tcp].map(|proto| Rule::RefuseGuardQueryToOtherSockets {
+                        to,
+                        proto,
+                        mark: g.mark,
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    input.extend(each(Rule::FromBridge));
     Some(ScopeChains {
         output,
-        forward: each(|i| Rule::Fence(ScopeMatch::Interface(i))),
-        input: each(Rule::FromBridge),
+        forward,
+        input,
         from_bridge,
+        // A listed interface's packets from a source that does not route back through it
+        // are dropped before anything answers that source: the fence's reject and the
+        // guard's answers would quote a container's data to an outside address it spoofed.
+        prerouting: each(Rule::DropSpoofedFrom),
     })
 }
 
@@ -1274,7 +1311,7 @@ log:
         assert_eq!(scope.output[..protections.len()], protections[..]);
         assert!(protections.iter().all(|p| !rs.output.contains(p)));
         assert_eq!(
-            scope.output[protections.len()..],
+            scope.output[protections.len()..protections.len() + 3],
             [
                 Rule::Fence(ScopeMatch::Uid(1001)),
                 Rule::Fence(ScopeMatch::Uid(1002)),
@@ -1292,11 +1329,12 @@ log:
         // A listed cgroup that does not exist has no rule: nobody is in it.
         assert!(!rs.to_nft().contains("gone.slice"));
         let docker0: crate::core::policy::IfacePattern = "docker0".parse().unwrap();
-        assert_eq!(
-            scope.forward[0],
-            Rule::Fence(ScopeMatch::Interface(docker0.clone()))
+        assert!(
+            scope
+                .forward
+                .contains(&Rule::Fence(ScopeMatch::Interface(docker0.clone())))
         );
-        assert_eq!(scope.input[0], Rule::FromBridge(docker0));
+        assert!(scope.input.contains(&Rule::FromBridge(docker0)));
         // The bridge reaches the host only for replies, neighbour discovery and the guard
         // where it listens on the bridge.
         assert_eq!(scope.from_bridge.first(), Some(&Rule::AcceptEstablished));
@@ -1321,8 +1359,151 @@ log:
                 ("scope_output", true),
                 ("scope_forward", true),
                 ("scope_input", true),
+                ("scope_prerouting", true),
             ]
         );
+    }
+
+    #[test]
+    fn the_forward_path_refuses_link_scoped_icmpv6_before_the_fence() {
+        let rs = scoped_plan(&[], &[]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        let refused: Vec<Icmpv6Type> = scope
+            .forward
+            .iter()
+            .map_while(|r| match r {
+                Rule::RefuseIcmpv6(t) => Some(*t),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(refused, Icmpv6Type::LINK_SCOPED);
+        // Everything the fence accepts by ICMPv6 type alone is among them.
+        for rule in &rs.output {
+            if let Rule::AcceptIcmpv6(t) = rule {
+                assert!(refused.contains(t), "{rule}");
+            }
+        }
+        assert!(refused.contains(&Icmpv6Type::Mld2ListenerReport));
+        assert!(matches!(
+            &scope.forward[refused.len()..],
+            [
+                Rule::Fence(ScopeMatch::Interface(_)),
+                Rule::Fence(ScopeMatch::Interface(_))
+            ]
+        ));
+        // Without listed interfaces the scope forwards nothing to the fence: no chain.
+        let mut p = policy(SCOPED);
+        if let Some(scope) = p.scope.as_mut() {
+            scope.forward.clear();
+        }
+        assert!(plan(&p, &resolution(&[])).chain("scope_forward").is_none());
+    }
+
+    #[test]
+    fn every_multicast_report_goes_through_the_fence_of_a_scope_with_local_sockets() {
+        let rs = scoped_plan(&[], &[]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        let reports = [
+            Rule::FenceIgmp,
+            Rule::FenceIcmpv6(Icmpv6Type::Mld2ListenerReport),
+            Rule::FenceIcmpv6(Icmpv6Type::MldListenerReport),
+            Rule::FenceIcmpv6(Icmpv6Type::MldListenerDone),
+        ];
+        assert!(scope.output.ends_with(&reports), "{:?}", scope.output);
+        // The fence they go to accepts no IGMP, and MLDv2 reports only within their budget.
+        assert!(rs.output.contains(&Rule::AcceptMldReport));
+        assert!(!rs.output.iter().any(|r| matches!(
+            r,
+            Rule::AcceptIcmpv6(Icmpv6Type::MldListenerReport | Icmpv6Type::MldListenerDone)
+                | Rule::AcceptIcmpv6(Icmpv6Type::Mld2ListenerReport)
+        )));
+        // A scope of interfaces only fences no local socket's joins: the host's reports stay
+        // its own.
+        let mut p = policy(SCOPED);
+        if let Some(scope) = p.scope.as_mut() {
+            scope.users.clear();
+            scope.cgroups.clear();
+        }
+        let rs = plan(&p, &resolution(&[]));
+        let output = &rs.scope.as_ref().expect("scope chains").output;
+        assert!(reports.iter().all(|r| !output.contains(r)), "{output:?}");
+    }
+
+    #[test]
+    fn only_the_guards_sockets_get_questions_to_its_addresses() {
+        let rs = scoped_plan(&[], &["198.18.0.1:53"]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        let refusal = |to: &str, proto| Rule::RefuseGuardQueryToOtherSockets {
+            to: to.parse().unwrap(),
+            proto,
+            mark: crate::core::policy::DEFAULT_GUARD_MARK,
+        };
+        // Every listen address, the bridges' included, before the bridges' questions are
+        // accepted.
+        assert_eq!(
+            scope.input[..4],
+            [
+                refusal("127.0.0.53:53", L4Proto::Udp),
+                refusal("127.0.0.53:53", L4Proto::Tcp),
+                refusal("198.18.0.1:53", L4Proto::Udp),
+                refusal("198.18.0.1:53", L4Proto::Tcp),
+            ]
+        );
+        assert!(matches!(
+            scope.input[4..],
+            [Rule::FromBridge(_), Rule::FromBridge(_)]
+        ));
+        // A scope of users alone has the chain for them.
+        let mut p = policy(SCOPED);
+        if let Some(scope) = p.scope.as_mut() {
+            scope.forward.clear();
+        }
+        let mut r = resolution(&[]);
+        r.guard_uid = Some(993);
+        let rs = plan(&p, &r);
+        let input = rs.chain("scope_input").expect("scope_input");
+        assert_eq!(input.rules.len(), 2, "{:?}", input.rules);
+        // Without a guard there is nothing to protect.
+        let resolve = "version: 1\nscope:\n  users: [1001]\ndns:\n  resolvers: [192.0.2.53]\n";
+        let rs = plan(&policy(resolve), &resolution(&[]));
+        assert!(rs.chain("scope_input").is_none());
+    }
+
+    #[test]
+    fn a_listed_interface_drops_spoofed_sources_before_anything_answers_them() {
+        let rs = scoped_plan(&[], &["198.18.0.1:53"]);
+        let scope = rs.scope.as_ref().expect("scope chains");
+        let iface = |name: &str| name.parse().unwrap();
+        assert_eq!(
+            scope.prerouting,
+            [
+                Rule::DropSpoofedFrom(iface("docker0")),
+                Rule::DropSpoofedFrom(iface("br-*")),
+            ]
+        );
+        // Before conntrack (-200) and the routing decision: nothing has answered yet.
+        let chain = rs.chain("scope_prerouting").expect("the chain");
+        assert_eq!(
+            chain
+                .base
+                .map(|b| (b.hook.name(), b.hook.priority(), b.policy)),
+            Some((
+                "prerouting",
+                -300,
+                crate::core::ruleset::ChainPolicy::Accept
+            ))
+        );
+        assert!(rs.to_nft().contains(
+            "\tchain scope_prerouting {\n\t\ttype filter hook prerouting priority raw; policy \
+             accept;\n\t\tiifname \"docker0\" fib saddr . iif oif missing drop\n"
+        ));
+        // Without listed interfaces nothing is forwarded to check: no chain.
+        let mut p = policy(SCOPED);
+        if let Some(scope) = p.scope.as_mut() {
+            scope.forward.clear();
+        }
+        let rs = plan(&p, &resolution(&[]));
+        assert!(rs.chain("scope_prerouting").is_none());
     }
 
     #[test]

@@ -382,6 +382,20 @@ mod tests {
             ),
             "{err}"
         );
+        // A generation recorded without the spoof check (as before it existed): the stored
+        // ruleset reads (the chain is empty by default), and is not what the policy plans.
+        let mut stored = serde_json::to_value(&planned).unwrap();
+        if let Some(scope) = stored.get_mut("scope").and_then(|s| s.as_object_mut()) {
+            scope.remove("prerouting");
+        }
+        let older: Ruleset = serde_json::from_value(stored).expect("an older generation reads");
+        assert!(older.scope.as_ref().unwrap().prerouting.is_empty());
+        let err = check_replanned(&p, &r, &older).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "its chain scope_prerouting is not what its policy plans (it is no such chain, the \
+             plan on the prerouting hook, policy accept)"
+        );
         // Without its scope chains the fence is on the output hook again: everyone is
         // fenced, which this policy does not say.
         let mut unscoped = planned.clone();

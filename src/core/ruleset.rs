@@ -29,13 +29,18 @@ pub const SCOPE_INPUT_CHAIN: &str = "scope_input";
 /// What a listed interface (a container bridge) may send the host itself: replies, neighbour
 /// discovery, and questions to the DNS guard.
 pub const FROM_BRIDGE_CHAIN: &str = "from_bridge";
+/// With `scope.forward`, the base chain on the prerouting hook at priority `raw`: drops what a
+/// listed interface sends from a source that does not route back through it, before conntrack,
+/// the routing decision (and the kernel's ICMP errors it makes) or any of our chains answers it.
+pub const SCOPE_PREROUTING_CHAIN: &str = "scope_prerouting";
 
 /// The chains only a scoped table has.
-pub const SCOPE_CHAINS: [&str; 4] = [
+pub const SCOPE_CHAINS: [&str; 5] = [
     FROM_BRIDGE_CHAIN,
     SCOPE_OUTPUT_CHAIN,
     SCOPE_FORWARD_CHAIN,
     SCOPE_INPUT_CHAIN,
+    SCOPE_PREROUTING_CHAIN,
 ];
 
 /// The netfilter hook a base chain is on.
@@ -45,6 +50,7 @@ pub enum Hook {
     Output,
     Forward,
     Input,
+    Prerouting,
 }
 
 impl Hook {
@@ -53,6 +59,24 @@ impl Hook {
             Hook::Output => "output",
             Hook::Forward => "forward",
             Hook::Input => "input",
+            Hook::Prerouting => "prerouting",
+        }
+    }
+
+    /// The priority our base chain on this hook has: `filter` (0), except on prerouting,
+    /// where `raw` (-300) comes before conntrack (-200) sees the packet.
+    pub fn priority(self) -> i32 {
+        match self {
+            Hook::Prerouting => -300,
+            Hook::Output | Hook::Forward | Hook::Input => 0,
+        }
+    }
+
+    /// [`Hook::priority`] as nft writes it.
+    pub fn priority_name(self) -> &'static str {
+        match self {
+            Hook::Prerouting => "raw",
+            Hook::Output | Hook::Forward | Hook::Input => "filter",
         }
     }
 }
@@ -65,7 +89,7 @@ pub enum ChainPolicy {
     Drop,
 }
 
-/// A base chain's hook and policy (priority `filter`, type `filter`).
+/// A base chain's hook and policy (type `filter`, at the hook's [`Hook::priority`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BaseChain {
     pub hook: Hook,
@@ -347,7 +371,8 @@ pub struct Set {
     pub elements: Elements,
 }
 
-/// ICMPv6 messages a host must send to keep its link working.
+/// ICMPv6 messages a host must send to keep its link working, and the MLD messages that name
+/// multicast groups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Icmpv6Type {
@@ -355,15 +380,49 @@ pub enum Icmpv6Type {
     NdNeighborSolicit,
     NdNeighborAdvert,
     Mld2ListenerReport,
+    /// MLDv1 (a host in MLDv1 compatibility mode): a report of one group.
+    MldListenerReport,
+    /// MLDv1: a group left.
+    MldListenerDone,
 }
 
 impl Icmpv6Type {
+    /// Every type a rule of the table names.
+    pub const ALL: [Icmpv6Type; 6] = [
+        Icmpv6Type::NdRouterSolicit,
+        Icmpv6Type::NdNeighborSolicit,
+        Icmpv6Type::NdNeighborAdvert,
+        Icmpv6Type::Mld2ListenerReport,
+        Icmpv6Type::MldListenerReport,
+        Icmpv6Type::MldListenerDone,
+    ];
+
+    /// Link-scoped messages (neighbour discovery, MLD reports), never forwarded by a router:
+    /// what the forward path refuses before the fence, which accepts some by type alone.
+    pub const LINK_SCOPED: [Icmpv6Type; 5] = [
+        Icmpv6Type::NdRouterSolicit,
+        Icmpv6Type::NdNeighborSolicit,
+        Icmpv6Type::NdNeighborAdvert,
+        Icmpv6Type::Mld2ListenerReport,
+        Icmpv6Type::MldListenerReport,
+    ];
+
+    /// The MLD messages the kernel sends for a socket's joins and leaves, without an owner:
+    /// what a scope sends through the fence whoever joined.
+    pub const MLD_REPORTS: [Icmpv6Type; 3] = [
+        Icmpv6Type::Mld2ListenerReport,
+        Icmpv6Type::MldListenerReport,
+        Icmpv6Type::MldListenerDone,
+    ];
+
     pub fn number(self) -> u8 {
         match self {
             Icmpv6Type::NdRouterSolicit => 133,
             Icmpv6Type::NdNeighborSolicit => 135,
             Icmpv6Type::NdNeighborAdvert => 136,
             Icmpv6Type::Mld2ListenerReport => 143,
+            Icmpv6Type::MldListenerReport => 131,
+            Icmpv6Type::MldListenerDone => 132,
         }
     }
 
@@ -373,6 +432,8 @@ impl Icmpv6Type {
             Icmpv6Type::NdNeighborSolicit => "nd-neighbor-solicit",
             Icmpv6Type::NdNeighborAdvert => "nd-neighbor-advert",
             Icmpv6Type::Mld2ListenerReport => "mld2-listener-report",
+            Icmpv6Type::MldListenerReport => "mld-listener-report",
+            Icmpv6Type::MldListenerDone => "mld-listener-done",
         }
     }
 }
@@ -600,6 +661,29 @@ pub enum Rule {
     /// `ip daddr 198.18.0.1 udp dport 53 accept`: a question to the DNS guard where it
     /// listens (with a scope, other resolvers on this host are not the fence's).
     AcceptGuardQuery { to: SocketAddr, proto: L4Proto },
+    /// `iifname "docker0" fib saddr . iif oif missing drop`: what a listed interface sends
+    /// from a source that does not route back through it (an outside address a container
+    /// spoofs) is dropped on the prerouting hook, before anything can answer that source
+    /// with the packet's data: the fence's reject, the guard, the kernel's ICMP errors.
+    DropSpoofedFrom(IfacePattern),
+    /// `icmpv6 type nd-neighbor-solicit goto refused`: link-scoped messages are never
+    /// forwarded, and the fence accepts some by type alone.
+    RefuseIcmpv6(Icmpv6Type),
+    /// `meta l4proto igmp goto output`: the kernel's IGMP reports name the groups a process
+    /// joined (any, of its choice) and have no owner for a scope rule to match.
+    FenceIgmp,
+    /// `icmpv6 type mld2-listener-report goto output`: the same for MLD.
+    FenceIcmpv6(Icmpv6Type),
+    /// `ip daddr 127.0.0.53 udp dport 53 socket mark != M goto refused`: a question to the
+    /// guard's listen address that the guard's (marked) socket would not get, because a
+    /// wildcard listener gets it while the guard is not bound there. A packet that no socket
+    /// would get matches nothing (nft's `socket` breaks), and goes nowhere. An unspecified
+    /// address (`0.0.0.0`, `::`) matches any destination of either family.
+    RefuseGuardQueryToOtherSockets {
+        to: SocketAddr,
+        proto: L4Proto,
+        mark: u32,
+    },
     /// `ct state established,related accept`
     AcceptEstablished,
     /// `oif "lo" accept`
@@ -711,6 +795,23 @@ impl fmt::Display for Rule {
                 proto.name(),
                 to.port()
             ),
+            Rule::DropSpoofedFrom(iface) => {
+                write!(f, "iifname \"{iface}\" fib saddr . iif oif missing drop")
+            }
+            Rule::RefuseIcmpv6(t) => write!(f, "icmpv6 type {} goto {REFUSED_CHAIN}", t.name()),
+            Rule::FenceIgmp => write!(f, "meta l4proto igmp goto {OUTPUT_CHAIN}"),
+            Rule::FenceIcmpv6(t) => write!(f, "icmpv6 type {} goto {OUTPUT_CHAIN}", t.name()),
+            Rule::RefuseGuardQueryToOtherSockets { to, proto, mark } => {
+                if !to.ip().is_unspecified() {
+                    write!(f, "{} {} ", Family::of(to.ip()).daddr(), to.ip())?;
+                }
+                write!(
+                    f,
+                    "{} dport {} socket mark != {mark:#010x} goto {REFUSED_CHAIN}",
+                    proto.name(),
+                    to.port()
+                )
+            }
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
@@ -808,18 +909,24 @@ pub struct Ruleset {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScopeChains {
     /// [`SCOPE_OUTPUT_CHAIN`]: the guard's own protections (they hold for every socket), then
-    /// one [`Rule::Fence`] per uid, gid and cgroup of the scope.
+    /// one [`Rule::Fence`] per uid, gid and cgroup of the scope, then [`Rule::FenceIgmp`] and
+    /// a [`Rule::FenceIcmpv6`] per MLD report type.
     #[serde(default)]
     pub output: Vec<Rule>,
-    /// [`SCOPE_FORWARD_CHAIN`]: one [`Rule::Fence`] per listed interface.
+    /// [`SCOPE_FORWARD_CHAIN`]: a [`Rule::RefuseIcmpv6`] per link-scoped type, then one
+    /// [`Rule::Fence`] per listed interface.
     #[serde(default)]
     pub forward: Vec<Rule>,
-    /// [`SCOPE_INPUT_CHAIN`]: one [`Rule::FromBridge`] per listed interface.
+    /// [`SCOPE_INPUT_CHAIN`]: in guard mode a [`Rule::RefuseGuardQueryToOtherSockets`] per
+    /// listen address and protocol, then one [`Rule::FromBridge`] per listed interface.
     #[serde(default)]
     pub input: Vec<Rule>,
     /// [`FROM_BRIDGE_CHAIN`].
     #[serde(default)]
     pub from_bridge: Vec<Rule>,
+    /// [`SCOPE_PREROUTING_CHAIN`]: one [`Rule::DropSpoofedFrom`] per listed interface.
+    #[serde(default)]
+    pub prerouting: Vec<Rule>,
 }
 
 impl Ruleset {
@@ -868,6 +975,11 @@ impl Ruleset {
                     base(Hook::Input, ChainPolicy::Accept),
                     &scope.input,
                 ),
+                (
+                    SCOPE_PREROUTING_CHAIN,
+                    base(Hook::Prerouting, ChainPolicy::Accept),
+                    &scope.prerouting,
+                ),
             ];
             chains.extend(
                 scoped
@@ -914,8 +1026,9 @@ impl fmt::Display for Ruleset {
                 };
                 writeln!(
                     f,
-                    "\t\ttype filter hook {} priority filter; policy {policy};",
-                    base.hook.name()
+                    "\t\ttype filter hook {} priority {}; policy {policy};",
+                    base.hook.name(),
+                    base.hook.priority_name()
                 )?;
             }
             for rule in chain.rules {
@@ -1133,6 +1246,47 @@ mod tests {
                 "reject with icmpx admin-prohibited",
             ),
             (Rule::Refuse(Action::Drop), "drop"),
+            (
+                Rule::DropSpoofedFrom("docker0".parse().unwrap()),
+                "iifname \"docker0\" fib saddr . iif oif missing drop",
+            ),
+            (
+                Rule::DropSpoofedFrom("br-*".parse().unwrap()),
+                "iifname \"br-*\" fib saddr . iif oif missing drop",
+            ),
+            (
+                Rule::RefuseIcmpv6(Icmpv6Type::MldListenerReport),
+                "icmpv6 type mld-listener-report goto refused",
+            ),
+            (Rule::FenceIgmp, "meta l4proto igmp goto output"),
+            (
+                Rule::FenceIcmpv6(Icmpv6Type::MldListenerDone),
+                "icmpv6 type mld-listener-done goto output",
+            ),
+            (
+                Rule::RefuseGuardQueryToOtherSockets {
+                    to: "127.0.0.53:53".parse().unwrap(),
+                    proto: L4Proto::Udp,
+                    mark: 0x6500_0000,
+                },
+                "ip daddr 127.0.0.53 udp dport 53 socket mark != 0x65000000 goto refused",
+            ),
+            (
+                Rule::RefuseGuardQueryToOtherSockets {
+                    to: "[fd00::1]:5353".parse().unwrap(),
+                    proto: L4Proto::Tcp,
+                    mark: 0x1e00,
+                },
+                "ip6 daddr fd00::1 tcp dport 5353 socket mark != 0x00001e00 goto refused",
+            ),
+            (
+                Rule::RefuseGuardQueryToOtherSockets {
+                    to: "0.0.0.0:53".parse().unwrap(),
+                    proto: L4Proto::Udp,
+                    mark: 0x1e00,
+                },
+                "udp dport 53 socket mark != 0x00001e00 goto refused",
+            ),
         ];
         for (rule, want) in cases {
             assert_eq!(rule.to_string(), want);

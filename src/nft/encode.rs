@@ -137,8 +137,8 @@ pub fn replace_table(ruleset: &Ruleset) -> Encoded {
     b.finish()
 }
 
-/// A chain of the table: on its hook at priority `filter` (0) with its policy when it is a
-/// base chain, else a regular chain.
+/// A chain of the table: on its hook at the hook's priority (see [`Hook::priority`]) with its
+/// policy when it is a base chain, else a regular chain.
 fn nl_chain<'a>(name: &'a CString, table: &'a Table, base: Option<BaseChain>) -> Chain<'a> {
     let mut chain = Chain::new(name, table);
     if let Some(base) = base {
@@ -147,8 +147,9 @@ fn nl_chain<'a>(name: &'a CString, table: &'a Table, base: Option<BaseChain>) ->
                 Hook::Output => nftnl::Hook::Out,
                 Hook::Forward => nftnl::Hook::Forward,
                 Hook::Input => nftnl::Hook::In,
+                Hook::Prerouting => nftnl::Hook::PreRouting,
             },
-            0,
+            base.hook.priority(),
         );
         chain.set_type(ChainType::Filter);
         chain.set_policy(match base.policy {
@@ -393,6 +394,7 @@ fn next_addr(addr: IpAddr) -> Option<IpAddr> {
 // ---- rules ----------------------------------------------------------------------------------
 
 const IPPROTO_ICMP: u8 = 1;
+const IPPROTO_IGMP: u8 = 2;
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_ICMPV6: u8 = 58;
 /// `oif "lo"`: the loopback device is interface 1 in every network namespace.
@@ -483,6 +485,22 @@ fn from_guard_port(from: SocketAddr, proto: L4Proto) -> Vec<AnyExpr> {
     e.extend(l4proto_is(proto.number()));
     e.push(own(Expr::payload(PayloadBase::Transport, 0, 2, sys::REG_1)));
     e.push(eq(&from.port().to_be_bytes()));
+    e
+}
+
+/// Matches packets to `to` (any address, when it is the unspecified one) over `proto`:
+/// `ip daddr 198.18.0.1 udp dport 53`.
+fn to_port(to: SocketAddr, proto: L4Proto) -> Vec<AnyExpr> {
+    let mut e = Vec::new();
+    if !to.ip().is_unspecified() {
+        let family = Family::of(to.ip());
+        e.extend(is_family(family));
+        e.push(daddr_into_reg1(family));
+        e.push(eq(&addr_bytes(to.ip())));
+    }
+    e.extend(l4proto_is(proto.number()));
+    e.push(own(Expr::payload(PayloadBase::Transport, 2, 2, sys::REG_1)));
+    e.push(eq(&to.port().to_be_bytes()));
     e
 }
 
@@ -605,6 +623,31 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(own(Expr::payload(PayloadBase::Transport, 2, 2, sys::REG_1)));
             e.push(eq(&to.port().to_be_bytes()));
             e.push(accept);
+        }
+        Rule::DropSpoofedFrom(iface) => {
+            e.extend(iifname_is(iface));
+            // `missing`: the lookup's "present" result compared with 0, as nft sends it.
+            e.push(own(Expr::fib_saddr_iif_present(sys::REG_1)));
+            e.push(eq(&0u32.to_ne_bytes()));
+            e.push(crate_expr(Verdict::Drop));
+        }
+        Rule::RefuseIcmpv6(t) => {
+            e.extend(icmpv6_type_is(*t));
+            e.push(goto_refused());
+        }
+        Rule::FenceIgmp => {
+            e.extend(l4proto_is(IPPROTO_IGMP));
+            e.push(goto(OUTPUT_CHAIN));
+        }
+        Rule::FenceIcmpv6(t) => {
+            e.extend(icmpv6_type_is(*t));
+            e.push(goto(OUTPUT_CHAIN));
+        }
+        Rule::RefuseGuardQueryToOtherSockets { to, proto, mark } => {
+            e.extend(to_port(*to, *proto));
+            e.push(own(Expr::socket_mark(sys::REG_1)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &mark.to_ne_bytes())));
+            e.push(goto_refused());
         }
         Rule::RefuseSourceRoute(route) => {
             e.extend(is_family(route.family()));
@@ -811,7 +854,7 @@ pub fn decode_rule(exprs: &[LiveExpr], userdata: Option<&[u8]>) -> Option<Rule> 
 }
 
 /// `rule` as [`decode_rule`] reads it back: the same rule, except that a listen address
-/// given as `[::]` matches what `0.0.0.0` does (any source address) and reads back as that.
+/// given as `[::]` matches what `0.0.0.0` does (any address) and reads back as that.
 pub fn as_read_back(rule: &Rule) -> Rule {
     let any = |from: SocketAddr| {
         if from.ip().is_unspecified() {
@@ -833,6 +876,13 @@ pub fn as_read_back(rule: &Rule) -> Rule {
                 from: any(from),
                 proto,
                 uid,
+            }
+        }
+        Rule::RefuseGuardQueryToOtherSockets { to, proto, mark } => {
+            Rule::RefuseGuardQueryToOtherSockets {
+                to: any(to),
+                proto,
+                mark,
             }
         }
         other => other,
@@ -860,6 +910,10 @@ struct Matches {
     uid_neq: Option<u32>,
     /// `meta skuid >= 0`: the packet has an owning socket.
     has_owner: bool,
+    /// `socket mark != M`.
+    socket_mark_neq: Option<u32>,
+    /// `fib saddr . iif oif missing`.
+    fib_missing: bool,
     mark_eq: Option<u32>,
     mark_neq: Option<u32>,
     oif_eq: bool,
@@ -892,6 +946,10 @@ enum Loaded {
     Exthdr,
     /// `socket cgroupv2 level N`.
     Cgroup(u32),
+    /// `socket mark`.
+    SocketMark,
+    /// `fib saddr . iif oif present`.
+    Fib,
 }
 
 fn u32_of(data: &[u8]) -> Option<u32> {
@@ -934,6 +992,12 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                 dreg,
                 level: Some(level),
             } if *dreg == sys::REG_1 => loaded = Some(Loaded::Cgroup(*level)),
+            LiveExpr::Socket {
+                key: sys::NFT_SOCKET_MARK,
+                dreg,
+                level: None,
+            } if *dreg == sys::REG_1 => loaded = Some(Loaded::SocketMark),
+            LiveExpr::Fib { dreg, .. } if *dreg == sys::REG_1 => loaded = Some(Loaded::Fib),
             LiveExpr::Exthdr { .. } => loaded = Some(Loaded::Exthdr),
             LiveExpr::Cmp { op, data, .. } => {
                 let (op, eq) = (*op as c_int, *op as c_int == libc::NFT_CMP_EQ);
@@ -956,6 +1020,8 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     Loaded::Meta(libc::NFT_META_OIF) => m.oif_eq = eq,
                     Loaded::Meta(libc::NFT_META_SKGID) => m.gid_eq = u32_of(data),
                     Loaded::Meta(libc::NFT_META_IIFNAME) => m.iifname = Some(data.clone()),
+                    Loaded::SocketMark if !eq => m.socket_mark_neq = u32_of(data),
+                    Loaded::Fib => m.fib_missing = eq && data.iter().all(|&b| b == 0),
                     Loaded::Cgroup(level) => {
                         let id = u64::from_ne_bytes(data.as_slice().try_into().ok()?);
                         m.cgroup = Some((level, id));
@@ -1035,6 +1101,9 @@ fn rule_of(m: &Matches) -> Option<Rule> {
     };
     Some(match verdict {
         ReadVerdict::Reject => Rule::Refuse(Action::Reject),
+        ReadVerdict::Drop if m.fib_missing => {
+            Rule::DropSpoofedFrom(iface_of(m.iifname.as_deref()?)?)
+        }
         ReadVerdict::Drop => Rule::Refuse(Action::Drop),
         ReadVerdict::Accept => {
             if m.ct_state {
@@ -1049,7 +1118,7 @@ fn rule_of(m: &Matches) -> Option<Rule> {
                     None => Rule::AcceptTupleIn(set),
                 }
             } else if let Some(number) = m.icmp_type {
-                let t = ICMPV6_TYPES.into_iter().find(|t| t.number() == number)?;
+                let t = icmpv6_type_of(number)?;
                 if m.limit.is_some() && t == Icmpv6Type::Mld2ListenerReport {
                     Rule::AcceptMldReport
                 } else {
@@ -1065,6 +1134,12 @@ fn rule_of(m: &Matches) -> Option<Rule> {
             } else {
                 Rule::AcceptDhcpClient(m.family?)
             }
+        }
+        ReadVerdict::GotoOutput if m.icmp_type.is_some() => {
+            Rule::FenceIcmpv6(icmpv6_type_of(m.icmp_type?)?)
+        }
+        ReadVerdict::GotoOutput if m.iifname.is_none() && m.l4proto == Some(IPPROTO_IGMP) => {
+            Rule::FenceIgmp
         }
         ReadVerdict::GotoOutput => Rule::Fence(if let Some(uid) = m.uid_eq {
             ScopeMatch::Uid(uid)
@@ -1085,7 +1160,15 @@ fn rule_of(m: &Matches) -> Option<Rule> {
         }),
         ReadVerdict::GotoFromBridge => Rule::FromBridge(iface_of(m.iifname.as_deref()?)?),
         ReadVerdict::GotoRefused => {
-            if m.hdrlength {
+            if let Some(mark) = m.socket_mark_neq {
+                Rule::RefuseGuardQueryToOtherSockets {
+                    to: SocketAddr::new(m.daddr.unwrap_or(IpAddr::from([0u8; 4])), m.dport?),
+                    proto: proto()?,
+                    mark,
+                }
+            } else if let Some(number) = m.icmp_type {
+                Rule::RefuseIcmpv6(icmpv6_type_of(number)?)
+            } else if m.hdrlength {
                 Rule::RefuseSourceRoute(SourceRoute::Ipv4Options)
             } else if m.routing_header {
                 Rule::RefuseSourceRoute(SourceRoute::Ipv6RoutingHeader)
@@ -1138,13 +1221,10 @@ fn iface_of(data: &[u8]) -> Option<IfacePattern> {
     text.parse().ok()
 }
 
-/// The ICMPv6 types a rule accepts.
-const ICMPV6_TYPES: [Icmpv6Type; 4] = [
-    Icmpv6Type::NdRouterSolicit,
-    Icmpv6Type::NdNeighborSolicit,
-    Icmpv6Type::NdNeighborAdvert,
-    Icmpv6Type::Mld2ListenerReport,
-];
+/// The ICMPv6 type a rule names by its number.
+fn icmpv6_type_of(number: u8) -> Option<Icmpv6Type> {
+    Icmpv6Type::ALL.into_iter().find(|t| t.number() == number)
+}
 
 fn nl_rule<'a>(
     chain: &'a Chain<'a>,
@@ -1610,7 +1690,7 @@ mod tests {
             Rule::Refuse(Action::Reject),
             Rule::Refuse(Action::Drop),
         ];
-        rules.extend(ICMPV6_TYPES.map(Rule::AcceptIcmpv6));
+        rules.extend(Icmpv6Type::ALL.map(Rule::AcceptIcmpv6));
         rules.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
         for family in Family::BOTH {
             rules.push(Rule::AcceptDhcpClient(family));
@@ -1704,6 +1784,26 @@ mod tests {
                 rules.push(Rule::AcceptGuardQuery {
                     to: to.parse().unwrap(),
                     proto,
+                });
+            }
+        }
+        for name in ["docker0", "br-*"] {
+            rules.push(Rule::DropSpoofedFrom(iface(name)));
+        }
+        rules.extend(Icmpv6Type::ALL.map(Rule::RefuseIcmpv6));
+        rules.extend(Icmpv6Type::ALL.map(Rule::FenceIcmpv6));
+        rules.push(Rule::FenceIgmp);
+        for to in [
+            "127.0.0.53:53",
+            "[fd00::1]:53",
+            "198.18.0.1:5353",
+            "0.0.0.0:53",
+        ] {
+            for proto in [L4Proto::Udp, L4Proto::Tcp] {
+                rules.push(Rule::RefuseGuardQueryToOtherSockets {
+                    to: to.parse().unwrap(),
+                    proto,
+                    mark: 0x6500_0000,
                 });
             }
         }
@@ -1826,6 +1926,279 @@ mod tests {
             if !matches!(rule, Rule::Fence(ScopeMatch::Cgroup(_))) {
                 assert_eq!(dumped_rule(&rule).unwrap().userdata, None, "{rule}");
             }
+        }
+    }
+
+    #[test]
+    fn scope_guards_match_nft() {
+        // Recorded from `nft --debug=netlink -f` (nft 1.0.6) for the same rules as nft text.
+        assert_eq!(
+            exprs(&Rule::DropSpoofedFrom(iface("docker0"))),
+            [
+                "meta load iifname => reg 1",
+                "cmp eq reg 1 0x6b636f64 0x00307265 0x00000000 0x00000000",
+                "fib saddr . iif oif present => reg 1",
+                "cmp eq reg 1 0x00000000",
+                "immediate reg 0 drop",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::DropSpoofedFrom(iface("br-*"))),
+            [
+                "meta load iifname => reg 1",
+                "cmp eq reg 1 0x002d7262",
+                "fib saddr . iif oif present => reg 1",
+                "cmp eq reg 1 0x00000000",
+                "immediate reg 0 drop",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseIcmpv6(Icmpv6Type::NdRouterSolicit)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x0000003a",
+                "payload load 1b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x00000085",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseIcmpv6(Icmpv6Type::MldListenerReport)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x0000003a",
+                "payload load 1b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x00000083",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::FenceIgmp),
+            [
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "immediate reg 0 goto -> output",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::FenceIcmpv6(Icmpv6Type::Mld2ListenerReport)),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x0000003a",
+                "payload load 1b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x0000008f",
+                "immediate reg 0 goto -> output",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseGuardQueryToOtherSockets {
+                to: "127.0.0.53:53".parse().unwrap(),
+                proto: L4Proto::Udp,
+                mark: 0x6500_0000,
+            }),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "payload load 4b @ network header + 16 => reg 1",
+                "cmp eq reg 1 0x3500007f",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000011",
+                "payload load 2b @ transport header + 2 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "socket load mark => reg 1",
+                "cmp neq reg 1 0x65000000",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RefuseGuardQueryToOtherSockets {
+                to: "[fd00::1]:53".parse().unwrap(),
+                proto: L4Proto::Tcp,
+                mark: 0x6500_0000,
+            }),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "payload load 16b @ network header + 24 => reg 1",
+                "cmp eq reg 1 0x000000fd 0x00000000 0x00000000 0x01000000",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000006",
+                "payload load 2b @ transport header + 2 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "socket load mark => reg 1",
+                "cmp neq reg 1 0x65000000",
+                "immediate reg 0 goto -> refused",
+            ]
+        );
+    }
+
+    #[test]
+    fn altered_scope_guards_read_as_no_rule() {
+        let read = |d: &DumpedRule| decode_rule(&d.exprs, d.userdata.as_deref());
+        let spoof = Rule::DropSpoofedFrom(iface("docker0"));
+        let nd = Rule::RefuseIcmpv6(Icmpv6Type::NdNeighborSolicit);
+        let igmp = Rule::FenceIgmp;
+        let query = Rule::RefuseGuardQueryToOtherSockets {
+            to: "198.18.0.1:53".parse().unwrap(),
+            proto: L4Proto::Udp,
+            mark: 0x6500_0000,
+        };
+        const FIB_AT: usize = 2;
+        const MARK_AT: usize = 8;
+        type DumpEdit = dyn Fn(&mut DumpedRule);
+        let cases: Vec<(&str, &Rule, Box<DumpEdit>)> = vec![
+            (
+                "fib present instead of missing",
+                &spoof,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { op, .. } = &mut d.exprs[FIB_AT + 1] {
+                        *op = libc::NFT_CMP_NEQ as u32;
+                    }
+                }),
+            ),
+            (
+                "fib of the destination",
+                &spoof,
+                Box::new(|d| {
+                    if let LiveExpr::Fib { flags, .. } = &mut d.exprs[FIB_AT] {
+                        *flags = sys::NFTA_FIB_F_IIF | sys::NFTA_FIB_F_PRESENT | 2;
+                    }
+                }),
+            ),
+            (
+                "fib without the input interface",
+                &spoof,
+                Box::new(|d| {
+                    if let LiveExpr::Fib { flags, .. } = &mut d.exprs[FIB_AT] {
+                        *flags = sys::NFTA_FIB_F_SADDR | sys::NFTA_FIB_F_PRESENT;
+                    }
+                }),
+            ),
+            (
+                "fib's output interface itself, not whether there is one",
+                &spoof,
+                Box::new(|d| {
+                    if let LiveExpr::Fib { flags, .. } = &mut d.exprs[FIB_AT] {
+                        *flags = sys::NFTA_FIB_F_SADDR | sys::NFTA_FIB_F_IIF;
+                    }
+                }),
+            ),
+            (
+                "fib's address type",
+                &spoof,
+                Box::new(|d| {
+                    if let LiveExpr::Fib { result, .. } = &mut d.exprs[FIB_AT] {
+                        *result = 3;
+                    }
+                }),
+            ),
+            (
+                "a spoof check accepting",
+                &spoof,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Verdict { code, .. }) = d.exprs.last_mut() {
+                        *code = libc::NF_ACCEPT;
+                    }
+                }),
+            ),
+            (
+                "a spoof check without its interface",
+                &spoof,
+                Box::new(|d| drop(d.exprs.drain(0..2))),
+            ),
+            (
+                "another ICMPv6 type",
+                &nd,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { data, .. } = &mut d.exprs[5] {
+                        *data = vec![128];
+                    }
+                }),
+            ),
+            (
+                "ND refused without the family",
+                &nd,
+                Box::new(|d| drop(d.exprs.drain(0..2))),
+            ),
+            (
+                "IGMP from an interface",
+                &igmp,
+                Box::new(|d| {
+                    d.exprs.insert(
+                        0,
+                        LiveExpr::Meta {
+                            key: libc::NFT_META_IIFNAME as u32,
+                            dreg: sys::REG_1,
+                        },
+                    );
+                    d.exprs.insert(
+                        1,
+                        LiveExpr::Cmp {
+                            sreg: sys::REG_1,
+                            op: libc::NFT_CMP_EQ as u32,
+                            data: b"docker0\0\0\0\0\0\0\0\0\0".to_vec(),
+                        },
+                    );
+                }),
+            ),
+            (
+                "socket mark compared with ==",
+                &query,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { op, .. } = &mut d.exprs[MARK_AT + 1] {
+                        *op = libc::NFT_CMP_EQ as u32;
+                    }
+                }),
+            ),
+            (
+                "socket transparent instead of mark",
+                &query,
+                Box::new(|d| {
+                    if let LiveExpr::Socket { key, .. } = &mut d.exprs[MARK_AT] {
+                        *key = 0;
+                    }
+                }),
+            ),
+            (
+                "socket mark with a level",
+                &query,
+                Box::new(|d| {
+                    if let LiveExpr::Socket { level, .. } = &mut d.exprs[MARK_AT] {
+                        *level = Some(1);
+                    }
+                }),
+            ),
+            (
+                "a guard query refusal without its port",
+                &query,
+                Box::new(|d| drop(d.exprs.drain(6..8))),
+            ),
+            (
+                "a guard query refusal accepting",
+                &query,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Verdict { code, chain }) = d.exprs.last_mut() {
+                        (*code, *chain) = (libc::NF_ACCEPT, None);
+                    }
+                }),
+            ),
+        ];
+        for (what, rule, edit) in cases {
+            let mut d = dumped_rule(rule).unwrap();
+            assert_eq!(read(&d), Some(rule.clone()), "{what}: unedited");
+            edit(&mut d);
+            assert_ne!(
+                &d,
+                &dumped_rule(rule).unwrap(),
+                "{what}: the edit changed nothing"
+            );
+            assert_eq!(read(&d), None, "{what}");
         }
     }
 
@@ -2064,6 +2437,7 @@ mod tests {
                 rule,
                 Rule::RefuseOtherUidsFromGuardPort { .. }
                     | Rule::RefuseUnmarkedFromGuardPort { .. }
+                    | Rule::RefuseGuardQueryToOtherSockets { .. }
             ) {
                 assert_eq!(as_read_back(&rule), rule);
             }
@@ -2274,6 +2648,7 @@ mod tests {
                 forward: rules(Rule::Fence(ScopeMatch::Interface(iface("br-*")))),
                 input: rules(Rule::FromBridge(iface("br-*"))),
                 from_bridge: rules(Rule::GotoRefused),
+                prerouting: vec![],
             }),
         };
         let enc = replace_table(&rs);

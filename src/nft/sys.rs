@@ -1,6 +1,6 @@
 //! What the `nftnl` crate (0.9) lacks, filled in over `nftnl-sys`: expressions with chosen
-//! registers (payload, meta, lookup, byteorder), log, limit and `socket cgroupv2 level N`
-//! (whose level attribute the bindings lack); sets with flags, concatenated
+//! registers (payload, meta, lookup, byteorder), log, limit, `socket cgroupv2 level N`
+//! (whose level attribute the bindings lack), `socket mark` and `fib`; sets with flags, concatenated
 //! keys and elements that carry key ends, flags and timeouts; element messages with and without
 //! NLM_F_EXCL; and parsing of dumped sets, elements, chains and rules (with their user data,
 //! where nft keeps a rule's comment).
@@ -29,6 +29,16 @@ pub const NFT_EXTHDR_OP_IPV6: u32 = 0;
 /// The socket expression's key "the id of the socket's cgroup v2 ancestor at a level"
 /// (`NFT_SOCKET_CGROUPV2`, absent from libc).
 pub const NFT_SOCKET_CGROUPV2: u32 = 3;
+/// The socket expression's key "the socket's mark" (`NFT_SOCKET_MARK`, absent from libc).
+pub const NFT_SOCKET_MARK: u32 = 1;
+/// The fib expression's result "the output interface" (`NFT_FIB_RESULT_OIF`, absent from
+/// libc).
+pub const NFT_FIB_RESULT_OIF: u32 = 1;
+/// The fib expression's flags (`NFTA_FIB_F_*`, absent from libc): look up the source
+/// address, restricted to the input interface, and say only whether a route was found.
+pub const NFTA_FIB_F_SADDR: u32 = 1 << 0;
+pub const NFTA_FIB_F_IIF: u32 = 1 << 3;
+pub const NFTA_FIB_F_PRESENT: u32 = 1 << 5;
 /// libnftnl's `NFTNL_EXPR_SOCKET_LEVEL` (libnftnl 1.2.4 has it; the bindings of nftnl-sys
 /// for it do not).
 const NFTNL_EXPR_SOCKET_LEVEL: u32 = sys::NFTNL_EXPR_SOCKET_DREG + 1;
@@ -182,6 +192,36 @@ impl Expr {
                 (sys::NFTNL_EXPR_SOCKET_KEY, Attr::U32(NFT_SOCKET_CGROUPV2)),
                 (sys::NFTNL_EXPR_SOCKET_DREG, Attr::U32(dreg)),
                 (NFTNL_EXPR_SOCKET_LEVEL, Attr::U32(level)),
+            ],
+        }
+    }
+
+    /// Loads the mark of the socket the packet is for (found as the stack would find it)
+    /// into register `dreg`: `socket mark`. A packet no full socket gets (none, or a
+    /// request or time-wait socket) matches nothing.
+    pub fn socket_mark(dreg: u32) -> Expr {
+        Expr {
+            name: c"socket",
+            attrs: vec![
+                (sys::NFTNL_EXPR_SOCKET_KEY, Attr::U32(NFT_SOCKET_MARK)),
+                (sys::NFTNL_EXPR_SOCKET_DREG, Attr::U32(dreg)),
+            ],
+        }
+    }
+
+    /// Puts into register `dreg` (4 bytes) whether a route back to the packet's source
+    /// leaves by the interface it came in on (non-zero) or not (0): `fib saddr . iif oif`
+    /// with `present`/`missing`.
+    pub fn fib_saddr_iif_present(dreg: u32) -> Expr {
+        Expr {
+            name: c"fib",
+            attrs: vec![
+                (sys::NFTNL_EXPR_FIB_DREG, Attr::U32(dreg)),
+                (sys::NFTNL_EXPR_FIB_RESULT, Attr::U32(NFT_FIB_RESULT_OIF)),
+                (
+                    sys::NFTNL_EXPR_FIB_FLAGS,
+                    Attr::U32(NFTA_FIB_F_SADDR | NFTA_FIB_F_IIF | NFTA_FIB_F_PRESENT),
+                ),
             ],
         }
     }
@@ -812,6 +852,8 @@ pub enum LiveExpr {
         dreg: u32,
         level: Option<u32>,
     },
+    /// `fib FLAGS RESULT => reg DREG`
+    Fib { dreg: u32, result: u32, flags: u32 },
     /// `exthdr load ...`: whether (flags 1) or what of an extension header.
     Exthdr {
         dreg: u32,
@@ -1327,6 +1369,18 @@ unsafe fn read_expr(e: *const sys::nftnl_expr, name: &str) -> Option<LiveExpr> {
                 key: u32_attr(KEY),
                 dreg: u32_attr(DREG),
                 level: is_set(LEVEL).then(|| u32_attr(LEVEL)),
+            })
+        }
+        "fib" => {
+            use sys::{
+                NFTNL_EXPR_FIB_DREG as DREG, NFTNL_EXPR_FIB_FLAGS as FLAGS,
+                NFTNL_EXPR_FIB_RESULT as RESULT,
+            };
+            let all = [DREG, RESULT, FLAGS];
+            attrs_are(&all, &all).then(|| LiveExpr::Fib {
+                dreg: u32_attr(DREG),
+                result: u32_attr(RESULT),
+                flags: u32_attr(FLAGS),
             })
         }
         "exthdr" => {

@@ -76,7 +76,6 @@ print('joined')
 /// rule sends them to the fence, while the unscoped fence refuses them (no rule accepts IGMP).
 /// MLD (IPv6) reports go the same way, past the fence's 1 kbyte/minute limit on them.
 #[test]
-#[ignore = "HOLE: IGMP/MLD reports a scoped user triggers by joining groups have no socket owner and pass scope_output"]
 fn a_scoped_user_sends_no_chosen_multicast_reports() {
     let w = World::new();
     let iface = SANDBOX_V4.to_string();
@@ -162,7 +161,6 @@ fn the_unscoped_fence_refuses_chosen_multicast_reports() {
 /// unscoped process. The guard's own answers are protected (`ip saddr 127.0.0.53 udp sport
 /// 53 meta mark != GUARD_MARK goto refused`); the question is not.
 #[test]
-#[ignore = "HOLE: a query to the guard's address reaches any wildcard :53 listener when the guard is not bound there"]
 fn a_scoped_query_to_the_guards_address_reaches_only_the_guard() {
     let w = user_scoped_world();
     let wildcard = sandbox_udp(&w, SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 53));
@@ -599,7 +597,6 @@ dns:
 /// address, `from_bridge` still accepts DNS to it and a wildcard :53 listener of the host
 /// (dnsmasq, a stub left running) receives the container's question.
 #[test]
-#[ignore = "HOLE: a container's query to the guard's bridge address reaches any wildcard :53 listener of the host when the guard is not bound"]
 fn a_containers_query_to_the_guards_bridge_address_reaches_only_the_guard() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
@@ -920,7 +917,6 @@ fn loose_rp_filter_and_bridge_mac(w: &World) -> String {
 /// (`iifname "efbr0" fib saddr . iif oif missing drop`, or a check of the bridge's
 /// prefixes) before anything answers it, and/or refuse from a bridge by `drop`.
 #[test]
-#[ignore = "HOLE: the fence's reject quotes a container's refused datagram to its spoofed (outside) source"]
 fn a_container_cannot_make_the_fence_reflect_its_data_to_a_spoofed_source() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
@@ -958,7 +954,6 @@ fn a_container_cannot_make_the_fence_reflect_its_data_to_a_spoofed_source() {
 /// goes to that source out of the uplink. Fix as above (the guard answers only sources of
 /// the bridge's networks; the table drops spoofed sources from a listed bridge).
 #[test]
-#[ignore = "HOLE: the guard answers a container's spoofed outside source, echoing the question out of the uplink"]
 fn a_container_cannot_make_the_guard_answer_a_spoofed_source() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
@@ -1148,7 +1143,6 @@ fn container_ipv6(w: &World, container: &BridgedContainer) {
 /// requires of it, and what is never forwarded), or keep the ND accepts out of the chain the
 /// forward path jumps to.
 #[test]
-#[ignore = "HOLE: a container's forged NS/NA/RS to any outside address pass the forward path (ND accepted by type alone)"]
 fn a_container_gets_no_data_out_as_neighbour_discovery() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
