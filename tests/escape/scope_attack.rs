@@ -129,7 +129,7 @@ fn a_scoped_users_mld_reports_are_bounded_as_the_fence_bounds_them() {
     assert!(joined.success(), "{joined}");
     let limit = egress_fence::core::ruleset::MLD_REPORT_LIMIT;
     assert!(
-        bytes as u64 <= limit.count + u64::from(limit.burst),
+        bytes <= limit.count + u64::from(limit.burst),
         "{frames} MLD reports ({bytes} bytes) with uid 1001's group addresses left through the scope"
     );
 }
