@@ -862,6 +862,7 @@ pub(crate) mod tests {
                 "output",
                 "refused",
                 "from_bridge",
+                "guard",
                 "scope_output",
                 "scope_forward",
                 "scope_input"
@@ -945,6 +946,7 @@ pub(crate) mod tests {
             extra,
             [
                 "from_bridge",
+                "guard",
                 "scope_output",
                 "scope_forward",
                 "scope_input"
