@@ -1420,4 +1420,22 @@ log:
         assert_eq!(scope.output, [Rule::Fence(ScopeMatch::Uid(1001))]);
         assert!(rs.chain("guard").is_none());
     }
+
+    #[test]
+    fn a_generation_recorded_before_the_guard_chain_still_reads() {
+        // Then the protections were scope_output's first rules, and there was no `guard`.
+        let mut old = scoped_plan(&[], &[]);
+        let scope = old.scope.as_mut().unwrap();
+        let protections = std::mem::take(&mut scope.guard);
+        scope
+            .output
+            .retain(|r| !matches!(r, Rule::JumpGuardFromPort(_) | Rule::JumpGuardToUpstream(_)));
+        scope.output.splice(0..0, protections);
+        let mut json = serde_json::to_value(&old).unwrap();
+        json["scope"].as_object_mut().unwrap().remove("guard");
+        let read: Ruleset = serde_json::from_value(json).unwrap();
+        assert_eq!(read, old);
+        assert!(read.chain("guard").is_none());
+        assert_ne!(read, scoped_plan(&[], &[]), "and it is not today's plan");
+    }
 }
