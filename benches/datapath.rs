@@ -41,8 +41,9 @@
 //!
 //! Figures per configuration and family: p50, p90, p99, max and mean of every sample, and the
 //! ratios of p50 and mean to no table and to the fence. With `--baseline PATH` another egress-fence
-//! binary (a build of another commit) plans the fence of (3) too, in a namespace of its own,
-//! measured in the same rounds, and the scoped rows are also compared with it.
+//! binary (a build of another commit) plans the fence of (3) and the scoped table of (4)-(5)
+//! too, each in a namespace of its own, measured in the same rounds, and the scoped rows are
+//! also compared with them (before and after a change of the table's layout, in one run).
 //!
 //! No figure is asserted: this is a benchmark. Nothing is loaded into the root network
 //! namespace; every process the bench starts is ended and every namespace and the cgroup
@@ -162,7 +163,10 @@ enum Table {
     Fence {
         baseline: bool,
     },
-    Scoped,
+    /// The plan of the policy with `scope:`, likewise.
+    Scoped {
+        baseline: bool,
+    },
 }
 
 /// A client namespace: its table, its veth to the server, the server's addresses from it.
@@ -715,7 +719,10 @@ fn bench(args: &[String]) {
     if o.baseline.is_some() {
         tables.push(Table::Fence { baseline: true });
     }
-    tables.push(Table::Scoped);
+    tables.push(Table::Scoped { baseline: false });
+    if o.baseline.is_some() {
+        tables.push(Table::Scoped { baseline: true });
+    }
     let clients: Vec<ClientNs> = tables
         .iter()
         .enumerate()
@@ -728,16 +735,19 @@ fn bench(args: &[String]) {
         match c.table {
             Table::None => {}
             Table::CtOnly => nft_load(&c.ns, &file("ct.nft", &ct_only_text(c.server))),
-            Table::Fence { .. } | Table::Scoped => {
-                let (bin, policy) = match c.table {
-                    Table::Fence { baseline: true } => {
-                        (o.baseline.clone().expect("--baseline"), &plain_policy)
-                    }
-                    Table::Fence { baseline: false } => (ours.clone(), &plain_policy),
-                    _ => (ours.clone(), &scoped_policy),
+            Table::Fence { baseline } | Table::Scoped { baseline } => {
+                let bin = match baseline {
+                    true => o.baseline.clone().expect("--baseline"),
+                    false => ours.clone(),
+                };
+                let scoped = matches!(c.table, Table::Scoped { .. });
+                let policy = if scoped {
+                    &scoped_policy
+                } else {
+                    &plain_policy
                 };
                 let planned = plan(&c.ns, &bin, policy);
-                if c.table == Table::Scoped {
+                if scoped {
                     cgroup.check_planned(&planned);
                 }
                 nft_load(&c.ns, &file("plan.nft", &planned));
@@ -782,26 +792,44 @@ fn bench(args: &[String]) {
     configs.extend([
         config(
             "scoped, client not in scope",
-            Table::Scoped,
+            Table::Scoped { baseline: false },
             UNSCOPED_UID,
             false,
             false,
         ),
         config(
             "scoped, client in scope (uid)",
-            Table::Scoped,
+            Table::Scoped { baseline: false },
             SCOPED_UID,
             false,
             true,
         ),
         config(
             "scoped, client in scope (cgroup)",
-            Table::Scoped,
+            Table::Scoped { baseline: false },
             UNSCOPED_UID,
             true,
             true,
         ),
     ]);
+    if o.baseline.is_some() {
+        configs.extend([
+            config(
+                "scoped, client not in scope, baseline",
+                Table::Scoped { baseline: true },
+                UNSCOPED_UID,
+                false,
+                false,
+            ),
+            config(
+                "scoped, client in scope (uid), baseline",
+                Table::Scoped { baseline: true },
+                SCOPED_UID,
+                false,
+                true,
+            ),
+        ]);
+    }
 
     // Who is fenced, checked before anything is measured.
     for c in &configs {
@@ -887,6 +915,7 @@ fn bench(args: &[String]) {
     let base_of = |label: &str| configs.iter().position(|c| c.label == label);
     let none = base_of("no table").expect("no table");
     let fence = base_of("fence (no scope)").expect("fence");
+    let ct_only = base_of("ct only").expect("ct only");
     let baseline = base_of("fence (no scope), baseline");
     println!(
         "| configuration | family | client | p50 | p90 | p99 | max | mean | p50 / no table | mean / \
@@ -935,6 +964,11 @@ fn bench(args: &[String]) {
             ratio("scoped, client not in scope", none, fi)
         );
         println!(
+            "{}: scoped table, client not in scope / ct only: {}",
+            f.label(),
+            ratio("scoped, client not in scope", ct_only, fi)
+        );
+        println!(
             "{}: scoped table, client in scope (uid) / fence: {} (aim: at most 1.0)",
             f.label(),
             ratio("scoped, client in scope (uid)", fence, fi)
@@ -950,6 +984,20 @@ fn bench(args: &[String]) {
                 f.label(),
                 ratio("fence (no scope)", b, fi),
                 ratio("scoped, client in scope (uid)", b, fi)
+            );
+            println!(
+                "{}: scoped, not in scope / baseline's: {}; in scope (uid) / baseline's: {}",
+                f.label(),
+                ratio(
+                    "scoped, client not in scope",
+                    base_of("scoped, client not in scope, baseline").expect("baseline scoped"),
+                    fi
+                ),
+                ratio(
+                    "scoped, client in scope (uid)",
+                    base_of("scoped, client in scope (uid), baseline").expect("baseline scoped"),
+                    fi
+                )
             );
         }
     }

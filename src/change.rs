@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::core::diff::{CompareOptions, Presence, TableDiff, compare};
 use crate::core::resolution::Resolution;
 use crate::core::ruleset::{
-    Elements, FROM_BRIDGE_CHAIN, OUTPUT_CHAIN, REFUSED_CHAIN, Ruleset, SCOPE_CHAINS,
+    Elements, FROM_BRIDGE_CHAIN, GUARD_CHAIN, OUTPUT_CHAIN, REFUSED_CHAIN, Ruleset, SCOPE_CHAINS,
     SCOPE_FORWARD_CHAIN, SCOPE_INPUT_CHAIN, SCOPE_OUTPUT_CHAIN, SCOPE_PREROUTING_CHAIN,
     ScopeChains, Set, SetId, SetRole, TABLE,
 };
@@ -473,6 +473,7 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
             SCOPE_INPUT_CHAIN => scope.input.push(rule),
             SCOPE_PREROUTING_CHAIN => scope.prerouting.push(rule),
             FROM_BRIDGE_CHAIN => scope.from_bridge.push(rule),
+            GUARD_CHAIN => scope.guard.push(rule),
             other => {
                 return Err(format!(
                     "it has a chain egress-fence does not make: {other}"

@@ -588,6 +588,12 @@ fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
         "ip daddr 198.18.0.1 tcp dport 53 socket mark != 0x65000000 goto refused".to_string(),
         "ip daddr 198.18.0.1 udp dport 53 accept".to_string(),
         "ip daddr 127.0.0.53 tcp dport 53 accept".to_string(),
+        // The guard's protections in a chain of their own, entered only by what they concern.
+        "chain guard {".to_string(),
+        "ip saddr 198.18.0.1 udp sport 53 meta mark != ".to_string(),
+        "th sport 53 jump guard".to_string(),
+        "ip daddr . meta l4proto . th dport @dns4 jump guard".to_string(),
+        "ip6 daddr . meta l4proto . th dport @dns6 jump guard".to_string(),
     ] {
         assert!(
             plan.stdout.contains(&shape),

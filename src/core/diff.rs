@@ -863,6 +863,7 @@ pub(crate) mod tests {
                 "output",
                 "refused",
                 "from_bridge",
+                "guard",
                 "scope_output",
                 "scope_forward",
                 "scope_input",
@@ -965,6 +966,7 @@ pub(crate) mod tests {
             extra,
             [
                 "from_bridge",
+                "guard",
                 "scope_output",
                 "scope_forward",
                 "scope_input",

@@ -381,6 +381,24 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
     rules
 }
 
+/// With a `scope:` in guard mode, the jumps of the scope's output chain to the guard's
+/// protections, and those protections (both empty without a guard). They hold for every
+/// socket, so every packet of the host meets the jumps: one `th sport` match per listen port
+/// and one set lookup per family, where the protections themselves are four rules per listen
+/// address and four upstream rules. Each jump takes in all that its protections can match
+/// (see [`Rule::JumpGuardFromPort`]).
+fn guard_gates(guard: Option<&GuardIdentity>) -> (Vec<Rule>, Vec<Rule>) {
+    let Some(g) = guard else {
+        return (Vec::new(), Vec::new());
+    };
+    let ports: BTreeSet<u16> = g.listen.iter().map(|a| a.port()).collect();
+    let mut gates: Vec<Rule> = ports.into_iter().map(Rule::JumpGuardFromPort).collect();
+    gates.extend(
+        Family::BOTH.map(|family| Rule::JumpGuardToUpstream(SetId::new(SetRole::Dns, family))),
+    );
+    (gates, guard_protections(guard))
+}
+
 /// With a `scope:`, the chains that send its packets through the fence: its uids, gids and
 /// (existing) cgroups on the output hook, after the guard's protections, which hold for every
 /// socket; what the listed interfaces forward; and what they send the host itself, which
@@ -391,7 +409,7 @@ fn scope_chains(
     cgroups: &[CgroupMatch],
 ) -> Option<ScopeChains> {
     let scope = policy.scope.as_ref()?;
-    let mut output = guard_protections(guard);
+    let (mut output, guard_chain) = guard_gates(guard);
     if scope.fences_local() {
         output.extend(
             scope
@@ -465,6 +483,7 @@ fn scope_chains(
     input.extend(each(Rule::FromBridge));
     Some(ScopeChains {
         output,
+        guard: guard_chain,
         forward,
         input,
         from_bridge,
@@ -1302,16 +1321,24 @@ log:
         let rs = scoped_plan(std::slice::from_ref(&agent), &["198.18.0.1:53"]);
         let scope = rs.scope.as_ref().expect("scope chains");
         // The guard's protections hold for every socket, before anyone is sent to the fence,
-        // and only there.
+        // and only there: in a chain of their own, which the packets from the guard's port
+        // (one jump for both listen addresses) and to its upstream resolvers enter.
         let protections = guard_protections(
             GuardIdentity::of_policy(&policy(SCOPED), 993)
                 .map(|g| g.listening_also_on(&["198.18.0.1:53".parse().unwrap()]))
                 .as_ref(),
         );
-        assert_eq!(scope.output[..protections.len()], protections[..]);
+        assert_eq!(protections.len(), 12);
+        assert_eq!(scope.guard, protections);
         assert!(protections.iter().all(|p| !rs.output.contains(p)));
+        let gates = [
+            Rule::JumpGuardFromPort(53),
+            Rule::JumpGuardToUpstream(SetId::new(SetRole::Dns, Family::V4)),
+            Rule::JumpGuardToUpstream(SetId::new(SetRole::Dns, Family::V6)),
+        ];
+        assert_eq!(scope.output[..gates.len()], gates);
         assert_eq!(
-            scope.output[protections.len()..protections.len() + 3],
+            scope.output[gates.len()..gates.len() + 3],
             [
                 Rule::Fence(ScopeMatch::Uid(1001)),
                 Rule::Fence(ScopeMatch::Uid(1002)),
@@ -1356,6 +1383,7 @@ log:
                 ("output", false),
                 ("refused", false),
                 ("from_bridge", false),
+                ("guard", false),
                 ("scope_output", true),
                 ("scope_forward", true),
                 ("scope_input", true),
@@ -1529,5 +1557,72 @@ log:
                 .count(),
             4
         );
+    }
+
+    #[test]
+    fn every_guard_protection_is_behind_a_jump_that_takes_in_all_it_can_match() {
+        // Listen ports of their own: one jump per distinct port.
+        let mut r = resolution(&[]);
+        r.guard_uid = Some(993);
+        r.scope.bridge_listen = vec!["198.18.0.1:5353".parse().unwrap()];
+        let rs = plan(&policy(SCOPED), &r);
+        let scope = rs.scope.as_ref().unwrap();
+        let ports: Vec<u16> = scope
+            .output
+            .iter()
+            .filter_map(|r| match r {
+                Rule::JumpGuardFromPort(p) => Some(*p),
+                _ => None,
+            })
+            .collect();
+        for rule in &scope.guard {
+            match rule {
+                Rule::RefuseUnmarkedFromGuardPort { from, .. }
+                | Rule::RefuseOtherUidsFromGuardPort { from, .. } => {
+                    assert!(ports.contains(&from.port()), "{rule}: {ports:?}")
+                }
+                Rule::RefuseUpstreamFromOtherUids { set, .. }
+                | Rule::RefuseUpstreamUnmarked { set, .. } => {
+                    assert!(
+                        scope.output.contains(&Rule::JumpGuardToUpstream(*set)),
+                        "{rule}"
+                    )
+                }
+                other => panic!("not a guard protection: {other}"),
+            }
+        }
+        // Without a guard, neither jumps nor the chain.
+        let rs = plan(
+            &policy("version: 1\nscope:\n  users: [1001]\n"),
+            &resolution(&[]),
+        );
+        let scope = rs.scope.as_ref().unwrap();
+        assert!(scope.guard.is_empty());
+        assert_eq!(scope.output[0], Rule::Fence(ScopeMatch::Uid(1001)));
+        assert!(
+            !scope
+                .output
+                .iter()
+                .any(|r| matches!(r, Rule::JumpGuardFromPort(_) | Rule::JumpGuardToUpstream(_)))
+        );
+        assert!(rs.chain("guard").is_none());
+    }
+
+    #[test]
+    fn a_generation_recorded_before_the_guard_chain_still_reads() {
+        // Then the protections were scope_output's first rules, and there was no `guard`.
+        let mut old = scoped_plan(&[], &[]);
+        let scope = old.scope.as_mut().unwrap();
+        let protections = std::mem::take(&mut scope.guard);
+        scope
+            .output
+            .retain(|r| !matches!(r, Rule::JumpGuardFromPort(_) | Rule::JumpGuardToUpstream(_)));
+        scope.output.splice(0..0, protections);
+        let mut json = serde_json::to_value(&old).unwrap();
+        json["scope"].as_object_mut().unwrap().remove("guard");
+        let read: Ruleset = serde_json::from_value(json).unwrap();
+        assert_eq!(read, old);
+        assert!(read.chain("guard").is_none());
+        assert_ne!(read, scoped_plan(&[], &[]), "and it is not today's plan");
     }
 }

@@ -34,9 +34,16 @@ pub const FROM_BRIDGE_CHAIN: &str = "from_bridge";
 /// the routing decision (and the kernel's ICMP errors it makes) or any of our chains answers it.
 pub const SCOPE_PREROUTING_CHAIN: &str = "scope_prerouting";
 
+/// With a `scope:` in guard mode, the guard's own protections (they hold for every socket),
+/// entered from [`SCOPE_OUTPUT_CHAIN`] only by the packets they can concern: from the guard's
+/// listen port, or to its upstream resolvers. Every other packet pays a few cheap matches
+/// instead of walking them one by one.
+pub const GUARD_CHAIN: &str = "guard";
+
 /// The chains only a scoped table has.
-pub const SCOPE_CHAINS: [&str; 5] = [
+pub const SCOPE_CHAINS: [&str; 6] = [
     FROM_BRIDGE_CHAIN,
+    GUARD_CHAIN,
     SCOPE_OUTPUT_CHAIN,
     SCOPE_FORWARD_CHAIN,
     SCOPE_INPUT_CHAIN,
@@ -658,6 +665,14 @@ pub enum Rule {
     Fence(ScopeMatch),
     /// `iifname "docker0" goto from_bridge`: what a listed interface sends the host itself.
     FromBridge(IfacePattern),
+    /// `th sport 53 jump guard`: a packet from the DNS guard's listen port meets the guard's
+    /// protections of [`GUARD_CHAIN`]. `th` (no protocol match) takes in every packet their
+    /// `udp sport`/`tcp sport` rules can match, and the rules there check the rest (another
+    /// protocol whose first two bytes read 53 just walks them).
+    JumpGuardFromPort(u16),
+    /// `ip daddr . meta l4proto . th dport @dns4 jump guard`: a packet to the guard's upstream
+    /// resolvers meets its protections, the same lookup as their upstream rules make.
+    JumpGuardToUpstream(SetId),
     /// `ip daddr 198.18.0.1 udp dport 53 accept`: a question to the DNS guard where it
     /// listens (with a scope, other resolvers on this host are not the fence's).
     AcceptGuardQuery { to: SocketAddr, proto: L4Proto },
@@ -787,6 +802,14 @@ impl fmt::Display for Rule {
             ),
             Rule::Fence(m) => write!(f, "{m} goto {OUTPUT_CHAIN}"),
             Rule::FromBridge(iface) => write!(f, "iifname \"{iface}\" goto {FROM_BRIDGE_CHAIN}"),
+            Rule::JumpGuardFromPort(port) => write!(f, "th sport {port} jump {GUARD_CHAIN}"),
+            Rule::JumpGuardToUpstream(set) => {
+                let (daddr, name) = (set.family.daddr(), set.name());
+                write!(
+                    f,
+                    "{daddr} . meta l4proto . th dport @{name} jump {GUARD_CHAIN}"
+                )
+            }
             Rule::AcceptGuardQuery { to, proto } => write!(
                 f,
                 "{} {} {} dport {} accept",
@@ -908,11 +931,15 @@ pub struct Ruleset {
 /// table (an empty base chain would cost every packet of its hook a traversal for nothing).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScopeChains {
-    /// [`SCOPE_OUTPUT_CHAIN`]: the guard's own protections (they hold for every socket), then
-    /// one [`Rule::Fence`] per uid, gid and cgroup of the scope, then [`Rule::FenceIgmp`] and
-    /// a [`Rule::FenceIcmpv6`] per MLD report type.
+    /// [`SCOPE_OUTPUT_CHAIN`]: in guard mode the jumps to [`GUARD_CHAIN`], then one
+    /// [`Rule::Fence`] per uid, gid and cgroup of the scope, then [`Rule::FenceIgmp`] and a
+    /// [`Rule::FenceIcmpv6`] per MLD report type. (A generation recorded before
+    /// [`GUARD_CHAIN`] holds the guard's protections here, first.)
     #[serde(default)]
     pub output: Vec<Rule>,
+    /// [`GUARD_CHAIN`]: the guard's own protections.
+    #[serde(default)]
+    pub guard: Vec<Rule>,
     /// [`SCOPE_FORWARD_CHAIN`]: a [`Rule::RefuseIcmpv6`] per link-scoped type, then one
     /// [`Rule::Fence`] per listed interface.
     #[serde(default)]
@@ -960,6 +987,7 @@ impl Ruleset {
         if let Some(scope) = &self.scope {
             let scoped = [
                 (FROM_BRIDGE_CHAIN, None, &scope.from_bridge),
+                (GUARD_CHAIN, None, &scope.guard),
                 (
                     SCOPE_OUTPUT_CHAIN,
                     base(Hook::Output, ChainPolicy::Accept),
@@ -1231,6 +1259,11 @@ mod tests {
                 "meta l4proto udp th dport 853 goto refused",
             ),
             (Rule::GotoRefused, "goto refused"),
+            (Rule::JumpGuardFromPort(53), "th sport 53 jump guard"),
+            (
+                Rule::JumpGuardToUpstream(SetId::new(SetRole::Dns, Family::V6)),
+                "ip6 daddr . meta l4proto . th dport @dns6 jump guard",
+            ),
             (
                 Rule::Log(LogSpec {
                     prefix: "X: ".into(),

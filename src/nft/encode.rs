@@ -18,7 +18,7 @@ use super::sys::{
 use crate::core::policy::{Action, CgroupPath, IfacePattern, L4Proto, Rate, RateUnit};
 use crate::core::ruleset::{
     BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
-    FROM_BRIDGE_CHAIN, Family, Hook, Icmpv6Type, KeyShape, Limit, LimitKind, LogSpec,
+    FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, Icmpv6Type, KeyShape, Limit, LimitKind, LogSpec,
     MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, ScopeMatch, SetId, SetRole,
     SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
@@ -527,6 +527,12 @@ fn goto(chain: &str) -> AnyExpr {
     })
 }
 
+fn jump(chain: &str) -> AnyExpr {
+    crate_expr(Verdict::Jump {
+        chain: cstring(chain),
+    })
+}
+
 /// The kernel's longest interface name, its NUL included (`IFNAMSIZ`).
 const IFNAMSIZ: usize = 16;
 
@@ -613,6 +619,16 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
         Rule::FromBridge(iface) => {
             e.extend(iifname_is(iface));
             e.push(goto(FROM_BRIDGE_CHAIN));
+        }
+        Rule::JumpGuardFromPort(port) => {
+            // `th sport`: no protocol match, as nft sends it.
+            e.push(own(Expr::payload(PayloadBase::Transport, 0, 2, sys::REG_1)));
+            e.push(eq(&port.to_be_bytes()));
+            e.push(jump(GUARD_CHAIN));
+        }
+        Rule::JumpGuardToUpstream(set) => {
+            e.extend(tuple_in(*set, set_ids));
+            e.push(jump(GUARD_CHAIN));
         }
         Rule::AcceptGuardQuery { to, proto } => {
             let family = Family::of(to.ip());
@@ -934,6 +950,7 @@ enum ReadVerdict {
     GotoRefused,
     GotoOutput,
     GotoFromBridge,
+    JumpGuard,
     Reject,
 }
 
@@ -1066,6 +1083,7 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     (libc::NFT_GOTO, Some(REFUSED_CHAIN)) => ReadVerdict::GotoRefused,
                     (libc::NFT_GOTO, Some(OUTPUT_CHAIN)) => ReadVerdict::GotoOutput,
                     (libc::NFT_GOTO, Some(FROM_BRIDGE_CHAIN)) => ReadVerdict::GotoFromBridge,
+                    (libc::NFT_JUMP, Some(GUARD_CHAIN)) => ReadVerdict::JumpGuard,
                     _ => return None,
                 });
             }
@@ -1159,6 +1177,12 @@ fn rule_of(m: &Matches) -> Option<Rule> {
             ScopeMatch::Interface(iface_of(m.iifname.as_deref()?)?)
         }),
         ReadVerdict::GotoFromBridge => Rule::FromBridge(iface_of(m.iifname.as_deref()?)?),
+        // Anything besides the lookup or the port (a uid, a protocol) fails the re-encoding.
+        ReadVerdict::JumpGuard => match (m.set, m.sport) {
+            (Some(set), None) if set.role == SetRole::Dns => Rule::JumpGuardToUpstream(set),
+            (None, Some(port)) => Rule::JumpGuardFromPort(port),
+            _ => return None,
+        },
         ReadVerdict::GotoRefused => {
             if let Some(mark) = m.socket_mark_neq {
                 Rule::RefuseGuardQueryToOtherSockets {
@@ -1807,7 +1831,123 @@ mod tests {
                 });
             }
         }
+        rules.extend([53, 5353, 0].map(Rule::JumpGuardFromPort));
+        rules.extend(Family::BOTH.map(|f| Rule::JumpGuardToUpstream(SetId::new(SetRole::Dns, f))));
         rules
+    }
+
+    #[test]
+    fn jumps_to_the_guards_protections_match_nft() {
+        // Recorded from `nft --debug=netlink -f` (nft 1.0.6): `th` adds no protocol match.
+        assert_eq!(
+            exprs(&Rule::JumpGuardFromPort(53)),
+            [
+                "payload load 2b @ transport header + 0 => reg 1",
+                "cmp eq reg 1 0x00003500",
+                "immediate reg 0 jump -> guard",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::JumpGuardToUpstream(SetId::new(
+                SetRole::Dns,
+                Family::V4
+            ))),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x00000002",
+                "payload load 4b @ network header + 16 => reg 1",
+                "meta load l4proto => reg 9",
+                "payload load 2b @ transport header + 2 => reg 10",
+                "lookup reg 1 set dns4",
+                "immediate reg 0 jump -> guard",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::JumpGuardToUpstream(SetId::new(
+                SetRole::Dns,
+                Family::V6
+            ))),
+            [
+                "meta load nfproto => reg 1",
+                "cmp eq reg 1 0x0000000a",
+                "payload load 16b @ network header + 24 => reg 1",
+                "meta load l4proto => reg 2",
+                "payload load 2b @ transport header + 2 => reg 13",
+                "lookup reg 1 set dns6",
+                "immediate reg 0 jump -> guard",
+            ]
+        );
+    }
+
+    #[test]
+    fn altered_jumps_to_the_guard_read_as_no_rule() {
+        let read = |d: &DumpedRule| decode_rule(&d.exprs, d.userdata.as_deref());
+        let port = Rule::JumpGuardFromPort(53);
+        let upstream = Rule::JumpGuardToUpstream(SetId::new(SetRole::Dns, Family::V4));
+        type DumpEdit = dyn Fn(&mut DumpedRule);
+        let cases: Vec<(&str, &Rule, Box<DumpEdit>)> = vec![
+            (
+                "a goto instead of a jump",
+                &port,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Verdict { code, .. }) = d.exprs.last_mut() {
+                        *code = libc::NFT_GOTO;
+                    }
+                }),
+            ),
+            (
+                "a jump to another chain",
+                &upstream,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Verdict { chain, .. }) = d.exprs.last_mut() {
+                        *chain = Some("output".into());
+                    }
+                }),
+            ),
+            (
+                "the destination port instead of the source",
+                &port,
+                Box::new(|d| {
+                    if let LiveExpr::Payload { offset, .. } = &mut d.exprs[0] {
+                        *offset = 2;
+                    }
+                }),
+            ),
+            (
+                "the port compared with !=",
+                &port,
+                Box::new(|d| {
+                    if let LiveExpr::Cmp { op, .. } = &mut d.exprs[1] {
+                        *op = libc::NFT_CMP_NEQ as u32;
+                    }
+                }),
+            ),
+            (
+                "a lookup in another set",
+                &upstream,
+                Box::new(|d| {
+                    if let LiveExpr::Lookup { set, .. } = &mut d.exprs[5] {
+                        *set = "allow4".into();
+                    }
+                }),
+            ),
+            (
+                "a comment",
+                &port,
+                Box::new(|d| d.userdata = comment_userdata("x")),
+            ),
+        ];
+        for (what, rule, edit) in cases {
+            let mut d = dumped_rule(rule).unwrap();
+            assert_eq!(read(&d), Some(rule.clone()), "{what}: unedited");
+            edit(&mut d);
+            assert_ne!(
+                &d,
+                &dumped_rule(rule).unwrap(),
+                "{what}: the edit changed nothing"
+            );
+            assert_eq!(read(&d), None, "{what}");
+        }
     }
 
     #[test]
@@ -2649,23 +2789,25 @@ mod tests {
                 input: rules(Rule::FromBridge(iface("br-*"))),
                 from_bridge: rules(Rule::GotoRefused),
                 prerouting: vec![],
+                guard: rules(Rule::GotoRefused),
             }),
         };
         let enc = replace_table(&rs);
         let labels: Vec<&str> = enc.labels[3..].iter().map(String::as_str).collect();
         assert_eq!(
-            labels[..6],
+            labels[..7],
             [
                 "chain output",
                 "chain refused",
                 "chain from_bridge",
+                "chain guard",
                 "chain scope_output",
                 "chain scope_forward",
                 "chain scope_input"
             ]
         );
-        assert!(labels[6..].iter().all(|l| l.starts_with("rule 1 of chain")));
-        assert_eq!(labels.len(), 12);
+        assert!(labels[7..].iter().all(|l| l.starts_with("rule 1 of chain")));
+        assert_eq!(labels.len(), 14);
     }
 
     #[test]

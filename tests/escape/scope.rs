@@ -314,3 +314,56 @@ fn a_container_reaches_neither_the_hosts_other_addresses_nor_its_loopback() {
     let tcp = container.tcp_connect(SANDBOX_V4, 22);
     assert!(!tcp.success(), "{tcp}");
 }
+
+/// The guard's protections hold for every socket, in scope or not, behind the scope chain's
+/// jumps (`th sport 53 jump guard`, `... @dns4 jump guard`): a process outside the scope
+/// neither asks the upstream resolver nor answers from the guard's address and port while
+/// the daemon is down.
+#[test]
+fn outside_the_scope_nobody_asks_the_upstream_or_answers_for_the_guard() {
+    let w = scoped_world();
+    for uid in [Some(1002), None] {
+        for extra in [&[][..], &["+tcp"][..]] {
+            let answer = w.dig_as(uid, Some(DNS_V4), "api.example.com", "A", extra);
+            assert!(
+                !answer.answered(),
+                "{uid:?} (not in scope) asked the upstream past the guard ({extra:?}): {}",
+                answer.output
+            );
+        }
+    }
+    assert!(
+        !w.dns_queries()
+            .iter()
+            .any(|q| q.contains("api.example.com")),
+        "the upstream resolver saw a question: {:?}",
+        w.dns_queries()
+    );
+
+    // A squatter on the guard's address (root, unmarked: the daemon is not running) and one
+    // beside it on another port, each asked by a client on loopback and answering it.
+    let exchange = |port: u16| {
+        let squatter = sandbox_udp(
+            &w,
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 53)), port),
+        );
+        let client = sandbox_udp(&w, SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0));
+        client
+            .send_to(b"question", squatter.local_addr().expect("bound"))
+            .expect("the question leaves");
+        let mut buf = [0u8; 64];
+        let (_, from) = squatter.recv_from(&mut buf).expect("the squatter hears it");
+        let _ = squatter.send_to(b"answer", from);
+        received(&client)
+    };
+    assert_eq!(
+        exchange(5300),
+        vec!["answer".to_string()],
+        "the control exchange"
+    );
+    assert_eq!(
+        exchange(53),
+        Vec::<String>::new(),
+        "an unmarked socket answered from the guard's address and port"
+    );
+}
