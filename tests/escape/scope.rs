@@ -341,7 +341,8 @@ fn outside_the_scope_nobody_asks_the_upstream_or_answers_for_the_guard() {
     );
 
     // A squatter on the guard's address (root, unmarked: the daemon is not running) and one
-    // beside it on another port, each asked by a client on loopback and answering it.
+    // beside it on another port, each asked by a client on loopback (the question: whether
+    // it arrives) and each sending the client an answer unasked (what arrives of it).
     let exchange = |port: u16| {
         let squatter = sandbox_udp(
             &w,
@@ -351,19 +352,18 @@ fn outside_the_scope_nobody_asks_the_upstream_or_answers_for_the_guard() {
         client
             .send_to(b"question", squatter.local_addr().expect("bound"))
             .expect("the question leaves");
-        let mut buf = [0u8; 64];
-        let (_, from) = squatter.recv_from(&mut buf).expect("the squatter hears it");
-        let _ = squatter.send_to(b"answer", from);
-        received(&client)
+        let heard = received(&squatter);
+        let _ = squatter.send_to(b"answer", client.local_addr().expect("bound"));
+        (heard, received(&client))
     };
     assert_eq!(
         exchange(5300),
-        vec!["answer".to_string()],
+        (vec!["question".to_string()], vec!["answer".to_string()]),
         "the control exchange"
     );
     assert_eq!(
         exchange(53),
-        Vec::<String>::new(),
-        "an unmarked socket answered from the guard's address and port"
+        (Vec::<String>::new(), Vec::<String>::new()),
+        "an unmarked socket on the guard's address and port heard or answered a client"
     );
 }
