@@ -103,6 +103,11 @@ fn a_scoped_user_is_fenced_and_another_user_and_root_pass() {
         2,
         "uid 1002 and root reached the other host"
     );
+    assert!(
+        allowed.wait_for(3, Duration::from_secs(2)),
+        "allowed: {} connections, 3 expected",
+        allowed.count()
+    );
     assert_eq!(allowed.count(), 3);
 
     let (_allowed6, refused6) = (w.listen_tcp(HOST_V6, PORT), w.listen_tcp(OTHER_V6, PORT));
@@ -115,6 +120,11 @@ fn a_scoped_user_is_fenced_and_another_user_and_root_pass() {
     assert_passes(
         &w.tcp_connect_with(&strs(&other), OTHER_V6, PORT),
         "uid 1002 to the other host over IPv6",
+    );
+    assert!(
+        refused6.wait_for(1, Duration::from_secs(2)),
+        "refused6: {} connections, 1 expected",
+        refused6.count()
     );
     assert_eq!(refused6.count(), 1);
 }
@@ -138,6 +148,11 @@ fn a_process_of_a_listed_primary_group_is_fenced() {
     assert_passes(
         &w.tcp_connect_with(&strs(&elsewhere), OTHER_V4, PORT),
         "uid 1003 in group 3000 (neither listed)",
+    );
+    assert!(
+        refused.wait_for(1, Duration::from_secs(2)),
+        "refused: {} connections, 1 expected",
+        refused.count()
     );
     assert_eq!(refused.count(), 1);
 }
@@ -187,6 +202,11 @@ dns:
             "a process outside the scope",
         );
     }
+    assert!(
+        refused.wait_for(2, Duration::from_secs(2)),
+        "refused: {} connections, 2 expected",
+        refused.count()
+    );
     assert_eq!(refused.count(), 2);
 }
 
@@ -258,6 +278,11 @@ fn a_scoped_cgroup_is_fenced_its_sibling_passes_and_a_later_child_is_fenced_at_o
         &out,
         took,
         "a cgroup made below the fenced one after the apply",
+    );
+    assert!(
+        refused.wait_for(1, Duration::from_secs(2)),
+        "refused: {} connections, 1 expected",
+        refused.count()
     );
     assert_eq!(refused.count(), 1);
 }
@@ -373,6 +398,11 @@ fn the_guard_answers_a_bridged_container_on_the_bridge_address() {
     assert_passes(
         &container.tcp_connect(HOST_V4, PORT),
         "the container to the name the guard answered",
+    );
+    assert!(
+        allowed.wait_for(1, Duration::from_secs(2)),
+        "allowed: {} connections, 1 expected",
+        allowed.count()
     );
     assert_eq!(allowed.count(), 1);
 
