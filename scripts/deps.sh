@@ -3,13 +3,14 @@
 # linker), the C libraries the nftnl and mnl crates link against, nftables (nft, the
 # independent reader in tests), a real DNS server (dnsmasq), real clients (dig, nc, curl),
 # ipset (benchmark baseline), python3 (the demo's web servers) and systemd (systemd-analyze
-# checks the unit). Only missing packages are installed.
+# checks the unit) and passt (pasta connects `exec`'s namespace). Only missing packages are
+# installed.
 set -euo pipefail
 
 packages=(
   gcc libc6-dev pkg-config libnftnl-dev libmnl-dev nftables
   dnsmasq-base dnsutils netcat-openbsd curl iproute2 ipset python3 util-linux procps
-  systemd
+  systemd passt
 )
 
 if [ "$(id -u)" -ne 0 ]; then

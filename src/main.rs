@@ -99,6 +99,22 @@ fn run(command: Command) -> Result<u8, Failure> {
             json,
             sender,
         } => cli::probe::run(&policy, &target, &resolving, &state, json, &sender),
+        Command::Exec {
+            policy,
+            user,
+            keep_env,
+            target,
+            resolving,
+            state,
+            command,
+        } => cli::exec::run(policy, user, keep_env, &target, &resolving, &state, command),
+        Command::ExecChild {
+            resolv_conf,
+            go_fd,
+            parent,
+            user,
+            command,
+        } => cli::exec::run_child(resolv_conf, go_fd, parent, user, command),
         Command::Teardown { target } => cli::teardown::run(&target),
         Command::RevertTimer {
             token,

@@ -1,0 +1,276 @@
+//! `egress-fence exec` (issue 12): one command in a fenced namespace of its own. Every run is
+//! inside a world's sandbox namespace (`--netns`): there exec makes its namespace, and pasta
+//! connects it to the sandbox's network, which plays the host's.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+/// The port the policy opens for [`ALLOWED`].
+const PORT: u16 = 8080;
+/// A port the policy does not open.
+const OTHER_PORT: u16 = 9090;
+/// The name the policy allows (answered with [`HOST_V4`]).
+const ALLOWED: &str = "registry.example.test";
+
+/// A guard-mode policy allowing [`ALLOWED`] on TCP [`PORT`].
+fn policy_text() -> String {
+    format!(
+        "version: 1\nallow:\n  - domain: \"{ALLOWED}\"\n    ports: [{PORT}]\n\
+         dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n\
+         log:\n  group: 100\n  rate: 1000/second\n  burst: 1000\n"
+    )
+}
+
+/// A world with [`ALLOWED`] answered and the policy written; returns the policy's path.
+fn setup(w: &World) -> String {
+    w.dns_set(ALLOWED, &[HOST_V4], 60);
+    w.write_file("exec.yaml", &policy_text())
+        .to_str()
+        .expect("utf-8 path")
+        .to_string()
+}
+
+/// `egress-fence exec --netns SANDBOX --policy POLICY [extra] -- sh -c SCRIPT`.
+fn exec_command(w: &World, policy: &str, extra: &[&str], script: &str) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["-k", "5", "20", EGRESS_FENCE_BIN, "exec"])
+        .args(["--netns", w.sandbox_name(), "--policy", policy])
+        .args(extra)
+        .args(["--", "sh", "-c", script])
+        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn exec(w: &World, policy: &str, extra: &[&str], script: &str) -> Output {
+    exec_command(w, policy, extra, script)
+        .output()
+        .expect("run egress-fence exec")
+}
+
+fn show(out: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn a_secret_in_the_callers_environment_is_not_visible_and_the_exit_code_passes_through() {
+    let w = World::new();
+    let policy = setup(&w);
+    let out = exec_command(
+        &w,
+        &policy,
+        &["--keep-env", "KEPT_VAR"],
+        "echo \"secret=${SECRET_TOKEN:-none} kept=${KEPT_VAR:-none}\"; grep -E '^Cap(Eff|Prm|Bnd|Amb)' /proc/self/status; exit 7",
+    )
+    .env("SECRET_TOKEN", "hunter2")
+    .env("KEPT_VAR", "yes")
+    .output()
+    .expect("run egress-fence exec");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(7), "{}", show(&out));
+    assert!(stdout.contains("secret=none kept=yes"), "{}", show(&out));
+    for line in stdout.lines().filter(|l| l.starts_with("Cap")) {
+        assert!(
+            line.ends_with("0000000000000000"),
+            "CMD holds a capability: {line}\n{}",
+            show(&out)
+        );
+    }
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("Cap")).count(),
+        4,
+        "{}",
+        show(&out)
+    );
+}
+
+/// What CMD does to test the fence from inside: each line says `<what>-ok` or
+/// `<what>-refused`.
+const PROBES: &str = "
+probe() { what=$1; shift; if timeout 6 \"$@\" >/dev/null 2>&1; then echo \"$what-ok\"; else echo \"$what-refused\"; fi; }
+probe resolve getent hosts registry.example.test
+probe allowed nc -z -w 2 registry.example.test 8080
+probe other-port nc -z -w 2 192.0.2.10 9090
+probe other-host nc -z -w 2 192.0.2.11 8080
+probe metadata nc -z -w 2 169.254.169.254 80
+probe rogue-resolver dig +time=1 +tries=1 @192.0.2.54 registry.example.test
+probe outside-name getent hosts outside.example.test
+";
+
+#[test]
+fn only_the_allowed_name_and_port_are_reached() {
+    let w = World::new();
+    let policy = setup(&w);
+    w.dns_set("outside.example.test", &[HOST2_V4], 60);
+    let allowed = w.listen_tcp(HOST_V4, PORT);
+    let other_port = w.listen_tcp(HOST_V4, OTHER_PORT);
+    let other_host = w.listen_tcp(HOST2_V4, PORT);
+    let metadata = w.listen_tcp(METADATA_V4, 80);
+    let out = exec(&w, &policy, &[], PROBES);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    for expected in [
+        "resolve-ok",
+        "allowed-ok",
+        "other-port-refused",
+        "other-host-refused",
+        "metadata-refused",
+        "rogue-resolver-refused",
+        "outside-name-refused",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == expected),
+            "{expected}\n{}",
+            show(&out)
+        );
+    }
+    assert!(allowed.count() >= 1, "{}", show(&out));
+    assert_eq!(other_port.count(), 0, "{}", show(&out));
+    assert_eq!(other_host.count(), 0, "{}", show(&out));
+    assert_eq!(metadata.count(), 0, "{}", show(&out));
+    let asked = w.dns_queries();
+    assert!(
+        !asked
+            .iter()
+            .any(|n| n.to_ascii_lowercase().contains("outside")),
+        "the guard forwarded a name outside the policy: {asked:?}"
+    );
+}
+
+#[test]
+fn a_signal_death_is_128_plus_the_signal_and_a_missing_command_is_127() {
+    let w = World::new();
+    let policy = setup(&w);
+    let out = exec(&w, &policy, &[], "kill -TERM $$");
+    assert_eq!(out.status.code(), Some(128 + 15), "{}", show(&out));
+    let mut cmd = Command::new(EGRESS_FENCE_BIN);
+    cmd.args(["exec", "--netns", w.sandbox_name(), "--policy", &policy])
+        .args(["--", "no-such-command-egress-fence"])
+        .env("EGRESS_FENCE_STATE_DIR", w.state_dir());
+    let out = cmd.output().expect("run egress-fence exec");
+    assert_eq!(out.status.code(), Some(127), "{}", show(&out));
+}
+
+#[test]
+fn a_resolve_mode_policy_is_refused_and_nothing_runs() {
+    let w = World::new();
+    let path = w.write_file(
+        "resolve.yaml",
+        &format!("version: 1\nallow:\n  - domain: \"{ALLOWED}\"\n    ports: [{PORT}]\n"),
+    );
+    let marker = w.dir().join("ran");
+    let out = exec(
+        &w,
+        path.to_str().expect("utf-8 path"),
+        &[],
+        &format!("touch {}", marker.display()),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("dns.mode: guard"),
+        "{}",
+        show(&out)
+    );
+    assert!(!marker.exists(), "CMD ran without a fence");
+}
+
+/// Every process whose command line contains `needle`.
+fn pids_with(needle: &str) -> Vec<String> {
+    let ps = Command::new("ps")
+        .args(["-eo", "pid=,args="])
+        .output()
+        .expect("ps");
+    String::from_utf8_lossy(&ps.stdout)
+        .lines()
+        .filter(|l| l.contains(needle) && !l.contains("ps -eo"))
+        .map(|l| l.trim().to_string())
+        .collect()
+}
+
+fn netns_names() -> String {
+    let out = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn sandbox_links(w: &World) -> String {
+    let out = Command::new("ip")
+        .args(["-n", w.sandbox_name(), "-o", "link"])
+        .output()
+        .expect("ip link");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.split_whitespace().take(2).collect::<Vec<_>>().join(" "))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn sigkill_of_exec_leaves_nothing_behind() {
+    let w = World::new();
+    let policy = setup(&w);
+    let links_before = sandbox_links(&w);
+    // A child of CMD too: the whole pid namespace must go.
+    let marker = format!("sleep 3{}", std::process::id() % 1000);
+    let mut running = Command::new(EGRESS_FENCE_BIN)
+        .args(["exec", "--netns", w.sandbox_name(), "--policy", &policy])
+        .args(["--", "sh", "-c", &format!("{marker} & {marker}; wait")])
+        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start egress-fence exec");
+    let name = format!("ef-exec-{}", running.id());
+    assert!(
+        within(Duration::from_secs(10), || pids_with(&marker).len() >= 2),
+        "CMD never ran"
+    );
+    let cmd_pid = pids_with(&marker)[0]
+        .split_whitespace()
+        .next()
+        .expect("a pid")
+        .to_string();
+    let netns = std::fs::read_link(format!("/proc/{cmd_pid}/ns/net")).expect("CMD's namespace");
+    running.kill().expect("SIGKILL exec");
+    let _ = running.wait();
+    let lsns = || {
+        let out = Command::new("lsns")
+            .args(["-t", "net", "-o", "NS", "-n"])
+            .output()
+            .expect("lsns");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let inode = netns
+        .to_string_lossy()
+        .trim_start_matches("net:[")
+        .trim_end_matches(']')
+        .to_string();
+    assert!(
+        within(Duration::from_secs(5), || pids_with(&marker).is_empty()
+            && pids_with(&name).is_empty()
+            && !lsns().lines().any(|l| l.trim() == inode)),
+        "left behind: processes {:?} {:?}, namespace {inode} listed: {}",
+        pids_with(&marker),
+        pids_with(&name),
+        lsns().lines().any(|l| l.trim() == inode)
+    );
+    assert!(!netns_names().contains(&name), "{}", netns_names());
+    assert_eq!(sandbox_links(&w), links_before, "the host's links changed");
+    // The next run removes what the killed one could not (its run directory).
+    let out = exec(&w, &policy, &[], "true");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let run_dir = w.state_dir().join("exec").join(&name);
+    assert!(!run_dir.exists(), "{} is still there", run_dir.display());
+}
