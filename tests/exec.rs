@@ -115,7 +115,13 @@ fn only_the_allowed_name_and_port_are_reached() {
     let other_port = w.listen_tcp(HOST_V4, OTHER_PORT);
     let other_host = w.listen_tcp(HOST2_V4, PORT);
     let metadata = w.listen_tcp(METADATA_V4, 80);
-    let out = exec(&w, &policy, &[], PROBES);
+    let report = w.dir().join("report.json");
+    let out = exec(
+        &w,
+        &policy,
+        &["--report", report.to_str().expect("utf-8 path")],
+        PROBES,
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     for expected in [
@@ -137,6 +143,32 @@ fn only_the_allowed_name_and_port_are_reached() {
     assert_eq!(other_port.count(), 0, "{}", show(&out));
     assert_eq!(other_host.count(), 0, "{}", show(&out));
     assert_eq!(metadata.count(), 0, "{}", show(&out));
+    // What was refused is said at exit, and written as JSON.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("the fence refused"), "{}", show(&out));
+    assert!(stderr.contains("outside.example.test"), "{}", show(&out));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("the report")).expect("JSON");
+    assert_eq!(report["exit_code"], 0, "{report}");
+    let refused = &report["refused"];
+    let dports: Vec<u64> = refused["first_connections"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|e| e["dport"].as_u64())
+        .collect();
+    for port in [OTHER_PORT as u64, 80, 53] {
+        assert!(dports.contains(&port), "port {port} not reported: {report}");
+    }
+    assert!(refused["connections"].as_u64() >= Some(4), "{report}");
+    assert!(
+        refused["names"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .any(|n| n == "outside.example.test"),
+        "{report}"
+    );
     let asked = w.dns_queries();
     assert!(
         !asked
@@ -233,15 +265,21 @@ fn sigkill_of_exec_leaves_nothing_behind() {
         .spawn()
         .expect("start egress-fence exec");
     let name = format!("ef-exec-{}", running.id());
+    // The two sleeps themselves (exec's and the inside's command lines hold the marker too).
+    let sleeps = || -> Vec<String> {
+        pids_with(&marker)
+            .into_iter()
+            .filter_map(|l| {
+                let (pid, args) = l.split_once(' ')?;
+                (args.trim() == marker).then(|| pid.to_string())
+            })
+            .collect()
+    };
     assert!(
-        within(Duration::from_secs(10), || pids_with(&marker).len() >= 2),
+        within(Duration::from_secs(10), || sleeps().len() >= 2),
         "CMD never ran"
     );
-    let cmd_pid = pids_with(&marker)[0]
-        .split_whitespace()
-        .next()
-        .expect("a pid")
-        .to_string();
+    let cmd_pid = sleeps()[0].clone();
     let netns = std::fs::read_link(format!("/proc/{cmd_pid}/ns/net")).expect("CMD's namespace");
     running.kill().expect("SIGKILL exec");
     let _ = running.wait();
@@ -273,4 +311,61 @@ fn sigkill_of_exec_leaves_nothing_behind() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     let run_dir = w.state_dir().join("exec").join(&name);
     assert!(!run_dir.exists(), "{} is still there", run_dir.display());
+}
+
+#[test]
+fn sigterm_is_passed_to_cmd_and_user_drops_privileges() {
+    let w = World::new();
+    let policy = setup(&w);
+    // CMD traps SIGTERM and exits 42: the code says it got the signal (not a kill).
+    let mut running = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody"],
+        "trap 'exit 42' TERM; id -u >&2; while :; do sleep 0.05; done",
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("start egress-fence exec");
+    let timeout_pid = running.id();
+    // The exec process is the child of `timeout`.
+    let exec_pid = || {
+        let out = Command::new("pgrep")
+            .args(["-P", &timeout_pid.to_string()])
+            .output()
+            .expect("pgrep");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let marker = "while :; do sleep 0.05";
+    if !within(Duration::from_secs(10), || {
+        !exec_pid().is_empty() && pids_with(marker).len() >= 3
+    }) {
+        let _ = running.kill();
+        let out = running.wait_with_output().expect("output");
+        panic!("CMD never ran: {}", show(&out));
+    }
+    let pid = exec_pid();
+    Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    let out = {
+        let status = running.wait().expect("wait");
+        let mut stderr = String::new();
+        use std::io::Read;
+        running
+            .stderr
+            .take()
+            .expect("stderr")
+            .read_to_string(&mut stderr)
+            .expect("read stderr");
+        (status, stderr)
+    };
+    assert_eq!(out.0.code(), Some(42), "{}", out.1);
+    assert!(
+        out.1.lines().any(|l| l.trim() == "65534"),
+        "not nobody: {}",
+        out.1
+    );
 }

@@ -348,6 +348,10 @@ pub enum Command {
         /// Keep this variable of the caller's environment (repeatable).
         #[arg(long = "keep-env", value_name = "NAME")]
         keep_env: Vec<String>,
+        /// Also write what the fence refused during the run (and CMD's exit code) to FILE as
+        /// JSON. A summary goes to stderr either way (the policy needs `log.group`).
+        #[arg(long, value_name = "FILE")]
+        report: Option<PathBuf>,
         #[command(flatten)]
         target: NamespaceArg,
         #[command(flatten)]

@@ -14,15 +14,28 @@ use super::exit::Failure;
 /// container runtimes say it.
 pub const EXIT_EXEC_FAILED: u8 = 125;
 
+/// The options of `exec` (besides the namespace ones).
+pub struct ExecArgs {
+    pub policy: PathBuf,
+    pub user: Option<String>,
+    pub keep_env: Vec<String>,
+    pub report: Option<PathBuf>,
+    pub command: Vec<OsString>,
+}
+
 pub fn run(
-    policy: PathBuf,
-    user: Option<String>,
-    keep_env: Vec<String>,
+    args: ExecArgs,
     target: &NamespaceArg,
     resolving: &Resolving,
     state: &StateArgs,
-    command: Vec<OsString>,
 ) -> Result<u8, Failure> {
+    let ExecArgs {
+        policy,
+        user,
+        keep_env,
+        report,
+        command,
+    } = args;
     let resolv_conf = enter(target, Some(resolving))?;
     init_warnings();
     let self_exe = std::env::current_exe().map_err(|e| {
@@ -39,7 +52,28 @@ pub fn run(
         state_root: state.state_dir.join("exec"),
         self_exe,
     };
-    exec::run(options).map_err(failed)
+    let outcome = exec::run(options).map_err(failed)?;
+    match &outcome.refusals {
+        Some(refusals) => eprintln!("egress-fence exec: {}", refusals.summary()),
+        None => {
+            eprintln!("egress-fence exec: refusals are not reported: the policy has no `log.group`")
+        }
+    }
+    if let Some(path) = report {
+        let json = serde_json::json!({
+            "exit_code": outcome.code,
+            "refused": outcome.refusals,
+        });
+        let text = serde_json::to_string_pretty(&json)?;
+        if let Err(e) = std::fs::write(&path, text + "\n") {
+            eprintln!(
+                "egress-fence exec: cannot write the report {}: {e}",
+                path.display()
+            );
+            return Ok(EXIT_EXEC_FAILED.max(outcome.code));
+        }
+    }
+    Ok(outcome.code)
 }
 
 pub fn run_child(

@@ -54,6 +54,8 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
     )
     .map_err(ExecError::sys("unblock signals"))?;
     prctl::set_pdeathsig(Signal::SIGKILL).map_err(ExecError::sys("arm the parent-death signal"))?;
+    // Opened while still root: the pipe is root's.
+    let go = open_go(inside.go_fd)?;
     private_resolv_conf(
         &inside.resolv_conf,
         &super::namespace::name_path(inside.parent),
@@ -70,7 +72,7 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
     if !Path::new("/proc").join(inside.parent.to_string()).exists() {
         return Err(ExecError::Refused("exec ended before CMD started".into()));
     }
-    if !wait_for_go(inside.go_fd)? {
+    if !wait_for_go(go)? {
         return Err(ExecError::Refused(
             "the fence was not proved; CMD not started".into(),
         ));
@@ -138,11 +140,16 @@ fn drop_remaining_capabilities() -> Result<(), ExecError> {
     caps::clear(None, caps::CapSet::Permitted).map_err(ExecError::caps)
 }
 
-/// Reads the go byte; closes the inherited descriptor so CMD does not get it.
-fn wait_for_go(fd: i32) -> Result<bool, ExecError> {
-    let mut pipe = File::open(format!("/proc/self/fd/{fd}"))
+/// Takes the start signal's pipe; closes the inherited descriptor so CMD does not get it.
+fn open_go(fd: i32) -> Result<File, ExecError> {
+    let pipe = File::open(format!("/proc/self/fd/{fd}"))
         .map_err(ExecError::io("open the start signal"))?;
     nix::unistd::close(fd).map_err(ExecError::sys("close the start signal"))?;
+    Ok(pipe)
+}
+
+/// Reads the go byte: false at EOF (exec refused, or died).
+fn wait_for_go(mut pipe: File) -> Result<bool, ExecError> {
     let mut byte = [0u8; 1];
     let n = pipe
         .read(&mut byte)

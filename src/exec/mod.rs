@@ -16,6 +16,7 @@
 pub mod child;
 mod connect;
 mod namespace;
+mod report;
 
 use std::ffi::OsString;
 use std::fs::{self, DirBuilder, File};
@@ -41,6 +42,7 @@ use crate::nft::{Nft, NftError};
 use crate::state::StateDir;
 
 pub use namespace::NAME_PREFIX;
+pub use report::Refusals;
 
 /// What CMD's environment keeps of the caller's besides `--keep-env` names.
 pub const KEPT_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "TERM", "TZ"];
@@ -109,9 +111,16 @@ pub struct Options {
     pub self_exe: PathBuf,
 }
 
-/// Runs CMD fenced; returns its exit code. Call it before any thread exists, in the host's
-/// network namespace.
-pub fn run(options: Options) -> Result<u8, ExecError> {
+/// How a run ended.
+pub struct Outcome {
+    /// CMD's exit code (128 + N for a death by signal N).
+    pub code: u8,
+    /// What the fence refused; `None` when the policy logs no refusals (no `log.group`).
+    pub refusals: Option<Refusals>,
+}
+
+/// Runs CMD fenced. Call it before any thread exists, in the host's network namespace.
+pub fn run(options: Options) -> Result<Outcome, ExecError> {
     let policy = Policy::load(&options.policy_path)?;
     let nameserver = guard_nameserver(&policy)?;
     for path in namespace::remove_leftovers(&options.state_root) {
@@ -144,9 +153,23 @@ pub fn run(options: Options) -> Result<u8, ExecError> {
     let planned = crate::core::plan::plan(&policy, &resolution);
     let mut nft = Nft::open()?;
     tracing::debug!("exec: namespace made, starting the fence");
-    let daemon_ended = start_daemon(&options, StateDir::new(&options.state_root, &name))?;
+    let state = StateDir::new(&options.state_root, &name);
+    let daemon_ended = start_daemon(&options, state.clone())?;
     wait_for_table(&mut nft, &planned, &daemon_ended)?;
     tracing::debug!("exec: the table is the planned one");
+    // Threads can be started only until the pid namespace is made, below.
+    let listening = match policy.log.group {
+        Some(group) => {
+            let mut listening = report::listen(group, state.guard_events())?;
+            if !listening.wait_for_guard(Duration::from_secs(2)) {
+                return Err(ExecError::Refused(
+                    "the guard's refusals cannot be followed; CMD not started".into(),
+                ));
+            }
+            Some(listening)
+        }
+        None => None,
+    };
 
     // From here this thread's children are in a new pid namespace, the inside its first
     // process (no thread may be started from this thread any more).
@@ -155,7 +178,7 @@ pub fn run(options: Options) -> Result<u8, ExecError> {
     fcntl(&go_read, FcntlArg::F_SETFD(FdFlag::empty()))
         .map_err(ExecError::sys("pass the pipe on"))?;
     unshare(CloneFlags::CLONE_NEWPID).map_err(ExecError::sys("make a pid namespace"))?;
-    let inside = Killed(start_inside(&options, &resolv_conf, &go_read)?);
+    let mut inside = Killed(start_inside(&options, &resolv_conf, &go_read)?);
     drop(go_read);
 
     namespace::enter(&host)?;
@@ -163,7 +186,13 @@ pub fn run(options: Options) -> Result<u8, ExecError> {
     let pasta = connect::start_pasta(named.path(), &pasta_pid_file);
     namespace::enter(&fenced)?;
     let mut pasta = Killed(pasta?);
-    connect::wait_until_connected(&mut pasta.0, &pasta_pid_file)?;
+    if let Err(e) = connect::wait_until_connected(&mut pasta.0, &pasta_pid_file) {
+        // The inside's end takes pasta with it: then the inside's error (above) is the cause.
+        return Err(match inside.0.try_wait() {
+            Ok(Some(_)) => ExecError::Refused("the inside ended before CMD started".into()),
+            _ => e,
+        });
+    }
     tracing::debug!("exec: pasta connected the namespace");
     drop(named);
     prove(&mut nft, &planned)?;
@@ -176,8 +205,9 @@ pub fn run(options: Options) -> Result<u8, ExecError> {
 
     tracing::debug!("exec: fence proved, CMD starts");
     let code = wait_for_inside(inside, &mut pasta, &signal_fd)?;
+    let refusals = listening.map(|l| l.finish(Duration::from_millis(100)));
     drop(run_dir);
-    Ok(code)
+    Ok(Outcome { code, refusals })
 }
 
 /// The guard's address for CMD's resolv.conf: its first listen address, which must be on
