@@ -69,7 +69,7 @@ fn a_secret_in_the_callers_environment_is_not_visible_and_the_exit_code_passes_t
         &w,
         &policy,
         &["--keep-env", "KEPT_VAR"],
-        "echo \"secret=${SECRET_TOKEN:-none} kept=${KEPT_VAR:-none}\"; grep -E '^Cap(Eff|Prm|Bnd|Amb)' /proc/self/status; exit 7",
+        "echo \"secret=${SECRET_TOKEN:-none} kept=${KEPT_VAR:-none}\"; grep -l hunter2 /proc/[0-9]*/environ 2>/dev/null | sed 's/^/readable: /'; grep -E '^Cap(Eff|Prm|Bnd|Amb)' /proc/self/status; exit 7",
     )
     .env("SECRET_TOKEN", "hunter2")
     .env("KEPT_VAR", "yes")
@@ -78,6 +78,11 @@ fn a_secret_in_the_callers_environment_is_not_visible_and_the_exit_code_passes_t
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(7), "{}", show(&out));
     assert!(stdout.contains("secret=none kept=yes"), "{}", show(&out));
+    assert!(
+        !stdout.contains("readable:"),
+        "CMD can read an environment holding the secret\n{}",
+        show(&out)
+    );
     for line in stdout.lines().filter(|l| l.starts_with("Cap")) {
         assert!(
             line.ends_with("0000000000000000"),
@@ -368,4 +373,64 @@ fn sigterm_is_passed_to_cmd_and_user_drops_privileges() {
         "not nobody: {}",
         out.1
     );
+}
+
+/// `egress-fence exec --policy p.yaml -- bwrap ...`: bubblewrap (unprivileged, in a user
+/// namespace of its own) inside the fence, with the fence still in force.
+#[test]
+fn bwrap_composes_inside_the_fence() {
+    if Command::new("bwrap").arg("--version").output().is_err() {
+        eprintln!("bwrap is not installed (Debian: bubblewrap); skipped");
+        return;
+    }
+    let w = World::new();
+    let policy = setup(&w);
+    let allowed = w.listen_tcp(HOST_V4, PORT);
+    let other_port = w.listen_tcp(HOST_V4, OTHER_PORT);
+    let script = "nc -z -w 2 registry.example.test 8080 && echo allowed-ok; \
+                  nc -z -w 2 192.0.2.10 9090 || echo other-port-refused; \
+                  echo \"secret=${SECRET_TOKEN:-none}\"; exit 3";
+    let mut cmd = Command::new("timeout");
+    cmd.args(["-k", "5", "20", EGRESS_FENCE_BIN, "exec"])
+        // As a user: CMD as root holds no capability, and a user namespace that maps root
+        // takes CAP_SETFCAP.
+        .args([
+            "--netns",
+            w.sandbox_name(),
+            "--policy",
+            &policy,
+            "--user",
+            "nobody",
+            "--",
+        ])
+        .args([
+            "bwrap",
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+        ])
+        // CMD is uid 0 without capabilities: bwrap must make a user namespace to get them.
+        .args([
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--die-with-parent",
+            "--",
+        ])
+        .args(["sh", "-c", script])
+        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
+        .env("SECRET_TOKEN", "hunter2")
+        .stdin(Stdio::null());
+    let out = cmd.output().expect("run egress-fence exec");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{}", show(&out));
+    for line in ["allowed-ok", "other-port-refused", "secret=none"] {
+        assert!(stdout.lines().any(|l| l == line), "{line}\n{}", show(&out));
+    }
+    assert!(allowed.count() >= 1, "{}", show(&out));
+    assert_eq!(other_port.count(), 0, "{}", show(&out));
 }
