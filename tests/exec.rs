@@ -320,6 +320,7 @@ fn sigkill_of_exec_leaves_nothing_behind() {
 
 #[test]
 fn sigterm_is_passed_to_cmd_and_user_drops_privileges() {
+    use std::io::{BufRead, BufReader, Read};
     let w = World::new();
     let policy = setup(&w);
     // CMD traps SIGTERM and exits 42: the code says it got the signal (not a kill).
@@ -327,52 +328,44 @@ fn sigterm_is_passed_to_cmd_and_user_drops_privileges() {
         &w,
         &policy,
         &["--user", "nobody"],
-        "trap 'exit 42' TERM; id -u >&2; while :; do sleep 0.05; done",
+        "trap 'exit 42' TERM; echo \"uid=$(id -u)\"; echo ready; while :; do sleep 0.05; done",
     )
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
     .spawn()
     .expect("start egress-fence exec");
-    let timeout_pid = running.id();
-    // The exec process is the child of `timeout`.
-    let exec_pid = || {
-        let out = Command::new("pgrep")
-            .args(["-P", &timeout_pid.to_string()])
-            .output()
-            .expect("pgrep");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
-    let marker = "while :; do sleep 0.05";
-    if !within(Duration::from_secs(10), || {
-        !exec_pid().is_empty() && pids_with(marker).len() >= 3
-    }) {
+    let mut stdout = BufReader::new(running.stdout.take().expect("stdout"));
+    let mut seen = String::new();
+    while !seen.contains("ready\n") {
+        if stdout.read_line(&mut seen).unwrap_or(0) == 0 {
+            break;
+        }
+    }
+    if !seen.contains("ready\n") {
         let _ = running.kill();
         let out = running.wait_with_output().expect("output");
-        panic!("CMD never ran: {}", show(&out));
+        panic!("CMD never got ready: {seen}\n{}", show(&out));
     }
-    let pid = exec_pid();
+    assert!(seen.contains("uid=65534\n"), "not nobody: {seen}");
+    // The exec process is the child of `timeout`.
+    let out = Command::new("pgrep")
+        .args(["-P", &running.id().to_string()])
+        .output()
+        .expect("pgrep");
+    let exec_pid = String::from_utf8_lossy(&out.stdout).trim().to_string();
     Command::new("kill")
-        .args(["-TERM", &pid])
+        .args(["-TERM", &exec_pid])
         .status()
         .expect("kill");
-    let out = {
-        let status = running.wait().expect("wait");
-        let mut stderr = String::new();
-        use std::io::Read;
-        running
-            .stderr
-            .take()
-            .expect("stderr")
-            .read_to_string(&mut stderr)
-            .expect("read stderr");
-        (status, stderr)
-    };
-    assert_eq!(out.0.code(), Some(42), "{}", out.1);
-    assert!(
-        out.1.lines().any(|l| l.trim() == "65534"),
-        "not nobody: {}",
-        out.1
-    );
+    let status = running.wait().expect("wait");
+    let mut stderr = String::new();
+    running
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("read stderr");
+    assert_eq!(status.code(), Some(42), "{stderr}");
 }
 
 /// `egress-fence exec --policy p.yaml -- bwrap ...`: bubblewrap (unprivileged, in a user

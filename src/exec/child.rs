@@ -85,20 +85,25 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
 }
 
 /// A mount namespace of our own where /etc/resolv.conf is the guard's, as `ip netns exec`
-/// does for /etc/netns/NAME/resolv.conf; mounts made here do not propagate back.
+/// does for /etc/netns/NAME/resolv.conf. Private, not a slave: mounts made here do not
+/// propagate back, and the host's later mounts (other runs' names) do not come in.
 fn private_resolv_conf(resolv_conf: &Path, name: &Path) -> Result<(), ExecError> {
     unshare(CloneFlags::CLONE_NEWNS).map_err(ExecError::sys("make a mount namespace"))?;
     mount(
         None::<&str>,
         "/",
         None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_SLAVE,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
         None::<&str>,
     )
     .map_err(ExecError::sys("keep mounts private"))?;
-    // The run's name was copied into this mount namespace: let go of it here, or it could
-    // not be removed while CMD runs.
+    // The names of runs starting now (this one's included) were copied into this mount
+    // namespace: let go of them here, or they could not be removed while CMD runs (and a
+    // recursive remount of / by a cage inside, bwrap's, would trip on them).
     let _ = nix::mount::umount2(name, nix::mount::MntFlags::MNT_DETACH);
+    for other in super::namespace::run_names() {
+        let _ = nix::mount::umount2(&other, nix::mount::MntFlags::MNT_DETACH);
+    }
     mount(
         Some(resolv_conf),
         "/etc/resolv.conf",

@@ -29,6 +29,19 @@ pub fn name_path(pid: u32) -> PathBuf {
     Path::new(NETNS_RUN_DIR).join(run_name(pid))
 }
 
+/// Every `ef-exec-*` name in /run/netns.
+pub fn run_names() -> Vec<PathBuf> {
+    fs::read_dir(NETNS_RUN_DIR)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_str().and_then(pid_of).is_some())
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The pid a leftover name was made by, if it is one of ours.
 fn pid_of(name: &str) -> Option<u32> {
     name.strip_prefix(NAME_PREFIX)?.parse().ok()
