@@ -220,6 +220,22 @@ fn a_resolve_mode_policy_is_refused_and_nothing_runs() {
     assert!(!marker.exists(), "CMD ran without a fence");
 }
 
+#[test]
+fn without_a_log_group_it_runs_and_says_refusals_are_not_reported() {
+    let w = World::new();
+    w.dns_set(ALLOWED, &[HOST_V4], 60);
+    let text = policy_text();
+    let without_log = &text[..text.find("log:").expect("a log section")];
+    let path = w.write_file("nolog.yaml", without_log);
+    let out = exec(&w, path.to_str().expect("utf-8 path"), &[], "exit 5");
+    assert_eq!(out.status.code(), Some(5), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not reported"),
+        "{}",
+        show(&out)
+    );
+}
+
 /// Every process whose command line contains `needle`.
 fn pids_with(needle: &str) -> Vec<String> {
     let ps = Command::new("ps")
