@@ -220,6 +220,33 @@ fn a_resolve_mode_policy_is_refused_and_nothing_runs() {
     assert!(!marker.exists(), "CMD ran without a fence");
 }
 
+/// Started by `ip netns exec SANDBOX` (a mount namespace of its own, the sandbox's resolv.conf
+/// bound over /etc/resolv.conf) instead of `--netns`.
+#[test]
+fn it_works_under_ip_netns_exec() {
+    let w = World::new();
+    let policy = setup(&w);
+    let allowed = w.listen_tcp(HOST_V4, PORT);
+    let out = Command::new("timeout")
+        .args(["-k", "5", "20", "ip", "netns", "exec", w.sandbox_name()])
+        .args([EGRESS_FENCE_BIN, "exec", "--policy", &policy, "--"])
+        .args([
+            "sh",
+            "-c",
+            "nc -z -w 2 registry.example.test 8080 && echo allowed-ok",
+        ])
+        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
+        .stdin(Stdio::null())
+        .output()
+        .expect("run egress-fence exec");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("allowed-ok"),
+        "{}",
+        show(&out)
+    );
+    assert!(allowed.count() >= 1, "{}", show(&out));
+}
+
 #[test]
 fn without_a_log_group_it_runs_and_says_refusals_are_not_reported() {
     let w = World::new();

@@ -336,8 +336,8 @@ pub enum Command {
     /// environment (PATH, HOME, LANG, TERM, TZ and each --keep-env), no capability and
     /// no_new_privs. Its exit code is exec's (128 + N for a death by signal N); SIGINT and
     /// SIGTERM are passed to it. When it ends, or exec is killed, the namespace, the table,
-    /// pasta and every process CMD started are gone. 125: exec itself failed; 126/127: CMD
-    /// could not be run or was not found.
+    /// pasta and every process CMD started are gone. 2: an invalid or resolve-mode policy;
+    /// 125: exec itself failed; 126/127: CMD could not be run or was not found.
     Exec {
         /// The policy (`dns.mode: guard`).
         #[arg(long, value_name = "FILE")]
