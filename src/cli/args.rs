@@ -352,6 +352,15 @@ pub enum Command {
         /// JSON. A summary goes to stderr either way (the policy needs `log.group`).
         #[arg(long, value_name = "FILE")]
         report: Option<PathBuf>,
+        /// Put a fresh canary token that looks like a live credential in CMD's environment
+        /// (CANARY_API_KEY=ck_live_...) and, at exit, say whether it (raw, hex, base32 or
+        /// base64) was asked as a DNS name; exit 99 when it was. Needs `log.group`.
+        #[arg(long)]
+        canary: bool,
+        /// With --canary: also write `CANARY_API_KEY=...` to this file (relative to CMD's
+        /// working directory, exec's), removed when the run ends.
+        #[arg(long, value_name = "PATH", requires = "canary")]
+        canary_file: Option<PathBuf>,
         #[command(flatten)]
         target: NamespaceArg,
         #[command(flatten)]

@@ -13,6 +13,8 @@ use super::exit::Failure;
 /// exec itself failed (CMD did not run, or its end could not be learnt), as `env` and
 /// container runtimes say it.
 pub const EXIT_EXEC_FAILED: u8 = 125;
+/// `--canary`: the token was asked as a DNS name (whatever CMD's own exit code).
+pub const EXIT_CANARY_TRIPPED: u8 = 99;
 
 /// The options of `exec` (besides the namespace ones).
 pub struct ExecArgs {
@@ -20,6 +22,8 @@ pub struct ExecArgs {
     pub user: Option<String>,
     pub keep_env: Vec<String>,
     pub report: Option<PathBuf>,
+    pub canary: bool,
+    pub canary_file: Option<PathBuf>,
     pub command: Vec<OsString>,
 }
 
@@ -34,6 +38,8 @@ pub fn run(
         user,
         keep_env,
         report,
+        canary,
+        canary_file,
         command,
     } = args;
     let resolv_conf = enter(target, Some(resolving))?;
@@ -51,6 +57,13 @@ pub fn run(
         command,
         state_root: state.state_dir.join("exec"),
         self_exe,
+        canary: match canary {
+            true => Some(exec::Canary {
+                token: exec::canary::mint().map_err(failed)?,
+                file: canary_file,
+            }),
+            false => None,
+        },
     };
     let outcome = exec::run(options).map_err(failed)?;
     match &outcome.refusals {
@@ -59,9 +72,14 @@ pub fn run(
             eprintln!("egress-fence exec: refusals are not reported: the policy has no `log.group`")
         }
     }
+    let tripped = outcome
+        .refusals
+        .as_ref()
+        .is_some_and(|r| r.canary_tripped());
     if let Some(path) = report {
         let json = serde_json::json!({
             "exit_code": outcome.code,
+            "canary_tripped": tripped,
             "refused": outcome.refusals,
         });
         let text = serde_json::to_string_pretty(&json)?;
@@ -73,7 +91,11 @@ pub fn run(
             return Ok(EXIT_EXEC_FAILED.max(outcome.code));
         }
     }
-    Ok(outcome.code)
+    Ok(if tripped {
+        EXIT_CANARY_TRIPPED
+    } else {
+        outcome.code
+    })
 }
 
 pub fn run_child(

@@ -13,6 +13,7 @@
 //! process dies (its parent-death signal), SIGKILL included; the table lives and dies with
 //! the namespace. SIGINT and SIGTERM are passed to CMD; its exit code is returned.
 
+pub mod canary;
 pub mod child;
 mod connect;
 mod namespace;
@@ -109,6 +110,15 @@ pub struct Options {
     pub state_root: PathBuf,
     /// This program, started again as the inside (`exec-child`).
     pub self_exe: PathBuf,
+    /// `--canary`: the token put in CMD's environment, and the file it is also written to.
+    pub canary: Option<Canary>,
+}
+
+/// A run's canary.
+pub struct Canary {
+    pub token: String,
+    /// Written before CMD starts (`CANARY_API_KEY=...`), removed when the run ends.
+    pub file: Option<PathBuf>,
 }
 
 /// How a run ended.
@@ -160,7 +170,8 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     // Threads can be started only until the pid namespace is made, below.
     let listening = match policy.log.group {
         Some(group) => {
-            let mut listening = report::listen(group, state.guard_events())?;
+            let token = options.canary.as_ref().map(|c| c.token.as_str());
+            let mut listening = report::listen(group, state.guard_events(), token)?;
             if !listening.wait_for_guard(Duration::from_secs(2)) {
                 return Err(ExecError::Refused(
                     "the guard's refusals cannot be followed; CMD not started".into(),
@@ -168,7 +179,21 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
             }
             Some(listening)
         }
+        None if options.canary.is_some() => {
+            return Err(ExecError::Refused(
+                "--canary needs `log.group` in the policy: the guard's refusals are read \
+                 with the refused packets"
+                    .into(),
+            ));
+        }
         None => None,
+    };
+    let _canary_file = match &options.canary {
+        Some(Canary {
+            token,
+            file: Some(path),
+        }) => Some(CanaryFile::write(path, token)?),
+        _ => None,
     };
 
     // From here this thread's children are in a new pid namespace, the inside its first
@@ -249,6 +274,23 @@ impl RunDir {
 impl Drop for RunDir {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.path);
+    }
+}
+
+/// The canary's file; removed when dropped.
+struct CanaryFile(PathBuf);
+
+impl CanaryFile {
+    fn write(path: &Path, token: &str) -> Result<CanaryFile, ExecError> {
+        fs::write(path, format!("{}={token}\n", canary::VARIABLE))
+            .map_err(ExecError::io("write the canary file"))?;
+        Ok(CanaryFile(path.to_path_buf()))
+    }
+}
+
+impl Drop for CanaryFile {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
     }
 }
 
@@ -358,6 +400,9 @@ fn start_inside(
         if let Some(value) = std::env::var_os(name) {
             command.env(name, value);
         }
+    }
+    if let Some(canary) = &options.canary {
+        command.env(canary::VARIABLE, &canary.token);
     }
     command
         .stdin(Stdio::inherit())

@@ -21,6 +21,8 @@ const LISTED: usize = 5;
 pub struct Listening {
     heard: Receiver<Heard>,
     refusals: Refusals,
+    /// The canary's token and encodings, when the run has one.
+    canary: Option<Vec<String>>,
 }
 
 /// What the fence refused during the run.
@@ -36,16 +38,27 @@ pub struct Refusals {
     pub first_queries: Vec<QueryEvent>,
     /// Errors reading the log (a report with any is incomplete).
     pub errors: Vec<String>,
+    /// With `--canary`: the refused questions that carried the token (raw or encoded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub canary_in: Option<Vec<String>>,
 }
 
 /// Starts hearing: the calling thread must be in the run's namespace; threads are started.
-pub fn listen(group: u16, guard_events: PathBuf) -> Result<Listening, ExecError> {
+pub fn listen(
+    group: u16,
+    guard_events: PathBuf,
+    canary_token: Option<&str>,
+) -> Result<Listening, ExecError> {
     let watcher = Watcher::subscribe(group)
         .map_err(|e| ExecError::Refused(format!("cannot read refused packets: {e}")))?;
     let heard = hear(watcher, guard_events).map_err(ExecError::io("start the refusal log"))?;
     Ok(Listening {
         heard,
-        refusals: Refusals::default(),
+        refusals: Refusals {
+            canary_in: canary_token.map(|_| Vec::new()),
+            ..Refusals::default()
+        },
+        canary: canary_token.map(super::canary::needles),
     })
 }
 
@@ -90,6 +103,12 @@ impl Listening {
             Heard::Packet(Err(e)) => r.errors.push(e.to_string()),
             Heard::Query(query) => {
                 r.queries += 1;
+                if let (Some(needles), Some(found)) = (&self.canary, &mut r.canary_in)
+                    && super::canary::carries(&query.name, needles)
+                    && found.len() < KEPT
+                {
+                    found.push(query.name.clone());
+                }
                 let name = query.name.to_ascii_lowercase();
                 if !r.names.contains(&name) && r.names.len() < KEPT {
                     r.names.push(name);
@@ -104,8 +123,27 @@ impl Listening {
 }
 
 impl Refusals {
+    /// Whether the canary's token was seen in a refused question.
+    pub fn canary_tripped(&self) -> bool {
+        self.canary_in
+            .as_ref()
+            .is_some_and(|found| !found.is_empty())
+    }
+
     /// The summary for stderr: counts, then the first few of each.
     pub fn summary(&self) -> String {
+        let canary = match &self.canary_in {
+            Some(found) if !found.is_empty() => format!(
+                "\nCANARY TRIPPED: the canary's token was asked as a DNS name (refused): {}",
+                found.join(", ")
+            ),
+            Some(_) => "\nthe canary's token was in no refused DNS question".into(),
+            None => String::new(),
+        };
+        self.counts_and_lists() + &canary
+    }
+
+    fn counts_and_lists(&self) -> String {
         if self.connections == 0 && self.queries == 0 {
             return "the fence refused nothing during the run".into();
         }
