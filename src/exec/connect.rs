@@ -25,8 +25,17 @@ const READY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Starts pasta for the namespace named at `netns_path`; the calling thread must be in the
 /// host's namespace. Pasta stays in the foreground, as a child of this process.
-pub fn start_pasta(netns_path: &Path, pid_file: &Path) -> Result<Child, ExecError> {
-    Command::new(PASTA)
+pub fn start_pasta(
+    netns_path: &Path,
+    pid_file: &Path,
+    capture: Option<&Path>,
+) -> Result<Child, ExecError> {
+    let mut pasta = Command::new(PASTA);
+    if let Some(path) = capture {
+        // Every frame of the tap device (the canary looks for its token in what left).
+        pasta.arg("--pcap").arg(path);
+    }
+    pasta
         .args(["--runas", "0", "--config-net", "--foreground", "--quiet"])
         // The namespace's name is removed once pasta holds it: pasta must outlive that.
         .arg("--no-netns-quit")

@@ -17,6 +17,7 @@ pub mod canary;
 pub mod child;
 mod connect;
 mod namespace;
+mod pcap;
 mod report;
 
 use std::ffi::OsString;
@@ -208,7 +209,11 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
 
     namespace::enter(&host)?;
     let pasta_pid_file = run_dir.path.join("pasta.pid");
-    let pasta = connect::start_pasta(named.path(), &pasta_pid_file);
+    let capture = options
+        .canary
+        .as_ref()
+        .map(|_| run_dir.path.join("pasta.pcap"));
+    let pasta = connect::start_pasta(named.path(), &pasta_pid_file, capture.as_deref());
     namespace::enter(&fenced)?;
     let mut pasta = Killed(pasta?);
     if let Err(e) = connect::wait_until_connected(&mut pasta.0, &pasta_pid_file) {
@@ -230,7 +235,25 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
 
     tracing::debug!("exec: fence proved, CMD starts");
     let code = wait_for_inside(inside, &mut pasta, &signal_fd)?;
-    let refusals = listening.map(|l| l.finish(Duration::from_millis(100)));
+    let mut refusals = listening.map(|l| l.finish(Duration::from_millis(100)));
+    if let (Some(canary), Some(capture), Some(refusals)) =
+        (&options.canary, &capture, &mut refusals)
+    {
+        let needles = canary::needles(&canary.token);
+        match pcap::dns_questions(capture) {
+            Ok(names) => {
+                let mut sent: Vec<String> = names
+                    .into_iter()
+                    .filter(|n| canary::carries(n, &needles))
+                    .collect();
+                sent.dedup();
+                refusals.canary_sent = Some(sent);
+            }
+            Err(e) => refusals
+                .errors
+                .push(format!("reading pasta's capture for the canary: {e}")),
+        }
+    }
     drop(run_dir);
     Ok(Outcome { code, refusals })
 }

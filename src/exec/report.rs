@@ -41,6 +41,10 @@ pub struct Refusals {
     /// With `--canary`: the refused questions that carried the token (raw or encoded).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub canary_in: Option<Vec<String>>,
+    /// With `--canary`: the questions that left the namespace (the guard forwarded them, read
+    /// from pasta's capture) and carried the token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub canary_sent: Option<Vec<String>>,
 }
 
 /// Starts hearing: the calling thread must be in the run's namespace; threads are started.
@@ -123,22 +127,27 @@ impl Listening {
 }
 
 impl Refusals {
-    /// Whether the canary's token was seen in a refused question.
+    /// Whether the canary's token was seen in a question, refused or sent.
     pub fn canary_tripped(&self) -> bool {
-        self.canary_in
-            .as_ref()
-            .is_some_and(|found| !found.is_empty())
+        [&self.canary_in, &self.canary_sent]
+            .iter()
+            .any(|found| found.as_ref().is_some_and(|f| !f.is_empty()))
     }
 
     /// The summary for stderr: counts, then the first few of each.
     pub fn summary(&self) -> String {
-        let canary = match &self.canary_in {
-            Some(found) if !found.is_empty() => format!(
-                "\nCANARY TRIPPED: the canary's token was asked as a DNS name (refused): {}",
+        let found: Vec<String> = [(&self.canary_in, "refused"), (&self.canary_sent, "SENT")]
+            .iter()
+            .filter_map(|(found, how)| Some((found.as_ref()?, how)))
+            .flat_map(|(found, how)| found.iter().map(move |n| format!("{n} ({how})")))
+            .collect();
+        let canary = match (&self.canary_in, found.is_empty()) {
+            (None, _) => String::new(),
+            (Some(_), false) => format!(
+                "\nCANARY TRIPPED: the canary's token was asked as a DNS name: {}",
                 found.join(", ")
             ),
-            Some(_) => "\nthe canary's token was in no refused DNS question".into(),
-            None => String::new(),
+            (Some(_), true) => "\nthe canary's token was in no DNS question".into(),
         };
         self.counts_and_lists() + &canary
     }
