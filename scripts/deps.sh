@@ -2,14 +2,15 @@
 # Installs what egress-fence needs to build, test and demo on Debian 12: a C toolchain (the
 # linker), the C libraries the nftnl and mnl crates link against, nftables (nft, the
 # independent reader in tests), a real DNS server (dnsmasq), real clients (dig, nc, curl),
-# ipset (benchmark baseline), python3 (the demo's web servers) and systemd (systemd-analyze
-# checks the unit). Only missing packages are installed.
+# ipset (benchmark baseline), python3 (the demo's web servers), systemd (systemd-analyze
+# checks the unit), passt (pasta connects `exec`'s namespace) and bubblewrap (`exec` composed
+# with bwrap). Only missing packages are installed.
 set -euo pipefail
 
 packages=(
   gcc libc6-dev pkg-config libnftnl-dev libmnl-dev nftables
   dnsmasq-base dnsutils netcat-openbsd curl iproute2 ipset python3 util-linux procps
-  systemd
+  systemd passt bubblewrap
 )
 
 if [ "$(id -u)" -ne 0 ]; then

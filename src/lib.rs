@@ -33,5 +33,6 @@ pub mod watch;
 // Apps on top: changes (apply, rollback, confirm), the daemon, the DNS guard, the probe.
 pub mod change;
 pub mod daemon;
+pub mod exec;
 pub mod guard;
 pub mod probe;

@@ -327,6 +327,64 @@ pub enum Command {
         #[command(flatten)]
         target: NamespaceArg,
     },
+    /// Run one command fenced: in a network namespace of its own, connected to this
+    /// namespace's network by pasta (Debian's `passt`), with the policy's table and DNS guard
+    /// in front of it.
+    ///
+    /// The policy must be in `dns.mode: guard` (CMD's resolv.conf names the guard). CMD
+    /// starts only once the table is read back and is the planned one; it gets a stripped
+    /// environment (PATH, HOME, LANG, TERM, TZ and each --keep-env), no capability and
+    /// no_new_privs. Its exit code is exec's (128 + N for a death by signal N); SIGINT and
+    /// SIGTERM are passed to it. When it ends, or exec is killed, the namespace, the table,
+    /// pasta and every process CMD started are gone. 2: an invalid or resolve-mode policy;
+    /// 125: exec itself failed; 126/127: CMD could not be run or was not found.
+    Exec {
+        /// The policy (`dns.mode: guard`).
+        #[arg(long, value_name = "FILE")]
+        policy: PathBuf,
+        /// Run CMD as this user, with the user's groups.
+        #[arg(long, value_name = "USER")]
+        user: Option<String>,
+        /// Keep this variable of the caller's environment (repeatable).
+        #[arg(long = "keep-env", value_name = "NAME")]
+        keep_env: Vec<String>,
+        /// Also write what the fence refused during the run (and CMD's exit code) to FILE as
+        /// JSON. A summary goes to stderr either way (the policy needs `log.group`).
+        #[arg(long, value_name = "FILE")]
+        report: Option<PathBuf>,
+        /// Put a fresh canary token that looks like a live credential in CMD's environment
+        /// (CANARY_API_KEY=ck_live_...) and, at exit, say whether it (raw, hex, base32 or
+        /// base64) was asked as a DNS name; exit 99 when it was. Needs `log.group`.
+        #[arg(long)]
+        canary: bool,
+        /// With --canary: also write `CANARY_API_KEY=...` to this file (relative to CMD's
+        /// working directory, exec's), removed when the run ends.
+        #[arg(long, value_name = "PATH", requires = "canary")]
+        canary_file: Option<PathBuf>,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        resolving: Resolving,
+        #[command(flatten)]
+        state: StateArgs,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<std::ffi::OsString>,
+    },
+    /// The inside of `exec` (its pid namespace's first process). Not for direct use.
+    #[command(hide = true)]
+    ExecChild {
+        #[arg(long)]
+        resolv_conf: PathBuf,
+        #[arg(long)]
+        go_fd: i32,
+        #[arg(long)]
+        parent: u32,
+        #[arg(long)]
+        user: Option<String>,
+        #[arg(last = true, required = true)]
+        command: Vec<std::ffi::OsString>,
+    },
     /// Started by `apply --confirm-within`: waits for the deadline in a session of its own,
     /// then reverts unless the change was confirmed. Not for direct use.
     #[command(hide = true)]

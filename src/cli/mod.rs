@@ -19,6 +19,7 @@ pub mod apply;
 pub mod check;
 pub mod confirm;
 pub mod diff;
+pub mod exec;
 pub mod history;
 pub mod plan;
 pub mod probe;

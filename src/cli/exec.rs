@@ -1,0 +1,139 @@
+//! `exec`: one command fenced in a network namespace of its own (see [`egress_fence::exec`]),
+//! and `exec-child`, its inside.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use egress_fence::exec::{self, ExecError, child};
+
+use super::args::{NamespaceArg, Resolving, StateArgs};
+use super::common::enter;
+use super::exit::Failure;
+
+/// exec itself failed (CMD did not run, or its end could not be learnt), as `env` and
+/// container runtimes say it.
+pub const EXIT_EXEC_FAILED: u8 = 125;
+/// `--canary`: the token was asked as a DNS name (whatever CMD's own exit code).
+pub const EXIT_CANARY_TRIPPED: u8 = 99;
+
+/// The options of `exec` (besides the namespace ones).
+pub struct ExecArgs {
+    pub policy: PathBuf,
+    pub user: Option<String>,
+    pub keep_env: Vec<String>,
+    pub report: Option<PathBuf>,
+    pub canary: bool,
+    pub canary_file: Option<PathBuf>,
+    pub command: Vec<OsString>,
+}
+
+pub fn run(
+    args: ExecArgs,
+    target: &NamespaceArg,
+    resolving: &Resolving,
+    state: &StateArgs,
+) -> Result<u8, Failure> {
+    let ExecArgs {
+        policy,
+        user,
+        keep_env,
+        report,
+        canary,
+        canary_file,
+        command,
+    } = args;
+    let resolv_conf = enter(target, Some(resolving))?;
+    init_warnings();
+    let self_exe = std::env::current_exe().map_err(|e| {
+        failed(ExecError::Refused(format!(
+            "cannot find this program to start the inside: {e}"
+        )))
+    })?;
+    let options = exec::Options {
+        policy_path: policy,
+        resolv_conf,
+        user,
+        keep_env,
+        command,
+        state_root: state.state_dir.join("exec"),
+        self_exe,
+        canary: match canary {
+            true => Some(exec::Canary {
+                token: exec::canary::mint().map_err(failed)?,
+                file: canary_file,
+            }),
+            false => None,
+        },
+    };
+    let outcome = exec::run(options).map_err(failed)?;
+    match &outcome.refusals {
+        Some(refusals) => eprintln!("egress-fence exec: {}", refusals.summary()),
+        None => {
+            eprintln!("egress-fence exec: refusals are not reported: the policy has no `log.group`")
+        }
+    }
+    let tripped = outcome
+        .refusals
+        .as_ref()
+        .is_some_and(|r| r.canary_tripped());
+    if let Some(path) = report {
+        let json = serde_json::json!({
+            "exit_code": outcome.code,
+            "canary_tripped": tripped,
+            "refused": outcome.refusals,
+        });
+        let text = serde_json::to_string_pretty(&json)?;
+        if let Err(e) = std::fs::write(&path, text + "\n") {
+            eprintln!(
+                "egress-fence exec: cannot write the report {}: {e}",
+                path.display()
+            );
+            return Ok(EXIT_EXEC_FAILED.max(outcome.code));
+        }
+    }
+    Ok(if tripped {
+        EXIT_CANARY_TRIPPED
+    } else {
+        outcome.code
+    })
+}
+
+pub fn run_child(
+    resolv_conf: PathBuf,
+    go_fd: i32,
+    parent: u32,
+    user: Option<String>,
+    command: Vec<OsString>,
+) -> Result<u8, Failure> {
+    child::run_inside(child::Inside {
+        resolv_conf,
+        user,
+        go_fd,
+        parent,
+        command,
+    })
+    .map_err(failed)
+}
+
+fn failed(error: ExecError) -> Failure {
+    let code = match error {
+        ExecError::Policy(_) | ExecError::NotGuard => super::exit::EXIT_BAD_POLICY,
+        _ => EXIT_EXEC_FAILED,
+    };
+    Failure {
+        code,
+        error: error.into(),
+    }
+}
+
+/// The daemon's warnings and errors on stderr (RUST_LOG overrides); its info lines would
+/// mix with CMD's output.
+fn init_warnings() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}

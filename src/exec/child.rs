@@ -1,0 +1,215 @@
+//! The inside of a run: `egress-fence exec-child`, started by `exec` as the first process of a
+//! new pid namespace, in the run's network namespace. It gives itself a private mount
+//! namespace with the guard as its resolver, drops to the user, gives up every capability
+//! for good, waits until `exec` has proved the fence, then starts CMD and waits for it,
+//! passing SIGINT and SIGTERM on.
+//!
+//! Being the pid namespace's first process is what leaves nothing behind: when it ends (CMD
+//! ended, or `exec` died and the kernel sent it SIGKILL as its parent-death signal) the
+//! kernel kills every process left in the namespace, CMD's children and pasta included.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use nix::mount::{MsFlags, mount};
+use nix::sched::{CloneFlags, unshare};
+use nix::sys::prctl;
+use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{Pid, User, initgroups, setgid, setuid};
+
+use super::ExecError;
+
+/// What `exec` hands the inside on its command line.
+pub struct Inside {
+    /// The resolv.conf naming the guard, bind-mounted over /etc/resolv.conf.
+    pub resolv_conf: PathBuf,
+    pub user: Option<String>,
+    /// The read end of the pipe `exec` writes one byte to once the fence is proved (EOF: it
+    /// refused, or died).
+    pub go_fd: i32,
+    /// `exec`'s pid, to notice it died before the parent-death signal was armed.
+    pub parent: u32,
+    pub command: Vec<OsString>,
+}
+
+/// Exit code when CMD could not be started (as a shell says for "cannot execute").
+pub const EXIT_CANNOT_EXECUTE: u8 = 126;
+/// Exit code when CMD was not found.
+pub const EXIT_NOT_FOUND: u8 = 127;
+
+/// Runs the inside; returns CMD's exit code (128 + signal for a signal's death).
+pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
+    // `exec` blocks the signals it reads from a signalfd, and its children inherit the mask:
+    // this process must hear them (to pass them on, to reap), and CMD must not start with them
+    // blocked.
+    nix::sys::signal::sigprocmask(
+        nix::sys::signal::SigmaskHow::SIG_SETMASK,
+        Some(&nix::sys::signal::SigSet::empty()),
+        None,
+    )
+    .map_err(ExecError::sys("unblock signals"))?;
+    prctl::set_pdeathsig(Signal::SIGKILL).map_err(ExecError::sys("arm the parent-death signal"))?;
+    // Opened while still root: the pipe is root's.
+    let go = open_go(inside.go_fd)?;
+    private_resolv_conf(
+        &inside.resolv_conf,
+        &super::namespace::name_path(inside.parent),
+    )?;
+    drop_bounding_set()?;
+    if let Some(name) = &inside.user {
+        become_user(name)?;
+    }
+    drop_remaining_capabilities()?;
+    prctl::set_no_new_privs().map_err(ExecError::sys("set no_new_privs"))?;
+    // Changing the user cleared the parent-death signal: arm it again, then make sure the
+    // parent did not die before that.
+    prctl::set_pdeathsig(Signal::SIGKILL).map_err(ExecError::sys("arm the parent-death signal"))?;
+    if !Path::new("/proc").join(inside.parent.to_string()).exists() {
+        return Err(ExecError::Refused("exec ended before CMD started".into()));
+    }
+    if !wait_for_go(go)? {
+        return Err(ExecError::Refused(
+            "the fence was not proved; CMD not started".into(),
+        ));
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ExecError::io("start the runtime"))?;
+    runtime.block_on(start_and_wait(inside.command))
+}
+
+/// A mount namespace of our own where /etc/resolv.conf is the guard's, as `ip netns exec`
+/// does for /etc/netns/NAME/resolv.conf. Private, not a slave: mounts made here do not
+/// propagate back, and the host's later mounts (other runs' names) do not come in.
+fn private_resolv_conf(resolv_conf: &Path, name: &Path) -> Result<(), ExecError> {
+    unshare(CloneFlags::CLONE_NEWNS).map_err(ExecError::sys("make a mount namespace"))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(ExecError::sys("keep mounts private"))?;
+    // The names of runs starting now (this one's included) were copied into this mount
+    // namespace: let go of them here, or they could not be removed while CMD runs (and a
+    // recursive remount of / by a cage inside, bwrap's, would trip on them).
+    let _ = nix::mount::umount2(name, nix::mount::MntFlags::MNT_DETACH);
+    for other in super::namespace::run_names() {
+        let _ = nix::mount::umount2(&other, nix::mount::MntFlags::MNT_DETACH);
+    }
+    mount(
+        Some(resolv_conf),
+        "/etc/resolv.conf",
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(ExecError::sys(
+        "bind the guard's resolv.conf over /etc/resolv.conf",
+    ))
+}
+
+/// Empties the bounding set (needs CAP_SETPCAP, so before the user changes): no later
+/// execve, of a setuid or file-capability binary or as root, can gain a capability.
+fn drop_bounding_set() -> Result<(), ExecError> {
+    for cap in caps::all() {
+        caps::drop(None, caps::CapSet::Bounding, cap).map_err(ExecError::caps)?;
+    }
+    Ok(())
+}
+
+fn become_user(name: &str) -> Result<(), ExecError> {
+    let user = User::from_name(name)
+        .map_err(ExecError::sys("look up the user"))?
+        .ok_or_else(|| ExecError::Refused(format!("no user named {name}")))?;
+    let cname = std::ffi::CString::new(name)
+        .map_err(|_| ExecError::Refused(format!("bad user name {name:?}")))?;
+    initgroups(&cname, user.gid).map_err(ExecError::sys("set the user's groups"))?;
+    setgid(user.gid).map_err(ExecError::sys("set the user's group"))?;
+    setuid(user.uid).map_err(ExecError::sys("set the user"))
+}
+
+/// Clears the ambient, inheritable, permitted and effective sets: with the bounding set
+/// empty, CMD starts without any capability even as root.
+fn drop_remaining_capabilities() -> Result<(), ExecError> {
+    caps::clear(None, caps::CapSet::Ambient).map_err(ExecError::caps)?;
+    caps::clear(None, caps::CapSet::Inheritable).map_err(ExecError::caps)?;
+    caps::clear(None, caps::CapSet::Effective).map_err(ExecError::caps)?;
+    caps::clear(None, caps::CapSet::Permitted).map_err(ExecError::caps)
+}
+
+/// Takes the start signal's pipe; closes the inherited descriptor so CMD does not get it.
+fn open_go(fd: i32) -> Result<File, ExecError> {
+    let pipe = File::open(format!("/proc/self/fd/{fd}"))
+        .map_err(ExecError::io("open the start signal"))?;
+    nix::unistd::close(fd).map_err(ExecError::sys("close the start signal"))?;
+    Ok(pipe)
+}
+
+/// Reads the go byte: false at EOF (exec refused, or died).
+fn wait_for_go(mut pipe: File) -> Result<bool, ExecError> {
+    let mut byte = [0u8; 1];
+    let n = pipe
+        .read(&mut byte)
+        .map_err(ExecError::io("read the start signal"))?;
+    Ok(n == 1)
+}
+
+async fn start_and_wait(command: Vec<OsString>) -> Result<u8, ExecError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    // Listening before CMD exists, so none of its signals is missed.
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(ExecError::io("catch SIGINT"))?;
+    let mut terminate = signal(SignalKind::terminate()).map_err(ExecError::io("catch SIGTERM"))?;
+    let mut child_ended = signal(SignalKind::child()).map_err(ExecError::io("catch SIGCHLD"))?;
+    let Some((program, args)) = command.split_first() else {
+        return Err(ExecError::Refused("no command given".into()));
+    };
+    let child = match Command::new(program).args(args).spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            eprintln!(
+                "egress-fence exec: cannot run {}: {e}",
+                program.to_string_lossy()
+            );
+            return Ok(match e.kind() {
+                std::io::ErrorKind::NotFound => EXIT_NOT_FOUND,
+                _ => EXIT_CANNOT_EXECUTE,
+            });
+        }
+    };
+    let cmd = Pid::from_raw(child.id() as i32);
+    loop {
+        // Reap everything (orphans are ours as the namespace's first process) until CMD is.
+        loop {
+            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) if pid == cmd => return Ok(code as u8),
+                Ok(WaitStatus::Signaled(pid, sig, _)) if pid == cmd => {
+                    return Ok(128u8.saturating_add(sig as u8));
+                }
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(_) => continue,
+            }
+        }
+        tokio::select! {
+            _ = interrupt.recv() => { let _ = kill(cmd, Signal::SIGINT); }
+            _ = terminate.recv() => { let _ = kill(cmd, Signal::SIGTERM); }
+            _ = child_ended.recv() => {}
+        }
+    }
+}
+
+/// The exit code a shell gives for `status` (128 + signal for a signal's death).
+pub fn exit_code(status: std::process::ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code as u8,
+        (None, Some(sig)) => 128u8.saturating_add(sig as u8),
+        (None, None) => 1,
+    }
+}

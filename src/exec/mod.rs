@@ -1,0 +1,461 @@
+//! `egress-fence exec`: one command in a network namespace of its own, fenced by the policy in
+//! guard mode, connected to the host's network by pasta without changing anything of the
+//! host's, and gone without a trace when it ends.
+//!
+//! The order is the guarantee. This process makes the namespace and runs the daemon (table and
+//! DNS guard) for it on a thread of its own; reads the table back until it is the planned one;
+//! starts the inside ([`child`], the first process of a new pid namespace, waiting); connects
+//! the namespace with pasta ([`connect`]); proves the table again, and only then tells the
+//! inside to start CMD. Any failure before that kills the inside, and CMD never runs.
+//!
+//! Nothing outlives the run: the namespace is named only while pasta attaches
+//! ([`namespace`]), the pid namespace ends with the inside, which the kernel kills when this
+//! process dies (its parent-death signal), SIGKILL included; the table lives and dies with
+//! the namespace. SIGINT and SIGTERM are passed to CMD; its exit code is returned.
+
+pub mod canary;
+pub mod child;
+mod connect;
+mod namespace;
+mod pcap;
+mod report;
+
+use std::ffi::OsString;
+use std::fs::{self, DirBuilder, File};
+use std::io::Write;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use nix::fcntl::{FcntlArg, FdFlag, OFlag, fcntl};
+use nix::sched::{CloneFlags, unshare};
+use nix::sys::signal::{SigSet, Signal, kill};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::unistd::Pid;
+
+use crate::core::diff::{CompareOptions, compare};
+use crate::core::policy::{Policy, PolicyError};
+use crate::core::ruleset::Ruleset;
+use crate::daemon::{self, DaemonError};
+use crate::dns::resolve::ResolveError;
+use crate::nft::{Nft, NftError};
+use crate::state::StateDir;
+
+pub use namespace::NAME_PREFIX;
+pub use report::Refusals;
+
+/// What CMD's environment keeps of the caller's besides `--keep-env` names.
+pub const KEPT_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "TERM", "TZ"];
+/// How long the daemon may take to put the policy's table up.
+const TABLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error(
+        "exec needs a policy with `dns.mode: guard` (and a `dns.listen` on port 53): CMD's \
+         names resolve only through the guard, so DNS cannot carry data out"
+    )]
+    NotGuard,
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+    #[error(transparent)]
+    Nft(#[from] NftError),
+    #[error("the fence's daemon failed: {0}")]
+    Daemon(#[source] DaemonError),
+    #[error("the fence's daemon ended before CMD started")]
+    DaemonEnded,
+    #[error("the table in the namespace is not the planned one, CMD not started: {0}")]
+    NotProved(String),
+    #[error("cannot connect the namespace: {reason}")]
+    Pasta { reason: String },
+    #[error("cannot drop capabilities: {0}")]
+    Caps(String),
+    #[error("{0}")]
+    Refused(String),
+    #[error("{doing}: {source}")]
+    Io {
+        doing: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{doing}: {source}")]
+    Sys {
+        doing: &'static str,
+        source: nix::Error,
+    },
+}
+
+impl ExecError {
+    fn io(doing: &'static str) -> impl FnOnce(std::io::Error) -> ExecError {
+        move |source| ExecError::Io { doing, source }
+    }
+    fn sys(doing: &'static str) -> impl FnOnce(nix::Error) -> ExecError {
+        move |source| ExecError::Sys { doing, source }
+    }
+    fn caps(e: caps::errors::CapsError) -> ExecError {
+        ExecError::Caps(e.to_string())
+    }
+}
+
+pub struct Options {
+    pub policy_path: PathBuf,
+    /// The host's resolv.conf (the upstream resolvers of a guard that names none).
+    pub resolv_conf: PathBuf,
+    pub user: Option<String>,
+    pub keep_env: Vec<String>,
+    pub command: Vec<OsString>,
+    /// Where each run keeps its daemon's state and its resolv.conf, in `ef-exec-<pid>`.
+    pub state_root: PathBuf,
+    /// This program, started again as the inside (`exec-child`).
+    pub self_exe: PathBuf,
+    /// `--canary`: the token put in CMD's environment, and the file it is also written to.
+    pub canary: Option<Canary>,
+}
+
+/// A run's canary.
+pub struct Canary {
+    pub token: String,
+    /// Written before CMD starts (`CANARY_API_KEY=...`), removed when the run ends.
+    pub file: Option<PathBuf>,
+}
+
+/// How a run ended.
+pub struct Outcome {
+    /// CMD's exit code (128 + N for a death by signal N).
+    pub code: u8,
+    /// What the fence refused; `None` when the policy logs no refusals (no `log.group`).
+    pub refusals: Option<Refusals>,
+}
+
+/// Runs CMD fenced. Call it before any thread exists, in the host's network namespace.
+pub fn run(options: Options) -> Result<Outcome, ExecError> {
+    let policy = Policy::load(&options.policy_path)?;
+    let nameserver = guard_nameserver(&policy)?;
+    for path in namespace::remove_leftovers(&options.state_root) {
+        eprintln!(
+            "egress-fence exec: removed {} (left by a killed run)",
+            path.display()
+        );
+    }
+    // Blocked in every thread (the daemon's inherits this mask): they are read here, from a
+    // signalfd, and passed to CMD.
+    let mut signals = SigSet::empty();
+    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGCHLD] {
+        signals.add(s);
+    }
+    signals
+        .thread_block()
+        .map_err(ExecError::sys("block signals"))?;
+    let signal_fd = SignalFd::with_flags(&signals, SfdFlags::SFD_CLOEXEC)
+        .map_err(ExecError::sys("read signals"))?;
+
+    let host = namespace::current()?;
+    namespace::enter_new()?;
+    let fenced = namespace::current()?;
+    let name = namespace::run_name(std::process::id());
+    let named = namespace::NamedNetns::bind(&name)?;
+    let run_dir = RunDir::create(&options.state_root, &name)?;
+    let resolv_conf = run_dir.write_resolv_conf(&nameserver)?;
+
+    let resolution = crate::dns::resolve::resolve_policy(&policy, &options.resolv_conf)?;
+    let planned = crate::core::plan::plan(&policy, &resolution);
+    let mut nft = Nft::open()?;
+    tracing::debug!("exec: namespace made, starting the fence");
+    let state = StateDir::new(&options.state_root, &name);
+    let daemon_ended = start_daemon(&options, state.clone())?;
+    wait_for_table(&mut nft, &planned, &daemon_ended)?;
+    tracing::debug!("exec: the table is the planned one");
+    // Threads can be started only until the pid namespace is made, below.
+    let listening = match policy.log.group {
+        Some(group) => {
+            let token = options.canary.as_ref().map(|c| c.token.as_str());
+            let mut listening = report::listen(group, state.guard_events(), token)?;
+            if !listening.wait_for_guard(Duration::from_secs(2)) {
+                return Err(ExecError::Refused(
+                    "the guard's refusals cannot be followed; CMD not started".into(),
+                ));
+            }
+            Some(listening)
+        }
+        None if options.canary.is_some() => {
+            return Err(ExecError::Refused(
+                "--canary needs `log.group` in the policy: the guard's refusals are read \
+                 with the refused packets"
+                    .into(),
+            ));
+        }
+        None => None,
+    };
+    let _canary_file = match &options.canary {
+        Some(Canary {
+            token,
+            file: Some(path),
+        }) => Some(CanaryFile::write(path, token)?),
+        _ => None,
+    };
+
+    // From here this thread's children are in a new pid namespace, the inside its first
+    // process (no thread may be started from this thread any more).
+    let (go_read, go_write) =
+        nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(ExecError::sys("make a pipe"))?;
+    fcntl(&go_read, FcntlArg::F_SETFD(FdFlag::empty()))
+        .map_err(ExecError::sys("pass the pipe on"))?;
+    unshare(CloneFlags::CLONE_NEWPID).map_err(ExecError::sys("make a pid namespace"))?;
+    let mut inside = Killed(start_inside(&options, &resolv_conf, &go_read)?);
+    drop(go_read);
+
+    namespace::enter(&host)?;
+    let pasta_pid_file = run_dir.path.join("pasta.pid");
+    let capture = options
+        .canary
+        .as_ref()
+        .map(|_| run_dir.path.join("pasta.pcap"));
+    let pasta = connect::start_pasta(named.path(), &pasta_pid_file, capture.as_deref());
+    namespace::enter(&fenced)?;
+    let mut pasta = Killed(pasta?);
+    if let Err(e) = connect::wait_until_connected(&mut pasta.0, &pasta_pid_file) {
+        // The inside's end takes pasta with it: then the inside's error (above) is the cause.
+        return Err(match inside.0.try_wait() {
+            Ok(Some(_)) => ExecError::Refused("the inside ended before CMD started".into()),
+            _ => e,
+        });
+    }
+    tracing::debug!("exec: pasta connected the namespace");
+    drop(named);
+    prove(&mut nft, &planned)?;
+    if daemon_ended.try_recv().is_ok() {
+        return Err(ExecError::DaemonEnded);
+    }
+    File::from(go_write)
+        .write_all(b"g")
+        .map_err(ExecError::io("start CMD"))?;
+
+    tracing::debug!("exec: fence proved, CMD starts");
+    let code = wait_for_inside(inside, &mut pasta, &signal_fd)?;
+    let mut refusals = listening.map(|l| l.finish(Duration::from_millis(100)));
+    if let (Some(canary), Some(capture), Some(refusals)) =
+        (&options.canary, &capture, &mut refusals)
+    {
+        let needles = canary::needles(&canary.token);
+        match pcap::dns_questions(capture) {
+            Ok(names) => {
+                let mut sent: Vec<String> = names
+                    .into_iter()
+                    .filter(|n| canary::carries(n, &needles))
+                    .collect();
+                sent.dedup();
+                refusals.canary_sent = Some(sent);
+            }
+            Err(e) => refusals
+                .errors
+                .push(format!("reading pasta's capture for the canary: {e}")),
+        }
+    }
+    drop(run_dir);
+    Ok(Outcome { code, refusals })
+}
+
+/// The guard's address for CMD's resolv.conf: its first listen address, which must be on
+/// port 53 (resolv.conf names no port).
+fn guard_nameserver(policy: &Policy) -> Result<std::net::IpAddr, ExecError> {
+    let guard = policy.dns.guard.as_ref().ok_or(ExecError::NotGuard)?;
+    guard
+        .listen
+        .iter()
+        .find(|a| a.port() == 53)
+        .map(|a| a.ip())
+        .ok_or(ExecError::NotGuard)
+}
+
+/// The run's directory (the daemon's state, CMD's resolv.conf); removed when dropped.
+struct RunDir {
+    path: PathBuf,
+}
+
+impl RunDir {
+    fn create(root: &Path, name: &str) -> Result<RunDir, ExecError> {
+        let path = root.join(name);
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&path)
+            .map_err(ExecError::io("create the run's directory"))?;
+        Ok(RunDir { path })
+    }
+
+    fn write_resolv_conf(&self, nameserver: &std::net::IpAddr) -> Result<PathBuf, ExecError> {
+        let path = self.path.join("resolv.conf");
+        fs::write(&path, format!("nameserver {nameserver}\n"))
+            .map_err(ExecError::io("write CMD's resolv.conf"))?;
+        Ok(path)
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.path);
+    }
+}
+
+/// The canary's file; removed when dropped.
+struct CanaryFile(PathBuf);
+
+impl CanaryFile {
+    fn write(path: &Path, token: &str) -> Result<CanaryFile, ExecError> {
+        fs::write(path, format!("{}={token}\n", canary::VARIABLE))
+            .map_err(ExecError::io("write the canary file"))?;
+        Ok(CanaryFile(path.to_path_buf()))
+    }
+}
+
+impl Drop for CanaryFile {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+/// A child killed (and reaped) when dropped, unless it already ended.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Runs the daemon (the table and the DNS guard) on a thread in the calling thread's
+/// namespace; the receiver hears when it ended.
+fn start_daemon(options: &Options, state: StateDir) -> Result<mpsc::Receiver<()>, ExecError> {
+    state
+        .create()
+        .map_err(|e| ExecError::Daemon(DaemonError::State(e)))?;
+    let daemon_options = daemon::Options {
+        policy_path: options.policy_path.clone(),
+        resolv_conf: options.resolv_conf.clone(),
+        teardown_on_exit: false,
+        log_drops: false,
+        state,
+        keep: 1,
+        lock_timeout: Duration::from_secs(1),
+    };
+    let (ended_tx, ended_rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("fence".into())
+        .spawn(move || {
+            if let Err(e) = daemon::run(daemon_options) {
+                eprintln!("egress-fence exec: {}", ExecError::Daemon(e));
+            }
+            let _ = ended_tx.send(());
+        })
+        .map_err(ExecError::io("start the fence's daemon"))?;
+    Ok(ended_rx)
+}
+
+/// Waits until the daemon's table is the planned one.
+fn wait_for_table(
+    nft: &mut Nft,
+    planned: &Ruleset,
+    daemon_ended: &mpsc::Receiver<()>,
+) -> Result<(), ExecError> {
+    let deadline = Instant::now() + TABLE_TIMEOUT;
+    loop {
+        match prove(nft, planned) {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => {}
+        }
+        if daemon_ended.try_recv().is_ok() {
+            return Err(ExecError::DaemonEnded);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Reads the namespace's table back and compares it with the plan (the guard's answers left
+/// out: they come and go).
+fn prove(nft: &mut Nft, planned: &Ruleset) -> Result<(), ExecError> {
+    let live = nft.read_table()?;
+    let diff = compare(
+        planned,
+        live.as_ref(),
+        CompareOptions {
+            ignore_resolved_contents: true,
+        },
+    );
+    if diff.is_empty() {
+        Ok(())
+    } else {
+        Err(ExecError::NotProved(diff.summary().join("; ")))
+    }
+}
+
+fn start_inside(
+    options: &Options,
+    resolv_conf: &Path,
+    go_read: &std::os::fd::OwnedFd,
+) -> Result<Child, ExecError> {
+    use std::os::fd::AsRawFd;
+    let mut command = Command::new(&options.self_exe);
+    command
+        .arg("exec-child")
+        .arg("--resolv-conf")
+        .arg(resolv_conf)
+        .arg("--go-fd")
+        .arg(go_read.as_raw_fd().to_string())
+        .arg("--parent")
+        .arg(std::process::id().to_string());
+    if let Some(user) = &options.user {
+        command.arg("--user").arg(user);
+    }
+    command.arg("--").args(&options.command);
+    command.env_clear();
+    for name in KEPT_ENV
+        .iter()
+        .copied()
+        .chain(options.keep_env.iter().map(String::as_str))
+    {
+        if let Some(value) = std::env::var_os(name) {
+            command.env(name, value);
+        }
+    }
+    if let Some(canary) = &options.canary {
+        command.env(canary::VARIABLE, &canary.token);
+    }
+    command
+        .stdin(Stdio::inherit())
+        .spawn()
+        .map_err(ExecError::io("start the inside"))
+}
+
+/// Passes SIGINT and SIGTERM to the inside (which passes them to CMD) until it ends.
+///
+/// pasta's first process (it forks) is reaped here as soon as it ends: the pid namespace's
+/// end waits for every zombie of its processes, and this process is that one's parent.
+fn wait_for_inside(
+    mut inside: Killed,
+    pasta: &mut Killed,
+    signal_fd: &SignalFd,
+) -> Result<u8, ExecError> {
+    loop {
+        let _ = pasta.0.try_wait();
+        if let Some(status) = inside.0.try_wait().map_err(ExecError::io("wait for CMD"))? {
+            return Ok(child::exit_code(status));
+        }
+        let Some(info) = signal_fd
+            .read_signal()
+            .map_err(ExecError::sys("read signals"))?
+        else {
+            continue;
+        };
+        let signo = info.ssi_signo as i32;
+        if let Ok(sig @ (Signal::SIGINT | Signal::SIGTERM)) = Signal::try_from(signo) {
+            let _ = kill(Pid::from_raw(inside.0.id() as i32), sig);
+        }
+    }
+}

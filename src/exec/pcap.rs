@@ -1,0 +1,116 @@
+//! The DNS questions that left the run's namespace, read from pasta's capture (`--pcap`) of
+//! its tap device: what the guard sent upstream for the names the policy allows. Only
+//! Ethernet frames carrying IPv4 or IPv6 (without extension headers) to port 53 over UDP, or
+//! over TCP when one segment holds the length-prefixed message, are read.
+
+use std::path::Path;
+
+use hickory_proto::op::Message;
+
+/// pcap's magic numbers (microsecond and nanosecond timestamps), as written on this host.
+const MAGIC_US: u32 = 0xa1b2_c3d4;
+const MAGIC_NS: u32 = 0xa1b2_3c4d;
+const GLOBAL_HEADER: usize = 24;
+const RECORD_HEADER: usize = 16;
+const ETHERNET_HEADER: usize = 14;
+
+/// The names asked in the captured DNS queries, in order.
+pub fn dns_questions(path: &Path) -> std::io::Result<Vec<String>> {
+    let bytes = std::fs::read(path)?;
+    Ok(questions_in(&bytes))
+}
+
+fn questions_in(bytes: &[u8]) -> Vec<String> {
+    let mut names = Vec::new();
+    let magic = u32_at(bytes, 0);
+    if magic != Some(MAGIC_US) && magic != Some(MAGIC_NS) {
+        return names;
+    }
+    let mut at = GLOBAL_HEADER;
+    while let Some(len) = u32_at(bytes, at + 8) {
+        let start = at + RECORD_HEADER;
+        let Some(frame) = bytes.get(start..start + len as usize) else {
+            break;
+        };
+        if let Some(payload) = dns_payload(frame)
+            && let Ok(message) = Message::from_vec(payload)
+        {
+            names.extend(message.queries.iter().map(|q| q.name().to_ascii()));
+        }
+        at = start + len as usize;
+    }
+    names
+}
+
+/// The DNS message a frame carries to port 53, if it carries one.
+fn dns_payload(frame: &[u8]) -> Option<&[u8]> {
+    let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
+    let ip = frame.get(ETHERNET_HEADER..)?;
+    let (protocol, transport) = match ethertype {
+        0x0800 => {
+            let header = usize::from(ip.first()? & 0x0f) * 4;
+            (*ip.get(9)?, ip.get(header..)?)
+        }
+        0x86dd => (*ip.get(6)?, ip.get(40..)?),
+        _ => return None,
+    };
+    let dport = u16::from_be_bytes([*transport.get(2)?, *transport.get(3)?]);
+    if dport != 53 {
+        return None;
+    }
+    match protocol {
+        17 => transport.get(8..),
+        6 => {
+            let offset = usize::from(transport.get(12)? >> 4) * 4;
+            // The two-byte length prefix of DNS over TCP.
+            transport.get(offset + 2..).filter(|p| !p.is_empty())
+        }
+        _ => None,
+    }
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_proto::op::{Message, Query};
+    use hickory_proto::rr::{Name, RecordType};
+
+    fn frame(query: &[u8]) -> Vec<u8> {
+        let mut f = vec![0u8; 12];
+        f.extend_from_slice(&[0x08, 0x00]);
+        let mut ip = vec![
+            0x45, 0, 0, 0, 0, 0, 0, 0, 64, 17, 0, 0, 10, 0, 0, 1, 192, 0, 2, 53,
+        ];
+        let udp_len = (8 + query.len()) as u16;
+        ip.extend_from_slice(&[0x30, 0x39, 0, 53]);
+        ip.extend_from_slice(&udp_len.to_be_bytes());
+        ip.extend_from_slice(&[0, 0]);
+        ip.extend_from_slice(query);
+        f.extend_from_slice(&ip);
+        f
+    }
+
+    #[test]
+    fn a_captured_query_is_read_back() {
+        let mut m = Message::query();
+        m.add_query(Query::query(
+            Name::from_ascii("secret.exfil.test.").expect("a name"),
+            RecordType::A,
+        ));
+        let query = m.to_vec().expect("encoded");
+        let f = frame(&query);
+        let mut pcap = Vec::new();
+        pcap.extend_from_slice(&MAGIC_US.to_le_bytes());
+        pcap.extend_from_slice(&[0u8; 20]);
+        pcap.extend_from_slice(&[0u8; 8]);
+        pcap.extend_from_slice(&(f.len() as u32).to_le_bytes());
+        pcap.extend_from_slice(&(f.len() as u32).to_le_bytes());
+        pcap.extend_from_slice(&f);
+        assert_eq!(questions_in(&pcap), vec!["secret.exfil.test.".to_string()]);
+        assert!(questions_in(&pcap[..30]).is_empty());
+    }
+}
