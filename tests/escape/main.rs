@@ -18,5 +18,6 @@ mod readback;
 mod readback_attack;
 mod repair;
 mod revert_attack;
+mod round2;
 mod scope;
 mod scope_attack;

