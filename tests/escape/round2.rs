@@ -305,3 +305,67 @@ exit 5
     assert_eq!(out.status.code(), Some(5), "{}", show(&out));
     assert_eq!(allowed.count(), 0, "{}", show(&out));
 }
+
+/// SIGKILL of exec at every stage (from before the namespace exists to CMD running): no
+/// process of a killed run is left, and after one more run no name, mount or run directory.
+#[test]
+fn sigkill_of_exec_at_any_time_leaves_nothing_behind() {
+    let w = World::new();
+    let policy = setup(&w);
+    let mut killed = Vec::new();
+    for delay_ms in [
+        0u64, 2, 5, 10, 20, 30, 45, 60, 80, 100, 130, 170, 220, 300, 450, 600, 800, 1000, 1300,
+        1700, 2500,
+    ] {
+        let mut child = Command::new(EGRESS_FENCE_BIN)
+            .args(["exec", "--netns", w.sandbox_name(), "--policy", &policy])
+            .args(["--", "sleep", "30"])
+            .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start egress-fence exec");
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        let _ = child.kill();
+        let _ = child.wait();
+        killed.push(child.id());
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let leftovers = |killed: &[u32]| -> Vec<String> {
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+                continue;
+            };
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            if killed.iter().any(|pid| {
+                cmdline.contains(&format!("ef-exec-{pid}"))
+                    || cmdline.contains(&format!("--parent {pid} "))
+            }) {
+                found.push(format!(
+                    "process {}: {cmdline}",
+                    entry.file_name().to_string_lossy()
+                ));
+            }
+        }
+        found
+    };
+    let processes = leftovers(&killed);
+    assert!(processes.is_empty(), "{processes:#?}");
+    let out = exec(&w, &policy, &[], "true");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    for pid in &killed {
+        let name = format!("ef-exec-{pid}");
+        assert!(
+            !std::path::Path::new("/run/netns").join(&name).exists(),
+            "{name} left"
+        );
+        assert!(!mounts.contains(&name), "{name} still mounted");
+        assert!(
+            !w.state_dir().join("exec").join(&name).exists(),
+            "{name}'s run directory left"
+        );
+    }
+}
