@@ -369,3 +369,44 @@ fn sigkill_of_exec_at_any_time_leaves_nothing_behind() {
         );
     }
 }
+
+/// A policy that allows the gateway's address (a `cidr:` entry, or a name that resolves to
+/// it): with `--no-map-gw` pasta sends it to the real gateway, never to the host's loopback
+/// services; the host's own address (pasta copies it into the namespace) is the namespace's.
+#[test]
+fn an_allowed_gateway_address_does_not_reach_the_hosts_loopback() {
+    use std::net::TcpListener;
+    let w = World::new();
+    let text = policy_text().replace(
+        "allow:\n",
+        "allow:\n  - cidr: 198.51.100.1/32\n    ports: [8080]\n  - cidr: 198.51.100.2/32\n    ports: [8080]\n  - cidr: 2001:db8:ffff::1/128\n    ports: [8080]\n",
+    );
+    let policy = w.write_file("gw.yaml", &text);
+    let loopback = w.in_sandbox_ns(|| {
+        [
+            TcpListener::bind("127.0.0.1:8080").expect("bind the host's loopback"),
+            TcpListener::bind("[::1]:8080").expect("bind the host's loopback"),
+        ]
+    });
+    for l in &loopback {
+        l.set_nonblocking(true).expect("nonblocking");
+    }
+    let out = exec(
+        &w,
+        policy.to_str().expect("utf-8 path"),
+        &[],
+        "for a in 198.51.100.1 198.51.100.2 2001:db8:ffff::1 127.0.0.1; do nc -z -w 2 $a 8080 && echo \"reached $a\"; done; echo done",
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("done"),
+        "{}",
+        show(&out)
+    );
+    for l in &loopback {
+        assert!(
+            l.accept().is_err(),
+            "the host's loopback was reached\n{}",
+            show(&out)
+        );
+    }
+}
