@@ -56,10 +56,15 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
     prctl::set_pdeathsig(Signal::SIGKILL).map_err(ExecError::sys("arm the parent-death signal"))?;
     // Opened while still root: the pipe is root's.
     let go = open_go(inside.go_fd)?;
+    // `exec` is outside this pid namespace, so the /proc mounted below will not show it:
+    // its stat file, opened now, says later whether it still lives.
+    let parent = File::open(format!("/proc/{}/stat", inside.parent))
+        .map_err(|_| ExecError::Refused("exec ended before CMD started".into()))?;
     private_resolv_conf(
         &inside.resolv_conf,
         &super::namespace::name_path(inside.parent),
     )?;
+    own_proc()?;
     drop_bounding_set()?;
     if let Some(name) = &inside.user {
         become_user(name)?;
@@ -69,7 +74,7 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
     // Changing the user cleared the parent-death signal: arm it again, then make sure the
     // parent did not die before that.
     prctl::set_pdeathsig(Signal::SIGKILL).map_err(ExecError::sys("arm the parent-death signal"))?;
-    if !Path::new("/proc").join(inside.parent.to_string()).exists() {
+    if !still_alive(parent) {
         return Err(ExecError::Refused("exec ended before CMD started".into()));
     }
     if !wait_for_go(go)? {
@@ -114,6 +119,27 @@ fn private_resolv_conf(resolv_conf: &Path, name: &Path) -> Result<(), ExecError>
     .map_err(ExecError::sys(
         "bind the guard's resolv.conf over /etc/resolv.conf",
     ))
+}
+
+/// A /proc of this pid namespace over the host's: CMD sees its own processes only, not the
+/// host's, whose environments and memory (`/proc/PID/environ`, `/proc/PID/mem`) a process of
+/// the same user could otherwise read and write, unfenced ones included.
+fn own_proc() -> Result<(), ExecError> {
+    mount(
+        Some("proc"),
+        "/proc",
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .map_err(ExecError::sys("mount a /proc of CMD's own pid namespace"))
+}
+
+/// Whether the process whose /proc stat file `stat` is still runs: reading a dead process's
+/// stat fails.
+fn still_alive(mut stat: File) -> bool {
+    let mut text = String::new();
+    stat.read_to_string(&mut text).is_ok() && !text.is_empty()
 }
 
 /// Empties the bounding set (needs CAP_SETPCAP, so before the user changes): no later

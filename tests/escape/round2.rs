@@ -87,7 +87,7 @@ fn root_without_capabilities_cannot_rewrite_a_root_owned_file_of_the_host() {
 /// unfenced process it can make do anything (ptrace by /proc/PID/mem needs no pid of CMD's
 /// namespace).
 #[test]
-#[ignore = "HOLE: CMD reads /proc/PID/environ and writes /proc/PID/mem of the same user's unfenced processes (host /proc)"]
+
 fn cmd_cannot_reach_an_unfenced_process_of_its_own_user_through_proc() {
     let w = World::new();
     let policy = setup(&w);
