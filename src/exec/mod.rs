@@ -44,7 +44,7 @@ use crate::nft::{Nft, NftError};
 use crate::state::StateDir;
 
 pub use namespace::NAME_PREFIX;
-pub use report::Refusals;
+pub use report::{CanaryHost, Refusals};
 
 /// What CMD's environment keeps of the caller's besides `--keep-env` names.
 pub const KEPT_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "TERM", "TZ"];
@@ -118,6 +118,8 @@ pub struct Options {
 /// A run's canary.
 pub struct Canary {
     pub token: String,
+    /// The host of the canary's URL ([`canary::url`]).
+    pub host: String,
     /// Written before CMD starts (`CANARY_API_KEY=...`), removed when the run ends.
     pub file: Option<PathBuf>,
 }
@@ -171,8 +173,11 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     // Threads can be started only until the pid namespace is made, below.
     let listening = match policy.log.group {
         Some(group) => {
-            let token = options.canary.as_ref().map(|c| c.token.as_str());
-            let mut listening = report::listen(group, state.guard_events(), token)?;
+            let canary = options.canary.as_ref().map(|c| report::CanaryWatch {
+                token: &c.token,
+                host: &c.host,
+            });
+            let mut listening = report::listen(group, state.guard_events(), canary)?;
             if !listening.wait_for_guard(Duration::from_secs(2)) {
                 return Err(ExecError::Refused(
                     "the guard's refusals cannot be followed; CMD not started".into(),
@@ -190,10 +195,11 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
         None => None,
     };
     let _canary_file = match &options.canary {
-        Some(Canary {
-            token,
-            file: Some(path),
-        }) => Some(CanaryFile::write(path, token)?),
+        Some(
+            canary @ Canary {
+                file: Some(path), ..
+            },
+        ) => Some(CanaryFile::write(path, canary)?),
         _ => None,
     };
 
@@ -239,16 +245,8 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     if let (Some(canary), Some(capture), Some(refusals)) =
         (&options.canary, &capture, &mut refusals)
     {
-        let needles = canary::needles(&canary.token);
-        match pcap::dns_questions(capture) {
-            Ok(names) => {
-                let mut sent: Vec<String> = names
-                    .into_iter()
-                    .filter(|n| canary::carries(n, &needles))
-                    .collect();
-                sent.dedup();
-                refusals.canary_sent = Some(sent);
-            }
+        match pcap::read(capture) {
+            Ok(captured) => refusals.add_capture(&captured, &canary.token),
             Err(e) => refusals
                 .errors
                 .push(format!("reading pasta's capture for the canary: {e}")),
@@ -304,9 +302,15 @@ impl Drop for RunDir {
 struct CanaryFile(PathBuf);
 
 impl CanaryFile {
-    fn write(path: &Path, token: &str) -> Result<CanaryFile, ExecError> {
-        fs::write(path, format!("{}={token}\n", canary::VARIABLE))
-            .map_err(ExecError::io("write the canary file"))?;
+    fn write(path: &Path, canary: &Canary) -> Result<CanaryFile, ExecError> {
+        let text = format!(
+            "{}={}\n{}={}\n",
+            canary::VARIABLE,
+            canary.token,
+            canary::URL_VARIABLE,
+            canary::url(&canary.host, &canary.token)
+        );
+        fs::write(path, text).map_err(ExecError::io("write the canary file"))?;
         Ok(CanaryFile(path.to_path_buf()))
     }
 }
@@ -426,6 +430,10 @@ fn start_inside(
     }
     if let Some(canary) = &options.canary {
         command.env(canary::VARIABLE, &canary.token);
+        command.env(
+            canary::URL_VARIABLE,
+            canary::url(&canary.host, &canary.token),
+        );
     }
     command
         .stdin(Stdio::inherit())
