@@ -50,6 +50,8 @@ pub use report::{CanaryHost, Refusals};
 pub const KEPT_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "TERM", "TZ"];
 /// How long the daemon may take to put the policy's table up.
 const TABLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the guard may take to open its event socket once the table is up.
+const GUARD_SOCKET_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -133,7 +135,11 @@ pub struct Outcome {
 }
 
 /// Runs CMD fenced. Call it before any thread exists, in the host's network namespace.
+///
+/// Its steps are logged at debug level (`RUST_LOG=egress_fence::exec=debug`), each with its
+/// time: `benches/exec.rs` reads them to say where the start-up time goes.
 pub fn run(options: Options) -> Result<Outcome, ExecError> {
+    tracing::debug!("exec: started");
     let policy = Policy::load(&options.policy_path)?;
     let nameserver = guard_nameserver(&policy)?;
     for path in namespace::remove_leftovers(&options.state_root) {
@@ -177,12 +183,15 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
                 token: &c.token,
                 host: &c.host,
             });
+            // The follower tries a missing socket again only a second later: wait for it.
+            wait_for_socket(&state.guard_events(), GUARD_SOCKET_TIMEOUT);
             let mut listening = report::listen(group, state.guard_events(), canary)?;
             if !listening.wait_for_guard(Duration::from_secs(2)) {
                 return Err(ExecError::Refused(
                     "the guard's refusals cannot be followed; CMD not started".into(),
                 ));
             }
+            tracing::debug!("exec: the guard's refusals are followed");
             Some(listening)
         }
         None if options.canary.is_some() => {
@@ -212,6 +221,7 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     unshare(CloneFlags::CLONE_NEWPID).map_err(ExecError::sys("make a pid namespace"))?;
     let mut inside = Killed(start_inside(&options, &resolv_conf, &go_read)?);
     drop(go_read);
+    tracing::debug!("exec: the inside started, starting pasta");
 
     namespace::enter(&host)?;
     let pasta_pid_file = run_dir.path.join("pasta.pid");
@@ -378,6 +388,15 @@ fn wait_for_table(
             return Err(ExecError::DaemonEnded);
         }
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Waits until `path` exists or `timeout` passed (the caller's own wait then says whether
+/// what it needs came).
+fn wait_for_socket(path: &Path, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !path.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
