@@ -109,18 +109,59 @@ mod tests {
     use hickory_proto::rr::{Name, RecordType};
 
     fn frame(query: &[u8]) -> Vec<u8> {
+        frame_ports(query, [0x30, 0x39, 0, 53])
+    }
+
+    fn frame_ports(query: &[u8], ports: [u8; 4]) -> Vec<u8> {
         let mut f = vec![0u8; 12];
         f.extend_from_slice(&[0x08, 0x00]);
         let mut ip = vec![
             0x45, 0, 0, 0, 0, 0, 0, 0, 64, 17, 0, 0, 10, 0, 0, 1, 192, 0, 2, 53,
         ];
         let udp_len = (8 + query.len()) as u16;
-        ip.extend_from_slice(&[0x30, 0x39, 0, 53]);
+        ip.extend_from_slice(&ports);
         ip.extend_from_slice(&udp_len.to_be_bytes());
         ip.extend_from_slice(&[0, 0]);
         ip.extend_from_slice(query);
         f.extend_from_slice(&ip);
         f
+    }
+
+    fn pcap_of(frames: &[Vec<u8>]) -> Vec<u8> {
+        let mut pcap = Vec::new();
+        pcap.extend_from_slice(&MAGIC_US.to_le_bytes());
+        pcap.extend_from_slice(&[0u8; 20]);
+        for f in frames {
+            pcap.extend_from_slice(&[0u8; 8]);
+            pcap.extend_from_slice(&(f.len() as u32).to_le_bytes());
+            pcap.extend_from_slice(&(f.len() as u32).to_le_bytes());
+            pcap.extend_from_slice(f);
+        }
+        pcap
+    }
+
+    #[test]
+    fn an_answer_from_port_53_gives_its_addresses() {
+        use hickory_proto::rr::rdata::A;
+        use hickory_proto::rr::{RData, Record};
+        let name = Name::from_ascii("hooks.example.test.").expect("a name");
+        let mut m = Message::query();
+        m.add_query(Query::query(name.clone(), RecordType::A));
+        m.add_answer(Record::from_rdata(
+            name,
+            60,
+            RData::A(A::new(192, 0, 2, 11)),
+        ));
+        let answer = m.to_vec().expect("encoded");
+        let captured = dns_in(&pcap_of(&[frame_ports(&answer, [0, 53, 0x30, 0x39])]));
+        assert!(captured.questions.is_empty());
+        assert_eq!(
+            captured.answers,
+            vec![(
+                "hooks.example.test.".to_string(),
+                "192.0.2.11".parse().expect("an address")
+            )]
+        );
     }
 
     #[test]

@@ -298,6 +298,73 @@ impl Refusals {
 mod tests {
     use super::*;
 
+    fn refused_to(dst: &str, dport: u16) -> DropEvent {
+        DropEvent {
+            time: "2026-12-01T19:00:00.000Z".into(),
+            prefix: "EGRESS-DROP: ".into(),
+            family: "ipv4",
+            protocol: "tcp".into(),
+            src: "10.0.0.2".parse().expect("an address"),
+            dst: dst.parse().expect("an address"),
+            sport: Some(40000),
+            dport: Some(dport),
+            uid: None,
+            gid: None,
+            verdict: "refused",
+            note: None,
+            in_ifindex: None,
+            scope: None,
+        }
+    }
+
+    #[test]
+    fn the_canary_host_gathers_its_questions_addresses_and_refused_connections() {
+        let host = "hooks.example.test";
+        let mut r = Refusals {
+            canary_in: Some(Vec::new()),
+            canary_host: Some(CanaryHost {
+                host: host.into(),
+                url: super::super::canary::url(host, "ck_live_0"),
+                ..CanaryHost::default()
+            }),
+            refused_for_canary: vec![
+                refused_to("192.0.2.11", 9090),
+                refused_to("192.0.2.12", 9090),
+            ],
+            ..Refusals::default()
+        };
+        assert!(!r.canary_tripped());
+        assert!(r.summary().contains("hooks.example.test was never asked"));
+        let captured = Captured {
+            questions: vec![
+                "registry.example.test.".into(),
+                "Hooks.Example.Test.".into(),
+            ],
+            answers: vec![
+                (
+                    "hooks.example.test.".into(),
+                    "192.0.2.11".parse().expect("an address"),
+                ),
+                (
+                    "registry.example.test.".into(),
+                    "192.0.2.12".parse().expect("an address"),
+                ),
+            ],
+        };
+        r.add_capture(&captured, "ck_live_0");
+        assert!(r.canary_tripped());
+        let h = r.canary_host.as_ref().expect("a canary host");
+        assert_eq!(h.sent_questions, vec!["Hooks.Example.Test.".to_string()]);
+        assert_eq!(
+            h.addresses,
+            vec!["192.0.2.11".parse::<IpAddr>().expect("an address")]
+        );
+        assert_eq!(h.refused_connections, vec![refused_to("192.0.2.11", 9090)]);
+        let summary = r.summary();
+        assert!(summary.contains("CANARY TRIPPED: the canary's URL host hooks.example.test was asked: Hooks.Example.Test. (SENT)"), "{summary}");
+        assert!(summary.contains("answered with 192.0.2.11"), "{summary}");
+    }
+
     #[test]
     fn nothing_refused_says_so() {
         assert_eq!(
