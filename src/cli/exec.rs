@@ -13,7 +13,8 @@ use super::exit::Failure;
 /// exec itself failed (CMD did not run, or its end could not be learnt), as `env` and
 /// container runtimes say it.
 pub const EXIT_EXEC_FAILED: u8 = 125;
-/// `--canary`: the token was asked as a DNS name (whatever CMD's own exit code).
+/// `--canary`: the token was asked as a DNS name, or the canary URL's host was asked
+/// (whatever CMD's own exit code; stderr and the report say which, see [`exit_note`]).
 pub const EXIT_CANARY_TRIPPED: u8 = 99;
 
 /// The options of `exec` (besides the namespace ones).
@@ -24,6 +25,7 @@ pub struct ExecArgs {
     pub report: Option<PathBuf>,
     pub canary: bool,
     pub canary_file: Option<PathBuf>,
+    pub canary_host: Option<egress_fence::core::policy::DomainName>,
     pub command: Vec<OsString>,
 }
 
@@ -40,6 +42,7 @@ pub fn run(
         report,
         canary,
         canary_file,
+        canary_host,
         command,
     } = args;
     let resolv_conf = enter(target, Some(resolving))?;
@@ -60,6 +63,10 @@ pub fn run(
         canary: match canary {
             true => Some(exec::Canary {
                 token: exec::canary::mint().map_err(failed)?,
+                host: match canary_host {
+                    Some(name) => name.as_str().to_string(),
+                    None => exec::canary::mint_host().map_err(failed)?,
+                },
                 file: canary_file,
             }),
             false => None,
@@ -76,9 +83,18 @@ pub fn run(
         .refusals
         .as_ref()
         .is_some_and(|r| r.canary_tripped());
+    let exit_code = if tripped {
+        EXIT_CANARY_TRIPPED
+    } else {
+        outcome.code
+    };
+    if let Some(note) = exit_note(canary, tripped, outcome.code) {
+        eprintln!("egress-fence exec: {note}");
+    }
     if let Some(path) = report {
         let json = serde_json::json!({
             "exit_code": outcome.code,
+            "exec_exit_code": exit_code,
             "canary_tripped": tripped,
             "refused": outcome.refusals,
         });
@@ -91,11 +107,21 @@ pub fn run(
             return Ok(EXIT_EXEC_FAILED.max(outcome.code));
         }
     }
-    Ok(if tripped {
-        EXIT_CANARY_TRIPPED
-    } else {
-        outcome.code
-    })
+    Ok(exit_code)
+}
+
+/// What a canary run's exit code means, when it could be misread: 99 is both the canary's
+/// code and one CMD may exit with itself.
+fn exit_note(canary: bool, tripped: bool, cmd_code: u8) -> Option<String> {
+    match (canary, tripped) {
+        (_, true) => Some(format!(
+            "exit {EXIT_CANARY_TRIPPED}: the canary tripped (CMD's own exit code was {cmd_code})"
+        )),
+        (true, false) if cmd_code == EXIT_CANARY_TRIPPED => Some(format!(
+            "exit {EXIT_CANARY_TRIPPED} is CMD's own: the canary did not trip"
+        )),
+        _ => None,
+    }
 }
 
 pub fn run_child(

@@ -2,11 +2,22 @@
 //! (and a file, if asked), and looked for in every DNS question the guard refused, raw or
 //! encoded (hex, base32, base64), ignoring case and the dots between labels (DNS is
 //! case-insensitive, the guard may vary the case, and a long encoding is split into labels).
+//!
+//! The canary also has a URL, `https://HOST/hook/TOKEN` (a webhook, where a stolen key is
+//! most often sent). Reaching it starts with a DNS question for HOST: every one the guard
+//! saw (refused, or sent upstream when the policy allows HOST) trips the canary, and the
+//! refused connections to the addresses HOST was answered with are listed. HOST is a fresh
+//! name under `canary.invalid` (never answered: a leak shows as its question) unless the
+//! caller names one (`--canary-host`).
 
 use super::ExecError;
 
 /// The variable CMD finds the canary in.
 pub const VARIABLE: &str = "CANARY_API_KEY";
+/// The variable CMD finds the canary's URL in.
+pub const URL_VARIABLE: &str = "CANARY_WEBHOOK_URL";
+/// Where a run's own canary host is made (RFC 6761: `.invalid` is never answered).
+const HOST_PARENT: &str = "canary.invalid";
 /// What the token starts with (what a live key of a payment API looks like).
 const PREFIX: &str = "ck_live_";
 
@@ -15,6 +26,26 @@ pub fn mint() -> Result<String, ExecError> {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).map_err(|e| ExecError::Refused(format!("no randomness: {e}")))?;
     Ok(format!("{PREFIX}{}", hex(&bytes)))
+}
+
+/// A fresh host for the canary's URL: `hooks-` and 12 random hex digits under
+/// `canary.invalid`.
+pub fn mint_host() -> Result<String, ExecError> {
+    let mut bytes = [0u8; 6];
+    getrandom::fill(&mut bytes).map_err(|e| ExecError::Refused(format!("no randomness: {e}")))?;
+    Ok(format!("hooks-{}.{HOST_PARENT}", hex(&bytes)))
+}
+
+/// The canary's URL.
+pub fn url(host: &str, token: &str) -> String {
+    format!("https://{host}/hook/{token}")
+}
+
+/// Whether `name` (presentation form, a final dot or not) is `host` or a name under it.
+pub fn asks_host(name: &str, host: &str) -> bool {
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    name == host || name.ends_with(&format!(".{host}"))
 }
 
 /// What a question is searched for: the token and its encodings, lower case.
@@ -117,5 +148,16 @@ mod tests {
             &needles
         ));
         assert!(!carries("registry.example.test", &needles));
+    }
+
+    #[test]
+    fn the_host_is_matched_with_its_subdomains_in_any_case() {
+        let host = mint_host().expect("a host");
+        assert!(host.starts_with("hooks-") && host.ends_with(".canary.invalid"));
+        assert!(asks_host(&format!("{}.", host.to_uppercase()), &host));
+        assert!(asks_host(&format!("www.{host}"), &host));
+        assert!(!asks_host(&format!("x{host}"), &host));
+        assert!(!asks_host("canary.invalid", &host));
+        assert_eq!(url("h.test", "ck_live_1"), "https://h.test/hook/ck_live_1");
     }
 }

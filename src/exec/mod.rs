@@ -44,12 +44,14 @@ use crate::nft::{Nft, NftError};
 use crate::state::StateDir;
 
 pub use namespace::NAME_PREFIX;
-pub use report::Refusals;
+pub use report::{CanaryHost, Refusals};
 
 /// What CMD's environment keeps of the caller's besides `--keep-env` names.
 pub const KEPT_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "TERM", "TZ"];
 /// How long the daemon may take to put the policy's table up.
 const TABLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the guard may take to open its event socket once the table is up.
+const GUARD_SOCKET_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -118,6 +120,8 @@ pub struct Options {
 /// A run's canary.
 pub struct Canary {
     pub token: String,
+    /// The host of the canary's URL ([`canary::url`]).
+    pub host: String,
     /// Written before CMD starts (`CANARY_API_KEY=...`), removed when the run ends.
     pub file: Option<PathBuf>,
 }
@@ -131,7 +135,11 @@ pub struct Outcome {
 }
 
 /// Runs CMD fenced. Call it before any thread exists, in the host's network namespace.
+///
+/// Its steps are logged at debug level (`RUST_LOG=egress_fence::exec=debug`), each with its
+/// time: `benches/exec.rs` reads them to say where the start-up time goes.
 pub fn run(options: Options) -> Result<Outcome, ExecError> {
+    tracing::debug!("exec: started");
     let policy = Policy::load(&options.policy_path)?;
     let nameserver = guard_nameserver(&policy)?;
     for path in namespace::remove_leftovers(&options.state_root) {
@@ -171,13 +179,19 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     // Threads can be started only until the pid namespace is made, below.
     let listening = match policy.log.group {
         Some(group) => {
-            let token = options.canary.as_ref().map(|c| c.token.as_str());
-            let mut listening = report::listen(group, state.guard_events(), token)?;
+            let canary = options.canary.as_ref().map(|c| report::CanaryWatch {
+                token: &c.token,
+                host: &c.host,
+            });
+            // The follower tries a missing socket again only a second later: wait for it.
+            wait_for_socket(&state.guard_events(), GUARD_SOCKET_TIMEOUT);
+            let mut listening = report::listen(group, state.guard_events(), canary)?;
             if !listening.wait_for_guard(Duration::from_secs(2)) {
                 return Err(ExecError::Refused(
                     "the guard's refusals cannot be followed; CMD not started".into(),
                 ));
             }
+            tracing::debug!("exec: the guard's refusals are followed");
             Some(listening)
         }
         None if options.canary.is_some() => {
@@ -190,10 +204,11 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
         None => None,
     };
     let _canary_file = match &options.canary {
-        Some(Canary {
-            token,
-            file: Some(path),
-        }) => Some(CanaryFile::write(path, token)?),
+        Some(
+            canary @ Canary {
+                file: Some(path), ..
+            },
+        ) => Some(CanaryFile::write(path, canary)?),
         _ => None,
     };
 
@@ -206,6 +221,7 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     unshare(CloneFlags::CLONE_NEWPID).map_err(ExecError::sys("make a pid namespace"))?;
     let mut inside = Killed(start_inside(&options, &resolv_conf, &go_read)?);
     drop(go_read);
+    tracing::debug!("exec: the inside started, starting pasta");
 
     namespace::enter(&host)?;
     let pasta_pid_file = run_dir.path.join("pasta.pid");
@@ -239,16 +255,8 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     if let (Some(canary), Some(capture), Some(refusals)) =
         (&options.canary, &capture, &mut refusals)
     {
-        let needles = canary::needles(&canary.token);
-        match pcap::dns_questions(capture) {
-            Ok(names) => {
-                let mut sent: Vec<String> = names
-                    .into_iter()
-                    .filter(|n| canary::carries(n, &needles))
-                    .collect();
-                sent.dedup();
-                refusals.canary_sent = Some(sent);
-            }
+        match pcap::read(capture) {
+            Ok(captured) => refusals.add_capture(&captured, &canary.token),
             Err(e) => refusals
                 .errors
                 .push(format!("reading pasta's capture for the canary: {e}")),
@@ -304,9 +312,15 @@ impl Drop for RunDir {
 struct CanaryFile(PathBuf);
 
 impl CanaryFile {
-    fn write(path: &Path, token: &str) -> Result<CanaryFile, ExecError> {
-        fs::write(path, format!("{}={token}\n", canary::VARIABLE))
-            .map_err(ExecError::io("write the canary file"))?;
+    fn write(path: &Path, canary: &Canary) -> Result<CanaryFile, ExecError> {
+        let text = format!(
+            "{}={}\n{}={}\n",
+            canary::VARIABLE,
+            canary.token,
+            canary::URL_VARIABLE,
+            canary::url(&canary.host, &canary.token)
+        );
+        fs::write(path, text).map_err(ExecError::io("write the canary file"))?;
         Ok(CanaryFile(path.to_path_buf()))
     }
 }
@@ -377,6 +391,15 @@ fn wait_for_table(
     }
 }
 
+/// Waits until `path` exists or `timeout` passed (the caller's own wait then says whether
+/// what it needs came).
+fn wait_for_socket(path: &Path, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !path.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Reads the namespace's table back and compares it with the plan (the guard's answers left
 /// out: they come and go).
 fn prove(nft: &mut Nft, planned: &Ruleset) -> Result<(), ExecError> {
@@ -426,6 +449,10 @@ fn start_inside(
     }
     if let Some(canary) = &options.canary {
         command.env(canary::VARIABLE, &canary.token);
+        command.env(
+            canary::URL_VARIABLE,
+            canary::url(&canary.host, &canary.token),
+        );
     }
     command
         .stdin(Stdio::inherit())

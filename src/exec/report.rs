@@ -2,6 +2,7 @@
 //! namespace) and the names its guard refused (the guard's event socket), heard on threads
 //! of their own from before CMD starts until it ends.
 
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -11,11 +12,15 @@ use serde::Serialize;
 use crate::watch::{DropEvent, Heard, QueryEvent, Watcher, hear};
 
 use super::ExecError;
+use super::pcap::Captured;
 
 /// How many refusals of each kind the report keeps (all are counted).
 pub const KEPT: usize = 20;
 /// How many of each kind the summary on stderr lists.
 const LISTED: usize = 5;
+/// How many refused packets a canary run keeps to match against the canary host's addresses
+/// (learnt only at the end, from pasta's capture).
+const KEPT_FOR_CANARY: usize = 10_000;
 
 /// Refusals heard so far.
 pub struct Listening {
@@ -23,6 +28,33 @@ pub struct Listening {
     refusals: Refusals,
     /// The canary's token and encodings, when the run has one.
     canary: Option<Vec<String>>,
+}
+
+/// The run's canary, as [`listen`] needs it.
+pub struct CanaryWatch<'a> {
+    pub token: &'a str,
+    pub host: &'a str,
+}
+
+/// With `--canary`: what happened to the canary's URL host.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CanaryHost {
+    pub host: String,
+    pub url: String,
+    /// Questions for the host (or a name under it) the guard refused.
+    pub refused_questions: Vec<String>,
+    /// Questions for it the guard sent upstream (the policy allows the host).
+    pub sent_questions: Vec<String>,
+    /// The addresses those questions were answered with.
+    pub addresses: Vec<IpAddr>,
+    /// Refused packets to those addresses.
+    pub refused_connections: Vec<DropEvent>,
+}
+
+impl CanaryHost {
+    fn asked(&self) -> bool {
+        !self.refused_questions.is_empty() || !self.sent_questions.is_empty()
+    }
 }
 
 /// What the fence refused during the run.
@@ -45,13 +77,20 @@ pub struct Refusals {
     /// from pasta's capture) and carried the token.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub canary_sent: Option<Vec<String>>,
+    /// With `--canary`: the questions for the canary's URL host and the refused connections
+    /// to its addresses.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub canary_host: Option<CanaryHost>,
+    /// With `--canary`: the refused packets, to be matched with the canary host's addresses.
+    #[serde(skip)]
+    refused_for_canary: Vec<DropEvent>,
 }
 
 /// Starts hearing: the calling thread must be in the run's namespace; threads are started.
 pub fn listen(
     group: u16,
     guard_events: PathBuf,
-    canary_token: Option<&str>,
+    canary: Option<CanaryWatch>,
 ) -> Result<Listening, ExecError> {
     let watcher = Watcher::subscribe(group)
         .map_err(|e| ExecError::Refused(format!("cannot read refused packets: {e}")))?;
@@ -59,10 +98,15 @@ pub fn listen(
     Ok(Listening {
         heard,
         refusals: Refusals {
-            canary_in: canary_token.map(|_| Vec::new()),
+            canary_in: canary.as_ref().map(|_| Vec::new()),
+            canary_host: canary.as_ref().map(|c| CanaryHost {
+                host: c.host.to_string(),
+                url: super::canary::url(c.host, c.token),
+                ..CanaryHost::default()
+            }),
             ..Refusals::default()
         },
-        canary: canary_token.map(super::canary::needles),
+        canary: canary.map(|c| super::canary::needles(c.token)),
     })
 }
 
@@ -100,6 +144,9 @@ impl Listening {
         match heard {
             Heard::Packet(Ok(event)) => {
                 r.connections += 1;
+                if r.canary_host.is_some() && r.refused_for_canary.len() < KEPT_FOR_CANARY {
+                    r.refused_for_canary.push(event.clone());
+                }
                 if r.first_connections.len() < KEPT {
                     r.first_connections.push(event);
                 }
@@ -112,6 +159,12 @@ impl Listening {
                     && found.len() < KEPT
                 {
                     found.push(query.name.clone());
+                }
+                if let Some(host) = &mut r.canary_host
+                    && super::canary::asks_host(&query.name, &host.host)
+                    && host.refused_questions.len() < KEPT
+                {
+                    host.refused_questions.push(query.name.clone());
                 }
                 let name = query.name.to_ascii_lowercase();
                 if !r.names.contains(&name) && r.names.len() < KEPT {
@@ -127,11 +180,51 @@ impl Listening {
 }
 
 impl Refusals {
-    /// Whether the canary's token was seen in a question, refused or sent.
+    /// Whether the canary's token was seen in a question, refused or sent, or its URL host
+    /// was asked.
     pub fn canary_tripped(&self) -> bool {
         [&self.canary_in, &self.canary_sent]
             .iter()
             .any(|found| found.as_ref().is_some_and(|f| !f.is_empty()))
+            || self.canary_host.as_ref().is_some_and(CanaryHost::asked)
+    }
+
+    /// Adds what left the namespace (pasta's capture) to a canary run's findings: the
+    /// questions that carried the token, those for the canary host, the addresses it was
+    /// answered with and the refused packets to them.
+    pub fn add_capture(&mut self, captured: &Captured, token: &str) {
+        let needles = super::canary::needles(token);
+        let mut sent: Vec<String> = captured
+            .questions
+            .iter()
+            .filter(|n| super::canary::carries(n, &needles))
+            .cloned()
+            .collect();
+        sent.dedup();
+        self.canary_sent = Some(sent);
+        let Some(host) = &mut self.canary_host else {
+            return;
+        };
+        for name in &captured.questions {
+            if super::canary::asks_host(name, &host.host)
+                && !host.sent_questions.contains(name)
+                && host.sent_questions.len() < KEPT
+            {
+                host.sent_questions.push(name.clone());
+            }
+        }
+        for (name, address) in &captured.answers {
+            if super::canary::asks_host(name, &host.host) && !host.addresses.contains(address) {
+                host.addresses.push(*address);
+            }
+        }
+        host.refused_connections = self
+            .refused_for_canary
+            .iter()
+            .filter(|e| host.addresses.contains(&e.dst))
+            .take(KEPT)
+            .cloned()
+            .collect();
     }
 
     /// The summary for stderr: counts, then the first few of each.
@@ -149,7 +242,32 @@ impl Refusals {
             ),
             (Some(_), true) => "\nthe canary's token was in no DNS question".into(),
         };
-        self.counts_and_lists() + &canary
+        let host = match &self.canary_host {
+            None => String::new(),
+            Some(h) if !h.asked() => format!("\nthe canary's URL host {} was never asked", h.host),
+            Some(h) => {
+                let mut out = format!(
+                    "\nCANARY TRIPPED: the canary's URL host {} was asked: {}",
+                    h.host,
+                    h.refused_questions
+                        .iter()
+                        .map(|n| format!("{n} (refused)"))
+                        .chain(h.sent_questions.iter().map(|n| format!("{n} (SENT)")))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                if !h.addresses.is_empty() {
+                    let addresses: Vec<String> =
+                        h.addresses.iter().map(ToString::to_string).collect();
+                    out.push_str(&format!("\n  answered with {}", addresses.join(", ")));
+                }
+                for event in &h.refused_connections {
+                    out.push_str(&format!("\n  refused: {event}"));
+                }
+                out
+            }
+        };
+        self.counts_and_lists() + &canary + &host
     }
 
     fn counts_and_lists(&self) -> String {
@@ -179,6 +297,73 @@ impl Refusals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn refused_to(dst: &str, dport: u16) -> DropEvent {
+        DropEvent {
+            time: "2026-12-01T19:00:00.000Z".into(),
+            prefix: "EGRESS-DROP: ".into(),
+            family: "ipv4",
+            protocol: "tcp".into(),
+            src: "10.0.0.2".parse().expect("an address"),
+            dst: dst.parse().expect("an address"),
+            sport: Some(40000),
+            dport: Some(dport),
+            uid: None,
+            gid: None,
+            verdict: "refused",
+            note: None,
+            in_ifindex: None,
+            scope: None,
+        }
+    }
+
+    #[test]
+    fn the_canary_host_gathers_its_questions_addresses_and_refused_connections() {
+        let host = "hooks.example.test";
+        let mut r = Refusals {
+            canary_in: Some(Vec::new()),
+            canary_host: Some(CanaryHost {
+                host: host.into(),
+                url: super::super::canary::url(host, "ck_live_0"),
+                ..CanaryHost::default()
+            }),
+            refused_for_canary: vec![
+                refused_to("192.0.2.11", 9090),
+                refused_to("192.0.2.12", 9090),
+            ],
+            ..Refusals::default()
+        };
+        assert!(!r.canary_tripped());
+        assert!(r.summary().contains("hooks.example.test was never asked"));
+        let captured = Captured {
+            questions: vec![
+                "registry.example.test.".into(),
+                "Hooks.Example.Test.".into(),
+            ],
+            answers: vec![
+                (
+                    "hooks.example.test.".into(),
+                    "192.0.2.11".parse().expect("an address"),
+                ),
+                (
+                    "registry.example.test.".into(),
+                    "192.0.2.12".parse().expect("an address"),
+                ),
+            ],
+        };
+        r.add_capture(&captured, "ck_live_0");
+        assert!(r.canary_tripped());
+        let h = r.canary_host.as_ref().expect("a canary host");
+        assert_eq!(h.sent_questions, vec!["Hooks.Example.Test.".to_string()]);
+        assert_eq!(
+            h.addresses,
+            vec!["192.0.2.11".parse::<IpAddr>().expect("an address")]
+        );
+        assert_eq!(h.refused_connections, vec![refused_to("192.0.2.11", 9090)]);
+        let summary = r.summary();
+        assert!(summary.contains("CANARY TRIPPED: the canary's URL host hooks.example.test was asked: Hooks.Example.Test. (SENT)"), "{summary}");
+        assert!(summary.contains("answered with 192.0.2.11"), "{summary}");
+    }
 
     #[test]
     fn nothing_refused_says_so() {
