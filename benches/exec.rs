@@ -245,7 +245,7 @@ fn command(world: &World, setup: &Setup, variant: Variant) -> Command {
             }
             c.arg("--policy")
                 .arg(&setup.policy)
-                .arg("--")
+                .args(["--user", "root", "--"])
                 .env("EGRESS_FENCE_STATE_DIR", &setup.state)
                 .env("RUST_LOG", "egress_fence::exec=debug")
                 .env("NO_COLOR", "1");

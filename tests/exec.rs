@@ -39,11 +39,20 @@ fn exec_command(w: &World, policy: &str, extra: &[&str], script: &str) -> Comman
     let mut cmd = Command::new("timeout");
     cmd.args(["-k", "5", "20", EGRESS_FENCE_BIN, "exec"])
         .args(["--netns", w.sandbox_name(), "--policy", policy])
-        .args(extra)
+        .args(with_user(extra))
         .args(["--", "sh", "-c", script])
         .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
         .stdin(Stdio::null());
     cmd
+}
+
+/// `extra`, with `--user root` unless it names a user (exec refuses to guess root).
+fn with_user<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = extra.to_vec();
+    if !args.contains(&"--user") {
+        args.extend(["--user", "root"]);
+    }
+    args
 }
 
 fn exec(w: &World, policy: &str, extra: &[&str], script: &str) -> Output {
@@ -190,9 +199,17 @@ fn a_signal_death_is_128_plus_the_signal_and_a_missing_command_is_127() {
     let out = exec(&w, &policy, &[], "kill -TERM $$");
     assert_eq!(out.status.code(), Some(128 + 15), "{}", show(&out));
     let mut cmd = Command::new(EGRESS_FENCE_BIN);
-    cmd.args(["exec", "--netns", w.sandbox_name(), "--policy", &policy])
-        .args(["--", "no-such-command-egress-fence"])
-        .env("EGRESS_FENCE_STATE_DIR", w.state_dir());
+    cmd.args([
+        "exec",
+        "--netns",
+        w.sandbox_name(),
+        "--policy",
+        &policy,
+        "--user",
+        "root",
+    ])
+    .args(["--", "no-such-command-egress-fence"])
+    .env("EGRESS_FENCE_STATE_DIR", w.state_dir());
     let out = cmd.output().expect("run egress-fence exec");
     assert_eq!(out.status.code(), Some(127), "{}", show(&out));
 }
@@ -454,7 +471,15 @@ fn it_works_under_ip_netns_exec() {
     let allowed = w.listen_tcp(HOST_V4, PORT);
     let out = Command::new("timeout")
         .args(["-k", "5", "20", "ip", "netns", "exec", w.sandbox_name()])
-        .args([EGRESS_FENCE_BIN, "exec", "--policy", &policy, "--"])
+        .args([
+            EGRESS_FENCE_BIN,
+            "exec",
+            "--policy",
+            &policy,
+            "--user",
+            "root",
+            "--",
+        ])
         .args([
             "sh",
             "-c",
@@ -529,7 +554,15 @@ fn sigkill_of_exec_leaves_nothing_behind() {
     // A child of CMD too: the whole pid namespace must go.
     let marker = format!("sleep 3{}", std::process::id() % 1000);
     let mut running = Command::new(EGRESS_FENCE_BIN)
-        .args(["exec", "--netns", w.sandbox_name(), "--policy", &policy])
+        .args([
+            "exec",
+            "--netns",
+            w.sandbox_name(),
+            "--policy",
+            &policy,
+            "--user",
+            "root",
+        ])
         .args(["--", "sh", "-c", &format!("{marker} & {marker}; wait")])
         .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
         .stdin(Stdio::null())

@@ -344,7 +344,10 @@ pub enum Command {
         /// The policy (`dns.mode: guard`).
         #[arg(long, value_name = "FILE")]
         policy: PathBuf,
-        /// Run CMD as this user, with the user's groups.
+        /// Run CMD as this user, with the user's groups. Default: the user who ran `sudo`
+        /// ($SUDO_USER); without it exec refuses to run CMD as root unless told `--user root`
+        /// (root without capabilities still owns the host's files: a cron job or unit it
+        /// writes would later run outside the fence).
         #[arg(long, value_name = "USER")]
         user: Option<String>,
         /// Keep this variable of the caller's environment (repeatable).

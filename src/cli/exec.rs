@@ -45,6 +45,7 @@ pub fn run(
         canary_host,
         command,
     } = args;
+    let user = Some(cmd_user(user, std::env::var("SUDO_USER").ok()).map_err(failed)?);
     let resolv_conf = enter(target, Some(resolving))?;
     init_warnings();
     let self_exe = std::env::current_exe().map_err(|e| {
@@ -124,6 +125,18 @@ fn exit_note(canary: bool, tripped: bool, cmd_code: u8) -> Option<String> {
     }
 }
 
+/// Who CMD runs as: `--user`, else the user `sudo` was run by. Never root by default: root
+/// without capabilities still owns every root-owned file of the host (the inside shares its
+/// filesystem), and what it plants there (a cron job, a unit, the policy) runs later outside
+/// the fence; `--user root` says that is meant.
+fn cmd_user(user: Option<String>, sudo_user: Option<String>) -> Result<String, ExecError> {
+    match (user, sudo_user) {
+        (Some(user), _) => Ok(user),
+        (None, Some(sudo)) if !sudo.is_empty() && sudo != "root" => Ok(sudo),
+        (None, _) => Err(ExecError::NoUser),
+    }
+}
+
 pub fn run_child(
     resolv_conf: PathBuf,
     go_fd: i32,
@@ -143,7 +156,9 @@ pub fn run_child(
 
 fn failed(error: ExecError) -> Failure {
     let code = match error {
-        ExecError::Policy(_) | ExecError::NotGuard => super::exit::EXIT_BAD_POLICY,
+        ExecError::Policy(_) | ExecError::NotGuard | ExecError::NoUser => {
+            super::exit::EXIT_BAD_POLICY
+        }
         _ => EXIT_EXEC_FAILED,
     };
     Failure {
@@ -162,4 +177,20 @@ fn init_warnings() {
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cmd_runs_as_the_named_user_or_sudos_never_root_by_default() {
+        let some = |s: &str| Some(s.to_string());
+        assert_eq!(cmd_user(some("agent"), some("alice")).unwrap(), "agent");
+        assert_eq!(cmd_user(some("root"), None).unwrap(), "root");
+        assert_eq!(cmd_user(None, some("alice")).unwrap(), "alice");
+        for sudo in [None, some(""), some("root")] {
+            assert!(matches!(cmd_user(None, sudo), Err(ExecError::NoUser)));
+        }
+    }
 }

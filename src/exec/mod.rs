@@ -62,6 +62,12 @@ pub enum ExecError {
          names resolve only through the guard, so DNS cannot carry data out"
     )]
     NotGuard,
+    #[error(
+        "name the user CMD runs as with --user USER (--user nobody for none of the host's): as \
+         root, even without capabilities, CMD could rewrite the host's root-owned files (a cron \
+         job, a unit) that run later outside the fence; --user root if that is meant"
+    )]
+    NoUser,
     #[error(transparent)]
     Resolve(#[from] ResolveError),
     #[error(transparent)]

@@ -29,11 +29,20 @@ fn exec_command(w: &World, policy: &str, extra: &[&str], script: &str) -> Comman
     let mut cmd = Command::new("timeout");
     cmd.args(["-k", "5", "40", EGRESS_FENCE_BIN, "exec"])
         .args(["--netns", w.sandbox_name(), "--policy", policy])
-        .args(extra)
+        .args(with_user(extra))
         .args(["--", "sh", "-c", script])
         .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
         .stdin(Stdio::null());
     cmd
+}
+
+/// `extra`, with `--user root` unless it names a user (exec refuses to guess root).
+fn with_user<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = extra.to_vec();
+    if !args.contains(&"--user") {
+        args.extend(["--user", "root"]);
+    }
+    args
 }
 
 fn exec(w: &World, policy: &str, extra: &[&str], script: &str) -> Output {
@@ -54,30 +63,43 @@ fn show(out: &Output) -> String {
 /// Root without capabilities is still uid 0: it owns every root-owned file and directory of
 /// the host (the inside's mount namespace is a copy of the host's, read-write), so it can
 /// plant what an unfenced root process later runs (/etc/cron.d, a systemd unit, the policy,
-/// egress-fence's own binary) and so reach the network past the fence. Shown on a file of
-/// the test's own: a root-owned 0644 script, as a cron job or a unit would be.
+/// egress-fence's own binary) and so reach the network past the fence. So exec never runs
+/// CMD as root unless told `--user root`: without `--user` (and no `sudo` user to take) it
+/// refuses, and CMD does not run. Shown on a file of the test's own: a root-owned 0644
+/// script, as a cron job or a unit would be; `--user nobody` cannot touch it either.
 #[test]
-#[ignore = "HOLE: CMD as root without capabilities still owns (and rewrites) every root-owned file of the host"]
 fn root_without_capabilities_cannot_rewrite_a_root_owned_file_of_the_host() {
     use std::os::unix::fs::PermissionsExt;
     let w = World::new();
     let policy = setup(&w);
     let job = w.write_file("job.sh", "#!/bin/sh\ntrue\n");
     std::fs::set_permissions(&job, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-    let out = exec(
-        &w,
-        &policy,
-        &[],
-        &format!(
-            "echo 'curl http://203.0.113.10/' >> {} && echo rewrote",
-            job.display()
-        ),
+    let script = format!(
+        "echo 'curl http://203.0.113.10/' >> {} && echo rewrote",
+        job.display()
     );
+    let mut unnamed = Command::new("timeout");
+    unnamed
+        .args(["-k", "5", "20", EGRESS_FENCE_BIN, "exec"])
+        .args(["--netns", w.sandbox_name(), "--policy", &policy])
+        .args(["--", "sh", "-c", &script])
+        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
+        .env_remove("SUDO_USER")
+        .stdin(Stdio::null());
+    let out = unnamed.output().expect("run egress-fence exec");
+    assert_eq!(out.status.code(), Some(2), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--user"),
+        "{}",
+        show(&out)
+    );
+    let as_nobody = exec(&w, &policy, &["--user", "nobody"], &script);
     let text = std::fs::read_to_string(&job).expect("read the job");
     assert!(
         !text.contains("curl"),
-        "CMD rewrote a root-owned file of the host: {text:?}\n{}",
-        show(&out)
+        "CMD rewrote a root-owned file of the host: {text:?}\n{}\n{}",
+        show(&out),
+        show(&as_nobody)
     );
 }
 
@@ -318,7 +340,15 @@ fn sigkill_of_exec_at_any_time_leaves_nothing_behind() {
         1700, 2500,
     ] {
         let mut child = Command::new(EGRESS_FENCE_BIN)
-            .args(["exec", "--netns", w.sandbox_name(), "--policy", &policy])
+            .args([
+                "exec",
+                "--netns",
+                w.sandbox_name(),
+                "--policy",
+                &policy,
+                "--user",
+                "root",
+            ])
             .args(["--", "sleep", "30"])
             .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
             .stdin(Stdio::null())
