@@ -48,7 +48,17 @@ pub fn asks_host(name: &str, host: &str) -> bool {
     name == host || name.ends_with(&format!(".{host}"))
 }
 
-/// What a question is searched for: the token and its encodings, lower case.
+/// How many characters of the token's random part a fragment must hold to count: 12 hex
+/// digits are 48 random bits, which no innocent name carries by chance.
+const FRAGMENT: usize = 12;
+
+/// What a question is searched for, lower case: the token and its encodings (hex, base32,
+/// base64 and its URL-safe alphabet), each also reversed; the base32 and base64 of the token
+/// after 1 to 4 (base32) or 1 to 2 (base64) bytes of anything, which shift its encoding's
+/// characters (the ones the other bytes touch left out); and every fragment of the token's
+/// random part of [`FRAGMENT`] characters, plain or hex, so a token split across questions
+/// or labels is found in each piece. A tripwire, not a proof: an encoding it does not know
+/// (encryption, a reordering) goes unseen.
 pub fn needles(token: &str) -> Vec<String> {
     let bytes = token.as_bytes();
     let mut out = vec![
@@ -58,9 +68,36 @@ pub fn needles(token: &str) -> Vec<String> {
         base64(bytes, false),
         base64(bytes, true),
     ];
+    // Each leading byte count whose encoding starts at a new offset within the groups.
+    for lead in 1..=4usize {
+        let mut shifted = vec![0u8; lead];
+        shifted.extend_from_slice(bytes);
+        let skip = (8 * lead).div_ceil(5);
+        let encoded = base32(&shifted);
+        out.push(encoded[skip..encoded.len() - 1].to_string());
+        if lead <= 2 {
+            let skip = (8 * lead).div_ceil(6);
+            for url_safe in [false, true] {
+                let encoded = base64(&shifted, url_safe);
+                out.push(encoded[skip..encoded.len() - 1].to_string());
+            }
+        }
+    }
+    let reversed: Vec<String> = out.iter().map(|n| n.chars().rev().collect()).collect();
+    out.extend(reversed);
+    let random = token.strip_prefix(PREFIX).unwrap_or(token);
+    if random.len() >= FRAGMENT {
+        for start in 0..=random.len() - FRAGMENT {
+            let piece = &random[start..start + FRAGMENT];
+            out.push(piece.to_string());
+            out.push(hex(piece.as_bytes()));
+        }
+    }
     for n in &mut out {
         *n = n.to_ascii_lowercase();
     }
+    out.sort();
+    out.dedup();
     out
 }
 
@@ -148,6 +185,28 @@ mod tests {
             &needles
         ));
         assert!(!carries("registry.example.test", &needles));
+    }
+
+    #[test]
+    fn a_token_reversed_split_or_shifted_is_found_too() {
+        let token = mint().expect("a token");
+        let needles = needles(&token);
+        let reversed: String = token.chars().rev().collect();
+        assert!(carries(&format!("{reversed}.evil.test"), &needles));
+        // Split in two questions: each piece alone trips.
+        assert!(carries(&format!("{}.evil.test", &token[..20]), &needles));
+        assert!(carries(&format!("{}.evil.test", &token[20..]), &needles));
+        // Shifted by bytes before it, in each alignment, in either base.
+        for lead in 1..=4usize {
+            let mut shifted = b"xyzw"[..lead].to_vec();
+            shifted.extend_from_slice(token.as_bytes());
+            let b32 = base32(&shifted);
+            assert!(carries(&format!("{b32}.evil.test"), &needles), "{lead}");
+            let b64 = base64(&shifted, true);
+            assert!(carries(&format!("{b64}.evil.test"), &needles), "{lead}");
+        }
+        // Names that merely look like hex are not the token.
+        assert!(!carries("0123456789ab.cdn.example.test", &needles));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Round 2 of the red team (issue 12's `exec` and issue 11's closed scope holes): what CMD,
 //! inside `egress-fence exec`, as root without capabilities or as `--user`, can reach past
-//! the fence. Tests marked `HOLE` reproduce a way out that is still open.
+//! the fence. Each way out it found is closed (CMD never root unless told, a /proc of its own,
+//! a canary that knows more encodings); these tests keep them closed, beside the attempts
+//! that never got out.
 
 use std::process::{Command, Output, Stdio};
 
@@ -193,21 +195,18 @@ fn canary_trips(leak: &str) -> Output {
 }
 
 #[test]
-#[ignore = "HOLE: the canary misses the token reversed"]
 fn the_canary_trips_on_the_token_reversed() {
     let out = canary_trips("print(t[::-1])");
     assert_eq!(out.status.code(), Some(99), "{}", show(&out));
 }
 
 #[test]
-#[ignore = "HOLE: the canary misses the token split across two questions"]
 fn the_canary_trips_on_the_token_split_across_questions() {
     let out = canary_trips("print(t[:20], t[20:])");
     assert_eq!(out.status.code(), Some(99), "{}", show(&out));
 }
 
 #[test]
-#[ignore = "HOLE: the canary misses base32 of the token shifted by one byte"]
 fn the_canary_trips_on_an_encoding_shifted_by_a_byte() {
     let out = canary_trips(
         "e=base64.b32encode(b'x'+t.encode()).decode().rstrip('='); print(e[:40]+'.'+e[40:])",
