@@ -166,12 +166,10 @@ impl Drop for Uid0Alias {
     }
 }
 
-/// Without `--user`, CMD runs as $SUDO_USER unless that is empty or the word `root`: a
-/// SUDO_USER naming another user of uid 0 (`toor`) runs CMD as root, unasked.
-/// Fix (src/cli/exec.rs `cmd_user`, or better `child::become_user`): refuse uid 0 unless
-/// `--user` was given: look the name up and compare the uid, not the name.
+/// Without `--user`, CMD ran as $SUDO_USER unless that was empty or the word `root`: a
+/// SUDO_USER naming another user of uid 0 (`toor`) ran CMD as root, unasked. Now the name's
+/// uid is what is compared (`cmd_user`).
 #[test]
-#[ignore = "HOLE: SUDO_USER naming a uid-0 alias (toor) runs CMD as root without --user root"]
 fn a_sudo_user_of_uid_0_is_not_root_by_default() {
     let w = World::new();
     let policy = setup(&w);
