@@ -75,11 +75,12 @@ fn stdout(out: &Output) -> String {
 /// the fence's own network namespace (shown on `ping_group_range`, which lets every user open
 /// ICMP sockets), and may write the host's global ones (`kernel/core_pattern`: a pipe to a
 /// program the kernel runs as full root, outside the fence, at the next crash; only
-/// access(2) is asked here, nothing of the host is written) and /proc/sysrq-trigger.
-/// Fix: bind /proc/sys (and /proc/sysrq-trigger) read-only over themselves after mounting
-/// /proc (`MS_BIND` then `MS_REMOUNT|MS_BIND|MS_RDONLY`), as container runtimes do.
+/// access(2) is asked here, nothing of the host is written), and the host's /sys (the inside
+/// shares it read-write: `/sys/kernel/mm/...`, `/sys/power/state`).
+/// Fix: bind /proc/sys and /sys read-only over themselves after mounting /proc (`MS_BIND`
+/// then `MS_REMOUNT|MS_BIND|MS_RDONLY`, `MS_REC` for /sys), as container runtimes do.
 #[test]
-#[ignore = "HOLE: CMD as --user root writes sysctls (its netns' and, by mode, the host's kernel/core_pattern): /proc/sys is read-write"]
+#[ignore = "HOLE: CMD as --user root writes sysctls (its netns' and, by mode, the host's core_pattern) and /sys: both read-write"]
 fn root_cannot_write_sysctls_through_its_proc() {
     let w = World::new();
     let policy = setup(&w);
@@ -87,6 +88,7 @@ fn root_cannot_write_sysctls_through_its_proc() {
 echo '0 2147483647' > /proc/sys/net/ipv4/ping_group_range 2>/dev/null && echo net-sysctl-written
 python3 -c "import os; print('kernel-sysctl-writable' if os.access('/proc/sys/kernel/core_pattern', os.W_OK) else '')"
 python3 -c "import os; print('sysrq-writable' if os.access('/proc/sysrq-trigger', os.W_OK) else '')"
+python3 -c "import os; print('sysfs-writable' if os.access('/sys/kernel/mm/transparent_hugepage/enabled', os.W_OK) else '')"
 exit 0"#;
     let out = exec(&w, &policy, &["--user", "root"], script);
     let text = stdout(&out);
