@@ -407,3 +407,66 @@ fn cmd_cannot_type_into_the_callers_terminal() {
         show(&out)
     );
 }
+
+/// exec's daemon reads the policy again from its path on SIGHUP, and nothing proves the
+/// reloaded table against the plan: a policy file CMD's user may write (the user's own file,
+/// as `sudo egress-fence exec --policy ./agent.yaml` gives) is rewritten by CMD to allow what
+/// it wants, and the next SIGHUP of exec (a closed terminal sends one to its foreground
+/// group; exec does not block it) applies it while CMD runs.
+/// Fix: exec's daemon must not reload: block SIGHUP in exec before the daemon starts (it
+/// inherits the mask) or give `daemon::Options` a no-reload switch; or hand the daemon a
+/// copy of the policy in the run's root-only directory.
+#[test]
+#[ignore = "HOLE: CMD rewrites a policy file its user owns; exec's daemon applies it on SIGHUP (a terminal hangup)"]
+fn a_policy_rewritten_by_cmd_is_not_applied_on_sighup() {
+    use std::os::unix::fs::PermissionsExt;
+    let w = World::new();
+    setup(&w);
+    let listener = w.listen_tcp(HOST_V4, 9090);
+    let dir = tempfile::Builder::new()
+        .prefix("ef-red3-")
+        .tempdir()
+        .expect("a directory nobody can read");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let policy = dir.path().join("agent.yaml");
+    std::fs::write(&policy, policy_text()).expect("write the policy");
+    let chown = Command::new("chown")
+        .args(["nobody", policy.to_str().expect("utf-8 path")])
+        .status()
+        .expect("chown");
+    assert!(chown.success());
+    let wide = policy_text().replace(
+        &format!("  - domain: \"{ALLOWED}\"\n    ports: [{PORT}]\n"),
+        &format!("  - cidr: {HOST_V4}/32\n    ports: [9090]\n"),
+    );
+    let script = format!(
+        "printf '%s' '{wide}' > {} && echo rewrote; sleep 4; \
+         nc -z -w 2 {HOST_V4} 9090 && echo escaped; exit 0",
+        policy.display()
+    );
+    let child = exec_command(
+        &w,
+        policy.to_str().expect("utf-8 path"),
+        &["--user", "nobody"],
+        None,
+        &script,
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("start exec");
+    std::thread::sleep(Duration::from_millis(2500));
+    let exec_pid = Command::new("pgrep")
+        .args(["-P", &child.id().to_string()])
+        .output()
+        .expect("pgrep");
+    let exec_pid = String::from_utf8_lossy(&exec_pid.stdout).trim().to_string();
+    let _ = Command::new("kill").args(["-HUP", &exec_pid]).status();
+    let out = child.wait_with_output().expect("wait for exec");
+    assert!(stdout(&out).contains("rewrote"), "{}", show(&out));
+    assert!(
+        !stdout(&out).contains("escaped") && listener.count() == 0,
+        "a policy CMD wrote was applied\n{}",
+        show(&out)
+    );
+}
