@@ -408,16 +408,14 @@ fn cmd_cannot_type_into_the_callers_terminal() {
     );
 }
 
-/// exec's daemon reads the policy again from its path on SIGHUP, and nothing proves the
+/// exec's daemon read the policy again from its path on SIGHUP, and nothing proved the
 /// reloaded table against the plan: a policy file CMD's user may write (the user's own file,
 /// as `sudo egress-fence exec --policy ./agent.yaml` gives) is rewritten by CMD to allow what
 /// it wants, and the next SIGHUP of exec (a closed terminal sends one to its foreground
 /// group; exec does not block it) applies it while CMD runs.
-/// Fix: exec's daemon must not reload: block SIGHUP in exec before the daemon starts (it
-/// inherits the mask) or give `daemon::Options` a no-reload switch; or hand the daemon a
-/// copy of the policy in the run's root-only directory.
+/// Now exec blocks SIGHUP before the daemon starts (the daemon inherits the mask) and drops
+/// it from its signalfd.
 #[test]
-#[ignore = "HOLE: CMD rewrites a policy file its user owns; exec's daemon applies it on SIGHUP (a terminal hangup)"]
 fn a_policy_rewritten_by_cmd_is_not_applied_on_sighup() {
     use std::os::unix::fs::PermissionsExt;
     let w = World::new();
