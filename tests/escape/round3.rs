@@ -468,3 +468,50 @@ fn a_policy_rewritten_by_cmd_is_not_applied_on_sighup() {
         show(&out)
     );
 }
+
+/// `--report PATH` is written by exec (root, unfenced) after CMD ended, by path, following
+/// symlinks: when PATH is in a directory CMD's user may write (the user's own working
+/// directory, as `sudo egress-fence exec --report ./report.json` gives), CMD replaces it
+/// with a symlink and exec overwrites any file of the host with the report (shown on a
+/// root-owned 0600 file; /etc/passwd would do). The report also carries names CMD chose.
+/// Fix: open the report (`O_CREAT|O_NOFOLLOW`, truncate) before CMD starts and write the
+/// open file at the end; or write it as the caller (SUDO_UID) rather than as root.
+#[test]
+#[ignore = "HOLE: CMD swaps --report's path for a symlink; exec (root) overwrites the target host file"]
+fn the_report_does_not_follow_a_symlink_cmd_planted() {
+    use std::os::unix::fs::PermissionsExt;
+    let w = World::new();
+    let policy = setup(&w);
+    let dir = tempfile::Builder::new()
+        .prefix("ef-red3-")
+        .tempdir()
+        .expect("the user's directory");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let victim = w.write_file("victim", "root's own\n");
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let report = dir.path().join("report.json");
+    let script = format!(
+        "ln -sf {} {} && echo planted; exit 0",
+        victim.display(),
+        report.display()
+    );
+    let out = exec(
+        &w,
+        &policy,
+        &[
+            "--user",
+            "nobody",
+            "--report",
+            report.to_str().expect("utf-8 path"),
+        ],
+        &script,
+    );
+    assert!(stdout(&out).contains("planted"), "{}", show(&out));
+    let text = std::fs::read_to_string(&victim).expect("read the victim");
+    assert_eq!(
+        text,
+        "root's own\n",
+        "exec wrote through CMD's symlink\n{}",
+        show(&out)
+    );
+}
