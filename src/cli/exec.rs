@@ -132,9 +132,15 @@ fn exit_note(canary: bool, tripped: bool, cmd_code: u8) -> Option<String> {
 fn cmd_user(user: Option<String>, sudo_user: Option<String>) -> Result<String, ExecError> {
     match (user, sudo_user) {
         (Some(user), _) => Ok(user),
-        (None, Some(sudo)) if !sudo.is_empty() && sudo != "root" => Ok(sudo),
+        // By uid, not name: another name of uid 0 (`toor`) is root too.
+        (None, Some(sudo)) if !sudo.is_empty() && !is_uid_0(&sudo) => Ok(sudo),
         (None, _) => Err(ExecError::NoUser),
     }
+}
+
+fn is_uid_0(name: &str) -> bool {
+    name == "root"
+        || nix::unistd::User::from_name(name).is_ok_and(|u| u.is_some_and(|u| u.uid.is_root()))
 }
 
 pub fn run_child(

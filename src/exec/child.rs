@@ -82,6 +82,9 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
             "the fence was not proved; CMD not started".into(),
         ));
     }
+    // A session of its own: CMD has no controlling terminal, so it cannot type into the
+    // caller's (TIOCSTI) a command line the caller's shell runs unfenced after exec ends.
+    nix::unistd::setsid().map_err(ExecError::sys("leave the caller's terminal"))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -155,9 +155,15 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
         );
     }
     // Blocked in every thread (the daemon's inherits this mask): they are read here, from a
-    // signalfd, and passed to CMD.
+    // signalfd, and passed to CMD. SIGHUP too, and dropped: the daemon would re-read the
+    // policy's file, which CMD may have rewritten, and nothing proves the table after.
     let mut signals = SigSet::empty();
-    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGCHLD] {
+    for s in [
+        Signal::SIGINT,
+        Signal::SIGTERM,
+        Signal::SIGCHLD,
+        Signal::SIGHUP,
+    ] {
         signals.add(s);
     }
     signals

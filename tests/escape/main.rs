@@ -19,5 +19,6 @@ mod readback_attack;
 mod repair;
 mod revert_attack;
 mod round2;
+mod round3;
 mod scope;
 mod scope_attack;
