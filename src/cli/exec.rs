@@ -73,6 +73,12 @@ pub fn run(
             false => None,
         },
     };
+    // Opened before CMD starts, never by path afterwards: the path may be in a directory CMD's
+    // user can write, and a symlink CMD put there would have exec (root) write over any file.
+    let report = match report {
+        Some(path) => Some((open_report(&path).map_err(failed)?, path)),
+        None => None,
+    };
     let outcome = exec::run(options).map_err(failed)?;
     match &outcome.refusals {
         Some(refusals) => eprintln!("egress-fence exec: {}", refusals.summary()),
@@ -92,7 +98,7 @@ pub fn run(
     if let Some(note) = exit_note(canary, tripped, outcome.code) {
         eprintln!("egress-fence exec: {note}");
     }
-    if let Some(path) = report {
+    if let Some((mut file, path)) = report {
         let json = serde_json::json!({
             "exit_code": outcome.code,
             "exec_exit_code": exit_code,
@@ -100,7 +106,7 @@ pub fn run(
             "refused": outcome.refusals,
         });
         let text = serde_json::to_string_pretty(&json)?;
-        if let Err(e) = std::fs::write(&path, text + "\n") {
+        if let Err(e) = std::io::Write::write_all(&mut file, (text + "\n").as_bytes()) {
             eprintln!(
                 "egress-fence exec: cannot write the report {}: {e}",
                 path.display()
@@ -109,6 +115,18 @@ pub fn run(
         }
     }
     Ok(exit_code)
+}
+
+/// `--report`'s file, made (or emptied) now, a symlink at its path refused.
+fn open_report(path: &std::path::Path) -> Result<std::fs::File, ExecError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| ExecError::Refused(format!("cannot open the report {}: {e}", path.display())))
 }
 
 /// What a canary run's exit code means, when it could be misread: 99 is both the canary's

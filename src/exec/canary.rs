@@ -83,6 +83,9 @@ pub fn needles(token: &str) -> Vec<String> {
             }
         }
     }
+    out.push(base32hex(bytes));
+    let backwards: Vec<u8> = bytes.iter().rev().copied().collect();
+    out.push(hex(&backwards));
     let reversed: Vec<String> = out.iter().map(|n| n.chars().rev().collect()).collect();
     out.extend(reversed);
     let random = token.strip_prefix(PREFIX).unwrap_or(token);
@@ -111,13 +114,54 @@ pub fn carries(name: &str, needles: &[String]) -> bool {
     needles.iter().any(|n| squashed.contains(n.as_str()))
 }
 
+/// The questions of a run joined in the order they came, by their first labels (where a name
+/// carries its data), so that a token sent in pieces too short to trip alone (fewer than
+/// [`FRAGMENT`] characters a question) is found where the pieces meet. Only the most recent
+/// characters are kept: enough to hold any needle whole.
+#[derive(Debug, Default)]
+pub struct Joined {
+    tail: String,
+}
+
+/// How much of the joined first labels is kept.
+const JOINED_TAIL: usize = 512;
+
+impl Joined {
+    /// Adds `name`'s first label; whether the joined labels now carry one of `needles`.
+    pub fn push(&mut self, name: &str, needles: &[String]) -> bool {
+        let label = name
+            .split('.')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        self.tail.push_str(&label);
+        if self.tail.len() > JOINED_TAIL {
+            let cut = self.tail.len() - JOINED_TAIL;
+            let cut = (cut..self.tail.len())
+                .find(|&i| self.tail.is_char_boundary(i))
+                .unwrap_or(self.tail.len());
+            self.tail.drain(..cut);
+        }
+        needles.iter().any(|n| self.tail.contains(n.as_str()))
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// RFC 4648 base32, without padding.
 fn base32(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    base32_with(bytes, b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567")
+}
+
+/// RFC 4648 base32 with the extended hex alphabet ("base32hex", as DNSSEC's NSEC3 writes
+/// names), without padding.
+fn base32hex(bytes: &[u8]) -> String {
+    base32_with(bytes, b"0123456789ABCDEFGHIJKLMNOPQRSTUV")
+}
+
+fn base32_with(bytes: &[u8], alphabet: &[u8; 32]) -> String {
     let mut out = String::new();
     let (mut buffer, mut bits) = (0u32, 0u32);
     for &b in bytes {
@@ -125,11 +169,11 @@ fn base32(bytes: &[u8]) -> String {
         bits += 8;
         while bits >= 5 {
             bits -= 5;
-            out.push(ALPHABET[((buffer >> bits) & 31) as usize] as char);
+            out.push(alphabet[((buffer >> bits) & 31) as usize] as char);
         }
     }
     if bits > 0 {
-        out.push(ALPHABET[((buffer << (5 - bits)) & 31) as usize] as char);
+        out.push(alphabet[((buffer << (5 - bits)) & 31) as usize] as char);
     }
     out
 }

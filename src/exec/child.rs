@@ -127,15 +127,24 @@ fn private_resolv_conf(resolv_conf: &Path, name: &Path) -> Result<(), ExecError>
 /// A /proc of this pid namespace over the host's: CMD sees its own processes only, not the
 /// host's, whose environments and memory (`/proc/PID/environ`, `/proc/PID/mem`) a process of
 /// the same user could otherwise read and write, unfenced ones included.
+///
+/// /sys is a fresh one of the run's network namespace, read-only: a /sys file checks only its
+/// mode against uid 0, no capability. /proc/sys stays as procfs makes it (a read-only mount
+/// over it would leave /proc not "fully visible", and a cage inside, bwrap, could no longer
+/// mount a /proc of its own): its sysctls are root's to write by mode, which is one reason
+/// CMD runs as root only when told `--user root`.
 fn own_proc() -> Result<(), ExecError> {
+    let hidden = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount(Some("proc"), "/proc", Some("proc"), hidden, None::<&str>)
+        .map_err(ExecError::sys("mount a /proc of CMD's own pid namespace"))?;
     mount(
-        Some("proc"),
-        "/proc",
-        Some("proc"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("sysfs"),
+        "/sys",
+        Some("sysfs"),
+        MsFlags::MS_RDONLY | hidden,
         None::<&str>,
     )
-    .map_err(ExecError::sys("mount a /proc of CMD's own pid namespace"))
+    .map_err(ExecError::sys("mount a read-only /sys"))
 }
 
 /// Whether the process whose /proc stat file `stat` is still runs: reading a dead process's

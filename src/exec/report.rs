@@ -28,6 +28,8 @@ pub struct Listening {
     refusals: Refusals,
     /// The canary's token and encodings, when the run has one.
     canary: Option<Vec<String>>,
+    /// The refused questions' first labels, joined (a token sent in short pieces).
+    joined: super::canary::Joined,
 }
 
 /// The run's canary, as [`listen`] needs it.
@@ -107,6 +109,7 @@ pub fn listen(
             ..Refusals::default()
         },
         canary: canary.map(|c| super::canary::needles(c.token)),
+        joined: super::canary::Joined::default(),
     })
 }
 
@@ -154,11 +157,12 @@ impl Listening {
             Heard::Packet(Err(e)) => r.errors.push(e.to_string()),
             Heard::Query(query) => {
                 r.queries += 1;
-                if let (Some(needles), Some(found)) = (&self.canary, &mut r.canary_in)
-                    && super::canary::carries(&query.name, needles)
-                    && found.len() < KEPT
-                {
-                    found.push(query.name.clone());
+                if let (Some(needles), Some(found)) = (&self.canary, &mut r.canary_in) {
+                    let whole = super::canary::carries(&query.name, needles);
+                    let joined = self.joined.push(&query.name, needles);
+                    if (whole || joined) && found.len() < KEPT {
+                        found.push(query.name.clone());
+                    }
                 }
                 if let Some(host) = &mut r.canary_host
                     && super::canary::asks_host(&query.name, &host.host)
