@@ -4,71 +4,11 @@
 
 mod common;
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::exec::*;
 use common::*;
-
-/// The port the policy opens for [`ALLOWED`].
-const PORT: u16 = 8080;
-/// A port the policy does not open.
-const OTHER_PORT: u16 = 9090;
-/// The name the policy allows (answered with [`HOST_V4`]).
-const ALLOWED: &str = "registry.example.test";
-
-/// A guard-mode policy allowing [`ALLOWED`] on TCP [`PORT`].
-fn policy_text() -> String {
-    format!(
-        "version: 1\nallow:\n  - domain: \"{ALLOWED}\"\n    ports: [{PORT}]\n\
-         dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n\
-         log:\n  group: 100\n  rate: 1000/second\n  burst: 1000\n"
-    )
-}
-
-/// A world with [`ALLOWED`] answered and the policy written; returns the policy's path.
-fn setup(w: &World) -> String {
-    w.dns_set(ALLOWED, &[HOST_V4], 60);
-    w.write_file("exec.yaml", &policy_text())
-        .to_str()
-        .expect("utf-8 path")
-        .to_string()
-}
-
-/// `egress-fence exec --netns SANDBOX --policy POLICY [extra] -- sh -c SCRIPT`.
-fn exec_command(w: &World, policy: &str, extra: &[&str], script: &str) -> Command {
-    let mut cmd = Command::new("timeout");
-    cmd.args(["-k", "5", "20", EGRESS_FENCE_BIN, "exec"])
-        .args(["--netns", w.sandbox_name(), "--policy", policy])
-        .args(with_user(extra))
-        .args(["--", "sh", "-c", script])
-        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
-        .stdin(Stdio::null());
-    cmd
-}
-
-/// `extra`, with `--user root` unless it names a user (exec refuses to guess root).
-fn with_user<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = extra.to_vec();
-    if !args.contains(&"--user") {
-        args.extend(["--user", "root"]);
-    }
-    args
-}
-
-fn exec(w: &World, policy: &str, extra: &[&str], script: &str) -> Output {
-    exec_command(w, policy, extra, script)
-        .output()
-        .expect("run egress-fence exec")
-}
-
-fn show(out: &Output) -> String {
-    format!(
-        "exit {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 #[test]
 fn a_secret_in_the_callers_environment_is_not_visible_and_the_exit_code_passes_through() {

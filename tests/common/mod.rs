@@ -40,6 +40,7 @@ mod adversary;
 mod clients;
 mod dns_client;
 mod egress_fence;
+pub mod exec;
 mod guard;
 mod listener;
 mod nft;

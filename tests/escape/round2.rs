@@ -6,61 +6,8 @@
 
 use std::process::{Command, Output, Stdio};
 
+use crate::common::exec::*;
 use crate::common::*;
-
-const PORT: u16 = 8080;
-const ALLOWED: &str = "registry.example.test";
-
-fn policy_text() -> String {
-    format!(
-        "version: 1\nallow:\n  - domain: \"{ALLOWED}\"\n    ports: [{PORT}]\n\
-         dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n\
-         log:\n  group: 100\n  rate: 1000/second\n  burst: 1000\n"
-    )
-}
-
-fn setup(w: &World) -> String {
-    w.dns_set(ALLOWED, &[HOST_V4], 60);
-    w.write_file("exec.yaml", &policy_text())
-        .to_str()
-        .expect("utf-8 path")
-        .to_string()
-}
-
-fn exec_command(w: &World, policy: &str, extra: &[&str], script: &str) -> Command {
-    let mut cmd = Command::new("timeout");
-    cmd.args(["-k", "5", "40", EGRESS_FENCE_BIN, "exec"])
-        .args(["--netns", w.sandbox_name(), "--policy", policy])
-        .args(with_user(extra))
-        .args(["--", "sh", "-c", script])
-        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
-        .stdin(Stdio::null());
-    cmd
-}
-
-/// `extra`, with `--user root` unless it names a user (exec refuses to guess root).
-fn with_user<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = extra.to_vec();
-    if !args.contains(&"--user") {
-        args.extend(["--user", "root"]);
-    }
-    args
-}
-
-fn exec(w: &World, policy: &str, extra: &[&str], script: &str) -> Output {
-    exec_command(w, policy, extra, script)
-        .output()
-        .expect("run egress-fence exec")
-}
-
-fn show(out: &Output) -> String {
-    format!(
-        "exit {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 /// Root without capabilities is still uid 0: it owns every root-owned file and directory of
 /// the host (the inside's mount namespace is a copy of the host's, read-write), so it can

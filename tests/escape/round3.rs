@@ -3,84 +3,22 @@
 //! try (sysctls, mounts, sudo's user, the canary over TCP, two runs at once, signals). A
 //! way out it found is closed; these tests keep them closed, beside the attempts that held.
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use egress_fence::exec::canary;
 
+use crate::common::exec::*;
 use crate::common::*;
 
-const PORT: u16 = 8080;
-const ALLOWED: &str = "registry.example.test";
-
-fn policy_text() -> String {
-    format!(
-        "version: 1\nallow:\n  - domain: \"{ALLOWED}\"\n    ports: [{PORT}]\n\
-         dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n\
-         log:\n  group: 100\n  rate: 1000/second\n  burst: 1000\n"
-    )
-}
-
-fn setup(w: &World) -> String {
-    w.dns_set(ALLOWED, &[HOST_V4], 60);
-    w.write_file("exec.yaml", &policy_text())
-        .to_str()
-        .expect("utf-8 path")
-        .to_string()
-}
-
-/// exec with `extra` as given (no `--user` added), SUDO_USER as `sudo_user`.
-fn exec_command(
-    w: &World,
-    policy: &str,
-    extra: &[&str],
-    sudo_user: Option<&str>,
-    script: &str,
-) -> Command {
-    let mut cmd = Command::new("timeout");
-    cmd.args(["-k", "5", "40", EGRESS_FENCE_BIN, "exec"])
-        .args(["--netns", w.sandbox_name(), "--policy", policy])
-        .args(extra)
-        .args(["--", "sh", "-c", script])
-        .env("EGRESS_FENCE_STATE_DIR", w.state_dir())
-        .stdin(Stdio::null());
-    match sudo_user {
-        Some(user) => cmd.env("SUDO_USER", user),
-        None => cmd.env_remove("SUDO_USER"),
-    };
-    cmd
-}
-
-fn exec(w: &World, policy: &str, extra: &[&str], script: &str) -> Output {
-    exec_command(w, policy, extra, None, script)
-        .output()
-        .expect("run egress-fence exec")
-}
-
-fn show(out: &Output) -> String {
-    format!(
-        "exit {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `--user root`: the /proc mounted for CMD's pid namespace is read-write, and sysctls check
-/// only the file's mode against the euid (no capability): CMD as root writes the sysctls of
-/// the fence's own network namespace (shown on `ping_group_range`, which lets every user open
-/// ICMP sockets), and may write the host's global ones (`kernel/core_pattern`: a pipe to a
-/// program the kernel runs as full root, outside the fence, at the next crash; only
-/// access(2) is asked here, nothing of the host is written), and the host's /sys (the inside
-/// shares it read-write: `/sys/kernel/mm/...`, `/sys/power/state`).
-/// Closed: CMD never runs as root unless told `--user root`, and any other user writes no
-/// sysctl; /sys is a fresh read-only one, also for root. /proc/sys stays writable by mode to
-/// an explicit `--user root` (a read-only mount over it would keep a cage inside, bwrap,
-/// from mounting a /proc of its own); the README says so.
+/// CMD's sysctls and /sys: a sysctl or a /sys file checks only its mode against uid 0, no
+/// capability, so CMD as root could write the fence namespace's sysctls (`ping_group_range`)
+/// and, by mode, the host's (`kernel/core_pattern`: a program the kernel runs as full root at
+/// the next crash; only access(2) is asked here). Closed: CMD never runs as root unless told
+/// `--user root`, and another user writes none of them; /sys is a fresh read-only one, also
+/// for root. /proc/sys stays writable by mode to an explicit `--user root` (a read-only mount
+/// over it would keep a cage inside, bwrap, from mounting a /proc of its own); the README
+/// says so.
 #[test]
 fn root_cannot_write_sysctls_through_its_proc() {
     let w = World::new();
@@ -92,7 +30,7 @@ python3 -c "import os; print('sysrq-writable' if os.access('/proc/sysrq-trigger'
 python3 -c "import os; print('sysfs-writable' if os.access('/sys/kernel/mm/transparent_hugepage/enabled', os.W_OK) else '')"
 exit 0"#;
     let out = exec(&w, &policy, &["--user", "nobody"], script);
-    let text = stdout(&out);
+    let text = stdout_of(&out);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     for leak in [
         "net-sysctl-written",
@@ -104,7 +42,7 @@ exit 0"#;
     }
     let as_root = exec(&w, &policy, &["--user", "root"], script);
     assert!(
-        !stdout(&as_root).contains("sysfs-writable"),
+        !stdout_of(&as_root).contains("sysfs-writable"),
         "root writes /sys\n{}",
         show(&as_root)
     );
@@ -131,7 +69,7 @@ ls /proc | grep -c '^[0-9]' | sed 's/^/procs=/'
 exit 0"#;
     let script = script.replace("$GUARD", &GUARD_ADDR.ip().to_string());
     let out = exec(&w, &policy, &["--user", "root"], &script);
-    let text = stdout(&out);
+    let text = stdout_of(&out);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     for leak in [
         "unmounted-resolv",
@@ -184,12 +122,12 @@ fn a_sudo_user_of_uid_0_is_not_root_by_default() {
     let w = World::new();
     let policy = setup(&w);
     let toor = Uid0Alias::create();
-    let out = exec_command(&w, &policy, &[], Some(&toor.0), "id -u")
+    let out = exec_command_as(&w, &policy, &[], Some(&toor.0), "id -u")
         .output()
         .expect("run egress-fence exec");
     drop(toor);
     assert!(
-        !stdout(&out).trim().eq("0"),
+        !stdout_of(&out).trim().eq("0"),
         "CMD ran as uid 0 by default\n{}",
         show(&out)
     );
@@ -203,16 +141,20 @@ fn a_uid_number_or_an_unknown_sudo_user_is_refused() {
     let w = World::new();
     let policy = setup(&w);
     let by_number = exec(&w, &policy, &["--user", "0"], "echo ran; id -u");
-    assert!(!stdout(&by_number).contains("ran"), "{}", show(&by_number));
+    assert!(
+        !stdout_of(&by_number).contains("ran"),
+        "{}",
+        show(&by_number)
+    );
     assert_ne!(by_number.status.code(), Some(0), "{}", show(&by_number));
-    let unknown = exec_command(&w, &policy, &[], Some("ef-no-such-user"), "echo ran")
+    let unknown = exec_command_as(&w, &policy, &[], Some("ef-no-such-user"), "echo ran")
         .output()
         .expect("run egress-fence exec");
-    assert!(!stdout(&unknown).contains("ran"), "{}", show(&unknown));
+    assert!(!stdout_of(&unknown).contains("ran"), "{}", show(&unknown));
     assert_ne!(unknown.status.code(), Some(0), "{}", show(&unknown));
     let nobody = exec(&w, &policy, &["--user", "nobody"], "id -u");
     assert_eq!(nobody.status.code(), Some(0), "{}", show(&nobody));
-    assert_ne!(stdout(&nobody).trim(), "0", "{}", show(&nobody));
+    assert_ne!(stdout_of(&nobody).trim(), "0", "{}", show(&nobody));
 }
 
 fn token() -> String {
@@ -336,7 +278,7 @@ fn cmd_killed_by_sigkill_exits_137() {
 fn sigterm_ignored_by_cmd_and_sigstop_of_exec_keep_the_run() {
     let w = World::new();
     let policy = setup(&w);
-    let child = exec_command(
+    let child = exec_command_as(
         &w,
         &policy,
         &["--user", "nobody"],
@@ -367,7 +309,7 @@ fn two_runs_at_once_do_not_disturb_each_other() {
     let w = World::new();
     let policy = setup(&w);
     let script = "sleep 3; grep -q '^nameserver' /etc/resolv.conf && echo ok";
-    let first = exec_command(&w, &policy, &["--user", "nobody"], None, script)
+    let first = exec_command_as(&w, &policy, &["--user", "nobody"], None, script)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -377,7 +319,7 @@ fn two_runs_at_once_do_not_disturb_each_other() {
     let first = first.wait_with_output().expect("wait for the first run");
     for out in [&first, &second] {
         assert_eq!(out.status.code(), Some(0), "{}", show(out));
-        assert!(stdout(out).contains("ok"), "{}", show(out));
+        assert!(stdout_of(out).contains("ok"), "{}", show(out));
         assert!(
             !String::from_utf8_lossy(&out.stderr).contains("removed"),
             "{}",
@@ -413,7 +355,7 @@ fn cmd_cannot_type_into_the_callers_terminal() {
         .stdin(Stdio::null())
         .output()
         .expect("run exec under script's pty");
-    let text = stdout(&out);
+    let text = stdout_of(&out);
     assert!(
         !text.contains("tiocsti-injected") && text.contains("refused [Errno"),
         "CMD injected into the caller's terminal\n{}",
@@ -455,7 +397,7 @@ fn a_policy_rewritten_by_cmd_is_not_applied_on_sighup() {
          nc -z -w 2 {HOST_V4} 9090 && echo escaped; exit 0",
         policy.display()
     );
-    let child = exec_command(
+    let child = exec_command_as(
         &w,
         policy.to_str().expect("utf-8 path"),
         &["--user", "nobody"],
@@ -474,9 +416,9 @@ fn a_policy_rewritten_by_cmd_is_not_applied_on_sighup() {
     let exec_pid = String::from_utf8_lossy(&exec_pid.stdout).trim().to_string();
     let _ = Command::new("kill").args(["-HUP", &exec_pid]).status();
     let out = child.wait_with_output().expect("wait for exec");
-    assert!(stdout(&out).contains("rewrote"), "{}", show(&out));
+    assert!(stdout_of(&out).contains("rewrote"), "{}", show(&out));
     assert!(
-        !stdout(&out).contains("escaped") && listener.count() == 0,
+        !stdout_of(&out).contains("escaped") && listener.count() == 0,
         "a policy CMD wrote was applied\n{}",
         show(&out)
     );
@@ -518,7 +460,7 @@ fn the_report_does_not_follow_a_symlink_cmd_planted() {
         ],
         &script,
     );
-    assert!(stdout(&out).contains("planted"), "{}", show(&out));
+    assert!(stdout_of(&out).contains("planted"), "{}", show(&out));
     let text = std::fs::read_to_string(&victim).expect("read the victim");
     assert_eq!(
         text,
