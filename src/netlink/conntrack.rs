@@ -7,16 +7,15 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::time::Duration;
 
-use nix::errno::Errno;
-use nix::sys::socket::{MsgFlags, SockProtocol};
+use nix::sys::socket::SockProtocol;
 
+use super::Attrs;
 use super::message::{
     DumpError, DumpProgress, NFNL_SUBSYS_CTNETLINK, NLM_F_DUMP, NLM_F_REQUEST, Oversize, Request,
     nfnl_type, read_dump,
 };
-use super::{Attrs, Socket};
+use super::socket::{DumpFailed, DumpStep, dump};
 use crate::core::policy::L4Proto;
 
 const IPCTNL_MSG_CT_NEW: u8 = 0;
@@ -35,15 +34,12 @@ const CTA_PROTOINFO_TCP_STATE: u16 = 1;
 /// TCP_CONNTRACK_TIME_WAIT and later (CLOSE, LISTEN...) carry no live connection.
 const TCP_CONNTRACK_TIME_WAIT: u8 = 7;
 
-/// A dump that takes longer than this is abandoned (the caller tries again later).
-const DUMP_TIMEOUT: Duration = Duration::from_secs(2);
-
 #[derive(Debug, thiserror::Error)]
 pub enum ConntrackError {
-    #[error("conntrack dump: {doing}: {source}")]
-    Io { doing: &'static str, source: Errno },
-    #[error("conntrack dump refused by the kernel: {0}")]
-    Refused(Errno),
+    #[error("conntrack dump: {0}")]
+    Dump(#[from] DumpFailed),
+    #[error("conntrack dump: the request does not fit a message")]
+    Oversize,
 }
 
 /// A connection's destination, as it left this host.
@@ -52,27 +48,12 @@ pub type Flow = (IpAddr, L4Proto, u16);
 /// The destinations of the TCP connections not yet closing and of the UDP flows conntrack
 /// holds in the current network namespace.
 pub fn live_flows() -> Result<BTreeSet<Flow>, ConntrackError> {
-    let io = |doing| move |source| ConntrackError::Io { doing, source };
-    let socket = Socket::open(SockProtocol::NetlinkNetFilter).map_err(io("socket"))?;
-    socket.bind(0).map_err(io("bind"))?;
-    socket
-        .set_recv_timeout(Some(DUMP_TIMEOUT))
-        .map_err(io("timeout"))?;
-    let request = dump_request(1).map_err(|_| io("request")(Errno::EMSGSIZE))?;
-    socket.send(&request).map_err(io("send"))?;
-
+    let request = dump_request(1).map_err(|_| ConntrackError::Oversize)?;
     let mut flows = BTreeSet::new();
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = socket
-            .recv(&mut buf, MsgFlags::empty())
-            .map_err(io("receive"))?;
-        match parse_datagram(&buf[..n.min(buf.len())], &mut flows) {
-            Datagram::More => {}
-            Datagram::Done => return Ok(flows),
-            Datagram::Error(errno) => return Err(ConntrackError::Refused(errno)),
-        }
-    }
+    dump(SockProtocol::NetlinkNetFilter, &request, |datagram| {
+        parse_datagram(datagram, &mut flows)
+    })?;
+    Ok(flows)
 }
 
 /// IPCTNL_MSG_CT_GET with NLM_F_DUMP for every address family.
@@ -84,13 +65,7 @@ fn dump_request(seq: u32) -> Result<Vec<u8>, Oversize> {
         .finish()
 }
 
-enum Datagram {
-    More,
-    Done,
-    Error(Errno),
-}
-
-fn parse_datagram(data: &[u8], flows: &mut BTreeSet<Flow>) -> Datagram {
+fn parse_datagram(data: &[u8], flows: &mut BTreeSet<Flow>) -> DumpStep {
     let entries = |msg: super::Message<'_>| {
         if msg.kind != nfnl_type(NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_NEW) {
             return;
@@ -104,12 +79,12 @@ fn parse_datagram(data: &[u8], flows: &mut BTreeSet<Flow>) -> Datagram {
         }
     };
     match read_dump(data, entries) {
-        Ok(DumpProgress::More) => Datagram::More,
-        Ok(DumpProgress::Done) => Datagram::Done,
-        Err(DumpError::Refused(errno)) => Datagram::Error(errno),
+        Ok(DumpProgress::More) => DumpStep::More,
+        Ok(DumpProgress::Done) => DumpStep::Done,
+        Err(DumpError::Refused(errno)) => DumpStep::Refused(errno),
         // What came before the malformed message counts; the rest of the datagram cannot
         // be located. The dump goes on (or times out) with the next datagram.
-        Err(DumpError::Malformed(_)) => Datagram::More,
+        Err(DumpError::Malformed(_)) => DumpStep::More,
     }
 }
 
@@ -205,14 +180,14 @@ mod tests {
         ]
         .concat();
         let mut flows = BTreeSet::new();
-        assert!(matches!(parse_datagram(&data, &mut flows), Datagram::More));
+        assert!(matches!(parse_datagram(&data, &mut flows), DumpStep::More));
         assert_eq!(
             flows,
             BTreeSet::from([(v4, L4Proto::Tcp, 443), (v6, L4Proto::Udp, 443)])
         );
         assert!(matches!(
             parse_datagram(&done(), &mut flows),
-            Datagram::Done
+            DumpStep::Done
         ));
     }
 
@@ -226,7 +201,7 @@ mod tests {
         let mut flows = BTreeSet::new();
         assert!(matches!(
             parse_datagram(&error, &mut flows),
-            Datagram::Error(Errno::EPERM)
+            DumpStep::Refused(nix::errno::Errno::EPERM)
         ));
     }
 

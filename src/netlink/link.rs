@@ -4,14 +4,12 @@
 //! veth (`crate::host`). Read over netlink, not /sys/class/net: sysfs shows the interfaces of
 //! the namespace it was mounted in, not those of a namespace entered with `setns`.
 
-use std::time::Duration;
-
-use nix::errno::Errno;
-use nix::sys::socket::{MsgFlags, SockProtocol};
+use nix::sys::socket::SockProtocol;
 
 use super::bytes::ne32;
 use super::message::{DumpError, DumpProgress, NLM_F_DUMP, NLM_F_REQUEST, Oversize, Request};
-use super::{Attrs, Socket, read_dump};
+use super::socket::{DumpFailed, DumpStep, dump};
+use super::{Attrs, read_dump};
 
 const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
@@ -21,9 +19,6 @@ const IFLA_IFNAME: u16 = 3;
 const IFLA_MASTER: u16 = 10;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
-
-/// A dump that takes longer than this is abandoned.
-const DUMP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,36 +34,34 @@ pub struct Link {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
-    #[error("interface dump: {doing}: {source}")]
-    Io { doing: &'static str, source: Errno },
-    #[error("interface dump refused by the kernel: {0}")]
-    Refused(Errno),
+    #[error("interface dump: {0}")]
+    Dump(#[from] DumpFailed),
+    #[error("interface dump: the request does not fit a message")]
+    Oversize,
+    #[error("interface dump: a message of the kernel's answer could not be read")]
+    Malformed,
 }
 
 /// Every interface of the network namespace of the calling thread.
 pub fn links() -> Result<Vec<Link>, LinkError> {
-    let io = |doing| move |source| LinkError::Io { doing, source };
-    let socket = Socket::open(SockProtocol::NetlinkRoute).map_err(io("socket"))?;
-    socket.bind(0).map_err(io("bind"))?;
-    socket
-        .set_recv_timeout(Some(DUMP_TIMEOUT))
-        .map_err(io("timeout"))?;
-    let request = dump_request(1).map_err(|_| io("request")(Errno::EMSGSIZE))?;
-    socket.send(&request).map_err(io("send"))?;
-
+    let request = dump_request(1).map_err(|_| LinkError::Oversize)?;
     let mut found = Vec::new();
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = socket
-            .recv(&mut buf, MsgFlags::empty())
-            .map_err(io("receive"))?;
-        match parse_datagram(&buf[..n.min(buf.len())], &mut found) {
-            Ok(DumpProgress::More) => {}
-            Ok(DumpProgress::Done) => return Ok(found),
-            Err(DumpError::Refused(errno)) => return Err(LinkError::Refused(errno)),
+    let mut malformed = false;
+    dump(SockProtocol::NetlinkRoute, &request, |datagram| {
+        match parse_datagram(datagram, &mut found) {
+            Ok(DumpProgress::More) => DumpStep::More,
+            Ok(DumpProgress::Done) => DumpStep::Done,
+            Err(DumpError::Refused(errno)) => DumpStep::Refused(errno),
             // A link left out could be a bridge's port: a partial list is no answer.
-            Err(DumpError::Malformed(_)) => return Err(io("parse")(Errno::EBADMSG)),
+            Err(DumpError::Malformed(_)) => {
+                malformed = true;
+                DumpStep::Done
+            }
         }
+    })?;
+    match malformed {
+        true => Err(LinkError::Malformed),
+        false => Ok(found),
     }
 }
 

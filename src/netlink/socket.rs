@@ -93,3 +93,53 @@ pub fn set_recv_timeout(fd: BorrowedFd<'_>, timeout: Option<Duration>) -> nix::R
     };
     socket::setsockopt(&fd, sockopt::ReceiveTimeout, &tv)
 }
+
+/// Why a dump over [`dump`] ended without its answer.
+#[derive(Debug, thiserror::Error)]
+pub enum DumpFailed {
+    #[error("{doing}: {source}")]
+    Io {
+        doing: &'static str,
+        source: nix::errno::Errno,
+    },
+    #[error("refused by the kernel: {0}")]
+    Refused(nix::errno::Errno),
+}
+
+/// What one datagram of a dump's answer said.
+pub enum DumpStep {
+    More,
+    Done,
+    Refused(nix::errno::Errno),
+}
+
+/// A dump that takes longer than this is abandoned.
+const DUMP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Sends the dump `request` on a fresh socket of `protocol` in the calling thread's network
+/// namespace, and gives each datagram of the answer to `datagram` until it says the dump is
+/// done or refused, or [`DUMP_TIMEOUT`] passes without one.
+pub fn dump(
+    protocol: SockProtocol,
+    request: &[u8],
+    mut datagram: impl FnMut(&[u8]) -> DumpStep,
+) -> Result<(), DumpFailed> {
+    let io = |doing| move |source| DumpFailed::Io { doing, source };
+    let socket = Socket::open(protocol).map_err(io("socket"))?;
+    socket.bind(0).map_err(io("bind"))?;
+    socket
+        .set_recv_timeout(Some(DUMP_TIMEOUT))
+        .map_err(io("timeout"))?;
+    socket.send(request).map_err(io("send"))?;
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = socket
+            .recv(&mut buf, MsgFlags::empty())
+            .map_err(io("receive"))?;
+        match datagram(&buf[..n.min(buf.len())]) {
+            DumpStep::More => {}
+            DumpStep::Done => return Ok(()),
+            DumpStep::Refused(errno) => return Err(DumpFailed::Refused(errno)),
+        }
+    }
+}
