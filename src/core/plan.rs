@@ -828,6 +828,46 @@ log:
         assert_eq!(tuples(&rs, SetRole::Dns, Family::V6).len(), 2);
     }
 
+    /// An included preset's name is an allow entry like any other: an answer inside a denied
+    /// network is reported and its address stays behind the deny rule.
+    #[test]
+    fn a_preset_name_answered_with_a_denied_address_stays_refused() {
+        let p = policy(
+            "version: 1\ninclude: [npm]\ndeny:\n  - cidr: 198.51.100.0/24\n  - preset: \
+             cloud-metadata\n",
+        );
+        let r = resolution(&[("registry.npmjs.org", &["198.51.100.7", "169.254.169.254"])]);
+        let warnings = denied_answers(&p, &r.hosts);
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings.iter().all(|w| w.contains("registry.npmjs.org")));
+        let rs = plan(&p, &r);
+        let Elements::Networks(deny) = &rs
+            .set(SetId::new(SetRole::Deny, Family::V4))
+            .unwrap()
+            .elements
+        else {
+            panic!("the deny set holds networks")
+        };
+        for addr in ["198.51.100.7", "169.254.169.254"] {
+            let addr: IpAddr = addr.parse().unwrap();
+            assert!(deny.iter().any(|n| n.contains(&addr)), "{addr} not denied");
+        }
+        let first_deny = rs
+            .output
+            .iter()
+            .position(|r| matches!(r, Rule::RefuseDaddrIn(_)))
+            .unwrap();
+        let first_accept = rs
+            .output
+            .iter()
+            .position(|r| matches!(r, Rule::AcceptTupleIn(s) if s.role == SetRole::Resolved))
+            .unwrap();
+        assert!(
+            first_deny < first_accept,
+            "deny is checked before the preset's entries"
+        );
+    }
+
     #[test]
     fn deny_networks_are_merged_per_family() {
         let rs = plan(&policy(POLICY), &resolution(&[]));

@@ -8,10 +8,11 @@
 //! single values a policy is written with; `raw` the file as written; `load` reads it (size,
 //! nesting and document checks before the YAML parser, its errors placed at file:line:column);
 //! `validate` turns the raw file into a policy; `errors` says where and why; `presets` the
-//! named deny lists; `limits` what the kernel accepts; `warnings` what is allowed but
+//! named deny lists; `includes` the curated allow lists (`include:`); `limits` what the kernel accepts; `warnings` what is allowed but
 //! probably not meant.
 
 mod errors;
+mod includes;
 mod limits;
 mod load;
 mod names;
@@ -24,6 +25,7 @@ mod values;
 mod warnings;
 
 pub use errors::PolicyError;
+pub use includes::AllowPreset;
 pub use limits::{UNCHECKED_KERNEL_LIMITS_ENV, kernel_accepts_limit};
 pub use load::{MAX_POLICY_BYTES, MAX_POLICY_NESTING};
 pub use names::{DomainName, Wildcard};
@@ -46,8 +48,9 @@ mod test_support;
 #[cfg(test)]
 mod tests {
     /// Every file of the policy module, for checks over the text of its messages.
-    const SOURCES: [(&str, &str); 11] = [
+    const SOURCES: [(&str, &str); 12] = [
         ("errors.rs", include_str!("errors.rs")),
+        ("includes.rs", include_str!("includes.rs")),
         ("limits.rs", include_str!("limits.rs")),
         ("load.rs", include_str!("load.rs")),
         ("mod.rs", include_str!("mod.rs")),

@@ -5,6 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 use ipnet::IpNet;
 use serde::{Deserialize, Deserializer};
 
+use super::includes::AllowPreset;
 use super::names::{DomainName, Wildcard};
 use super::presets::Preset;
 use super::schema::*;
@@ -77,6 +78,8 @@ pub(super) struct RawPolicy {
     pub(super) action: Action,
     #[serde(default)]
     pub(super) allow: Vec<RawAllow>,
+    #[serde(default)]
+    pub(super) include: Vec<AllowPreset>,
     #[serde(default)]
     pub(super) deny: Vec<RawDeny>,
     #[serde(default)]

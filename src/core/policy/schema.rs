@@ -8,6 +8,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+use super::includes::AllowPreset;
 use super::names::{DomainName, Wildcard};
 use super::presets::Preset;
 use super::scope::Scope;
@@ -21,7 +22,11 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub struct Policy {
     /// What unmatched traffic gets.
     pub action: Action,
+    /// The local entries, then those of `include` the policy did not already have.
     pub allow: Vec<Allow>,
+    /// The allow presets the policy includes, as written (their entries are in `allow`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub include: Vec<AllowPreset>,
     pub deny: Vec<Deny>,
     pub dns: Dns,
     pub log: Log,

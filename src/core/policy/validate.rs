@@ -4,6 +4,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use super::errors::{Located, locate, locate_value};
+use super::includes::expand;
 use super::limits::{MAX_LOG_PREFIX, UNCHECKED_KERNEL_LIMITS_ENV, kernel_accepts_limit, max_burst};
 use super::presets::Preset;
 use super::raw::{DnsMode, RawPolicy};
@@ -160,7 +161,8 @@ impl Policy {
         };
         let policy = Policy {
             action: raw.action,
-            allow: raw.allow.into_iter().map(|a| a.0).collect(),
+            allow: expand(raw.allow.into_iter().map(|a| a.0).collect(), &raw.include),
+            include: raw.include,
             deny,
             dns: Dns {
                 resolvers: raw
