@@ -42,6 +42,47 @@ fn every_shipped_policy_passes_check() {
 }
 
 #[test]
+fn check_lists_what_an_include_expands_to() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("include.yaml");
+    std::fs::write(
+        &path,
+        "version: 1\nallow:\n  - cidr: 192.0.2.1\ninclude: [npm, debian]\n",
+    )
+    .expect("write policy");
+    let out = egress_fence(&["check", path.to_str().expect("utf-8 path")]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains(": valid (4 allow entries, 3 names"),
+        "{stdout}"
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    let npm = lines
+        .iter()
+        .position(|l| *l == "include npm:")
+        .unwrap_or_else(|| panic!("no `include npm:` line in {stdout}"));
+    assert!(
+        lines[npm + 1].starts_with("  registry.npmjs.org tcp 443  # "),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("\ninclude debian:\n  deb.debian.org tcp 80, 443  # "),
+        "{stdout}"
+    );
+
+    std::fs::write(&path, "version: 1\ninclude: [npm, leftpad]\n").expect("write policy");
+    let out = egress_fence(&["check", path.to_str().expect("utf-8 path")]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(err.contains(&format!("{}:2:16: ", path.display())), "{err}");
+    assert!(
+        err.contains("github, npm, pypi, crates, go, docker-hub"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_bad_policy_exits_2_naming_file_line_and_column() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("bad.yaml");

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use egress_fence::core::policy::{HostFinding, Target};
+use egress_fence::core::policy::{Allow, HostFinding, Protocol, Target};
 use egress_fence::host::ThisHost;
 
 use super::exit::{EXIT_BAD_POLICY, Failure};
@@ -63,5 +63,34 @@ pub fn run(path: &Path) -> Result<u8, Failure> {
         policy.domains().len(),
         policy.deny.len()
     );
+    // What `include:` pulled in, so that a reviewer sees every name the policy allows.
+    for preset in &policy.include {
+        println!("include {}:", preset.name());
+        for entry in preset.entries() {
+            println!("  {}", describe_entry(&entry));
+        }
+    }
     Ok(0)
+}
+
+/// One allow entry on one line: `registry.npmjs.org tcp 443  # the public npm registry`.
+fn describe_entry(entry: &Allow) -> String {
+    let target = match &entry.target {
+        Target::Domain(d) => d.to_string(),
+        Target::Wildcard(w) => w.to_string(),
+        Target::Cidr(n) => n.to_string(),
+    };
+    let protocol = match entry.protocol {
+        Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
+        Protocol::Any => "tcp+udp",
+    };
+    let comment = entry
+        .comment
+        .as_deref()
+        .map_or(String::new(), |c| format!("  # {c}"));
+    format!(
+        "{target} {protocol} {}{comment}",
+        join_display(&entry.ports)
+    )
 }

@@ -14,6 +14,9 @@ Policy schema (YAML). Only `version` is required; \"default\" marks what a key l
       comment: model API          # free text, any entry
     - cidr: 203.0.113.0/28        # an IPv4 or IPv6 network, or one address
       ports: [22]                 # default for a cidr: every port
+  include: [github, npm]         # curated allow entries appended after yours: github, npm,
+                                  #   pypi, crates, go, docker-hub, debian, ubuntu,
+                                  #   anthropic-api, openai-api (`check` lists them)
   deny:                           # checked before allow: deny wins
     - preset: cloud-metadata      # or private-networks, dns-over-https (implied in guard mode)
       comment: instance credentials
