@@ -146,7 +146,7 @@ mod tests {
             for e in &entries {
                 let comment = e.comment.as_deref().unwrap_or("");
                 assert!(
-                    comment.contains("source: ") && comment.contains("checked 2026-12-01"),
+                    comment.contains("source: ") && comment.contains("listed 2026-12-01"),
                     "{}: {comment:?}",
                     preset.name()
                 );
