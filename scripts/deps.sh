@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what egress-fence needs to build, test and demo on Debian 12: a C toolchain (the
 # linker), the C libraries the nftnl and mnl crates link against, nftables (nft, the
-# independent reader in tests), a real DNS server (dnsmasq), real clients (dig, nc, curl),
+# independent reader in tests), a real DNS server (dnsmasq), real clients (dig, nc, curl, ping),
 # ipset (benchmark baseline), python3 (the demo's web servers), systemd (systemd-analyze
 # checks the unit), passt (pasta connects `exec`'s namespace) and bubblewrap (`exec` composed
 # with bwrap). Only missing packages are installed.
@@ -9,7 +9,7 @@ set -euo pipefail
 
 packages=(
   gcc libc6-dev pkg-config libnftnl-dev libmnl-dev nftables
-  dnsmasq-base dnsutils netcat-openbsd curl iproute2 ipset python3 util-linux procps
+  dnsmasq-base dnsutils netcat-openbsd curl iputils-ping iproute2 ipset python3 util-linux procps
   systemd passt bubblewrap
 )
 
