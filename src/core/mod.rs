@@ -17,3 +17,4 @@ pub mod replan;
 pub mod resolution;
 pub mod ruleset;
 pub mod time;
+pub mod trace;
