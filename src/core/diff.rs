@@ -682,15 +682,17 @@ pub(crate) mod tests {
                 "drop"
             ]
         );
-        assert_eq!(refused.removed_rules.len(), 2);
-        // The old log rule, read back into a rule as nft writes it.
+        // The old rules, read back into rules as nft writes them: the log rule and reject's
+        // answers.
         assert_eq!(
-            refused.removed_rules[0],
-            "limit rate 10/second burst 20 packets log prefix \"EGRESS-DROP: \" group 100"
-        );
-        assert_eq!(
-            refused.removed_rules[1],
-            "reject with icmpx admin-prohibited"
+            refused.removed_rules,
+            [
+                "limit rate 10/second burst 20 packets log prefix \"EGRESS-DROP: \" group 100",
+                "iif 0 fib saddr type != local drop",
+                "iif \"lo\" fib saddr type != local drop",
+                "iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp reset",
+                "reject with icmpx admin-prohibited"
+            ]
         );
     }
 

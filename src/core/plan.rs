@@ -9,11 +9,11 @@ use ipnet::IpNet;
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
 use crate::core::lifetime::longer_timeout;
-use crate::core::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
+use crate::core::policy::{Action, DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::core::resolution::{Resolution, ResolvedHost};
 use crate::core::ruleset::{
-    CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, ScopeChains, ScopeMatch,
-    Set, SetId, SetRole, SourceRoute, Timed, Tuple,
+    Arrival, CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, ScopeChains,
+    ScopeMatch, Set, SetId, SetRole, SourceRoute, Timed, Tuple,
 };
 
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
@@ -209,18 +209,30 @@ pub fn plan_elements(
         sets,
         output: output_rules(policy, guard),
         scope: scope_chains(policy, guard, cgroups),
-        refused: vec![
-            Rule::Log(LogSpec {
-                prefix: policy.log.prefix.clone(),
-                group: policy.log.group,
-                rate: policy.log.rate,
-                burst: policy.log.burst,
-            }),
-            Rule::CountFamily(Family::V4),
-            Rule::CountFamily(Family::V6),
-            Rule::Refuse(policy.action),
-        ],
+        refused: refused_chain(policy),
     }
+}
+
+/// The refused chain: log and count, then the verdict. Under `action: reject` the answer
+/// goes only to sources of this host (or, forwarded, to a listed interface's checked
+/// sources), and a TCP connection of this host gets a reset ([`Rule::ResetTcp`]).
+fn refused_chain(policy: &Policy) -> Vec<Rule> {
+    let mut rules = vec![
+        Rule::Log(LogSpec {
+            prefix: policy.log.prefix.clone(),
+            group: policy.log.group,
+            rate: policy.log.rate,
+            burst: policy.log.burst,
+        }),
+        Rule::CountFamily(Family::V4),
+        Rule::CountFamily(Family::V6),
+    ];
+    if policy.action == Action::Reject {
+        rules.extend(Arrival::ALL.map(Rule::DropForeignSource));
+        rules.push(Rule::ResetTcp);
+    }
+    rules.push(Rule::Refuse(policy.action));
+    rules
 }
 
 /// The guard's own protections: only its marked sockets of its uid answer from where it
@@ -983,6 +995,29 @@ log:
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn reject_answers_only_this_hosts_sources_and_its_tcp_with_a_reset() {
+        let counted = |rs: &Ruleset| rs.refused[..3].to_vec();
+        let reject = plan(&policy(POLICY), &resolution(&[]));
+        assert_eq!(
+            reject.refused[3..],
+            [
+                Rule::DropForeignSource(Arrival::Sent),
+                Rule::DropForeignSource(Arrival::Loopback),
+                Rule::ResetTcp,
+                Rule::Refuse(Action::Reject),
+            ]
+        );
+        // `drop` answers nobody: nothing to restrict. Logging and counting stay first.
+        let drop = plan(
+            &policy(&POLICY.replace("version: 1\n", "version: 1\naction: drop\n")),
+            &resolution(&[]),
+        );
+        assert_eq!(drop.refused[3..], [Rule::Refuse(Action::Drop)]);
+        assert_eq!(counted(&drop), counted(&reject));
+        assert_eq!(counted(&reject)[1..], Family::BOTH.map(Rule::CountFamily));
     }
 
     #[test]

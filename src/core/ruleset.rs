@@ -737,9 +737,64 @@ pub enum Rule {
     Log(LogSpec),
     /// `meta nfproto ipv4 counter`: refusals counted per family.
     CountFamily(Family),
+    /// `iif 0 fib saddr type != local drop` (sent by this host), `iif "lo" fib saddr type !=
+    /// local drop` (looped back to it): under `action: reject`, a refused packet whose source
+    /// is no address of this host gets no answer. Either answer goes to that source: root in
+    /// the fence (CAP_NET_RAW) that writes a packet from an outside address it controls would
+    /// have the fence send that address an ICMP error quoting the packet, or a reset whose
+    /// ports and sequence number it chose, and both leave as `related` to the refused
+    /// packet's connection. What a listed interface forwards or brings in comes with an input
+    /// interface, whose sources [`Rule::DropSpoofedFrom`] has already checked.
+    DropForeignSource(Arrival),
+    /// `iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp reset`: under `action:
+    /// reject`, a TCP connection this host opens is refused with a reset, which fails the
+    /// connect at once in both families (ICMPv6 admin-prohibited is a soft error in SYN_SENT:
+    /// the connect fails only at the first SYN retransmission, a second later). Sockets of
+    /// [`ICMP_ANSWER_PRIORITY`] (the probe's) get the ICMP error instead, whose sender the
+    /// socket's error queue names: a reset looks the same from the fence and from a closed
+    /// port beyond it. What is forwarded keeps the ICMP error (`probe --from` tells the
+    /// router's refusal by its sender).
+    ResetTcp,
     /// `reject with icmpx admin-prohibited`, or `drop`
     Refuse(Action),
 }
+
+/// How a refused packet came to the hook: what [`Rule::DropForeignSource`] looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arrival {
+    /// Sent by this host (output hook): no input interface, `iif 0`.
+    Sent,
+    /// Looped back to this host (input hook from `lo`, whose index is 1 in every network
+    /// namespace).
+    Loopback,
+}
+
+impl Arrival {
+    pub const ALL: [Arrival; 2] = [Arrival::Sent, Arrival::Loopback];
+
+    /// The input interface's index, as `meta iif` loads it.
+    pub fn iif(self) -> u32 {
+        match self {
+            Arrival::Sent => 0,
+            Arrival::Loopback => 1,
+        }
+    }
+
+    fn nft_match(self) -> &'static str {
+        match self {
+            Arrival::Sent => "iif 0",
+            Arrival::Loopback => "iif \"lo\"",
+        }
+    }
+}
+
+/// The socket priority (`SO_PRIORITY`; any process may set 0 to 6, and no type of service
+/// maps to 5) whose refused TCP connections get ICMP admin-prohibited instead of a reset
+/// ([`Rule::ResetTcp`]). The probe sets it: the error queue names the ICMP error's sender,
+/// so the probe tells the fence's refusal from a refusal beyond it. Any other process that
+/// sets it only chooses the slower form of its own refusal.
+pub const ICMP_ANSWER_PRIORITY: u32 = 5;
 
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -888,6 +943,14 @@ impl fmt::Display for Rule {
                 }
             }
             Rule::CountFamily(family) => write!(f, "meta nfproto {} counter", family.nfproto()),
+            Rule::DropForeignSource(arrival) => {
+                write!(f, "{} fib saddr type != local drop", arrival.nft_match())
+            }
+            Rule::ResetTcp => write!(
+                f,
+                "{} meta l4proto tcp meta priority != 0:{ICMP_ANSWER_PRIORITY:x} reject with tcp reset",
+                Arrival::Sent.nft_match()
+            ),
             Rule::Refuse(Action::Reject) => f.write_str("reject with icmpx admin-prohibited"),
             Rule::Refuse(Action::Drop) => f.write_str("drop"),
         }
@@ -1279,6 +1342,18 @@ mod tests {
                 "reject with icmpx admin-prohibited",
             ),
             (Rule::Refuse(Action::Drop), "drop"),
+            (
+                Rule::DropForeignSource(Arrival::Sent),
+                "iif 0 fib saddr type != local drop",
+            ),
+            (
+                Rule::DropForeignSource(Arrival::Loopback),
+                "iif \"lo\" fib saddr type != local drop",
+            ),
+            (
+                Rule::ResetTcp,
+                "iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp reset",
+            ),
             (
                 Rule::DropSpoofedFrom("docker0".parse().unwrap()),
                 "iifname \"docker0\" fib saddr . iif oif missing drop",

@@ -17,10 +17,10 @@ use super::sys::{
 };
 use crate::core::policy::{Action, CgroupPath, IfacePattern, L4Proto, Rate, RateUnit};
 use crate::core::ruleset::{
-    BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
-    FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, Icmpv6Type, KeyShape, Limit, LimitKind, LogSpec,
-    MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, ScopeMatch, SetId, SetRole,
-    SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
+    Arrival, BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
+    FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, ICMP_ANSWER_PRIORITY, Icmpv6Type, KeyShape,
+    Limit, LimitKind, LogSpec, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset,
+    ScopeMatch, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
@@ -395,6 +395,7 @@ fn next_addr(addr: IpAddr) -> Option<IpAddr> {
 
 const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_IGMP: u8 = 2;
+const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_ICMPV6: u8 = 58;
 /// `oif "lo"`: the loopback device is interface 1 in every network namespace.
@@ -456,6 +457,14 @@ fn is_family(family: Family) -> [AnyExpr; 2] {
     [
         own(Expr::meta(libc::NFT_META_NFPROTO, sys::REG_1)),
         eq(&[nfproto(family)]),
+    ]
+}
+
+/// `iif 0` (sent by this host), `iif "lo"`.
+fn iif_is(arrival: Arrival) -> [AnyExpr; 2] {
+    [
+        own(Expr::meta(libc::NFT_META_IIF, sys::REG_1)),
+        eq(&arrival.iif().to_ne_bytes()),
     ]
 }
 
@@ -809,6 +818,25 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.extend(is_family(*family));
             e.push(crate_expr(Counter));
         }
+        Rule::DropForeignSource(arrival) => {
+            e.extend(iif_is(*arrival));
+            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &sys::RTN_LOCAL.to_ne_bytes(),
+            )));
+            e.push(crate_expr(Verdict::Drop));
+        }
+        Rule::ResetTcp => {
+            e.extend(iif_is(Arrival::Sent));
+            e.extend(l4proto_is(IPPROTO_TCP));
+            e.push(own(Expr::meta(libc::NFT_META_PRIORITY, sys::REG_1)));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &ICMP_ANSWER_PRIORITY.to_ne_bytes(),
+            )));
+            e.push(crate_expr(Verdict::Reject(RejectionType::TcpRst)));
+        }
         Rule::Refuse(action) => e.push(crate_expr(match action {
             Action::Reject => Verdict::Reject(RejectionType::Icmp(IcmpCode::AdminProhibited)),
             Action::Drop => Verdict::Drop,
@@ -930,6 +958,12 @@ struct Matches {
     socket_mark_neq: Option<u32>,
     /// `fib saddr . iif oif missing`.
     fib_missing: bool,
+    /// `fib saddr type != local`.
+    fib_not_local: bool,
+    /// `iif N`: the input interface's index.
+    iif: Option<u32>,
+    /// `meta priority != P`.
+    priority_neq: Option<u32>,
     mark_eq: Option<u32>,
     mark_neq: Option<u32>,
     oif_eq: bool,
@@ -952,6 +986,7 @@ enum ReadVerdict {
     GotoFromBridge,
     JumpGuard,
     Reject,
+    ResetTcp,
 }
 
 /// What a register was last loaded with, for the comparison that follows.
@@ -967,6 +1002,8 @@ enum Loaded {
     SocketMark,
     /// `fib saddr . iif oif present`.
     Fib,
+    /// `fib saddr type`.
+    FibType,
 }
 
 fn u32_of(data: &[u8]) -> Option<u32> {
@@ -1014,7 +1051,13 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                 dreg,
                 level: None,
             } if *dreg == sys::REG_1 => loaded = Some(Loaded::SocketMark),
-            LiveExpr::Fib { dreg, .. } if *dreg == sys::REG_1 => loaded = Some(Loaded::Fib),
+            LiveExpr::Fib { dreg, result, .. } if *dreg == sys::REG_1 => {
+                loaded = Some(if *result == sys::NFT_FIB_RESULT_ADDRTYPE {
+                    Loaded::FibType
+                } else {
+                    Loaded::Fib
+                });
+            }
             LiveExpr::Exthdr { .. } => loaded = Some(Loaded::Exthdr),
             LiveExpr::Cmp { op, data, .. } => {
                 let (op, eq) = (*op as c_int, *op as c_int == libc::NFT_CMP_EQ);
@@ -1039,6 +1082,13 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     Loaded::Meta(libc::NFT_META_IIFNAME) => m.iifname = Some(data.clone()),
                     Loaded::SocketMark if !eq => m.socket_mark_neq = u32_of(data),
                     Loaded::Fib => m.fib_missing = eq && data.iter().all(|&b| b == 0),
+                    Loaded::FibType => {
+                        m.fib_not_local = !eq && u32_of(data) == Some(sys::RTN_LOCAL);
+                    }
+                    Loaded::Meta(libc::NFT_META_IIF) if eq => m.iif = u32_of(data),
+                    Loaded::Meta(libc::NFT_META_PRIORITY) if !eq => {
+                        m.priority_neq = u32_of(data);
+                    }
                     Loaded::Cgroup(level) => {
                         let id = u64::from_ne_bytes(data.as_slice().try_into().ok()?);
                         m.cgroup = Some((level, id));
@@ -1087,7 +1137,13 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     _ => return None,
                 });
             }
-            LiveExpr::Reject { .. } => m.verdict = Some(ReadVerdict::Reject),
+            LiveExpr::Reject { kind, .. } => {
+                m.verdict = Some(if *kind == libc::NFT_REJECT_TCP_RST as u32 {
+                    ReadVerdict::ResetTcp
+                } else {
+                    ReadVerdict::Reject
+                });
+            }
             LiveExpr::Other(_) => return None,
             _ => {}
         }
@@ -1119,6 +1175,11 @@ fn rule_of(m: &Matches) -> Option<Rule> {
     };
     Some(match verdict {
         ReadVerdict::Reject => Rule::Refuse(Action::Reject),
+        // The re-encoding checks the interface, protocol and priority.
+        ReadVerdict::ResetTcp => Rule::ResetTcp,
+        ReadVerdict::Drop if m.fib_not_local => {
+            Rule::DropForeignSource(Arrival::ALL.into_iter().find(|a| Some(a.iif()) == m.iif)?)
+        }
         ReadVerdict::Drop if m.fib_missing => {
             Rule::DropSpoofedFrom(iface_of(m.iifname.as_deref()?)?)
         }
@@ -1649,6 +1710,30 @@ mod tests {
             ["reject type 2 code 3"]
         );
         assert_eq!(exprs(&Rule::Refuse(Action::Drop)), ["immediate reg 0 drop"]);
+        // nft --debug=netlink: `iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp
+        // reset`, `iif "lo" fib saddr type != local drop`.
+        assert_eq!(
+            exprs(&Rule::ResetTcp),
+            [
+                "meta load iif => reg 1",
+                "cmp eq reg 1 0x00000000",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000006",
+                "meta load priority => reg 1",
+                "cmp neq reg 1 0x00000005",
+                "reject type 1 code 0"
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::DropForeignSource(Arrival::Loopback)),
+            [
+                "meta load iif => reg 1",
+                "cmp eq reg 1 0x00000001",
+                "fib saddr type => reg 1",
+                "cmp neq reg 1 0x00000002",
+                "immediate reg 0 drop"
+            ]
+        );
     }
 
     #[test]
@@ -1713,7 +1798,9 @@ mod tests {
             Rule::GotoRefused,
             Rule::Refuse(Action::Reject),
             Rule::Refuse(Action::Drop),
+            Rule::ResetTcp,
         ];
+        rules.extend(Arrival::ALL.map(Rule::DropForeignSource));
         rules.extend(Icmpv6Type::ALL.map(Rule::AcceptIcmpv6));
         rules.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
         for family in Family::BOTH {

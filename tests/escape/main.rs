@@ -17,6 +17,7 @@ mod raw_frames;
 mod readback;
 mod readback_attack;
 mod repair;
+mod reset;
 mod revert_attack;
 mod round2;
 mod round3;

@@ -83,7 +83,8 @@ pub const DEFAULT_ROGUE_RESOLVERS: [&str; 6] = [
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Action {
-    /// Answer with ICMP administratively prohibited: clients fail at once.
+    /// Answer: a TCP reset to this host's connections, ICMP administratively prohibited
+    /// otherwise; clients fail at once.
     Reject,
     /// Silently discard: clients hang until their own timeout.
     Drop,
