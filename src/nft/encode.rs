@@ -2266,6 +2266,86 @@ mod tests {
     }
 
     #[test]
+    fn altered_refusal_answers_read_as_no_rule() {
+        let reset = Rule::ResetTcp;
+        let foreign = Rule::DropForeignSource(Arrival::Sent);
+        type DumpEdit = dyn Fn(&mut DumpedRule);
+        let cmp_at = |at: usize, edit: fn(&mut u32, &mut Vec<u8>)| -> Box<DumpEdit> {
+            Box::new(move |d| {
+                if let LiveExpr::Cmp { op, data, .. } = &mut d.exprs[at] {
+                    edit(op, data);
+                }
+            })
+        };
+        let cases: Vec<(&str, &Rule, Box<DumpEdit>)> = vec![
+            (
+                "a reset for another priority",
+                &reset,
+                cmp_at(5, |_, data| *data = 6u32.to_ne_bytes().to_vec()),
+            ),
+            (
+                "a reset for the probe's priority only",
+                &reset,
+                cmp_at(5, |op, _| *op = libc::NFT_CMP_EQ as u32),
+            ),
+            (
+                "a reset of what is forwarded too",
+                &reset,
+                Box::new(|d| drop(d.exprs.drain(0..2))),
+            ),
+            (
+                "a reset of UDP",
+                &reset,
+                cmp_at(3, |_, data| *data = vec![17]),
+            ),
+            (
+                "ICMP behind the reset's matches",
+                &reset,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Reject { kind, code }) = d.exprs.last_mut() {
+                        (*kind, *code) = (2, 3);
+                    }
+                }),
+            ),
+            (
+                "a drop of this host's own sources",
+                &foreign,
+                cmp_at(3, |op, _| *op = libc::NFT_CMP_EQ as u32),
+            ),
+            (
+                "a drop of another interface's foreign sources",
+                &foreign,
+                cmp_at(1, |_, data| *data = 2u32.to_ne_bytes().to_vec()),
+            ),
+            (
+                "a drop by the destination's type",
+                &foreign,
+                Box::new(|d| {
+                    if let LiveExpr::Fib { flags, .. } = &mut d.exprs[2] {
+                        *flags = 2;
+                    }
+                }),
+            ),
+            (
+                "foreign sources accepted",
+                &foreign,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Verdict { code, .. }) = d.exprs.last_mut() {
+                        *code = libc::NF_ACCEPT;
+                    }
+                }),
+            ),
+        ];
+        for (what, rule, edit) in cases {
+            let mut d = dumped_rule(rule).expect("libnftnl reads its own message");
+            let before = d.exprs.clone();
+            edit(&mut d);
+            assert_ne!(d.exprs, before, "{what}: the edit changed nothing");
+            assert_eq!(decode_rule(&d.exprs, None), None, "{what}");
+        }
+    }
+
+    #[test]
     fn altered_scope_guards_read_as_no_rule() {
         let read = |d: &DumpedRule| decode_rule(&d.exprs, d.userdata.as_deref());
         let spoof = Rule::DropSpoofedFrom(iface("docker0"));
