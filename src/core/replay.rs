@@ -854,4 +854,4 @@ pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
