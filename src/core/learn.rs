@@ -29,7 +29,7 @@ use crate::core::policy::{
     Allow, DomainName, MAX_DOMAIN_PORT_RANGE, Policy, PortRange, Protocol, Target, Wildcard,
     wildcard_risk,
 };
-use crate::core::replay::{self, FlowVerdict, NameRefusal, NameVerdict, describe_entry};
+use crate::core::replay::{self, FlowVerdict, NameRefusal, NameVerdict};
 use crate::core::trace::Trace;
 
 /// How `learn` writes what it found.
@@ -305,10 +305,14 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
             format!("{name} ({times}, last {})", safe(&need.last))
         }),
     );
-    let yaml = write(start_text, start, &entries, &notes);
+    let (yaml, listed) = write(start_text, start, &entries, &notes);
+    let added = entries.into_iter().map(|e| match listed {
+        true => e.summary,
+        false => format!("{} [commented out: see the end of the policy]", e.summary),
+    });
     Learned {
         yaml,
-        added: entries.into_iter().map(|e| e.summary).collect(),
+        added: added.collect(),
     }
 }
 
@@ -324,7 +328,7 @@ fn push_entries(out: &mut Vec<(String, NewEntry)>, target: Target, need: &Need, 
         },
     };
     for allow in need.entries(&target) {
-        let summary = format!("{} ({note})", describe_entry(&allow));
+        let summary = format!("{} ({note})", allow.describe());
         out.push((
             format!("{key} {:?}", allow.protocol),
             NewEntry {
@@ -421,8 +425,13 @@ fn allow_key(lines: &[&str]) -> Result<Option<(usize, String)>, &'static str> {
 }
 
 /// The start text with the new entries, in its own `allow:` list when that can be done
-/// safely; see the module's documentation.
-fn write(start_text: &str, start: &Policy, entries: &[NewEntry], notes: &[String]) -> String {
+/// safely (then `true`); see the module's documentation.
+fn write(
+    start_text: &str,
+    start: &Policy,
+    entries: &[NewEntry],
+    notes: &[String],
+) -> (String, bool) {
     let local: Vec<Allow> = start
         .allow
         .iter()
@@ -457,7 +466,7 @@ fn write(start_text: &str, start: &Policy, entries: &[NewEntry], notes: &[String
                 Some((at, _)) => rewritten(&lines, at, &local, notes, entries),
             };
             if reads_back(&text) {
-                return text;
+                return (text, true);
             }
             "the edited text did not read back as the start policy plus the new entries"
         }
@@ -475,7 +484,7 @@ fn write(start_text: &str, start: &Policy, entries: &[NewEntry], notes: &[String
     for line in block(notes, entries, 2).lines() {
         let _ = writeln!(out, "#{line}");
     }
-    out
+    (out, entries.is_empty())
 }
 
 /// The text with `allow:` and the entries appended (it had no `allow:`).

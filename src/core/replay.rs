@@ -24,7 +24,7 @@ use crate::core::explain::WhyRefused;
 use crate::core::installable::{self, HostAddrs};
 use crate::core::plan::{DNS_PORT, GUARDED_DNS_PORTS};
 use crate::core::policy::{
-    Allow, AllowPreset, DomainName, Essential, L4Proto, Policy, Protocol, Scope, Target,
+    Allow, AllowPreset, DomainName, Essential, L4Proto, Policy, Scope, Target,
 };
 use crate::core::ruleset::{Family, dhcp_ports, dhcp_servers};
 use crate::core::trace::{Record, Trace};
@@ -620,22 +620,6 @@ impl ReplayReport {
     }
 }
 
-/// One allow entry on one line: `registry.npmjs.org tcp 443`.
-pub fn describe_entry(entry: &Allow) -> String {
-    let target = match &entry.target {
-        Target::Domain(d) => d.to_string(),
-        Target::Wildcard(w) => w.to_string(),
-        Target::Cidr(n) => n.to_string(),
-    };
-    let protocol = match entry.protocol {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-        Protocol::Any => "tcp+udp",
-    };
-    let ports: Vec<String> = entry.ports.iter().map(|p| p.to_string()).collect();
-    format!("{target} {protocol} {}", ports.join(", "))
-}
-
 /// `tcp 192.0.2.7:443`, `icmp 192.0.2.7`.
 pub fn describe_flow(protocol: &str, dst: IpAddr, dport: Option<u16>) -> String {
     match (dst, dport) {
@@ -830,7 +814,7 @@ pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
     for (i, entry) in policy.allow.iter().enumerate() {
         if !j.used[i] {
             report.unused.push(UnusedEntry {
-                entry: describe_entry(entry),
+                entry: entry.describe(),
                 preset: presets[i].map(|p| p.name().to_string()),
             });
         }

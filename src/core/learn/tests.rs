@@ -223,6 +223,7 @@ fn a_text_it_cannot_edit_is_kept_with_the_entries_commented_below_and_why() {
     );
     assert_eq!(policy(&out.yaml), policy(start));
     assert_eq!(out.added.len(), 1);
+    assert!(out.added[0].ends_with("[commented out: see the end of the policy]"));
 }
 
 #[test]
@@ -276,4 +277,64 @@ fn nothing_needed_adds_nothing_and_says_so() {
             .contains("the policy refused nothing an allow entry can let through")
     );
     assert_eq!(p, policy(GUARD));
+}
+
+/// Traces made up from a small pool of names, addresses and ports, shared and bare, in both
+/// modes: whatever the mix, the learned policy loads, keeps the start's entries, and leaves
+/// refused only what no allow entry can let through.
+#[test]
+fn learn_and_replay_agree_on_made_up_traces() {
+    let mut seed: u64 = 0x5eed;
+    let mut next = |n: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % n
+    };
+    let (mut folds, mut bare, mut denied) = (0, 0, 0);
+    for round in 0..40 {
+        let start = if round % 2 == 0 { GUARD } else { RESOLVE };
+        let mut t = T::start();
+        for _ in 0..300 {
+            let addr = match next(6) {
+                0 => "169.254.169.254".to_string(),
+                1 => format!("2001:db8::{}", next(4) + 1),
+                _ => format!("192.0.2.{}", next(40) + 1),
+            };
+            match next(4) {
+                0 => {
+                    let name = match next(3) {
+                        0 => format!("n{}.cdn.example", next(14)),
+                        1 => format!("Host{}.Example.", next(5)),
+                        _ => "api.example".to_string(),
+                    };
+                    t = t.name(&name, &[&addr]);
+                }
+                1 => t = t.udp(&addr, [53, 443, 3478][next(3) as usize]),
+                _ => t = t.tcp(&addr, [22, 443, 8080, 9418][next(4) as usize]),
+            }
+        }
+        let t = t.trace();
+        let (out, p) = learned(start, &t);
+        assert_eq!(
+            p.allow[..policy(start).allow.len()],
+            policy(start).allow[..]
+        );
+        let r = replay(&p, &t);
+        assert!(
+            r.refused_flows.iter().all(|f| !f.why.allow_entry_helps()),
+            "round {round}: {:?}\n{}",
+            r.refused_flows,
+            out.yaml
+        );
+        assert!(p.warnings().is_empty(), "{:?}", p.warnings());
+        folds += usize::from(out.yaml.contains("# folds "));
+        bare += usize::from(out.yaml.contains("# no name seen"));
+        denied += usize::from(out.yaml.contains("denied: preset cloud-metadata"));
+    }
+    // The mix did make each kind of entry and note.
+    assert!(
+        folds > 0 && bare > 0 && denied > 0,
+        "{folds} {bare} {denied}"
+    );
 }
