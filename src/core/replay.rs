@@ -461,11 +461,14 @@ pub fn judge<'t>(policy: &Policy, trace: &'t Trace) -> Judgement<'t> {
                     out.used[i] = true;
                 }
                 let domain = info.as_ref().map(|(d, _)| *d);
-                for &a in answer {
-                    // The table never takes these, whoever answers them.
-                    if installable::check(a, &HostAddrs::none()).is_err() {
-                        continue;
-                    }
+                // What the table takes of an answer: each address once, the first
+                // MAX_ADDRS_PER_FAMILY of each family, none it never takes (whoever answers).
+                let mut taken: Vec<IpAddr> = Vec::with_capacity(answer.len());
+                let mut once = HashSet::new();
+                taken.extend(answer.iter().filter(|a| once.insert(**a)));
+                installable::cap_per_family(&mut taken, |a| *a);
+                taken.retain(|a| installable::check(*a, &HostAddrs::none()).is_ok());
+                for a in taken {
                     let state = addrs.entry(a).or_default();
                     if state.seen.insert(name) {
                         state.names.push(name);

@@ -243,6 +243,25 @@ fn answers_the_table_never_takes_explain_nothing() {
 }
 
 #[test]
+fn an_answer_explains_only_the_addresses_the_table_takes_of_it() {
+    let p = policy(GUARD);
+    let many: Vec<String> = (0..40).map(|i| format!("198.18.0.{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let t = T::start()
+        .name("x.pool.example", &many)
+        .tcp("198.18.0.31", 443)
+        .tcp("198.18.0.32", 443)
+        .trace();
+    assert_eq!(
+        verdicts(&p, &t),
+        [
+            FlowVerdict::Allowed(vec![1]),
+            refused(FlowRefusal::NotInPolicy)
+        ]
+    );
+}
+
+#[test]
 fn the_essentials_are_not_refusals() {
     let p = policy(GUARD);
     let t = T::start()
