@@ -184,9 +184,17 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
     let mut by_addr: BTreeMap<IpAddr, Need> = BTreeMap::new();
     // What no allow entry lets through: `tcp 169.254.169.254:80: denied: ...` -> count.
     let mut refused_anyway: BTreeMap<String, usize> = BTreeMap::new();
+    // What the trace cannot tell: reason -> (count, an example).
+    let mut unjudged: BTreeMap<String, (usize, String)> = BTreeMap::new();
     for f in &j.flows {
-        let FlowVerdict::Refused(why) = &f.verdict else {
-            continue;
+        let why = match &f.verdict {
+            FlowVerdict::Refused(why) => why,
+            FlowVerdict::CannotJudge(why) => {
+                let example = replay::describe_flow(&safe(f.protocol), f.dst, f.dport);
+                unjudged.entry(why.to_string()).or_insert((0, example)).0 += 1;
+                continue;
+            }
+            _ => continue,
         };
         let udp = f.protocol == "udp";
         match (why.allow_entry_helps(), f.dport) {
@@ -293,6 +301,13 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
         refused_anyway
             .iter()
             .map(|(what, n)| format!("{what} ({})", flows(*n))),
+    );
+    push_notes(
+        &mut notes,
+        "not judged, the trace cannot tell (not added)",
+        unjudged
+            .iter()
+            .map(|(why, (n, example))| format!("{} such as {example}: {why}", flows(*n))),
     );
     push_notes(
         &mut notes,

@@ -184,8 +184,8 @@ pub struct JudgedFlow<'t> {
     /// flow: the one the client most likely connected for. Only names a policy can allow
     /// count, and only answers of addresses the table would take.
     pub latest_name: Option<usize>,
-    /// How many distinct names had answered `dst` by then (the first of
-    /// [`Judgement::names_of`] for `dst`).
+    /// How many distinct names had answered `dst` by then: they are the first that many of
+    /// [`Judgement::names_of`] for `dst`.
     pub names_before: usize,
     pub verdict: FlowVerdict,
 }

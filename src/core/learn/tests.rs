@@ -338,3 +338,21 @@ fn learn_and_replay_agree_on_made_up_traces() {
         "{folds} {bare} {denied}"
     );
 }
+
+#[test]
+fn what_a_scope_leaves_alone_is_not_learned_and_what_it_cannot_tell_is_said() {
+    let start = format!("{GUARD}scope:\n  users: [1001]\n");
+    let t = T::start()
+        .name("a.example", &["192.0.2.7"])
+        .flow_as("tcp", "192.0.2.7", Some(443), Some(1002), None)
+        .flow_as("tcp", "192.0.2.7", Some(8443), None, None)
+        .trace();
+    let (out, _) = learned(&start, &t);
+    assert!(out.added.is_empty(), "{:?}", out.added);
+    assert!(
+        out.yaml
+            .contains("#   1 flow such as tcp 192.0.2.7:8443: neither a uid nor an interface"),
+        "{}",
+        out.yaml
+    );
+}
