@@ -142,6 +142,16 @@ fn a_bad_trace_or_policy_exits_2_with_where() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("cannot read the trace"));
 
+    let help = Command::new(env!("CARGO_BIN_EXE_egress-fence"))
+        .args(["replay", "--help"])
+        .output()
+        .expect("run egress-fence");
+    let help = text(&help.stdout);
+    assert!(
+        help.contains("Exit codes") && help.contains("replay: the policy would have refused"),
+        "{help}"
+    );
+
     let f = Files::new(TRACE);
     let bad = f.policy("bad.yaml", "version: 1\nallow:\n  - cidr: 10.0.0.0/33\n");
     let out = egress_fence(&[&f.trace, &bad]);

@@ -356,3 +356,19 @@ fn what_a_scope_leaves_alone_is_not_learned_and_what_it_cannot_tell_is_said() {
         out.yaml
     );
 }
+
+#[test]
+fn an_include_stays_an_include_and_its_entries_are_not_learned_again() {
+    let start = GUARD.replace("deny:", "include: [npm]\ndeny:");
+    let t = T::start()
+        .name("registry.npmjs.org", &["192.0.2.20"])
+        .tcp("192.0.2.20", 443)
+        .name("new.example", &["192.0.2.8"])
+        .tcp("192.0.2.8", 443)
+        .trace();
+    let (out, p) = learned(&start, &t);
+    assert_eq!(out.added.len(), 1, "{:?}", out.added);
+    assert!(out.yaml.contains("include: [npm]"));
+    assert_eq!(p.include, policy(&start).include);
+    assert!(!replay(&p, &t).refuses_anything());
+}
