@@ -6,6 +6,7 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::net::TcpStream;
 use std::time::Duration;
 
 use common::*;
@@ -233,6 +234,38 @@ fn counters_move_with_refused_traffic_and_refused_queries() {
         &format!("{base}/metrics"),
     ]);
     assert_eq!(out.stdout, "431", "{out}");
+}
+
+#[test]
+fn the_server_is_on_loopback_only_and_serves_few_at_once() {
+    let w = World::new();
+    let d = start(&w, &["--metrics", METRICS]);
+    let outside = format!("http://{SANDBOX_V4}:9464/metrics");
+    // From the network, and at the sandbox's own address: nothing listens there.
+    let out = w.net_cmd(&["curl", "-s", "--max-time", "2", &outside]);
+    assert!(!out.success(), "reached from the network: {out}");
+    let out = w.sandbox_cmd(&["curl", "-s", "--max-time", "2", &outside]);
+    assert!(!out.success(), "served off loopback: {out}");
+    // Connections that send nothing hold every slot: the next one is closed unanswered.
+    let idle: Vec<TcpStream> = w.in_sandbox_ns(|| {
+        (0..4)
+            .map(|_| TcpStream::connect(METRICS).expect("connect"))
+            .collect()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let url = format!("http://{METRICS}/metrics");
+    let out = w.sandbox_cmd(&["curl", "-s", "--max-time", "3", &url]);
+    assert!(!out.success(), "a fifth scraper was served: {out}");
+    drop(idle);
+    let served = within(Duration::from_secs(3), || {
+        w.sandbox_cmd(&["curl", "-sS", "--fail", "--max-time", "3", &url])
+            .success()
+    });
+    assert!(
+        served,
+        "no scrape once the idle connections closed:\n{}",
+        d.daemon.stderr()
+    );
 }
 
 #[test]

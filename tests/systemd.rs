@@ -900,6 +900,14 @@ fn the_units_ip_allow_list_admits_every_resolver_and_no_multicast() {
             "the unit's IPAddressAllow= blocks resolver {resolver}"
         );
     }
+    // `run --metrics` binds loopback only: the same list lets Prometheus scrape it there.
+    for metrics in ["127.0.0.1", "::1"] {
+        let ip: IpAddr = metrics.parse().expect("an address");
+        assert!(
+            admits(ip),
+            "the unit's IPAddressAllow= blocks --metrics on {ip}"
+        );
+    }
     for never in [
         "224.0.0.251",
         "239.255.255.250",
