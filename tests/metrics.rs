@@ -199,41 +199,21 @@ fn counters_move_with_refused_traffic_and_refused_queries() {
 
     // Anything but GET /metrics is refused; so is a request head past the limit.
     let base = format!("http://{METRICS}");
-    let out = w.sandbox_cmd(&[
-        "curl",
-        "-s",
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code}",
-        &format!("{base}/"),
-    ]);
-    assert_eq!(out.stdout, "404", "{out}");
-    let out = w.sandbox_cmd(&[
-        "curl",
-        "-s",
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code}",
-        "-X",
-        "POST",
-        &format!("{base}/metrics"),
-    ]);
-    assert_eq!(out.stdout, "405", "{out}");
     let big = format!("X-Big: {}", "a".repeat(9000));
-    let out = w.sandbox_cmd(&[
-        "curl",
-        "-s",
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code}",
-        "-H",
-        &big,
-        &format!("{base}/metrics"),
-    ]);
-    assert_eq!(out.stdout, "431", "{out}");
+    let metrics = format!("{base}/metrics");
+    for (expected, mut args) in [
+        ("404", vec![format!("{base}/")]),
+        ("405", vec!["-X".into(), "POST".into(), metrics.clone()]),
+        ("431", vec!["-H".into(), big, metrics.clone()]),
+    ] {
+        let mut curl: Vec<String> = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}"]
+            .map(String::from)
+            .to_vec();
+        curl.append(&mut args);
+        let curl: Vec<&str> = curl.iter().map(String::as_str).collect();
+        let out = w.sandbox_cmd(&curl);
+        assert_eq!(out.stdout, expected, "{curl:?}: {out}");
+    }
 }
 
 #[test]

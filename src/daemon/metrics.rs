@@ -50,7 +50,7 @@ use crate::core::explain::WhyRefused;
 use crate::core::ruleset::{Elements, Family, SetId};
 use crate::guard::{Counters, LatencySnapshot};
 use crate::nft::Nft;
-use crate::nft::live::Refused;
+use crate::nft::live::{Counter, Refused};
 
 /// How many scrapes are served at once; a connection beyond them is closed at once.
 pub const MAX_SCRAPERS: usize = 4;
@@ -273,6 +273,9 @@ fn culprit_label(by: &str) -> String {
 
 type Labels<'a> = Vec<(&'static str, &'a str)>;
 
+/// One of a [`Counter`]'s figures.
+type CounterField = fn(&Counter) -> u64;
+
 impl Collector for Scrape {
     fn encode(&self, mut e: DescriptorEncoder) -> Result<(), fmt::Error> {
         fn gauge<V: prometheus_client::encoding::EncodeGaugeValue>(
@@ -308,31 +311,29 @@ impl Collector for Scrape {
             u64::from(self.table.read_error),
         )?;
         if self.table.present {
-            let mut m = e.encode_descriptor(
-                "egress_fence_refused_packets",
-                "Packets the table refused since it was last applied, by family (the table's counters)",
-                None,
-                MetricType::Counter,
-            )?;
-            for (family, c) in [
+            let by_family = [
                 (Family::V4, self.table.refused.ipv4),
                 (Family::V6, self.table.refused.ipv6),
-            ] {
-                m.encode_family(&vec![("family", family_label(family))])?
-                    .encode_counter::<NoLabelSet, _, u64>(&c.packets, None)?;
-            }
-            let mut m = e.encode_descriptor(
-                "egress_fence_refused_bytes",
-                "Bytes of the packets the table refused since it was last applied, by family",
-                None,
-                MetricType::Counter,
-            )?;
-            for (family, c) in [
-                (Family::V4, self.table.refused.ipv4),
-                (Family::V6, self.table.refused.ipv6),
-            ] {
-                m.encode_family(&vec![("family", family_label(family))])?
-                    .encode_counter::<NoLabelSet, _, u64>(&c.bytes, None)?;
+            ];
+            let what: [(&str, &str, CounterField); 2] = [
+                (
+                    "egress_fence_refused_packets",
+                    "Packets the table refused since it was last applied, by family (the \
+                     table's counters)",
+                    |c| c.packets,
+                ),
+                (
+                    "egress_fence_refused_bytes",
+                    "Bytes of the packets the table refused since it was last applied, by family",
+                    |c| c.bytes,
+                ),
+            ];
+            for (name, help, value) in what {
+                let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+                for (family, c) in &by_family {
+                    m.encode_family(&vec![("family", family_label(*family))])?
+                        .encode_counter::<NoLabelSet, _, u64>(&value(c), None)?;
+                }
             }
             let mut m = e.encode_descriptor(
                 "egress_fence_set_elements",
@@ -732,7 +733,6 @@ mod tests {
     use crate::core::policy::Policy;
     use crate::core::resolution::{ResolvedAddr, ResolvedHost};
     use crate::daemon::core::{Core, Event, GuardAnswer};
-    use crate::nft::live::Counter;
     use crate::nft::table::memory::MemoryTable;
 
     #[test]
