@@ -161,6 +161,13 @@ fn counters_move_with_refused_traffic_and_refused_queries() {
         "{text}"
     );
     assert!(value(&after, metadata) >= 1.0, "{text}");
+    // The deny rules count for themselves: exactly the one packet to the metadata service.
+    let denied_v4 = "egress_fence_refused_denied_packets_total{family=\"ipv4\"}";
+    assert_eq!(
+        value(&after, denied_v4),
+        value(&before, denied_v4) + 1.0,
+        "{text}"
+    );
     assert_eq!(
         value(&after, guard_refused),
         value(&before, guard_refused) + 1.0,
@@ -274,6 +281,13 @@ fn a_unix_socket_serves_the_same_and_is_removed_at_exit() {
     assert!(!tcp.success());
     let _ = d.daemon.terminate();
     assert!(!socket.exists(), "the socket outlived the daemon");
+    // A file that is not a socket is never replaced: the daemon names it and stops.
+    let file = w.write_file("not-a-socket", "keep me");
+    let policy = w.dir().join("policy.yaml");
+    let out = w.egress_fence(&["run", path_arg(&policy), "--metrics", path_arg(&file)]);
+    assert_eq!(out.code(), 1, "{out}");
+    assert!(out.stderr.contains("is not a socket"), "{out}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
 }
 
 #[test]

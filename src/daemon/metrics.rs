@@ -190,6 +190,8 @@ pub struct TableFacts {
     pub present: bool,
     pub read_error: bool,
     pub refused: Refused,
+    /// Of those, what the deny entries refused.
+    pub denied: Refused,
     /// Our sets and how many elements each holds (as egress-fence reads them back).
     pub sets: Vec<(String, usize)>,
 }
@@ -217,6 +219,7 @@ fn read_table(nft: &mut Nft) -> TableFacts {
                 present: true,
                 read_error: false,
                 refused: status.refused,
+                denied: table.denied(),
                 sets,
             }
         }
@@ -311,28 +314,39 @@ impl Collector for Scrape {
             u64::from(self.table.read_error),
         )?;
         if self.table.present {
-            let by_family = [
-                (Family::V4, self.table.refused.ipv4),
-                (Family::V6, self.table.refused.ipv6),
-            ];
-            let what: [(&str, &str, CounterField); 2] = [
+            let (all, denied) = (&self.table.refused, &self.table.denied);
+            let what: [(&str, &str, &Refused, CounterField); 4] = [
                 (
                     "egress_fence_refused_packets",
                     "Packets the table refused since it was last applied, by family (the \
                      table's counters)",
+                    all,
                     |c| c.packets,
                 ),
                 (
                     "egress_fence_refused_bytes",
                     "Bytes of the packets the table refused since it was last applied, by family",
+                    all,
+                    |c| c.bytes,
+                ),
+                (
+                    "egress_fence_refused_denied_packets",
+                    "Of the refused packets, those the deny entries refused (their rules' counters)",
+                    denied,
+                    |c| c.packets,
+                ),
+                (
+                    "egress_fence_refused_denied_bytes",
+                    "Of the refused bytes, those the deny entries refused",
+                    denied,
                     |c| c.bytes,
                 ),
             ];
-            for (name, help, value) in what {
+            for (name, help, counted, value) in what {
                 let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
-                for (family, c) in &by_family {
-                    m.encode_family(&vec![("family", family_label(*family))])?
-                        .encode_counter::<NoLabelSet, _, u64>(&value(c), None)?;
+                for (family, c) in [(Family::V4, counted.ipv4), (Family::V6, counted.ipv6)] {
+                    m.encode_family(&vec![("family", family_label(family))])?
+                        .encode_counter::<NoLabelSet, _, u64>(&value(&c), None)?;
                 }
             }
             let mut m = e.encode_descriptor(
@@ -496,40 +510,37 @@ pub enum Listener {
 /// Binds `addr` (in the calling thread's network namespace). A unix socket left behind by an
 /// earlier run is replaced; any other file there is an error.
 pub async fn bind(addr: &MetricsAddr) -> Result<Listener, DaemonError> {
+    let failed = |e: std::io::Error| DaemonError::Io {
+        doing: "serve metrics (--metrics)",
+        source: std::io::Error::new(e.kind(), format!("{addr}: {e}")),
+    };
     match addr {
         MetricsAddr::Tcp(a) => TcpListener::bind(a)
             .await
             .map(Listener::Tcp)
-            .map_err(io("bind the metrics address")),
+            .map_err(failed),
         MetricsAddr::Unix(path) => {
             use std::os::unix::fs::FileTypeExt;
             match std::fs::symlink_metadata(path) {
-                Ok(m) if m.file_type().is_socket() => {
-                    std::fs::remove_file(path).map_err(io("remove the old metrics socket"))?;
-                }
+                Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(failed)?,
                 Ok(_) => {
-                    return Err(DaemonError::Io {
-                        doing: "bind the metrics socket",
-                        source: std::io::Error::new(
-                            std::io::ErrorKind::AlreadyExists,
-                            format!("{} exists and is not a socket", path.display()),
-                        ),
-                    });
+                    return Err(failed(std::io::Error::new(
+                        std::io::ErrorKind::AlreadyExists,
+                        "the path exists and is not a socket; name another",
+                    )));
                 }
                 Err(_) => {}
             }
             UnixListener::bind(path)
                 .map(|l| Listener::Unix(l, path.clone()))
-                .map_err(io("bind the metrics socket"))
+                .map_err(failed)
         }
     }
 }
 
-impl Listener {
-    /// Removes the unix socket's file.
-    pub fn remove_socket(path: &Path) {
-        let _ = std::fs::remove_file(path);
-    }
+/// Removes a unix socket's file at exit.
+pub fn remove_socket(path: &Path) {
+    let _ = std::fs::remove_file(path);
 }
 
 /// Serves scrapes until the runtime ends. The table is read by a thread of its own (made
@@ -844,6 +855,13 @@ mod tests {
                 },
                 ipv6: Counter::default(),
             },
+            denied: Refused {
+                ipv4: Counter {
+                    packets: 1,
+                    bytes: 60,
+                },
+                ipv6: Counter::default(),
+            },
             sets: vec![("resolved4".into(), 1)],
         };
         render(metrics.scrape(table))
@@ -978,6 +996,10 @@ mod tests {
         );
         assert!(
             text.contains("egress_fence_refused_bytes_total{family=\"ipv4\"} 180"),
+            "{text}"
+        );
+        assert!(
+            text.contains("egress_fence_refused_denied_packets_total{family=\"ipv4\"} 1"),
             "{text}"
         );
         assert!(

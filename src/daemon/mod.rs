@@ -210,7 +210,7 @@ fn start_and_serve(
         }
         let served = daemon.serve(monitor, drops, answers).await;
         if let Some(path) = socket {
-            metrics::Listener::remove_socket(&path);
+            metrics::remove_socket(&path);
         }
         served
     });
