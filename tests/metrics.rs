@@ -291,6 +291,20 @@ fn a_unix_socket_serves_the_same_and_is_removed_at_exit() {
 }
 
 #[test]
+fn a_taken_metrics_port_stops_the_daemon_and_leaves_the_namespace_closed() {
+    // Anyone may bind a loopback port while the daemon is down (a squatter serving figures of
+    // its own): the daemon never shares it and never starts without its server.
+    let w = World::new();
+    let path = w.write_file("policy.yaml", &policy());
+    let _squatter =
+        w.in_sandbox_ns(|| std::net::TcpListener::bind(METRICS).expect("bind the port first"));
+    let out = w.egress_fence(&["run", path_arg(&path), "--metrics", METRICS]);
+    assert_eq!(out.code(), 1, "{out}");
+    assert!(out.stderr.contains(METRICS), "the address is named: {out}");
+    assert!(out.stderr.contains("the fail-closed table is"), "{out}");
+}
+
+#[test]
 fn an_address_off_loopback_is_refused_with_exit_2() {
     let w = World::new();
     let path = w.write_file("policy.yaml", &policy());
