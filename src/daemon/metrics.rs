@@ -745,6 +745,7 @@ mod tests {
     use crate::core::resolution::{ResolvedAddr, ResolvedHost};
     use crate::daemon::core::{Core, Event, GuardAnswer};
     use crate::nft::table::memory::MemoryTable;
+    use crate::watch::DropEvent;
 
     #[test]
     fn only_loopback_or_a_unix_socket_is_served() {
@@ -824,25 +825,6 @@ mod tests {
         (c, table, now)
     }
 
-    fn drop_event(dst: &str) -> crate::watch::DropEvent {
-        crate::watch::DropEvent {
-            time: "2026-01-01T00:00:00.000Z".into(),
-            prefix: "EGRESS-DROP: ".into(),
-            family: "ipv4",
-            protocol: "tcp".into(),
-            src: "198.51.100.2".parse().unwrap(),
-            dst: dst.parse().unwrap(),
-            sport: Some(40000),
-            dport: Some(8443),
-            uid: None,
-            gid: None,
-            verdict: "refused",
-            note: None,
-            in_ifindex: None,
-            scope: None,
-        }
-    }
-
     /// Everything a scrape of `metrics` shows, the table as `table` holds it.
     fn scraped(metrics: &Metrics) -> String {
         let table = TableFacts {
@@ -894,7 +876,11 @@ mod tests {
         // Refused packets: to the metadata service (a deny preset), to the invented name's
         // address on another port, and anywhere else.
         for dst in ["169.254.169.254", "203.0.113.7", "192.0.2.99"] {
-            for effect in c.on(Event::Refused(drop_event(dst)), now, &mut table) {
+            for effect in c.on(
+                Event::Refused(DropEvent::refused_to(dst, 8443)),
+                now,
+                &mut table,
+            ) {
                 if let crate::daemon::core::Effect::CountRefused {
                     family,
                     reason,
