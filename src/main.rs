@@ -79,6 +79,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             teardown_on_exit,
             log_format,
             log_drops,
+            metrics,
             writer,
         } => cli::run::run(
             policy,
@@ -86,7 +87,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             &resolving,
             teardown_on_exit,
             log_format,
-            log_drops,
+            cli::run::Observe { log_drops, metrics },
             &writer,
         ),
         Command::Watch {

@@ -270,6 +270,12 @@ pub enum Command {
         /// daemon knows of its destination.
         #[arg(long)]
         log_drops: bool,
+        /// Serve metrics in the Prometheus text format at GET /metrics on ADDR: a loopback
+        /// address and port (127.0.0.1:9464, [::1]:9464) or the absolute path of a unix
+        /// socket. Any other address is refused (exit 2). Off by default. Refused packets by
+        /// the daemon's finer reasons (not in the policy, another port, ...) need --log-drops.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<egress_fence::daemon::MetricsAddr>,
         #[command(flatten)]
         writer: WriterArgs,
     },
