@@ -26,6 +26,11 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<u8, Failure> {
     match command {
         Command::Check { policy } => cli::check::run(&policy),
+        Command::Replay {
+            trace,
+            policy,
+            json,
+        } => cli::replay::run(&trace, &policy, json),
         Command::Plan {
             policy,
             target,
@@ -74,6 +79,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             teardown_on_exit,
             log_format,
             log_drops,
+            metrics,
             writer,
         } => cli::run::run(
             policy,
@@ -81,7 +87,7 @@ fn run(command: Command) -> Result<u8, Failure> {
             &resolving,
             teardown_on_exit,
             log_format,
-            log_drops,
+            cli::run::Observe { log_drops, metrics },
             &writer,
         ),
         Command::Watch {

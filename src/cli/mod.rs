@@ -23,6 +23,7 @@ pub mod exec;
 pub mod history;
 pub mod plan;
 pub mod probe;
+pub mod replay;
 pub mod revert_timer;
 pub mod rollback;
 pub mod run;

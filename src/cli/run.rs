@@ -9,13 +9,20 @@ use super::args::{LogFormat, NamespaceArg, Resolving, WriterArgs};
 use super::common::{enter, init_logging, state_dir};
 use super::exit::{EXIT_BAD_POLICY, Failure};
 
+/// What `run` says about itself besides its log: refused packets (`--log-drops`) and metrics
+/// (`--metrics`).
+pub struct Observe {
+    pub log_drops: bool,
+    pub metrics: Option<daemon::MetricsAddr>,
+}
+
 pub fn run(
     policy: PathBuf,
     target: &NamespaceArg,
     resolving: &Resolving,
     teardown_on_exit: bool,
     log_format: LogFormat,
-    log_drops: bool,
+    Observe { log_drops, metrics }: Observe,
     writer: &WriterArgs,
 ) -> Result<u8, Failure> {
     let state = state_dir(target, &writer.state)?;
@@ -29,6 +36,7 @@ pub fn run(
         state,
         keep: writer.keep,
         lock_timeout: writer.lock.lock_timeout.0,
+        metrics,
     };
     match daemon::run(options) {
         Ok(()) => Ok(0),

@@ -756,7 +756,7 @@ pub(crate) mod tests {
         );
         assert!(text.contains("set theirs: not egress-fence's\n"), "{text}");
         assert!(
-            text.contains("chain output: hook output priority 0 policy accept (wanted: hook output priority 0 policy drop), +1 -0 rules\n  + ip daddr @deny4 goto refused\n"),
+            text.contains("chain output: hook output priority 0 policy accept (wanted: hook output priority 0 policy drop), +1 -0 rules\n  + ip daddr @deny4 counter goto refused\n"),
             "{text}"
         );
         assert!(
@@ -1077,7 +1077,7 @@ pub(crate) mod tests {
         let diff = compare(&rs, Some(&live), CompareOptions::default());
         assert_eq!(
             diff.to_string(),
-            "chain output: +1 -1 rules\n  + ip6 daddr @deny6 goto refused\n  - [lookup reg 1 set deny6 0x1]\n"
+            "chain output: +1 -1 rules\n  + ip6 daddr @deny6 counter goto refused\n  - [lookup reg 1 set deny6 0x1]\n"
         );
     }
 

@@ -32,7 +32,7 @@ use crate::core::plan::{
 };
 use crate::core::policy::{DomainName, Policy, PolicyError};
 use crate::core::resolution::{HostScope, Resolution, ResolvedAddr, ResolvedHost};
-use crate::core::ruleset::{CgroupMatch, Elements, Ruleset, SetId, SetRole, TABLE, Tuple};
+use crate::core::ruleset::{CgroupMatch, Elements, Family, Ruleset, SetId, SetRole, TABLE, Tuple};
 use crate::guard::{LogBudget, Rules};
 use crate::netlink::conntrack::Flow;
 use crate::nft::monitor::Change;
@@ -116,6 +116,34 @@ pub enum Effect {
     /// A reloaded policy was adopted (its resolver replaces the running one; a lookup under
     /// way asked for the old names).
     Adopted,
+    /// Count a refused packet (`--log-drops`) for `run --metrics`: its family, why it was
+    /// refused (one of [`WhyRefused::REASONS`]) and, when a deny entry refused it, the entry
+    /// as the policy names it (bounded by the policy, never by what was refused).
+    CountRefused {
+        family: Family,
+        reason: &'static str,
+        deny_entry: Option<String>,
+    },
+}
+
+/// What the core knows that `run --metrics` shows, read by the shell (at most once a
+/// second). Names appear only where the policy bounds them: in resolve mode the policy's own
+/// names; the names a guard learns from answers are the sandbox's to invent and are counted,
+/// never listed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CoreView {
+    pub guard_mode: bool,
+    pub names: usize,
+    pub addresses: usize,
+    /// Resolve mode: each policy name and how many lookups of it failed in a row (0: its
+    /// last lookup answered).
+    pub lookup_failures: Vec<(String, u32)>,
+    pub last_refresh: Option<SystemTime>,
+    pub last_apply: Option<SystemTime>,
+    /// How many times the table was put back after someone else changed it.
+    pub heals: u64,
+    /// Who changed it the last time.
+    pub last_heal_by: Option<String>,
 }
 
 /// Addresses that answers added, by name: said ("new addresses allowed") only once the table
@@ -159,6 +187,12 @@ pub struct Core {
     /// were lost, a different current generation means someone else committed since.
     our_generation: Option<u32>,
     last_refresh: Option<SystemTime>,
+    /// When the kernel last accepted a full apply.
+    last_apply: Option<SystemTime>,
+    /// How many times the table was put back after someone else changed it, and who did
+    /// the last time.
+    heals: u64,
+    last_heal_by: Option<String>,
     /// In guard mode, who the guard is (this process's uid, its mark and addresses): its
     /// sockets alone may reach the upstream resolvers. Its upstream follows reloads.
     guard: Option<GuardIdentity>,
@@ -231,6 +265,9 @@ impl Core {
             retry_apply: None,
             our_generation: None,
             last_refresh: None,
+            last_apply: None,
+            heals: 0,
+            last_heal_by: None,
             guard,
             carried: BTreeMap::new(),
             dropped_log: LogBudget::default(),
@@ -332,7 +369,7 @@ impl Core {
             }
             Event::TableChanged(changes) => self.heal(table, changes, now, &mut fx),
             Event::NotificationsLost => self.check_after_overrun(table, now, &mut fx),
-            Event::Refused(event) => self.log_drop(event, now),
+            Event::Refused(event) => fx.push(self.log_drop(event, now)),
         }
         fx
     }
@@ -702,6 +739,7 @@ impl Core {
                 self.our_generation = table.generation().ok();
                 self.installed = elements;
                 self.retry_apply = None;
+                self.last_apply = Some(SystemTime::now());
                 info!(
                     table = %format!("inet {TABLE}"),
                     names = self.names.len(),
@@ -1031,6 +1069,8 @@ impl Core {
             by = %who.join(", "),
             "table inet {TABLE} was changed by someone else; restoring it"
         );
+        self.heals += 1;
+        self.last_heal_by = Some(who.join(", "));
         self.reapply(table, now, fx);
     }
 
@@ -1046,6 +1086,8 @@ impl Core {
                 warn!(
                     "nftables notifications were lost and the ruleset changed since our last transaction; restoring the table"
                 );
+                self.heals += 1;
+                self.last_heal_by = Some("unknown (notifications lost)".into());
                 self.reapply(table, now, fx);
             }
         }
@@ -1124,8 +1166,18 @@ impl Core {
         }
     }
 
-    fn log_drop(&self, mut event: DropEvent, now: Instant) {
-        event.note = Some(self.why_refused(event.dst, event.dport, now).to_string());
+    /// Logs a refused packet with why it was refused; returns the count of it for metrics.
+    fn log_drop(&self, mut event: DropEvent, now: Instant) -> Effect {
+        let why = self.why_refused(event.dst, event.dport, now);
+        let count = Effect::CountRefused {
+            family: Family::of(event.dst),
+            reason: why.reason(),
+            deny_entry: match &why {
+                WhyRefused::Denied(entry) => Some(entry.clone()),
+                _ => None,
+            },
+        };
+        event.note = Some(why.to_string());
         info!(
             protocol = %event.protocol,
             src = %event.src,
@@ -1136,6 +1188,35 @@ impl Core {
             note = event.note.as_deref().unwrap_or(""),
             "refused packet"
         );
+        count
+    }
+
+    /// What `run --metrics` shows of the core (see [`CoreView`]).
+    pub fn view(&self, now: Instant) -> CoreView {
+        let guard_mode = self.policy.dns.guard.is_some();
+        let lookup_failures = match guard_mode {
+            true => Vec::new(),
+            // Only the policy's names: `names` holds nothing else in resolve mode.
+            false => self
+                .policy
+                .domains()
+                .into_iter()
+                .map(|n| {
+                    let failures = self.names.get(n).map_or(0, |s| s.failures);
+                    (n.to_string(), failures)
+                })
+                .collect(),
+        };
+        CoreView {
+            guard_mode,
+            names: self.names.len(),
+            addresses: self.names.values().map(|s| s.live(now).count()).sum(),
+            lookup_failures,
+            last_refresh: self.last_refresh,
+            last_apply: self.last_apply,
+            heals: self.heals,
+            last_heal_by: self.last_heal_by.clone(),
+        }
     }
 }
 

@@ -38,6 +38,7 @@
 //! could not start in closed.
 
 mod core;
+pub mod metrics;
 mod names;
 mod shell;
 
@@ -56,6 +57,7 @@ use crate::nft::monitor::Monitor;
 use crate::nft::{Nft, NftError, Table};
 use crate::state::{StateDir, StateError, WriterLock};
 use crate::watch::{DropEvent, WatchError, Watcher};
+pub use metrics::{MetricsAddr, MetricsAddrError};
 use shell::Daemon;
 
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +116,8 @@ pub struct Options {
     pub keep: usize,
     /// How long to wait for another writer's lock at start.
     pub lock_timeout: Duration,
+    /// Serve metrics there (`--metrics`).
+    pub metrics: Option<MetricsAddr>,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT. The calling thread must already be in the
@@ -182,10 +186,33 @@ fn start_and_serve(
             }
             None => (None, None),
         };
-        let mut daemon = Daemon::start(options, lock, policy, policy_text, identity).await?;
+        // Bound before the table goes up too: a taken address stops the daemon at once.
+        let metrics = match &options.metrics {
+            Some(addr) => Some((
+                metrics::bind(addr).await?,
+                addr.clone(),
+                Arc::new(metrics::Metrics::new(options.log_drops)),
+            )),
+            None => None,
+        };
+        let shared = metrics.as_ref().map(|(_, _, m)| m.clone());
+        let mut daemon =
+            Daemon::start(options, lock, policy, policy_text, identity, shared).await?;
         *boundary_up = true;
         let answers = guard.map(|g| daemon.start_guard(g));
-        daemon.serve(monitor, drops, answers).await
+        let mut socket = None;
+        if let Some((listener, addr, shared)) = metrics {
+            if let metrics::Listener::Unix(_, path) = &listener {
+                socket = Some(path.clone());
+            }
+            metrics::serve(listener, shared)?;
+            metrics::announce(&addr);
+        }
+        let served = daemon.serve(monitor, drops, answers).await;
+        if let Some(path) = socket {
+            metrics::remove_socket(&path);
+        }
+        served
     });
     // A reload may still be reading its file (a FIFO nobody writes): it must not hold up
     // the exit, as dropping the runtime would.

@@ -18,6 +18,7 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
 use super::core::{Core, Effect, Event, GuardAnswer, NewAddresses, ScopeFacts};
+use super::metrics::Metrics;
 use super::{DaemonError, Options, io};
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::lifetime::Lifetimes;
@@ -59,6 +60,8 @@ pub(super) struct Daemon {
     guard: Option<GuardLink>,
     /// This host's addresses and subnet broadcasts, which no guard answer may install.
     host_addrs: HostAddrsCache,
+    /// What `--metrics` serves, when it is on.
+    metrics: Option<Arc<Metrics>>,
 }
 
 /// The daemon's side of the DNS guard.
@@ -75,6 +78,7 @@ impl Daemon {
         policy: Policy,
         policy_text: String,
         guard: Option<GuardIdentity>,
+        metrics: Option<Arc<Metrics>>,
     ) -> Result<Daemon, DaemonError> {
         let guard_mode = guard.is_some();
         let (resolvers, resolver) = match (&guard, resolver_for(&policy, &options)) {
@@ -124,6 +128,7 @@ impl Daemon {
             nft: Nft::open()?,
             guard: None,
             host_addrs: HostAddrsCache::new(),
+            metrics,
         };
         // A running boundary (a restart) is replaced only once its names are resolved, so
         // that nothing allowed goes missing for a moment. Without one (boot), the
@@ -151,6 +156,7 @@ impl Daemon {
             added.log();
         }
         daemon.carry_out(effects, &mut BTreeMap::new());
+        daemon.publish_metrics();
         Ok(daemon)
     }
 
@@ -166,6 +172,9 @@ impl Daemon {
         let (answered_tx, answered_rx) = mpsc::channel(1024);
         let (events, _) = broadcast::channel(1024);
         let counters = Arc::new(Counters::default());
+        if let Some(metrics) = &self.metrics {
+            metrics.guard_counters(counters.clone());
+        }
         let events_path = self.options.state.guard_events();
         // Without it `watch` misses refused queries; the log still has them.
         if let Err(e) = crate::guard::serve_events(events_path.clone(), events.clone()) {
@@ -234,6 +243,15 @@ impl Daemon {
                         link.rules.send_replace(Arc::new(rules));
                     }
                 }
+                Effect::CountRefused {
+                    family,
+                    reason,
+                    deny_entry,
+                } => {
+                    if let Some(metrics) = &self.metrics {
+                        metrics.count_refused(family, reason, deny_entry);
+                    }
+                }
                 // Only a wakeup asks for lookups and only a reload adopts: the event loop and
                 // `reload`, which own the lookup task and the resolver, take them first.
                 Effect::Lookup(_) | Effect::Adopted => {
@@ -251,10 +269,15 @@ impl Daemon {
             .state
             .record(&self.lock, new, self.options.keep)
         {
-            Ok(g) => info!(
-                generation = g.generation,
-                "recorded generation {}", g.generation
-            ),
+            Ok(g) => {
+                info!(
+                    generation = g.generation,
+                    "recorded generation {}", g.generation
+                );
+                if let Some(metrics) = &self.metrics {
+                    metrics.recorded(g.generation);
+                }
+            }
             Err(e) => error!(error = %e, "the applied table could not be recorded as a generation"),
         }
     }
@@ -390,6 +413,14 @@ impl Daemon {
             &mut self.nft,
         );
         self.carry_out(effects, &mut releases);
+    }
+
+    /// Hands what the core knows to the metrics server (at most once a second: it walks
+    /// the names).
+    fn publish_metrics(&self) {
+        if let Some(metrics) = &self.metrics {
+            metrics.publish(self.core.view(Instant::now()));
+        }
     }
 
     fn status_line(&self) -> String {
@@ -553,6 +584,7 @@ impl Daemon {
             // that a slow reader fills, and counting addresses is not free.
             if status_at.elapsed() >= Duration::from_secs(1) {
                 status_at = Instant::now();
+                self.publish_metrics();
                 let status = self.status_line();
                 if status != last_status {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);

@@ -271,9 +271,11 @@ async fn forward_reply(
     client: SocketAddr,
     transport: L4Proto,
 ) -> Option<Vec<u8>> {
+    let asked = std::time::Instant::now();
     match forward(context, &rules, &query, name, transport).await {
         Ok(reply) => {
             context.counters.answered.fetch_add(1, Ordering::Relaxed);
+            context.counters.answer_latency.observe(asked.elapsed());
             Some(reply)
         }
         Err(why) => {

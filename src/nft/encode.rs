@@ -782,6 +782,7 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.extend(is_family(set.family));
             e.push(daddr_into_reg1(set.family));
             e.push(lookup(*set, set_ids));
+            e.push(crate_expr(Counter));
             e.push(goto_refused());
         }
         Rule::AcceptTupleIn(set) => {
@@ -1682,6 +1683,7 @@ mod tests {
                 "cmp eq reg 1 0x00000002",
                 "payload load 4b @ network header + 16 => reg 1",
                 "lookup reg 1 set deny4",
+                "counter pkts 0 bytes 0",
                 "immediate reg 0 goto -> refused",
             ]
         );
@@ -2753,14 +2755,23 @@ mod tests {
 
     #[test]
     fn counters_count_without_changing_the_rule() {
-        let rule = Rule::CountFamily(Family::V6);
-        let mut exprs = dumped_rule(&rule).unwrap().exprs;
-        for e in &mut exprs {
-            if let LiveExpr::Counter { packets, bytes } = e {
-                (*packets, *bytes) = (7, 560);
+        for rule in [
+            Rule::CountFamily(Family::V6),
+            Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V4)),
+        ] {
+            let mut exprs = dumped_rule(&rule).unwrap().exprs;
+            for e in &mut exprs {
+                if let LiveExpr::Counter { packets, bytes } = e {
+                    (*packets, *bytes) = (7, 560);
+                }
             }
+            let read = crate::nft::live::LiveRule::decode(DumpedRule {
+                exprs: exprs.clone(),
+                ..dumped_rule(&rule).unwrap()
+            });
+            assert_eq!(read.counter.map(|c| (c.packets, c.bytes)), Some((7, 560)));
+            assert_eq!(decode_rule(&exprs, None), Some(rule));
         }
-        assert_eq!(decode_rule(&exprs, None), Some(rule));
     }
 
     /// A hand edit of a dumped rule's expressions.

@@ -196,6 +196,23 @@ impl LiveTable {
         }
     }
 
+    /// Packets and bytes the deny entries refused (their rules' counters), per family.
+    pub fn denied(&self) -> Refused {
+        let mut denied = Refused::default();
+        for r in &self.rules {
+            let (ReadRule::Known(Rule::RefuseDaddrIn(set)), Some(c)) = (&r.rule, r.counter) else {
+                continue;
+            };
+            let sum = match set.family {
+                Family::V4 => &mut denied.ipv4,
+                Family::V6 => &mut denied.ipv6,
+            };
+            sum.packets += c.packets;
+            sum.bytes += c.bytes;
+        }
+        denied
+    }
+
     /// The decoded contents of one of our sets: the elements egress-fence writes (see
     /// [`LiveTable::read_set`] for the others).
     pub fn contents(&self, id: SetId) -> Option<Elements> {

@@ -54,6 +54,29 @@ pub struct DropEvent {
     pub scope: Option<Box<ScopeMatched>>,
 }
 
+#[cfg(test)]
+impl DropEvent {
+    /// A refused IPv4 TCP packet from 10.0.0.2 to `dst`:`dport`, for tests.
+    pub fn refused_to(dst: &str, dport: u16) -> DropEvent {
+        DropEvent {
+            time: "2026-12-01T19:00:00.000Z".into(),
+            prefix: "EGRESS-DROP: ".into(),
+            family: "ipv4",
+            protocol: "tcp".into(),
+            src: "10.0.0.2".parse().expect("an address"),
+            dst: dst.parse().expect("an address"),
+            sport: Some(40000),
+            dport: Some(dport),
+            uid: None,
+            gid: None,
+            verdict: "refused",
+            note: None,
+            in_ifindex: None,
+            scope: None,
+        }
+    }
+}
+
 impl fmt::Display for DropEvent {
     /// `TIME REFUSED PROTO SRC[:PORT] -> DST[:PORT] [uid=U] [gid=G] [PREFIX] [scope: S]
     /// [NOTE]`, with IPv6 addresses bracketed when a port follows.

@@ -40,6 +40,7 @@ pub use values::{
 };
 pub use warnings::{
     BridgePort, CgroupDelegation, Delegate, HostFinding, ScopeEntry, ScopeHole, ScopeHost,
+    wildcard_risk,
 };
 
 #[cfg(test)]
