@@ -512,6 +512,7 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
         output,
         refused,
         scope: scoped.then_some(scope),
+        audit: None,
     };
     let diff = compare(&table, Some(live), CompareOptions::default());
     if !diff.is_empty() {

@@ -12,7 +12,7 @@ use crate::core::lifetime::longer_timeout;
 use crate::core::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::core::resolution::{Resolution, ResolvedHost};
 use crate::core::ruleset::{
-    CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, ScopeChains, ScopeMatch,
+    AuditWindow, CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, ScopeChains, ScopeMatch,
     Set, SetId, SetRole, SourceRoute, Timed, Tuple,
 };
 
@@ -209,6 +209,7 @@ pub fn plan_elements(
         sets,
         output: output_rules(policy, guard),
         scope: scope_chains(policy, guard, cgroups),
+        audit: None,
         refused: vec![
             Rule::Log(LogSpec {
                 prefix: policy.log.prefix.clone(),
@@ -218,9 +219,60 @@ pub fn plan_elements(
             }),
             Rule::CountFamily(Family::V4),
             Rule::CountFamily(Family::V6),
-            Rule::Refuse(policy.action),
+            Rule::Refuse(policy.action.refusal()),
         ],
     }
+}
+
+/// What a run adds to its table while it records or audits (`run --record`, `learn`); the
+/// default adds nothing, and the table is exactly the policy's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Extras {
+    /// The NFLOG group of every new flow's first packet ([`Rule::RecordFlow`]).
+    pub flow_group: Option<u16>,
+    /// `learn`'s audit window ([`Rule::AuditAccept`]).
+    pub audit: Option<Audit>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Audit {
+    /// The NFLOG group of what the window lets through (the policy's log group, so that
+    /// `watch` shows it beside what is refused).
+    pub group: u16,
+    /// How long the window stays open without a renewal; `None`: closed (the set empty).
+    pub open_for_ms: Option<u64>,
+}
+
+/// `ruleset` with `extras`: the flow record before the deny list (after loopback, neighbour
+/// discovery and the guard's own DNS, which say nothing of the host's traffic), the audit
+/// accept just before the fence's last `goto refused` (the deny list, the guard's
+/// protections and DNS to other resolvers stay refused), and the audit window's set.
+pub fn with_extras(mut ruleset: Ruleset, extras: &Extras) -> Ruleset {
+    if let Some(group) = extras.flow_group {
+        let at = ruleset
+            .output
+            .iter()
+            .position(|r| matches!(r, Rule::RefuseDaddrIn(_)))
+            .unwrap_or(ruleset.output.len());
+        ruleset.output.insert(at, Rule::RecordFlow { group });
+    }
+    if let Some(audit) = extras.audit {
+        let at = ruleset
+            .output
+            .iter()
+            .rposition(|r| *r == Rule::GotoRefused)
+            .unwrap_or(ruleset.output.len());
+        ruleset.output.insert(
+            at,
+            Rule::AuditAccept {
+                group: audit.group,
+            },
+        );
+        ruleset.audit = Some(AuditWindow {
+            open_for_ms: audit.open_for_ms,
+        });
+    }
+    ruleset
 }
 
 /// The guard's own protections: only its marked sockets of its uid answer from where it
@@ -718,6 +770,7 @@ pub fn fail_closed() -> Ruleset {
             Rule::Refuse(crate::core::policy::Action::Drop),
         ],
         scope: None,
+        audit: None,
     }
 }
 

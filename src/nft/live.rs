@@ -212,6 +212,20 @@ impl LiveTable {
     }
 }
 
+impl LiveTable {
+    /// How long `learn`'s audit window stays open (the longest its elements have left), if
+    /// the table has one and it is open.
+    pub fn audit_window_open_ms(&self) -> Option<u64> {
+        self.sets
+            .iter()
+            .find(|(s, _)| s.name == crate::core::ruleset::AUDIT_WINDOW_SET)
+            .and_then(|(_, elems)| {
+                // An element without a timeout (none of ours) holds the window open for good.
+                elems.iter().map(|e| e.expires_ms.unwrap_or(u64::MAX)).max()
+            })
+    }
+}
+
 /// The NFLOG group refused packets are logged to, if the table's rules log to one.
 pub fn log_group(rules: &[LiveRule]) -> Option<u16> {
     rules
