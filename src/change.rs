@@ -1656,6 +1656,9 @@ mod tests {
             fn generation(&mut self) -> Result<u32, NftError> {
                 self.0.generation()
             }
+            fn renew_audit_window(&mut self, ms: u64) -> Result<(), NftError> {
+                self.0.renew_audit_window(ms)
+            }
         }
         let mut table = Undecodable(MemoryTable::holding(planned(B).ruleset));
         let timer = armed_timer(&f.state);

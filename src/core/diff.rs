@@ -13,8 +13,8 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::core::ruleset::{
-    AUDIT_WINDOW_SET, AuditWindow, BaseChain, ChainPolicy, Elements, Hook, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
-    fmt_tuple,
+    AUDIT_WINDOW_SET, AuditWindow, BaseChain, ChainPolicy, Elements, Hook, Rule, Ruleset, SetId,
+    SetRole, TABLE, Tuple, fmt_net, fmt_tuple,
 };
 use crate::nft::LiveTable;
 use crate::nft::encode::{self, audit_window_key, key_spec, set_flags};

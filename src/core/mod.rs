@@ -10,6 +10,7 @@ pub mod dns_name;
 pub mod explain;
 pub mod guard_identity;
 pub mod installable;
+pub mod learn;
 pub mod lifetime;
 pub mod plan;
 pub mod policy;

@@ -12,8 +12,8 @@ use crate::core::lifetime::longer_timeout;
 use crate::core::policy::{DomainName, Essential, L4Proto, Policy, PortRange, Target};
 use crate::core::resolution::{Resolution, ResolvedHost};
 use crate::core::ruleset::{
-    AuditWindow, CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, ScopeChains, ScopeMatch,
-    Set, SetId, SetRole, SourceRoute, Timed, Tuple,
+    AuditWindow, CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, ScopeChains,
+    ScopeMatch, Set, SetId, SetRole, SourceRoute, Timed, Tuple,
 };
 
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
@@ -234,6 +234,37 @@ pub struct Extras {
     pub audit: Option<Audit>,
 }
 
+/// How long `learn`'s audit window stays open without a renewal: what a killed `learn`
+/// leaves open at most.
+pub const AUDIT_WINDOW: Duration = Duration::from_secs(30);
+/// How often the daemon renews the window while it audits (three renewals may fail or be
+/// late before it closes).
+pub const AUDIT_RENEW_EVERY: Duration = Duration::from_secs(10);
+/// The NFLOG group of the flow record, unless the policy logs refusals there.
+pub const FLOW_GROUP: u16 = 0x6566;
+/// The NFLOG group of audited packets when the policy logs refusals to none.
+pub const AUDIT_GROUP: u16 = 0x6567;
+
+impl Extras {
+    /// The extras of a run of `policy` that records (`run --record`, `learn`) and audits
+    /// (`learn`): the flow record in a group of its own; audited packets in the policy's log
+    /// group, beside its refusals, so that `watch` shows both.
+    pub fn of_run(policy: &Policy, record: bool, audit: bool) -> Extras {
+        let log_group = policy.log.group;
+        let flow_group = match log_group {
+            Some(FLOW_GROUP) => FLOW_GROUP + 2,
+            _ => FLOW_GROUP,
+        };
+        Extras {
+            flow_group: record.then_some(flow_group),
+            audit: audit.then(|| Audit {
+                group: log_group.unwrap_or(AUDIT_GROUP),
+                open_for_ms: Some(AUDIT_WINDOW.as_millis() as u64),
+            }),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Audit {
     /// The NFLOG group of what the window lets through (the policy's log group, so that
@@ -262,12 +293,9 @@ pub fn with_extras(mut ruleset: Ruleset, extras: &Extras) -> Ruleset {
             .iter()
             .rposition(|r| *r == Rule::GotoRefused)
             .unwrap_or(ruleset.output.len());
-        ruleset.output.insert(
-            at,
-            Rule::AuditAccept {
-                group: audit.group,
-            },
-        );
+        ruleset
+            .output
+            .insert(at, Rule::AuditAccept { group: audit.group });
         ruleset.audit = Some(AuditWindow {
             open_for_ms: audit.open_for_ms,
         });

@@ -50,7 +50,8 @@ pub const AUDIT_PREFIX: &str = "EGRESS-AUDIT: ";
 /// The prefix of the first packet of every new flow, while a run records ([`Rule::RecordFlow`]).
 pub const FLOW_PREFIX: &str = "EGRESS-FLOW: ";
 /// The comment of [`Rule::AuditAccept`]: `nft list` says what the rule is for.
-pub const AUDIT_COMMENT: &str = "audit: learn lets through what the policy refuses while audit_window holds its family";
+pub const AUDIT_COMMENT: &str =
+    "audit: learn lets through what the policy refuses while audit_window holds its family";
 
 /// The chains only a scoped table has.
 pub const SCOPE_CHAINS: [&str; 6] = [

@@ -14,9 +14,11 @@ use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use crate::core::policy::{DomainName, L4Proto};
+use crate::core::trace::Record;
 use crate::dns::frame;
 use crate::dns::message;
 use crate::host::HostAddrsCache;
+use crate::trace_file::TraceSink;
 use crate::watch::QueryEvent;
 
 use super::clients::{ClientKey, ClientLimits, client_key, open_sock_diag};
@@ -44,6 +46,8 @@ pub struct Context {
     pub answered: mpsc::Sender<Answered>,
     pub events: broadcast::Sender<QueryEvent>,
     pub counters: Arc<Counters>,
+    /// `run --record` and `learn`: every name asked, answered or refused, goes here.
+    pub trace: Option<TraceSink>,
 }
 
 /// What the receiving loop does with one UDP datagram or TCP message, decided at once: only
@@ -249,6 +253,17 @@ fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: L4Proto
                       answer = answer, not_logged_before = held_back,
                       "refused DNS query: {note}");
             }
+            if let Some(trace) = &context.trace {
+                trace.record(Record::Name {
+                    time: crate::trace_file::now(),
+                    name: name.to_ascii_lowercase(),
+                    qtype: qtype.clone(),
+                    answer: answer.to_string(),
+                    addrs: Vec::new(),
+                    ttl: None,
+                    uid: None,
+                });
+            }
             // Nobody listening is fine.
             let _ = context.events.send(QueryEvent::refused(
                 name,
@@ -343,6 +358,7 @@ mod tests {
             answered,
             events: broadcast::channel(8).0,
             counters: Arc::new(Counters::default()),
+            trace: None,
         });
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
         let ask = |name: &str| {
@@ -399,6 +415,7 @@ mod tests {
             answered: mpsc::channel(1).0,
             events: broadcast::channel(1).0,
             counters: Arc::new(Counters::default()),
+            trace: None,
         };
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
         // A header claiming a question the message does not hold.
@@ -451,6 +468,7 @@ mod tests {
             answered,
             events: broadcast::channel(8).0,
             counters: Arc::new(Counters::default()),
+            trace: None,
         });
         let raw = query("a.pool.example.", RecordType::A).to_vec().unwrap();
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();

@@ -16,13 +16,13 @@ use super::sys::{
     NFT_SET_ELEM_INTERVAL_END, NFT_SET_INTERVAL, NFT_SET_TIMEOUT, NlSet, PayloadBase,
 };
 use crate::core::policy::{Action, CgroupPath, IfacePattern, L4Proto, Rate, RateUnit};
+use crate::core::ruleset::{AUDIT_COMMENT, AUDIT_PREFIX, AUDIT_WINDOW_SET, FLOW_PREFIX};
 use crate::core::ruleset::{
     BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
     FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, Icmpv6Type, KeyShape, Limit, LimitKind, LogSpec,
     MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, ScopeMatch, SetId, SetRole,
     SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
-use crate::core::ruleset::{AUDIT_COMMENT, AUDIT_PREFIX, AUDIT_WINDOW_SET, FLOW_PREFIX};
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
 pub struct Encoded {
@@ -1795,10 +1795,7 @@ mod tests {
                 *set = "audit_windows".into();
             }
         }
-        assert_eq!(
-            decode_rule(&other_set, audit.userdata.as_deref()),
-            None
-        );
+        assert_eq!(decode_rule(&other_set, audit.userdata.as_deref()), None);
     }
 
     #[test]
@@ -1808,7 +1805,10 @@ mod tests {
         let bytes = |rs: &Ruleset| {
             without_padding(replace_table(rs).batch.iter().flatten().copied().collect())
         };
-        assert_eq!(bytes(&with_extras(rs.clone(), &Extras::default())), bytes(&rs));
+        assert_eq!(
+            bytes(&with_extras(rs.clone(), &Extras::default())),
+            bytes(&rs)
+        );
         let recording = Extras {
             flow_group: Some(8),
             audit: Some(Audit {
@@ -1821,7 +1821,10 @@ mod tests {
         let enc = replace_table(&extra);
         assert!(
             enc.labels.iter().any(|l| l == "set audit_window")
-                && enc.labels.iter().any(|l| l == "elements of set audit_window"),
+                && enc
+                    .labels
+                    .iter()
+                    .any(|l| l == "elements of set audit_window"),
             "{:?}",
             enc.labels
         );
