@@ -275,6 +275,7 @@ pub enum Command {
     /// POLICY again, the trace is complete, and the learned policy goes to --out (or
     /// stdout), with what it added on stderr.
     #[command(after_help = EXIT_CODES)]
+    #[command(group(clap::ArgGroup::new("how_long").required(true).args(["duration", "until_stopped"])))]
     Learn {
         /// The start policy (`action: audit` or not); it is never overwritten.
         policy: PathBuf,
