@@ -175,6 +175,8 @@ fn learn_lets_through_and_records_what_the_policy_refuses_then_enforces_it_again
     assert!(!table.contains("EGRESS-FLOW"), "{table}");
     assert!(!w.tcp_connects(OTHER_V4, OTHER_PORT), "refused again");
     assert!(!w.tcp_connects(HOST2_V4, PORT), "refused again");
+    let status = w.egress_fence(&["status"]);
+    assert!(!status.stdout.contains("AUDIT"), "{status}");
     let diff = w.egress_fence(&["diff", path_arg(&policy)]);
     assert!(
         !diff.stdout.contains("audit") && !diff.stdout.contains("EGRESS-FLOW"),
