@@ -135,7 +135,7 @@ fn learn_lets_through_and_records_what_the_policy_refuses_then_enforces_it_again
     let b = w.dig(Some(GUARD_V4), "b.learn.example", "A", false);
     assert_eq!(b.addrs(), vec![HOST2_V4], "{b:?}");
     assert!(w.tcp_connects(HOST2_V4, PORT), "an audited name");
-    let c = w.dig(Some(GUARD_V4), "c.learn.example", "A", false);
+    let c = w.dig_as(Some(NOBODY), Some(GUARD_V4), "c.learn.example", "A", &[]);
     assert_eq!(c.addrs(), vec![HOST3_V4], "{c:?}");
     let as_nobody = w.sandbox_cmd_as(
         NOBODY,
@@ -211,6 +211,13 @@ fn learn_lets_through_and_records_what_the_policy_refuses_then_enforces_it_again
             "{name}: {names:?}"
         );
     }
+    let asked_by = |name: &str| {
+        trace.names().find_map(|r| match r {
+            Record::Name { name: n, uid, .. } if n == name => Some(*uid),
+            _ => None,
+        })
+    };
+    assert_eq!(asked_by("c.learn.example"), Some(Some(NOBODY)), "who asked");
     let flows = flows_in(&trace);
     let has = |dst: IpAddr, port: u16, uid: Option<u32>| {
         flows.iter().any(|(d, p, proto, u)| {

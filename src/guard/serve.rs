@@ -63,6 +63,8 @@ pub(super) struct Forward {
     query: Message,
     name: DomainName,
     rules: Arc<Rules>,
+    /// Who asked, for a local client whose socket's owner is known (the trace's `uid`).
+    uid: Option<u32>,
 }
 
 pub(super) async fn serve_udp(
@@ -103,6 +105,10 @@ pub(super) async fn serve_udp(
         // Never wait here: the loop serves every client, and a client over its share (or a
         // guard out of slots) loses this query, which it asks again.
         let key = client_key(diag.as_mut(), host.current(), L4Proto::Udp, local, client);
+        let forward = Forward {
+            uid: key.uid(),
+            ..forward
+        };
         let Some(slot) = forwarding.try_take(key) else {
             debug!(client = %client, "this client has too many queries in flight; dropping one");
             continue;
@@ -194,6 +200,10 @@ async fn serve_tcp_client(
                 let Ok(_permit) = context.in_flight.acquire().await else {
                     return;
                 };
+                let forward = Forward {
+                    uid: key.uid(),
+                    ..forward
+                };
                 match forward_reply(&context, forward, client, L4Proto::Tcp).await {
                     Some(reply) => reply,
                     None => return,
@@ -275,18 +285,28 @@ fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: L4Proto
             ));
             reply(&reply_to(&query, code))
         }
-        Verdict::Forward(name) => Prepared::Forward(Forward { query, name, rules }),
+        Verdict::Forward(name) => Prepared::Forward(Forward {
+            query,
+            name,
+            rules,
+            uid: None,
+        }),
     }
 }
 
 /// Forwards a checked query and returns the reply for the client (`None`: send nothing).
 async fn forward_reply(
     context: &Context,
-    Forward { query, name, rules }: Forward,
+    Forward {
+        query,
+        name,
+        rules,
+        uid,
+    }: Forward,
     client: SocketAddr,
     transport: L4Proto,
 ) -> Option<Vec<u8>> {
-    match forward(context, &rules, &query, name, transport).await {
+    match forward(context, &rules, &query, name, transport, uid).await {
         Ok(reply) => {
             context.counters.answered.fetch_add(1, Ordering::Relaxed);
             Some(reply)

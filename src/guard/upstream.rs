@@ -46,6 +46,7 @@ pub(super) async fn forward(
     query: &Message,
     name: DomainName,
     transport: L4Proto,
+    uid: Option<u32>,
 ) -> Result<Vec<u8>, String> {
     let (mut reply, parsed) = ask_upstream(&rules.upstream, rules.mark, query, transport).await?;
     let arrived = Instant::now();
@@ -70,7 +71,7 @@ pub(super) async fn forward(
             answer: rcode_name(parsed.metadata.response_code),
             addrs: addrs.iter().map(|a| a.addr).collect(),
             ttl: addrs.iter().map(|a| a.ttl).min(),
-            uid: None,
+            uid,
         });
     }
     // A name only an audit forwards has nothing installed: the audit window lets its
