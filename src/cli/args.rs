@@ -17,7 +17,9 @@ Exit codes:
      diff: something would change; confirm: too late, the change was already reverted
   2  invalid policy or command line (the message names file:line:column);
      run: also when the kernel refused the policy's table (the namespace keeps the table
-     in place, else gets a fail-closed one)
+     in place, else gets a fail-closed one); apply, run: also `action: audit` (learn's);
+     learn: also a policy not in guard mode, no --duration/--until-stopped, or --out
+     naming the start policy
   3  done, but some allowed names did not resolve: their entries are missing
   4  status: the table is not installed
   5  probe: at least one check failed (the boundary does not hold as the policy says)
