@@ -40,13 +40,11 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use common::{
-    TempNetns, enter, field, kernel_release, measure, percentile, require_root, run, run_parent,
-    self_command,
+    TempNetns, end_process, enter, field, kernel_release, measure, percentile, require_root, run,
+    run_parent, self_command,
 };
 use hickory_proto::op::{Message, Query, ResponseCode};
 use hickory_proto::rr::{Name, RecordType};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
 const NS_PREFIX: &str = "efl-";
 const UPSTREAM: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 53);
@@ -88,19 +86,8 @@ struct Procs(Vec<(String, Child)>);
 
 impl Drop for Procs {
     fn drop(&mut self) {
-        while let Some((what, mut child)) = self.0.pop() {
-            if let Ok(None) = child.try_wait() {
-                let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-                let deadline = Instant::now() + Duration::from_secs(5);
-                while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
-            if let Ok(None) = child.try_wait() {
-                eprintln!("warning: {what} ignored SIGTERM; killing it");
-                let _ = child.kill();
-                let _ = child.wait();
-            }
+        while let Some((what, child)) = self.0.pop() {
+            end_process(&what, child);
         }
     }
 }
