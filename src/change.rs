@@ -1007,6 +1007,16 @@ pub fn drift(state: &StateDir, live: &LiveTable) -> Drift {
             let options = CompareOptions {
                 ignore_resolved_contents: generation.command == Recorder::Run,
             };
+            // What `run --record` and `learn` add is the run's, not the generation's (status
+            // says when the table audits).
+            let stripped;
+            let live = match live.has_extras() {
+                true => {
+                    stripped = live.without_extras();
+                    &stripped
+                }
+                false => live,
+            };
             let diff = compare(&generation.ruleset, Some(live), options);
             if diff.is_empty() {
                 Drift::InSync(generation)

@@ -177,6 +177,15 @@ fn learn_lets_through_and_records_what_the_policy_refuses_then_enforces_it_again
     assert!(!w.tcp_connects(HOST2_V4, PORT), "refused again");
     let status = w.egress_fence(&["status"]);
     assert!(!status.stdout.contains("AUDIT"), "{status}");
+    assert!(
+        status.stdout.contains("in sync with generation 2"),
+        "{status}"
+    );
+    let history = w.egress_fence(&["history"]);
+    assert!(
+        history.success(),
+        "every generation reads as valid: {history}"
+    );
     let diff = w.egress_fence(&["diff", path_arg(&policy)]);
     assert!(
         !diff.stdout.contains("audit") && !diff.stdout.contains("EGRESS-FLOW"),

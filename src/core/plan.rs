@@ -303,6 +303,20 @@ pub fn with_extras(mut ruleset: Ruleset, extras: &Extras) -> Ruleset {
     ruleset
 }
 
+/// Whether `rule` is one that only [`with_extras`] adds.
+pub fn is_extra(rule: &Rule) -> bool {
+    matches!(rule, Rule::RecordFlow { .. } | Rule::AuditAccept { .. })
+}
+
+/// `ruleset` without what [`with_extras`] added: the policy's table, as a generation records
+/// it (a generation is checked against what its policy plans, and a rollback never brings
+/// back an audit).
+pub fn without_extras(mut ruleset: Ruleset) -> Ruleset {
+    ruleset.output.retain(|r| !is_extra(r));
+    ruleset.audit = None;
+    ruleset
+}
+
 /// The guard's own protections: only its marked sockets of its uid answer from where it
 /// listens, and only they ask its upstream resolvers.
 fn guard_protections(guard: Option<&GuardIdentity>) -> Vec<Rule> {

@@ -29,7 +29,7 @@ use crate::core::installable::{HostAddrs, retain_installable, summarise};
 use crate::core::lifetime::{Lifetimes, renewals};
 use crate::core::plan::{
     Extras, denied_addresses, denied_answers, element_allowed, plan_elements, services_of,
-    with_extras,
+    with_extras, without_extras,
 };
 use crate::core::policy::{DomainName, Policy, PolicyError};
 use crate::core::resolution::{HostScope, Resolution, ResolvedAddr, ResolvedHost};
@@ -758,7 +758,8 @@ impl Core {
                         policy_path: self.policy_path.clone(),
                         policy_text: self.policy_text.clone(),
                         resolution: self.resolution(now),
-                        ruleset,
+                        // What the policy plans: the audit and the flow record are the run's.
+                        ruleset: without_extras(ruleset),
                     })));
                 }
                 Ok(())
@@ -1469,6 +1470,15 @@ mod tests {
         let has = |t: &MemoryTable, r: &Rule| t.table.as_ref().unwrap().output.contains(r);
         assert!(has(&table, &Rule::AuditAccept { group: 7 }));
         assert!(has(&table, &Rule::RecordFlow { group: 8 }));
+        let recorded = fx.iter().find_map(|e| match e {
+            Effect::Record(new) => Some(new.ruleset.clone()),
+            _ => None,
+        });
+        assert_eq!(
+            recorded,
+            Some(without_extras(table.table.clone().unwrap())),
+            "the generation is the policy's table"
+        );
         let before = table.generation;
         c.renew_audit(&mut table, now, &mut fx);
         assert_eq!(table.generation, before + 1, "one small transaction");
