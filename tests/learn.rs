@@ -567,3 +567,59 @@ fn the_audited_table_is_what_nft_loads_from_its_text_and_reads_back_as_planned()
         "a table that audits is not the policy's: {without}"
     );
 }
+
+#[test]
+fn a_bridged_containers_flows_are_audited_and_recorded_with_their_bridge() {
+    let w = World::new();
+    w.dns_set("b.learn.example", &[HOST2_V4], 60);
+    let container = BridgedContainer::new(&w);
+    let _listeners = [
+        w.listen_tcp(HOST2_V4, PORT),
+        w.listen_tcp(OTHER_V4, OTHER_PORT),
+    ];
+    let policy = w.write_file(
+        "scoped.yaml",
+        &format!(
+            "version: 1\nscope:\n  forward: [{BRIDGE}]\nallow:\n  - domain: a.learn.example\n    \
+             ports: [{PORT}]\ndns:\n  mode: guard\n  upstream: [{DNS_V4}]\nlog:\n  group: 100\n"
+        ),
+    );
+    let trace_path = w.dir().join("trace.jsonl");
+    let mut learn = spawn_learn(&w, &policy, &trace_path, &["--duration", "10m"]);
+
+    let answer = container.dig(BRIDGE_V4, "b.learn.example");
+    assert!(answer.stdout.contains(&HOST2_V4.to_string()), "{answer}");
+    let out = container.tcp_connect(HOST2_V4, PORT);
+    assert!(out.success(), "audited from the container: {out}");
+    let out = container.tcp_connect(OTHER_V4, OTHER_PORT);
+    assert!(
+        out.success(),
+        "a bare address, audited from the container: {out}"
+    );
+    assert_eq!(learn.terminate().code(), Some(0), "{}", learn.stderr());
+    let out = container.tcp_connect(OTHER_V4, OTHER_PORT);
+    assert!(!out.success(), "refused again: {out}");
+
+    let trace = read_trace(&trace_path);
+    let from_bridge: Vec<&Record> = trace
+        .records
+        .iter()
+        .filter(|r| matches!(r, Record::Flow { iif: Some(i), .. } if i == BRIDGE))
+        .collect();
+    for (dst, port) in [(HOST2_V4, PORT), (OTHER_V4, OTHER_PORT)] {
+        assert!(
+            from_bridge
+                .iter()
+                .any(|r| matches!(r, Record::Flow { dst: d, dport: Some(p), .. } if *d == dst && *p == port)),
+            "{dst}:{port} from {BRIDGE}: {:?}",
+            trace.records
+        );
+    }
+    assert!(
+        names_in(&trace)
+            .iter()
+            .any(|(n, a, _)| n == "b.learn.example" && a == "NOERROR"),
+        "the container's question: {:?}",
+        trace.records
+    );
+}
