@@ -26,6 +26,11 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<u8, Failure> {
     match command {
         Command::Check { policy } => cli::check::run(&policy),
+        Command::Replay {
+            trace,
+            policy,
+            json,
+        } => cli::replay::run(&trace, &policy, json),
         Command::Plan {
             policy,
             target,

@@ -11,11 +11,12 @@ use super::schema::SCHEMA;
 
 pub const EXIT_CODES: &str = "\
 Exit codes:
-  0  success; diff: nothing would change
+  0  success; diff: nothing would change; replay: nothing would have been refused
   1  failure: the kernel refused the change, netlink or the namespace failed, no resolver,
      another writer kept the lock, a generation is corrupt;
-     diff: something would change; confirm: too late, the change was already reverted
-  2  invalid policy or command line (the message names file:line:column);
+     diff: something would change; confirm: too late, the change was already reverted;
+     replay: the policy would have refused something of the trace
+  2  invalid policy, trace or command line (the message names file:line:column);
      run: also when the kernel refused the policy's table (the namespace keeps the table
      in place, else gets a fail-closed one); apply, run: also `action: audit` (learn's);
      learn: also a policy not in guard mode, no --duration/--until-stopped, or --out
@@ -121,6 +122,21 @@ pub enum Command {
     /// parses but is probably not meant (every command that reads a policy warns too).
     #[command(after_help = SCHEMA)]
     Check { policy: PathBuf },
+    /// Judge a recorded trace (`run --record FILE`, `learn`) against a candidate policy,
+    /// without touching the network or the kernel: the names and flows it would have
+    /// refused (by name, and by destination, protocol and port with the names that answered
+    /// it and the uids), what a trace cannot tell (cgroups, flows without an owner under a
+    /// scope), the allow entries nothing used (an include's named by preset) and wildcards
+    /// that allowed a single name. Exits 0 when nothing would have been refused, 1 when
+    /// something would, 2 for an unreadable trace or policy.
+    #[command(after_help = EXIT_CODES)]
+    Replay {
+        trace: PathBuf,
+        policy: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Resolve the policy's names and print the ruleset as nft text (what `apply` installs;
     /// `nft -c -f` checks it, `nft -f` would load it).
     Plan {

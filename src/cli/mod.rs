@@ -24,6 +24,7 @@ pub mod history;
 pub mod learn;
 pub mod plan;
 pub mod probe;
+pub mod replay;
 pub mod revert_timer;
 pub mod rollback;
 pub mod run;

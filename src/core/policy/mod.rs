@@ -42,6 +42,7 @@ pub use values::{
 };
 pub use warnings::{
     BridgePort, CgroupDelegation, Delegate, HostFinding, ScopeEntry, ScopeHole, ScopeHost,
+    wildcard_risk,
 };
 
 #[cfg(test)]

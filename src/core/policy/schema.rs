@@ -301,6 +301,25 @@ impl Essential {
     ];
 }
 
+impl Allow {
+    /// The entry on one line, as `check` lists an include's entries and `replay` the unused
+    /// ones: `registry.npmjs.org tcp 443`, `192.0.2.0/24 tcp+udp 53, 8000-8080`.
+    pub fn describe(&self) -> String {
+        let target = match &self.target {
+            Target::Domain(d) => d.to_string(),
+            Target::Wildcard(w) => w.to_string(),
+            Target::Cidr(n) => n.to_string(),
+        };
+        let protocol = match self.protocol {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Any => "tcp+udp",
+        };
+        let ports: Vec<String> = self.ports.iter().map(|p| p.to_string()).collect();
+        format!("{target} {protocol} {}", ports.join(", "))
+    }
+}
+
 impl Deny {
     pub fn describe(&self) -> String {
         match self.origin {
