@@ -423,10 +423,7 @@ fn run_record_appends_a_trace_while_enforcing() {
 
 /// The learned policy, applied, lets exactly what was used through (three names on two ports
 /// and a bare address) and refuses a fourth name; 30 sibling names fold into one wildcard.
-/// Needs wt-learncore's `core::learn` (this branch has a placeholder that learns nothing):
-/// un-ignore once both are merged.
 #[test]
-#[ignore = "needs core::learn from wt-learncore (placeholder in this branch)"]
 fn the_learned_policy_allows_exactly_what_was_used() {
     let w = World::new();
     names(&w);
@@ -435,6 +432,7 @@ fn the_learned_policy_allows_exactly_what_was_used() {
     }
     let _listeners = [
         w.listen_tcp(HOST_V4, PORT),
+        w.listen_tcp(HOST_V4, OTHER_PORT),
         w.listen_tcp(HOST2_V4, PORT),
         w.listen_tcp(HOST3_V4, OTHER_PORT),
         w.listen_tcp(OTHER_V4, OTHER_PORT),
