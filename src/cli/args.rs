@@ -18,7 +18,9 @@ Exit codes:
      replay: the policy would have refused something of the trace
   2  invalid policy, trace or command line (the message names file:line:column);
      run: also when the kernel refused the policy's table (the namespace keeps the table
-     in place, else gets a fail-closed one)
+     in place, else gets a fail-closed one); apply, run: also `action: audit` (learn's);
+     learn: also a policy not in guard mode, no --duration/--until-stopped, or --out
+     naming the start policy
   3  done, but some allowed names did not resolve: their entries are missing
   4  status: the table is not installed
   5  probe: at least one check failed (the boundary does not hold as the policy says)
@@ -276,6 +278,60 @@ pub enum Command {
         /// the daemon's finer reasons (not in the policy, another port, ...) need --log-drops.
         #[arg(long, value_name = "ADDR")]
         metrics: Option<egress_fence::daemon::MetricsAddr>,
+        /// Append a trace to FILE while enforcing (JSON lines: every name the guard is asked
+        /// with its answer, every new flow with its uid, port and protocol). Made with mode
+        /// 0600, never through a symbolic link. The input of `replay` and `learn`.
+        #[arg(long, value_name = "FILE")]
+        record: Option<PathBuf>,
+        #[command(flatten)]
+        writer: WriterArgs,
+    },
+    /// Learn a policy: run the fence in audit mode for a while, then write a policy that
+    /// allows what was used.
+    ///
+    /// Needs `dns.mode: guard`. While it runs, the guard forwards every name and records it,
+    /// and the table lets through what POLICY would refuse, logging it (NFLOG, with its uid:
+    /// `watch` shows it as "audited, would be refused") under an audit window that the
+    /// process renews every 10 s and that closes by itself 30 s after it stops (SIGKILL
+    /// included): the table then refuses again. Everything leaves while it runs: run it
+    /// where that is acceptable. The deny list, the guard's protections and DNS to other
+    /// resolvers stay refused. At the end (--duration, or SIGTERM/SIGINT) the table enforces
+    /// POLICY again, the trace is complete, and the learned policy goes to --out (or
+    /// stdout), with what it added on stderr.
+    #[command(after_help = EXIT_CODES)]
+    #[command(group(clap::ArgGroup::new("how_long").required(true).args(["duration", "until_stopped"])))]
+    Learn {
+        /// The start policy (`action: audit` or not); it is never overwritten.
+        policy: PathBuf,
+        /// How long to audit, e.g. 10m. learn refuses to run without it or --until-stopped.
+        #[arg(
+            long,
+            value_name = "DURATION",
+            required_unless_present = "until_stopped",
+            conflicts_with = "until_stopped"
+        )]
+        duration: Option<HumanDuration>,
+        /// Audit until SIGTERM or SIGINT (Ctrl-C) instead of for a duration.
+        #[arg(long)]
+        until_stopped: bool,
+        /// Write the learned policy to FILE (default: standard output). Never the start
+        /// policy's file; an existing FILE is replaced.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+        /// Write the trace to FILE (appended, mode 0600; default: egress-fence-learn.jsonl in
+        /// the current directory).
+        #[arg(long, value_name = "FILE")]
+        trace: Option<PathBuf>,
+        /// Fold this many sibling names (or more) under one parent into one wildcard.
+        #[arg(long, value_name = "N")]
+        fold_at: Option<usize>,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        resolving: Resolving,
+        /// Log lines as text or as JSON objects.
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
         #[command(flatten)]
         writer: WriterArgs,
     },

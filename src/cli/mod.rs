@@ -21,6 +21,7 @@ pub mod confirm;
 pub mod diff;
 pub mod exec;
 pub mod history;
+pub mod learn;
 pub mod plan;
 pub mod probe;
 pub mod replay;

@@ -13,11 +13,11 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::core::ruleset::{
-    BaseChain, ChainPolicy, Elements, Hook, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
-    fmt_tuple,
+    AUDIT_WINDOW_SET, AuditWindow, BaseChain, ChainPolicy, Elements, Hook, Rule, Ruleset, SetId,
+    SetRole, TABLE, Tuple, fmt_net, fmt_tuple,
 };
 use crate::nft::LiveTable;
-use crate::nft::encode::{self, key_spec, set_flags};
+use crate::nft::encode::{self, audit_window_key, key_spec, set_flags};
 use crate::nft::live::{ChainDefinition, NFT_CHAIN_BASE, ReadRule, describe_table_flags};
 use crate::nft::sys::{LiveSet, SetParams};
 
@@ -284,7 +284,38 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
             });
         }
     }
-    let wanted: BTreeSet<String> = want.sets.iter().map(|s| s.id.name()).collect();
+    // The audit window's elements are state (the daemon renews them, they expire): only the
+    // set itself is compared.
+    if want.audit.is_some() {
+        match live.sets.iter().find(|(s, _)| s.name == AUDIT_WINDOW_SET) {
+            None => out.push(SetDiff {
+                name: AUDIT_WINDOW_SET.to_string(),
+                presence: Presence::Missing,
+                definition: None,
+                added: Vec::new(),
+                removed: Vec::new(),
+            }),
+            Some((live_set, _)) => {
+                let live_definition = definition_of(live_set);
+                if live_definition != AuditWindow::DEFINITION {
+                    out.push(SetDiff {
+                        name: AUDIT_WINDOW_SET.to_string(),
+                        presence: Presence::Both,
+                        definition: Some(Changed {
+                            live: live_definition,
+                            want: AuditWindow::DEFINITION.to_string(),
+                        }),
+                        added: Vec::new(),
+                        removed: Vec::new(),
+                    });
+                }
+            }
+        }
+    }
+    let mut wanted: BTreeSet<String> = want.sets.iter().map(|s| s.id.name()).collect();
+    if want.audit.is_some() {
+        wanted.insert(AUDIT_WINDOW_SET.to_string());
+    }
     for (live_set, _) in &live.sets {
         if !wanted.contains(&live_set.name) {
             out.push(SetDiff {
@@ -303,6 +334,11 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
 /// kernel's numbers; then whatever else it declares (none of ours declares anything else).
 fn definition_of(set: &LiveSet) -> String {
     let (flags, key_type, key_len) = (set.flags, set.key_type, set.key_len);
+    let (audit_key, audit_flags) = audit_window_key();
+    let is_audit_window = audit_key.datatype == key_type
+        && audit_key.len == key_len
+        && audit_flags == flags
+        && set.key_fields.is_empty();
     let mut out = SetId::ALL
         .into_iter()
         .find(|id| {
@@ -326,6 +362,9 @@ fn definition_of(set: &LiveSet) -> String {
             },
             SetId::definition,
         );
+    if is_audit_window {
+        out = AuditWindow::DEFINITION.to_string();
+    }
     for param in describe_params(&set.params) {
         out.push_str("; ");
         out.push_str(&param);

@@ -40,6 +40,19 @@ pub const SCOPE_PREROUTING_CHAIN: &str = "scope_prerouting";
 /// instead of walking them one by one.
 pub const GUARD_CHAIN: &str = "guard";
 
+/// `learn`'s audit window: a set of address families (`type nf_proto; flags timeout`) whose
+/// elements the daemon renews while it audits. While the set holds a packet's family, the
+/// fence logs what it would refuse and lets it through ([`Rule::AuditAccept`]); an element
+/// nobody renews expires by itself, so a killed `learn` leaves a table that refuses again.
+pub const AUDIT_WINDOW_SET: &str = "audit_window";
+/// The prefix of what the audit window let through (NFLOG, the policy's log group).
+pub const AUDIT_PREFIX: &str = "EGRESS-AUDIT: ";
+/// The prefix of the first packet of every new flow, while a run records ([`Rule::RecordFlow`]).
+pub const FLOW_PREFIX: &str = "EGRESS-FLOW: ";
+/// The comment of [`Rule::AuditAccept`]: `nft list` says what the rule is for.
+pub const AUDIT_COMMENT: &str =
+    "audit: learn lets through what the policy refuses while audit_window holds its family";
+
 /// The chains only a scoped table has.
 pub const SCOPE_CHAINS: [&str; 6] = [
     FROM_BRIDGE_CHAIN,
@@ -758,6 +771,15 @@ pub enum Rule {
     ResetTcp,
     /// `reject with icmpx admin-prohibited`, or `drop`
     Refuse(Action),
+    /// `meta nfproto @audit_window log prefix "EGRESS-AUDIT: " group G accept comment
+    /// "audit: ..."`: while `learn` holds the window open, what would be refused is logged
+    /// (with its uid) and let through. Just before the fence's last `goto refused`: the deny
+    /// list, the guard's protections and DNS to other resolvers stay refused.
+    AuditAccept { group: u16 },
+    /// `ct state new log prefix "EGRESS-FLOW: " group G`: the first packet of every new flow
+    /// is logged for the trace of `run --record` and `learn` (no verdict: the rules below
+    /// decide). Only while a run records.
+    RecordFlow { group: u16 },
 }
 
 /// How a refused packet came to the hook: what [`Rule::DropForeignSource`] looks at.
@@ -952,8 +974,18 @@ impl fmt::Display for Rule {
                 "{} meta l4proto tcp meta priority != 0:{ICMP_ANSWER_PRIORITY:x} reject with tcp reset",
                 Arrival::Sent.nft_match()
             ),
-            Rule::Refuse(Action::Reject) => f.write_str("reject with icmpx admin-prohibited"),
+            Rule::Refuse(Action::Reject | Action::Audit) => {
+                f.write_str("reject with icmpx admin-prohibited")
+            }
             Rule::Refuse(Action::Drop) => f.write_str("drop"),
+            Rule::AuditAccept { group } => write!(
+                f,
+                "meta nfproto @{AUDIT_WINDOW_SET} log prefix \"{AUDIT_PREFIX}\" group {group} \
+                 accept comment \"{AUDIT_COMMENT}\""
+            ),
+            Rule::RecordFlow { group } => {
+                write!(f, "ct state new log prefix \"{FLOW_PREFIX}\" group {group}")
+            }
         }
     }
 }
@@ -989,6 +1021,38 @@ pub struct Ruleset {
     /// chain); `None`: `output` is on the hook and fences everything.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scope: Option<ScopeChains>,
+    /// `learn`'s audit window ([`AUDIT_WINDOW_SET`]); `None` in every other table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditWindow>,
+}
+
+/// The audit window's set as a table holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditWindow {
+    /// How long the window stays open without a renewal: the elements' timeout. `None`: the
+    /// set is empty (the window closed).
+    pub open_for_ms: Option<u64>,
+}
+
+impl AuditWindow {
+    /// `type nf_proto; flags timeout`: what nft says of the set besides its elements.
+    pub const DEFINITION: &'static str = "type nf_proto; flags timeout";
+}
+
+impl fmt::Display for AuditWindow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "\tset {AUDIT_WINDOW_SET} {{")?;
+        writeln!(f, "\t\ttype nf_proto")?;
+        writeln!(f, "\t\tflags timeout")?;
+        if let Some(ms) = self.open_for_ms {
+            writeln!(
+                f,
+                "\t\telements = {{ ipv4 timeout {ms}ms expires {ms}ms,\n\t\t\t\
+                 ipv6 timeout {ms}ms expires {ms}ms }}"
+            )?;
+        }
+        writeln!(f, "\t}}\n")
+    }
 }
 
 /// The chains of a scoped table besides the fence. Those without rules are left out of the
@@ -1107,6 +1171,9 @@ impl fmt::Display for Ruleset {
         writeln!(f, "table inet {TABLE} {{")?;
         for set in &self.sets {
             write!(f, "{set}")?;
+        }
+        if let Some(window) = &self.audit {
+            write!(f, "{window}")?;
         }
         let chains = self.chains();
         for (i, chain) in chains.iter().enumerate() {
@@ -1354,6 +1421,16 @@ mod tests {
             (
                 Rule::ResetTcp,
                 "iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp reset",
+            ),
+            (
+                Rule::AuditAccept { group: 7 },
+                "meta nfproto @audit_window log prefix \"EGRESS-AUDIT: \" group 7 accept comment \
+                 \"audit: learn lets through what the policy refuses while audit_window holds its \
+                 family\"",
+            ),
+            (
+                Rule::RecordFlow { group: 8 },
+                "ct state new log prefix \"EGRESS-FLOW: \" group 8",
             ),
             (
                 Rule::DropSpoofedFrom("docker0".parse().unwrap()),

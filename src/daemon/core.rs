@@ -28,7 +28,8 @@ use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::{HostAddrs, retain_installable, summarise};
 use crate::core::lifetime::{Lifetimes, renewals};
 use crate::core::plan::{
-    denied_addresses, denied_answers, element_allowed, plan_elements, services_of,
+    Extras, denied_addresses, denied_answers, element_allowed, plan_elements, services_of,
+    with_extras, without_extras,
 };
 use crate::core::policy::{DomainName, Policy, PolicyError};
 use crate::core::resolution::{HostScope, Resolution, ResolvedAddr, ResolvedHost};
@@ -196,6 +197,8 @@ pub struct Core {
     /// In guard mode, who the guard is (this process's uid, its mark and addresses): its
     /// sockets alone may reach the upstream resolvers. Its upstream follows reloads.
     guard: Option<GuardIdentity>,
+    /// What the table has besides the policy while the run records or audits.
+    extras: Extras,
     /// Elements a restarted guard found in the running table, kept until they expire (clients
     /// still hold the answers that allowed them), as long as the policy allows their names.
     carried: BTreeMap<Tuple, Carried>,
@@ -275,7 +278,47 @@ impl Core {
             allowed_log: LogBudget::default(),
             host_scope: HostScope::default(),
             unserved_bridges: BTreeSet::new(),
+            extras: Extras::default(),
         }
+    }
+
+    /// What the table has besides the policy from the next apply on (`run --record`,
+    /// `learn`).
+    pub fn set_extras(&mut self, extras: Extras) {
+        self.extras = extras;
+    }
+
+    /// Whether the table audits (`learn`'s window).
+    pub fn auditing(&self) -> bool {
+        self.extras.audit.is_some()
+    }
+
+    /// Keeps the audit window open a while longer. A window the kernel no longer has (the
+    /// set deleted under us) is put back with the whole table.
+    pub fn renew_audit(&mut self, table: &mut dyn Table, now: Instant, fx: &mut Vec<Effect>) {
+        let Some(open_for_ms) = self.extras.audit.and_then(|a| a.open_for_ms) else {
+            return;
+        };
+        match table.renew_audit_window(open_for_ms) {
+            Ok(()) => self.our_generation = table.generation().ok(),
+            Err(e) => {
+                warn!(error = %e, "renewing the audit window failed; restoring the table");
+                self.reapply(table, now, fx);
+            }
+        }
+    }
+
+    /// Ends the audit (and the recording): the table is the policy's again, nothing else, and
+    /// is recorded as a generation.
+    pub fn end_extras(
+        &mut self,
+        table: &mut dyn Table,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), NftError> {
+        self.extras = Extras::default();
+        self.record_next_apply = true;
+        self.apply_all(table, now, fx)
     }
 
     /// What of the host the table is planned with from now on (the shell reads it at start,
@@ -723,7 +766,7 @@ impl Core {
             &self.host_scope.cgroups,
             named,
         );
-        (ruleset, elements)
+        (with_extras(ruleset, &self.extras), elements)
     }
 
     /// Replaces the whole table with the current policy and addresses.
@@ -753,7 +796,8 @@ impl Core {
                         policy_path: self.policy_path.clone(),
                         policy_text: self.policy_text.clone(),
                         resolution: self.resolution(now),
-                        ruleset,
+                        // What the policy plans: the audit and the flow record are the run's.
+                        ruleset: without_extras(ruleset),
                     })));
                 }
                 Ok(())
@@ -1487,6 +1531,55 @@ mod tests {
             Some(890_000),
             "with what is left of its lifetime"
         );
+    }
+
+    #[test]
+    fn an_audit_is_renewed_healed_and_ended_with_the_policys_table() {
+        use crate::core::plan::Audit;
+        let now = Instant::now();
+        let mut c = core(GUARD, now);
+        c.set_extras(Extras {
+            flow_group: Some(8),
+            audit: Some(Audit {
+                group: 7,
+                open_for_ms: Some(30_000),
+            }),
+        });
+        let mut table = MemoryTable::new();
+        let mut fx = Vec::new();
+        c.apply_all(&mut table, now, &mut fx).expect("applied");
+        let has = |t: &MemoryTable, r: &Rule| t.table.as_ref().unwrap().output.contains(r);
+        assert!(has(&table, &Rule::AuditAccept { group: 7 }));
+        assert!(has(&table, &Rule::RecordFlow { group: 8 }));
+        let recorded = fx.iter().find_map(|e| match e {
+            Effect::Record(new) => Some(new.ruleset.clone()),
+            _ => None,
+        });
+        assert_eq!(
+            recorded,
+            Some(without_extras(table.table.clone().unwrap())),
+            "the generation is the policy's table"
+        );
+        let before = table.generation;
+        c.renew_audit(&mut table, now, &mut fx);
+        assert_eq!(table.generation, before + 1, "one small transaction");
+        assert_eq!(table.applied.len(), 1, "no full apply for a renewal");
+        // The set gone under us: the whole table comes back, window and all.
+        table.table.as_mut().unwrap().audit = None;
+        c.renew_audit(&mut table, now, &mut fx);
+        assert_eq!(table.applied.len(), 2);
+        assert!(table.table.as_ref().unwrap().audit.is_some());
+        fx.clear();
+        c.end_extras(&mut table, now, &mut fx).expect("applied");
+        let last = table.table.as_ref().unwrap();
+        assert_eq!(last.audit, None);
+        assert!(!has(&table, &Rule::AuditAccept { group: 7 }));
+        assert!(!has(&table, &Rule::RecordFlow { group: 8 }));
+        assert_eq!(records(&fx), 1, "the policy's table, recorded");
+        assert!(!c.auditing());
+        let renewals = table.generation;
+        c.renew_audit(&mut table, now, &mut fx);
+        assert_eq!(table.generation, renewals, "nothing to renew after the end");
     }
 
     #[test]

@@ -370,6 +370,7 @@ fn start_daemon(options: &Options, state: StateDir) -> Result<mpsc::Receiver<()>
         keep: 1,
         lock_timeout: Duration::from_secs(1),
         metrics: None,
+        recording: None,
     };
     let (ended_tx, ended_rx) = mpsc::channel();
     std::thread::Builder::new()

@@ -16,6 +16,7 @@ use super::sys::{
     NFT_SET_ELEM_INTERVAL_END, NFT_SET_INTERVAL, NFT_SET_TIMEOUT, NlSet, PayloadBase,
 };
 use crate::core::policy::{Action, CgroupPath, IfacePattern, L4Proto, Rate, RateUnit};
+use crate::core::ruleset::{AUDIT_COMMENT, AUDIT_PREFIX, AUDIT_WINDOW_SET, FLOW_PREFIX};
 use crate::core::ruleset::{
     Arrival, BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
     FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, ICMP_ANSWER_PRIORITY, Icmpv6Type, KeyShape,
@@ -113,6 +114,17 @@ pub fn replace_table(ruleset: &Ruleset) -> Encoded {
         );
     }
 
+    if let Some(window) = &ruleset.audit {
+        b.add(
+            &audit_window_set(AUDIT_WINDOW_BATCH_ID),
+            MsgType::Add,
+            format!("set {AUDIT_WINDOW_SET}"),
+        );
+        if let Some(ms) = window.open_for_ms {
+            add_audit_elements(&mut b, AUDIT_WINDOW_BATCH_ID, ms, ElemOp::Create);
+        }
+    }
+
     let specs = ruleset.chains();
     let names: Vec<CString> = specs.iter().map(|c| cstring(c.name)).collect();
     let chains: Vec<Chain> = specs
@@ -172,6 +184,74 @@ pub fn upsert_resolved(elements: &[Timed]) -> Encoded {
             .map(|t| timed_elem(id, t));
         // The set already exists, so its batch id is not used: 0 means "by name".
         add_elements(&mut b, id, 0, of_family, ElemOp::Upsert);
+    }
+    b.finish()
+}
+
+/// The audit window's id within a batch (the eight sets take 1 to 8; the kernel never
+/// reports it back).
+const AUDIT_WINDOW_BATCH_ID: u32 = 0x100;
+
+/// nft's datatype id of `nf_proto` (one byte: `NFPROTO_IPV4`, `NFPROTO_IPV6`).
+const NF_PROTO_DATATYPE: u32 = 2;
+
+/// The key and flags of [`AUDIT_WINDOW_SET`]: `type nf_proto; flags timeout`.
+pub fn audit_window_key() -> (KeySpec, u32) {
+    let key = KeySpec {
+        datatype: NF_PROTO_DATATYPE,
+        len: 1,
+        concat_fields: vec![],
+    };
+    (key, NFT_SET_TIMEOUT)
+}
+
+fn audit_window_set(batch_id: u32) -> NlSet {
+    let (key, flags) = audit_window_key();
+    NlSet::new(
+        &table_name(),
+        &cstring(AUDIT_WINDOW_SET),
+        batch_id,
+        &key,
+        flags,
+    )
+}
+
+/// Both families into the audit window, each open for `open_for_ms` from now.
+fn add_audit_elements(b: &mut Builder, batch_id: u32, open_for_ms: u64, op: ElemOp) {
+    let mut set = audit_window_set(batch_id);
+    for family in Family::BOTH {
+        set.push(&Elem {
+            key: vec![nfproto(family)],
+            timeout_ms: Some(open_for_ms),
+            ..Elem::default()
+        });
+    }
+    for _ in 0..set.add_elements_to(&mut b.batch, op) {
+        b.labels.push(format!("elements of set {AUDIT_WINDOW_SET}"));
+    }
+}
+
+/// The transaction that keeps the audit window open `open_for_ms` more from now (sent again
+/// before that runs out), leaving everything else as it is.
+pub fn renew_audit_window(open_for_ms: u64) -> Encoded {
+    let mut b = Builder::new();
+    add_audit_elements(&mut b, 0, open_for_ms, ElemOp::Upsert);
+    b.finish()
+}
+
+/// The transaction that closes the audit window at once (its elements deleted): the table
+/// refuses again what its policy refuses.
+pub fn close_audit_window() -> Encoded {
+    let mut b = Builder::new();
+    let mut set = audit_window_set(0);
+    for family in Family::BOTH {
+        set.push(&Elem {
+            key: vec![nfproto(family)],
+            ..Elem::default()
+        });
+    }
+    for _ in 0..set.add_elements_to(&mut b.batch, ElemOp::Delete) {
+        b.labels.push(format!("elements of set {AUDIT_WINDOW_SET}"));
     }
     b.finish()
 }
@@ -839,9 +919,27 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(crate_expr(Verdict::Reject(RejectionType::TcpRst)));
         }
         Rule::Refuse(action) => e.push(crate_expr(match action {
-            Action::Reject => Verdict::Reject(RejectionType::Icmp(IcmpCode::AdminProhibited)),
+            Action::Reject | Action::Audit => {
+                Verdict::Reject(RejectionType::Icmp(IcmpCode::AdminProhibited))
+            }
             Action::Drop => Verdict::Drop,
         })),
+        Rule::AuditAccept { group } => {
+            e.push(own(Expr::meta(libc::NFT_META_NFPROTO, sys::REG_1)));
+            e.push(own(Expr::lookup(
+                &cstring(AUDIT_WINDOW_SET),
+                AUDIT_WINDOW_BATCH_ID,
+                sys::REG_1,
+            )));
+            e.push(own(Expr::log(&cstring(AUDIT_PREFIX), Some(*group))));
+            e.push(accept);
+        }
+        Rule::RecordFlow { group } => {
+            e.push(crate_expr(Conntrack::State));
+            e.push(crate_expr(Bitwise::new(States::NEW.bits(), 0u32)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &0u32.to_ne_bytes())));
+            e.push(own(Expr::log(&cstring(FLOW_PREFIX), Some(*group))));
+        }
     }
     e
 }
@@ -972,6 +1070,8 @@ struct Matches {
     hdrlength: bool,
     routing_header: bool,
     set: Option<SetId>,
+    /// `@audit_window`.
+    audit_window: bool,
     limit: Option<(u64, u64, u32)>,
     log: Option<(String, Option<u16>)>,
     counter: bool,
@@ -1121,6 +1221,7 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     _ => {}
                 }
             }
+            LiveExpr::Lookup { set, .. } if set == AUDIT_WINDOW_SET => m.audit_window = true,
             LiveExpr::Lookup { set, .. } => m.set = Some(SetId::from_name(set)?),
             LiveExpr::Limit {
                 rate, unit, burst, ..
@@ -1155,6 +1256,9 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
 fn rule_of(m: &Matches) -> Option<Rule> {
     let proto = || m.l4proto.and_then(L4Proto::from_number);
     let Some(verdict) = m.verdict else {
+        if let (true, Some((_, Some(group)))) = (m.ct_state, &m.log) {
+            return Some(Rule::RecordFlow { group: *group });
+        }
         if let Some((prefix, group)) = &m.log {
             let (count, unit, burst) = m.limit?;
             let unit = [
@@ -1185,6 +1289,9 @@ fn rule_of(m: &Matches) -> Option<Rule> {
             Rule::DropSpoofedFrom(iface_of(m.iifname.as_deref()?)?)
         }
         ReadVerdict::Drop => Rule::Refuse(Action::Drop),
+        ReadVerdict::Accept if m.audit_window => Rule::AuditAccept {
+            group: m.log.as_ref()?.1?,
+        },
         ReadVerdict::Accept => {
             if m.ct_state {
                 Rule::AcceptEstablished
@@ -1334,6 +1441,7 @@ fn nl_rule<'a>(
 fn rule_comment(rule: &Rule) -> Option<CString> {
     match rule {
         Rule::Fence(ScopeMatch::Cgroup(c)) => CString::new(c.path.as_str()).ok(),
+        Rule::AuditAccept { .. } => CString::new(AUDIT_COMMENT).ok(),
         _ => None,
     }
 }
@@ -1739,6 +1847,77 @@ mod tests {
     }
 
     #[test]
+    fn audit_and_flow_records_match_nft() {
+        // nft --debug=netlink of `meta nfproto @audit_window log prefix "EGRESS-AUDIT: "
+        // group 7 accept comment "..."` and `ct state new log prefix "EGRESS-FLOW: " group 8`.
+        assert_eq!(
+            exprs(&Rule::AuditAccept { group: 7 }),
+            [
+                "meta load nfproto => reg 1",
+                "lookup reg 1 set audit_window",
+                "log prefix EGRESS-AUDIT:  group 7 snaplen 0 qthreshold 0",
+                "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RecordFlow { group: 8 }),
+            [
+                "ct load state => reg 1",
+                "bitwise reg 1 = ( reg 1 & 0x00000008 ) ^ 0x00000000",
+                "cmp neq reg 1 0x00000000",
+                "log prefix EGRESS-FLOW:  group 8 snaplen 0 qthreshold 0",
+            ]
+        );
+        let audit = dumped_rule(&Rule::AuditAccept { group: 7 }).unwrap();
+        assert_eq!(
+            audit.userdata.as_deref().and_then(comment_of).as_deref(),
+            Some(AUDIT_COMMENT),
+            "nft list says what the rule is for"
+        );
+        // Without its comment, or looking up another set, it is none of ours.
+        assert_eq!(decode_rule(&audit.exprs, None), None);
+        let mut other_set = audit.exprs.clone();
+        for e in &mut other_set {
+            if let LiveExpr::Lookup { set, .. } = e {
+                *set = "audit_windows".into();
+            }
+        }
+        assert_eq!(decode_rule(&other_set, audit.userdata.as_deref()), None);
+    }
+
+    #[test]
+    fn a_table_without_extras_is_the_plans_byte_for_byte() {
+        use crate::core::plan::{Audit, Extras, with_extras};
+        let rs = crate::core::plan::fail_closed();
+        let bytes = |rs: &Ruleset| {
+            without_padding(replace_table(rs).batch.iter().flatten().copied().collect())
+        };
+        assert_eq!(
+            bytes(&with_extras(rs.clone(), &Extras::default())),
+            bytes(&rs)
+        );
+        let recording = Extras {
+            flow_group: Some(8),
+            audit: Some(Audit {
+                group: 7,
+                open_for_ms: Some(30_000),
+            }),
+        };
+        let extra = with_extras(rs.clone(), &recording);
+        assert_ne!(bytes(&extra), bytes(&rs));
+        let enc = replace_table(&extra);
+        assert!(
+            enc.labels.iter().any(|l| l == "set audit_window")
+                && enc
+                    .labels
+                    .iter()
+                    .any(|l| l == "elements of set audit_window"),
+            "{:?}",
+            enc.labels
+        );
+    }
+
+    #[test]
     fn set_keys_match_nfts_layout() {
         // nft's element dump for `203.0.113.0/28 . tcp . 22`: 007100cb 00000006 00001600
         // up to 0f7100cb 00000006 00001600 (32-bit words in host order).
@@ -1794,6 +1973,8 @@ mod tests {
     /// Every shape of rule, with the parameters the planner gives them (and a few it could).
     fn every_rule() -> Vec<Rule> {
         let mut rules = vec![
+            Rule::AuditAccept { group: 7 },
+            Rule::RecordFlow { group: 8 },
             Rule::AcceptEstablished,
             Rule::AcceptLoopback,
             Rule::AcceptMldReport,
@@ -2150,9 +2331,13 @@ mod tests {
             deeper.exprs[0],
             LiveExpr::Socket { level: Some(3), .. }
         ));
-        // Rules without a cgroup carry no user data, as nft's without a comment.
+        // Rules without a cgroup (or the audit's) carry no user data, as nft's without a
+        // comment.
         for rule in every_rule() {
-            if !matches!(rule, Rule::Fence(ScopeMatch::Cgroup(_))) {
+            if !matches!(
+                rule,
+                Rule::Fence(ScopeMatch::Cgroup(_)) | Rule::AuditAccept { .. }
+            ) {
                 assert_eq!(dumped_rule(&rule).unwrap().userdata, None, "{rule}");
             }
         }
@@ -2937,6 +3122,7 @@ mod tests {
             output: vec![Rule::AcceptEstablished, Rule::GotoRefused],
             refused: vec![Rule::CountFamily(Family::V4), Rule::Refuse(Action::Drop)],
             scope: None,
+            audit: None,
         };
         let now = replace_table(&rs);
         let now_bytes = without_padding(now.batch.iter().flatten().copied().collect());
@@ -2969,6 +3155,7 @@ mod tests {
                 prerouting: vec![],
                 guard: rules(Rule::GotoRefused),
             }),
+            audit: None,
         };
         let enc = replace_table(&rs);
         let labels: Vec<&str> = enc.labels[3..].iter().map(String::as_str).collect();
@@ -2995,6 +3182,7 @@ mod tests {
             output: vec![Rule::GotoRefused],
             refused: vec![],
             scope: None,
+            audit: None,
         };
         let enc = replace_table(&rs);
         let seqs = enc.batch.sequence_numbers();

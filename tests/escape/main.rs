@@ -12,6 +12,7 @@ mod essentials;
 mod forged;
 mod guard;
 mod inputs;
+mod learn;
 mod probe_protocols;
 mod raw_frames;
 mod readback;

@@ -11,6 +11,7 @@
 //! named deny lists; `includes` the curated allow lists (`include:`); `limits` what the kernel accepts; `warnings` what is allowed but
 //! probably not meant.
 
+mod audit;
 mod errors;
 mod includes;
 mod limits;
@@ -24,6 +25,7 @@ mod validate;
 mod values;
 mod warnings;
 
+pub use audit::AUDIT_WARNING;
 pub use errors::PolicyError;
 pub use includes::AllowPreset;
 pub use limits::{UNCHECKED_KERNEL_LIMITS_ENV, kernel_accepts_limit};

@@ -88,6 +88,20 @@ pub enum Action {
     Reject,
     /// Silently discard: clients hang until their own timeout.
     Drop,
+    /// Log what would be refused and let it through: only `egress-fence learn` runs such a
+    /// policy, for a bounded time (`apply` and `run` refuse it: a table that stays open is a
+    /// fail-open). What `learn`'s table refuses once its window closes is rejected.
+    Audit,
+}
+
+impl Action {
+    /// What the table does with a refused packet: `audit` is `reject` once its window closes.
+    pub fn refusal(self) -> Action {
+        match self {
+            Action::Audit => Action::Reject,
+            other => other,
+        }
+    }
 }
 
 /// One allowed destination with its ports and protocol.

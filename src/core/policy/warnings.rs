@@ -16,6 +16,9 @@ impl Policy {
     /// Things that are allowed but probably not meant; printed, never fatal.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
+        if self.action == Action::Audit {
+            out.push(super::audit::AUDIT_WARNING.to_string());
+        }
         for allow in &self.allow {
             if let Target::Cidr(net) = allow.target {
                 let shadowing = self
