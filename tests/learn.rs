@@ -455,13 +455,12 @@ fn the_learned_policy_allows_exactly_what_was_used() {
     w.dig(Some(GUARD_V4), "c.learn.example", "A", false);
     assert!(w.tcp_connects(HOST3_V4, OTHER_PORT));
     assert!(w.tcp_connects(OTHER_V4, OTHER_PORT));
+    // Thirty siblings, each used once (they share an address: each flow is the name that
+    // answered it last).
     for i in 0..30 {
-        w.dig(
-            Some(GUARD_V4),
-            &format!("n{i}.pool.learn.example"),
-            "A",
-            false,
-        );
+        let name = format!("n{i}.pool.learn.example");
+        w.dig(Some(GUARD_V4), &name, "A", false);
+        assert!(w.tcp_connects(HOST_V4, OTHER_PORT), "{name}");
     }
     assert_eq!(learn.terminate().code(), Some(0), "{}", learn.stderr());
     let learned = std::fs::read_to_string(&out).unwrap();
