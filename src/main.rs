@@ -25,7 +25,12 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> Result<u8, Failure> {
     match command {
-        Command::Check { policy } => cli::check::run(&policy),
+        Command::Check {
+            policy: Some(policy),
+            schema: false,
+        } => cli::check::run(&policy),
+        // clap requires a policy or --schema, and refuses both.
+        Command::Check { .. } => Ok(cli::schema::print()),
         Command::Plan {
             policy,
             target,

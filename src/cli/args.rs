@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use egress_fence::core::policy::HumanDuration;
 use egress_fence::state::{DEFAULT_KEEP, DEFAULT_STATE_DIR};
 
-use super::schema::SCHEMA;
+use super::schema::SCHEMA_HELP;
 
 pub const EXIT_CODES: &str = "\
 Exit codes:
@@ -117,8 +117,14 @@ pub struct ProbeSender {
 pub enum Command {
     /// Validate a policy without touching the network or the kernel, and warn about what
     /// parses but is probably not meant (every command that reads a policy warns too).
-    #[command(after_help = SCHEMA)]
-    Check { policy: PathBuf },
+    #[command(after_help = SCHEMA_HELP)]
+    Check {
+        #[arg(required_unless_present = "schema")]
+        policy: Option<PathBuf>,
+        /// Print the policy's JSON Schema instead (for editors; see below).
+        #[arg(long, conflicts_with = "policy")]
+        schema: bool,
+    },
     /// Resolve the policy's names and print the ruleset as nft text (what `apply` installs;
     /// `nft -c -f` checks it, `nft -f` would load it).
     Plan {

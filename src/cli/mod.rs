@@ -6,7 +6,7 @@
 //! Shared by several commands: [`common`] (what `--netns`, `--state-dir` and
 //! `--lock-timeout` do), [`load`] (reading, resolving and planning a policy), [`output`]
 //! (printing), [`exit`] (codes, and the failure that carries one and prints each cause once),
-//! [`schema`] (the policy schema `check --help` shows, tested against the parser).
+//! [`schema`] (the policy's JSON Schema that `check --schema` prints).
 
 pub mod args;
 pub mod common;
