@@ -145,5 +145,6 @@ fn run(command: Command) -> Result<u8, Failure> {
             target,
             writer,
         } => cli::revert_timer::run(&token, stay, &target, &writer),
+        Command::PackageAssets { dir } => cli::assets::write(&dir),
     }
 }

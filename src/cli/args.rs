@@ -404,6 +404,10 @@ pub enum Command {
         #[arg(last = true, required = true)]
         command: Vec<std::ffi::OsString>,
     },
+    /// Writes the man pages and shell completions, generated from these definitions, to DIR
+    /// (scripts/package.sh). Not for direct use.
+    #[command(hide = true)]
+    PackageAssets { dir: PathBuf },
     /// Started by `apply --confirm-within`: waits for the deadline in a session of its own,
     /// then reverts unless the change was confirmed. Not for direct use.
     #[command(hide = true)]

@@ -10,7 +10,7 @@ the parser's own types: every key, its default and what each value may be. Edito
 YAML language server check a policy against it as it is typed: start the file with
   # yaml-language-server: $schema=/usr/share/egress-fence/policy.schema.json
 (the Debian package installs it there; in the source tree: policies/policy.schema.json).
-README.md, \"Policy reference\", explains every key. A minimal policy:
+README.md, \"The policy\", explains every key. A minimal policy:
   version: 1                      # required
   allow:
     - domain: api.example.com
