@@ -542,6 +542,7 @@ scope:
         "dns:\n  refresh: {min: 2h, max: 1h}",
         "scope:\n  users: [0]",
         "scope:\n  users: [no-such-user-egress-fence]",
+        "log:\n  rate: 1/day\n  burst: 213504",
     ];
 
     #[test]
