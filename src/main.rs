@@ -25,7 +25,12 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> Result<u8, Failure> {
     match command {
-        Command::Check { policy } => cli::check::run(&policy),
+        Command::Check {
+            policy: Some(policy),
+            schema: false,
+        } => cli::check::run(&policy),
+        // clap requires a policy or --schema, and refuses both.
+        Command::Check { .. } => Ok(cli::schema::print()),
         Command::Replay {
             trace,
             policy,
@@ -175,5 +180,6 @@ fn run(command: Command) -> Result<u8, Failure> {
             target,
             writer,
         } => cli::revert_timer::run(&token, stay, &target, &writer),
+        Command::PackageAssets { dir } => cli::assets::write(&dir),
     }
 }

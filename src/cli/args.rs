@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use egress_fence::core::policy::HumanDuration;
 use egress_fence::state::{DEFAULT_KEEP, DEFAULT_STATE_DIR};
 
-use super::schema::SCHEMA;
+use super::schema::SCHEMA_HELP;
 
 pub const EXIT_CODES: &str = "\
 Exit codes:
@@ -120,8 +120,14 @@ pub struct ProbeSender {
 pub enum Command {
     /// Validate a policy without touching the network or the kernel, and warn about what
     /// parses but is probably not meant (every command that reads a policy warns too).
-    #[command(after_help = SCHEMA)]
-    Check { policy: PathBuf },
+    #[command(after_help = SCHEMA_HELP)]
+    Check {
+        #[arg(required_unless_present = "schema")]
+        policy: Option<PathBuf>,
+        /// Print the policy's JSON Schema instead (for editors; see below).
+        #[arg(long, conflicts_with = "policy")]
+        schema: bool,
+    },
     /// Judge a recorded trace (`run --record FILE`, `learn`) against a candidate policy,
     /// without touching the network or the kernel: the names and flows it would have
     /// refused (by name, and by destination, protocol and port with the names that answered
@@ -476,6 +482,10 @@ pub enum Command {
         #[arg(last = true, required = true)]
         command: Vec<std::ffi::OsString>,
     },
+    /// Writes the man pages and shell completions, generated from these definitions, to DIR
+    /// (scripts/package.sh). Not for direct use.
+    #[command(hide = true)]
+    PackageAssets { dir: PathBuf },
     /// Started by `apply --confirm-within`: waits for the deadline in a session of its own,
     /// then reverts unless the change was confirmed. Not for direct use.
     #[command(hide = true)]

@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use ipnet::IpNet;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::includes::AllowPreset;
@@ -80,7 +81,8 @@ pub const DEFAULT_ROGUE_RESOLVERS: [&str; 6] = [
     "2620:fe::fe",
 ];
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// What unmatched traffic gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Action {
     /// Answer: a TCP reset to this host's connections, ICMP administratively prohibited
@@ -185,7 +187,7 @@ pub struct GuardSettings {
 }
 
 /// The DNS answer to a name outside the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum RefuseWith {
     /// REFUSED: the client knows a policy said no, and tries no other server.
@@ -223,7 +225,9 @@ pub(super) const DEFAULT_RATE: Rate = Rate {
 pub(super) const DEFAULT_BURST: u32 = 20;
 
 /// Transport protocols the allow sets distinguish.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Protocol {
     Tcp,
@@ -275,7 +279,9 @@ impl Protocol {
 }
 
 /// The essentials a host needs to keep working behind the boundary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum Essential {
     /// Traffic to the loopback interface.
