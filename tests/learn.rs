@@ -485,6 +485,41 @@ fn the_learned_policy_allows_exactly_what_was_used() {
     assert!(w.tcp_connects(OTHER_V4, OTHER_PORT), "the bare address");
     assert!(!w.tcp_connects(HOST3_V4, PORT), "only the ports used");
     run.terminate();
+
+    // The recorded trace as a review gate: the learned policy would have refused nothing of
+    // it; the same policy without b.learn.example would have refused that name (exit 1).
+    assert_eq!(replay(&trace_path, &out).status.code(), Some(0));
+    let without_b = learned.replace(
+        "- domain: \"b.learn.example\"",
+        "- domain: \"z.learn.example\"",
+    );
+    assert_ne!(without_b, learned, "{learned}");
+    let candidate = w.write_file("without-b.yaml", &without_b);
+    let report = replay(&trace_path, &candidate);
+    let stdout = String::from_utf8_lossy(&report.stdout);
+    assert_eq!(report.status.code(), Some(1), "{stdout}");
+    let refused: Vec<_> = stdout
+        .lines()
+        .filter(|l| l.contains(".learn.example"))
+        .collect();
+    assert!(
+        refused.iter().any(|l| l.contains("b.learn.example")),
+        "{stdout}"
+    );
+    assert!(
+        !refused
+            .iter()
+            .any(|l| l.contains("a.learn.example") || l.contains("c.learn.example")),
+        "only the missing name: {stdout}"
+    );
+}
+
+/// `egress-fence replay TRACE POLICY` (no namespace: it touches neither network nor kernel).
+fn replay(trace: &Path, policy: &Path) -> std::process::Output {
+    std::process::Command::new(EGRESS_FENCE_BIN)
+        .args(["replay", path_arg(trace), path_arg(policy)])
+        .output()
+        .expect("replay runs")
 }
 
 /// `nft -j` output with the elements' `expires` left out (it counts down between reads).
