@@ -8,7 +8,7 @@ use std::io::{BufWriter, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use tracing::error;
 
@@ -124,41 +124,45 @@ pub fn now() -> String {
     rfc3339_millis_at(SystemTime::now())
 }
 
+/// How long the writer lets lines gather once it has written some: while records keep coming,
+/// a send finds the writer asleep, not waiting, and wakes nobody (a wake-up per answer was
+/// most of what `learn` added to an answer's latency). A killed run loses at most this much.
+const GATHER: Duration = Duration::from_millis(50);
+
 fn write_lines(mut out: BufWriter<File>, rx: mpsc::Receiver<Message>) {
     let fail = |e: std::io::Error| error!(error = %e, "the trace can no longer be written");
-    loop {
-        let message = match rx.try_recv() {
-            Ok(m) => m,
-            // Flushed whenever nothing else waits: a killed run loses at most what was queued.
-            Err(mpsc::TryRecvError::Empty) => {
-                if let Err(e) = out.flush() {
-                    return fail(e);
-                }
-                match rx.recv() {
-                    Ok(m) => m,
-                    Err(_) => return,
-                }
-            }
-            Err(mpsc::TryRecvError::Disconnected) => {
-                let _ = out.flush();
-                return;
-            }
-        };
-        match message {
-            Message::Line(line) => {
-                if let Err(e) = writeln!(out, "{line}") {
-                    return fail(e);
+    // Idle, the writer waits for the next record (its send wakes it).
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        loop {
+            while let Some(message) = next.take().or_else(|| rx.try_recv().ok()) {
+                match message {
+                    Message::Line(line) => {
+                        if let Err(e) = writeln!(out, "{line}") {
+                            return fail(e);
+                        }
+                    }
+                    Message::Close(done) => {
+                        if let Err(e) = out.flush() {
+                            fail(e);
+                        }
+                        let _ = done.send(());
+                        return;
+                    }
                 }
             }
-            Message::Close(done) => {
-                if let Err(e) = out.flush() {
-                    fail(e);
-                }
-                let _ = done.send(());
-                return;
+            if let Err(e) = out.flush() {
+                return fail(e);
+            }
+            std::thread::sleep(GATHER);
+            match rx.try_recv() {
+                Ok(message) => next = Some(message),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => return,
             }
         }
     }
+    let _ = out.flush();
 }
 
 #[cfg(test)]
