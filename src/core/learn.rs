@@ -7,9 +7,16 @@
 //! name the client most likely connected for), on the ports and protocols its flows used; a
 //! flow no answer explained becomes a `cidr:` entry for its one address. Sibling names fold
 //! into `*.parent` (guard mode only) when there are at least [`LearnOptions::fold_at`] of
-//! them and the wildcard would not be one `check` warns about. What no allow entry can let
-//! through (a denied address, DNS around the guard) and names asked but never connected to
-//! are written as comments, for the reviewer.
+//! them and the wildcard would not be one `check` warns about (a public suffix, shared
+//! hosting); the fold's comment says that it allows every name under the parent. What no
+//! allow entry can let through (a denied address, DNS around the guard), what an entry would
+//! let through wider than it reads (DNS to another server in resolve mode, an address the
+//! table never takes from an answer, such as multicast) and names asked but never connected
+//! to are written as comments, for the reviewer.
+//!
+//! The trace's names, flows and answers are chosen by whoever runs inside the fence: nothing
+//! of it reaches the policy text but names a policy can hold, addresses and numbers, and the
+//! rest (times, names that are not policy names) only as printable ASCII in comments.
 //!
 //! The start text is kept as written: the new entries are appended to its `allow:` list (or
 //! an `allow:` is added). When its `allow:` is not a block list this module can extend (a
@@ -25,6 +32,8 @@ use std::path::Path;
 
 use ipnet::IpNet;
 
+use crate::core::installable::{self, HostAddrs};
+use crate::core::plan::GUARDED_DNS_PORTS;
 use crate::core::policy::{
     Allow, DomainName, MAX_DOMAIN_PORT_RANGE, Policy, PortRange, Protocol, Target, Wildcard,
     wildcard_risk,
@@ -170,6 +179,8 @@ struct NewEntry {
     allow: Allow,
     /// The comment line above it (without `# `).
     note: String,
+    /// A second comment line, for what the entry allows beyond what was seen.
+    caution: Option<String>,
     /// The summary line.
     summary: String,
 }
@@ -184,6 +195,9 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
     let mut by_addr: BTreeMap<IpAddr, Need> = BTreeMap::new();
     // What no allow entry lets through: `tcp 169.254.169.254:80: denied: ...` -> count.
     let mut refused_anyway: BTreeMap<String, usize> = BTreeMap::new();
+    // What an allow entry would let through but learn leaves to a person: `udp
+    // 224.0.0.251:5353: multicast address` -> count.
+    let mut left_out: BTreeMap<String, usize> = BTreeMap::new();
     // What the trace cannot tell: reason -> (count, an example).
     let mut unjudged: BTreeMap<String, (usize, String)> = BTreeMap::new();
     for f in &j.flows {
@@ -199,6 +213,11 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
         let udp = f.protocol == "udp";
         match (why.allow_entry_helps(), f.dport) {
             (true, Some(port)) if udp || f.protocol == "tcp" => {
+                if let Some(why_not) = not_learned(f.dst, port, f.latest_name.is_some(), guard) {
+                    let what = replay::describe_flow(&safe(f.protocol), f.dst, f.dport);
+                    *left_out.entry(format!("{what}: {why_not}")).or_default() += 1;
+                    continue;
+                }
                 match f.latest_name {
                     Some(name) => by_name.entry(name).or_default(),
                     None => by_addr.entry(f.dst).or_default(),
@@ -241,23 +260,42 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
         }
         folded.extend(&names);
         let note = format!(
-            "folds {} names seen under {}: {}",
+            "folds {} names seen under {} into a wildcard: {}",
             names.len(),
             wildcard.suffix,
             need.seen()
         );
-        push_entries(&mut entries, Target::Wildcard(wildcard), &need, note);
+        // The count above is what was seen, not what the entry allows: said next to it.
+        let caution = format!(
+            "it allows every name under {0}, not only these: whoever runs {0} answers them \
+             with the addresses it likes, and the guard forwards any question under {0} to \
+             its servers; list the names by hand if these are all that is needed",
+            wildcard.suffix
+        );
+        push_entries(
+            &mut entries,
+            Target::Wildcard(wildcard),
+            &need,
+            note,
+            Some(caution),
+        );
     }
     for (d, need) in &by_name {
         if !folded.contains(d) {
             let name = &j.domains[*d];
             let note = format!("{name}: {}", need.seen());
-            push_entries(&mut entries, Target::Domain(name.clone()), need, note);
+            push_entries(&mut entries, Target::Domain(name.clone()), need, note, None);
         }
     }
     for (addr, need) in &by_addr {
         let note = format!("no name seen for {addr}: {}", need.seen());
-        push_entries(&mut entries, Target::Cidr(IpNet::from(*addr)), need, note);
+        push_entries(
+            &mut entries,
+            Target::Cidr(IpNet::from(*addr)),
+            need,
+            note,
+            None,
+        );
     }
     // Names the guard would refuse that no flow went to: for the reviewer only.
     let mut unconnected: BTreeMap<String, Need> = BTreeMap::new();
@@ -304,6 +342,14 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
     );
     push_notes(
         &mut notes,
+        "an entry for these would allow more than it seems to (not added; allow them by \
+         hand if they are needed)",
+        left_out
+            .iter()
+            .map(|(what, n)| format!("{what} ({})", flows(*n))),
+    );
+    push_notes(
+        &mut notes,
         "not judged, the trace cannot tell (not added)",
         unjudged
             .iter()
@@ -331,8 +377,36 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
     }
 }
 
-/// The entries for `target` and `need`, each with its sort key.
-fn push_entries(out: &mut Vec<(String, NewEntry)>, target: Target, need: &Need, note: String) {
+/// Why a refused flow to `dst` on `port`, which an allow entry would let through, is not
+/// learned: DNS to a server that is not one of `dns.resolvers` (resolve mode; in guard mode
+/// the table refuses it whatever the entries say), which would carry questions for any name
+/// past the policy; or, for an address no answer named, one the table never takes from an
+/// answer ([`installable::check`]: multicast, broadcast, loopback, link-local, an IPv6 form
+/// of an IPv4 address, the local-use NAT64 prefix), whose `cidr:` entry would let out
+/// something other than the one host it seems to name.
+fn not_learned(dst: IpAddr, port: u16, named: bool, guard: bool) -> Option<String> {
+    if !guard && GUARDED_DNS_PORTS.contains(&port) {
+        return Some(
+            "DNS to a server that is not one of `dns.resolvers`: it would answer any name, \
+             around the policy's"
+                .into(),
+        );
+    }
+    match installable::check(dst, &HostAddrs::none()) {
+        Err(why) if !named => Some(why.to_string()),
+        _ => None,
+    }
+}
+
+/// The entries for `target` and `need`, each with its sort key; `caution`, a second
+/// comment line.
+fn push_entries(
+    out: &mut Vec<(String, NewEntry)>,
+    target: Target,
+    need: &Need,
+    note: String,
+    caution: Option<String>,
+) {
     // Names (wildcards first, as `*` sorts before letters), then addresses in order.
     let key = match &target {
         Target::Domain(d) => format!("0 {d}"),
@@ -349,6 +423,7 @@ fn push_entries(out: &mut Vec<(String, NewEntry)>, target: Target, need: &Need, 
             NewEntry {
                 allow,
                 note: note.clone(),
+                caution: caution.clone(),
                 summary,
             },
         ));
@@ -410,6 +485,9 @@ fn block(notes: &[String], entries: &[NewEntry], indent: usize) -> String {
     }
     for e in entries {
         let _ = writeln!(out, "{pad}# {}", e.note);
+        if let Some(c) = &e.caution {
+            let _ = writeln!(out, "{pad}# {c}");
+        }
         out.push_str(&entry_text(&e.allow, indent));
     }
     out
