@@ -174,6 +174,13 @@ fn safe(text: &str) -> String {
         .collect()
 }
 
+/// The name `d` is one label under: what `*.parent` matches it.
+fn parent_of(d: &DomainName) -> Option<DomainName> {
+    d.as_str()
+        .split_once('.')
+        .and_then(|(_, p)| p.parse::<DomainName>().ok())
+}
+
 /// One new entry with what it says about itself.
 struct NewEntry {
     allow: Allow,
@@ -235,17 +242,14 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
     let mut by_parent: BTreeMap<DomainName, Vec<usize>> = BTreeMap::new();
     if guard {
         for &d in by_name.keys() {
-            if let Some(parent) = j.domains[d]
-                .as_str()
-                .split_once('.')
-                .and_then(|(_, p)| p.parse::<DomainName>().ok())
-            {
+            if let Some(parent) = parent_of(&j.domains[d]) {
                 by_parent.entry(parent).or_default().push(d);
             }
         }
     }
     let mut entries: Vec<(String, NewEntry)> = Vec::new();
     let mut folded: BTreeSet<usize> = BTreeSet::new();
+    let mut folded_under: BTreeSet<DomainName> = BTreeSet::new();
     for (parent, names) in by_parent {
         let wildcard = Wildcard {
             suffix: parent,
@@ -259,6 +263,7 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
             need.merge(&by_name[d]);
         }
         folded.extend(&names);
+        folded_under.insert(wildcard.suffix.clone());
         let note = format!(
             "folds {} names seen under {} into a wildcard: {}",
             names.len(),
@@ -297,21 +302,20 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
             None,
         );
     }
-    // Names the guard would refuse that no flow went to: for the reviewer only.
+    // Names the guard would refuse that no flow went to: for the reviewer only. A name a new
+    // entry covers is one of the names learned, or under a fold's parent (the entries'
+    // only wildcards): asked of those two, not of every entry, once per name record.
+    let covered = |d: usize| {
+        by_name.contains_key(&d)
+            || parent_of(&j.domains[d]).is_some_and(|p| folded_under.contains(&p))
+    };
     let mut unconnected: BTreeMap<String, Need> = BTreeMap::new();
     for n in &j.names {
         let NameVerdict::Refused(why) = &n.verdict else {
             continue;
         };
         let shown = match (why, n.domain) {
-            (NameRefusal::NotInPolicy, Some(d))
-                if by_name.contains_key(&d)
-                    || entries
-                        .iter()
-                        .any(|(_, e)| e.allow.target.matches(&j.domains[d])) =>
-            {
-                continue;
-            }
+            (NameRefusal::NotInPolicy, Some(d)) if covered(d) => continue,
             (NameRefusal::NotInPolicy, Some(d)) => j.domains[d].to_string(),
             (_, _) => format!("{} ({why})", safe(n.name)),
         };
@@ -534,22 +538,40 @@ fn write(
         .collect();
     let mut expected = local.clone();
     expected.extend(entries.iter().map(|e| e.allow.clone()));
-    let reads_back = |text: &str| -> bool {
-        let Ok(mut got) = Policy::parse(text, Path::new("learned.yaml")) else {
-            return false;
-        };
+    let reads_back = |text: &str| -> Result<(), String> {
+        let differs = "the edited text did not read back as the start policy plus the new \
+                       entries";
+        let mut got = Policy::parse(text, Path::new("learned.yaml")).map_err(|e| {
+            // Said in a comment line: its first line, printable.
+            let said = e.to_string();
+            let first = said.lines().next().unwrap_or_default();
+            format!(
+                "the edited text does not load: {}",
+                first
+                    .chars()
+                    .map(|c| if c.is_ascii_graphic() || c == ' ' {
+                        c
+                    } else {
+                        '?'
+                    })
+                    .collect::<String>()
+            )
+        })?;
         let mut want = start.clone();
         if got.allow.len() < expected.len() || got.allow[..expected.len()] != expected[..] {
-            return false;
+            return Err(differs.into());
         }
         got.allow.clear();
         want.allow.clear();
-        got == want
+        if got != want {
+            return Err(differs.into());
+        }
+        Ok(())
     };
 
     let lines: Vec<&str> = start_text.lines().collect();
     let why_not = match allow_key(&lines) {
-        Err(why) => why,
+        Err(why) => why.to_string(),
         Ok(found) => {
             let text = match found {
                 None => with_new_allow(start_text, notes, entries),
@@ -558,10 +580,10 @@ fn write(
                 // A flow list: the same entries in block style, then the new ones.
                 Some((at, _)) => rewritten(&lines, at, &local, notes, entries),
             };
-            if reads_back(&text) {
-                return (text, true);
+            match reads_back(&text) {
+                Ok(()) => return (text, true),
+                Err(why) => why,
             }
-            "the edited text did not read back as the start policy plus the new entries"
         }
     };
     // Left as it is; the entries below it, commented out, with why.

@@ -493,3 +493,85 @@ fn dns_around_the_resolvers_is_not_learned() {
     assert!(out.yaml.contains("udp 198.51.100.53:53"), "{}", out.yaml);
     assert!(out.yaml.contains("tcp 198.51.100.54:853"), "{}", out.yaml);
 }
+
+/// Many names asked and never connected to, and many bare addresses connected to: telling
+/// whether an asked name is covered by a new entry must not walk every new entry (30,000 names
+/// times 30,000 entries).
+#[test]
+fn many_asked_names_and_many_new_entries_are_written_in_one_pass() {
+    let n: u32 = 30_000;
+    let mut records = T::start().records;
+    let (ask, connect) = {
+        let t = T::start()
+            .name("x.example", &[])
+            .tcp("10.0.0.1", 443)
+            .records;
+        (t[1].clone(), t[2].clone())
+    };
+    for i in 0..n {
+        let mut name = ask.clone();
+        if let crate::core::trace::Record::Name { name: na, .. } = &mut name {
+            *na = format!("q{i}.asked.example");
+        }
+        let mut flow = connect.clone();
+        if let crate::core::trace::Record::Flow { dst, .. } = &mut flow {
+            *dst = std::net::Ipv4Addr::from(0x0a00_0000 + i).into();
+        }
+        records.extend([name, flow]);
+    }
+    let t = Trace { records };
+    let out = learn(GUARD, &policy(GUARD), &t, &LearnOptions::default());
+    assert_eq!(out.added.len(), n as usize);
+    // So many entries make a policy larger than egress-fence reads: the start text is kept,
+    // the entries are commented out below it, and why is said.
+    assert!(out.yaml.starts_with(GUARD));
+    assert!(
+        out.yaml.contains(
+            "could not add these entries to this policy's `allow:` list (the edited text does \
+             not load: learned.yaml: the policy is larger than 1024 KiB"
+        ),
+        "{}",
+        &out.yaml[GUARD.len()..GUARD.len() + 500]
+    );
+    // The notes stop at MAX_NOTES.
+    assert!(
+        out.yaml
+            .contains(&format!("#  #   ... and {} more", n as usize - MAX_NOTES)),
+        "{}",
+        &out.yaml[..2000]
+    );
+}
+
+/// The names, query types, protocols and interfaces of a trace are the agent's to choose (a
+/// trace may also be edited by hand): none may write a policy line. The guard writes only
+/// the presentation form of a name (printable ASCII), but `learn` does not rely on it.
+#[test]
+fn trace_names_and_protocols_cannot_write_policy_lines() {
+    let inject = "x\n- cidr: 0.0.0.0/0\n  ports: [1-65535]\n#";
+    let start = "version: 1\nallow:\n  - domain: api.example\n    ports: [443]\n\
+                 dns:\n  mode: guard\n  upstream: [192.0.2.53]\nlog:\n  group: 7\n";
+    let t = T::start()
+        .typed(inject, "A")
+        .typed(inject, "ANY")
+        .typed(&format!("a.example\r\n- cidr: ::/0\u{2028}\u{85}"), "ANY")
+        .typed(" padded.example\n", "A")
+        .tcp("192.0.2.99", 443)
+        .name("new.example", &["192.0.2.8"])
+        .tcp("192.0.2.8", 443)
+        .flow_as(inject, "192.0.2.8", Some(443), Some(1001), Some(inject))
+        .flow_as(inject, "192.0.2.9", None, None, None)
+        .trace();
+    let (out, p) = learned(start, &t);
+    // The two names learned: the one the padding hid is the policy name it reads as.
+    assert_eq!(p.allow.len(), 3, "{}", out.yaml);
+    assert!(out.yaml.contains("- domain: \"padded.example\""), "{}", out.yaml);
+    for line in out.yaml.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        assert!(
+            !line.contains("0.0.0.0/0") && !line.contains("::/0") && !line.contains("1-65535"),
+            "{line}\n{}",
+            out.yaml
+        );
+    }
+    assert!(out.yaml.is_ascii());
+    assert!(out.added.iter().all(|a| a.is_ascii() && !a.contains(['\n', '\r'])));
+}
