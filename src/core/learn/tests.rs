@@ -553,7 +553,7 @@ fn trace_names_and_protocols_cannot_write_policy_lines() {
     let t = T::start()
         .typed(inject, "A")
         .typed(inject, "ANY")
-        .typed(&format!("a.example\r\n- cidr: ::/0\u{2028}\u{85}"), "ANY")
+        .typed("a.example\r\n- cidr: ::/0\u{2028}\u{85}", "ANY")
         .typed(" padded.example\n", "A")
         .tcp("192.0.2.99", 443)
         .name("new.example", &["192.0.2.8"])
@@ -564,8 +564,16 @@ fn trace_names_and_protocols_cannot_write_policy_lines() {
     let (out, p) = learned(start, &t);
     // The two names learned: the one the padding hid is the policy name it reads as.
     assert_eq!(p.allow.len(), 3, "{}", out.yaml);
-    assert!(out.yaml.contains("- domain: \"padded.example\""), "{}", out.yaml);
-    for line in out.yaml.lines().filter(|l| !l.trim_start().starts_with('#')) {
+    assert!(
+        out.yaml.contains("- domain: \"padded.example\""),
+        "{}",
+        out.yaml
+    );
+    for line in out
+        .yaml
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+    {
         assert!(
             !line.contains("0.0.0.0/0") && !line.contains("::/0") && !line.contains("1-65535"),
             "{line}\n{}",
@@ -573,5 +581,9 @@ fn trace_names_and_protocols_cannot_write_policy_lines() {
         );
     }
     assert!(out.yaml.is_ascii());
-    assert!(out.added.iter().all(|a| a.is_ascii() && !a.contains(['\n', '\r'])));
+    assert!(
+        out.added
+            .iter()
+            .all(|a| a.is_ascii() && !a.contains(['\n', '\r']))
+    );
 }
