@@ -338,6 +338,34 @@ fn action_audit_is_learns_alone_and_learn_needs_a_duration_and_the_guard() {
         std::fs::read_to_string(&audit).unwrap() == start_policy("audit"),
         "the start policy is untouched"
     );
+
+    // A file another user made where learn writes (an agent that can write in that
+    // directory, holding it open) is refused before anything runs: its owner could read the
+    // trace, write records into it, or edit the learned policy before it is reviewed.
+    let theirs = w.dir().join("theirs");
+    std::fs::write(&theirs, "").unwrap();
+    std::os::unix::fs::chown(&theirs, Some(NOBODY), None).unwrap();
+    let link = w.dir().join("link.yaml");
+    std::os::unix::fs::symlink(w.dir().join("elsewhere.yaml"), &link).unwrap();
+    for (flag, path, code, said) in [
+        ("--out", &theirs, 2, format!("belongs to uid {NOBODY}")),
+        ("--trace", &theirs, 1, format!("belongs to uid {NOBODY}")),
+        ("--out", &link, 2, "symbolic link".to_string()),
+    ] {
+        let out = w.egress_fence(&[
+            "learn",
+            path_arg(&audit),
+            "--duration",
+            "1m",
+            flag,
+            path_arg(path),
+        ]);
+        assert_eq!(out.code(), code, "{flag} {}: {out}", path.display());
+        assert!(out.stderr.contains(&said), "{out}");
+        assert!(!table_text(&w).contains("audit"), "nothing ran");
+    }
+    assert_eq!(std::fs::read_to_string(&theirs).unwrap(), "", "untouched");
+    assert!(!w.dir().join("elsewhere.yaml").exists());
 }
 
 #[test]

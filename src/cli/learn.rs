@@ -11,6 +11,7 @@ use egress_fence::core::learn::{LearnOptions, learn};
 use egress_fence::core::plan::AUDIT_WINDOW;
 use egress_fence::core::trace::Trace;
 use egress_fence::daemon;
+use egress_fence::trace_file::refuse_foreign;
 
 use super::args::{LogFormat, NamespaceArg, Resolving, WriterArgs};
 use super::common::{enter, init_logging, state_dir};
@@ -42,6 +43,7 @@ pub fn run(
     start.refuse_learn(&start_text, &args.policy)?;
     if let Some(out) = &args.out {
         refuse_start_policy(out, &args.policy)?;
+        refuse_out(out)?;
     }
     let trace_path = args
         .trace
@@ -143,6 +145,23 @@ fn refuse_start_policy(out: &Path, policy: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
+/// `--out` that is a symbolic link or another user's file is refused before the run (the
+/// write would refuse it after the run: see [`write_policy`]).
+fn refuse_out(out: &Path) -> Result<(), Failure> {
+    let refused = |error| Failure {
+        code: EXIT_BAD_POLICY,
+        error,
+    };
+    match std::fs::symlink_metadata(out) {
+        Ok(m) if m.file_type().is_symlink() => Err(refused(anyhow::anyhow!(
+            "--out {} is a symbolic link: the learned policy is never written through one",
+            out.display()
+        ))),
+        Ok(m) => refuse_foreign(&m, out).map_err(|e| refused(e.into())),
+        Err(_) => Ok(()),
+    }
+}
+
 /// The trace as this run wrote it: from `offset` on.
 fn read_trace_from(path: &Path, offset: u64) -> Result<Trace, Failure> {
     let bytes =
@@ -154,17 +173,20 @@ fn read_trace_from(path: &Path, offset: u64) -> Result<Trace, Failure> {
         .map_err(Failure::from)
 }
 
-/// Writes the learned policy to `out` (replaced whole), never through a symbolic link.
+/// Writes the learned policy to `out` (replaced whole), never through a symbolic link, nor
+/// into a file another user made (it could edit the policy between review and apply).
 fn write_policy(out: &Path, yaml: &str) -> Result<(), Failure> {
+    let context = || format!("writing the learned policy to {}", out.display());
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
-        .truncate(true)
         .mode(0o644)
         .custom_flags(libc::O_NOFOLLOW)
         .open(out)
-        .with_context(|| format!("writing the learned policy to {}", out.display()))?;
-    file.write_all(yaml.as_bytes())
-        .with_context(|| format!("writing the learned policy to {}", out.display()))?;
+        .with_context(context)?;
+    // Checked before anything is cut: a file made during the run is refused untouched.
+    refuse_foreign(&file.metadata().with_context(context)?, out)?;
+    file.set_len(0).with_context(context)?;
+    file.write_all(yaml.as_bytes()).with_context(context)?;
     Ok(())
 }
