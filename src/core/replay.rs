@@ -17,6 +17,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -560,8 +561,11 @@ pub struct RefusedFlow {
     pub first: String,
     pub last: String,
     /// The names whose answers named `dst` before these flows (at most
-    /// [`MAX_NAMES_SHOWN`]; `more_names` says how many more); empty: a bare address.
-    pub names: Vec<String>,
+    /// [`MAX_NAMES_SHOWN`]; `more_names` says how many more); empty: a bare address. Shared
+    /// between the groups of an address: one address and its names make as many groups as
+    /// ports and protocols were tried, and each group holding copies would cost the names
+    /// that many times over.
+    pub names: Vec<Arc<str>>,
     pub more_names: usize,
     pub uids: Vec<u32>,
     /// The listed interfaces forwarded flows came in on.
@@ -725,7 +729,7 @@ fn refused_names(j: &Judgement) -> Vec<RefusedName> {
 fn names_shown(
     wanted: &[(IpAddr, usize)],
     names_of: &HashMap<IpAddr, Vec<&str>>,
-) -> Vec<(Vec<String>, usize)> {
+) -> Vec<(Vec<Arc<str>>, usize)> {
     let mut order: Vec<usize> = (0..wanted.len()).collect();
     order.sort_by_key(|&i| wanted[i]);
     let mut out = vec![(Vec::new(), 0); wanted.len()];
@@ -733,6 +737,8 @@ fn names_shown(
     let mut taken = 0;
     // The smallest names seen so far, at most MAX_NAMES_SHOWN (the names are distinct).
     let mut smallest: BTreeSet<&str> = BTreeSet::new();
+    // Each name shown is made once, and shared by every group that shows it.
+    let mut made: HashMap<&str, Arc<str>> = HashMap::new();
     for i in order {
         let (dst, before) = wanted[i];
         if at != Some(dst) {
@@ -750,7 +756,10 @@ fn names_shown(
         }
         taken = taken.max(names.len());
         out[i] = (
-            smallest.iter().map(|n| n.to_string()).collect(),
+            smallest
+                .iter()
+                .map(|n| made.entry(n).or_insert_with(|| Arc::from(*n)).clone())
+                .collect(),
             names.len().saturating_sub(MAX_NAMES_SHOWN),
         );
     }

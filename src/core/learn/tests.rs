@@ -587,3 +587,40 @@ fn trace_names_and_protocols_cannot_write_policy_lines() {
             .all(|a| a.is_ascii() && !a.contains(['\n', '\r']))
     );
 }
+
+/// A flow-style `allow:` with an include: the list rewritten in block style holds the
+/// policy's own entries only (the preset's stay the include's, not copied in where an edit
+/// of the preset would no longer reach them), and a preset's name used on another port is
+/// learned as an entry of its own.
+#[test]
+fn a_rewritten_list_beside_an_include_keeps_the_presets_entries_out() {
+    let start = "version: 1\ninclude: [npm]\nallow: [{domain: a.example, ports: [443]}]\n\
+                 dns:\n  mode: guard\n  upstream: [192.0.2.53]\n";
+    let t = T::start()
+        .name("registry.npmjs.org", &["192.0.2.20"])
+        .tcp("192.0.2.20", 443)
+        .tcp("192.0.2.20", 80)
+        .name("new.example", &["192.0.2.8"])
+        .tcp("192.0.2.8", 443)
+        .trace();
+    let (out, p) = learned(start, &t);
+    assert!(!out.yaml.contains("could not add"), "{}", out.yaml);
+    assert_eq!(p.include, policy(start).include);
+    assert_eq!(
+        out.yaml.matches("registry.npmjs.org").count(),
+        2,
+        "the learned entry and its comment only: {}",
+        out.yaml
+    );
+    assert!(
+        out.yaml
+            .contains("- domain: \"registry.npmjs.org\"\n    ports: [80]")
+    );
+    let presets = replay::entry_presets(&p);
+    assert_eq!(
+        presets.iter().filter(|p| p.is_some()).count(),
+        policy(start).allow.len() - 1,
+        "the include's entries are still the include's"
+    );
+    assert!(!replay(&p, &t).refuses_anything());
+}
