@@ -43,13 +43,16 @@ fn hint(e: &std::io::Error) -> &'static str {
 
 /// Opens `path` for appending (made with mode 0600 if missing; an existing file is made 0600
 /// too): never through a symbolic link, never a FIFO or device, never a file of another
-/// user's (see [`refuse_foreign`]).
+/// user's (see [`refuse_foreign`]). Open for reading too: `learn` reads back what it wrote
+/// through this file (a clone of it), not through the path, which whoever can write in the
+/// directory could point at another file meanwhile.
 pub fn open_append(path: &Path) -> Result<File, TraceFileError> {
     let open = |e| TraceFileError::Open {
         path: path.to_owned(),
         source: e,
     };
     let file = std::fs::OpenOptions::new()
+        .read(true)
         .append(true)
         .create(true)
         .mode(0o600)

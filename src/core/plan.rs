@@ -1338,7 +1338,9 @@ log:
                     | Rule::RefuseSourceRoute(_)
                     | Rule::RefuseIcmpFromProcesses(_)
                     | Rule::RefuseUpstreamFromOtherUids { .. }
+                    | Rule::RefuseUpstreamUnmarked { .. }
                     | Rule::RefuseUnmarkedFromGuardPort { .. }
+                    | Rule::RefuseOtherUidsFromGuardPort { .. }
             )
         });
         assert!(refusals.iter().all(|&r| r < audit[0]), "{:?}", rs.output);
