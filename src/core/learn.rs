@@ -33,7 +33,7 @@ use std::path::Path;
 use ipnet::IpNet;
 
 use crate::core::installable::{self, HostAddrs};
-use crate::core::plan::GUARDED_DNS_PORTS;
+use crate::core::plan::{DNS_PORT, GUARDED_DNS_PORTS};
 use crate::core::policy::{
     Allow, DomainName, MAX_DOMAIN_PORT_RANGE, Policy, PortRange, Protocol, Target, Wildcard,
     wildcard_risk,
@@ -390,11 +390,13 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
 /// something other than the one host it seems to name.
 fn not_learned(dst: IpAddr, port: u16, named: bool, guard: bool) -> Option<String> {
     if !guard && GUARDED_DNS_PORTS.contains(&port) {
-        return Some(
-            "DNS to a server that is not one of `dns.resolvers`: it would answer any name, \
-             around the policy's"
+        // Port 53 to a listed resolver is essential, never refused; 853 to one is not.
+        return Some(match port {
+            DNS_PORT => "DNS to a server that is not one of `dns.resolvers`: it would answer \
+                         any name, around the policy's"
                 .into(),
-        );
+            _ => "DNS over TLS: it would carry questions for any name, around the policy's".into(),
+        });
     }
     match installable::check(dst, &HostAddrs::none()) {
         Err(why) if !named => Some(why.to_string()),
