@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
@@ -24,6 +24,12 @@ pub enum TraceFileError {
     },
     #[error("the trace {} is not a regular file: give a file's path", path.display())]
     NotAFile { path: PathBuf },
+    #[error(
+        "{} belongs to uid {uid}, not to this user: its owner could read it, change its mode \
+         and write into it; give a path of your own (or remove the file)",
+        path.display()
+    )]
+    NotOurs { path: PathBuf, uid: u32 },
     #[error("cannot start the trace writer: {0}")]
     Thread(std::io::Error),
 }
@@ -36,13 +42,17 @@ fn hint(e: &std::io::Error) -> &'static str {
 }
 
 /// Opens `path` for appending (made with mode 0600 if missing; an existing file is made 0600
-/// too): never through a symbolic link, never a FIFO or device.
+/// too): never through a symbolic link, never a FIFO or device, never a file of another
+/// user's (see [`refuse_foreign`]). Open for reading too: `learn` reads back what it wrote
+/// through this file (a clone of it), not through the path, which whoever can write in the
+/// directory could point at another file meanwhile.
 pub fn open_append(path: &Path) -> Result<File, TraceFileError> {
     let open = |e| TraceFileError::Open {
         path: path.to_owned(),
         source: e,
     };
     let file = std::fs::OpenOptions::new()
+        .read(true)
         .append(true)
         .create(true)
         .mode(0o600)
@@ -55,11 +65,28 @@ pub fn open_append(path: &Path) -> Result<File, TraceFileError> {
             path: path.to_owned(),
         });
     }
+    refuse_foreign(&meta, path)?;
     if meta.permissions().mode() & 0o077 != 0 {
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(open)?;
     }
     Ok(file)
+}
+
+/// Refuses a file (`meta`, of `path`) that belongs to another user than this process's
+/// effective one. Whoever made the file (an agent that could write in the directory, before
+/// the run) owns it whatever mode it is given, and may hold it open: it could read the trace,
+/// write records into it, or edit a learned policy after it is written and before it is
+/// reviewed.
+pub fn refuse_foreign(meta: &std::fs::Metadata, path: &Path) -> Result<(), TraceFileError> {
+    let me = nix::unistd::geteuid().as_raw();
+    match meta.uid() {
+        uid if uid == me => Ok(()),
+        uid => Err(TraceFileError::NotOurs {
+            path: path.to_owned(),
+            uid,
+        }),
+    }
 }
 
 enum Message {
@@ -217,5 +244,22 @@ mod tests {
             e.contains("cannot open") || e.contains("not a regular"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_trace_made_by_another_user_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.jsonl");
+        // Made by someone else, open for writing, before the run.
+        let theirs = std::fs::File::create(&path).unwrap();
+        let other = nix::unistd::geteuid().as_raw().wrapping_add(1);
+        if let Err(e) = std::os::unix::fs::fchown(&theirs, Some(other), None) {
+            // Only root can give a file away; the refusal is the same either way.
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+            return;
+        }
+        let e = open_append(&path).unwrap_err().to_string();
+        assert!(e.contains(&format!("belongs to uid {other}")), "{e}");
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
     }
 }
