@@ -179,6 +179,7 @@ impl Daemon {
             answered: answered_tx,
             events,
             counters: counters.clone(),
+            upstream_sockets: Default::default(),
         });
         // The policy's addresses and, with `scope.forward`, the listed bridges' it bound.
         let listen: Vec<SocketAddr> = self
