@@ -1113,8 +1113,8 @@ fn a_marked_scan_does_not_reuse_the_flows_of_a_guard_with_its_own_uid() {
 }
 
 /// An upstream on `argv[1]` port 53 (UDP) that answers every A question with 192.0.2.11 and
-/// notes the source port of each query; after `argv[2]` queries (or 30 s without one) it
-/// prints `ports P1 P2 ...` and exits.
+/// notes the source port and the id of each query; after `argv[2]` queries (or 30 s without
+/// one) it prints `ports P1 P2 ...` and `ids I1 I2 ...` and exits.
 const PORT_NOTING_UPSTREAM: &str = r#"
 import socket, struct, sys
 addr, want = sys.argv[1], int(sys.argv[2])
@@ -1122,13 +1122,14 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind((addr, 53))
 s.settimeout(30)
 print("serving", flush=True)
-ports = []
+ports, ids = [], []
 try:
     while len(ports) < want:
         q, peer = s.recvfrom(65535)
         if len(q) < 12:
             continue
         ports.append(peer[1])
+        ids.append(struct.unpack(">H", q[:2])[0])
         end = 12
         while end < len(q) and q[end] != 0:
             end += q[end] + 1
@@ -1138,13 +1139,16 @@ try:
 except socket.timeout:
     pass
 print("ports", *ports, flush=True)
+print("ids", *ids, flush=True)
 "#;
 
 /// Issue 16: the guard opens its upstream UDP sockets ahead of need, and each still serves
 /// one exchange: the upstream sees the queries come from as many source ports as there were
 /// queries (the kernel's random choice may repeat a closed socket's port now and then; a
-/// socket used twice would repeat its port every time), in no sequence. (That a waiting
-/// socket something reached is never used is a unit test of `guard::pool`.)
+/// socket used twice would repeat its port every time), in no sequence, and carry as many
+/// ids, in no sequence either (the client's ids are 1000, 1001, ...: an id passed through,
+/// or one drawn once per pooled socket and reused, would show). (That a waiting socket
+/// something reached is never used is a unit test of `guard::pool`.)
 #[test]
 fn every_upstream_exchange_comes_from_a_socket_of_its_own() {
     use std::io::BufRead;
@@ -1190,27 +1194,31 @@ fn every_upstream_exchange_comes_from_a_socket_of_its_own() {
         "{asked}\nguard:\n{}",
         guard.stderr()
     );
-    line.clear();
-    stdout.read_line(&mut line).expect("the upstream's ports");
+    let mut numbers = |label: &str| -> Vec<u16> {
+        line.clear();
+        stdout.read_line(&mut line).expect("the upstream's report");
+        line.trim()
+            .strip_prefix(label)
+            .unwrap_or_else(|| panic!("the upstream printed {line:?}, not its {label}"))
+            .split_whitespace()
+            .map(|p| p.parse().expect("a number"))
+            .collect()
+    };
+    let ports = numbers("ports");
+    let ids = numbers("ids");
     drop(upstream);
-    let ports: Vec<u16> = line
-        .trim()
-        .strip_prefix("ports")
-        .unwrap_or_else(|| panic!("the upstream printed {line:?}"))
-        .split_whitespace()
-        .map(|p| p.parse().expect("a port"))
-        .collect();
-    assert_eq!(ports.len(), QUERIES, "{ports:?}");
-    let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
-    assert!(
-        distinct.len() >= QUERIES - 3,
-        "{} source ports for {QUERIES} exchanges: {ports:?}",
-        distinct.len()
-    );
-    let steps = ports
-        .windows(2)
-        .filter(|p| p[1].abs_diff(p[0]) <= 1)
-        .count();
-    assert!(steps <= 2, "the source ports follow a sequence: {ports:?}");
+    // A fresh socket's port is the kernel's random choice, and a repeat of a closed one's
+    // is possible; 16 random bits repeat in 40 draws with a chance of about 1 in 80.
+    for (what, seen, repeats) in [("source ports", &ports, 3), ("query ids", &ids, 2)] {
+        assert_eq!(seen.len(), QUERIES, "{what}: {seen:?}");
+        let distinct: std::collections::BTreeSet<u16> = seen.iter().copied().collect();
+        assert!(
+            distinct.len() >= QUERIES - repeats,
+            "{} {what} for {QUERIES} exchanges: {seen:?}",
+            distinct.len()
+        );
+        let steps = seen.windows(2).filter(|p| p[1].abs_diff(p[0]) <= 1).count();
+        assert!(steps <= 2, "the {what} follow a sequence: {seen:?}");
+    }
     drop(guard);
 }
