@@ -1152,6 +1152,15 @@ fn bench(args: &[String]) {
             "MISSED"
         }
     );
+    if o.concurrency > 0 {
+        let share = field::<f64>(&r, "qps_g") / field::<f64>(&r, "qps_p");
+        println!(
+            "Aim of issue 16: guard answers per second ({} clients, new names) at least the \
+             plain forwarder's: guard/plain here {share:.2} ({}).",
+            o.concurrency,
+            if share >= 1.0 { "met" } else { "MISSED" }
+        );
+    }
 }
 
 /// The CPU model and how many CPUs this process may use.
