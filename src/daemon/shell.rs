@@ -193,6 +193,7 @@ impl Daemon {
             events,
             counters: counters.clone(),
             trace: self.options.trace().cloned(),
+            upstream_sockets: Default::default(),
         });
         // The policy's addresses and, with `scope.forward`, the listed bridges' it bound.
         let listen: Vec<SocketAddr> = self

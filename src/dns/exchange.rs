@@ -19,16 +19,27 @@ fn is_response_to(datagram: &[u8], id: u16) -> bool {
     message::response_code(datagram, id).is_some()
 }
 
+thread_local! {
+    /// Where [`udp`] receives: a datagram may be as long as a message, and zeroing (and
+    /// faulting in) 64 KiB for every exchange cost more than the exchange itself.
+    static RECEIVED: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0u8; MAX_MESSAGE]);
+}
+
 /// Sends `query` (whose id is `id`) on the connected `socket` and returns the first response
 /// with that id. Never returns on its own without one: bound it with `tokio::time::timeout`.
 pub async fn udp(socket: &tokio::net::UdpSocket, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
     socket.send(query).await?;
-    let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
-        let len = socket.recv(&mut buf).await?;
-        if is_response_to(&buf[..len], id) {
-            buf.truncate(len);
-            return Ok(buf);
+        socket.readable().await?;
+        // Received and copied out within one step of the task: the buffer is never held
+        // across an await, so every exchange of the thread can use it.
+        let taken = RECEIVED.with_borrow_mut(|buf| match socket.try_recv(buf) {
+            Ok(len) => Ok(is_response_to(&buf[..len], id).then(|| buf[..len].to_vec())),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
+        })?;
+        if let Some(reply) = taken {
+            return Ok(reply);
         }
     }
 }

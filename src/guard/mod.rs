@@ -26,14 +26,16 @@
 //! root without CAP_NET_ADMIN, as long as it runs under a uid of its own. Its listening
 //! sockets carry the mark too, and the table refuses what leaves a listen address without it
 //! or from another uid: only the guard answers there. Each upstream exchange uses a fresh
-//! socket (a random source port) and a random query id, and an answer is taken only if it
-//! carries that id and the question that was asked.
+//! socket (a random source port; over UDP one opened ahead of need and untouched since, see
+//! [`pool`]) and a random query id, and an answer is taken only if it carries that id and the
+//! question that was asked.
 
 mod addresses;
 mod clients;
 mod counters;
 mod events;
 mod limits;
+mod pool;
 mod rules;
 mod serve;
 #[cfg(test)]
@@ -47,6 +49,7 @@ pub use events::serve_events;
 pub use limits::Limits;
 #[cfg(test)]
 pub use limits::in_flight_limit;
+pub use pool::UpstreamSockets;
 pub use rules::{Refusal, Rules, Verdict, domain_name_of, judge};
 pub use serve::Context;
 pub use upstream::{Answered, upstream_query};

@@ -23,8 +23,9 @@ use crate::watch::QueryEvent;
 
 use super::clients::{ClientKey, ClientLimits, client_key, open_sock_diag};
 use super::counters::{Counters, LogBudget, may_log};
+use super::pool::UpstreamSockets;
 use super::rules::{Rules, Verdict, judge};
-use super::upstream::{Answered, forward};
+use super::upstream::{Answered, Spent, forward};
 
 /// How long a TCP client may stay idle between queries.
 const TCP_IDLE: Duration = Duration::from_secs(10);
@@ -48,6 +49,8 @@ pub struct Context {
     pub counters: Arc<Counters>,
     /// `run --record` and `learn`: every name asked, answered or refused, goes here.
     pub trace: Option<TraceSink>,
+    /// Upstream UDP sockets opened ahead of need.
+    pub upstream_sockets: Arc<UpstreamSockets>,
 }
 
 /// What the receiving loop does with one UDP datagram or TCP message, decided at once: only
@@ -120,10 +123,13 @@ pub(super) async fn serve_udp(
         let (socket, context) = (socket.clone(), context.clone());
         tokio::spawn(async move {
             let _held = (permit, slot);
-            if let Some(reply) = forward_reply(&context, forward, client, L4Proto::Udp).await
-                && let Err(e) = socket.send_to(&reply, client).await
+            if let Some((reply, spent)) =
+                forward_reply(&context, forward, client, L4Proto::Udp).await
             {
-                debug!(error = %e, client = %client, "sending a DNS answer");
+                if let Err(e) = socket.send_to(&reply, client).await {
+                    debug!(error = %e, client = %client, "sending a DNS answer");
+                }
+                drop(spent);
             }
         });
     }
@@ -205,7 +211,7 @@ async fn serve_tcp_client(
                     ..forward
                 };
                 match forward_reply(&context, forward, client, L4Proto::Tcp).await {
-                    Some(reply) => reply,
+                    Some((reply, _)) => reply,
                     None => return,
                 }
             }
@@ -227,7 +233,9 @@ pub(super) async fn answer(
     match prepare(context, raw, client, transport) {
         Prepared::Drop => None,
         Prepared::Reply(reply) => Some(reply),
-        Prepared::Forward(forward) => forward_reply(context, forward, client, transport).await,
+        Prepared::Forward(forward) => forward_reply(context, forward, client, transport)
+            .await
+            .map(|(reply, _)| reply),
     }
 }
 
@@ -294,7 +302,8 @@ fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: L4Proto
     }
 }
 
-/// Forwards a checked query and returns the reply for the client (`None`: send nothing).
+/// Forwards a checked query and returns the reply for the client (`None`: send nothing),
+/// with the upstream socket to close once it is sent.
 async fn forward_reply(
     context: &Context,
     Forward {
@@ -305,13 +314,13 @@ async fn forward_reply(
     }: Forward,
     client: SocketAddr,
     transport: L4Proto,
-) -> Option<Vec<u8>> {
+) -> Option<(Vec<u8>, Spent)> {
     let asked = std::time::Instant::now();
     match forward(context, &rules, &query, name, transport, uid).await {
-        Ok(reply) => {
+        Ok(answered) => {
             context.counters.answered.fetch_add(1, Ordering::Relaxed);
             context.counters.answer_latency.observe(asked.elapsed());
-            Some(reply)
+            Some(answered)
         }
         Err(why) => {
             context.counters.failed.fetch_add(1, Ordering::Relaxed);
@@ -319,7 +328,7 @@ async fn forward_reply(
                 warn!(client = %client, not_logged_before = held_back,
                       "answering SERVFAIL: {why}");
             }
-            encode(&reply_to(&query, ResponseCode::ServFail))
+            encode(&reply_to(&query, ResponseCode::ServFail)).map(|reply| (reply, None))
         }
     }
 }
@@ -381,6 +390,7 @@ mod tests {
             events: broadcast::channel(8).0,
             counters: Arc::new(Counters::default()),
             trace: None,
+            upstream_sockets: Default::default(),
         });
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
         let ask = |name: &str| {
@@ -438,6 +448,7 @@ mod tests {
             events: broadcast::channel(1).0,
             counters: Arc::new(Counters::default()),
             trace: None,
+            upstream_sockets: Default::default(),
         };
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
         // A header claiming a question the message does not hold.
@@ -491,6 +502,7 @@ mod tests {
             events: broadcast::channel(8).0,
             counters: Arc::new(Counters::default()),
             trace: None,
+            upstream_sockets: Default::default(),
         });
         let raw = query("a.pool.example.", RecordType::A).to_vec().unwrap();
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();

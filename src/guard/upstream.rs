@@ -1,9 +1,10 @@
 //! Forwarding an allowed query: the query rebuilt from the checked question
-//! ([`upstream_query`]), asked of each upstream in turn from a fresh marked socket, and the
-//! answer held until the daemon has its addresses in the table.
+//! ([`upstream_query`]), asked of each upstream in turn from a fresh marked socket (over UDP
+//! one opened ahead, see [`super::pool`]), and the answer held until the daemon has its
+//! addresses in the table.
 
 use std::io;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use hickory_proto::op::{Message, Query, ResponseCode};
@@ -22,6 +23,7 @@ use crate::dns::message::{self, EdnsOffer, MAX_MESSAGE};
 use super::addresses::answer_addresses;
 use super::counters::may_log;
 use super::mark_socket;
+use super::pool::{UpstreamSockets, random_id};
 use super::rules::Rules;
 use super::serve::Context;
 use crate::core::policy::L4Proto;
@@ -38,8 +40,12 @@ pub struct Answered {
     pub done: oneshot::Sender<bool>,
 }
 
+/// The socket of a UDP exchange, kept open until the answer is out, so that closing it is no
+/// part of the answer's latency (it is never used again).
+pub(super) type Spent = Option<UdpSocket>;
+
 /// Asks upstream, has the answer's addresses installed, and returns the answer with the
-/// client's id.
+/// client's id, and the exchange's socket to close once it is sent.
 pub(super) async fn forward(
     context: &Context,
     rules: &Rules,
@@ -47,8 +53,15 @@ pub(super) async fn forward(
     name: DomainName,
     transport: L4Proto,
     uid: Option<u32>,
-) -> Result<Vec<u8>, String> {
-    let (mut reply, parsed) = ask_upstream(&rules.upstream, rules.mark, query, transport).await?;
+) -> Result<(Vec<u8>, Spent), String> {
+    let (mut reply, parsed, spent) = ask_upstream(
+        &context.upstream_sockets,
+        &rules.upstream,
+        rules.mark,
+        query,
+        transport,
+    )
+    .await?;
     let arrived = Instant::now();
     let (addrs, left_out) = answer_addresses(query, &parsed);
     if left_out > 0
@@ -101,7 +114,7 @@ pub(super) async fn forward(
     // What the guard adds to an answer's latency (benches/guard.rs reads it).
     debug!(name = %name, addresses = count, held_us = arrived.elapsed().as_micros() as u64,
            "answer released");
-    Ok(reply)
+    Ok((reply, spent))
 }
 
 /// A response code as DNS people write it ("NOERROR", "NXDOMAIN"), for the trace.
@@ -117,23 +130,36 @@ fn rcode_name(code: ResponseCode) -> String {
     }
 }
 
-/// The first upstream answer that matches the question, raw and parsed.
+/// The first upstream answer that matches the question, raw and parsed, with the socket of
+/// its exchange over UDP.
 async fn ask_upstream(
+    sockets: &std::sync::Arc<UpstreamSockets>,
     upstream: &[SocketAddr],
     mark: u32,
     query: &Message,
     transport: L4Proto,
-) -> Result<(Vec<u8>, Message), String> {
+) -> Result<(Vec<u8>, Message, Spent), String> {
     let mut errors = Vec::new();
     for &server in upstream {
-        let id = random_id();
+        // Over UDP the socket comes with its random id.
+        let udp = match transport {
+            L4Proto::Udp => match sockets.take(server, mark) {
+                Ok(fresh) => Some(fresh),
+                Err(e) => {
+                    errors.push(format!("{server}: {e}"));
+                    continue;
+                }
+            },
+            L4Proto::Tcp => None,
+        };
+        let id = udp.as_ref().map_or_else(random_id, |fresh| fresh.id);
         let ours = upstream_query(query, id)
             .to_vec()
             .map_err(|e| format!("encoding the upstream query: {e}"))?;
         let exchange = async {
-            match transport {
-                L4Proto::Udp => ask_udp(server, mark, &ours, id).await,
-                L4Proto::Tcp => ask_tcp(server, mark, &ours).await,
+            match &udp {
+                Some(fresh) => exchange::udp(&fresh.socket, &ours, id).await,
+                None => ask_tcp(server, mark, &ours).await,
             }
         };
         let reply = match timeout(UPSTREAM_TIMEOUT, exchange).await {
@@ -148,7 +174,7 @@ async fn ask_upstream(
             }
         };
         match message::parse_reply(&reply, MAX_MESSAGE, id, &query.queries) {
-            Ok(parsed) => return Ok((reply, parsed)),
+            Ok(parsed) => return Ok((reply, parsed, udp.map(|fresh| fresh.socket))),
             Err(e) => errors.push(format!("{server}: {e}")),
         }
     }
@@ -180,19 +206,6 @@ pub fn upstream_query(query: &Message, id: u16) -> Message {
     message::query(id, questions, query.metadata.recursion_desired, edns)
 }
 
-/// One exchange over UDP from a fresh marked socket (a random source port), connected so
-/// that datagrams from any other address never reach it.
-async fn ask_udp(server: SocketAddr, mark: u32, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
-    let local: SocketAddr = match server {
-        SocketAddr::V4(_) => (IpAddr::from([0u8; 4]), 0).into(),
-        SocketAddr::V6(_) => (IpAddr::from([0u16; 8]), 0).into(),
-    };
-    let socket = UdpSocket::bind(local).await?;
-    mark_socket(&socket, mark)?;
-    socket.connect(server).await?;
-    exchange::udp(&socket, query, id).await
-}
-
 async fn ask_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result<Vec<u8>> {
     let socket = match server {
         SocketAddr::V4(_) => TcpSocket::new_v4()?,
@@ -202,12 +215,6 @@ async fn ask_tcp(server: SocketAddr, mark: u32, query: &[u8]) -> io::Result<Vec<
     mark_socket(&socket, mark)?;
     let mut stream = socket.connect(server).await?;
     exchange::tcp(&mut stream, query).await
-}
-
-fn random_id() -> u16 {
-    // A failing getrandom (no entropy at early boot) still yields an id; the fresh random
-    // source port of each exchange keeps guessing hard.
-    getrandom::u32().map_or(0x5a5a, |r| r as u16)
 }
 
 #[cfg(test)]

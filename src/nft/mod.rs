@@ -105,6 +105,9 @@ const RECV_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct Nft {
     socket: mnl::Socket,
     recv_buf: Vec<u8>,
+    /// The socket's send buffer as last read or set: only this process changes it, and
+    /// reading it for every batch was a system call per guard answer.
+    send_buffer: Option<usize>,
 }
 
 /// The acknowledgement an NLMSG_ERROR message carries: `None` for another message,
@@ -128,6 +131,7 @@ impl Nft {
         Ok(Nft {
             socket,
             recv_buf: vec![0; 2 * nftnl::nft_nlmsg_maxsize() as usize],
+            send_buffer: None,
         })
     }
 
@@ -163,10 +167,16 @@ impl Nft {
         let total: usize = pages.iter().map(|p| p.len()).sum();
         let fd = sys::socket_fd(&self.socket);
         // The datagram must fit the send buffer; as root we may raise it past the sysctl cap.
-        let current = socket::getsockopt(&fd, sockopt::SndBuf).unwrap_or(0);
+        let current = match self.send_buffer {
+            Some(size) => size,
+            None => socket::getsockopt(&fd, sockopt::SndBuf).unwrap_or(0),
+        };
+        self.send_buffer = Some(current);
         if current < total + 4096 {
             socket::setsockopt(&fd, sockopt::SndBufForce, &(total + 4096))
                 .map_err(|e| io_error("send buffer setup", e))?;
+            // The kernel doubles what it is given (for its bookkeeping): read back what it set.
+            self.send_buffer = socket::getsockopt(&fd, sockopt::SndBuf).ok();
         }
         let kernel = NetlinkAddr::new(0, 0);
         let sent = socket::sendmsg(

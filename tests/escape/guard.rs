@@ -1111,3 +1111,114 @@ fn a_marked_scan_does_not_reuse_the_flows_of_a_guard_with_its_own_uid() {
         guard.stderr()
     );
 }
+
+/// An upstream on `argv[1]` port 53 (UDP) that answers every A question with 192.0.2.11 and
+/// notes the source port and the id of each query; after `argv[2]` queries (or 30 s without
+/// one) it prints `ports P1 P2 ...` and `ids I1 I2 ...` and exits.
+const PORT_NOTING_UPSTREAM: &str = r#"
+import socket, struct, sys
+addr, want = sys.argv[1], int(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((addr, 53))
+s.settimeout(30)
+print("serving", flush=True)
+ports, ids = [], []
+try:
+    while len(ports) < want:
+        q, peer = s.recvfrom(65535)
+        if len(q) < 12:
+            continue
+        ports.append(peer[1])
+        ids.append(struct.unpack(">H", q[:2])[0])
+        end = 12
+        while end < len(q) and q[end] != 0:
+            end += q[end] + 1
+        header = q[:2] + struct.pack(">HHHHH", 0x8180, 1, 1, 0, 0)
+        record = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + bytes([192, 0, 2, 11])
+        s.sendto(header + q[12:end + 5] + record, peer)
+except socket.timeout:
+    pass
+print("ports", *ports, flush=True)
+print("ids", *ids, flush=True)
+"#;
+
+/// Issue 16: the guard opens its upstream UDP sockets ahead of need, and each still serves
+/// one exchange: the upstream sees the queries come from as many source ports as there were
+/// queries (the kernel's random choice may repeat a closed socket's port now and then; a
+/// socket used twice would repeat its port every time), in no sequence, and carry as many
+/// ids, in no sequence either (the client's ids are 1000, 1001, ...: an id passed through,
+/// or one drawn once per pooled socket and reused, would show). (That a waiting socket
+/// something reached is never used is a unit test of `guard::pool`.)
+#[test]
+fn every_upstream_exchange_comes_from_a_socket_of_its_own() {
+    use std::io::BufRead;
+    const QUERIES: usize = 40;
+    let w = World::new();
+    let mut upstream = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            w.net_name(),
+            PYTHON,
+            "-c",
+            PORT_NOTING_UPSTREAM,
+        ])
+        .arg(HOST3_V4.to_string())
+        .arg(QUERIES.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the upstream");
+    let mut stdout = std::io::BufReader::new(upstream.stdout.take().expect("piped"));
+    let upstream = Spawned(upstream);
+    let mut line = String::new();
+    stdout
+        .read_line(&mut line)
+        .expect("the upstream's first line");
+    assert_eq!(line.trim(), "serving", "the upstream did not start");
+    let path = w.write_file("guard.yaml", &guard_policy(&[HOST3_V4]));
+    let guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
+    let asked = w.sandbox_cmd_as(
+        NOBODY,
+        &[
+            PYTHON,
+            "-c",
+            TIMED,
+            &QUERIES.to_string(),
+            "0",
+            "ports.pool.example",
+        ],
+    );
+    let (ms, lost) = latencies(&asked.stdout);
+    assert!(
+        lost.is_empty() && ms.len() == QUERIES,
+        "{asked}\nguard:\n{}",
+        guard.stderr()
+    );
+    let mut numbers = |label: &str| -> Vec<u16> {
+        line.clear();
+        stdout.read_line(&mut line).expect("the upstream's report");
+        line.trim()
+            .strip_prefix(label)
+            .unwrap_or_else(|| panic!("the upstream printed {line:?}, not its {label}"))
+            .split_whitespace()
+            .map(|p| p.parse().expect("a number"))
+            .collect()
+    };
+    let ports = numbers("ports");
+    let ids = numbers("ids");
+    drop(upstream);
+    // A fresh socket's port is the kernel's random choice, and a repeat of a closed one's
+    // is possible; 16 random bits repeat in 40 draws with a chance of about 1 in 80.
+    for (what, seen, repeats) in [("source ports", &ports, 3), ("query ids", &ids, 2)] {
+        assert_eq!(seen.len(), QUERIES, "{what}: {seen:?}");
+        let distinct: std::collections::BTreeSet<u16> = seen.iter().copied().collect();
+        assert!(
+            distinct.len() >= QUERIES - repeats,
+            "{} {what} for {QUERIES} exchanges: {seen:?}",
+            distinct.len()
+        );
+        let steps = seen.windows(2).filter(|p| p[1].abs_diff(p[0]) <= 1).count();
+        assert!(steps <= 2, "the {what} follow a sequence: {seen:?}");
+    }
+    drop(guard);
+}
