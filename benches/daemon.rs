@@ -61,10 +61,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    TempNetns, kernel_release, limit_open_files, median, require_root, run, run_parent, v4,
+    TempNetns, end_process, kernel_release, limit_open_files, median, require_root, run,
+    run_parent, v4,
 };
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
 /// This bench's namespaces are `efd-<pid>-<n>`.
 const NS_PREFIX: &str = "efd-";
@@ -192,31 +191,15 @@ impl Procs {
     fn stop(&mut self, pid: u32) {
         if let Some(i) = self.0.iter().position(|(_, c)| c.id() == pid) {
             let (what, child) = self.0.remove(i);
-            end(what, child);
+            end_process(what, child);
         }
-    }
-}
-
-fn end(what: &str, mut child: Child) {
-    // Not reaped yet (only `try_wait`/`wait` below reap), so its pid is still ours.
-    if let Ok(None) = child.try_wait() {
-        let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-    if let Ok(None) = child.try_wait() {
-        eprintln!("warning: {what} ignored SIGTERM; killing it");
-        let _ = child.kill();
-        let _ = child.wait();
     }
 }
 
 impl Drop for Procs {
     fn drop(&mut self) {
         while let Some((what, child)) = self.0.pop() {
-            end(what, child);
+            end_process(what, child);
         }
     }
 }

@@ -16,7 +16,20 @@
 //! 6. **scoped, client in scope by cgroup**: the same table, the client as uid 1003 in the
 //!    listed cgroup (the cgroup rule is the scope chain's last, so this pays the most).
 //!
-//! The issue's aim: (4) costs at most 1.05x (1), and (5) no more than (3).
+//! The issue's aims: (4) costs at most 1.05x (1), and (5) no more than (3); and (issue 16,
+//! aim 2) the fence's allowed connection at most 1.05x (2), conntrack alone ("fence / ct
+//! only", printed after the table).
+//!
+//! Then (issue 16, aim 4) the refusals: how long a refused attempt takes to fail, per family,
+//! under the fence of (3) and under the same table with the refused chain as it was before
+//! issue 16 (`reject with icmpx admin-prohibited` for everything, in a namespace of its own:
+//! this build's plan without the lines issue 16 added). TCP: connect to the server's port
+//! 444 (the policy allows only 443) until it fails; UDP: socket, connect and send until the
+//! send fails. The two tables take turns, `--refused-rounds` rounds of `--refused-batch`
+//! attempts per kind, except the old table's IPv6 TCP, which waits for the first SYN
+//! retransmission (about a second) and so makes one attempt per round. The errno of every
+//! attempt is checked: ECONNREFUSED (the reset) for TCP under the fence, EHOSTUNREACH and
+//! EACCES under the old table, EPERM for UDP under both.
 //!
 //! Every table is loaded as `nft -f FILE` inside the namespace, FILE being the printed plan
 //! (`egress-fence plan POLICY`, run inside the namespace; the plan text is exact nft) and then a
@@ -36,8 +49,9 @@
 //! turns, one batch of `--batch` each (in an order rotated every round), so that drift and the
 //! load of other work on the machine hit all alike. Before measuring, every configuration is
 //! checked: a connection to a closed port (444) is answered by the server's RST when the table
-//! leaves the client alone, and refused by the fence (ICMP admin-prohibited) when it fences the
-//! client.
+//! leaves the client alone, and refused by the fence (ICMP admin-prohibited: the check's socket
+//! has the priority the fence answers with ICMP instead of a reset, as the probe's) when it
+//! fences the client.
 //!
 //! Figures per configuration and family: p50, p90, p99, max and mean of every sample, and the
 //! ratios of p50 and mean to no table and to the fence. With `--baseline PATH` another egress-fence
@@ -53,7 +67,8 @@
 //! Run as root (needs `ip`, `nft`, `sysctl`): `cargo bench --bench datapath` (about a minute
 //! with the defaults on 2 vCPUs). Options after `--`: `--conns N` per configuration and family
 //! (default 20,000), `--batch B` (default 100), `--warmup W` (default 200), `--family 4|6|both`
-//! (default both), `--baseline PATH`.
+//! (default both), `--baseline PATH`, `--refused-rounds R` (default 10), `--refused-batch B`
+//! (default 20).
 
 #![deny(unsafe_code)]
 
@@ -62,10 +77,12 @@ mod common;
 
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use egress_fence::core::ruleset::ICMP_ANSWER_PRIORITY;
 
 use common::{TempNetns, kernel_release, measure, percentile, require_root, run, run_parent};
 
@@ -93,6 +110,8 @@ struct Options {
     warmup: usize,
     families: Vec<Family>,
     baseline: Option<PathBuf>,
+    refused_rounds: usize,
+    refused_batch: usize,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -113,7 +132,7 @@ impl Family {
 fn usage() -> ! {
     eprintln!(
         "usage: datapath [--conns N] [--batch B] [--warmup W] [--family 4|6|both] \
-         [--baseline PATH]  (run with cargo bench)"
+         [--baseline PATH] [--refused-rounds R] [--refused-batch B]  (run with cargo bench)"
     );
     std::process::exit(2)
 }
@@ -125,6 +144,8 @@ fn options(args: &[String]) -> Options {
         warmup: 200,
         families: vec![Family::V4, Family::V6],
         baseline: None,
+        refused_rounds: 10,
+        refused_batch: 20,
     };
     let mut it = args.iter().filter(|a| *a != "--bench");
     while let Some(flag) = it.next() {
@@ -143,10 +164,12 @@ fn options(args: &[String]) -> Options {
                 }
             }
             "--baseline" => o.baseline = Some(PathBuf::from(value())),
+            "--refused-rounds" => o.refused_rounds = number(),
+            "--refused-batch" => o.refused_batch = number(),
             _ => usage(),
         }
     }
-    if o.batch == 0 || o.conns == 0 {
+    if o.batch == 0 || o.conns == 0 || o.refused_rounds == 0 || o.refused_batch == 0 {
         usage();
     }
     o
@@ -167,6 +190,9 @@ enum Table {
     Scoped {
         baseline: bool,
     },
+    /// This build's plan of the policy without `scope:`, its refused chain as before issue 16
+    /// ([`old_refusal`]).
+    FenceOldRefusal,
 }
 
 /// A client namespace: its table, its veth to the server, the server's addresses from it.
@@ -317,6 +343,25 @@ fn ct_only_text(server: [IpAddr; 2]) -> String {
          \t}}\n}}\n",
         server[0], server[1]
     )
+}
+
+/// The rules issue 16 added to the refused chain: the answers only to this host's sources, and
+/// the reset for its TCP connections.
+const ISSUE_16_RULES: [&str; 2] = ["fib saddr type != local drop", "reject with tcp reset"];
+
+/// `planned` with the refused chain as it was before issue 16: every refusal answered with
+/// `reject with icmpx admin-prohibited`.
+fn old_refusal(planned: &str) -> String {
+    let old: Vec<&str> = planned
+        .lines()
+        .filter(|l| !ISSUE_16_RULES.iter().any(|r| l.contains(r)))
+        .collect();
+    assert_eq!(
+        planned.lines().count() - old.len(),
+        3,
+        "the plan's refused chain is not what issue 16 made it:\n{planned}"
+    );
+    old.join("\n") + "\n"
 }
 
 /// `nft -f FILE` inside `ns`: the only way the bench loads rules. Not `ip netns exec`, which
@@ -490,19 +535,12 @@ fn child_client(args: &[String]) {
         std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
             .unwrap_or_else(|e| panic!("joining {}: {e}", dir.display()));
     }
-    let (uid, gid) = (uid.expect("--uid"), gid.expect("--gid"));
-    nix::unistd::setgroups(&[]).expect("setgroups");
-    nix::unistd::setgid(nix::unistd::Gid::from_raw(gid)).expect("setgid");
-    nix::unistd::setuid(nix::unistd::Uid::from_raw(uid)).expect("setuid");
-    assert!(
-        nix::unistd::setuid(nix::unistd::Uid::from_raw(0)).is_err(),
-        "still able to become root"
-    );
+    drop_to(uid.expect("--uid"), gid.expect("--gid"));
 
     let mut out = String::new();
     if probe {
         for &addr in &targets {
-            let outcome = match TcpStream::connect(SocketAddr::new(addr, CLOSED_PORT)) {
+            let outcome = match connect_for_icmp(SocketAddr::new(addr, CLOSED_PORT)) {
                 Ok(_) => "connected".to_string(),
                 Err(e) if e.kind() == ErrorKind::ConnectionRefused => "rst".to_string(),
                 Err(e) => format!("refused (errno {})", e.raw_os_error().unwrap_or(0)),
@@ -551,6 +589,103 @@ fn child_client(args: &[String]) {
         stdout.write_all(out.as_bytes()).expect("stdout");
         stdout.flush().expect("stdout");
     }
+}
+
+/// Drops to `uid`:`gid`, no supplementary groups, for good.
+fn drop_to(uid: u32, gid: u32) {
+    nix::unistd::setgroups(&[]).expect("setgroups");
+    nix::unistd::setgid(nix::unistd::Gid::from_raw(gid)).expect("setgid");
+    nix::unistd::setuid(nix::unistd::Uid::from_raw(uid)).expect("setuid");
+    assert!(
+        nix::unistd::setuid(nix::unistd::Uid::from_raw(0)).is_err(),
+        "still able to become root"
+    );
+}
+
+/// A TCP connection from a socket of the priority the fence answers with ICMP admin-prohibited
+/// instead of a reset: a reset then comes from the server, an ICMP error from the fence.
+fn connect_for_icmp(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    nix::sys::socket::setsockopt(
+        &socket,
+        nix::sys::socket::sockopt::Priority,
+        &(ICMP_ANSWER_PRIORITY as i32),
+    )?;
+    socket.connect(&addr.into())?;
+    Ok(socket.into())
+}
+
+/// A kind of refused attempt.
+#[derive(Clone, Copy, PartialEq)]
+enum Refused {
+    /// connect until it fails.
+    Tcp,
+    /// socket, connect, send until the send fails.
+    Udp,
+}
+
+impl Refused {
+    fn label(self) -> &'static str {
+        match self {
+            Refused::Tcp => "tcp",
+            Refused::Udp => "udp",
+        }
+    }
+
+    /// One attempt at `addr`, port [`CLOSED_PORT`] (refused by the fence): how long until it
+    /// failed, and its errno. Panics if it did not fail within 5 s.
+    fn attempt(self, addr: IpAddr) -> (Duration, i32) {
+        let to = SocketAddr::new(addr, CLOSED_PORT);
+        let start = Instant::now();
+        let failed = match self {
+            Refused::Tcp => TcpStream::connect_timeout(&to, Duration::from_secs(5)).map(drop),
+            Refused::Udp => {
+                let any: IpAddr = match addr {
+                    IpAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+                    IpAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+                };
+                UdpSocket::bind(SocketAddr::new(any, 0))
+                    .and_then(|s| s.connect(to).and_then(|()| s.send(b"refused?")))
+                    .map(drop)
+            }
+        };
+        let took = start.elapsed();
+        match failed {
+            Err(e) if e.kind() != ErrorKind::TimedOut => (took, e.raw_os_error().unwrap_or(0)),
+            other => panic!("{} to {to} was not refused: {other:?}", self.label()),
+        }
+    }
+}
+
+/// `--child-refused --uid U --gid G --count N tcp|udp ADDR`: drops to U:G, makes N refused
+/// attempts, prints `NANOSECONDS:ERRNO` per attempt on one line.
+fn child_refused(args: &[String]) {
+    let (mut uid, mut gid, mut count, mut kind, mut addr) = (None, None, 0usize, None, None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || it.next().expect("a value").clone();
+        match a.as_str() {
+            "--uid" => uid = Some(value().parse::<u32>().expect("a uid")),
+            "--gid" => gid = Some(value().parse::<u32>().expect("a gid")),
+            "--count" => count = value().parse().expect("a count"),
+            "tcp" => kind = Some(Refused::Tcp),
+            "udp" => kind = Some(Refused::Udp),
+            other => addr = Some(other.parse::<IpAddr>().expect("an address")),
+        }
+    }
+    drop_to(uid.expect("--uid"), gid.expect("--gid"));
+    let (kind, addr) = (kind.expect("tcp or udp"), addr.expect("an address"));
+    let line: Vec<String> = (0..count)
+        .map(|_| {
+            let (took, errno) = kind.attempt(addr);
+            format!("{}:{errno}", took.as_nanos())
+        })
+        .collect();
+    println!("{}", line.join(" "));
 }
 
 // ---- the configurations ------------------------------------------------------------------------
@@ -723,6 +858,7 @@ fn bench(args: &[String]) {
     if o.baseline.is_some() {
         tables.push(Table::Scoped { baseline: true });
     }
+    tables.push(Table::FenceOldRefusal);
     let clients: Vec<ClientNs> = tables
         .iter()
         .enumerate()
@@ -735,6 +871,11 @@ fn bench(args: &[String]) {
         match c.table {
             Table::None => {}
             Table::CtOnly => nft_load(&c.ns, &file("ct.nft", &ct_only_text(c.server))),
+            Table::FenceOldRefusal => {
+                let planned = old_refusal(&plan(&c.ns, &ours, &plain_policy));
+                nft_load(&c.ns, &file("plan.nft", &planned));
+                nft_load(&c.ns, &file("elements.nft", &elements_text(c.server)));
+            }
             Table::Fence { baseline } | Table::Scoped { baseline } => {
                 let bin = match baseline {
                     true => o.baseline.clone().expect("--baseline"),
@@ -959,6 +1100,11 @@ fn bench(args: &[String]) {
     };
     for (fi, &f) in o.families.iter().enumerate() {
         println!(
+            "{}: fence / ct only: {} (aim: at most 1.05)",
+            f.label(),
+            ratio("fence (no scope)", ct_only, fi)
+        );
+        println!(
             "{}: scoped table, client not in scope / no table: {} (aim: at most 1.05)",
             f.label(),
             ratio("scoped, client not in scope", none, fi)
@@ -1005,6 +1151,110 @@ fn bench(args: &[String]) {
         "Checked before measuring: a connection to the closed port {CLOSED_PORT} was refused by \
          the fence for every fenced client and answered by the server's RST for every other."
     );
+
+    let new = &clients[ns_of(Table::Fence { baseline: false })];
+    let old = &clients[ns_of(Table::FenceOldRefusal)];
+    refusals(&o, new, old);
+}
+
+/// The refusals' latency, the fence against the old refused chain, taking turns.
+fn refusals(o: &Options, new: &ClientNs, old: &ClientNs) {
+    let tables = [("fence", new), ("old refusal (icmpx for all)", old)];
+    let kinds: Vec<(Refused, Family)> = [Refused::Tcp, Refused::Udp]
+        .into_iter()
+        .flat_map(|k| o.families.iter().map(move |&f| (k, f)))
+        .collect();
+    // samples[table][kind]: (nanoseconds, errno).
+    let mut samples: Vec<Vec<Vec<(u64, i32)>>> = vec![vec![Vec::new(); kinds.len()]; 2];
+    println!(
+        "\nrefused attempts: {} rounds, the two tables taking turns; load average before: {}",
+        o.refused_rounds,
+        loadavg()
+    );
+    for round in 0..o.refused_rounds {
+        for k in 0..tables.len() {
+            let ti = (k + round) % tables.len();
+            let (_, client) = tables[ti];
+            for (ki, &(kind, family)) in kinds.iter().enumerate() {
+                // The old IPv6 TCP waits out a SYN retransmission per attempt.
+                let slow = ti == 1 && kind == Refused::Tcp && family == Family::V6;
+                let count = if slow { 1 } else { o.refused_batch };
+                let exe = std::env::current_exe().expect("current_exe");
+                let uid = UNSCOPED_UID.to_string();
+                let out = measure(
+                    client
+                        .ns
+                        .command(exe.to_str().expect("a UTF-8 path"))
+                        .args(["--child-refused", "--uid", &uid, "--gid", &uid])
+                        .args(["--count", &count.to_string(), kind.label()])
+                        .arg(client.server(family).to_string()),
+                )
+                .stdout;
+                samples[ti][ki].extend(out.split_whitespace().map(|v| {
+                    let (ns, errno) = v.split_once(':').expect("NS:ERRNO");
+                    (
+                        ns.parse::<u64>().expect("nanoseconds"),
+                        errno.parse::<i32>().expect("an errno"),
+                    )
+                }));
+            }
+        }
+        common::check_interrupted();
+    }
+    println!("load average after: {}", loadavg());
+    let name = |errno: i32| match errno {
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::EHOSTUNREACH => "EHOSTUNREACH",
+        libc::EACCES => "EACCES",
+        libc::EPERM => "EPERM",
+        _ => "another errno",
+    };
+    println!("| table | attempt | family | errno | p50 | p90 | max | mean | n |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut p50 = vec![vec![0.0; kinds.len()]; 2];
+    for (ki, &(kind, family)) in kinds.iter().enumerate() {
+        for (ti, (label, _)) in tables.iter().enumerate() {
+            let s = &samples[ti][ki];
+            let mut errnos: Vec<&str> = s.iter().map(|&(_, e)| name(e)).collect();
+            errnos.dedup();
+            let want = match (kind, ti, family) {
+                (Refused::Udp, _, _) => "EPERM",
+                (Refused::Tcp, 0, _) => "ECONNREFUSED",
+                (Refused::Tcp, _, Family::V4) => "EHOSTUNREACH",
+                (Refused::Tcp, _, Family::V6) => "EACCES",
+            };
+            assert_eq!(
+                errnos,
+                [want],
+                "{label}: refused {} over {}",
+                kind.label(),
+                family.label()
+            );
+            let ns: Vec<u64> = s.iter().map(|&(ns, _)| ns).collect();
+            let st = stats(&ns);
+            p50[ti][ki] = st.p50;
+            println!(
+                "| {label} | {} | {} | {want} | {:.1} µs | {:.1} µs | {:.0} µs | {:.1} µs | {} |",
+                kind.label(),
+                family.label(),
+                st.p50,
+                st.p90,
+                st.max,
+                st.mean,
+                st.n
+            );
+        }
+    }
+    for (ki, &(kind, family)) in kinds.iter().enumerate() {
+        println!(
+            "refused {} over {}: p50 fence {:.1} µs, old refusal {:.1} µs: fence / old = {:.6}",
+            kind.label(),
+            family.label(),
+            p50[0][ki],
+            p50[1][ki],
+            p50[0][ki] / p50[1][ki]
+        );
+    }
 }
 
 fn main() {
@@ -1012,6 +1262,7 @@ fn main() {
     match args.first().map(String::as_str) {
         Some("--child-server") => child_server(),
         Some("--child-client") => child_client(&args[1..]),
+        Some("--child-refused") => child_refused(&args[1..]),
         _ => run_parent(NS_PREFIX, || bench(&args)),
     }
 }

@@ -3,14 +3,16 @@
 # linker), the C libraries the nftnl and mnl crates link against, nftables (nft, the
 # independent reader in tests), a real DNS server (dnsmasq), real clients (dig, nc, curl, ping),
 # ipset (benchmark baseline), python3 (the demo's web servers), systemd (systemd-analyze
-# checks the unit), passt (pasta connects `exec`'s namespace) and bubblewrap (`exec` composed
-# with bwrap). Only missing packages are installed.
+# checks the unit), passt (pasta connects `exec`'s namespace), bubblewrap (`exec` composed
+# with bwrap), dpkg-dev (dpkg-shlibdeps: the package's library dependencies) and cargo-deb
+# (scripts/package.sh builds the Debian package; tests/package.rs checks it). Only what is
+# missing is installed.
 set -euo pipefail
 
 packages=(
   gcc libc6-dev pkg-config libnftnl-dev libmnl-dev nftables
   dnsmasq-base dnsutils netcat-openbsd curl iputils-ping iproute2 ipset python3 util-linux procps
-  systemd passt bubblewrap
+  systemd passt bubblewrap dpkg-dev
 )
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -44,3 +46,10 @@ for tool in fmt clippy; do
     fi
   fi
 done
+# cargo-deb builds the Debian package; installed once into ~/.cargo/bin (about 1.5 minutes of
+# CPU to compile), kept there afterwards.
+CARGO_DEB_VERSION=3.8.0
+if ! cargo deb --version 2>/dev/null | grep -qF "$CARGO_DEB_VERSION"; then
+  echo "installing cargo-deb $CARGO_DEB_VERSION"
+  cargo install --locked --quiet cargo-deb --version "$CARGO_DEB_VERSION"
+fi

@@ -518,6 +518,7 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
         output,
         refused,
         scope: scoped.then_some(scope),
+        audit: None,
     };
     let diff = compare(&table, Some(live), CompareOptions::default());
     if !diff.is_empty() {
@@ -1011,6 +1012,16 @@ pub fn drift(state: &StateDir, live: &LiveTable) -> Drift {
         Ok(Some(generation)) => {
             let options = CompareOptions {
                 ignore_resolved_contents: generation.command == Recorder::Run,
+            };
+            // What `run --record` and `learn` add is the run's, not the generation's (status
+            // says when the table audits).
+            let stripped;
+            let live = match live.has_extras() {
+                true => {
+                    stripped = live.without_extras();
+                    &stripped
+                }
+                false => live,
             };
             let diff = compare(&generation.ruleset, Some(live), options);
             if diff.is_empty() {
@@ -1660,6 +1671,9 @@ mod tests {
             }
             fn generation(&mut self) -> Result<u32, NftError> {
                 self.0.generation()
+            }
+            fn renew_audit_window(&mut self, ms: u64) -> Result<(), NftError> {
+                self.0.renew_audit_window(ms)
             }
         }
         let mut table = Undecodable(MemoryTable::holding(planned(B).ruleset));

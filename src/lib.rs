@@ -28,6 +28,7 @@ pub mod netlink;
 pub mod netns;
 pub mod nft;
 pub mod state;
+pub mod trace_file;
 pub mod watch;
 
 // Apps on top: changes (apply, rollback, confirm), the daemon, the DNS guard, the probe.

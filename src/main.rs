@@ -25,7 +25,17 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> Result<u8, Failure> {
     match command {
-        Command::Check { policy } => cli::check::run(&policy),
+        Command::Check {
+            policy: Some(policy),
+            schema: false,
+        } => cli::check::run(&policy),
+        // clap requires a policy or --schema, and refuses both.
+        Command::Check { .. } => Ok(cli::schema::print()),
+        Command::Replay {
+            trace,
+            policy,
+            json,
+        } => cli::replay::run(&trace, &policy, json),
         Command::Plan {
             policy,
             target,
@@ -74,14 +84,44 @@ fn run(command: Command) -> Result<u8, Failure> {
             teardown_on_exit,
             log_format,
             log_drops,
+            metrics,
+            record,
             writer,
         } => cli::run::run(
-            policy,
+            cli::run::RunArgs {
+                policy,
+                teardown_on_exit,
+                log_format,
+                log_drops,
+                record,
+                metrics,
+            },
             &target,
             &resolving,
-            teardown_on_exit,
+            &writer,
+        ),
+        Command::Learn {
+            policy,
+            duration,
+            until_stopped: _,
+            out,
+            trace,
+            fold_at,
+            target,
+            resolving,
             log_format,
-            log_drops,
+            writer,
+        } => cli::learn::run(
+            cli::learn::LearnArgs {
+                policy,
+                duration: duration.map(|d| d.0),
+                out,
+                trace,
+                fold_at,
+                log_format,
+            },
+            &target,
+            &resolving,
             &writer,
         ),
         Command::Watch {
@@ -140,5 +180,6 @@ fn run(command: Command) -> Result<u8, Failure> {
             target,
             writer,
         } => cli::revert_timer::run(&token, stay, &target, &writer),
+        Command::PackageAssets { dir } => cli::assets::write(&dir),
     }
 }

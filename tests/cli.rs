@@ -143,6 +143,23 @@ fn usage_errors_exit_2_and_help_documents_exit_codes() {
     }
     let check_help = text(&egress_fence(&["check", "--help"]).stdout);
     assert!(check_help.contains("version: 1"), "{check_help}");
+    assert!(check_help.contains("check --schema"), "{check_help}");
+}
+
+/// `check --schema` prints the schema the repository ships; `check` takes a policy or
+/// --schema, not both and not neither.
+#[test]
+fn check_schema_prints_the_shipped_schema() {
+    let out = egress_fence(&["check", "--schema"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let shipped = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/policy.schema.json"),
+    )
+    .expect("read the shipped schema");
+    assert_eq!(text(&out.stdout), shipped);
+    assert_eq!(egress_fence(&["check"]).status.code(), Some(2));
+    let both = egress_fence(&["check", "--schema", "policies/default.yaml"]);
+    assert_eq!(both.status.code(), Some(2));
 }
 
 /// The README's first command, on the binary under test (so it needs root, like the

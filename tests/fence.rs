@@ -658,3 +658,30 @@ fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
     assert_eq!(diff.code(), 1, "{diff}");
     assert!(diff.stdout.contains("chain scope_output"), "{diff}");
 }
+
+#[test]
+fn an_included_preset_lets_its_names_through_and_loses_to_a_deny_entry() {
+    let w = World::new();
+    // registry.npmjs.org (preset `npm`) answers with two hosts; the policy denies one of them.
+    w.dns_set("registry.npmjs.org", &[HOST_V4, OTHER_V4], DEFAULT_DNS_TTL);
+    let denied = w.listen_tcp(HOST_V4, 443);
+    let _allowed = w.listen_tcp(OTHER_V4, 443);
+    let _other_port = w.listen_tcp(OTHER_V4, 80);
+    assert!(w.tcp_connects(HOST_V4, 443), "before the fence");
+    let policy = w.write_file(
+        "include.yaml",
+        "version: 1\ninclude: [npm]\ndeny:\n  - cidr: 192.0.2.10/32\ndns:\n  resolvers: [192.0.2.53]\n",
+    );
+    let out = w.egress_fence(&["apply", path(&policy)]);
+    assert!(out.success(), "apply: {out}");
+
+    // The preset's name, on the preset's port: through; its other port: refused.
+    assert!(w.tcp_connects(OTHER_V4, 443), "the preset's name on 443");
+    assert!(!w.tcp_connects(OTHER_V4, 80), "the preset lists 443 only");
+    // The denied address the preset's name resolved to: refused, and nothing reached it.
+    let before = denied.count();
+    assert!(!w.tcp_connects(HOST_V4, 443), "deny lost to an include");
+    assert_eq!(denied.count(), before);
+    let table = w.sandbox_cmd(&["nft", "list", "table", "inet", "egress_fence"]);
+    assert!(table.stdout.contains("203.0.113.10"), "{table}");
+}

@@ -544,6 +544,11 @@ impl Stage {
     /// the namespace entered as root, then `setpriv` takes the process to `grant`, then the
     /// daemon runs, without --netns, with `env` around it.
     fn spawn(&self, w: &World, grant: &Grant, env: &[String]) -> Background {
+        self.spawn_with(w, grant, env, &[])
+    }
+
+    /// [`Stage::spawn`] with more arguments for `run`.
+    fn spawn_with(&self, w: &World, grant: &Grant, env: &[String], extra: &[&str]) -> Background {
         let mut args: Vec<String> = vec!["env".into()];
         args.push(format!("NOTIFY_SOCKET={}", self.notify.path));
         args.extend_from_slice(env);
@@ -554,6 +559,7 @@ impl Stage {
         args.push(self.policy.to_str().expect("utf-8 path").into());
         args.push("--state-dir".into());
         args.push(self.state_dir(grant).to_str().expect("utf-8 path").into());
+        args.extend(extra.iter().map(|a| a.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         w.spawn_in_sandbox(&args)
     }
@@ -617,8 +623,14 @@ fn with_only_the_units_user_and_capability_the_daemon_applies_refreshes_reloads_
     let stage = Stage::new(&w, &policy(&["api.example.com"]));
     assert!(!has_table(&w));
 
-    // The watchdog as WatchdogSec= would set it (shorter, so the test sees a ping at once).
-    let mut daemon = stage.spawn(&w, &grant, &["WATCHDOG_USEC=1000000".into()]);
+    // The watchdog as WatchdogSec= would set it (shorter, so the test sees a ping at once);
+    // metrics on loopback, as README's drop-in adds them.
+    let mut daemon = stage.spawn_with(
+        &w,
+        &grant,
+        &["WATCHDOG_USEC=1000000".into()],
+        &["--metrics", "127.0.0.1:9464"],
+    );
     let ready = stage.notify.wait_for("READY=1", Duration::from_secs(10));
     // Checked at once: READY=1 must mean the boundary is in place.
     let live = has_table(&w);
@@ -665,6 +677,24 @@ fn with_only_the_units_user_and_capability_the_daemon_applies_refreshes_reloads_
         "the resolved address is allowed"
     );
     assert!(!w.tcp_connects(HOST3_V4, 443), "nothing else is");
+
+    // The unit's user serves metrics and reads the table for them.
+    let scrape = w.sandbox_cmd(&[
+        "curl",
+        "-sS",
+        "--fail",
+        "--max-time",
+        "5",
+        "http://127.0.0.1:9464/metrics",
+    ]);
+    assert!(scrape.success(), "{scrape}\n{}", daemon.stderr());
+    for line in [
+        "egress_fence_table_present 1",
+        "egress_fence_table_read_errors 0",
+        "egress_fence_lookup_failures{name=\"api.example.com\"} 0",
+    ] {
+        assert!(scrape.stdout.contains(line), "{line}: {scrape}");
+    }
 
     // A changed answer is followed (TTL 1 s, refresh 1-2 s).
     w.dns_set("api.example.com", &[HOST3_V4], 1);
@@ -898,6 +928,14 @@ fn the_units_ip_allow_list_admits_every_resolver_and_no_multicast() {
         assert!(
             admits(resolver),
             "the unit's IPAddressAllow= blocks resolver {resolver}"
+        );
+    }
+    // `run --metrics` binds loopback only: the same list lets Prometheus scrape it there.
+    for metrics in ["127.0.0.1", "::1"] {
+        let ip: IpAddr = metrics.parse().expect("an address");
+        assert!(
+            admits(ip),
+            "the unit's IPAddressAllow= blocks --metrics on {ip}"
         );
     }
     for never in [

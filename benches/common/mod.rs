@@ -393,6 +393,24 @@ pub fn self_command(args: &[&str]) -> Command {
     cmd
 }
 
+/// Ends a process the bench started: SIGTERM, 3 s to exit, then SIGKILL; reaped either way.
+pub fn end_process(what: &str, mut child: Child) {
+    // Not reaped yet (only `try_wait`/`wait` below reap), so its pid is still ours.
+    if let Ok(None) = child.try_wait() {
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    if let Ok(None) = child.try_wait() {
+        eprintln!("warning: {what} ignored SIGTERM; killing it");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 /// Runs `cmd` to its end; panics with its stderr if it fails.
 pub fn run(cmd: &mut Command) {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));

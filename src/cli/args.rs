@@ -7,17 +7,20 @@ use clap::{Args, Parser, Subcommand};
 use egress_fence::core::policy::HumanDuration;
 use egress_fence::state::{DEFAULT_KEEP, DEFAULT_STATE_DIR};
 
-use super::schema::SCHEMA;
+use super::schema::SCHEMA_HELP;
 
 pub const EXIT_CODES: &str = "\
 Exit codes:
-  0  success; diff: nothing would change
+  0  success; diff: nothing would change; replay: nothing would have been refused
   1  failure: the kernel refused the change, netlink or the namespace failed, no resolver,
      another writer kept the lock, a generation is corrupt;
-     diff: something would change; confirm: too late, the change was already reverted
-  2  invalid policy or command line (the message names file:line:column);
+     diff: something would change; confirm: too late, the change was already reverted;
+     replay: the policy would have refused something of the trace
+  2  invalid policy, trace or command line (the message names file:line:column);
      run: also when the kernel refused the policy's table (the namespace keeps the table
-     in place, else gets a fail-closed one)
+     in place, else gets a fail-closed one); apply, run: also `action: audit` (learn's);
+     learn: also a policy not in guard mode, no --duration/--until-stopped, or --out
+     naming the start policy
   3  done, but some allowed names did not resolve: their entries are missing
   4  status: the table is not installed
   5  probe: at least one check failed (the boundary does not hold as the policy says)
@@ -117,8 +120,29 @@ pub struct ProbeSender {
 pub enum Command {
     /// Validate a policy without touching the network or the kernel, and warn about what
     /// parses but is probably not meant (every command that reads a policy warns too).
-    #[command(after_help = SCHEMA)]
-    Check { policy: PathBuf },
+    #[command(after_help = SCHEMA_HELP)]
+    Check {
+        #[arg(required_unless_present = "schema")]
+        policy: Option<PathBuf>,
+        /// Print the policy's JSON Schema instead (for editors; see below).
+        #[arg(long, conflicts_with = "policy")]
+        schema: bool,
+    },
+    /// Judge a recorded trace (`run --record FILE`, `learn`) against a candidate policy,
+    /// without touching the network or the kernel: the names and flows it would have
+    /// refused (by name, and by destination, protocol and port with the names that answered
+    /// it and the uids), what a trace cannot tell (cgroups, flows without an owner under a
+    /// scope), the allow entries nothing used (an include's named by preset) and wildcards
+    /// that allowed a single name. Exits 0 when nothing would have been refused, 1 when
+    /// something would, 2 for an unreadable trace or policy.
+    #[command(after_help = EXIT_CODES)]
+    Replay {
+        trace: PathBuf,
+        policy: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Resolve the policy's names and print the ruleset as nft text (what `apply` installs;
     /// `nft -c -f` checks it, `nft -f` would load it).
     Plan {
@@ -254,6 +278,66 @@ pub enum Command {
         /// daemon knows of its destination.
         #[arg(long)]
         log_drops: bool,
+        /// Serve metrics in the Prometheus text format at GET /metrics on ADDR: a loopback
+        /// address and port (127.0.0.1:9464, [::1]:9464) or the absolute path of a unix
+        /// socket. Any other address is refused (exit 2). Off by default. Refused packets by
+        /// the daemon's finer reasons (not in the policy, another port, ...) need --log-drops.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<egress_fence::daemon::MetricsAddr>,
+        /// Append a trace to FILE while enforcing (JSON lines: every name the guard is asked
+        /// with its answer, every new flow with its uid, port and protocol). Made with mode
+        /// 0600, never through a symbolic link. The input of `replay` and `learn`.
+        #[arg(long, value_name = "FILE")]
+        record: Option<PathBuf>,
+        #[command(flatten)]
+        writer: WriterArgs,
+    },
+    /// Learn a policy: run the fence in audit mode for a while, then write a policy that
+    /// allows what was used.
+    ///
+    /// Needs `dns.mode: guard`. While it runs, the guard forwards every name and records it,
+    /// and the table lets through what POLICY would refuse, logging it (NFLOG, with its uid:
+    /// `watch` shows it as "audited, would be refused") under an audit window that the
+    /// process renews every 10 s and that closes by itself 30 s after it stops (SIGKILL
+    /// included): the table then refuses again. Everything leaves while it runs: run it
+    /// where that is acceptable. The deny list, the guard's protections and DNS to other
+    /// resolvers stay refused. At the end (--duration, or SIGTERM/SIGINT) the table enforces
+    /// POLICY again, the trace is complete, and the learned policy goes to --out (or
+    /// stdout), with what it added on stderr.
+    #[command(after_help = EXIT_CODES)]
+    #[command(group(clap::ArgGroup::new("how_long").required(true).args(["duration", "until_stopped"])))]
+    Learn {
+        /// The start policy (`action: audit` or not); it is never overwritten.
+        policy: PathBuf,
+        /// How long to audit, e.g. 10m. learn refuses to run without it or --until-stopped.
+        #[arg(
+            long,
+            value_name = "DURATION",
+            required_unless_present = "until_stopped",
+            conflicts_with = "until_stopped"
+        )]
+        duration: Option<HumanDuration>,
+        /// Audit until SIGTERM or SIGINT (Ctrl-C) instead of for a duration.
+        #[arg(long)]
+        until_stopped: bool,
+        /// Write the learned policy to FILE (default: standard output). Never the start
+        /// policy's file; an existing FILE is replaced.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+        /// Write the trace to FILE (appended, mode 0600; default: egress-fence-learn.jsonl in
+        /// the current directory).
+        #[arg(long, value_name = "FILE")]
+        trace: Option<PathBuf>,
+        /// Fold this many sibling names (or more) under one parent into one wildcard.
+        #[arg(long, value_name = "N")]
+        fold_at: Option<usize>,
+        #[command(flatten)]
+        target: NamespaceArg,
+        #[command(flatten)]
+        resolving: Resolving,
+        /// Log lines as text or as JSON objects.
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
         #[command(flatten)]
         writer: WriterArgs,
     },
@@ -398,6 +482,10 @@ pub enum Command {
         #[arg(last = true, required = true)]
         command: Vec<std::ffi::OsString>,
     },
+    /// Writes the man pages and shell completions, generated from these definitions, to DIR
+    /// (scripts/package.sh). Not for direct use.
+    #[command(hide = true)]
+    PackageAssets { dir: PathBuf },
     /// Started by `apply --confirm-within`: waits for the deadline in a session of its own,
     /// then reverts unless the change was confirmed. Not for direct use.
     #[command(hide = true)]

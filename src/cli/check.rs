@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use egress_fence::core::policy::{Allow, HostFinding, Protocol, Target};
+use egress_fence::core::policy::{Allow, HostFinding, Target};
 use egress_fence::host::ThisHost;
 
 use super::exit::{EXIT_BAD_POLICY, Failure};
@@ -75,22 +75,9 @@ pub fn run(path: &Path) -> Result<u8, Failure> {
 
 /// One allow entry on one line: `registry.npmjs.org tcp 443  # the public npm registry`.
 fn describe_entry(entry: &Allow) -> String {
-    let target = match &entry.target {
-        Target::Domain(d) => d.to_string(),
-        Target::Wildcard(w) => w.to_string(),
-        Target::Cidr(n) => n.to_string(),
-    };
-    let protocol = match entry.protocol {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-        Protocol::Any => "tcp+udp",
-    };
     let comment = entry
         .comment
         .as_deref()
         .map_or(String::new(), |c| format!("  # {c}"));
-    format!(
-        "{target} {protocol} {}{comment}",
-        join_display(&entry.ports)
-    )
+    format!("{}{comment}", entry.describe())
 }

@@ -24,8 +24,10 @@ pub fn load_with_text(path: &Path) -> Result<(Policy, String), Failure> {
 }
 
 /// Refuses a policy whose scope this host opens a way past (see
-/// [`Policy::refuse_scope_holes`]): what `apply` checks before it changes anything.
+/// [`Policy::refuse_scope_holes`]), and one that says `action: audit` (learn's alone): what
+/// `apply` checks before it changes anything.
 pub fn refuse_scope_holes(policy: &Policy, planned: &Planned) -> Result<(), Failure> {
+    policy.refuse_audit(&planned.policy_text, &planned.policy_path, "apply")?;
     policy
         .refuse_scope_holes(
             &planned.policy_text,

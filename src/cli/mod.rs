@@ -6,9 +6,11 @@
 //! Shared by several commands: [`common`] (what `--netns`, `--state-dir` and
 //! `--lock-timeout` do), [`load`] (reading, resolving and planning a policy), [`output`]
 //! (printing), [`exit`] (codes, and the failure that carries one and prints each cause once),
-//! [`schema`] (the policy schema `check --help` shows, tested against the parser).
+//! [`schema`] (the policy's JSON Schema that `check --schema` prints), [`assets`] (the man
+//! pages and completions the package ships).
 
 pub mod args;
+pub mod assets;
 pub mod common;
 pub mod exit;
 pub mod load;
@@ -21,8 +23,10 @@ pub mod confirm;
 pub mod diff;
 pub mod exec;
 pub mod history;
+pub mod learn;
 pub mod plan;
 pub mod probe;
+pub mod replay;
 pub mod revert_timer;
 pub mod rollback;
 pub mod run;

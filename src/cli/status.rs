@@ -56,6 +56,7 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
         return Ok(EXIT_NOT_INSTALLED);
     };
     let status = live.status();
+    let audit = audit_line(live.audit_window_open_ms());
     let drift = change::drift(&state, &live);
     let unexplained = match &drift {
         Drift::InSync(g) | Drift::Drifted(g, _) => change::unexplained(g, &live),
@@ -106,6 +107,9 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
             out["generation_error"] = e.to_string().into();
         }
         out["pending_confirmation"] = pending_json;
+        if let Some((_, audit)) = &audit {
+            out["audit"] = audit.clone();
+        }
         if let Some(scope) = &scope {
             out["scope"] = serde_json::to_value(scope)?;
         }
@@ -115,6 +119,9 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
         }
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
+        if let Some((line, _)) = &audit {
+            println!("{line}");
+        }
         print_status(&status);
         if let Some(scope) = &scope {
             print!("{scope}");
@@ -131,6 +138,32 @@ pub fn run(target: &NamespaceArg, state_args: &StateArgs, json: bool) -> Result<
         }
     }
     Ok(0)
+}
+
+/// `learn`'s audit window, open for `open_ms` more (see
+/// [`egress_fence::nft::LiveTable::audit_window_open_ms`]): the line `status` prints first and
+/// its JSON.
+fn audit_line(open_ms: Option<u64>) -> Option<(String, serde_json::Value)> {
+    let ms = open_ms?;
+    if ms == u64::MAX {
+        return Some((
+            "AUDIT with no end: the audit window holds an element without a timeout (none of              learn's): what the policy refuses is let through; remove it (`nft flush set inet              egress_fence audit_window`)"
+                .into(),
+            serde_json::json!({ "open": true, "until": null }),
+        ));
+    }
+    let until = std::time::SystemTime::now() + std::time::Duration::from_millis(ms);
+    Some((
+        format!(
+            "AUDIT until {} (learn): what the policy refuses is let through and logged; the              window closes then unless learn renews it",
+            egress_fence::core::time::clock_utc(until)
+        ),
+        serde_json::json!({
+            "open": true,
+            "until": egress_fence::core::time::rfc3339(until),
+            "expires_in_ms": ms,
+        }),
+    ))
 }
 
 /// The pending confirmation as recorded, with where it stands: whether its revert timer

@@ -13,11 +13,11 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::core::ruleset::{
-    BaseChain, ChainPolicy, Elements, Hook, Rule, Ruleset, SetId, SetRole, TABLE, Tuple, fmt_net,
-    fmt_tuple,
+    AUDIT_WINDOW_SET, AuditWindow, BaseChain, ChainPolicy, Elements, Hook, Rule, Ruleset, SetId,
+    SetRole, TABLE, Tuple, fmt_net, fmt_tuple,
 };
 use crate::nft::LiveTable;
-use crate::nft::encode::{self, key_spec, set_flags};
+use crate::nft::encode::{self, audit_window_key, key_spec, set_flags};
 use crate::nft::live::{ChainDefinition, NFT_CHAIN_BASE, ReadRule, describe_table_flags};
 use crate::nft::sys::{LiveSet, SetParams};
 
@@ -284,7 +284,38 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
             });
         }
     }
-    let wanted: BTreeSet<String> = want.sets.iter().map(|s| s.id.name()).collect();
+    // The audit window's elements are state (the daemon renews them, they expire): only the
+    // set itself is compared.
+    if want.audit.is_some() {
+        match live.sets.iter().find(|(s, _)| s.name == AUDIT_WINDOW_SET) {
+            None => out.push(SetDiff {
+                name: AUDIT_WINDOW_SET.to_string(),
+                presence: Presence::Missing,
+                definition: None,
+                added: Vec::new(),
+                removed: Vec::new(),
+            }),
+            Some((live_set, _)) => {
+                let live_definition = definition_of(live_set);
+                if live_definition != AuditWindow::DEFINITION {
+                    out.push(SetDiff {
+                        name: AUDIT_WINDOW_SET.to_string(),
+                        presence: Presence::Both,
+                        definition: Some(Changed {
+                            live: live_definition,
+                            want: AuditWindow::DEFINITION.to_string(),
+                        }),
+                        added: Vec::new(),
+                        removed: Vec::new(),
+                    });
+                }
+            }
+        }
+    }
+    let mut wanted: BTreeSet<String> = want.sets.iter().map(|s| s.id.name()).collect();
+    if want.audit.is_some() {
+        wanted.insert(AUDIT_WINDOW_SET.to_string());
+    }
     for (live_set, _) in &live.sets {
         if !wanted.contains(&live_set.name) {
             out.push(SetDiff {
@@ -303,6 +334,11 @@ fn compare_sets(want: &Ruleset, live: &LiveTable, options: CompareOptions) -> Ve
 /// kernel's numbers; then whatever else it declares (none of ours declares anything else).
 fn definition_of(set: &LiveSet) -> String {
     let (flags, key_type, key_len) = (set.flags, set.key_type, set.key_len);
+    let (audit_key, audit_flags) = audit_window_key();
+    let is_audit_window = audit_key.datatype == key_type
+        && audit_key.len == key_len
+        && audit_flags == flags
+        && set.key_fields.is_empty();
     let mut out = SetId::ALL
         .into_iter()
         .find(|id| {
@@ -326,6 +362,9 @@ fn definition_of(set: &LiveSet) -> String {
             },
             SetId::definition,
         );
+    if is_audit_window {
+        out = AuditWindow::DEFINITION.to_string();
+    }
     for param in describe_params(&set.params) {
         out.push_str("; ");
         out.push_str(&param);
@@ -682,15 +721,17 @@ pub(crate) mod tests {
                 "drop"
             ]
         );
-        assert_eq!(refused.removed_rules.len(), 2);
-        // The old log rule, read back into a rule as nft writes it.
+        // The old rules, read back into rules as nft writes them: the log rule and reject's
+        // answers.
         assert_eq!(
-            refused.removed_rules[0],
-            "limit rate 10/second burst 20 packets log prefix \"EGRESS-DROP: \" group 100"
-        );
-        assert_eq!(
-            refused.removed_rules[1],
-            "reject with icmpx admin-prohibited"
+            refused.removed_rules,
+            [
+                "limit rate 10/second burst 20 packets log prefix \"EGRESS-DROP: \" group 100",
+                "iif 0 fib saddr type != local drop",
+                "iif \"lo\" fib saddr type != local drop",
+                "iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp reset",
+                "reject with icmpx admin-prohibited"
+            ]
         );
     }
 
@@ -754,7 +795,7 @@ pub(crate) mod tests {
         );
         assert!(text.contains("set theirs: not egress-fence's\n"), "{text}");
         assert!(
-            text.contains("chain output: hook output priority 0 policy accept (wanted: hook output priority 0 policy drop), +1 -0 rules\n  + ip daddr @deny4 goto refused\n"),
+            text.contains("chain output: hook output priority 0 policy accept (wanted: hook output priority 0 policy drop), +1 -0 rules\n  + ip daddr @deny4 counter goto refused\n"),
             "{text}"
         );
         assert!(
@@ -1075,7 +1116,7 @@ pub(crate) mod tests {
         let diff = compare(&rs, Some(&live), CompareOptions::default());
         assert_eq!(
             diff.to_string(),
-            "chain output: +1 -1 rules\n  + ip6 daddr @deny6 goto refused\n  - [lookup reg 1 set deny6 0x1]\n"
+            "chain output: +1 -1 rules\n  + ip6 daddr @deny6 counter goto refused\n  - [lookup reg 1 set deny6 0x1]\n"
         );
     }
 

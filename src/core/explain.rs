@@ -33,6 +33,31 @@ pub enum WhyRefused {
     NotInPolicy,
 }
 
+impl WhyRefused {
+    /// The reason as a fixed word (a metric's label): one per variant, never a name or an
+    /// address, so the set of values is bounded whatever was refused.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            WhyRefused::GuardUpstream { .. } => "guard_upstream",
+            WhyRefused::OtherResolver { .. } => "other_resolver",
+            WhyRefused::Denied(_) => "deny",
+            WhyRefused::OtherPortsOnly { .. } => "other_port",
+            WhyRefused::LifetimeEnded { .. } => "lifetime_ended",
+            WhyRefused::NotInPolicy => "not_in_policy",
+        }
+    }
+
+    /// Every value [`WhyRefused::reason`] gives.
+    pub const REASONS: [&'static str; 6] = [
+        "guard_upstream",
+        "other_resolver",
+        "deny",
+        "other_port",
+        "lifetime_ended",
+        "not_in_policy",
+    ];
+}
+
 impl fmt::Display for WhyRefused {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -9,11 +9,13 @@ use ipnet::IpNet;
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
 use crate::core::lifetime::longer_timeout;
-use crate::core::policy::{Allow, DomainName, Essential, L4Proto, Policy, PortRange, Target};
+use crate::core::policy::{
+    Action, Allow, DomainName, Essential, L4Proto, Policy, PortRange, Target,
+};
 use crate::core::resolution::{Resolution, ResolvedHost};
 use crate::core::ruleset::{
-    CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset, ScopeChains, ScopeMatch,
-    Set, SetId, SetRole, SourceRoute, Timed, Tuple,
+    Arrival, AuditWindow, CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset,
+    ScopeChains, ScopeMatch, Set, SetId, SetRole, SourceRoute, Timed, Tuple,
 };
 
 /// DNS destinations are the resolvers on port 53, over UDP and TCP.
@@ -256,18 +258,124 @@ pub fn plan_elements(
         sets,
         output: output_rules(policy, guard),
         scope: scope_chains(policy, guard, cgroups),
-        refused: vec![
-            Rule::Log(LogSpec {
-                prefix: policy.log.prefix.clone(),
-                group: policy.log.group,
-                rate: policy.log.rate,
-                burst: policy.log.burst,
-            }),
-            Rule::CountFamily(Family::V4),
-            Rule::CountFamily(Family::V6),
-            Rule::Refuse(policy.action),
-        ],
+        audit: None,
+        refused: refused_chain(policy),
     }
+}
+
+/// The refused chain: log and count, then the verdict. Under `action: reject` the answer
+/// goes only to sources of this host (or, forwarded, to a listed interface's checked
+/// sources), and a TCP connection of this host gets a reset ([`Rule::ResetTcp`]).
+fn refused_chain(policy: &Policy) -> Vec<Rule> {
+    let mut rules = vec![
+        Rule::Log(LogSpec {
+            prefix: policy.log.prefix.clone(),
+            group: policy.log.group,
+            rate: policy.log.rate,
+            burst: policy.log.burst,
+        }),
+        Rule::CountFamily(Family::V4),
+        Rule::CountFamily(Family::V6),
+    ];
+    if policy.action.refusal() == Action::Reject {
+        rules.extend(Arrival::ALL.map(Rule::DropForeignSource));
+        rules.push(Rule::ResetTcp);
+    }
+    rules.push(Rule::Refuse(policy.action.refusal()));
+    rules
+}
+
+/// What a run adds to its table while it records or audits (`run --record`, `learn`); the
+/// default adds nothing, and the table is exactly the policy's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Extras {
+    /// The NFLOG group of every new flow's first packet ([`Rule::RecordFlow`]).
+    pub flow_group: Option<u16>,
+    /// `learn`'s audit window ([`Rule::AuditAccept`]).
+    pub audit: Option<Audit>,
+}
+
+/// How long `learn`'s audit window stays open without a renewal: what a killed `learn`
+/// leaves open at most.
+pub const AUDIT_WINDOW: Duration = Duration::from_secs(30);
+/// How often the daemon renews the window while it audits (three renewals may fail or be
+/// late before it closes).
+pub const AUDIT_RENEW_EVERY: Duration = Duration::from_secs(10);
+/// The NFLOG group of the flow record, unless the policy logs refusals there.
+pub const FLOW_GROUP: u16 = 0x6566;
+/// The NFLOG group of audited packets when the policy logs refusals to none.
+pub const AUDIT_GROUP: u16 = 0x6567;
+
+impl Extras {
+    /// The extras of a run of `policy` that records (`run --record`, `learn`) and audits
+    /// (`learn`): the flow record in a group of its own; audited packets in the policy's log
+    /// group, beside its refusals, so that `watch` shows both.
+    pub fn of_run(policy: &Policy, record: bool, audit: bool) -> Extras {
+        let log_group = policy.log.group;
+        let flow_group = match log_group {
+            Some(FLOW_GROUP) => FLOW_GROUP + 2,
+            _ => FLOW_GROUP,
+        };
+        Extras {
+            flow_group: record.then_some(flow_group),
+            audit: audit.then(|| Audit {
+                group: log_group.unwrap_or(AUDIT_GROUP),
+                open_for_ms: Some(AUDIT_WINDOW.as_millis() as u64),
+            }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Audit {
+    /// The NFLOG group of what the window lets through (the policy's log group, so that
+    /// `watch` shows it beside what is refused).
+    pub group: u16,
+    /// How long the window stays open without a renewal; `None`: closed (the set empty).
+    pub open_for_ms: Option<u64>,
+}
+
+/// `ruleset` with `extras`: the flow record before the deny list (after loopback, neighbour
+/// discovery and the guard's own DNS, which say nothing of the host's traffic), the audit
+/// accept just before the fence's last `goto refused` (the deny list, the guard's
+/// protections and DNS to other resolvers stay refused), and the audit window's set.
+pub fn with_extras(mut ruleset: Ruleset, extras: &Extras) -> Ruleset {
+    if let Some(group) = extras.flow_group {
+        let at = ruleset
+            .output
+            .iter()
+            .position(|r| matches!(r, Rule::RefuseDaddrIn(_)))
+            .unwrap_or(ruleset.output.len());
+        ruleset.output.insert(at, Rule::RecordFlow { group });
+    }
+    if let Some(audit) = extras.audit {
+        let at = ruleset
+            .output
+            .iter()
+            .rposition(|r| *r == Rule::GotoRefused)
+            .unwrap_or(ruleset.output.len());
+        ruleset
+            .output
+            .insert(at, Rule::AuditAccept { group: audit.group });
+        ruleset.audit = Some(AuditWindow {
+            open_for_ms: audit.open_for_ms,
+        });
+    }
+    ruleset
+}
+
+/// Whether `rule` is one that only [`with_extras`] adds.
+pub fn is_extra(rule: &Rule) -> bool {
+    matches!(rule, Rule::RecordFlow { .. } | Rule::AuditAccept { .. })
+}
+
+/// `ruleset` without what [`with_extras`] added: the policy's table, as a generation records
+/// it (a generation is checked against what its policy plans, and a rollback never brings
+/// back an audit).
+pub fn without_extras(mut ruleset: Ruleset) -> Ruleset {
+    ruleset.output.retain(|r| !is_extra(r));
+    ruleset.audit = None;
+    ruleset
 }
 
 /// The guard's own protections: only its marked sockets of its uid answer from where it
@@ -765,6 +873,7 @@ pub fn fail_closed() -> Ruleset {
             Rule::Refuse(crate::core::policy::Action::Drop),
         ],
         scope: None,
+        audit: None,
     }
 }
 
@@ -1060,6 +1169,29 @@ log:
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn reject_answers_only_this_hosts_sources_and_its_tcp_with_a_reset() {
+        let counted = |rs: &Ruleset| rs.refused[..3].to_vec();
+        let reject = plan(&policy(POLICY), &resolution(&[]));
+        assert_eq!(
+            reject.refused[3..],
+            [
+                Rule::DropForeignSource(Arrival::Sent),
+                Rule::DropForeignSource(Arrival::Loopback),
+                Rule::ResetTcp,
+                Rule::Refuse(Action::Reject),
+            ]
+        );
+        // `drop` answers nobody: nothing to restrict. Logging and counting stay first.
+        let drop = plan(
+            &policy(&POLICY.replace("version: 1\n", "version: 1\naction: drop\n")),
+            &resolution(&[]),
+        );
+        assert_eq!(drop.refused[3..], [Rule::Refuse(Action::Drop)]);
+        assert_eq!(counted(&drop), counted(&reject));
+        assert_eq!(counted(&reject)[1..], Family::BOTH.map(Rule::CountFamily));
     }
 
     #[test]

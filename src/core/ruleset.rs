@@ -40,6 +40,19 @@ pub const SCOPE_PREROUTING_CHAIN: &str = "scope_prerouting";
 /// instead of walking them one by one.
 pub const GUARD_CHAIN: &str = "guard";
 
+/// `learn`'s audit window: a set of address families (`type nf_proto; flags timeout`) whose
+/// elements the daemon renews while it audits. While the set holds a packet's family, the
+/// fence logs what it would refuse and lets it through ([`Rule::AuditAccept`]); an element
+/// nobody renews expires by itself, so a killed `learn` leaves a table that refuses again.
+pub const AUDIT_WINDOW_SET: &str = "audit_window";
+/// The prefix of what the audit window let through (NFLOG, the policy's log group).
+pub const AUDIT_PREFIX: &str = "EGRESS-AUDIT: ";
+/// The prefix of the first packet of every new flow, while a run records ([`Rule::RecordFlow`]).
+pub const FLOW_PREFIX: &str = "EGRESS-FLOW: ";
+/// The comment of [`Rule::AuditAccept`]: `nft list` says what the rule is for.
+pub const AUDIT_COMMENT: &str =
+    "audit: learn lets through what the policy refuses while audit_window holds its family";
+
 /// The chains only a scoped table has.
 pub const SCOPE_CHAINS: [&str; 6] = [
     FROM_BRIDGE_CHAIN,
@@ -712,7 +725,8 @@ pub enum Rule {
     /// or 546 -> 547 to ff02::1:2 for IPv6, at most [`DHCP_MAX_LENGTH`] bytes each, within
     /// [`DHCP_CLIENT_LIMIT`].
     AcceptDhcpClient(Family),
-    /// `ip daddr @deny4 goto refused`
+    /// `ip daddr @deny4 counter goto refused`: counted, so that what the deny entries refused
+    /// is told apart from the rest, exactly and at no cost to other packets (`run --metrics`).
     RefuseDaddrIn(SetId),
     /// `ip daddr . meta l4proto . th dport @set accept`
     AcceptTupleIn(SetId),
@@ -737,9 +751,73 @@ pub enum Rule {
     Log(LogSpec),
     /// `meta nfproto ipv4 counter`: refusals counted per family.
     CountFamily(Family),
+    /// `iif 0 fib saddr type != local drop` (sent by this host), `iif "lo" fib saddr type !=
+    /// local drop` (looped back to it): under `action: reject`, a refused packet whose source
+    /// is no address of this host gets no answer. Either answer goes to that source: root in
+    /// the fence (CAP_NET_RAW) that writes a packet from an outside address it controls would
+    /// have the fence send that address an ICMP error quoting the packet, or a reset whose
+    /// ports and sequence number it chose, and both leave as `related` to the refused
+    /// packet's connection. What a listed interface forwards or brings in comes with an input
+    /// interface, whose sources [`Rule::DropSpoofedFrom`] has already checked.
+    DropForeignSource(Arrival),
+    /// `iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp reset`: under `action:
+    /// reject`, a TCP connection this host opens is refused with a reset, which fails the
+    /// connect at once in both families (ICMPv6 admin-prohibited is a soft error in SYN_SENT:
+    /// the connect fails only at the first SYN retransmission, a second later). Sockets of
+    /// [`ICMP_ANSWER_PRIORITY`] (the probe's) get the ICMP error instead, whose sender the
+    /// socket's error queue names: a reset looks the same from the fence and from a closed
+    /// port beyond it. What is forwarded keeps the ICMP error (`probe --from` tells the
+    /// router's refusal by its sender).
+    ResetTcp,
     /// `reject with icmpx admin-prohibited`, or `drop`
     Refuse(Action),
+    /// `meta nfproto @audit_window log prefix "EGRESS-AUDIT: " group G accept comment
+    /// "audit: ..."`: while `learn` holds the window open, what would be refused is logged
+    /// (with its uid) and let through. Just before the fence's last `goto refused`: the deny
+    /// list, the guard's protections and DNS to other resolvers stay refused.
+    AuditAccept { group: u16 },
+    /// `ct state new log prefix "EGRESS-FLOW: " group G`: the first packet of every new flow
+    /// is logged for the trace of `run --record` and `learn` (no verdict: the rules below
+    /// decide). Only while a run records.
+    RecordFlow { group: u16 },
 }
+
+/// How a refused packet came to the hook: what [`Rule::DropForeignSource`] looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arrival {
+    /// Sent by this host (output hook): no input interface, `iif 0`.
+    Sent,
+    /// Looped back to this host (input hook from `lo`, whose index is 1 in every network
+    /// namespace).
+    Loopback,
+}
+
+impl Arrival {
+    pub const ALL: [Arrival; 2] = [Arrival::Sent, Arrival::Loopback];
+
+    /// The input interface's index, as `meta iif` loads it.
+    pub fn iif(self) -> u32 {
+        match self {
+            Arrival::Sent => 0,
+            Arrival::Loopback => 1,
+        }
+    }
+
+    fn nft_match(self) -> &'static str {
+        match self {
+            Arrival::Sent => "iif 0",
+            Arrival::Loopback => "iif \"lo\"",
+        }
+    }
+}
+
+/// The socket priority (`SO_PRIORITY`; any process may set 0 to 6, and no type of service
+/// maps to 5) whose refused TCP connections get ICMP admin-prohibited instead of a reset
+/// ([`Rule::ResetTcp`]). The probe sets it: the error queue names the ICMP error's sender,
+/// so the probe tells the fence's refusal from a refusal beyond it. Any other process that
+/// sets it only chooses the slower form of its own refusal.
+pub const ICMP_ANSWER_PRIORITY: u32 = 5;
 
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -854,7 +932,7 @@ impl fmt::Display for Rule {
             }
             Rule::RefuseDaddrIn(set) => {
                 let (daddr, name) = (set.family.daddr(), set.name());
-                write!(f, "{daddr} @{name} goto {REFUSED_CHAIN}")
+                write!(f, "{daddr} @{name} counter goto {REFUSED_CHAIN}")
             }
             Rule::AcceptTupleIn(set) => {
                 let (daddr, name) = (set.family.daddr(), set.name());
@@ -888,8 +966,26 @@ impl fmt::Display for Rule {
                 }
             }
             Rule::CountFamily(family) => write!(f, "meta nfproto {} counter", family.nfproto()),
-            Rule::Refuse(Action::Reject) => f.write_str("reject with icmpx admin-prohibited"),
+            Rule::DropForeignSource(arrival) => {
+                write!(f, "{} fib saddr type != local drop", arrival.nft_match())
+            }
+            Rule::ResetTcp => write!(
+                f,
+                "{} meta l4proto tcp meta priority != 0:{ICMP_ANSWER_PRIORITY:x} reject with tcp reset",
+                Arrival::Sent.nft_match()
+            ),
+            Rule::Refuse(Action::Reject | Action::Audit) => {
+                f.write_str("reject with icmpx admin-prohibited")
+            }
             Rule::Refuse(Action::Drop) => f.write_str("drop"),
+            Rule::AuditAccept { group } => write!(
+                f,
+                "meta nfproto @{AUDIT_WINDOW_SET} log prefix \"{AUDIT_PREFIX}\" group {group} \
+                 accept comment \"{AUDIT_COMMENT}\""
+            ),
+            Rule::RecordFlow { group } => {
+                write!(f, "ct state new log prefix \"{FLOW_PREFIX}\" group {group}")
+            }
         }
     }
 }
@@ -925,6 +1021,38 @@ pub struct Ruleset {
     /// chain); `None`: `output` is on the hook and fences everything.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scope: Option<ScopeChains>,
+    /// `learn`'s audit window ([`AUDIT_WINDOW_SET`]); `None` in every other table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditWindow>,
+}
+
+/// The audit window's set as a table holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditWindow {
+    /// How long the window stays open without a renewal: the elements' timeout. `None`: the
+    /// set is empty (the window closed).
+    pub open_for_ms: Option<u64>,
+}
+
+impl AuditWindow {
+    /// `type nf_proto; flags timeout`: what nft says of the set besides its elements.
+    pub const DEFINITION: &'static str = "type nf_proto; flags timeout";
+}
+
+impl fmt::Display for AuditWindow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "\tset {AUDIT_WINDOW_SET} {{")?;
+        writeln!(f, "\t\ttype nf_proto")?;
+        writeln!(f, "\t\tflags timeout")?;
+        if let Some(ms) = self.open_for_ms {
+            writeln!(
+                f,
+                "\t\telements = {{ ipv4 timeout {ms}ms expires {ms}ms,\n\t\t\t\
+                 ipv6 timeout {ms}ms expires {ms}ms }}"
+            )?;
+        }
+        writeln!(f, "\t}}\n")
+    }
 }
 
 /// The chains of a scoped table besides the fence. Those without rules are left out of the
@@ -1043,6 +1171,9 @@ impl fmt::Display for Ruleset {
         writeln!(f, "table inet {TABLE} {{")?;
         for set in &self.sets {
             write!(f, "{set}")?;
+        }
+        if let Some(window) = &self.audit {
+            write!(f, "{window}")?;
         }
         let chains = self.chains();
         for (i, chain) in chains.iter().enumerate() {
@@ -1279,7 +1410,7 @@ mod tests {
             ),
             (
                 Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V6)),
-                "ip6 daddr @deny6 goto refused",
+                "ip6 daddr @deny6 counter goto refused",
             ),
             (
                 Rule::AcceptTupleIn(v4(SetRole::Dns)),
@@ -1326,6 +1457,28 @@ mod tests {
                 "reject with icmpx admin-prohibited",
             ),
             (Rule::Refuse(Action::Drop), "drop"),
+            (
+                Rule::DropForeignSource(Arrival::Sent),
+                "iif 0 fib saddr type != local drop",
+            ),
+            (
+                Rule::DropForeignSource(Arrival::Loopback),
+                "iif \"lo\" fib saddr type != local drop",
+            ),
+            (
+                Rule::ResetTcp,
+                "iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp reset",
+            ),
+            (
+                Rule::AuditAccept { group: 7 },
+                "meta nfproto @audit_window log prefix \"EGRESS-AUDIT: \" group 7 accept comment \
+                 \"audit: learn lets through what the policy refuses while audit_window holds its \
+                 family\"",
+            ),
+            (
+                Rule::RecordFlow { group: 8 },
+                "ct state new log prefix \"EGRESS-FLOW: \" group 8",
+            ),
             (
                 Rule::DropSpoofedFrom("docker0".parse().unwrap()),
                 "iifname \"docker0\" fib saddr . iif oif missing drop",

@@ -1,6 +1,5 @@
 //! A trace: what a run saw, as JSON lines (`run --record FILE`, `learn`), the input of
-//! `replay` and of the policy `learn` writes. Pure: the codec and the one question both ask of
-//! a trace, which names explain a flow.
+//! `replay` and of the policy `learn` writes. Pure: the codec; `core::replay` judges a trace.
 //!
 //! Lines are written as things happen, so their order is their time order; `time` is for
 //! people and for first/last seen (RFC 3339 with milliseconds, UTC, which sorts as text).
@@ -12,7 +11,6 @@
 //! {"kind":"end","time":"…"}
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
@@ -150,51 +148,6 @@ impl Trace {
             _ => Ok(Trace { records }),
         }
     }
-
-    /// The flows in order, each with the names whose answers named its destination before
-    /// it left (the names that explain it; empty when none did: a bare address).
-    ///
-    /// An answer explains every later flow to its addresses, whatever its TTL: the daemon
-    /// keeps an answered address while connections to it live, and a client may cache it
-    /// for as long as it likes, so expiry is not something a trace can judge.
-    pub fn explained_flows(&self) -> Vec<ExplainedFlow<'_>> {
-        let mut answered: BTreeMap<IpAddr, BTreeSet<&str>> = BTreeMap::new();
-        let mut flows = Vec::new();
-        for r in &self.records {
-            match r {
-                Record::Name { name, addrs, .. } => {
-                    for a in addrs {
-                        answered.entry(*a).or_default().insert(name);
-                    }
-                }
-                Record::Flow { dst, .. } => flows.push(ExplainedFlow {
-                    flow: r,
-                    names: answered
-                        .get(dst)
-                        .map(|n| n.iter().copied().collect())
-                        .unwrap_or_default(),
-                }),
-                _ => {}
-            }
-        }
-        flows
-    }
-
-    /// The names asked, in order.
-    pub fn names(&self) -> impl Iterator<Item = &Record> {
-        self.records
-            .iter()
-            .filter(|r| matches!(r, Record::Name { .. }))
-    }
-}
-
-/// A flow with the names that explain it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExplainedFlow<'a> {
-    /// Always a [`Record::Flow`].
-    pub flow: &'a Record,
-    /// Sorted, deduplicated.
-    pub names: Vec<&'a str>,
 }
 
 #[cfg(test)]
@@ -271,25 +224,6 @@ mod tests {
         assert_eq!(
             Trace::parse(&newer).unwrap_err(),
             TraceError::Version { found: 2 }
-        );
-    }
-
-    #[test]
-    fn a_flow_is_explained_only_by_answers_before_it() {
-        let t = Trace {
-            records: vec![
-                start(),
-                flow("1", "192.0.2.1", 443),
-                name("2", "a.example", &["192.0.2.1"]),
-                name("3", "b.example", &["192.0.2.1", "192.0.2.2"]),
-                flow("4", "192.0.2.1", 443),
-                flow("5", "198.51.100.9", 22),
-            ],
-        };
-        let got: Vec<Vec<&str>> = t.explained_flows().into_iter().map(|f| f.names).collect();
-        assert_eq!(
-            got,
-            vec![vec![], vec!["a.example", "b.example"], Vec::<&str>::new()]
         );
     }
 }

@@ -28,11 +28,12 @@ use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::{HostAddrs, retain_installable, summarise};
 use crate::core::lifetime::{Lifetimes, renewals};
 use crate::core::plan::{
-    denied_addresses, denied_answers, element_allowed, plan_elements, services_of,
+    Extras, denied_addresses, denied_answers, element_allowed, plan_elements, services_of,
+    with_extras, without_extras,
 };
 use crate::core::policy::{DomainName, Policy, PolicyError};
 use crate::core::resolution::{HostScope, Resolution, ResolvedAddr, ResolvedHost};
-use crate::core::ruleset::{CgroupMatch, Elements, Ruleset, SetId, SetRole, TABLE, Tuple};
+use crate::core::ruleset::{CgroupMatch, Elements, Family, Ruleset, SetId, SetRole, TABLE, Tuple};
 use crate::guard::{LogBudget, Rules};
 use crate::netlink::conntrack::Flow;
 use crate::nft::monitor::Change;
@@ -116,6 +117,34 @@ pub enum Effect {
     /// A reloaded policy was adopted (its resolver replaces the running one; a lookup under
     /// way asked for the old names).
     Adopted,
+    /// Count a refused packet (`--log-drops`) for `run --metrics`: its family, why it was
+    /// refused (one of [`WhyRefused::REASONS`]) and, when a deny entry refused it, the entry
+    /// as the policy names it (bounded by the policy, never by what was refused).
+    CountRefused {
+        family: Family,
+        reason: &'static str,
+        deny_entry: Option<String>,
+    },
+}
+
+/// What the core knows that `run --metrics` shows, read by the shell (at most once a
+/// second). Names appear only where the policy bounds them: in resolve mode the policy's own
+/// names; the names a guard learns from answers are the sandbox's to invent and are counted,
+/// never listed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CoreView {
+    pub guard_mode: bool,
+    pub names: usize,
+    pub addresses: usize,
+    /// Resolve mode: each policy name and how many lookups of it failed in a row (0: its
+    /// last lookup answered).
+    pub lookup_failures: Vec<(String, u32)>,
+    pub last_refresh: Option<SystemTime>,
+    pub last_apply: Option<SystemTime>,
+    /// How many times the table was put back after someone else changed it.
+    pub heals: u64,
+    /// Who changed it the last time.
+    pub last_heal_by: Option<String>,
 }
 
 /// Addresses that answers added, by name: said ("new addresses allowed") only once the table
@@ -159,9 +188,17 @@ pub struct Core {
     /// were lost, a different current generation means someone else committed since.
     our_generation: Option<u32>,
     last_refresh: Option<SystemTime>,
+    /// When the kernel last accepted a full apply.
+    last_apply: Option<SystemTime>,
+    /// How many times the table was put back after someone else changed it, and who did
+    /// the last time.
+    heals: u64,
+    last_heal_by: Option<String>,
     /// In guard mode, who the guard is (this process's uid, its mark and addresses): its
     /// sockets alone may reach the upstream resolvers. Its upstream follows reloads.
     guard: Option<GuardIdentity>,
+    /// What the table has besides the policy while the run records or audits.
+    extras: Extras,
     /// Elements a restarted guard found in the running table, kept until they expire (clients
     /// still hold the answers that allowed them), as long as the policy allows their names.
     carried: BTreeMap<Tuple, Carried>,
@@ -231,6 +268,9 @@ impl Core {
             retry_apply: None,
             our_generation: None,
             last_refresh: None,
+            last_apply: None,
+            heals: 0,
+            last_heal_by: None,
             guard,
             carried: BTreeMap::new(),
             dropped_log: LogBudget::default(),
@@ -238,7 +278,47 @@ impl Core {
             allowed_log: LogBudget::default(),
             host_scope: HostScope::default(),
             unserved_bridges: BTreeSet::new(),
+            extras: Extras::default(),
         }
+    }
+
+    /// What the table has besides the policy from the next apply on (`run --record`,
+    /// `learn`).
+    pub fn set_extras(&mut self, extras: Extras) {
+        self.extras = extras;
+    }
+
+    /// Whether the table audits (`learn`'s window).
+    pub fn auditing(&self) -> bool {
+        self.extras.audit.is_some()
+    }
+
+    /// Keeps the audit window open a while longer. A window the kernel no longer has (the
+    /// set deleted under us) is put back with the whole table.
+    pub fn renew_audit(&mut self, table: &mut dyn Table, now: Instant, fx: &mut Vec<Effect>) {
+        let Some(open_for_ms) = self.extras.audit.and_then(|a| a.open_for_ms) else {
+            return;
+        };
+        match table.renew_audit_window(open_for_ms) {
+            Ok(()) => self.our_generation = table.generation().ok(),
+            Err(e) => {
+                warn!(error = %e, "renewing the audit window failed; restoring the table");
+                self.reapply(table, now, fx);
+            }
+        }
+    }
+
+    /// Ends the audit (and the recording): the table is the policy's again, nothing else, and
+    /// is recorded as a generation.
+    pub fn end_extras(
+        &mut self,
+        table: &mut dyn Table,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), NftError> {
+        self.extras = Extras::default();
+        self.record_next_apply = true;
+        self.apply_all(table, now, fx)
     }
 
     /// What of the host the table is planned with from now on (the shell reads it at start,
@@ -332,7 +412,7 @@ impl Core {
             }
             Event::TableChanged(changes) => self.heal(table, changes, now, &mut fx),
             Event::NotificationsLost => self.check_after_overrun(table, now, &mut fx),
-            Event::Refused(event) => self.log_drop(event, now),
+            Event::Refused(event) => fx.push(self.log_drop(event, now)),
         }
         fx
     }
@@ -686,7 +766,7 @@ impl Core {
             &self.host_scope.cgroups,
             named,
         );
-        (ruleset, elements)
+        (with_extras(ruleset, &self.extras), elements)
     }
 
     /// Replaces the whole table with the current policy and addresses.
@@ -702,6 +782,7 @@ impl Core {
                 self.our_generation = table.generation().ok();
                 self.installed = elements;
                 self.retry_apply = None;
+                self.last_apply = Some(SystemTime::now());
                 info!(
                     table = %format!("inet {TABLE}"),
                     names = self.names.len(),
@@ -715,7 +796,8 @@ impl Core {
                         policy_path: self.policy_path.clone(),
                         policy_text: self.policy_text.clone(),
                         resolution: self.resolution(now),
-                        ruleset,
+                        // What the policy plans: the audit and the flow record are the run's.
+                        ruleset: without_extras(ruleset),
                     })));
                 }
                 Ok(())
@@ -1031,6 +1113,8 @@ impl Core {
             by = %who.join(", "),
             "table inet {TABLE} was changed by someone else; restoring it"
         );
+        self.heals += 1;
+        self.last_heal_by = Some(who.join(", "));
         self.reapply(table, now, fx);
     }
 
@@ -1046,6 +1130,8 @@ impl Core {
                 warn!(
                     "nftables notifications were lost and the ruleset changed since our last transaction; restoring the table"
                 );
+                self.heals += 1;
+                self.last_heal_by = Some("unknown (notifications lost)".into());
                 self.reapply(table, now, fx);
             }
         }
@@ -1124,8 +1210,18 @@ impl Core {
         }
     }
 
-    fn log_drop(&self, mut event: DropEvent, now: Instant) {
-        event.note = Some(self.why_refused(event.dst, event.dport, now).to_string());
+    /// Logs a refused packet with why it was refused; returns the count of it for metrics.
+    fn log_drop(&self, mut event: DropEvent, now: Instant) -> Effect {
+        let why = self.why_refused(event.dst, event.dport, now);
+        let count = Effect::CountRefused {
+            family: Family::of(event.dst),
+            reason: why.reason(),
+            deny_entry: match &why {
+                WhyRefused::Denied(entry) => Some(entry.clone()),
+                _ => None,
+            },
+        };
+        event.note = Some(why.to_string());
         info!(
             protocol = %event.protocol,
             src = %event.src,
@@ -1136,6 +1232,35 @@ impl Core {
             note = event.note.as_deref().unwrap_or(""),
             "refused packet"
         );
+        count
+    }
+
+    /// What `run --metrics` shows of the core (see [`CoreView`]).
+    pub fn view(&self, now: Instant) -> CoreView {
+        let guard_mode = self.policy.dns.guard.is_some();
+        let lookup_failures = match guard_mode {
+            true => Vec::new(),
+            // Only the policy's names: `names` holds nothing else in resolve mode.
+            false => self
+                .policy
+                .domains()
+                .into_iter()
+                .map(|n| {
+                    let failures = self.names.get(n).map_or(0, |s| s.failures);
+                    (n.to_string(), failures)
+                })
+                .collect(),
+        };
+        CoreView {
+            guard_mode,
+            names: self.names.len(),
+            addresses: self.names.values().map(|s| s.live(now).count()).sum(),
+            lookup_failures,
+            last_refresh: self.last_refresh,
+            last_apply: self.last_apply,
+            heals: self.heals,
+            last_heal_by: self.last_heal_by.clone(),
+        }
     }
 }
 
@@ -1406,6 +1531,55 @@ mod tests {
             Some(890_000),
             "with what is left of its lifetime"
         );
+    }
+
+    #[test]
+    fn an_audit_is_renewed_healed_and_ended_with_the_policys_table() {
+        use crate::core::plan::Audit;
+        let now = Instant::now();
+        let mut c = core(GUARD, now);
+        c.set_extras(Extras {
+            flow_group: Some(8),
+            audit: Some(Audit {
+                group: 7,
+                open_for_ms: Some(30_000),
+            }),
+        });
+        let mut table = MemoryTable::new();
+        let mut fx = Vec::new();
+        c.apply_all(&mut table, now, &mut fx).expect("applied");
+        let has = |t: &MemoryTable, r: &Rule| t.table.as_ref().unwrap().output.contains(r);
+        assert!(has(&table, &Rule::AuditAccept { group: 7 }));
+        assert!(has(&table, &Rule::RecordFlow { group: 8 }));
+        let recorded = fx.iter().find_map(|e| match e {
+            Effect::Record(new) => Some(new.ruleset.clone()),
+            _ => None,
+        });
+        assert_eq!(
+            recorded,
+            Some(without_extras(table.table.clone().unwrap())),
+            "the generation is the policy's table"
+        );
+        let before = table.generation;
+        c.renew_audit(&mut table, now, &mut fx);
+        assert_eq!(table.generation, before + 1, "one small transaction");
+        assert_eq!(table.applied.len(), 1, "no full apply for a renewal");
+        // The set gone under us: the whole table comes back, window and all.
+        table.table.as_mut().unwrap().audit = None;
+        c.renew_audit(&mut table, now, &mut fx);
+        assert_eq!(table.applied.len(), 2);
+        assert!(table.table.as_ref().unwrap().audit.is_some());
+        fx.clear();
+        c.end_extras(&mut table, now, &mut fx).expect("applied");
+        let last = table.table.as_ref().unwrap();
+        assert_eq!(last.audit, None);
+        assert!(!has(&table, &Rule::AuditAccept { group: 7 }));
+        assert!(!has(&table, &Rule::RecordFlow { group: 8 }));
+        assert_eq!(records(&fx), 1, "the policy's table, recorded");
+        assert!(!c.auditing());
+        let renewals = table.generation;
+        c.renew_audit(&mut table, now, &mut fx);
+        assert_eq!(table.generation, renewals, "nothing to renew after the end");
     }
 
     #[test]

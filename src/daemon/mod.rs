@@ -38,6 +38,7 @@
 //! could not start in closed.
 
 mod core;
+pub mod metrics;
 mod names;
 mod shell;
 
@@ -48,14 +49,18 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::{error, warn};
 
+use crate::core::plan::Extras;
 use crate::core::policy::{Policy, PolicyError};
 use crate::core::ruleset::TABLE;
+use crate::core::trace::Record;
 use crate::dns::resolve::ResolveError;
 use crate::guard::{Guard, GuardError};
 use crate::nft::monitor::Monitor;
 use crate::nft::{Nft, NftError, Table};
 use crate::state::{StateDir, StateError, WriterLock};
+use crate::trace_file::TraceSink;
 use crate::watch::{DropEvent, WatchError, Watcher};
+pub use metrics::{MetricsAddr, MetricsAddrError};
 use shell::Daemon;
 
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +119,37 @@ pub struct Options {
     pub keep: usize,
     /// How long to wait for another writer's lock at start.
     pub lock_timeout: Duration,
+    /// Serve metrics there (`--metrics`).
+    pub metrics: Option<MetricsAddr>,
+    /// `run --record` and `learn`: the trace this run writes, and whether it audits.
+    pub recording: Option<Recording>,
+}
+
+/// What a recording run writes and does.
+pub struct Recording {
+    /// Every name the guard is asked and every new flow go here.
+    pub trace: TraceSink,
+    /// `learn`: the table audits (see [`crate::core::plan::Audit`]), for this long.
+    pub audit: Option<AuditFor>,
+}
+
+/// How long `learn` audits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuditFor {
+    /// Until this much time has passed since the table went up (or a signal stops it).
+    Duration(Duration),
+    /// Until SIGTERM or SIGINT.
+    UntilStopped,
+}
+
+impl Options {
+    fn audit(&self) -> Option<AuditFor> {
+        self.recording.as_ref().and_then(|r| r.audit)
+    }
+
+    fn trace(&self) -> Option<&TraceSink> {
+        self.recording.as_ref().map(|r| &r.trace)
+    }
 }
 
 /// Runs the daemon until SIGTERM or SIGINT. The calling thread must already be in the
@@ -150,6 +186,11 @@ fn start_and_serve(
     boundary_up: &mut bool,
 ) -> Result<(), DaemonError> {
     let (policy, policy_text) = Policy::load_with_text(&options.policy_path)?;
+    // `action: audit` is learn's alone, and learn needs the guard.
+    match options.audit() {
+        None => policy.refuse_audit(&policy_text, &options.policy_path, "run")?,
+        Some(_) => policy.refuse_learn(&policy_text, &options.policy_path)?,
+    }
     // A scope this host opens a way past is refused like an invalid policy: the namespace is
     // left closed (see `run`), and an edit or the host's fix and a restart put it up.
     policy.refuse_scope_holes(&policy_text, &options.policy_path, &crate::host::ThisHost)?;
@@ -161,6 +202,15 @@ fn start_and_serve(
         // Subscribed before the first apply, so no change made after it goes unseen.
         let monitor = crate::nft::sys::async_monitor(Monitor::open()?)
             .map_err(io("watch for nftables changes"))?;
+        // Subscribed before the table logs to it, so no flow goes unrecorded.
+        let extras = Extras::of_run(
+            &policy,
+            options.recording.is_some(),
+            options.audit().is_some(),
+        );
+        if let (Some(group), Some(trace)) = (extras.flow_group, options.trace()) {
+            record_flows(group, trace.clone())?;
+        }
         let drops = match (options.log_drops, policy.log.group) {
             (false, _) => None,
             (true, Some(group)) => Some(drop_events(group)?),
@@ -182,10 +232,33 @@ fn start_and_serve(
             }
             None => (None, None),
         };
-        let mut daemon = Daemon::start(options, lock, policy, policy_text, identity).await?;
+        // Bound before the table goes up too: a taken address stops the daemon at once.
+        let metrics = match &options.metrics {
+            Some(addr) => Some((
+                metrics::bind(addr).await?,
+                addr.clone(),
+                Arc::new(metrics::Metrics::new(options.log_drops)),
+            )),
+            None => None,
+        };
+        let shared = metrics.as_ref().map(|(_, _, m)| m.clone());
+        let mut daemon =
+            Daemon::start(options, lock, policy, policy_text, identity, shared, extras).await?;
         *boundary_up = true;
         let answers = guard.map(|g| daemon.start_guard(g));
-        daemon.serve(monitor, drops, answers).await
+        let mut socket = None;
+        if let Some((listener, addr, shared)) = metrics {
+            if let metrics::Listener::Unix(_, path) = &listener {
+                socket = Some(path.clone());
+            }
+            metrics::serve(listener, shared)?;
+            metrics::announce(&addr);
+        }
+        let served = daemon.serve(monitor, drops, answers).await;
+        if let Some(path) = socket {
+            metrics::remove_socket(&path);
+        }
+        served
     });
     // A reload may still be reading its file (a FIFO nobody writes): it must not hold up
     // the exit, as dropping the runtime would.
@@ -249,6 +322,46 @@ fn drop_pending_confirmation(state: &StateDir, lock: &WriterLock) {
     }
     if let Err(e) = state.clear_pending(lock) {
         error!(error = %e, "cannot remove the pending confirmation");
+    }
+}
+
+/// The first packet of every new flow, from NFLOG `group` ([`Rule::RecordFlow`]), written to
+/// the trace by a thread of its own.
+///
+/// [`Rule::RecordFlow`]: crate::core::ruleset::Rule::RecordFlow
+fn record_flows(group: u16, trace: TraceSink) -> Result<(), DaemonError> {
+    let mut watcher = Watcher::subscribe(group)?;
+    std::thread::Builder::new()
+        .name("flow-record".into())
+        .spawn(move || {
+            loop {
+                match watcher.next_event() {
+                    Ok(event) => trace.record(flow_record(&event)),
+                    Err(e) if e.is_transient() => warn!(error = %e, "reading new flows"),
+                    Err(e) => {
+                        error!(error = %e, "new flows are no longer recorded");
+                        return;
+                    }
+                }
+            }
+        })
+        .map_err(io("start the flow recorder"))?;
+    Ok(())
+}
+
+/// A logged first packet as a trace's `flow` line.
+fn flow_record(event: &DropEvent) -> Record {
+    Record::Flow {
+        time: event.time.clone(),
+        family: event.family.to_string(),
+        protocol: event.protocol.clone(),
+        dst: event.dst,
+        dport: event.dport,
+        uid: event.uid,
+        iif: event
+            .in_ifindex
+            .and_then(|i| nix::net::if_::if_indextoname(i).ok())
+            .map(|name| name.to_string_lossy().into_owned()),
     }
 }
 

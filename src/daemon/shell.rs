@@ -18,9 +18,11 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
 
 use super::core::{Core, Effect, Event, GuardAnswer, NewAddresses, ScopeFacts};
-use super::{DaemonError, Options, io};
+use super::metrics::Metrics;
+use super::{AuditFor, DaemonError, Options, io};
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::lifetime::Lifetimes;
+use crate::core::plan::{AUDIT_RENEW_EVERY, AUDIT_WINDOW, Extras};
 use crate::core::policy::{Policy, PolicyError};
 use crate::core::resolution::{HostScope, ResolvedHost};
 use crate::core::ruleset::CgroupMatch;
@@ -59,6 +61,8 @@ pub(super) struct Daemon {
     guard: Option<GuardLink>,
     /// This host's addresses and subnet broadcasts, which no guard answer may install.
     host_addrs: HostAddrsCache,
+    /// What `--metrics` serves, when it is on.
+    metrics: Option<Arc<Metrics>>,
 }
 
 /// The daemon's side of the DNS guard.
@@ -75,6 +79,8 @@ impl Daemon {
         policy: Policy,
         policy_text: String,
         guard: Option<GuardIdentity>,
+        metrics: Option<Arc<Metrics>>,
+        extras: Extras,
     ) -> Result<Daemon, DaemonError> {
         let guard_mode = guard.is_some();
         let (resolvers, resolver) = match (&guard, resolver_for(&policy, &options)) {
@@ -116,6 +122,7 @@ impl Daemon {
             Instant::now(),
         );
         core.set_host_scope(host_scope);
+        core.set_extras(extras);
         let mut daemon = Daemon {
             core,
             options,
@@ -124,6 +131,7 @@ impl Daemon {
             nft: Nft::open()?,
             guard: None,
             host_addrs: HostAddrsCache::new(),
+            metrics,
         };
         // A running boundary (a restart) is replaced only once its names are resolved, so
         // that nothing allowed goes missing for a moment. Without one (boot), the
@@ -151,6 +159,7 @@ impl Daemon {
             added.log();
         }
         daemon.carry_out(effects, &mut BTreeMap::new());
+        daemon.publish_metrics();
         Ok(daemon)
     }
 
@@ -161,11 +170,15 @@ impl Daemon {
             .core
             .guard()
             .and_then(|identity| Rules::of(self.core.policy(), identity))
-            .expect("the policy is in guard mode");
+            .expect("the policy is in guard mode")
+            .auditing(self.core.auditing());
         let (rules_tx, rules_rx) = watch::channel(Arc::new(rules));
         let (answered_tx, answered_rx) = mpsc::channel(1024);
         let (events, _) = broadcast::channel(1024);
         let counters = Arc::new(Counters::default());
+        if let Some(metrics) = &self.metrics {
+            metrics.guard_counters(counters.clone());
+        }
         let events_path = self.options.state.guard_events();
         // Without it `watch` misses refused queries; the log still has them.
         if let Err(e) = crate::guard::serve_events(events_path.clone(), events.clone()) {
@@ -179,6 +192,7 @@ impl Daemon {
             answered: answered_tx,
             events,
             counters: counters.clone(),
+            trace: self.options.trace().cloned(),
         });
         // The policy's addresses and, with `scope.forward`, the listed bridges' it bound.
         let listen: Vec<SocketAddr> = self
@@ -231,7 +245,17 @@ impl Daemon {
                 },
                 Effect::GuardRules(rules) => {
                     if let Some(link) = &self.guard {
+                        let rules = rules.auditing(self.core.auditing());
                         link.rules.send_replace(Arc::new(rules));
+                    }
+                }
+                Effect::CountRefused {
+                    family,
+                    reason,
+                    deny_entry,
+                } => {
+                    if let Some(metrics) = &self.metrics {
+                        metrics.count_refused(family, reason, deny_entry);
                     }
                 }
                 // Only a wakeup asks for lookups and only a reload adopts: the event loop and
@@ -251,10 +275,15 @@ impl Daemon {
             .state
             .record(&self.lock, new, self.options.keep)
         {
-            Ok(g) => info!(
-                generation = g.generation,
-                "recorded generation {}", g.generation
-            ),
+            Ok(g) => {
+                info!(
+                    generation = g.generation,
+                    "recorded generation {}", g.generation
+                );
+                if let Some(metrics) = &self.metrics {
+                    metrics.recorded(g.generation);
+                }
+            }
             Err(e) => error!(error = %e, "the applied table could not be recorded as a generation"),
         }
     }
@@ -291,8 +320,12 @@ impl Daemon {
     /// host its scope lists: the event loop goes on healing and answering meanwhile.
     fn parse_policy(&self) -> JoinHandle<Parsed> {
         let path = self.options.policy_path.clone();
+        let auditing = self.options.audit().is_some();
         tokio::task::spawn_blocking(move || {
             let loaded = Policy::load_with_text(&path).and_then(|(policy, text)| {
+                if !auditing {
+                    policy.refuse_audit(&text, &path, "run")?;
+                }
                 policy.refuse_scope_holes(&text, &path, &crate::host::ThisHost)?;
                 Ok((policy, text))
             });
@@ -392,6 +425,14 @@ impl Daemon {
         self.carry_out(effects, &mut releases);
     }
 
+    /// Hands what the core knows to the metrics server (at most once a second: it walks
+    /// the names).
+    fn publish_metrics(&self) {
+        if let Some(metrics) = &self.metrics {
+            metrics.publish(self.core.view(Instant::now()));
+        }
+    }
+
     fn status_line(&self) -> String {
         let guard = self.guard.as_ref().map(|link| {
             let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
@@ -437,8 +478,23 @@ impl Daemon {
         scope_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut parse_again = false;
         let mut no_releases = BTreeMap::new();
+        // `learn`: the window is renewed while the daemon runs, and closes at the deadline.
+        let mut renew_tick = tokio::time::interval(AUDIT_RENEW_EVERY);
+        let audit_ends = match self.options.audit() {
+            Some(AuditFor::Duration(d)) => Some(Instant::now() + d),
+            _ => None,
+        };
         loop {
             tokio::select! {
+                _ = renew_tick.tick(), if self.core.auditing() => {
+                    let mut fx = Vec::new();
+                    self.core.renew_audit(&mut self.nft, Instant::now(), &mut fx);
+                    self.carry_out(fx, &mut no_releases);
+                }
+                _ = sleep_until(audit_ends.unwrap_or_else(Instant::now)), if audit_ends.is_some() => {
+                    info!("the audit's duration is over");
+                    break;
+                }
                 _ = sleep_until(self.core.next_wakeup(Instant::now())), if lookup.is_none() => {
                     let effects = self.core.on(Event::Wake, Instant::now(), &mut self.nft);
                     for effect in effects {
@@ -553,6 +609,7 @@ impl Daemon {
             // that a slow reader fills, and counting addresses is not free.
             if status_at.elapsed() >= Duration::from_secs(1) {
                 status_at = Instant::now();
+                self.publish_metrics();
                 let status = self.status_line();
                 if status != last_status {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
@@ -562,6 +619,22 @@ impl Daemon {
         }
 
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        if self.options.recording.is_some() {
+            // The window closes and the flow record stops: the table is the policy's again.
+            let mut fx = Vec::new();
+            match self.core.end_extras(&mut self.nft, Instant::now(), &mut fx) {
+                Ok(()) => info!(
+                    policy = %self.options.policy_path.display(),
+                    "recording stopped{}; the table enforces the policy again",
+                    if self.options.audit().is_some() { " and the audit window closed" } else { "" }
+                ),
+                // The window still closes by itself within its timeout.
+                Err(e) => {
+                    error!(error = %e, "the table could not be put back without the audit;                                   its window closes by itself within {} s", AUDIT_WINDOW.as_secs())
+                }
+            }
+            self.carry_out(fx, &mut no_releases);
+        }
         if let Some(link) = &self.guard {
             let _ = std::fs::remove_file(&link.events_path);
         }

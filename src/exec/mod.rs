@@ -369,6 +369,8 @@ fn start_daemon(options: &Options, state: StateDir) -> Result<mpsc::Receiver<()>
         state,
         keep: 1,
         lock_timeout: Duration::from_secs(1),
+        metrics: None,
+        recording: None,
     };
     let (ended_tx, ended_rx) = mpsc::channel();
     std::thread::Builder::new()

@@ -302,25 +302,6 @@ impl Refusals {
 mod tests {
     use super::*;
 
-    fn refused_to(dst: &str, dport: u16) -> DropEvent {
-        DropEvent {
-            time: "2026-12-01T19:00:00.000Z".into(),
-            prefix: "EGRESS-DROP: ".into(),
-            family: "ipv4",
-            protocol: "tcp".into(),
-            src: "10.0.0.2".parse().expect("an address"),
-            dst: dst.parse().expect("an address"),
-            sport: Some(40000),
-            dport: Some(dport),
-            uid: None,
-            gid: None,
-            verdict: "refused",
-            note: None,
-            in_ifindex: None,
-            scope: None,
-        }
-    }
-
     #[test]
     fn the_canary_host_gathers_its_questions_addresses_and_refused_connections() {
         let host = "hooks.example.test";
@@ -332,8 +313,8 @@ mod tests {
                 ..CanaryHost::default()
             }),
             refused_for_canary: vec![
-                refused_to("192.0.2.11", 9090),
-                refused_to("192.0.2.12", 9090),
+                DropEvent::refused_to("192.0.2.11", 9090),
+                DropEvent::refused_to("192.0.2.12", 9090),
             ],
             ..Refusals::default()
         };
@@ -363,7 +344,10 @@ mod tests {
             h.addresses,
             vec!["192.0.2.11".parse::<IpAddr>().expect("an address")]
         );
-        assert_eq!(h.refused_connections, vec![refused_to("192.0.2.11", 9090)]);
+        assert_eq!(
+            h.refused_connections,
+            vec![DropEvent::refused_to("192.0.2.11", 9090)]
+        );
         let summary = r.summary();
         assert!(summary.contains("CANARY TRIPPED: the canary's URL host hooks.example.test was asked: Hooks.Example.Test. (SENT)"), "{summary}");
         assert!(summary.contains("answered with 192.0.2.11"), "{summary}");

@@ -29,6 +29,16 @@ pub enum ClientKey {
 }
 
 impl ClientKey {
+    /// The uid of a local client whose socket's owner is known.
+    pub fn uid(self) -> Option<u32> {
+        match self {
+            ClientKey::LocalUser(uid) => Some(uid),
+            _ => None,
+        }
+    }
+}
+
+impl ClientKey {
     /// Whether the key is one of the [`ClientKey::Address`] keys, which share a group cap.
     fn by_address(self) -> bool {
         matches!(self, ClientKey::Address(_))

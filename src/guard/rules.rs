@@ -21,6 +21,9 @@ pub struct Rules {
     /// for refused packets (`watch` still gets every one).
     pub(super) log_rate: Rate,
     pub(super) log_burst: u32,
+    /// `learn`: every name is forwarded (what is not the policy's has no addresses installed:
+    /// the audit window lets its traffic through and logs it).
+    pub(super) audit: bool,
 }
 
 impl Rules {
@@ -41,7 +44,14 @@ impl Rules {
             mark: identity.mark,
             log_rate: policy.log.rate,
             log_burst: policy.log.burst,
+            audit: false,
         })
+    }
+
+    /// These rules, forwarding every name while `audit` (`learn`).
+    pub fn auditing(mut self, audit: bool) -> Rules {
+        self.audit = audit;
+        self
     }
 
     pub fn allows(&self, name: &DomainName) -> bool {
@@ -104,7 +114,7 @@ pub fn judge(query: &Message, rules: &Rules) -> Verdict {
         return refuse(Refusal::Type(question.query_type()));
     }
     match domain_name_of(question.name()) {
-        Some(name) if rules.allows(&name) => Verdict::Forward(name),
+        Some(name) if rules.allows(&name) || rules.audit => Verdict::Forward(name),
         _ => refuse(Refusal::NotInPolicy),
     }
 }

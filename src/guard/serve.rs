@@ -14,9 +14,11 @@ use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use crate::core::policy::{DomainName, L4Proto};
+use crate::core::trace::Record;
 use crate::dns::frame;
 use crate::dns::message;
 use crate::host::HostAddrsCache;
+use crate::trace_file::TraceSink;
 use crate::watch::QueryEvent;
 
 use super::clients::{ClientKey, ClientLimits, client_key, open_sock_diag};
@@ -44,6 +46,8 @@ pub struct Context {
     pub answered: mpsc::Sender<Answered>,
     pub events: broadcast::Sender<QueryEvent>,
     pub counters: Arc<Counters>,
+    /// `run --record` and `learn`: every name asked, answered or refused, goes here.
+    pub trace: Option<TraceSink>,
 }
 
 /// What the receiving loop does with one UDP datagram or TCP message, decided at once: only
@@ -59,6 +63,8 @@ pub(super) struct Forward {
     query: Message,
     name: DomainName,
     rules: Arc<Rules>,
+    /// Who asked, for a local client whose socket's owner is known (the trace's `uid`).
+    uid: Option<u32>,
 }
 
 pub(super) async fn serve_udp(
@@ -99,6 +105,10 @@ pub(super) async fn serve_udp(
         // Never wait here: the loop serves every client, and a client over its share (or a
         // guard out of slots) loses this query, which it asks again.
         let key = client_key(diag.as_mut(), host.current(), L4Proto::Udp, local, client);
+        let forward = Forward {
+            uid: key.uid(),
+            ..forward
+        };
         let Some(slot) = forwarding.try_take(key) else {
             debug!(client = %client, "this client has too many queries in flight; dropping one");
             continue;
@@ -190,6 +200,10 @@ async fn serve_tcp_client(
                 let Ok(_permit) = context.in_flight.acquire().await else {
                     return;
                 };
+                let forward = Forward {
+                    uid: key.uid(),
+                    ..forward
+                };
                 match forward_reply(&context, forward, client, L4Proto::Tcp).await {
                     Some(reply) => reply,
                     None => return,
@@ -249,6 +263,17 @@ fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: L4Proto
                       answer = answer, not_logged_before = held_back,
                       "refused DNS query: {note}");
             }
+            if let Some(trace) = &context.trace {
+                trace.record(Record::Name {
+                    time: crate::trace_file::now(),
+                    name: name.to_ascii_lowercase(),
+                    qtype: qtype.clone(),
+                    answer: answer.to_string(),
+                    addrs: Vec::new(),
+                    ttl: None,
+                    uid: None,
+                });
+            }
             // Nobody listening is fine.
             let _ = context.events.send(QueryEvent::refused(
                 name,
@@ -260,20 +285,32 @@ fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: L4Proto
             ));
             reply(&reply_to(&query, code))
         }
-        Verdict::Forward(name) => Prepared::Forward(Forward { query, name, rules }),
+        Verdict::Forward(name) => Prepared::Forward(Forward {
+            query,
+            name,
+            rules,
+            uid: None,
+        }),
     }
 }
 
 /// Forwards a checked query and returns the reply for the client (`None`: send nothing).
 async fn forward_reply(
     context: &Context,
-    Forward { query, name, rules }: Forward,
+    Forward {
+        query,
+        name,
+        rules,
+        uid,
+    }: Forward,
     client: SocketAddr,
     transport: L4Proto,
 ) -> Option<Vec<u8>> {
-    match forward(context, &rules, &query, name, transport).await {
+    let asked = std::time::Instant::now();
+    match forward(context, &rules, &query, name, transport, uid).await {
         Ok(reply) => {
             context.counters.answered.fetch_add(1, Ordering::Relaxed);
+            context.counters.answer_latency.observe(asked.elapsed());
             Some(reply)
         }
         Err(why) => {
@@ -343,6 +380,7 @@ mod tests {
             answered,
             events: broadcast::channel(8).0,
             counters: Arc::new(Counters::default()),
+            trace: None,
         });
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
         let ask = |name: &str| {
@@ -399,6 +437,7 @@ mod tests {
             answered: mpsc::channel(1).0,
             events: broadcast::channel(1).0,
             counters: Arc::new(Counters::default()),
+            trace: None,
         };
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();
         // A header claiming a question the message does not hold.
@@ -451,6 +490,7 @@ mod tests {
             answered,
             events: broadcast::channel(8).0,
             counters: Arc::new(Counters::default()),
+            trace: None,
         });
         let raw = query("a.pool.example.", RecordType::A).to_vec().unwrap();
         let client: SocketAddr = "127.0.0.1:5353".parse().unwrap();

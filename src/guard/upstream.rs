@@ -6,7 +6,7 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use hickory_proto::op::{Message, Query};
+use hickory_proto::op::{Message, Query, ResponseCode};
 use tokio::net::{TcpSocket, UdpSocket};
 use tokio::sync::oneshot;
 use tokio::time::timeout;
@@ -15,6 +15,7 @@ use tracing::{debug, warn};
 use crate::core::installable::MAX_ADDRS_PER_FAMILY;
 use crate::core::policy::DomainName;
 use crate::core::resolution::ResolvedAddr;
+use crate::core::trace::Record;
 use crate::dns::exchange;
 use crate::dns::message::{self, EdnsOffer, MAX_MESSAGE};
 
@@ -45,6 +46,7 @@ pub(super) async fn forward(
     query: &Message,
     name: DomainName,
     transport: L4Proto,
+    uid: Option<u32>,
 ) -> Result<Vec<u8>, String> {
     let (mut reply, parsed) = ask_upstream(&rules.upstream, rules.mark, query, transport).await?;
     let arrived = Instant::now();
@@ -57,7 +59,24 @@ pub(super) async fn forward(
                only the first ones are allowed");
     }
     let count = addrs.len();
-    if !addrs.is_empty() {
+    if let Some(trace) = &context.trace {
+        trace.record(Record::Name {
+            time: crate::trace_file::now(),
+            name: name.to_string(),
+            qtype: query
+                .queries
+                .first()
+                .map(|q| q.query_type().to_string())
+                .unwrap_or_default(),
+            answer: rcode_name(parsed.metadata.response_code),
+            addrs: addrs.iter().map(|a| a.addr).collect(),
+            ttl: addrs.iter().map(|a| a.ttl).min(),
+            uid,
+        });
+    }
+    // A name only an audit forwards has nothing installed: the audit window lets its
+    // traffic through, and logs it.
+    if !addrs.is_empty() && rules.allows(&name) {
         let (done, installed) = oneshot::channel();
         let request = Answered {
             name: name.clone(),
@@ -83,6 +102,19 @@ pub(super) async fn forward(
     debug!(name = %name, addresses = count, held_us = arrived.elapsed().as_micros() as u64,
            "answer released");
     Ok(reply)
+}
+
+/// A response code as DNS people write it ("NOERROR", "NXDOMAIN"), for the trace.
+fn rcode_name(code: ResponseCode) -> String {
+    match code {
+        ResponseCode::NoError => "NOERROR".into(),
+        ResponseCode::FormErr => "FORMERR".into(),
+        ResponseCode::ServFail => "SERVFAIL".into(),
+        ResponseCode::NXDomain => "NXDOMAIN".into(),
+        ResponseCode::NotImp => "NOTIMP".into(),
+        ResponseCode::Refused => "REFUSED".into(),
+        other => format!("RCODE{}", u16::from(other)),
+    }
 }
 
 /// The first upstream answer that matches the question, raw and parsed.

@@ -16,11 +16,12 @@ use super::sys::{
     NFT_SET_ELEM_INTERVAL_END, NFT_SET_INTERVAL, NFT_SET_TIMEOUT, NlSet, PayloadBase,
 };
 use crate::core::policy::{Action, CgroupPath, IfacePattern, L4Proto, Rate, RateUnit};
+use crate::core::ruleset::{AUDIT_COMMENT, AUDIT_PREFIX, AUDIT_WINDOW_SET, FLOW_PREFIX};
 use crate::core::ruleset::{
-    BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
-    FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, Icmpv6Type, KeyShape, Limit, LimitKind, LogSpec,
-    MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset, ScopeMatch, SetId, SetRole,
-    SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
+    Arrival, BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
+    FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, ICMP_ANSWER_PRIORITY, Icmpv6Type, KeyShape,
+    Limit, LimitKind, LogSpec, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset,
+    ScopeMatch, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
@@ -113,6 +114,17 @@ pub fn replace_table(ruleset: &Ruleset) -> Encoded {
         );
     }
 
+    if let Some(window) = &ruleset.audit {
+        b.add(
+            &audit_window_set(AUDIT_WINDOW_BATCH_ID),
+            MsgType::Add,
+            format!("set {AUDIT_WINDOW_SET}"),
+        );
+        if let Some(ms) = window.open_for_ms {
+            add_audit_elements(&mut b, AUDIT_WINDOW_BATCH_ID, ms, ElemOp::Create);
+        }
+    }
+
     let specs = ruleset.chains();
     let names: Vec<CString> = specs.iter().map(|c| cstring(c.name)).collect();
     let chains: Vec<Chain> = specs
@@ -172,6 +184,74 @@ pub fn upsert_resolved(elements: &[Timed]) -> Encoded {
             .map(|t| timed_elem(id, t));
         // The set already exists, so its batch id is not used: 0 means "by name".
         add_elements(&mut b, id, 0, of_family, ElemOp::Upsert);
+    }
+    b.finish()
+}
+
+/// The audit window's id within a batch (the eight sets take 1 to 8; the kernel never
+/// reports it back).
+const AUDIT_WINDOW_BATCH_ID: u32 = 0x100;
+
+/// nft's datatype id of `nf_proto` (one byte: `NFPROTO_IPV4`, `NFPROTO_IPV6`).
+const NF_PROTO_DATATYPE: u32 = 2;
+
+/// The key and flags of [`AUDIT_WINDOW_SET`]: `type nf_proto; flags timeout`.
+pub fn audit_window_key() -> (KeySpec, u32) {
+    let key = KeySpec {
+        datatype: NF_PROTO_DATATYPE,
+        len: 1,
+        concat_fields: vec![],
+    };
+    (key, NFT_SET_TIMEOUT)
+}
+
+fn audit_window_set(batch_id: u32) -> NlSet {
+    let (key, flags) = audit_window_key();
+    NlSet::new(
+        &table_name(),
+        &cstring(AUDIT_WINDOW_SET),
+        batch_id,
+        &key,
+        flags,
+    )
+}
+
+/// Both families into the audit window, each open for `open_for_ms` from now.
+fn add_audit_elements(b: &mut Builder, batch_id: u32, open_for_ms: u64, op: ElemOp) {
+    let mut set = audit_window_set(batch_id);
+    for family in Family::BOTH {
+        set.push(&Elem {
+            key: vec![nfproto(family)],
+            timeout_ms: Some(open_for_ms),
+            ..Elem::default()
+        });
+    }
+    for _ in 0..set.add_elements_to(&mut b.batch, op) {
+        b.labels.push(format!("elements of set {AUDIT_WINDOW_SET}"));
+    }
+}
+
+/// The transaction that keeps the audit window open `open_for_ms` more from now (sent again
+/// before that runs out), leaving everything else as it is.
+pub fn renew_audit_window(open_for_ms: u64) -> Encoded {
+    let mut b = Builder::new();
+    add_audit_elements(&mut b, 0, open_for_ms, ElemOp::Upsert);
+    b.finish()
+}
+
+/// The transaction that closes the audit window at once (its elements deleted): the table
+/// refuses again what its policy refuses.
+pub fn close_audit_window() -> Encoded {
+    let mut b = Builder::new();
+    let mut set = audit_window_set(0);
+    for family in Family::BOTH {
+        set.push(&Elem {
+            key: vec![nfproto(family)],
+            ..Elem::default()
+        });
+    }
+    for _ in 0..set.add_elements_to(&mut b.batch, ElemOp::Delete) {
+        b.labels.push(format!("elements of set {AUDIT_WINDOW_SET}"));
     }
     b.finish()
 }
@@ -395,6 +475,7 @@ fn next_addr(addr: IpAddr) -> Option<IpAddr> {
 
 const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_IGMP: u8 = 2;
+const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_ICMPV6: u8 = 58;
 /// `oif "lo"`: the loopback device is interface 1 in every network namespace.
@@ -456,6 +537,14 @@ fn is_family(family: Family) -> [AnyExpr; 2] {
     [
         own(Expr::meta(libc::NFT_META_NFPROTO, sys::REG_1)),
         eq(&[nfproto(family)]),
+    ]
+}
+
+/// `iif 0` (sent by this host), `iif "lo"`.
+fn iif_is(arrival: Arrival) -> [AnyExpr; 2] {
+    [
+        own(Expr::meta(libc::NFT_META_IIF, sys::REG_1)),
+        eq(&arrival.iif().to_ne_bytes()),
     ]
 }
 
@@ -773,6 +862,7 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.extend(is_family(set.family));
             e.push(daddr_into_reg1(set.family));
             e.push(lookup(*set, set_ids));
+            e.push(crate_expr(Counter));
             e.push(goto_refused());
         }
         Rule::AcceptTupleIn(set) => {
@@ -809,10 +899,47 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.extend(is_family(*family));
             e.push(crate_expr(Counter));
         }
+        Rule::DropForeignSource(arrival) => {
+            e.extend(iif_is(*arrival));
+            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &sys::RTN_LOCAL.to_ne_bytes(),
+            )));
+            e.push(crate_expr(Verdict::Drop));
+        }
+        Rule::ResetTcp => {
+            e.extend(iif_is(Arrival::Sent));
+            e.extend(l4proto_is(IPPROTO_TCP));
+            e.push(own(Expr::meta(libc::NFT_META_PRIORITY, sys::REG_1)));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &ICMP_ANSWER_PRIORITY.to_ne_bytes(),
+            )));
+            e.push(crate_expr(Verdict::Reject(RejectionType::TcpRst)));
+        }
         Rule::Refuse(action) => e.push(crate_expr(match action {
-            Action::Reject => Verdict::Reject(RejectionType::Icmp(IcmpCode::AdminProhibited)),
+            Action::Reject | Action::Audit => {
+                Verdict::Reject(RejectionType::Icmp(IcmpCode::AdminProhibited))
+            }
             Action::Drop => Verdict::Drop,
         })),
+        Rule::AuditAccept { group } => {
+            e.push(own(Expr::meta(libc::NFT_META_NFPROTO, sys::REG_1)));
+            e.push(own(Expr::lookup(
+                &cstring(AUDIT_WINDOW_SET),
+                AUDIT_WINDOW_BATCH_ID,
+                sys::REG_1,
+            )));
+            e.push(own(Expr::log(&cstring(AUDIT_PREFIX), Some(*group))));
+            e.push(accept);
+        }
+        Rule::RecordFlow { group } => {
+            e.push(crate_expr(Conntrack::State));
+            e.push(crate_expr(Bitwise::new(States::NEW.bits(), 0u32)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_NEQ, &0u32.to_ne_bytes())));
+            e.push(own(Expr::log(&cstring(FLOW_PREFIX), Some(*group))));
+        }
     }
     e
 }
@@ -930,6 +1057,12 @@ struct Matches {
     socket_mark_neq: Option<u32>,
     /// `fib saddr . iif oif missing`.
     fib_missing: bool,
+    /// `fib saddr type != local`.
+    fib_not_local: bool,
+    /// `iif N`: the input interface's index.
+    iif: Option<u32>,
+    /// `meta priority != P`.
+    priority_neq: Option<u32>,
     mark_eq: Option<u32>,
     mark_neq: Option<u32>,
     oif_eq: bool,
@@ -937,6 +1070,8 @@ struct Matches {
     hdrlength: bool,
     routing_header: bool,
     set: Option<SetId>,
+    /// `@audit_window`.
+    audit_window: bool,
     limit: Option<(u64, u64, u32)>,
     log: Option<(String, Option<u16>)>,
     counter: bool,
@@ -952,6 +1087,7 @@ enum ReadVerdict {
     GotoFromBridge,
     JumpGuard,
     Reject,
+    ResetTcp,
 }
 
 /// What a register was last loaded with, for the comparison that follows.
@@ -967,6 +1103,8 @@ enum Loaded {
     SocketMark,
     /// `fib saddr . iif oif present`.
     Fib,
+    /// `fib saddr type`.
+    FibType,
 }
 
 fn u32_of(data: &[u8]) -> Option<u32> {
@@ -1014,7 +1152,13 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                 dreg,
                 level: None,
             } if *dreg == sys::REG_1 => loaded = Some(Loaded::SocketMark),
-            LiveExpr::Fib { dreg, .. } if *dreg == sys::REG_1 => loaded = Some(Loaded::Fib),
+            LiveExpr::Fib { dreg, result, .. } if *dreg == sys::REG_1 => {
+                loaded = Some(if *result == sys::NFT_FIB_RESULT_ADDRTYPE {
+                    Loaded::FibType
+                } else {
+                    Loaded::Fib
+                });
+            }
             LiveExpr::Exthdr { .. } => loaded = Some(Loaded::Exthdr),
             LiveExpr::Cmp { op, data, .. } => {
                 let (op, eq) = (*op as c_int, *op as c_int == libc::NFT_CMP_EQ);
@@ -1039,6 +1183,13 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     Loaded::Meta(libc::NFT_META_IIFNAME) => m.iifname = Some(data.clone()),
                     Loaded::SocketMark if !eq => m.socket_mark_neq = u32_of(data),
                     Loaded::Fib => m.fib_missing = eq && data.iter().all(|&b| b == 0),
+                    Loaded::FibType => {
+                        m.fib_not_local = !eq && u32_of(data) == Some(sys::RTN_LOCAL);
+                    }
+                    Loaded::Meta(libc::NFT_META_IIF) if eq => m.iif = u32_of(data),
+                    Loaded::Meta(libc::NFT_META_PRIORITY) if !eq => {
+                        m.priority_neq = u32_of(data);
+                    }
                     Loaded::Cgroup(level) => {
                         let id = u64::from_ne_bytes(data.as_slice().try_into().ok()?);
                         m.cgroup = Some((level, id));
@@ -1070,6 +1221,7 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     _ => {}
                 }
             }
+            LiveExpr::Lookup { set, .. } if set == AUDIT_WINDOW_SET => m.audit_window = true,
             LiveExpr::Lookup { set, .. } => m.set = Some(SetId::from_name(set)?),
             LiveExpr::Limit {
                 rate, unit, burst, ..
@@ -1087,7 +1239,13 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     _ => return None,
                 });
             }
-            LiveExpr::Reject { .. } => m.verdict = Some(ReadVerdict::Reject),
+            LiveExpr::Reject { kind, .. } => {
+                m.verdict = Some(if *kind == libc::NFT_REJECT_TCP_RST as u32 {
+                    ReadVerdict::ResetTcp
+                } else {
+                    ReadVerdict::Reject
+                });
+            }
             LiveExpr::Other(_) => return None,
             _ => {}
         }
@@ -1098,6 +1256,9 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
 fn rule_of(m: &Matches) -> Option<Rule> {
     let proto = || m.l4proto.and_then(L4Proto::from_number);
     let Some(verdict) = m.verdict else {
+        if let (true, Some((_, Some(group)))) = (m.ct_state, &m.log) {
+            return Some(Rule::RecordFlow { group: *group });
+        }
         if let Some((prefix, group)) = &m.log {
             let (count, unit, burst) = m.limit?;
             let unit = [
@@ -1119,10 +1280,18 @@ fn rule_of(m: &Matches) -> Option<Rule> {
     };
     Some(match verdict {
         ReadVerdict::Reject => Rule::Refuse(Action::Reject),
+        // The re-encoding checks the interface, protocol and priority.
+        ReadVerdict::ResetTcp => Rule::ResetTcp,
+        ReadVerdict::Drop if m.fib_not_local => {
+            Rule::DropForeignSource(Arrival::ALL.into_iter().find(|a| Some(a.iif()) == m.iif)?)
+        }
         ReadVerdict::Drop if m.fib_missing => {
             Rule::DropSpoofedFrom(iface_of(m.iifname.as_deref()?)?)
         }
         ReadVerdict::Drop => Rule::Refuse(Action::Drop),
+        ReadVerdict::Accept if m.audit_window => Rule::AuditAccept {
+            group: m.log.as_ref()?.1?,
+        },
         ReadVerdict::Accept => {
             if m.ct_state {
                 Rule::AcceptEstablished
@@ -1272,6 +1441,7 @@ fn nl_rule<'a>(
 fn rule_comment(rule: &Rule) -> Option<CString> {
     match rule {
         Rule::Fence(ScopeMatch::Cgroup(c)) => CString::new(c.path.as_str()).ok(),
+        Rule::AuditAccept { .. } => CString::new(AUDIT_COMMENT).ok(),
         _ => None,
     }
 }
@@ -1621,6 +1791,7 @@ mod tests {
                 "cmp eq reg 1 0x00000002",
                 "payload load 4b @ network header + 16 => reg 1",
                 "lookup reg 1 set deny4",
+                "counter pkts 0 bytes 0",
                 "immediate reg 0 goto -> refused",
             ]
         );
@@ -1649,6 +1820,101 @@ mod tests {
             ["reject type 2 code 3"]
         );
         assert_eq!(exprs(&Rule::Refuse(Action::Drop)), ["immediate reg 0 drop"]);
+        // nft --debug=netlink: `iif 0 meta l4proto tcp meta priority != 0:5 reject with tcp
+        // reset`, `iif "lo" fib saddr type != local drop`.
+        assert_eq!(
+            exprs(&Rule::ResetTcp),
+            [
+                "meta load iif => reg 1",
+                "cmp eq reg 1 0x00000000",
+                "meta load l4proto => reg 1",
+                "cmp eq reg 1 0x00000006",
+                "meta load priority => reg 1",
+                "cmp neq reg 1 0x00000005",
+                "reject type 1 code 0"
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::DropForeignSource(Arrival::Loopback)),
+            [
+                "meta load iif => reg 1",
+                "cmp eq reg 1 0x00000001",
+                "fib saddr type => reg 1",
+                "cmp neq reg 1 0x00000002",
+                "immediate reg 0 drop"
+            ]
+        );
+    }
+
+    #[test]
+    fn audit_and_flow_records_match_nft() {
+        // nft --debug=netlink of `meta nfproto @audit_window log prefix "EGRESS-AUDIT: "
+        // group 7 accept comment "..."` and `ct state new log prefix "EGRESS-FLOW: " group 8`.
+        assert_eq!(
+            exprs(&Rule::AuditAccept { group: 7 }),
+            [
+                "meta load nfproto => reg 1",
+                "lookup reg 1 set audit_window",
+                "log prefix EGRESS-AUDIT:  group 7 snaplen 0 qthreshold 0",
+                "immediate reg 0 accept",
+            ]
+        );
+        assert_eq!(
+            exprs(&Rule::RecordFlow { group: 8 }),
+            [
+                "ct load state => reg 1",
+                "bitwise reg 1 = ( reg 1 & 0x00000008 ) ^ 0x00000000",
+                "cmp neq reg 1 0x00000000",
+                "log prefix EGRESS-FLOW:  group 8 snaplen 0 qthreshold 0",
+            ]
+        );
+        let audit = dumped_rule(&Rule::AuditAccept { group: 7 }).unwrap();
+        assert_eq!(
+            audit.userdata.as_deref().and_then(comment_of).as_deref(),
+            Some(AUDIT_COMMENT),
+            "nft list says what the rule is for"
+        );
+        // Without its comment, or looking up another set, it is none of ours.
+        assert_eq!(decode_rule(&audit.exprs, None), None);
+        let mut other_set = audit.exprs.clone();
+        for e in &mut other_set {
+            if let LiveExpr::Lookup { set, .. } = e {
+                *set = "audit_windows".into();
+            }
+        }
+        assert_eq!(decode_rule(&other_set, audit.userdata.as_deref()), None);
+    }
+
+    #[test]
+    fn a_table_without_extras_is_the_plans_byte_for_byte() {
+        use crate::core::plan::{Audit, Extras, with_extras};
+        let rs = crate::core::plan::fail_closed();
+        let bytes = |rs: &Ruleset| {
+            without_padding(replace_table(rs).batch.iter().flatten().copied().collect())
+        };
+        assert_eq!(
+            bytes(&with_extras(rs.clone(), &Extras::default())),
+            bytes(&rs)
+        );
+        let recording = Extras {
+            flow_group: Some(8),
+            audit: Some(Audit {
+                group: 7,
+                open_for_ms: Some(30_000),
+            }),
+        };
+        let extra = with_extras(rs.clone(), &recording);
+        assert_ne!(bytes(&extra), bytes(&rs));
+        let enc = replace_table(&extra);
+        assert!(
+            enc.labels.iter().any(|l| l == "set audit_window")
+                && enc
+                    .labels
+                    .iter()
+                    .any(|l| l == "elements of set audit_window"),
+            "{:?}",
+            enc.labels
+        );
     }
 
     #[test]
@@ -1707,13 +1973,17 @@ mod tests {
     /// Every shape of rule, with the parameters the planner gives them (and a few it could).
     fn every_rule() -> Vec<Rule> {
         let mut rules = vec![
+            Rule::AuditAccept { group: 7 },
+            Rule::RecordFlow { group: 8 },
             Rule::AcceptEstablished,
             Rule::AcceptLoopback,
             Rule::AcceptMldReport,
             Rule::GotoRefused,
             Rule::Refuse(Action::Reject),
             Rule::Refuse(Action::Drop),
+            Rule::ResetTcp,
         ];
+        rules.extend(Arrival::ALL.map(Rule::DropForeignSource));
         rules.extend(Icmpv6Type::ALL.map(Rule::AcceptIcmpv6));
         rules.extend(SourceRoute::ALL.map(Rule::RefuseSourceRoute));
         for family in Family::BOTH {
@@ -2061,9 +2331,13 @@ mod tests {
             deeper.exprs[0],
             LiveExpr::Socket { level: Some(3), .. }
         ));
-        // Rules without a cgroup carry no user data, as nft's without a comment.
+        // Rules without a cgroup (or the audit's) carry no user data, as nft's without a
+        // comment.
         for rule in every_rule() {
-            if !matches!(rule, Rule::Fence(ScopeMatch::Cgroup(_))) {
+            if !matches!(
+                rule,
+                Rule::Fence(ScopeMatch::Cgroup(_)) | Rule::AuditAccept { .. }
+            ) {
                 assert_eq!(dumped_rule(&rule).unwrap().userdata, None, "{rule}");
             }
         }
@@ -2176,6 +2450,86 @@ mod tests {
                 "immediate reg 0 goto -> refused",
             ]
         );
+    }
+
+    #[test]
+    fn altered_refusal_answers_read_as_no_rule() {
+        let reset = Rule::ResetTcp;
+        let foreign = Rule::DropForeignSource(Arrival::Sent);
+        type DumpEdit = dyn Fn(&mut DumpedRule);
+        let cmp_at = |at: usize, edit: fn(&mut u32, &mut Vec<u8>)| -> Box<DumpEdit> {
+            Box::new(move |d| {
+                if let LiveExpr::Cmp { op, data, .. } = &mut d.exprs[at] {
+                    edit(op, data);
+                }
+            })
+        };
+        let cases: Vec<(&str, &Rule, Box<DumpEdit>)> = vec![
+            (
+                "a reset for another priority",
+                &reset,
+                cmp_at(5, |_, data| *data = 6u32.to_ne_bytes().to_vec()),
+            ),
+            (
+                "a reset for the probe's priority only",
+                &reset,
+                cmp_at(5, |op, _| *op = libc::NFT_CMP_EQ as u32),
+            ),
+            (
+                "a reset of what is forwarded too",
+                &reset,
+                Box::new(|d| drop(d.exprs.drain(0..2))),
+            ),
+            (
+                "a reset of UDP",
+                &reset,
+                cmp_at(3, |_, data| *data = vec![17]),
+            ),
+            (
+                "ICMP behind the reset's matches",
+                &reset,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Reject { kind, code }) = d.exprs.last_mut() {
+                        (*kind, *code) = (2, 3);
+                    }
+                }),
+            ),
+            (
+                "a drop of this host's own sources",
+                &foreign,
+                cmp_at(3, |op, _| *op = libc::NFT_CMP_EQ as u32),
+            ),
+            (
+                "a drop of another interface's foreign sources",
+                &foreign,
+                cmp_at(1, |_, data| *data = 2u32.to_ne_bytes().to_vec()),
+            ),
+            (
+                "a drop by the destination's type",
+                &foreign,
+                Box::new(|d| {
+                    if let LiveExpr::Fib { flags, .. } = &mut d.exprs[2] {
+                        *flags = 2;
+                    }
+                }),
+            ),
+            (
+                "foreign sources accepted",
+                &foreign,
+                Box::new(|d| {
+                    if let Some(LiveExpr::Verdict { code, .. }) = d.exprs.last_mut() {
+                        *code = libc::NF_ACCEPT;
+                    }
+                }),
+            ),
+        ];
+        for (what, rule, edit) in cases {
+            let mut d = dumped_rule(rule).expect("libnftnl reads its own message");
+            let before = d.exprs.clone();
+            edit(&mut d);
+            assert_ne!(d.exprs, before, "{what}: the edit changed nothing");
+            assert_eq!(decode_rule(&d.exprs, None), None, "{what}");
+        }
     }
 
     #[test]
@@ -2586,14 +2940,23 @@ mod tests {
 
     #[test]
     fn counters_count_without_changing_the_rule() {
-        let rule = Rule::CountFamily(Family::V6);
-        let mut exprs = dumped_rule(&rule).unwrap().exprs;
-        for e in &mut exprs {
-            if let LiveExpr::Counter { packets, bytes } = e {
-                (*packets, *bytes) = (7, 560);
+        for rule in [
+            Rule::CountFamily(Family::V6),
+            Rule::RefuseDaddrIn(SetId::new(SetRole::Deny, Family::V4)),
+        ] {
+            let mut exprs = dumped_rule(&rule).unwrap().exprs;
+            for e in &mut exprs {
+                if let LiveExpr::Counter { packets, bytes } = e {
+                    (*packets, *bytes) = (7, 560);
+                }
             }
+            let read = crate::nft::live::LiveRule::decode(DumpedRule {
+                exprs: exprs.clone(),
+                ..dumped_rule(&rule).unwrap()
+            });
+            assert_eq!(read.counter.map(|c| (c.packets, c.bytes)), Some((7, 560)));
+            assert_eq!(decode_rule(&exprs, None), Some(rule));
         }
-        assert_eq!(decode_rule(&exprs, None), Some(rule));
     }
 
     /// A hand edit of a dumped rule's expressions.
@@ -2759,6 +3122,7 @@ mod tests {
             output: vec![Rule::AcceptEstablished, Rule::GotoRefused],
             refused: vec![Rule::CountFamily(Family::V4), Rule::Refuse(Action::Drop)],
             scope: None,
+            audit: None,
         };
         let now = replace_table(&rs);
         let now_bytes = without_padding(now.batch.iter().flatten().copied().collect());
@@ -2791,6 +3155,7 @@ mod tests {
                 prerouting: vec![],
                 guard: rules(Rule::GotoRefused),
             }),
+            audit: None,
         };
         let enc = replace_table(&rs);
         let labels: Vec<&str> = enc.labels[3..].iter().map(String::as_str).collect();
@@ -2817,6 +3182,7 @@ mod tests {
             output: vec![Rule::GotoRefused],
             refused: vec![],
             scope: None,
+            audit: None,
         };
         let enc = replace_table(&rs);
         let seqs = enc.batch.sequence_numbers();

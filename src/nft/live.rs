@@ -196,6 +196,23 @@ impl LiveTable {
         }
     }
 
+    /// Packets and bytes the deny entries refused (their rules' counters), per family.
+    pub fn denied(&self) -> Refused {
+        let mut denied = Refused::default();
+        for r in &self.rules {
+            let (ReadRule::Known(Rule::RefuseDaddrIn(set)), Some(c)) = (&r.rule, r.counter) else {
+                continue;
+            };
+            let sum = match set.family {
+                Family::V4 => &mut denied.ipv4,
+                Family::V6 => &mut denied.ipv6,
+            };
+            sum.packets += c.packets;
+            sum.bytes += c.bytes;
+        }
+        denied
+    }
+
     /// The decoded contents of one of our sets: the elements egress-fence writes (see
     /// [`LiveTable::read_set`] for the others).
     pub fn contents(&self, id: SetId) -> Option<Elements> {
@@ -209,6 +226,43 @@ impl LiveTable {
             .iter()
             .find(|(s, _)| s.name == name)
             .map(|(_, elems)| decode(id, elems))
+    }
+}
+
+impl LiveTable {
+    /// The table without the flow record and the audit (rule and set) that `run --record`
+    /// and `learn` add (see [`crate::core::plan::with_extras`]).
+    pub fn has_extras(&self) -> bool {
+        self.rules
+            .iter()
+            .any(|r| matches!(&r.rule, ReadRule::Known(rule) if crate::core::plan::is_extra(rule)))
+            || self
+                .sets
+                .iter()
+                .any(|(s, _)| s.name == crate::core::ruleset::AUDIT_WINDOW_SET)
+    }
+
+    pub fn without_extras(&self) -> LiveTable {
+        let mut table = self.clone();
+        table.rules.retain(
+            |r| !matches!(&r.rule, ReadRule::Known(rule) if crate::core::plan::is_extra(rule)),
+        );
+        table
+            .sets
+            .retain(|(s, _)| s.name != crate::core::ruleset::AUDIT_WINDOW_SET);
+        table
+    }
+
+    /// How long `learn`'s audit window stays open (the longest its elements have left), if
+    /// the table has one and it is open.
+    pub fn audit_window_open_ms(&self) -> Option<u64> {
+        self.sets
+            .iter()
+            .find(|(s, _)| s.name == crate::core::ruleset::AUDIT_WINDOW_SET)
+            .and_then(|(_, elems)| {
+                // An element without a timeout (none of ours) holds the window open for good.
+                elems.iter().map(|e| e.expires_ms.unwrap_or(u64::MAX)).max()
+            })
     }
 }
 

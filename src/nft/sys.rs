@@ -34,6 +34,11 @@ pub const NFT_SOCKET_MARK: u32 = 1;
 /// The fib expression's result "the output interface" (`NFT_FIB_RESULT_OIF`, absent from
 /// libc).
 pub const NFT_FIB_RESULT_OIF: u32 = 1;
+/// The fib expression's result "the address's type" (`NFT_FIB_RESULT_ADDRTYPE`, absent from
+/// libc): an `RTN_*` value.
+pub const NFT_FIB_RESULT_ADDRTYPE: u32 = 3;
+/// `RTN_LOCAL`: an address of this host.
+pub const RTN_LOCAL: u32 = 2;
 /// The fib expression's flags (`NFTA_FIB_F_*`, absent from libc): look up the source
 /// address, restricted to the input interface, and say only whether a route was found.
 pub const NFTA_FIB_F_SADDR: u32 = 1 << 0;
@@ -222,6 +227,22 @@ impl Expr {
                     sys::NFTNL_EXPR_FIB_FLAGS,
                     Attr::U32(NFTA_FIB_F_SADDR | NFTA_FIB_F_IIF | NFTA_FIB_F_PRESENT),
                 ),
+            ],
+        }
+    }
+
+    /// Puts into register `dreg` (4 bytes) the type of the packet's source address in the
+    /// routing tables (`RTN_LOCAL` for an address of this host): `fib saddr type`.
+    pub fn fib_saddr_type(dreg: u32) -> Expr {
+        Expr {
+            name: c"fib",
+            attrs: vec![
+                (sys::NFTNL_EXPR_FIB_DREG, Attr::U32(dreg)),
+                (
+                    sys::NFTNL_EXPR_FIB_RESULT,
+                    Attr::U32(NFT_FIB_RESULT_ADDRTYPE),
+                ),
+                (sys::NFTNL_EXPR_FIB_FLAGS, Attr::U32(NFTA_FIB_F_SADDR)),
             ],
         }
     }

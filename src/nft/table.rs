@@ -23,6 +23,8 @@ pub trait Table {
     fn read_table(&mut self) -> Result<Option<LiveTable>, NftError>;
     /// The ruleset's generation: it counts every committed transaction, anyone's.
     fn generation(&mut self) -> Result<u32, NftError>;
+    /// Keeps `learn`'s audit window open `open_for_ms` more from now (one transaction).
+    fn renew_audit_window(&mut self, open_for_ms: u64) -> Result<(), NftError>;
 }
 
 impl Table for super::Nft {
@@ -43,6 +45,9 @@ impl Table for super::Nft {
     }
     fn generation(&mut self) -> Result<u32, NftError> {
         super::Nft::generation(self)
+    }
+    fn renew_audit_window(&mut self, open_for_ms: u64) -> Result<(), NftError> {
+        self.send(&super::encode::renew_audit_window(open_for_ms))
     }
 }
 
@@ -189,6 +194,16 @@ pub mod memory {
 
         fn generation(&mut self) -> Result<u32, NftError> {
             Ok(self.generation)
+        }
+        fn renew_audit_window(&mut self, open_for_ms: u64) -> Result<(), NftError> {
+            match self.table.as_mut().and_then(|t| t.audit.as_mut()) {
+                Some(window) => {
+                    window.open_for_ms = Some(open_for_ms);
+                    self.generation += 1;
+                    Ok(())
+                }
+                None => Err(refused("elements of set audit_window")),
+            }
         }
     }
 

@@ -13,6 +13,7 @@ use hickory_proto::op::Query;
 use hickory_proto::rr::{Name, RecordType};
 
 use crate::core::policy::L4Proto;
+use crate::core::ruleset::ICMP_ANSWER_PRIORITY;
 use crate::dns::exchange;
 use crate::dns::message;
 
@@ -154,6 +155,11 @@ pub(super) fn fmt_duration(d: Duration) -> String {
 /// only when this host sent it (the fence's `reject`): the socket's error queue
 /// (IP_RECVERR) names the sender, and a far host's or a router's error is a refusal beyond
 /// this host, which says nothing about the boundary.
+///
+/// The socket asks the fence for that ICMP error ([`ICMP_ANSWER_PRIORITY`]): under `action:
+/// reject` the fence answers other TCP connections of this host with a reset, which names no
+/// sender and looks the same as a closed port's beyond the boundary. So a reset here is
+/// always from beyond it.
 pub(super) fn tcp_connect(target: SocketAddr, ctx: &Ctx) -> Result<TcpStream, Seen> {
     let socket = Socket::new(
         Domain::for_address(target),
@@ -166,6 +172,13 @@ pub(super) fn tcp_connect(target: SocketAddr, ctx: &Ctx) -> Result<TcpStream, Se
         SocketAddr::V6(_) => setsockopt(&socket, sockopt::Ipv6RecvErr, &true),
     };
     recverr.map_err(|e| Seen::NotSent(describe(&io::Error::from(e))))?;
+    // Any process may set a priority up to 6 (`ICMP_ANSWER_PRIORITY` is 5).
+    setsockopt(
+        &socket,
+        sockopt::Priority,
+        &(ICMP_ANSWER_PRIORITY as libc::c_int),
+    )
+    .map_err(|e| Seen::NotSent(describe(&io::Error::from(e))))?;
     let connected = socket.connect_timeout(&SockAddr::from(target), ctx.timeout);
     let error = match connected {
         Ok(()) => {

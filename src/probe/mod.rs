@@ -51,10 +51,14 @@
 //!   ICMP error of `reject` then arrives on the socket: EHOSTUNREACH over IPv4 (admin
 //!   prohibited), EACCES over IPv6. A `send` that succeeds means the datagram left this host,
 //!   whatever comes back afterwards.
-//! - TCP: the SYN's EPERM is not reported by `connect`. With `reject` the ICMP error fails the
-//!   connect (EHOSTUNREACH or EACCES; over IPv6 only at the first SYN retransmission, after
-//!   about a second); with `drop` the connect times out. A timeout therefore counts as
-//!   refused, a TCP reset (ECONNREFUSED) as proof that the SYN got through.
+//! - TCP: the SYN's EPERM is not reported by `connect`. With `reject` the fence answers this
+//!   host's TCP connections with a reset, except those of sockets of priority
+//!   [`ICMP_ANSWER_PRIORITY`](crate::core::ruleset::ICMP_ANSWER_PRIORITY), which the probe's
+//!   are: they get the ICMP error, which fails the connect (EHOSTUNREACH or EACCES; over IPv6
+//!   only at the first SYN retransmission, after about a second) and names its sender. With
+//!   `drop` the connect times out. A timeout therefore counts as refused, a TCP reset
+//!   (ECONNREFUSED) as proof that the SYN got through: a reset names no sender, and the
+//!   fence's would look like a closed port's beyond it.
 //! - Whose ICMP error: a far host or a router sends the same errors. The socket's error
 //!   queue (IP_RECVERR, IPV6_RECVERR) names the sender; only an error sent from an address
 //!   of this host (the stack answering the fence's `reject`) is this host's refusal

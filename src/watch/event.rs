@@ -37,7 +37,8 @@ pub struct DropEvent {
     /// packets without a full socket (forwarded packets, TCP resets, time-wait).
     pub uid: Option<u32>,
     pub gid: Option<u32>,
-    /// Always "refused": egress-fence logs only packets it refuses.
+    /// "refused", or [`AUDITED`]: let through by `learn`'s audit window, and would be
+    /// refused without it.
     pub verdict: &'static str,
     /// What egress-fence knows about the destination ("the cloud metadata service", "was
     /// api.example.com until 4 minutes ago"), filled in by the caller.
@@ -54,15 +55,45 @@ pub struct DropEvent {
     pub scope: Option<Box<ScopeMatched>>,
 }
 
+/// The verdict of a packet `learn`'s audit window let through (it would be refused).
+pub const AUDITED: &str = "audited";
+
+#[cfg(test)]
+impl DropEvent {
+    /// A refused IPv4 TCP packet from 10.0.0.2 to `dst`:`dport`, for tests.
+    pub fn refused_to(dst: &str, dport: u16) -> DropEvent {
+        DropEvent {
+            time: "2026-12-01T19:00:00.000Z".into(),
+            prefix: "EGRESS-DROP: ".into(),
+            family: "ipv4",
+            protocol: "tcp".into(),
+            src: "10.0.0.2".parse().expect("an address"),
+            dst: dst.parse().expect("an address"),
+            sport: Some(40000),
+            dport: Some(dport),
+            uid: None,
+            gid: None,
+            verdict: "refused",
+            note: None,
+            in_ifindex: None,
+            scope: None,
+        }
+    }
+}
+
 impl fmt::Display for DropEvent {
     /// `TIME REFUSED PROTO SRC[:PORT] -> DST[:PORT] [uid=U] [gid=G] [PREFIX] [scope: S]
     /// [NOTE]`, with IPv6 addresses bracketed when a port follows.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let verdict = match self.verdict {
+            AUDITED => "AUDITED (would be refused)".to_string(),
+            other => other.to_uppercase(),
+        };
         write!(
             f,
             "{} {} {} {} -> {}",
             self.time,
-            self.verdict.to_uppercase(),
+            verdict,
             self.protocol,
             Endpoint(self.src, self.sport),
             Endpoint(self.dst, self.dport),
@@ -189,6 +220,33 @@ mod tests {
         );
         let line = serde_json::to_string(&q).unwrap();
         assert_eq!(serde_json::from_str::<QueryEvent>(&line).unwrap(), q);
+    }
+
+    #[test]
+    fn an_audited_packet_says_it_would_be_refused() {
+        let event = DropEvent {
+            time: "2025-11-29T16:01:02.123Z".into(),
+            prefix: "EGRESS-AUDIT: ".into(),
+            family: "ipv4",
+            protocol: "tcp".into(),
+            src: "198.51.100.2".parse().unwrap(),
+            dst: "203.0.113.10".parse().unwrap(),
+            sport: Some(40000),
+            dport: Some(9090),
+            uid: Some(1001),
+            gid: None,
+            verdict: AUDITED,
+            note: None,
+            in_ifindex: None,
+            scope: None,
+        };
+        assert_eq!(
+            event.to_string(),
+            "2025-11-29T16:01:02.123Z AUDITED (would be refused) tcp 198.51.100.2:40000 -> \
+             203.0.113.10:9090 uid=1001 EGRESS-AUDIT:"
+        );
+        let json = serde_json::to_value(&event).unwrap();
+        assert_eq!(json["verdict"], "audited");
     }
 
     #[test]

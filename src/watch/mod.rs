@@ -24,7 +24,7 @@ mod scope;
 
 use nix::errno::Errno;
 
-pub use event::{DropEvent, QueryEvent};
+pub use event::{AUDITED, DropEvent, QueryEvent};
 pub use hear::{Heard, hear};
 use nflog::ACK_TIMEOUT;
 pub use nflog::{COPY_RANGE, Watcher};

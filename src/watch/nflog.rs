@@ -27,7 +27,7 @@ use nix::errno::Errno;
 use nix::sys::socket::{MsgFlags, SockProtocol};
 
 use super::packet::{decode_ip, protocol_name};
-use super::{DropEvent, WatchError, malformed};
+use super::{AUDITED, DropEvent, WatchError, malformed};
 use crate::core::time::{rfc3339_millis, rfc3339_millis_at};
 use crate::netlink::bytes::{be16, be32, be64};
 use crate::netlink::message::{NFNL_SUBSYS_ULOG, NLM_F_ACK, NLM_F_REQUEST, Oversize, nfnl_type};
@@ -359,9 +359,15 @@ fn decode_packet(msg: &Message<'_>, now: SystemTime) -> Result<DropEvent, WatchE
         _ => None,
     }
     .unwrap_or_else(|| rfc3339_millis_at(now));
+    let prefix = prefix.unwrap_or_default();
+    // What learn's audit window let through is logged to the same group as refusals.
+    let verdict = match prefix.as_str() {
+        crate::core::ruleset::AUDIT_PREFIX => AUDITED,
+        _ => "refused",
+    };
     Ok(DropEvent {
         time,
-        prefix: prefix.unwrap_or_default(),
+        prefix,
         family: ip.family,
         protocol: protocol_name(ip.protocol),
         src: ip.src,
@@ -370,7 +376,7 @@ fn decode_packet(msg: &Message<'_>, now: SystemTime) -> Result<DropEvent, WatchE
         dport: ip.ports.map(|p| p.1),
         uid: attrs.uid,
         gid: attrs.gid,
-        verdict: "refused",
+        verdict,
         note: None,
         in_ifindex: attrs.indev,
         scope: None,

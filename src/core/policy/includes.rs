@@ -5,13 +5,14 @@
 //! only worked in one mode would make `include:` fail on the policies that need it most
 //! (the default, resolve mode).
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::raw::RawAllow;
 use super::schema::Allow;
 
 /// A named list of allow entries (`include: [github]`); not the deny presets of `deny:`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum AllowPreset {
     Github,

@@ -203,7 +203,7 @@ fn yaml_message(e: &serde_yaml::Error) -> String {
         text.push_str("...");
     }
     if text.contains("unknown field") {
-        format!("{text} (check the spelling; see `egress-fence check --help` for the schema)")
+        format!("{text} (check the spelling; `egress-fence check --schema` prints every key)")
     } else if text.contains("missing field `version`") {
         format!("{text}: every policy starts with `version: {SCHEMA_VERSION}`")
     } else {

@@ -9,10 +9,12 @@
 //! nesting and document checks before the YAML parser, its errors placed at file:line:column);
 //! `validate` turns the raw file into a policy; `errors` says where and why; `presets` the
 //! named deny lists; `includes` the curated allow lists (`include:`); `limits` what the kernel accepts; `warnings` what is allowed but
-//! probably not meant.
+//! probably not meant; `json_schema` the JSON Schema generated from `raw`'s types.
 
+mod audit;
 mod errors;
 mod includes;
+mod json_schema;
 mod limits;
 mod load;
 mod names;
@@ -24,8 +26,10 @@ mod validate;
 mod values;
 mod warnings;
 
+pub use audit::AUDIT_WARNING;
 pub use errors::PolicyError;
 pub use includes::AllowPreset;
+pub use json_schema::policy_schema;
 pub use limits::{UNCHECKED_KERNEL_LIMITS_ENV, kernel_accepts_limit};
 pub use load::{MAX_POLICY_BYTES, MAX_POLICY_NESTING};
 pub use names::{DomainName, Wildcard};
@@ -40,6 +44,7 @@ pub use values::{
 };
 pub use warnings::{
     BridgePort, CgroupDelegation, Delegate, HostFinding, ScopeEntry, ScopeHole, ScopeHost,
+    wildcard_risk,
 };
 
 #[cfg(test)]

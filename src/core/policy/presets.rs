@@ -3,10 +3,11 @@
 use std::net::IpAddr;
 
 use ipnet::IpNet;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Named lists of networks to deny.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Preset {
     /// Cloud instance metadata services and their neighbours: AWS, GCP, Azure, OCI, Alibaba, ...

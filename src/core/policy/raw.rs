@@ -3,6 +3,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer};
 
 use super::includes::AllowPreset;
@@ -14,10 +15,14 @@ use super::values::{
     HumanDuration, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeTarget, Rate, parse_network,
 };
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// How names become addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub(super) enum DnsMode {
+    /// Names are re-resolved on a timer (the default).
     Resolve,
+    /// egress-fence is the host's resolver (`run`): allowed names are forwarded to
+    /// `upstream`, their answers added to the table before they are released.
     Guard,
 }
 
@@ -70,34 +75,58 @@ impl<'de> Deserialize<'de> for Resolver {
     }
 }
 
-#[derive(Deserialize)]
+/// An egress-fence policy: what a host behind the fence may reach.
+///
+/// Only `version` is required. Generated from the parser's types (`egress-fence check
+/// --schema`); `egress-fence check` also runs the checks a schema cannot express.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(title = "egress-fence policy", transform = super::json_schema::policy_rules)]
 pub(super) struct RawPolicy {
+    /// The policy schema's version: 1.
+    #[schemars(extend("enum" = [1]))]
     pub(super) version: u32,
+    /// What unmatched traffic gets.
     #[serde(default = "default_action")]
     pub(super) action: Action,
+    /// Destinations that may be reached.
     #[serde(default)]
     pub(super) allow: Vec<RawAllow>,
+    /// Curated allow lists appended after `allow` (`egress-fence check` lists what each
+    /// holds).
     #[serde(default)]
     pub(super) include: Vec<AllowPreset>,
+    /// Networks refused before anything is allowed: deny wins.
     #[serde(default)]
     pub(super) deny: Vec<RawDeny>,
+    /// How names become addresses: re-resolved on a timer (`mode: resolve`), or the DNS
+    /// guard (`mode: guard`).
     #[serde(default)]
     pub(super) dns: RawDns,
+    /// How refused packets are logged.
     #[serde(default)]
     pub(super) log: RawLog,
+    /// The host essentials that stay allowed (default: all of them).
+    #[schemars(extend("default" = ["loopback", "established", "icmpv6-nd", "dhcpv4", "dhcpv6"]))]
     pub(super) essentials: Option<Vec<Essential>>,
+    /// What `egress-fence probe` checks besides the policy's own entries.
     #[serde(default)]
     pub(super) probe: RawProbe,
+    /// Who is fenced (either DNS mode); left out: the whole network namespace.
     pub(super) scope: Option<RawScope>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Probe")]
 pub(super) struct RawProbe {
+    /// Destinations (HOST:PORT) that must be refused.
     #[serde(default)]
     pub(super) blocked: Vec<ProbeTarget>,
+    /// Resolvers that must be unreachable (default: well-known public ones).
+    #[schemars(extend("default" = ["1.1.1.1", "8.8.8.8", "9.9.9.9", "2606:4700:4700::1111", "2001:4860:4860::8888", "2620:fe::fe"]))]
     pub(super) rogue_resolvers: Option<Vec<Resolver>>,
+    /// Random names under this domain must not resolve (DNS exfiltration).
     pub(super) exfil_domain: Option<DomainName>,
 }
 
@@ -105,18 +134,26 @@ fn default_action() -> Action {
     Action::Reject
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, try_from = "RawAllowFields")]
+#[schemars(with = "RawAllowFields")]
 pub(super) struct RawAllow(pub(super) Allow);
 
-#[derive(Deserialize)]
+/// One allowed destination: `domain` or `cidr`, with its ports and protocol.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "AllowEntry", transform = super::json_schema::allow_rules)]
 pub(super) struct RawAllowFields {
+    /// A name, resolved to A and AAAA; in guard mode also a wildcard.
     pub(super) domain: Option<DomainTarget>,
+    /// An IPv4 or IPv6 network, or one address.
     pub(super) cidr: Option<Network>,
+    /// Ports and ranges: required for a domain (ranges of at most 256 ports); for a cidr
+    /// left out means every port.
     pub(super) ports: Option<Vec<PortRange>>,
     #[serde(default = "default_protocol")]
     pub(super) protocol: Protocol,
+    /// Free text.
     pub(super) comment: Option<String>,
 }
 
@@ -181,15 +218,20 @@ impl TryFrom<RawAllowFields> for RawAllow {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, try_from = "RawDenyFields")]
+#[schemars(with = "RawDenyFields")]
 pub(super) struct RawDeny(pub(super) Deny);
 
-#[derive(Deserialize)]
+/// One denied list of networks: `preset` or `cidr`.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "DenyEntry", transform = super::json_schema::deny_rules)]
 pub(super) struct RawDenyFields {
     pub(super) preset: Option<Preset>,
+    /// An IPv4 or IPv6 network, or one address.
     pub(super) cidr: Option<Network>,
+    /// Free text.
     pub(super) comment: Option<String>,
 }
 
@@ -223,18 +265,34 @@ impl TryFrom<RawDenyFields> for RawDeny {
     }
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Dns", transform = super::json_schema::dns_rules)]
 pub(super) struct RawDns {
+    #[schemars(extend("default" = "resolve"))]
     pub(super) mode: Option<DnsMode>,
+    /// Resolve mode: the resolvers asked, and the only ones allowed (default: those of
+    /// resolv.conf).
     pub(super) resolvers: Option<Vec<Resolver>>,
+    /// Resolve mode: a name is re-resolved after its answer's TTL, clamped to these bounds.
     #[serde(default)]
     pub(super) refresh: RawRefresh,
+    /// How long an address outlives its last answer.
+    #[schemars(extend("default" = "10m"))]
     pub(super) grace: Option<HumanDuration>,
+    /// Guard mode: where the guard listens (UDP and TCP); point resolv.conf here.
+    #[schemars(extend("default" = ["127.0.0.53:53"]))]
     pub(super) listen: Option<Vec<ListenAddr>>,
+    /// Guard mode, required: where allowed names are forwarded; only the guard may ask them.
     pub(super) upstream: Option<Vec<Resolver>>,
+    /// Guard mode: the answer to names outside the policy.
+    #[schemars(extend("default" = "refused"))]
     pub(super) refuse_with: Option<RefuseWith>,
+    /// Guard mode: an answered address lives max(TTL, floor) + grace.
+    #[schemars(extend("default" = "30s"))]
     pub(super) floor: Option<HumanDuration>,
+    /// Guard mode: the SO_MARK of the guard's upstream sockets (not 0).
+    #[schemars(extend("default" = 1694498816u32, "minimum" = 1))]
     pub(super) mark: Option<u32>,
 }
 
@@ -257,19 +315,29 @@ impl<'de> Deserialize<'de> for ListenAddr {
     }
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Refresh")]
 pub(super) struct RawRefresh {
+    #[schemars(extend("default" = "30s"))]
     pub(super) min: Option<HumanDuration>,
+    #[schemars(extend("default" = "1h"))]
     pub(super) max: Option<HumanDuration>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Log")]
 pub(super) struct RawLog {
+    /// The kernel log's prefix (at most 127 bytes, no quotes or line breaks).
+    #[schemars(extend("default" = "EGRESS-DROP: ", "maxLength" = 127, "pattern" = "^[^\"\\n\\u0000]*$"))]
     pub(super) prefix: Option<String>,
+    /// The NFLOG group of refused packets (`watch`, `run --log-drops`); left out: the kernel
+    /// log.
     pub(super) group: Option<u16>,
+    #[schemars(extend("default" = "10/second"))]
     pub(super) rate: Option<Rate>,
+    #[schemars(extend("default" = 20, "minimum" = 1))]
     pub(super) burst: Option<u32>,
 }
 

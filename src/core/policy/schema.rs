@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use ipnet::IpNet;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::includes::AllowPreset;
@@ -80,13 +81,29 @@ pub const DEFAULT_ROGUE_RESOLVERS: [&str; 6] = [
     "2620:fe::fe",
 ];
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// What unmatched traffic gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Action {
-    /// Answer with ICMP administratively prohibited: clients fail at once.
+    /// Answer: a TCP reset to this host's connections, ICMP administratively prohibited
+    /// otherwise; clients fail at once.
     Reject,
     /// Silently discard: clients hang until their own timeout.
     Drop,
+    /// Log what would be refused and let it through: only `egress-fence learn` runs such a
+    /// policy, for a bounded time (`apply` and `run` refuse it: a table that stays open is a
+    /// fail-open). What `learn`'s table refuses once its window closes is rejected.
+    Audit,
+}
+
+impl Action {
+    /// What the table does with a refused packet: `audit` is `reject` once its window closes.
+    pub fn refusal(self) -> Action {
+        match self {
+            Action::Audit => Action::Reject,
+            other => other,
+        }
+    }
 }
 
 /// One allowed destination with its ports and protocol.
@@ -170,7 +187,7 @@ pub struct GuardSettings {
 }
 
 /// The DNS answer to a name outside the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum RefuseWith {
     /// REFUSED: the client knows a policy said no, and tries no other server.
@@ -208,7 +225,9 @@ pub(super) const DEFAULT_RATE: Rate = Rate {
 pub(super) const DEFAULT_BURST: u32 = 20;
 
 /// Transport protocols the allow sets distinguish.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Protocol {
     Tcp,
@@ -260,7 +279,9 @@ impl Protocol {
 }
 
 /// The essentials a host needs to keep working behind the boundary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum Essential {
     /// Traffic to the loopback interface.
@@ -285,6 +306,25 @@ impl Essential {
         Essential::Dhcpv4,
         Essential::Dhcpv6,
     ];
+}
+
+impl Allow {
+    /// The entry on one line, as `check` lists an include's entries and `replay` the unused
+    /// ones: `registry.npmjs.org tcp 443`, `192.0.2.0/24 tcp+udp 53, 8000-8080`.
+    pub fn describe(&self) -> String {
+        let target = match &self.target {
+            Target::Domain(d) => d.to_string(),
+            Target::Wildcard(w) => w.to_string(),
+            Target::Cidr(n) => n.to_string(),
+        };
+        let protocol = match self.protocol {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Any => "tcp+udp",
+        };
+        let ports: Vec<String> = self.ports.iter().map(|p| p.to_string()).collect();
+        format!("{target} {protocol} {}", ports.join(", "))
+    }
 }
 
 impl Deny {

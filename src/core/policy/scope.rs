@@ -265,15 +265,21 @@ impl<'de> Deserialize<'de> for IfacePattern {
 }
 
 /// `scope:` as written.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Scope")]
 pub(super) struct RawScope {
+    /// Users fenced: names (looked up when the policy is read) or uids; not root.
     #[serde(default)]
     pub(super) users: Vec<AccountRef>,
+    /// Groups fenced: names or gids; sockets of the group and of its members.
     #[serde(default)]
     pub(super) groups: Vec<AccountRef>,
+    /// cgroup v2 subtrees, below the hierarchy's root (agent.slice).
     #[serde(default)]
     pub(super) cgroups: Vec<CgroupPath>,
+    /// What these interfaces forward (containers on a bridge): names or prefixes ending in
+    /// `*`.
     #[serde(default)]
     pub(super) forward: Vec<IfacePattern>,
 }

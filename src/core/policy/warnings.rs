@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use ipnet::IpNet;
 
 use super::errors::{PolicyError, locate_value, location};
+use super::names::Wildcard;
 use super::schema::*;
 use super::scope::{CgroupPath, IfacePattern};
 use super::values::parse_network;
@@ -15,6 +16,9 @@ impl Policy {
     /// Things that are allowed but probably not meant; printed, never fatal.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
+        if self.action == Action::Audit {
+            out.push(super::audit::AUDIT_WARNING.to_string());
+        }
         for allow in &self.allow {
             if let Target::Cidr(net) = allow.target {
                 let shadowing = self
@@ -31,24 +35,8 @@ impl Policy {
             }
         }
         for allow in &self.allow {
-            let Target::Wildcard(w) = &allow.target else {
-                continue;
-            };
-            let suffix = w.suffix.as_str();
-            if !suffix.contains('.') {
-                out.push(format!(
-                    "`{w}` allows every name under the top-level domain `{suffix}`: anyone can \
-                     register one; list the domains you use"
-                ));
-            } else if let Some(shared) = SHARED_SUFFIXES.iter().find(|s| {
-                // `**.googleapis.com` reaches storage.googleapis.com's tenants too; a name
-                // below a tenant (`*.mine.herokuapp.com`) is that tenant's own.
-                suffix == **s || (w.any_depth && s.ends_with(&format!(".{suffix}")))
-            }) {
-                out.push(format!(
-                    "`{w}` lies under `{shared}`, where anyone can own a name (shared hosting): \
-                     it lets strangers' servers in; list the exact names you use"
-                ));
+            if let Target::Wildcard(w) = &allow.target {
+                out.extend(wildcard_risk(w));
             }
         }
         let refresh_set = (self.dns.refresh_min, self.dns.refresh_max)
@@ -104,6 +92,30 @@ impl Policy {
         }
         out
     }
+}
+
+/// Why a wildcard over `w`'s suffix lets strangers in, if it does: the suffix is a top-level
+/// domain, or one of the shared hosting suffixes where anyone can own a name. `learn` asks
+/// this before it folds names into a wildcard.
+pub fn wildcard_risk(w: &Wildcard) -> Option<String> {
+    let suffix = w.suffix.as_str();
+    if !suffix.contains('.') {
+        return Some(format!(
+            "`{w}` allows every name under the top-level domain `{suffix}`: anyone can \
+             register one; list the domains you use"
+        ));
+    }
+    // `**.googleapis.com` reaches storage.googleapis.com's tenants too; a name below a
+    // tenant (`*.mine.herokuapp.com`) is that tenant's own.
+    SHARED_SUFFIXES
+        .iter()
+        .find(|s| suffix == **s || (w.any_depth && s.ends_with(&format!(".{suffix}"))))
+        .map(|shared| {
+            format!(
+                "`{w}` lies under `{shared}`, where anyone can own a name (shared hosting): \
+                 it lets strangers' servers in; list the exact names you use"
+            )
+        })
 }
 
 /// Shared hosting suffixes where anyone can own a name: a wildcard over one of them lets

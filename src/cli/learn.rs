@@ -1,0 +1,170 @@
+//! `learn`: the daemon in audit mode for a while (see [`egress_fence::daemon::AuditFor`]),
+//! then the policy the trace asks for, written by [`egress_fence::core::learn::learn`].
+
+use std::io::Write;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use egress_fence::core::learn::{LearnOptions, learn};
+use egress_fence::core::plan::AUDIT_WINDOW;
+use egress_fence::core::trace::Trace;
+use egress_fence::daemon;
+
+use super::args::{LogFormat, NamespaceArg, Resolving, WriterArgs};
+use super::common::{enter, init_logging, state_dir};
+use super::exit::{EXIT_BAD_POLICY, Failure};
+use super::load::load_with_text;
+use super::run::{run_daemon, start_trace};
+
+/// Where the trace goes without `--trace`.
+pub const DEFAULT_TRACE: &str = "egress-fence-learn.jsonl";
+
+pub struct LearnArgs {
+    pub policy: PathBuf,
+    /// `None`: until stopped (clap made sure one of the two was given).
+    pub duration: Option<Duration>,
+    pub out: Option<PathBuf>,
+    pub trace: Option<PathBuf>,
+    pub fold_at: Option<usize>,
+    pub log_format: LogFormat,
+}
+
+pub fn run(
+    args: LearnArgs,
+    target: &NamespaceArg,
+    resolving: &Resolving,
+    writer: &WriterArgs,
+) -> Result<u8, Failure> {
+    // Everything a person can fix is refused before anything runs.
+    let (start, start_text) = load_with_text(&args.policy)?;
+    start.refuse_learn(&start_text, &args.policy)?;
+    if let Some(out) = &args.out {
+        refuse_start_policy(out, &args.policy)?;
+    }
+    let trace_path = args
+        .trace
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_TRACE));
+    let state = state_dir(target, &writer.state)?;
+    let resolv_conf = enter(target, Some(resolving))?;
+    init_logging(args.log_format);
+    // learn reads back only what it wrote: the file may hold earlier runs.
+    let offset = std::fs::symlink_metadata(&trace_path).map_or(0, |m| m.len());
+    let trace = start_trace(&trace_path, &args.policy, true)?;
+    let audit = match args.duration {
+        Some(d) => daemon::AuditFor::Duration(d),
+        None => daemon::AuditFor::UntilStopped,
+    };
+    eprintln!(
+        "learn: AUDIT MODE {}: what {} refuses is let through and logged (watch shows it); \
+         the window closes by itself {} s after this process stops",
+        match args.duration {
+            Some(d) => format!("for {}", egress_fence::core::time::minutes_seconds(d)),
+            None => "until stopped (SIGTERM or Ctrl-C)".into(),
+        },
+        args.policy.display(),
+        AUDIT_WINDOW.as_secs()
+    );
+    let options = daemon::Options {
+        policy_path: args.policy.clone(),
+        resolv_conf,
+        teardown_on_exit: false,
+        log_drops: false,
+        state,
+        keep: writer.keep,
+        lock_timeout: writer.lock.lock_timeout.0,
+        metrics: None,
+        recording: Some(daemon::Recording {
+            trace: trace.clone(),
+            audit: Some(audit),
+        }),
+    };
+    let result = run_daemon(options);
+    trace.finish();
+    result?;
+
+    let recorded = read_trace_from(&trace_path, offset)?;
+    let options = LearnOptions {
+        fold_at: args.fold_at.unwrap_or(LearnOptions::default().fold_at),
+    };
+    let learned = learn(&start_text, &start, &recorded, &options);
+    match &args.out {
+        Some(out) => write_policy(out, &learned.yaml)?,
+        None => {
+            let mut stdout = std::io::stdout().lock();
+            stdout
+                .write_all(learned.yaml.as_bytes())
+                .and_then(|()| stdout.flush())
+                .context("writing the learned policy")?;
+        }
+    }
+    eprintln!(
+        "learn: the table enforces {} again; trace in {}",
+        args.policy.display(),
+        trace_path.display()
+    );
+    match learned.added.len() {
+        0 => eprintln!("learn: nothing to add"),
+        n => {
+            eprintln!("learn: {n} entr{} added:", if n == 1 { "y" } else { "ies" });
+            for line in &learned.added {
+                eprintln!("  {line}");
+            }
+        }
+    }
+    if let Some(out) = &args.out {
+        eprintln!(
+            "learn: review {} before you apply it (`egress-fence check`, `replay`)",
+            out.display()
+        );
+    }
+    Ok(0)
+}
+
+/// `--out` naming the start policy (the same file by any path) is refused: learn never
+/// overwrites what it started from.
+fn refuse_start_policy(out: &Path, policy: &Path) -> Result<(), Failure> {
+    let same = match (std::fs::metadata(out), std::fs::metadata(policy)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    };
+    if same {
+        return Err(Failure {
+            code: EXIT_BAD_POLICY,
+            error: anyhow::anyhow!(
+                "--out {} is the start policy: learn never overwrites it; write the learned \
+                 policy to another file and compare them",
+                out.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The trace as this run wrote it: from `offset` on.
+fn read_trace_from(path: &Path, offset: u64) -> Result<Trace, Failure> {
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading the trace {}", path.display()))?;
+    let ours = bytes.get(offset as usize..).unwrap_or_default();
+    let text = String::from_utf8_lossy(ours);
+    Trace::parse(&text)
+        .with_context(|| format!("reading the trace {}", path.display()))
+        .map_err(Failure::from)
+}
+
+/// Writes the learned policy to `out` (replaced whole), never through a symbolic link.
+fn write_policy(out: &Path, yaml: &str) -> Result<(), Failure> {
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(out)
+        .with_context(|| format!("writing the learned policy to {}", out.display()))?;
+    file.write_all(yaml.as_bytes())
+        .with_context(|| format!("writing the learned policy to {}", out.display()))?;
+    Ok(())
+}

@@ -1,0 +1,217 @@
+//! Where `run --record FILE` and `learn` write their trace ([`crate::core::trace`]): a file
+//! opened once, without following a symbolic link, readable by root alone (it names hosts and
+//! uids), appended to by a thread of its own so that neither the guard nor the daemon's loop
+//! ever waits for the disk.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::SystemTime;
+
+use tracing::error;
+
+use crate::core::time::rfc3339_millis_at;
+use crate::core::trace::{Record, VERSION};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TraceFileError {
+    #[error("cannot open the trace {}: {source}{}", path.display(), hint(source))]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the trace {} is not a regular file: give a file's path", path.display())]
+    NotAFile { path: PathBuf },
+    #[error("cannot start the trace writer: {0}")]
+    Thread(std::io::Error),
+}
+
+fn hint(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::ELOOP) => " (it is a symbolic link: the trace is never written through one)",
+        _ => "",
+    }
+}
+
+/// Opens `path` for appending (made with mode 0600 if missing; an existing file is made 0600
+/// too): never through a symbolic link, never a FIFO or device.
+pub fn open_append(path: &Path) -> Result<File, TraceFileError> {
+    let open = |e| TraceFileError::Open {
+        path: path.to_owned(),
+        source: e,
+    };
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(open)?;
+    let meta = file.metadata().map_err(open)?;
+    if !meta.is_file() {
+        return Err(TraceFileError::NotAFile {
+            path: path.to_owned(),
+        });
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(open)?;
+    }
+    Ok(file)
+}
+
+enum Message {
+    Line(String),
+    Close(mpsc::SyncSender<()>),
+}
+
+/// A handle on the trace: cheap to clone, each record sent to the writer thread. Records
+/// sent after [`TraceSink::finish`] are dropped.
+#[derive(Clone)]
+pub struct TraceSink {
+    tx: mpsc::Sender<Message>,
+}
+
+impl std::fmt::Debug for TraceSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TraceSink")
+    }
+}
+
+impl TraceSink {
+    /// Starts the writer on `file` and writes the `start` line.
+    pub fn start(
+        file: File,
+        mode: &str,
+        policy: &Path,
+        audit: bool,
+    ) -> Result<TraceSink, TraceFileError> {
+        let (tx, rx) = mpsc::channel::<Message>();
+        std::thread::Builder::new()
+            .name("trace-writer".into())
+            .spawn(move || write_lines(BufWriter::new(file), rx))
+            .map_err(TraceFileError::Thread)?;
+        let sink = TraceSink { tx };
+        sink.record(Record::Start {
+            time: now(),
+            version: VERSION,
+            mode: mode.into(),
+            policy: policy.display().to_string(),
+            audit,
+        });
+        Ok(sink)
+    }
+
+    pub fn record(&self, record: Record) {
+        // The writer gone (a write failed, said in the log) loses the line.
+        let _ = self.tx.send(Message::Line(record.to_line()));
+    }
+
+    /// Writes the `end` line, and returns once everything sent before is on disk.
+    pub fn finish(&self) {
+        self.record(Record::End { time: now() });
+        let (done_tx, done_rx) = mpsc::sync_channel(1);
+        if self.tx.send(Message::Close(done_tx)).is_ok() {
+            let _ = done_rx.recv();
+        }
+    }
+}
+
+/// The time of a record, as the trace writes it.
+pub fn now() -> String {
+    rfc3339_millis_at(SystemTime::now())
+}
+
+fn write_lines(mut out: BufWriter<File>, rx: mpsc::Receiver<Message>) {
+    let fail = |e: std::io::Error| error!(error = %e, "the trace can no longer be written");
+    loop {
+        let message = match rx.try_recv() {
+            Ok(m) => m,
+            // Flushed whenever nothing else waits: a killed run loses at most what was queued.
+            Err(mpsc::TryRecvError::Empty) => {
+                if let Err(e) = out.flush() {
+                    return fail(e);
+                }
+                match rx.recv() {
+                    Ok(m) => m,
+                    Err(_) => return,
+                }
+            }
+            Err(mpsc::TryRecvError::Disconnected) => {
+                let _ = out.flush();
+                return;
+            }
+        };
+        match message {
+            Message::Line(line) => {
+                if let Err(e) = writeln!(out, "{line}") {
+                    return fail(e);
+                }
+            }
+            Message::Close(done) => {
+                if let Err(e) = out.flush() {
+                    fail(e);
+                }
+                let _ = done.send(());
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::trace::Trace;
+
+    #[test]
+    fn a_trace_is_written_whole_with_mode_0600_and_never_through_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.jsonl");
+        let sink = TraceSink::start(
+            open_append(&path).unwrap(),
+            "guard",
+            Path::new("p.yaml"),
+            true,
+        )
+        .unwrap();
+        for i in 0..100u16 {
+            sink.record(Record::Flow {
+                time: now(),
+                family: "ipv4".into(),
+                protocol: "tcp".into(),
+                dst: "192.0.2.1".parse().unwrap(),
+                dport: Some(i),
+                uid: Some(1001),
+                iif: None,
+            });
+        }
+        sink.finish();
+        sink.record(Record::End { time: now() });
+        let text = std::fs::read_to_string(&path).unwrap();
+        let trace = Trace::parse(&text).unwrap();
+        assert_eq!(
+            trace.records.len(),
+            102,
+            "start, 100 flows, end; nothing after"
+        );
+        assert!(matches!(
+            trace.records[0],
+            Record::Start { audit: true, .. }
+        ));
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let e = open_append(&link).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        let e = open_append(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("cannot open") || e.contains("not a regular"),
+            "{e}"
+        );
+    }
+}

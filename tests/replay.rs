@@ -1,0 +1,161 @@
+//! `egress-fence replay TRACE POLICY`: a handwritten trace judged against policies, its output
+//! and exit codes. No network, no kernel, no root.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn egress_fence(args: &[&Path]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_egress-fence"))
+        .arg("replay")
+        .args(args)
+        .output()
+        .expect("run egress-fence")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A name the policy allows and connects to; one it does not, with an escape sequence in
+/// its answer's record; a flow to the metadata service explained by the allowed name.
+const TRACE: &str = r#"{"kind":"start","time":"2026-12-01T10:00:00.000Z","version":1,"mode":"guard","policy":"p.yaml","audit":true}
+{"kind":"name","time":"2026-12-01T10:00:01.000Z","name":"api.example","qtype":"A","answer":"NOERROR","addrs":["192.0.2.7","169.254.169.254"],"ttl":60,"uid":1001}
+{"kind":"flow","time":"2026-12-01T10:00:02.000Z","family":"ipv4","protocol":"tcp","dst":"192.0.2.7","dport":443,"uid":1001}
+{"kind":"name","time":"2026-12-01T10:00:03.000Z","name":"evil\u001b[2J.example","qtype":"TXT","answer":"NOERROR","uid":1001}
+{"kind":"flow","time":"2026-12-01T10:00:04.000Z","family":"ipv4","protocol":"tcp","dst":"169.254.169.254","dport":80,"uid":1001}
+{"kind":"end","time":"2026-12-01T10:00:05.000Z"}
+"#;
+
+const GUARD: &str = "dns:\n  mode: guard\n  upstream: [192.0.2.53]\n";
+
+struct Files {
+    _dir: tempfile::TempDir,
+    trace: PathBuf,
+    dir: PathBuf,
+}
+
+impl Files {
+    fn new(trace: &str) -> Files {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("trace.jsonl");
+        std::fs::write(&path, trace).expect("write trace");
+        Files {
+            trace: path,
+            dir: dir.path().to_owned(),
+            _dir: dir,
+        }
+    }
+
+    fn policy(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.dir.join(name);
+        std::fs::write(&path, text).expect("write policy");
+        path
+    }
+}
+
+#[test]
+fn refusals_exit_1_with_what_and_why() {
+    let f = Files::new(TRACE);
+    let policy = f.policy(
+        "p.yaml",
+        &format!(
+            "version: 1\nallow:\n  - domain: api.example\n    ports: [443]\n  - domain: \
+             \"*.pool.example\"\n    ports: [443]\ndeny:\n  - preset: cloud-metadata\n{GUARD}"
+        ),
+    );
+    let out = egress_fence(&[&f.trace, &policy]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains("(guard mode): 2 names asked, 2 flows: 1 allowed, 0 essential"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "  evil\\u{1b}[2J.example (TXT): not a name a policy can allow; once, at \
+             2026-12-01T10:00:03.000Z; uid 1001\n"
+        ),
+        "{stdout}"
+    );
+    assert!(!stdout.contains('\u{1b}'), "{stdout}");
+    assert!(
+        stdout.contains(
+            "  tcp 169.254.169.254:80: denied: preset cloud-metadata; once, at \
+             2026-12-01T10:00:04.000Z; names api.example; uid 1001\n"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("allow entries nothing in the trace used:\n  *.pool.example tcp 443\n"),
+        "{stdout}"
+    );
+
+    let out = egress_fence(&[&f.trace, &policy, Path::new("--json")]);
+    assert_eq!(out.status.code(), Some(1));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["refused_flows"][0]["why"]["reason"], "denied");
+    assert_eq!(json["refused_flows"][0]["names"][0], "api.example");
+    assert_eq!(json["unused"][0]["entry"], "*.pool.example tcp 443");
+}
+
+#[test]
+fn nothing_refused_exits_0() {
+    let trace: String = TRACE
+        .lines()
+        .filter(|l| !l.contains("evil") && !l.contains("\"dst\":\"169.254"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let f = Files::new(&trace);
+    let policy = f.policy(
+        "p.yaml",
+        &format!(
+            "version: 1\ninclude: [npm]\nallow:\n  - domain: api.example\n    ports: [443]\n{GUARD}"
+        ),
+    );
+    let out = egress_fence(&[&f.trace, &policy]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains("nothing would have been refused"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("  registry.npmjs.org tcp 443 (include npm)\n"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_bad_trace_or_policy_exits_2_with_where() {
+    let f = Files::new(&TRACE.replace("\"dport\":443", "\"dport\":\"https\""));
+    let policy = f.policy("p.yaml", "version: 1\n");
+    let out = egress_fence(&[&f.trace, &policy]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    let at = format!("{}:3:", f.trace.display());
+    assert!(stderr.contains(&at), "{stderr}");
+    assert!(stderr.contains("record"), "{stderr}");
+    assert!(out.stdout.is_empty());
+
+    let missing = f.dir.join("missing.jsonl");
+    let out = egress_fence(&[&missing, &policy]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("cannot read the trace"));
+
+    let help = Command::new(env!("CARGO_BIN_EXE_egress-fence"))
+        .args(["replay", "--help"])
+        .output()
+        .expect("run egress-fence");
+    let help = text(&help.stdout);
+    assert!(
+        help.contains("Exit codes") && help.contains("replay: the policy would have refused"),
+        "{help}"
+    );
+
+    let f = Files::new(TRACE);
+    let bad = f.policy("bad.yaml", "version: 1\nallow:\n  - cidr: 10.0.0.0/33\n");
+    let out = egress_fence(&[&f.trace, &bad]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("bad.yaml:3:11"), "{stderr}");
+}
