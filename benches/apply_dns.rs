@@ -24,8 +24,8 @@
 //!   `delete table` replaces the table).
 //!
 //! The contenders run interleaved, in a rotating order, once per round; each ratio (apply/nft)
-//! is taken within a round and the median of the rounds' ratios reported, so drift of a shared
-//! machine hits both sides alike. After every load the bench checks that `resolved4` and
+//! is taken within a round and the median of the rounds' ratios reported (with their range), so
+//! drift of a shared machine hits both sides alike. After every load the bench checks that `resolved4` and
 //! `resolved6` hold exactly the 10,000 addresses (`nft -j list set`), and after every apply that
 //! generation 1 was recorded. No figure is asserted.
 //!
@@ -250,10 +250,21 @@ fn machine() -> String {
             .unwrap_or_else(|| format!("{program}: missing"))
     };
     format!(
-        "{cpus} x {model}, kernel {}, {}, {}",
+        "{cpus} x {model}, kernel {}, {}, {}; egress-fence {}",
         kernel_release(),
         version("nft", "--version"),
-        version("dnsmasq", "--version")
+        version("dnsmasq", "--version"),
+        // The build measured: the commit the bench was built from (`-dirty` with local edits).
+        option_env!("CARGO_MANIFEST_DIR")
+            .and_then(|dir| {
+                let out = Command::new("git")
+                    .args(["-C", dir, "describe", "--always", "--dirty"])
+                    .output()
+                    .ok()?;
+                let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+                (out.status.success() && !text.is_empty()).then_some(text)
+            })
+            .unwrap_or_else(|| "at an unknown commit".to_string())
     )
 }
 
@@ -288,11 +299,16 @@ fn row(label: &str, s: &[Measured], nft: &[Measured]) -> String {
     let rss = median(s.iter().map(|m| m.maxrss_kib).collect());
     // Ratios within each round, then their median.
     let ratio = |a: f64, b: f64| (a / b * 1000.0).round() as u64;
-    let wall_ratio = median(
-        s.iter()
-            .zip(nft)
-            .map(|(m, n)| ratio(ms(m.wall), ms(n.wall)))
-            .collect(),
+    let wall_ratios: Vec<u64> = s
+        .iter()
+        .zip(nft)
+        .map(|(m, n)| ratio(ms(m.wall), ms(n.wall)))
+        .collect();
+    let wall_ratio = median(wall_ratios.clone());
+    // The spread says how far one round's figure may stray from the median on this machine.
+    let (lo, hi) = (
+        wall_ratios.iter().min().copied().unwrap_or_default(),
+        wall_ratios.iter().max().copied().unwrap_or_default(),
     );
     let rss_ratio = median(
         s.iter()
@@ -302,12 +318,14 @@ fn row(label: &str, s: &[Measured], nft: &[Measured]) -> String {
     );
     let walls: Vec<String> = s.iter().map(|m| format!("{:.0}", ms(m.wall))).collect();
     format!(
-        "| {label} | {:.1} ms | {:.1} / {:.1} ms | {:.1} MiB | {:.2} | {:.2} | {} |",
+        "| {label} | {:.1} ms | {:.1} / {:.1} ms | {:.1} MiB | {:.2} ({:.2}-{:.2}) | {:.2} | {} |",
         ms(med(&|m| m.wall)),
         ms(med(&|m| m.user)),
         ms(med(&|m| m.sys)),
         mib(rss),
         wall_ratio as f64 / 1000.0,
+        lo as f64 / 1000.0,
+        hi as f64 / 1000.0,
         rss_ratio as f64 / 1000.0,
         walls.join(", ")
     )
@@ -421,7 +439,7 @@ fn bench(args: &[String]) {
     );
     println!();
     println!(
-        "| into a fresh namespace | wall (median) | user / sys | peak RSS | wall / nft -f | \
+        "| into a fresh namespace | wall (median) | user / sys | peak RSS | wall / nft -f (rounds' range) | \
          peak / nft -f | every round's wall (ms) |"
     );
     println!("|---|---|---|---|---|---|---|");
@@ -431,7 +449,7 @@ fn bench(args: &[String]) {
     println!("{}", row("`nft -f` of the plan", &nft.first, &nft.first));
     println!();
     println!(
-        "| again, nothing changed | wall (median) | user / sys | peak RSS | wall / nft -f again | \
+        "| again, nothing changed | wall (median) | user / sys | peak RSS | wall / nft -f again (range) | \
          peak / nft -f again | every round's wall (ms) |"
     );
     println!("|---|---|---|---|---|---|---|");
