@@ -5,10 +5,10 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use tracing::error;
 
@@ -24,6 +24,12 @@ pub enum TraceFileError {
     },
     #[error("the trace {} is not a regular file: give a file's path", path.display())]
     NotAFile { path: PathBuf },
+    #[error(
+        "{} belongs to uid {uid}, not to this user: its owner could read it, change its mode \
+         and write into it; give a path of your own (or remove the file)",
+        path.display()
+    )]
+    NotOurs { path: PathBuf, uid: u32 },
     #[error("cannot start the trace writer: {0}")]
     Thread(std::io::Error),
 }
@@ -36,13 +42,17 @@ fn hint(e: &std::io::Error) -> &'static str {
 }
 
 /// Opens `path` for appending (made with mode 0600 if missing; an existing file is made 0600
-/// too): never through a symbolic link, never a FIFO or device.
+/// too): never through a symbolic link, never a FIFO or device, never a file of another
+/// user's (see [`refuse_foreign`]). Open for reading too: `learn` reads back what it wrote
+/// through this file (a clone of it), not through the path, which whoever can write in the
+/// directory could point at another file meanwhile.
 pub fn open_append(path: &Path) -> Result<File, TraceFileError> {
     let open = |e| TraceFileError::Open {
         path: path.to_owned(),
         source: e,
     };
     let file = std::fs::OpenOptions::new()
+        .read(true)
         .append(true)
         .create(true)
         .mode(0o600)
@@ -55,11 +65,28 @@ pub fn open_append(path: &Path) -> Result<File, TraceFileError> {
             path: path.to_owned(),
         });
     }
+    refuse_foreign(&meta, path)?;
     if meta.permissions().mode() & 0o077 != 0 {
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(open)?;
     }
     Ok(file)
+}
+
+/// Refuses a file (`meta`, of `path`) that belongs to another user than this process's
+/// effective one. Whoever made the file (an agent that could write in the directory, before
+/// the run) owns it whatever mode it is given, and may hold it open: it could read the trace,
+/// write records into it, or edit a learned policy after it is written and before it is
+/// reviewed.
+pub fn refuse_foreign(meta: &std::fs::Metadata, path: &Path) -> Result<(), TraceFileError> {
+    let me = nix::unistd::geteuid().as_raw();
+    match meta.uid() {
+        uid if uid == me => Ok(()),
+        uid => Err(TraceFileError::NotOurs {
+            path: path.to_owned(),
+            uid,
+        }),
+    }
 }
 
 enum Message {
@@ -124,41 +151,45 @@ pub fn now() -> String {
     rfc3339_millis_at(SystemTime::now())
 }
 
+/// How long the writer lets lines gather once it has written some: while records keep coming,
+/// a send finds the writer asleep, not waiting, and wakes nobody (a wake-up per answer was
+/// most of what `learn` added to an answer's latency). A killed run loses at most this much.
+const GATHER: Duration = Duration::from_millis(50);
+
 fn write_lines(mut out: BufWriter<File>, rx: mpsc::Receiver<Message>) {
     let fail = |e: std::io::Error| error!(error = %e, "the trace can no longer be written");
-    loop {
-        let message = match rx.try_recv() {
-            Ok(m) => m,
-            // Flushed whenever nothing else waits: a killed run loses at most what was queued.
-            Err(mpsc::TryRecvError::Empty) => {
-                if let Err(e) = out.flush() {
-                    return fail(e);
-                }
-                match rx.recv() {
-                    Ok(m) => m,
-                    Err(_) => return,
-                }
-            }
-            Err(mpsc::TryRecvError::Disconnected) => {
-                let _ = out.flush();
-                return;
-            }
-        };
-        match message {
-            Message::Line(line) => {
-                if let Err(e) = writeln!(out, "{line}") {
-                    return fail(e);
+    // Idle, the writer waits for the next record (its send wakes it).
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        loop {
+            while let Some(message) = next.take().or_else(|| rx.try_recv().ok()) {
+                match message {
+                    Message::Line(line) => {
+                        if let Err(e) = writeln!(out, "{line}") {
+                            return fail(e);
+                        }
+                    }
+                    Message::Close(done) => {
+                        if let Err(e) = out.flush() {
+                            fail(e);
+                        }
+                        let _ = done.send(());
+                        return;
+                    }
                 }
             }
-            Message::Close(done) => {
-                if let Err(e) = out.flush() {
-                    fail(e);
-                }
-                let _ = done.send(());
-                return;
+            if let Err(e) = out.flush() {
+                return fail(e);
+            }
+            std::thread::sleep(GATHER);
+            match rx.try_recv() {
+                Ok(message) => next = Some(message),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => return,
             }
         }
     }
+    let _ = out.flush();
 }
 
 #[cfg(test)]
@@ -213,5 +244,22 @@ mod tests {
             e.contains("cannot open") || e.contains("not a regular"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_trace_made_by_another_user_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.jsonl");
+        // Made by someone else, open for writing, before the run.
+        let theirs = std::fs::File::create(&path).unwrap();
+        let other = nix::unistd::geteuid().as_raw().wrapping_add(1);
+        if let Err(e) = std::os::unix::fs::fchown(&theirs, Some(other), None) {
+            // Only root can give a file away; the refusal is the same either way.
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+            return;
+        }
+        let e = open_append(&path).unwrap_err().to_string();
+        assert!(e.contains(&format!("belongs to uid {other}")), "{e}");
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
     }
 }

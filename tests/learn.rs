@@ -281,6 +281,43 @@ fn the_duration_ends_learn_by_itself() {
     );
 }
 
+/// Whoever can write in the directory of the trace (an agent's project directory, where
+/// learn was started) may rename it during the run and put a file of its own in its place:
+/// learn reads back what it wrote, through the file it wrote, not what the path names then.
+#[test]
+fn learn_reads_back_its_own_trace_not_what_its_path_names_at_the_end() {
+    let w = World::new();
+    names(&w);
+    let _listener = w.listen_tcp(OTHER_V4, OTHER_PORT);
+    let policy = w.write_file("start.yaml", &start_policy("reject"));
+    let trace_path = w.dir().join("trace.jsonl");
+    let mut learn = spawn_learn(&w, &policy, &trace_path, &["--duration", "4s"]);
+    let moved = w.dir().join("moved.jsonl");
+    std::fs::rename(&trace_path, &moved).unwrap();
+    std::fs::write(
+        &trace_path,
+        "{\"kind\":\"start\",\"time\":\"t\",\"version\":1,\"mode\":\"guard\",\"policy\":\"p\"}\n\
+         {\"kind\":\"flow\",\"time\":\"t\",\"family\":\"ipv4\",\"protocol\":\"tcp\",\
+         \"dst\":\"203.0.113.66\",\"dport\":4444}\n",
+    )
+    .unwrap();
+    assert!(w.tcp_connects(OTHER_V4, OTHER_PORT), "audited");
+    let status = learn
+        .wait_timeout(Duration::from_secs(20))
+        .expect("learn ends after its duration");
+    assert_eq!(status.code(), Some(0), "{}", learn.stderr());
+    let learned = learn.stdout();
+    assert!(
+        learned.contains(&format!("- cidr: \"{OTHER_V4}/32\"")),
+        "what was used: {learned}"
+    );
+    assert!(!learned.contains("203.0.113.66"), "{learned}");
+    assert!(matches!(
+        read_trace(&moved).records.last(),
+        Some(Record::End { .. })
+    ));
+}
+
 #[test]
 fn action_audit_is_learns_alone_and_learn_needs_a_duration_and_the_guard() {
     let w = World::new();
@@ -338,6 +375,34 @@ fn action_audit_is_learns_alone_and_learn_needs_a_duration_and_the_guard() {
         std::fs::read_to_string(&audit).unwrap() == start_policy("audit"),
         "the start policy is untouched"
     );
+
+    // A file another user made where learn writes (an agent that can write in that
+    // directory, holding it open) is refused before anything runs: its owner could read the
+    // trace, write records into it, or edit the learned policy before it is reviewed.
+    let theirs = w.dir().join("theirs");
+    std::fs::write(&theirs, "").unwrap();
+    std::os::unix::fs::chown(&theirs, Some(NOBODY), None).unwrap();
+    let link = w.dir().join("link.yaml");
+    std::os::unix::fs::symlink(w.dir().join("elsewhere.yaml"), &link).unwrap();
+    for (flag, path, code, said) in [
+        ("--out", &theirs, 2, format!("belongs to uid {NOBODY}")),
+        ("--trace", &theirs, 1, format!("belongs to uid {NOBODY}")),
+        ("--out", &link, 2, "symbolic link".to_string()),
+    ] {
+        let out = w.egress_fence(&[
+            "learn",
+            path_arg(&audit),
+            "--duration",
+            "1m",
+            flag,
+            path_arg(path),
+        ]);
+        assert_eq!(out.code(), code, "{flag} {}: {out}", path.display());
+        assert!(out.stderr.contains(&said), "{out}");
+        assert!(!table_text(&w).contains("audit"), "nothing ran");
+    }
+    assert_eq!(std::fs::read_to_string(&theirs).unwrap(), "", "untouched");
+    assert!(!w.dir().join("elsewhere.yaml").exists());
 }
 
 #[test]
@@ -485,6 +550,41 @@ fn the_learned_policy_allows_exactly_what_was_used() {
     assert!(w.tcp_connects(OTHER_V4, OTHER_PORT), "the bare address");
     assert!(!w.tcp_connects(HOST3_V4, PORT), "only the ports used");
     run.terminate();
+
+    // The recorded trace as a review gate: the learned policy would have refused nothing of
+    // it; the same policy without b.learn.example would have refused that name (exit 1).
+    assert_eq!(replay(&trace_path, &out).status.code(), Some(0));
+    let without_b = learned.replace(
+        "- domain: \"b.learn.example\"",
+        "- domain: \"z.learn.example\"",
+    );
+    assert_ne!(without_b, learned, "{learned}");
+    let candidate = w.write_file("without-b.yaml", &without_b);
+    let report = replay(&trace_path, &candidate);
+    let stdout = String::from_utf8_lossy(&report.stdout);
+    assert_eq!(report.status.code(), Some(1), "{stdout}");
+    let refused: Vec<_> = stdout
+        .lines()
+        .filter(|l| l.contains(".learn.example"))
+        .collect();
+    assert!(
+        refused.iter().any(|l| l.contains("b.learn.example")),
+        "{stdout}"
+    );
+    assert!(
+        !refused
+            .iter()
+            .any(|l| l.contains("a.learn.example") || l.contains("c.learn.example")),
+        "only the missing name: {stdout}"
+    );
+}
+
+/// `egress-fence replay TRACE POLICY` (no namespace: it touches neither network nor kernel).
+fn replay(trace: &Path, policy: &Path) -> std::process::Output {
+    std::process::Command::new(EGRESS_FENCE_BIN)
+        .args(["replay", path_arg(trace), path_arg(policy)])
+        .output()
+        .expect("replay runs")
 }
 
 /// `nft -j` output with the elements' `expires` left out (it counts down between reads).

@@ -159,3 +159,66 @@ fn a_bad_trace_or_policy_exits_2_with_where() {
     let stderr = text(&out.stderr);
     assert!(stderr.contains("bad.yaml:3:11"), "{stderr}");
 }
+
+/// What an agent can make a trace hold (run --record writes what it asks and where it
+/// connects): twenty long names answering its own address, then a connection attempt on
+/// each of 20,000 ports. Every port is a refused group listing the twenty names: the report
+/// must share them, not copy them per group (20,000 x 20 x 500 bytes), and is written as it
+/// is made, not held whole. Also a bidi override and a lookalike letter in a name are shown
+/// escaped.
+#[test]
+fn a_trace_shaped_to_amplify_is_reported_in_memory_bounded_by_the_trace() {
+    let mut trace = String::from(
+        r#"{"kind":"start","time":"2026-12-01T10:00:00.000Z","version":1,"mode":"guard","policy":"p.yaml"}"#,
+    );
+    trace.push('\n');
+    let long = vec!["x".repeat(60); 8].join(".");
+    for i in 0..20 {
+        trace += &format!(
+            r#"{{"kind":"name","time":"2026-12-01T10:00:01.000Z","name":"n{i}.{long}.evil.example","qtype":"A","answer":"NOERROR","addrs":["192.0.2.9"]}}"#
+        );
+        trace.push('\n');
+    }
+    trace += r#"{"kind":"name","time":"2026-12-01T10:00:01.000Z","name":"\u202eelpmaxe.\u0430pi","qtype":"TXT","answer":"NOERROR"}"#;
+    trace.push('\n');
+    for port in 1..=20_000 {
+        trace += &format!(
+            r#"{{"kind":"flow","time":"2026-12-01T10:00:02.000Z","family":"ipv4","protocol":"tcp","dst":"192.0.2.9","dport":{port}}}"#
+        );
+        trace.push('\n');
+    }
+    let f = Files::new(&trace);
+    let policy = f.policy("p.yaml", &format!("version: 1\n{GUARD}"));
+    for json in [false, true] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_egress-fence"));
+        cmd.arg("replay").arg(&f.trace).arg(&policy);
+        if json {
+            cmd.arg("--json");
+        }
+        let status = cmd
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("run egress-fence");
+        assert_eq!(status.code(), Some(1), "json: {json}");
+    }
+    // The largest child this test process waited for (the other tests' are small).
+    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)
+        .expect("getrusage");
+    let max_rss_mb = usage.max_rss() / 1024;
+    assert!(
+        max_rss_mb < 150,
+        "replay of a {} MB trace took {max_rss_mb} MB",
+        trace.len() >> 20
+    );
+
+    let small: String = trace.lines().take(23).map(|l| format!("{l}\n")).collect();
+    let f = Files::new(&small);
+    let policy = f.policy("p.yaml", &format!("version: 1\n{GUARD}"));
+    let out = egress_fence(&[&f.trace, &policy]);
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("  \\u{202e}elpmaxe.\\u{430}pi (TXT): "),
+        "{stdout}"
+    );
+    assert!(stdout.is_ascii(), "{stdout}");
+}

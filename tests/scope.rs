@@ -98,6 +98,8 @@ fn a_scoped_user_is_fenced_and_another_user_and_root_pass() {
             &format!("{who} (not in the scope) to the other host"),
         );
     }
+    // The listener records a connection on its own thread, a moment after the client saw it.
+    refused.wait_for(2, Duration::from_secs(5));
     assert_eq!(
         refused.count(),
         2,

@@ -328,7 +328,8 @@ pub enum Command {
         /// the current directory).
         #[arg(long, value_name = "FILE")]
         trace: Option<PathBuf>,
-        /// Fold this many sibling names (or more) under one parent into one wildcard.
+        /// Fold this many sibling names (or more) under one parent into one wildcard
+        /// (default 10; never under a shared-hosting suffix `check` warns about).
         #[arg(long, value_name = "N")]
         fold_at: Option<usize>,
         #[command(flatten)]

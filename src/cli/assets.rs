@@ -130,7 +130,7 @@ mod tests {
         let main = read("man/egress-fence.1");
         // Kept line for line: a column of the exit codes, as --help shows it.
         assert!(
-            main.contains(".nf\nExit codes:\n  0  success; diff: nothing would change\n"),
+            main.contains(".nf\nExit codes:\n  0  success; diff: nothing would change;"),
             "{main}"
         );
         assert!(read("man/egress-fence-check.1").contains("check \\-\\-schema"));

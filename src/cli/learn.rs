@@ -1,7 +1,7 @@
 //! `learn`: the daemon in audit mode for a while (see [`egress_fence::daemon::AuditFor`]),
 //! then the policy the trace asks for, written by [`egress_fence::core::learn::learn`].
 
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -11,6 +11,7 @@ use egress_fence::core::learn::{LearnOptions, learn};
 use egress_fence::core::plan::AUDIT_WINDOW;
 use egress_fence::core::trace::Trace;
 use egress_fence::daemon;
+use egress_fence::trace_file::{open_append, refuse_foreign};
 
 use super::args::{LogFormat, NamespaceArg, Resolving, WriterArgs};
 use super::common::{enter, init_logging, state_dir};
@@ -42,6 +43,7 @@ pub fn run(
     start.refuse_learn(&start_text, &args.policy)?;
     if let Some(out) = &args.out {
         refuse_start_policy(out, &args.policy)?;
+        refuse_out(out)?;
     }
     let trace_path = args
         .trace
@@ -50,9 +52,12 @@ pub fn run(
     let state = state_dir(target, &writer.state)?;
     let resolv_conf = enter(target, Some(resolving))?;
     init_logging(args.log_format);
-    // learn reads back only what it wrote: the file may hold earlier runs.
-    let offset = std::fs::symlink_metadata(&trace_path).map_or(0, |m| m.len());
-    let trace = start_trace(&trace_path, &args.policy, true)?;
+    // learn reads back only what it wrote (the file may hold earlier runs), through the file
+    // it wrote: the path may name another file by then (renamed, made anew).
+    let file = open_append(&trace_path)?;
+    let mut ours = file.try_clone().context("opening the trace")?;
+    let offset = ours.metadata().context("opening the trace")?.len();
+    let trace = start_trace(file, &args.policy, true)?;
     let audit = match args.duration {
         Some(d) => daemon::AuditFor::Duration(d),
         None => daemon::AuditFor::UntilStopped,
@@ -85,7 +90,7 @@ pub fn run(
     trace.finish();
     result?;
 
-    let recorded = read_trace_from(&trace_path, offset)?;
+    let recorded = read_trace_from(&mut ours, &trace_path, offset)?;
     let options = LearnOptions {
         fold_at: args.fold_at.unwrap_or(LearnOptions::default().fold_at),
     };
@@ -143,28 +148,50 @@ fn refuse_start_policy(out: &Path, policy: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The trace as this run wrote it: from `offset` on.
-fn read_trace_from(path: &Path, offset: u64) -> Result<Trace, Failure> {
-    let bytes =
-        std::fs::read(path).with_context(|| format!("reading the trace {}", path.display()))?;
-    let ours = bytes.get(offset as usize..).unwrap_or_default();
-    let text = String::from_utf8_lossy(ours);
+/// `--out` that is a symbolic link or another user's file is refused before the run (the
+/// write would refuse it after the run: see [`write_policy`]).
+fn refuse_out(out: &Path) -> Result<(), Failure> {
+    let refused = |error| Failure {
+        code: EXIT_BAD_POLICY,
+        error,
+    };
+    match std::fs::symlink_metadata(out) {
+        Ok(m) if m.file_type().is_symlink() => Err(refused(anyhow::anyhow!(
+            "--out {} is a symbolic link: the learned policy is never written through one",
+            out.display()
+        ))),
+        Ok(m) => refuse_foreign(&m, out).map_err(|e| refused(e.into())),
+        Err(_) => Ok(()),
+    }
+}
+
+/// The trace as this run wrote it into `file` (at `path` when it was opened): from `offset`
+/// on.
+fn read_trace_from(file: &mut std::fs::File, path: &Path, offset: u64) -> Result<Trace, Failure> {
+    let mut bytes = Vec::new();
+    file.seek(SeekFrom::Start(offset))
+        .and_then(|_| file.read_to_end(&mut bytes))
+        .with_context(|| format!("reading the trace {}", path.display()))?;
+    let text = String::from_utf8_lossy(&bytes);
     Trace::parse(&text)
         .with_context(|| format!("reading the trace {}", path.display()))
         .map_err(Failure::from)
 }
 
-/// Writes the learned policy to `out` (replaced whole), never through a symbolic link.
+/// Writes the learned policy to `out` (replaced whole), never through a symbolic link, nor
+/// into a file another user made (it could edit the policy between review and apply).
 fn write_policy(out: &Path, yaml: &str) -> Result<(), Failure> {
+    let context = || format!("writing the learned policy to {}", out.display());
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
-        .truncate(true)
         .mode(0o644)
         .custom_flags(libc::O_NOFOLLOW)
         .open(out)
-        .with_context(|| format!("writing the learned policy to {}", out.display()))?;
-    file.write_all(yaml.as_bytes())
-        .with_context(|| format!("writing the learned policy to {}", out.display()))?;
+        .with_context(context)?;
+    // Checked before anything is cut: a file made during the run is refused untouched.
+    refuse_foreign(&file.metadata().with_context(context)?, out)?;
+    file.set_len(0).with_context(context)?;
+    file.write_all(yaml.as_bytes()).with_context(context)?;
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! `replay`: what a candidate policy would have done with a recorded trace. Reads two files,
 //! touches neither the network nor the kernel.
 
+use std::io::Write;
 use std::path::Path;
 
 use anyhow::anyhow;
@@ -38,11 +39,15 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
     })?;
     let policy = load(policy_path).map_err(|f| bad_input(f.error))?;
     let report = replay(&policy, &trace);
+    // Written as it is made: a report can be as long as its trace.
+    let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        serde_json::to_writer_pretty(&mut stdout, &report)?;
+        writeln!(stdout)?;
     } else {
-        print!("{}", describe(&report, trace_path, policy_path));
+        describe(&report, trace_path, policy_path, &mut stdout)?;
     }
+    stdout.flush()?;
     Ok(if report.refuses_anything() {
         EXIT_FAILURE
     } else {
@@ -50,15 +55,19 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
     })
 }
 
-/// Trace text for a terminal: a control character (an escape sequence in a recorded name)
-/// is shown escaped, not sent.
+/// Trace text for a terminal: anything but printable ASCII is shown escaped (`\u{1b}`), not
+/// sent: a control character (an escape sequence in a recorded name), and also a bidi
+/// override or a lookalike letter, which would show a name other than the one recorded. The
+/// guard records names as printable ASCII; anything else was written by another hand.
 fn shown(text: &str) -> String {
-    text.chars()
-        .map(|c| match c.is_control() {
-            true => c.escape_default().to_string(),
-            false => c.to_string(),
-        })
-        .collect()
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c == ' ' || c.is_ascii_graphic() {
+            true => out.push(c),
+            false => out.extend(c.escape_default()),
+        }
+    }
+    out
 }
 
 fn list<T: ToString>(items: &[T]) -> String {
@@ -76,11 +85,17 @@ fn times(count: usize, first: &str, last: &str) -> String {
     }
 }
 
-/// The report for a person.
-fn describe(r: &ReplayReport, trace: &Path, policy: &Path) -> String {
-    let mut out = format!(
+/// The report for a person, written to `out`.
+fn describe(
+    r: &ReplayReport,
+    trace: &Path,
+    policy: &Path,
+    out: &mut impl Write,
+) -> std::io::Result<()> {
+    writeln!(
+        out,
         "replay of {} against {} ({} mode): {} names asked, {} flows: {} allowed, {} essential, \
-         {} outside the scope\n",
+         {} outside the scope",
         trace.display(),
         policy.display(),
         r.mode,
@@ -89,80 +104,87 @@ fn describe(r: &ReplayReport, trace: &Path, policy: &Path) -> String {
         r.allowed_flows,
         r.essential_flows,
         r.untouched_flows
-    );
+    )?;
     if !r.refused_names.is_empty() {
-        out += &format!("would refuse these names ({}):\n", r.refused_names.len());
+        writeln!(out, "would refuse these names ({}):", r.refused_names.len())?;
         for n in &r.refused_names {
-            out += &format!(
+            write!(
+                out,
                 "  {} ({}): {}; {}",
                 shown(&n.name),
                 list(&n.qtypes),
                 n.why,
                 times(n.count, &n.first, &n.last)
-            );
+            )?;
             if !n.uids.is_empty() {
-                out += &format!("; uid {}", list(&n.uids));
+                write!(out, "; uid {}", list(&n.uids))?;
             }
-            out += "\n";
+            writeln!(out)?;
         }
     }
     if !r.refused_flows.is_empty() {
-        out += &format!(
-            "would refuse flows to these destinations ({}):\n",
+        writeln!(
+            out,
+            "would refuse flows to these destinations ({}):",
             r.refused_flows.len()
-        );
+        )?;
         for f in &r.refused_flows {
-            out += &format!(
+            write!(
+                out,
                 "  {}: {}; {}",
                 shown(&describe_flow(&f.protocol, f.dst, f.dport)),
                 f.why,
                 times(f.count, &f.first, &f.last)
-            );
+            )?;
             match (f.names.is_empty(), f.more_names) {
-                (true, _) => out += "; no name answered it",
-                (false, 0) => out += &format!("; names {}", list(&f.names)),
-                (false, more) => out += &format!("; names {} and {more} more", list(&f.names)),
+                (true, _) => write!(out, "; no name answered it")?,
+                (false, 0) => write!(out, "; names {}", list(&f.names))?,
+                (false, more) => write!(out, "; names {} and {more} more", list(&f.names))?,
             }
             if !f.uids.is_empty() {
-                out += &format!("; uid {}", list(&f.uids));
+                write!(out, "; uid {}", list(&f.uids))?;
             }
             if !f.interfaces.is_empty() {
-                out += &format!("; from {}", list(&f.interfaces));
+                write!(out, "; from {}", list(&f.interfaces))?;
             }
-            out += "\n";
+            writeln!(out)?;
         }
     }
     if !r.unjudged.is_empty() {
-        out += "cannot judge from the trace:\n";
+        writeln!(out, "cannot judge from the trace:")?;
         for u in &r.unjudged {
-            out += &format!(
-                "  {} flows such as {}: {}\n",
+            writeln!(
+                out,
+                "  {} flows such as {}: {}",
                 u.count,
                 shown(&u.example),
                 u.why
-            );
+            )?;
         }
     }
     if !r.unused.is_empty() {
-        out += "allow entries nothing in the trace used:\n";
+        writeln!(out, "allow entries nothing in the trace used:")?;
         for u in &r.unused {
             match &u.preset {
-                Some(p) => out += &format!("  {} (include {p})\n", u.entry),
-                None => out += &format!("  {}\n", u.entry),
+                Some(p) => writeln!(out, "  {} (include {p})", u.entry)?,
+                None => writeln!(out, "  {}", u.entry)?,
             }
         }
     }
     if !r.narrowable.is_empty() {
-        out += "wildcards that allowed a single name (it could be that name):\n";
+        writeln!(
+            out,
+            "wildcards that allowed a single name (it could be that name):"
+        )?;
         for w in &r.narrowable {
-            out += &format!("  {}: {}\n", w.wildcard, w.name);
+            writeln!(out, "  {}: {}", w.wildcard, w.name)?;
         }
     }
     for n in &r.notes {
-        out += &format!("note: {n}\n");
+        writeln!(out, "note: {n}")?;
     }
     if !r.refuses_anything() {
-        out += "nothing would have been refused\n";
+        writeln!(out, "nothing would have been refused")?;
     }
-    out
+    Ok(())
 }

@@ -30,7 +30,7 @@ pub fn run(
     init_logging(args.log_format);
     let recording = match &args.record {
         Some(path) => Some(daemon::Recording {
-            trace: start_trace(path, &args.policy, false)?,
+            trace: start_trace(open_append(path)?, &args.policy, false)?,
             audit: None,
         }),
         None => None,
@@ -54,13 +54,12 @@ pub fn run(
     result.map(|()| 0)
 }
 
-/// Opens `path` for the trace and writes its start line.
+/// Starts the trace in `file` (from [`open_append`]) with its start line.
 pub fn start_trace(
-    path: &std::path::Path,
+    file: std::fs::File,
     policy: &std::path::Path,
     audit: bool,
 ) -> Result<TraceSink, Failure> {
-    let file = open_append(path)?;
     // The daemon reads the policy again (and says what is wrong with it).
     let mode = match egress_fence::core::policy::Policy::load(policy) {
         Ok(p) if p.dns.guard.is_none() => "resolve",

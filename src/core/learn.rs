@@ -7,9 +7,16 @@
 //! name the client most likely connected for), on the ports and protocols its flows used; a
 //! flow no answer explained becomes a `cidr:` entry for its one address. Sibling names fold
 //! into `*.parent` (guard mode only) when there are at least [`LearnOptions::fold_at`] of
-//! them and the wildcard would not be one `check` warns about. What no allow entry can let
-//! through (a denied address, DNS around the guard) and names asked but never connected to
-//! are written as comments, for the reviewer.
+//! them and the wildcard would not be one `check` warns about (a public suffix, shared
+//! hosting); the fold's comment says that it allows every name under the parent. What no
+//! allow entry can let through (a denied address, DNS around the guard), what an entry would
+//! let through wider than it reads (DNS to another server in resolve mode, an address the
+//! table never takes from an answer, such as multicast) and names asked but never connected
+//! to are written as comments, for the reviewer.
+//!
+//! The trace's names, flows and answers are chosen by whoever runs inside the fence: nothing
+//! of it reaches the policy text but names a policy can hold, addresses and numbers, and the
+//! rest (times, names that are not policy names) only as printable ASCII in comments.
 //!
 //! The start text is kept as written: the new entries are appended to its `allow:` list (or
 //! an `allow:` is added). When its `allow:` is not a block list this module can extend (a
@@ -25,6 +32,8 @@ use std::path::Path;
 
 use ipnet::IpNet;
 
+use crate::core::installable::{self, HostAddrs};
+use crate::core::plan::{DNS_PORT, GUARDED_DNS_PORTS};
 use crate::core::policy::{
     Allow, DomainName, MAX_DOMAIN_PORT_RANGE, Policy, PortRange, Protocol, Target, Wildcard,
     wildcard_risk,
@@ -165,11 +174,20 @@ fn safe(text: &str) -> String {
         .collect()
 }
 
+/// The name `d` is one label under: what `*.parent` matches it.
+fn parent_of(d: &DomainName) -> Option<DomainName> {
+    d.as_str()
+        .split_once('.')
+        .and_then(|(_, p)| p.parse::<DomainName>().ok())
+}
+
 /// One new entry with what it says about itself.
 struct NewEntry {
     allow: Allow,
     /// The comment line above it (without `# `).
     note: String,
+    /// A second comment line, for what the entry allows beyond what was seen.
+    caution: Option<String>,
     /// The summary line.
     summary: String,
 }
@@ -184,6 +202,9 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
     let mut by_addr: BTreeMap<IpAddr, Need> = BTreeMap::new();
     // What no allow entry lets through: `tcp 169.254.169.254:80: denied: ...` -> count.
     let mut refused_anyway: BTreeMap<String, usize> = BTreeMap::new();
+    // What an allow entry would let through but learn leaves to a person: `udp
+    // 224.0.0.251:5353: multicast address` -> count.
+    let mut left_out: BTreeMap<String, usize> = BTreeMap::new();
     // What the trace cannot tell: reason -> (count, an example).
     let mut unjudged: BTreeMap<String, (usize, String)> = BTreeMap::new();
     for f in &j.flows {
@@ -199,6 +220,11 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
         let udp = f.protocol == "udp";
         match (why.allow_entry_helps(), f.dport) {
             (true, Some(port)) if udp || f.protocol == "tcp" => {
+                if let Some(why_not) = not_learned(f.dst, port, f.latest_name.is_some(), guard) {
+                    let what = replay::describe_flow(&safe(f.protocol), f.dst, f.dport);
+                    *left_out.entry(format!("{what}: {why_not}")).or_default() += 1;
+                    continue;
+                }
                 match f.latest_name {
                     Some(name) => by_name.entry(name).or_default(),
                     None => by_addr.entry(f.dst).or_default(),
@@ -216,17 +242,14 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
     let mut by_parent: BTreeMap<DomainName, Vec<usize>> = BTreeMap::new();
     if guard {
         for &d in by_name.keys() {
-            if let Some(parent) = j.domains[d]
-                .as_str()
-                .split_once('.')
-                .and_then(|(_, p)| p.parse::<DomainName>().ok())
-            {
+            if let Some(parent) = parent_of(&j.domains[d]) {
                 by_parent.entry(parent).or_default().push(d);
             }
         }
     }
     let mut entries: Vec<(String, NewEntry)> = Vec::new();
     let mut folded: BTreeSet<usize> = BTreeSet::new();
+    let mut folded_under: BTreeSet<DomainName> = BTreeSet::new();
     for (parent, names) in by_parent {
         let wildcard = Wildcard {
             suffix: parent,
@@ -240,40 +263,59 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
             need.merge(&by_name[d]);
         }
         folded.extend(&names);
+        folded_under.insert(wildcard.suffix.clone());
         let note = format!(
-            "folds {} names seen under {}: {}",
+            "folds {} names seen under {} into a wildcard: {}",
             names.len(),
             wildcard.suffix,
             need.seen()
         );
-        push_entries(&mut entries, Target::Wildcard(wildcard), &need, note);
+        // The count above is what was seen, not what the entry allows: said next to it.
+        let caution = format!(
+            "it allows every name under {0}, not only these: whoever runs {0} answers them \
+             with the addresses it likes, and the guard forwards any question under {0} to \
+             its servers; list the names by hand if these are all that is needed",
+            wildcard.suffix
+        );
+        push_entries(
+            &mut entries,
+            Target::Wildcard(wildcard),
+            &need,
+            note,
+            Some(caution),
+        );
     }
     for (d, need) in &by_name {
         if !folded.contains(d) {
             let name = &j.domains[*d];
             let note = format!("{name}: {}", need.seen());
-            push_entries(&mut entries, Target::Domain(name.clone()), need, note);
+            push_entries(&mut entries, Target::Domain(name.clone()), need, note, None);
         }
     }
     for (addr, need) in &by_addr {
         let note = format!("no name seen for {addr}: {}", need.seen());
-        push_entries(&mut entries, Target::Cidr(IpNet::from(*addr)), need, note);
+        push_entries(
+            &mut entries,
+            Target::Cidr(IpNet::from(*addr)),
+            need,
+            note,
+            None,
+        );
     }
-    // Names the guard would refuse that no flow went to: for the reviewer only.
+    // Names the guard would refuse that no flow went to: for the reviewer only. A name a new
+    // entry covers is one of the names learned, or under a fold's parent (the entries'
+    // only wildcards): asked of those two, not of every entry, once per name record.
+    let covered = |d: usize| {
+        by_name.contains_key(&d)
+            || parent_of(&j.domains[d]).is_some_and(|p| folded_under.contains(&p))
+    };
     let mut unconnected: BTreeMap<String, Need> = BTreeMap::new();
     for n in &j.names {
         let NameVerdict::Refused(why) = &n.verdict else {
             continue;
         };
         let shown = match (why, n.domain) {
-            (NameRefusal::NotInPolicy, Some(d))
-                if by_name.contains_key(&d)
-                    || entries
-                        .iter()
-                        .any(|(_, e)| e.allow.target.matches(&j.domains[d])) =>
-            {
-                continue;
-            }
+            (NameRefusal::NotInPolicy, Some(d)) if covered(d) => continue,
             (NameRefusal::NotInPolicy, Some(d)) => j.domains[d].to_string(),
             (_, _) => format!("{} ({why})", safe(n.name)),
         };
@@ -299,6 +341,14 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
         &mut notes,
         "refused whatever the policy allows (not added)",
         refused_anyway
+            .iter()
+            .map(|(what, n)| format!("{what} ({})", flows(*n))),
+    );
+    push_notes(
+        &mut notes,
+        "an entry for these would allow more than it seems to (not added; allow them by \
+         hand if they are needed)",
+        left_out
             .iter()
             .map(|(what, n)| format!("{what} ({})", flows(*n))),
     );
@@ -331,8 +381,38 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
     }
 }
 
-/// The entries for `target` and `need`, each with its sort key.
-fn push_entries(out: &mut Vec<(String, NewEntry)>, target: Target, need: &Need, note: String) {
+/// Why a refused flow to `dst` on `port`, which an allow entry would let through, is not
+/// learned: DNS to a server that is not one of `dns.resolvers` (resolve mode; in guard mode
+/// the table refuses it whatever the entries say), which would carry questions for any name
+/// past the policy; or, for an address no answer named, one the table never takes from an
+/// answer ([`installable::check`]: multicast, broadcast, loopback, link-local, an IPv6 form
+/// of an IPv4 address, the local-use NAT64 prefix), whose `cidr:` entry would let out
+/// something other than the one host it seems to name.
+fn not_learned(dst: IpAddr, port: u16, named: bool, guard: bool) -> Option<String> {
+    if !guard && GUARDED_DNS_PORTS.contains(&port) {
+        // Port 53 to a listed resolver is essential, never refused; 853 to one is not.
+        return Some(match port {
+            DNS_PORT => "DNS to a server that is not one of `dns.resolvers`: it would answer \
+                         any name, around the policy's"
+                .into(),
+            _ => "DNS over TLS: it would carry questions for any name, around the policy's".into(),
+        });
+    }
+    match installable::check(dst, &HostAddrs::none()) {
+        Err(why) if !named => Some(why.to_string()),
+        _ => None,
+    }
+}
+
+/// The entries for `target` and `need`, each with its sort key; `caution`, a second
+/// comment line.
+fn push_entries(
+    out: &mut Vec<(String, NewEntry)>,
+    target: Target,
+    need: &Need,
+    note: String,
+    caution: Option<String>,
+) {
     // Names (wildcards first, as `*` sorts before letters), then addresses in order.
     let key = match &target {
         Target::Domain(d) => format!("0 {d}"),
@@ -349,6 +429,7 @@ fn push_entries(out: &mut Vec<(String, NewEntry)>, target: Target, need: &Need, 
             NewEntry {
                 allow,
                 note: note.clone(),
+                caution: caution.clone(),
                 summary,
             },
         ));
@@ -410,6 +491,9 @@ fn block(notes: &[String], entries: &[NewEntry], indent: usize) -> String {
     }
     for e in entries {
         let _ = writeln!(out, "{pad}# {}", e.note);
+        if let Some(c) = &e.caution {
+            let _ = writeln!(out, "{pad}# {c}");
+        }
         out.push_str(&entry_text(&e.allow, indent));
     }
     out
@@ -456,22 +540,40 @@ fn write(
         .collect();
     let mut expected = local.clone();
     expected.extend(entries.iter().map(|e| e.allow.clone()));
-    let reads_back = |text: &str| -> bool {
-        let Ok(mut got) = Policy::parse(text, Path::new("learned.yaml")) else {
-            return false;
-        };
+    let reads_back = |text: &str| -> Result<(), String> {
+        let differs = "the edited text did not read back as the start policy plus the new \
+                       entries";
+        let mut got = Policy::parse(text, Path::new("learned.yaml")).map_err(|e| {
+            // Said in a comment line: its first line, printable.
+            let said = e.to_string();
+            let first = said.lines().next().unwrap_or_default();
+            format!(
+                "the edited text does not load: {}",
+                first
+                    .chars()
+                    .map(|c| if c.is_ascii_graphic() || c == ' ' {
+                        c
+                    } else {
+                        '?'
+                    })
+                    .collect::<String>()
+            )
+        })?;
         let mut want = start.clone();
         if got.allow.len() < expected.len() || got.allow[..expected.len()] != expected[..] {
-            return false;
+            return Err(differs.into());
         }
         got.allow.clear();
         want.allow.clear();
-        got == want
+        if got != want {
+            return Err(differs.into());
+        }
+        Ok(())
     };
 
     let lines: Vec<&str> = start_text.lines().collect();
     let why_not = match allow_key(&lines) {
-        Err(why) => why,
+        Err(why) => why.to_string(),
         Ok(found) => {
             let text = match found {
                 None => with_new_allow(start_text, notes, entries),
@@ -480,10 +582,10 @@ fn write(
                 // A flow list: the same entries in block style, then the new ones.
                 Some((at, _)) => rewritten(&lines, at, &local, notes, entries),
             };
-            if reads_back(&text) {
-                return (text, true);
+            match reads_back(&text) {
+                Ok(()) => return (text, true),
+                Err(why) => why,
             }
-            "the edited text did not read back as the start policy plus the new entries"
         }
     };
     // Left as it is; the entries below it, commented out, with why.

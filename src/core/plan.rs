@@ -1374,6 +1374,58 @@ log:
         }
     }
 
+    /// `learn`'s flow record starts after what says nothing of the agent (replies, loopback,
+    /// the guard's own questions upstream: recorded, replay would call them refused DNS to
+    /// the upstream), and its audit accept comes after every refusal no entry can lift (the
+    /// deny list, DNS past the guard, the guard's protections).
+    #[test]
+    fn the_flow_record_skips_the_guards_own_dns_and_the_audit_comes_after_every_refusal() {
+        let p = policy(
+            "version: 1\nallow:\n  - domain: a.example\n    ports: [443]\ndeny:\n  - preset: \
+             cloud-metadata\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\nlog:\n  group: 7\n",
+        );
+        let mut res = resolution(&[]);
+        res.resolvers = vec!["192.0.2.53".parse().unwrap()];
+        res.guard_uid = Some(993);
+        let rs = with_extras(plan(&p, &res), &Extras::of_run(&p, true, true));
+        let at = |want: &dyn Fn(&Rule) -> bool| {
+            let found: Vec<usize> = (0..rs.output.len())
+                .filter(|&i| want(&rs.output[i]))
+                .collect();
+            assert!(!found.is_empty(), "{:?}", rs.output);
+            found
+        };
+        let record = at(&|r| matches!(r, Rule::RecordFlow { .. }));
+        let audit = at(&|r| matches!(r, Rule::AuditAccept { group: 7 }));
+        assert_eq!((record.len(), audit.len()), (1, 1));
+        let quiet = at(&|r| {
+            matches!(
+                r,
+                Rule::AcceptEstablished
+                    | Rule::AcceptLoopback
+                    | Rule::AcceptTupleFromGuard { .. }
+                    | Rule::RefuseUpstreamFromOtherUids { .. }
+                    | Rule::RefuseUpstreamUnmarked { .. }
+            )
+        });
+        assert!(quiet.iter().all(|&q| q < record[0]), "{:?}", rs.output);
+        let refusals = at(&|r| {
+            matches!(
+                r,
+                Rule::RefuseDaddrIn(_)
+                    | Rule::RefuseService(..)
+                    | Rule::RefuseSourceRoute(_)
+                    | Rule::RefuseIcmpFromProcesses(_)
+                    | Rule::RefuseUpstreamFromOtherUids { .. }
+                    | Rule::RefuseUpstreamUnmarked { .. }
+                    | Rule::RefuseUnmarkedFromGuardPort { .. }
+                    | Rule::RefuseOtherUidsFromGuardPort { .. }
+            )
+        });
+        assert!(refusals.iter().all(|&r| r < audit[0]), "{:?}", rs.output);
+        assert_eq!(rs.output.get(audit[0] + 1), Some(&Rule::GotoRefused));
+    }
+
     #[test]
     fn guard_mode_lets_only_the_guard_ask_upstream_and_refuses_other_dns() {
         let p = policy(

@@ -17,6 +17,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -560,8 +561,11 @@ pub struct RefusedFlow {
     pub first: String,
     pub last: String,
     /// The names whose answers named `dst` before these flows (at most
-    /// [`MAX_NAMES_SHOWN`]; `more_names` says how many more); empty: a bare address.
-    pub names: Vec<String>,
+    /// [`MAX_NAMES_SHOWN`]; `more_names` says how many more); empty: a bare address. Shared
+    /// between the groups of an address: one address and its names make as many groups as
+    /// ports and protocols were tried, and each group holding copies would cost the names
+    /// that many times over.
+    pub names: Vec<Arc<str>>,
     pub more_names: usize,
     pub uids: Vec<u32>,
     /// The listed interfaces forwarded flows came in on.
@@ -717,6 +721,51 @@ fn refused_names(j: &Judgement) -> Vec<RefusedName> {
         .collect()
 }
 
+/// For each `(address, n)` of `wanted`: the first [`MAX_NAMES_SHOWN`] in sort order of the
+/// first `n` names that answered the address, and how many more there were. The groups of an
+/// address are taken in order of `n`, each adding only the names the one before had not
+/// seen, so a trace whose refused flows make many groups of one much-answered address (a
+/// port each) costs the names once, not once per group.
+fn names_shown(
+    wanted: &[(IpAddr, usize)],
+    names_of: &HashMap<IpAddr, Vec<&str>>,
+) -> Vec<(Vec<Arc<str>>, usize)> {
+    let mut order: Vec<usize> = (0..wanted.len()).collect();
+    order.sort_by_key(|&i| wanted[i]);
+    let mut out = vec![(Vec::new(), 0); wanted.len()];
+    let mut at = None;
+    let mut taken = 0;
+    // The smallest names seen so far, at most MAX_NAMES_SHOWN (the names are distinct).
+    let mut smallest: BTreeSet<&str> = BTreeSet::new();
+    // Each name shown is made once, and shared by every group that shows it.
+    let mut made: HashMap<&str, Arc<str>> = HashMap::new();
+    for i in order {
+        let (dst, before) = wanted[i];
+        if at != Some(dst) {
+            (at, taken) = (Some(dst), 0);
+            smallest.clear();
+        }
+        let names = names_of
+            .get(&dst)
+            .map_or(&[][..], |n| &n[..before.min(n.len())]);
+        for name in names.get(taken..).unwrap_or_default() {
+            smallest.insert(name);
+            if smallest.len() > MAX_NAMES_SHOWN {
+                smallest.pop_last();
+            }
+        }
+        taken = taken.max(names.len());
+        out[i] = (
+            smallest
+                .iter()
+                .map(|n| made.entry(n).or_insert_with(|| Arc::from(*n)).clone())
+                .collect(),
+            names.len().saturating_sub(MAX_NAMES_SHOWN),
+        );
+    }
+    out
+}
+
 /// What `policy` would have refused of `trace`, what it cannot judge, and what it allows
 /// that the trace never used.
 pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
@@ -787,24 +836,26 @@ pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
             }
         }
     }
-    report.refused_flows = flows
-        .into_values()
+    let groups: Vec<FlowGroup> = flows.into_values().collect();
+    let wanted: Vec<(IpAddr, usize)> = groups
+        .iter()
+        .map(|g| (g.group.dst, g.names_before))
+        .collect();
+    report.refused_flows = groups
+        .into_iter()
+        .zip(names_shown(&wanted, &j.names_of))
         .map(
-            |FlowGroup {
-                 mut group,
-                 names_before,
-                 uids,
-                 interfaces,
-             }| {
-                let known = j
-                    .names_of
-                    .get(&group.dst)
-                    .map_or(&[][..], |n| &n[..names_before]);
-                let mut names: Vec<String> = known.iter().map(|n| n.to_string()).collect();
-                names.sort();
-                group.more_names = names.len().saturating_sub(MAX_NAMES_SHOWN);
-                names.truncate(MAX_NAMES_SHOWN);
+            |(
+                FlowGroup {
+                    mut group,
+                    uids,
+                    interfaces,
+                    ..
+                },
+                (names, more_names),
+            )| {
                 group.names = names;
+                group.more_names = more_names;
                 group.uids = uids.into_iter().collect();
                 group.interfaces = interfaces.into_iter().map(str::to_string).collect();
                 group

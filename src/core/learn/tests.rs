@@ -12,6 +12,14 @@ fn learned(start: &str, trace: &Trace) -> (Learned, Policy) {
     (out, p)
 }
 
+/// Whether an allow entry would let the refused flows `f` through and learn would write one
+/// for them (not for DNS around the resolvers, nor an address the table never takes).
+fn helps(f: &crate::core::replay::RefusedFlow, guard: bool) -> bool {
+    f.why.allow_entry_helps()
+        && f.dport
+            .is_none_or(|port| not_learned(f.dst, port, false, guard).is_none())
+}
+
 /// Every line of `start` is in `yaml`, in order.
 fn keeps(start: &str, yaml: &str) -> bool {
     let mut rest = yaml.lines();
@@ -115,9 +123,16 @@ fn resolve_mode_learns_names_and_addresses_too() {
     assert!(keeps(RESOLVE, &out.yaml));
     let r = replay(&p, &t);
     assert!(
-        r.refused_flows.iter().all(|f| !f.why.allow_entry_helps()),
+        r.refused_flows.iter().all(|f| !helps(f, false)),
         "{:?}",
         r.refused_flows
+    );
+    // What is left is DNS to another server, said in a comment.
+    assert!(
+        out.yaml
+            .contains("udp 198.51.100.53:53: DNS to a server that is not one of `dns.resolvers`"),
+        "{}",
+        out.yaml
     );
     assert!(r.refused_names.is_empty());
 }
@@ -322,7 +337,7 @@ fn learn_and_replay_agree_on_made_up_traces() {
         );
         let r = replay(&p, &t);
         assert!(
-            r.refused_flows.iter().all(|f| !f.why.allow_entry_helps()),
+            r.refused_flows.iter().all(|f| !helps(f, start == GUARD)),
             "round {round}: {:?}\n{}",
             r.refused_flows,
             out.yaml
@@ -370,5 +385,242 @@ fn an_include_stays_an_include_and_its_entries_are_not_learned_again() {
     assert_eq!(out.added.len(), 1, "{:?}", out.added);
     assert!(out.yaml.contains("include: [npm]"));
     assert_eq!(p.include, policy(&start).include);
+    assert!(!replay(&p, &t).refuses_anything());
+}
+
+// What an adversary inside the fence does to a learn run (it chooses the names it asks, the
+// flows it opens and, under its own domain, the answers): each test is one attempt to make
+// the learned policy wider than the entries a reviewer sees suggest.
+
+#[test]
+fn siblings_never_fold_under_a_public_suffix() {
+    // `*.co.uk` would let every British company's servers in; `*.blogspot.com` every blog's
+    // (the Public Suffix List's private section), `*.s3.amazonaws.com` every bucket.
+    for parent in [
+        "co.uk",
+        "com.au",
+        "ac.jp",
+        "blogspot.com",
+        "s3.amazonaws.com",
+        "s3.eu-west-1.amazonaws.com",
+        "cloudfunctions.net",
+    ] {
+        let t = siblings(parent, 12).trace();
+        let (out, p) = learned(GUARD, &t);
+        assert_eq!(out.added.len(), 12, "{parent}: {}", out.yaml);
+        assert!(
+            !out.yaml.contains(&format!("*.{parent}")),
+            "{parent}: {}",
+            out.yaml
+        );
+        assert!(!replay(&p, &t).refuses_anything());
+    }
+    // A tenant's own names still fold: they are one owner's.
+    let (out, _) = learned(GUARD, &siblings("mine.github.io", 12).trace());
+    assert_eq!(out.added.len(), 1, "{}", out.yaml);
+}
+
+#[test]
+fn a_learned_wildcard_says_what_it_lets_through() {
+    // The adversary asks twelve names under a domain whose servers it runs: the fold is a
+    // DNS channel to those servers (every question under it is forwarded), and their answers
+    // put any address in the table. The reviewer must be told, next to the entry.
+    let (out, _) = learned(GUARD, &siblings("attacker.example", 12).trace());
+    let at = out
+        .yaml
+        .find("- domain: \"*.attacker.example\"")
+        .unwrap_or_else(|| panic!("{}", out.yaml));
+    let above = &out.yaml[..at];
+    let comment = above.lines().rev().take(3).collect::<Vec<_>>().join("\n");
+    assert!(
+        comment.contains("every name under attacker.example")
+            && comment.contains("whoever runs attacker.example"),
+        "{comment}"
+    );
+    assert!(out.added[0].contains("wildcard"), "{:?}", out.added);
+}
+
+#[test]
+fn addresses_the_table_never_takes_are_not_learned() {
+    // Without the loopback essential, multicast, broadcast, loopback, link-local, an
+    // IPv4-mapped form of the metadata address, NAT64 local use: none is an address a
+    // reviewer means to allow by a `cidr:` of one address; each is a note, not an entry.
+    let start = "version: 1\nessentials: []\ndeny:\n  - preset: cloud-metadata\n\
+                 dns:\n  mode: guard\n  upstream: [192.0.2.53]\n";
+    let t = T::start()
+        .udp("224.0.0.251", 5353)
+        .udp("255.255.255.255", 9)
+        .tcp("127.0.0.1", 8080)
+        .tcp("0.0.0.0", 80)
+        .udp("ff02::fb", 5353)
+        .tcp("fe80::1", 80)
+        .tcp("::ffff:169.254.169.254", 80)
+        .tcp("::ffff:192.0.2.7", 443)
+        .tcp("64:ff9b:1::c000:207", 443)
+        .tcp("240.0.0.1", 443)
+        .tcp("192.0.2.7", 443)
+        .trace();
+    let (out, p) = learned(start, &t);
+    assert_eq!(out.added.len(), 1, "{}", out.yaml);
+    assert_eq!(p.allow.len(), 1);
+    assert!(
+        out.added[0].starts_with("192.0.2.7/32 tcp 443"),
+        "{:?}",
+        out.added
+    );
+    assert!(out.yaml.contains("udp 224.0.0.251:5353"), "{}", out.yaml);
+    assert!(
+        out.yaml.contains("tcp [::ffff:169.254.169.254]:80"),
+        "{}",
+        out.yaml
+    );
+}
+
+#[test]
+fn dns_around_the_resolvers_is_not_learned() {
+    // Resolve mode: DNS (53) or DNS over TLS (853) to a server that is not one of
+    // `dns.resolvers` is the classic way around a name policy; learn says so and leaves it out.
+    let t = T::start()
+        .udp("198.51.100.53", 53)
+        .tcp("198.51.100.53", 853)
+        .name("dns.example", &["198.51.100.54"])
+        .tcp("198.51.100.54", 853)
+        .tcp("198.51.100.55", 443)
+        .trace();
+    let (out, p) = learned(RESOLVE, &t);
+    assert_eq!(out.added.len(), 1, "{}", out.yaml);
+    assert_eq!(p.allow.len(), policy(RESOLVE).allow.len() + 1);
+    assert!(out.yaml.contains("udp 198.51.100.53:53"), "{}", out.yaml);
+    assert!(out.yaml.contains("tcp 198.51.100.54:853"), "{}", out.yaml);
+}
+
+/// Many names asked and never connected to, and many bare addresses connected to: telling
+/// whether an asked name is covered by a new entry must not walk every new entry (30,000 names
+/// times 30,000 entries).
+#[test]
+fn many_asked_names_and_many_new_entries_are_written_in_one_pass() {
+    let n: u32 = 30_000;
+    let mut records = T::start().records;
+    let (ask, connect) = {
+        let t = T::start()
+            .name("x.example", &[])
+            .tcp("10.0.0.1", 443)
+            .records;
+        (t[1].clone(), t[2].clone())
+    };
+    for i in 0..n {
+        let mut name = ask.clone();
+        if let crate::core::trace::Record::Name { name: na, .. } = &mut name {
+            *na = format!("q{i}.asked.example");
+        }
+        let mut flow = connect.clone();
+        if let crate::core::trace::Record::Flow { dst, .. } = &mut flow {
+            *dst = std::net::Ipv4Addr::from(0x0a00_0000 + i).into();
+        }
+        records.extend([name, flow]);
+    }
+    let t = Trace { records };
+    let out = learn(GUARD, &policy(GUARD), &t, &LearnOptions::default());
+    assert_eq!(out.added.len(), n as usize);
+    // So many entries make a policy larger than egress-fence reads: the start text is kept,
+    // the entries are commented out below it, and why is said.
+    assert!(out.yaml.starts_with(GUARD));
+    assert!(
+        out.yaml.contains(
+            "could not add these entries to this policy's `allow:` list (the edited text does \
+             not load: learned.yaml: the policy is larger than 1024 KiB"
+        ),
+        "{}",
+        &out.yaml[GUARD.len()..GUARD.len() + 500]
+    );
+    // The notes stop at MAX_NOTES.
+    assert!(
+        out.yaml
+            .contains(&format!("#  #   ... and {} more", n as usize - MAX_NOTES)),
+        "{}",
+        &out.yaml[..2000]
+    );
+}
+
+/// The names, query types, protocols and interfaces of a trace are the agent's to choose (a
+/// trace may also be edited by hand): none may write a policy line. The guard writes only
+/// the presentation form of a name (printable ASCII), but `learn` does not rely on it.
+#[test]
+fn trace_names_and_protocols_cannot_write_policy_lines() {
+    let inject = "x\n- cidr: 0.0.0.0/0\n  ports: [1-65535]\n#";
+    let start = "version: 1\nallow:\n  - domain: api.example\n    ports: [443]\n\
+                 dns:\n  mode: guard\n  upstream: [192.0.2.53]\nlog:\n  group: 7\n";
+    let t = T::start()
+        .typed(inject, "A")
+        .typed(inject, "ANY")
+        .typed("a.example\r\n- cidr: ::/0\u{2028}\u{85}", "ANY")
+        .typed(" padded.example\n", "A")
+        .tcp("192.0.2.99", 443)
+        .name("new.example", &["192.0.2.8"])
+        .tcp("192.0.2.8", 443)
+        .flow_as(inject, "192.0.2.8", Some(443), Some(1001), Some(inject))
+        .flow_as(inject, "192.0.2.9", None, None, None)
+        .trace();
+    let (out, p) = learned(start, &t);
+    // The two names learned: the one the padding hid is the policy name it reads as.
+    assert_eq!(p.allow.len(), 3, "{}", out.yaml);
+    assert!(
+        out.yaml.contains("- domain: \"padded.example\""),
+        "{}",
+        out.yaml
+    );
+    for line in out
+        .yaml
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+    {
+        assert!(
+            !line.contains("0.0.0.0/0") && !line.contains("::/0") && !line.contains("1-65535"),
+            "{line}\n{}",
+            out.yaml
+        );
+    }
+    assert!(out.yaml.is_ascii());
+    assert!(
+        out.added
+            .iter()
+            .all(|a| a.is_ascii() && !a.contains(['\n', '\r']))
+    );
+}
+
+/// A flow-style `allow:` with an include: the list rewritten in block style holds the
+/// policy's own entries only (the preset's stay the include's, not copied in where an edit
+/// of the preset would no longer reach them), and a preset's name used on another port is
+/// learned as an entry of its own.
+#[test]
+fn a_rewritten_list_beside_an_include_keeps_the_presets_entries_out() {
+    let start = "version: 1\ninclude: [npm]\nallow: [{domain: a.example, ports: [443]}]\n\
+                 dns:\n  mode: guard\n  upstream: [192.0.2.53]\n";
+    let t = T::start()
+        .name("registry.npmjs.org", &["192.0.2.20"])
+        .tcp("192.0.2.20", 443)
+        .tcp("192.0.2.20", 80)
+        .name("new.example", &["192.0.2.8"])
+        .tcp("192.0.2.8", 443)
+        .trace();
+    let (out, p) = learned(start, &t);
+    assert!(!out.yaml.contains("could not add"), "{}", out.yaml);
+    assert_eq!(p.include, policy(start).include);
+    assert_eq!(
+        out.yaml.matches("registry.npmjs.org").count(),
+        2,
+        "the learned entry and its comment only: {}",
+        out.yaml
+    );
+    assert!(
+        out.yaml
+            .contains("- domain: \"registry.npmjs.org\"\n    ports: [80]")
+    );
+    let presets = replay::entry_presets(&p);
+    assert_eq!(
+        presets.iter().filter(|p| p.is_some()).count(),
+        policy(start).allow.len() - 1,
+        "the include's entries are still the include's"
+    );
     assert!(!replay(&p, &t).refuses_anything());
 }

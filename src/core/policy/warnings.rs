@@ -95,8 +95,11 @@ impl Policy {
 }
 
 /// Why a wildcard over `w`'s suffix lets strangers in, if it does: the suffix is a top-level
-/// domain, or one of the shared hosting suffixes where anyone can own a name. `learn` asks
-/// this before it folds names into a wildcard.
+/// domain, one of the shared hosting suffixes where anyone can own a name, or any other
+/// public suffix (the Public Suffix List: `co.uk`, `blogspot.com`,
+/// `s3.eu-west-1.amazonaws.com`), where each name below is someone else's registration.
+/// `learn` asks this before it folds names into a wildcard: a trace's names are chosen by
+/// whoever runs in the fence, so the list a fold is checked against must be the whole one.
 pub fn wildcard_risk(w: &Wildcard) -> Option<String> {
     let suffix = w.suffix.as_str();
     if !suffix.contains('.') {
@@ -105,17 +108,29 @@ pub fn wildcard_risk(w: &Wildcard) -> Option<String> {
              register one; list the domains you use"
         ));
     }
+    let shared = |shared: &str| {
+        format!(
+            "`{w}` lies under `{shared}`, where anyone can own a name (shared hosting): \
+             it lets strangers' servers in; list the exact names you use"
+        )
+    };
     // `**.googleapis.com` reaches storage.googleapis.com's tenants too; a name below a
     // tenant (`*.mine.herokuapp.com`) is that tenant's own.
-    SHARED_SUFFIXES
+    if let Some(s) = SHARED_SUFFIXES
         .iter()
         .find(|s| suffix == **s || (w.any_depth && s.ends_with(&format!(".{suffix}"))))
-        .map(|shared| {
-            format!(
-                "`{w}` lies under `{shared}`, where anyone can own a name (shared hosting): \
-                 it lets strangers' servers in; list the exact names you use"
-            )
-        })
+    {
+        return Some(shared(s));
+    }
+    let public = psl::suffix(suffix.as_bytes())
+        .filter(|s| s.is_known() && s.as_bytes() == suffix.as_bytes())?;
+    Some(match public.typ() {
+        Some(psl::Type::Private) => shared(suffix),
+        _ => format!(
+            "`{w}` allows every name under `{suffix}`, a public suffix where anyone can \
+             register a domain: list the domains you use"
+        ),
+    })
 }
 
 /// Shared hosting suffixes where anyone can own a name: a wildcard over one of them lets
@@ -708,6 +723,13 @@ mod tests {
             "{w:?}"
         );
         assert!(with("*.mine.herokuapp.com").is_empty());
+        // The rest of the Public Suffix List: a registry's second level, a private section's
+        // suffix the short list above does not name.
+        let w = with("*.co.uk");
+        assert!(w.iter().any(|w| w.contains("a public suffix")), "{w:?}");
+        let w = with("*.s3.eu-west-1.amazonaws.com");
+        assert!(w.iter().any(|w| w.contains("shared hosting")), "{w:?}");
+        assert!(with("*.mine.blogspot.com").is_empty());
         let refresh =
             parse(&GUARD.replace("  mode: guard\n", "  mode: guard\n  refresh: { min: 5s }\n"))
                 .expect("valid")

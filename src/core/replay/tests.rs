@@ -226,7 +226,7 @@ fn deny_wins_over_an_allowed_name_that_answers_a_denied_address() {
     });
     assert_eq!(verdicts(&p, &t), [denied.clone(), denied]);
     let r = replay(&p, &t);
-    assert_eq!(r.refused_flows[0].names, ["api.example"]);
+    assert_eq!(r.refused_flows[0].names, [Arc::from("api.example")]);
     assert!(!FlowRefusal::Denied { by: String::new() }.allow_entry_helps());
 }
 
@@ -412,7 +412,10 @@ fn refusals_are_grouped_with_their_names_uids_and_times() {
     let flows: Vec<Shown> = r
         .refused_flows
         .iter()
-        .map(|f| (f.dport, f.count, f.names.clone(), f.uids.clone()))
+        .map(|f| {
+            let names = f.names.iter().map(|n| n.to_string()).collect();
+            (f.dport, f.count, names, f.uids.clone())
+        })
         .collect();
     let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert_eq!(
@@ -499,4 +502,45 @@ fn a_huge_trace_of_one_shared_address_is_judged_in_one_pass() {
     assert_eq!(r.refused_flows[0].count, 50_000);
     assert_eq!(r.refused_flows[0].names.len(), MAX_NAMES_SHOWN);
     assert_eq!(r.refused_flows[0].more_names, 50_000 - MAX_NAMES_SHOWN);
+}
+
+/// The same, each flow on a port of its own: every refused flow is a group of its own, and
+/// each group's names are a longer prefix of the address's names. Listing them must not copy
+/// that prefix once per group (50,000 groups of up to 50,000 names each).
+#[test]
+fn a_huge_trace_of_one_shared_address_on_many_ports_lists_names_in_one_pass() {
+    let p = policy(GUARD);
+    let n: u16 = 50_000;
+    let mut records = Vec::with_capacity(2 * usize::from(n) + 1);
+    records.extend(T::start().records);
+    let base = T::start()
+        .name("x", &["192.0.2.7"])
+        .tcp("192.0.2.7", 443)
+        .records;
+    for i in 0..n {
+        let mut name = base[1].clone();
+        if let Record::Name { name: na, .. } = &mut name {
+            // Later names sort first: the shown ones change with every group.
+            *na = format!("n{:05}.evil.example", n - i);
+        }
+        let mut flow = base[2].clone();
+        if let Record::Flow { dport, .. } = &mut flow {
+            *dport = Some(i + 1);
+        }
+        records.push(name);
+        records.push(flow);
+    }
+    let r = replay(&p, &Trace { records });
+    assert_eq!(r.refused_flows.len(), usize::from(n));
+    for (i, f) in r.refused_flows.iter().enumerate() {
+        // The flow on port i + 1 followed i + 1 names: the last of them sort first.
+        let before = i + 1;
+        let shown = before.min(MAX_NAMES_SHOWN);
+        assert_eq!(f.dport, Some(before as u16));
+        assert_eq!(f.names.len(), shown, "{f:?}");
+        assert_eq!(f.more_names, before - shown);
+        let first = usize::from(n) - i;
+        assert_eq!(&*f.names[0], format!("n{first:05}.evil.example"));
+        assert!(f.names.windows(2).all(|w| w[0] < w[1]));
+    }
 }
