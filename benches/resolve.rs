@@ -28,12 +28,12 @@ mod common;
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv6Addr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use common::{
-    TempNetns, kernel_release, limit_open_files, measure, measure_any, median, require_root, run,
-    run_parent, v4,
+    TempNetns, kernel_release, limit_open_files, measure, measure_any, median, real_name,
+    require_root, run, run_parent, start_dnsmasq, v4,
 };
 
 /// This bench's namespaces are `efs-<pid>-<n>`.
@@ -76,61 +76,8 @@ fn options(args: &[String]) -> Options {
     o
 }
 
-fn name(i: usize) -> String {
-    format!("n{i}.bench.example")
-}
-
 fn v6(i: usize) -> IpAddr {
     IpAddr::V6(Ipv6Addr::from((0x2001_0db8_u128 << 96) | i as u128))
-}
-
-/// dnsmasq, stopped on drop (before the namespace it runs in goes).
-struct Dnsmasq(Child);
-
-impl Drop for Dnsmasq {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_dnsmasq(ns: &TempNetns, hosts: &Path) -> Dnsmasq {
-    let child = ns
-        .command("dnsmasq")
-        .args([
-            "--keep-in-foreground",
-            "--conf-file=/dev/null",
-            "--no-resolv",
-            "--no-hosts",
-            "--bind-interfaces",
-            "--listen-address=127.0.0.1",
-            // Answer only from local data; anything else is NXDOMAIN, never forwarded.
-            "--local=/#/",
-            "--user=root",
-            "--group=root",
-            "--pid-file=",
-            "--local-ttl=300",
-        ])
-        .arg(format!("--addn-hosts={}", hosts.display()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("dnsmasq: {e} (apt-get install dnsmasq-base)"));
-    let dnsmasq = Dnsmasq(child);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let out = ns
-            .command("dig")
-            .args(["+short", "+tries=1", "+time=1", "@127.0.0.1", &name(0), "A"])
-            .output()
-            .expect("dig");
-        if String::from_utf8_lossy(&out.stdout).trim() == v4(0).to_string() {
-            return dnsmasq;
-        }
-        assert!(Instant::now() < deadline, "dnsmasq does not answer");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// The egress-fence binary built beside this bench (target/release/egress-fence).
@@ -234,7 +181,7 @@ fn bench(args: &[String]) {
     let mut questions = String::new();
     let mut policy = format!("version: 1\ndns:\n  resolvers: [{RESOLVER}]\nallow:\n");
     for i in 0..o.names {
-        let n = name(i);
+        let n = real_name(i);
         let _ = writeln!(hosts, "{} {n}\n{} {n}", v4(i), v6(i));
         let _ = writeln!(questions, "{n} A\n{n} AAAA");
         let _ = writeln!(policy, "  - domain: {n}\n    ports: [443]");
@@ -251,7 +198,7 @@ fn bench(args: &[String]) {
 
     let ns = TempNetns::new(NS_PREFIX);
     run(Command::new("ip").args(["-n", &ns.name, "link", "set", "lo", "up"]));
-    let _dnsmasq = start_dnsmasq(&ns, &hosts);
+    let _dnsmasq = start_dnsmasq(&ns, &hosts, 300);
 
     let mut rows = Vec::new();
     let mut mine = Vec::new();

@@ -303,6 +303,76 @@ fn stop_if_interrupted(child: &mut Child) {
     }
 }
 
+// ---- a real resolver --------------------------------------------------------------------------
+
+/// The `i`th name the benches' real resolver answers, `nI.bench.example`.
+pub fn real_name(i: usize) -> String {
+    format!("n{i}.bench.example")
+}
+
+/// dnsmasq, stopped on drop (before the namespace it runs in goes).
+pub struct Dnsmasq(Child);
+
+impl Drop for Dnsmasq {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// dnsmasq on 127.0.0.1 in `ns` (whose `lo` must be up), answering from the hosts file `hosts`
+/// only, with TTL `ttl` seconds; returns once it answers [`real_name`]`(0)` with [`v4`]`(0)`,
+/// which `hosts` must list.
+pub fn start_dnsmasq(ns: &TempNetns, hosts: &Path, ttl: u32) -> Dnsmasq {
+    let child = ns
+        .command("dnsmasq")
+        .args([
+            "--keep-in-foreground",
+            "--conf-file=/dev/null",
+            "--no-resolv",
+            "--no-hosts",
+            "--bind-interfaces",
+            "--listen-address=127.0.0.1",
+            // Answer only from local data; anything else is NXDOMAIN, never forwarded.
+            "--local=/#/",
+            "--user=root",
+            "--group=root",
+            "--pid-file=",
+        ])
+        .arg(format!("--local-ttl={ttl}"))
+        .arg(format!("--addn-hosts={}", hosts.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("dnsmasq: {e} (apt-get install dnsmasq-base)"));
+    let dnsmasq = Dnsmasq(child);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let first = v4(0).to_string();
+    loop {
+        let out = ns
+            .command("dig")
+            .args([
+                "+short",
+                "+tries=1",
+                "+time=1",
+                "@127.0.0.1",
+                &real_name(0),
+                "A",
+            ])
+            .output()
+            .expect("dig");
+        if String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .any(|l| l.trim() == first)
+        {
+            return dnsmasq;
+        }
+        assert!(Instant::now() < deadline, "dnsmasq does not answer");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 // ---- children and their reports ----------------------------------------------------------------
 
 /// A command that std spawns with fork+exec, as [`TempNetns::command`] does. Without a

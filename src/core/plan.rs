@@ -1,6 +1,6 @@
 //! Policy + resolution -> ruleset. Pure: no network, no kernel.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -9,7 +9,9 @@ use ipnet::IpNet;
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
 use crate::core::lifetime::longer_timeout;
-use crate::core::policy::{Action, DomainName, Essential, L4Proto, Policy, PortRange, Target};
+use crate::core::policy::{
+    Action, Allow, DomainName, Essential, L4Proto, Policy, PortRange, Target,
+};
 use crate::core::resolution::{Resolution, ResolvedHost};
 use crate::core::ruleset::{
     Arrival, AuditWindow, CgroupMatch, Elements, Family, Icmpv6Type, LogSpec, Rule, Ruleset,
@@ -48,13 +50,58 @@ pub fn services_of<'a>(
         .allow
         .iter()
         .filter(move |a| a.target.matches(name))
-        .flat_map(move |a| {
-            a.protocol.l4protos().iter().flat_map(move |&proto| {
-                a.ports
-                    .iter()
-                    .flat_map(move |range| range.ports().map(move |port| (proto, port)))
-            })
-        })
+        .flat_map(entry_services)
+}
+
+/// The protocols and ports of one allow entry.
+fn entry_services(a: &Allow) -> impl Iterator<Item = (L4Proto, u16)> + '_ {
+    a.protocol.l4protos().iter().flat_map(move |&proto| {
+        a.ports
+            .iter()
+            .flat_map(move |range| range.ports().map(move |port| (proto, port)))
+    })
+}
+
+/// The allow entries that name domains, indexed for [`services_of`] over many names: exact
+/// names by map, wildcards in a list walked for each name. Asking [`services_of`] for each of
+/// N names walks every entry each time, N x N name comparisons: at 1,250 names and 10,000
+/// addresses that was half of `apply`'s instructions (BENCHMARKS.md).
+pub struct AllowIndex<'a> {
+    /// Each entry with its place in the policy, so that services come in policy order.
+    exact: HashMap<&'a DomainName, Vec<(usize, &'a Allow)>>,
+    wildcards: Vec<(usize, &'a Allow)>,
+}
+
+impl<'a> AllowIndex<'a> {
+    pub fn new(policy: &'a Policy) -> AllowIndex<'a> {
+        let mut index = AllowIndex {
+            exact: HashMap::new(),
+            wildcards: Vec::new(),
+        };
+        for (i, a) in policy.allow.iter().enumerate() {
+            match &a.target {
+                Target::Domain(d) => index.exact.entry(d).or_default().push((i, a)),
+                Target::Wildcard(_) => index.wildcards.push((i, a)),
+                Target::Cidr(_) => {}
+            }
+        }
+        index
+    }
+
+    /// What [`services_of`] gives for `name`, in the same order.
+    pub fn services(&self, name: &DomainName) -> Vec<(L4Proto, u16)> {
+        let mut entries: Vec<(usize, &Allow)> = self.exact.get(name).cloned().unwrap_or_default();
+        let wildcards = self
+            .wildcards
+            .iter()
+            .filter(|(_, a)| a.target.matches(name));
+        entries.extend(wildcards);
+        entries.sort_unstable_by_key(|&(i, _)| i);
+        entries
+            .into_iter()
+            .flat_map(|(_, a)| entry_services(a))
+            .collect()
+    }
 }
 
 /// The resolved-set element of `addr` for one protocol and port.
@@ -93,7 +140,9 @@ fn resolved_elements(
     timeout_of: impl Fn(&DomainName, IpAddr) -> Option<Duration>,
 ) -> BTreeMap<Tuple, Timed> {
     let mut exact: BTreeMap<Tuple, (Option<u64>, &DomainName)> = BTreeMap::new();
+    let index = AllowIndex::new(policy);
     for host in &resolution.hosts {
+        let services = index.services(&host.name);
         // Resolution already left these out; a recorded or hand-made resolution may not
         // have (the host's own addresses are the resolver's to check: they need the host).
         let installable = host
@@ -102,7 +151,7 @@ fn resolved_elements(
             .filter(|a| crate::core::installable::check(a.addr, &HostAddrs::none()).is_ok());
         for a in installable {
             let timeout = timeout_of(&host.name, a.addr).map(|d| d.as_millis() as u64);
-            for tuple in services_of(policy, &host.name).map(|s| resolved_tuple(a.addr, s)) {
+            for tuple in services.iter().map(|&s| resolved_tuple(a.addr, s)) {
                 // An address shared by names lives as long as the longest-lived of them.
                 let entry = exact.entry(tuple).or_insert((timeout, &host.name));
                 entry.0 = longer_timeout(entry.0, timeout);
@@ -883,6 +932,36 @@ pub(crate) mod tests {
             Elements::Timed(t) => t.iter().map(|t| t.tuple).collect(),
             Elements::Networks(_) => panic!("not a tuple set"),
         }
+    }
+
+    #[test]
+    fn the_allow_index_gives_each_name_the_services_of_every_entry_in_policy_order() {
+        let p = policy(
+            "version: 1\nallow:\n  - domain: a.pool.example\n    ports: [8443]\n  \
+             - domain: \"*.pool.example\"\n    ports: [443, \"80-81\"]\n  \
+             - cidr: 203.0.113.0/28\n    ports: [22]\n  \
+             - domain: a.pool.example\n    ports: [53]\n    protocol: any\n  \
+             - domain: b.other.example\n    ports: [25]\ndns:\n  mode: guard\n  \
+             upstream: [192.0.2.53]\n",
+        );
+        let index = AllowIndex::new(&p);
+        for name in [
+            "a.pool.example",
+            "c.pool.example",
+            "b.other.example",
+            "x.example",
+            "pool.example",
+        ] {
+            let name: DomainName = name.parse().unwrap();
+            let walked: Vec<_> = services_of(&p, &name).collect();
+            assert_eq!(index.services(&name), walked, "{name}");
+        }
+        let a: DomainName = "a.pool.example".parse().unwrap();
+        assert_eq!(
+            index.services(&a).len(),
+            1 + 3 + 2,
+            "exact, wildcard, exact again (tcp+udp)"
+        );
     }
 
     const POLICY: &str = r#"
