@@ -61,8 +61,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    TempNetns, end_process, kernel_release, limit_open_files, median, require_root, run,
-    run_parent, v4,
+    TempNetns, dnsmasq_from_hosts, end_process, kernel_release, limit_open_files, median,
+    require_root, run, run_parent, v4,
 };
 
 /// This bench's namespaces are `efd-<pid>-<n>`.
@@ -358,22 +358,7 @@ fn one_run(bin: &Path, start: Start, w: &Workload, o: &Options, run_no: usize) -
     let mut procs = Procs::default();
     procs.spawn(
         "dnsmasq",
-        ns.command("dnsmasq")
-            .args([
-                "--keep-in-foreground",
-                "--conf-file=/dev/null",
-                "--no-resolv",
-                "--no-hosts",
-                "--bind-interfaces",
-                "--user=root",
-                "--group=root",
-                "--pid-file=",
-                // Answer only from the hosts file; anything else is NXDOMAIN, never forwarded.
-                "--local=/#/",
-            ])
-            .arg(format!("--listen-address={RESOLVER}"))
-            .arg(format!("--local-ttl={TTL_S}"))
-            .arg(format!("--addn-hosts={}", w.hosts.display())),
+        &mut dnsmasq_from_hosts(&ns, RESOLVER, &w.hosts, TTL_S as u32),
         &path("dnsmasq.log"),
     );
     let state = path("state");

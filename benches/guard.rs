@@ -92,18 +92,14 @@ use std::fs::File;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use common::{
-    TempNetns, enter, field, kernel_release, measure, percentile, require_root, run, run_parent,
-    self_command,
+    TempNetns, a_query, end_process, enter, field, kernel_release, measure, percentile,
+    require_root, run, run_parent, self_command,
 };
 use egress_fence::nft::Nft;
-use hickory_proto::op::{Message, MessageType, Query, ResponseCode};
-use hickory_proto::rr::{Name, RecordType};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use hickory_proto::op::{Message, MessageType, ResponseCode};
 
 /// This bench's namespaces are `efg-<pid>-<n>`.
 const NS_PREFIX: &str = "efg-";
@@ -262,14 +258,7 @@ impl Client {
     fn ask(&mut self, name: &str) -> Result<(Duration, Vec<IpAddr>), String> {
         self.next_id = self.next_id.wrapping_add(1);
         let id = self.next_id;
-        let mut query = Message::query();
-        query.metadata.id = id;
-        query.metadata.recursion_desired = true;
-        query.add_query(Query::query(
-            Name::from_str(&format!("{name}.")).expect("a valid name"),
-            RecordType::A,
-        ));
-        let bytes = query.to_vec().expect("encode a query");
+        let (query, bytes) = a_query(id, name);
         let mut buf = [0u8; 4096];
         let start = Instant::now();
         self.socket.send(&bytes).map_err(|e| format!("send: {e}"))?;
@@ -708,20 +697,8 @@ impl Procs {
 
 impl Drop for Procs {
     fn drop(&mut self) {
-        while let Some((what, mut child)) = self.0.pop() {
-            // Not reaped yet (only `try_wait`/`wait` below reap), so its pid is still ours.
-            if let Ok(None) = child.try_wait() {
-                let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-                let deadline = Instant::now() + Duration::from_secs(3);
-                while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
-            if let Ok(None) = child.try_wait() {
-                eprintln!("warning: {what} ignored SIGTERM; killing it");
-                let _ = child.kill();
-                let _ = child.wait();
-            }
+        while let Some((what, child)) = self.0.pop() {
+            end_process(what, child);
         }
     }
 }

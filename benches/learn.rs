@@ -36,15 +36,13 @@ use std::fs::File;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use common::{
-    TempNetns, end_process, enter, field, kernel_release, measure, percentile, require_root, run,
-    run_parent, self_command,
+    TempNetns, a_query, dnsmasq_from_hosts, end_process, enter, field, kernel_release, measure,
+    percentile, require_root, run, run_parent, self_command,
 };
-use hickory_proto::op::{Message, Query, ResponseCode};
-use hickory_proto::rr::{Name, RecordType};
+use hickory_proto::op::{Message, ResponseCode};
 
 const NS_PREFIX: &str = "efl-";
 const UPSTREAM: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 53);
@@ -104,14 +102,7 @@ fn spawn(procs: &mut Procs, what: String, cmd: &mut Command, log: &Path) {
 }
 
 fn ask(socket: &UdpSocket, id: u16, name: &str) -> Result<(Duration, Vec<IpAddr>), String> {
-    let mut query = Message::query();
-    query.metadata.id = id;
-    query.metadata.recursion_desired = true;
-    query.add_query(Query::query(
-        Name::from_str(&format!("{name}.")).expect("a valid name"),
-        RecordType::A,
-    ));
-    let bytes = query.to_vec().expect("encode a query");
+    let (_, bytes) = a_query(id, name);
     let mut buf = [0u8; 4096];
     let start = Instant::now();
     socket.send(&bytes).map_err(|e| format!("send: {e}"))?;
@@ -216,20 +207,7 @@ fn bench(args: &[String]) {
         spawn(
             &mut procs,
             format!("{side}'s upstream"),
-            ns.command("dnsmasq").args([
-                "--keep-in-foreground",
-                "--conf-file=/dev/null",
-                "--no-resolv",
-                "--no-hosts",
-                "--bind-interfaces",
-                "--user=root",
-                "--group=root",
-                "--pid-file=",
-                &format!("--listen-address={UPSTREAM}"),
-                &format!("--addn-hosts={}", path("hosts").display()),
-                "--local-ttl=300",
-                "--local=/#/",
-            ]),
+            &mut dnsmasq_from_hosts(ns, &UPSTREAM.to_string(), &path("hosts"), 300),
             &path(&format!("{side}-upstream.log")),
         );
         let state = path(&format!("{side}-state"));

@@ -320,27 +320,48 @@ impl Drop for Dnsmasq {
     }
 }
 
+/// dnsmasq in `ns`, listening on `listen` (an address of `ns`), answering from the hosts file
+/// `hosts` only with TTL `ttl` seconds (anything else is NXDOMAIN, never forwarded); the
+/// command, to spawn as the bench needs.
+pub fn dnsmasq_from_hosts(ns: &TempNetns, listen: &str, hosts: &Path, ttl: u32) -> Command {
+    let mut cmd = ns.command("dnsmasq");
+    cmd.args([
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",
+        "--no-resolv",
+        "--no-hosts",
+        "--bind-interfaces",
+        "--local=/#/",
+        "--user=root",
+        "--group=root",
+        "--pid-file=",
+    ])
+    .arg(format!("--listen-address={listen}"))
+    .arg(format!("--local-ttl={ttl}"))
+    .arg(format!("--addn-hosts={}", hosts.display()));
+    cmd
+}
+
+/// A recursive query for `name`'s A record with id `id`, and its wire form.
+pub fn a_query(id: u16, name: &str) -> (hickory_proto::op::Message, Vec<u8>) {
+    use hickory_proto::op::{Message, Query};
+    use hickory_proto::rr::{Name, RecordType};
+    let mut query = Message::query();
+    query.metadata.id = id;
+    query.metadata.recursion_desired = true;
+    query.add_query(Query::query(
+        Name::from_str(&format!("{name}.")).expect("a valid name"),
+        RecordType::A,
+    ));
+    let bytes = query.to_vec().expect("encode a query");
+    (query, bytes)
+}
+
 /// dnsmasq on 127.0.0.1 in `ns` (whose `lo` must be up), answering from the hosts file `hosts`
 /// only, with TTL `ttl` seconds; returns once it answers [`real_name`]`(0)` with [`v4`]`(0)`,
 /// which `hosts` must list.
 pub fn start_dnsmasq(ns: &TempNetns, hosts: &Path, ttl: u32) -> Dnsmasq {
-    let child = ns
-        .command("dnsmasq")
-        .args([
-            "--keep-in-foreground",
-            "--conf-file=/dev/null",
-            "--no-resolv",
-            "--no-hosts",
-            "--bind-interfaces",
-            "--listen-address=127.0.0.1",
-            // Answer only from local data; anything else is NXDOMAIN, never forwarded.
-            "--local=/#/",
-            "--user=root",
-            "--group=root",
-            "--pid-file=",
-        ])
-        .arg(format!("--local-ttl={ttl}"))
-        .arg(format!("--addn-hosts={}", hosts.display()))
+    let child = dnsmasq_from_hosts(ns, "127.0.0.1", hosts, ttl)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
