@@ -668,6 +668,7 @@ fn an_included_preset_lets_its_names_through_and_loses_to_a_deny_entry() {
     let _allowed = w.listen_tcp(OTHER_V4, 443);
     let _other_port = w.listen_tcp(OTHER_V4, 80);
     assert!(w.tcp_connects(HOST_V4, 443), "before the fence");
+    assert!(denied.wait_for(1, Duration::from_secs(5)));
     let policy = w.write_file(
         "include.yaml",
         "version: 1\ninclude: [npm]\ndeny:\n  - cidr: 192.0.2.10/32\ndns:\n  resolvers: [192.0.2.53]\n",

@@ -327,6 +327,7 @@ fn a_bridged_container_is_fenced_and_the_host_is_not() {
         "container, no table",
     );
     assert_passes(&container.tcp_connect(BRIDGE_V4, 22), "container, no table");
+    assert!(refused.wait_for(1, Duration::from_secs(5)));
     let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
     put_up(&w, &policy, SCOPE_LOAD);
 

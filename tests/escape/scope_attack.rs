@@ -864,6 +864,8 @@ fn mptcp_subflows_of_a_scoped_user_or_cgroup_are_fenced() {
     let other = OTHER_V4.to_string();
     let before = w.adversary_cmd(SCOPED, &[PYTHON, "-c", MPTCP_CONNECT, &other]);
     assert_eq!(before.stdout.trim(), "connected", "no MPTCP here: {before}");
+    // The listener records the connection on its own thread, a moment after the client saw it.
+    assert!(listener.wait_for(1, Duration::from_secs(5)));
     let seen = listener.count();
     put_up(&w, &policy, SCOPE_LOAD);
     let by_uid = w.adversary_cmd(SCOPED, &[PYTHON, "-c", MPTCP_CONNECT, &other]);
