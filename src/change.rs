@@ -456,6 +456,7 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
     }
     let mut output = Vec::new();
     let mut refused = Vec::new();
+    let mut guard = Vec::new();
     let mut scope = ScopeChains::default();
     let scoped = live
         .chains
@@ -479,7 +480,7 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
             SCOPE_INPUT_CHAIN => scope.input.push(rule),
             SCOPE_PREROUTING_CHAIN => scope.prerouting.push(rule),
             FROM_BRIDGE_CHAIN => scope.from_bridge.push(rule),
-            GUARD_CHAIN => scope.guard.push(rule),
+            GUARD_CHAIN => guard.push(rule),
             other => {
                 return Err(format!(
                     "it has a chain egress-fence does not make: {other}"
@@ -517,6 +518,7 @@ pub fn recorded_table(live: &LiveTable) -> Result<Ruleset, String> {
         sets,
         output,
         refused,
+        guard,
         scope: scoped.then_some(scope),
         audit: None,
     };

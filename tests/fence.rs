@@ -537,6 +537,90 @@ fn netlink_rules(w: &World) -> Vec<String> {
     rules
 }
 
+/// The rules of chain `name` in nft text (its hook line left out).
+fn chain_lines<'a>(text: &'a str, name: &str) -> Vec<&'a str> {
+    let head = format!("chain {name} {{");
+    text.lines()
+        .skip_while(|l| l.trim() != head)
+        .skip(1)
+        .take_while(|l| l.trim() != "}")
+        .map(str::trim)
+        .filter(|l| !l.starts_with("type filter hook"))
+        .collect()
+}
+
+/// Without a scope the fence is on the hook, and in guard mode it enters the guard's
+/// protections the way a scoped table does: through the jumps, before the replies' accept (a
+/// squatter's answers and a stranger's packets over the guard's old flows are established
+/// too), so that an established packet walks three rules, not eight.
+#[test]
+fn an_unscoped_guard_table_enters_the_guards_chain_and_reads_back_clean() {
+    let w = World::new();
+    let policy = w.write_file(
+        "guarded.yaml",
+        "version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\nallow:\n  \
+         - cidr: 203.0.113.10/32\n    ports: [22]\n",
+    );
+    let plan = w.egress_fence(&["plan", path(&policy)]);
+    assert!(plan.success(), "{plan}");
+    let output = chain_lines(&plan.stdout, "output");
+    let at = |shape: &str| {
+        output
+            .iter()
+            .position(|l| l.contains(shape))
+            .unwrap_or_else(|| panic!("output lacks `{shape}`: {output:#?}"))
+    };
+    let established = at("ct state established,related accept");
+    for gate in [
+        "th sport 53 jump guard",
+        "ip daddr . meta l4proto . th dport @dns4 jump guard",
+        "ip6 daddr . meta l4proto . th dport @dns6 jump guard",
+    ] {
+        assert!(at(gate) < established, "{output:#?}");
+    }
+    // What an established packet walks first: source routes, ICMP of processes, the jumps.
+    assert_eq!(established, 7, "{output:#?}");
+    assert!(
+        !output.iter().any(|l| l.contains("meta mark !=")),
+        "{output:#?}"
+    );
+    let guard = chain_lines(&plan.stdout, "guard");
+    assert_eq!(guard.len(), 8, "{guard:#?}");
+    assert!(
+        guard.iter().all(|l| l.ends_with("goto refused")),
+        "{guard:#?}"
+    );
+    assert!(
+        guard
+            .iter()
+            .any(|l| l.starts_with("ip saddr 127.0.0.53 udp sport 53 meta mark != ")),
+        "{guard:#?}"
+    );
+
+    let apply = w.egress_fence(&["apply", path(&policy)]);
+    assert!(apply.success(), "{apply}");
+    let diff = w.egress_fence(&["diff", path(&policy)]);
+    assert_eq!(diff.code(), 0, "it reads back as applied: {diff}");
+    let status = w.egress_fence(&["status"]);
+    assert!(
+        status.success() && status.stdout.contains("in sync with generation 1"),
+        "{status}"
+    );
+    let ours = (netlink_rules(&w), normalized_ruleset(w.nft_json()));
+    assert!(w.egress_fence(&["teardown"]).success());
+    let load = w.nft_text_in(w.sandbox_name(), &plan.stdout);
+    assert!(load.success(), "nft -f: {load}");
+    let theirs = (netlink_rules(&w), normalized_ruleset(w.nft_json()));
+    assert_eq!(theirs.0, ours.0, "nft sends the expressions we send");
+    assert_eq!(theirs.1, ours.1);
+    let diff = w.egress_fence(&["diff", path(&policy)]);
+    assert_eq!(
+        diff.code(),
+        0,
+        "nft's own table reads back as the plan: {diff}"
+    );
+}
+
 #[test]
 fn a_scoped_table_is_what_nft_loads_from_the_plan_and_reads_back_clean() {
     let w = World::new();

@@ -903,8 +903,8 @@ pub(crate) mod tests {
             [
                 "output",
                 "refused",
-                "from_bridge",
                 "guard",
+                "from_bridge",
                 "scope_output",
                 "scope_forward",
                 "scope_input",
@@ -1006,8 +1006,8 @@ pub(crate) mod tests {
         assert_eq!(
             extra,
             [
-                "from_bridge",
                 "guard",
+                "from_bridge",
                 "scope_output",
                 "scope_forward",
                 "scope_input",

@@ -254,10 +254,21 @@ pub fn plan_elements(
         sets.push(Set { id, elements });
     }
 
+    // The guard's protections hold for every socket: the base chain on the output hook (the
+    // fence itself without a scope) enters them through the gates.
+    let (gates, guard_chain) = guard_gates(guard);
+    let (output, scope) = match policy.scope {
+        None => (output_rules(policy, guard, gates), None),
+        Some(_) => (
+            output_rules(policy, guard, Vec::new()),
+            scope_chains(policy, guard, cgroups, gates),
+        ),
+    };
     Ruleset {
         sets,
-        output: output_rules(policy, guard),
-        scope: scope_chains(policy, guard, cgroups),
+        output,
+        guard: guard_chain,
+        scope,
         audit: None,
         refused: refused_chain(policy),
     }
@@ -462,8 +473,9 @@ fn guard_queries(guard: &GuardIdentity) -> Vec<Rule> {
 }
 
 /// The fence: the rules every fenced packet meets (the base chain on the output hook when the
-/// whole namespace is fenced).
-fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
+/// whole namespace is fenced, and then `gates` to the guard's protections, from
+/// [`guard_gates`]).
+fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>, gates: Vec<Rule>) -> Vec<Rule> {
     let has = |e| policy.essentials.contains(&e);
     let scoped = policy.scope.is_some();
     // A routing header or source route option sends the packet on past the destination every
@@ -476,10 +488,10 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
     // would carry a kilobyte to that flow's peer (the guard's upstream resolver, or anyone
     // who connected in). The kernel's own ICMP has no owner and is not refused.
     rules.extend(Family::BOTH.map(Rule::RefuseIcmpFromProcesses));
-    // With a scope they hold for every socket, in the scope's base chain.
-    if !scoped {
-        rules.extend(guard_protections(guard));
-    }
+    // The guard's protections, through their gates: before the replies, since a squatter's
+    // answers and a stranger's packets over the guard's old upstream flows are established
+    // too. With a scope the gates are in the scope's base chain, which every socket meets.
+    rules.extend(gates);
     // Replies next: the bulk of packets leaves here after one conntrack lookup.
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
@@ -536,12 +548,12 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>) -> Vec<Rule> {
     rules
 }
 
-/// With a `scope:` in guard mode, the jumps of the scope's output chain to the guard's
-/// protections, and those protections (both empty without a guard). They hold for every
-/// socket, so every packet of the host meets the jumps: one `th sport` match per listen port
-/// and one set lookup per family, where the protections themselves are four rules per listen
-/// address and four upstream rules. Each jump takes in all that its protections can match
-/// (see [`Rule::JumpGuardFromPort`]).
+/// In guard mode, the jumps of the base chain on the output hook to the guard's protections
+/// ([`crate::core::ruleset::GUARD_CHAIN`]), and those protections (both empty without a guard). They hold for every
+/// socket, so every packet of the host meets the jumps, before the replies' accept: one
+/// `th sport` match per listen port and one set lookup per family, where the protections
+/// themselves are four rules per listen address and four upstream rules. Each jump takes in
+/// all that its protections can match (see [`Rule::JumpGuardFromPort`]).
 fn guard_gates(guard: Option<&GuardIdentity>) -> (Vec<Rule>, Vec<Rule>) {
     let Some(g) = guard else {
         return (Vec::new(), Vec::new());
@@ -555,16 +567,17 @@ fn guard_gates(guard: Option<&GuardIdentity>) -> (Vec<Rule>, Vec<Rule>) {
 }
 
 /// With a `scope:`, the chains that send its packets through the fence: its uids, gids and
-/// (existing) cgroups on the output hook, after the guard's protections, which hold for every
-/// socket; what the listed interfaces forward; and what they send the host itself, which
+/// (existing) cgroups on the output hook, after `gates` to the guard's protections, which hold
+/// for every socket; what the listed interfaces forward; and what they send the host itself, which
 /// only gets replies, neighbour discovery and the guard.
 fn scope_chains(
     policy: &Policy,
     guard: Option<&GuardIdentity>,
     cgroups: &[CgroupMatch],
+    gates: Vec<Rule>,
 ) -> Option<ScopeChains> {
     let scope = policy.scope.as_ref()?;
-    let (mut output, guard_chain) = guard_gates(guard);
+    let mut output = gates;
     if scope.fences_local() {
         output.extend(
             scope
@@ -638,7 +651,6 @@ fn scope_chains(
     input.extend(each(Rule::FromBridge));
     Some(ScopeChains {
         output,
-        guard: guard_chain,
         forward,
         input,
         from_bridge,
@@ -872,6 +884,7 @@ pub fn fail_closed() -> Ruleset {
             Rule::CountFamily(Family::V6),
             Rule::Refuse(crate::core::policy::Action::Drop),
         ],
+        guard: Vec::new(),
         scope: None,
         audit: None,
     }
@@ -1404,8 +1417,8 @@ log:
                 Rule::AcceptEstablished
                     | Rule::AcceptLoopback
                     | Rule::AcceptTupleFromGuard { .. }
-                    | Rule::RefuseUpstreamFromOtherUids { .. }
-                    | Rule::RefuseUpstreamUnmarked { .. }
+                    | Rule::JumpGuardFromPort(_)
+                    | Rule::JumpGuardToUpstream(_)
             )
         });
         assert!(quiet.iter().all(|&q| q < record[0]), "{:?}", rs.output);
@@ -1416,13 +1429,14 @@ log:
                     | Rule::RefuseService(..)
                     | Rule::RefuseSourceRoute(_)
                     | Rule::RefuseIcmpFromProcesses(_)
-                    | Rule::RefuseUpstreamFromOtherUids { .. }
-                    | Rule::RefuseUpstreamUnmarked { .. }
-                    | Rule::RefuseUnmarkedFromGuardPort { .. }
-                    | Rule::RefuseOtherUidsFromGuardPort { .. }
+                    | Rule::JumpGuardFromPort(_)
+                    | Rule::JumpGuardToUpstream(_)
             )
         });
         assert!(refusals.iter().all(|&r| r < audit[0]), "{:?}", rs.output);
+        // The guard's protections themselves are in their chain, which the audit never lifts.
+        assert!(!rs.guard.is_empty());
+        assert!(!rs.guard.iter().any(is_extra), "{:?}", rs.guard);
         assert_eq!(rs.output.get(audit[0] + 1), Some(&Rule::GotoRefused));
     }
 
@@ -1457,37 +1471,38 @@ log:
         let allow = at(&Rule::AcceptTupleIn(SetId::new(SetRole::Allow, Family::V4))).unwrap();
         assert!(guard < deny && deny < refuse_dns && refuse_dns.max(refuse_dot) < allow);
         // Only the guard's marked sockets answer from its listen address, before any reply
-        // is accepted.
+        // is accepted: in the guard's chain, entered before the replies' accept.
         let established = at(&Rule::AcceptEstablished).expect("replies");
+        let gate = at(&Rule::JumpGuardFromPort(53)).expect("the jump of the guard's port");
+        assert!(gate < established);
         for proto in [L4Proto::Udp, L4Proto::Tcp] {
-            let squat = at(&Rule::RefuseUnmarkedFromGuardPort {
+            assert!(rs.guard.contains(&Rule::RefuseUnmarkedFromGuardPort {
                 from: "127.0.0.53:53".parse().unwrap(),
                 proto,
                 mark: crate::core::policy::DEFAULT_GUARD_MARK,
-            })
-            .expect("unmarked answers from the guard's address refused");
-            assert!(squat < established);
-            let other_uid = at(&Rule::RefuseOtherUidsFromGuardPort {
+            }));
+            assert!(rs.guard.contains(&Rule::RefuseOtherUidsFromGuardPort {
                 from: "127.0.0.53:53".parse().unwrap(),
                 proto,
                 uid: 993,
-            })
-            .expect("answers of other uids from the guard's address refused");
-            assert!(other_uid < established);
+            }));
         }
         // Nobody else reaches the upstream resolvers through the guard's old flows either.
         for family in Family::BOTH {
             let set = SetId::new(SetRole::Dns, family);
-            let other_uid = at(&Rule::RefuseUpstreamFromOtherUids { set, uid: 993 })
-                .expect("other uids refused before the replies");
-            let unmarked = at(&Rule::RefuseUpstreamUnmarked {
+            let gate = at(&Rule::JumpGuardToUpstream(set)).expect("the jump of the upstreams");
+            assert!(gate < established);
+            assert!(
+                rs.guard
+                    .contains(&Rule::RefuseUpstreamFromOtherUids { set, uid: 993 })
+            );
+            assert!(rs.guard.contains(&Rule::RefuseUpstreamUnmarked {
                 set,
                 uid: 993,
                 mark: crate::core::policy::DEFAULT_GUARD_MARK,
-            })
-            .expect("unmarked sockets refused before the replies");
-            assert!(other_uid.max(unmarked) < established);
+            }));
         }
+        assert_eq!(rs.guard.len(), 8, "{:?}", rs.guard);
         // DNS over HTTPS to public resolvers goes to the deny set, where no allow reaches.
         let Elements::Networks(deny4) = &rs
             .set(SetId::new(SetRole::Deny, Family::V4))
@@ -1630,7 +1645,7 @@ log:
                 .as_ref(),
         );
         assert_eq!(protections.len(), 12);
-        assert_eq!(scope.guard, protections);
+        assert_eq!(rs.guard, protections);
         assert!(protections.iter().all(|p| !rs.output.contains(p)));
         let gates = [
             Rule::JumpGuardFromPort(53),
@@ -1683,8 +1698,8 @@ log:
             [
                 ("output", false),
                 ("refused", false),
-                ("from_bridge", false),
                 ("guard", false),
+                ("from_bridge", false),
                 ("scope_output", true),
                 ("scope_forward", true),
                 ("scope_input", true),
@@ -1866,30 +1881,45 @@ log:
         let mut r = resolution(&[]);
         r.guard_uid = Some(993);
         r.scope.bridge_listen = vec!["198.18.0.1:5353".parse().unwrap()];
-        let rs = plan(&policy(SCOPED), &r);
-        let scope = rs.scope.as_ref().unwrap();
-        let ports: Vec<u16> = scope
+        let scoped = plan(&policy(SCOPED), &r);
+        let hook = &scoped.scope.as_ref().unwrap().output;
+        // Without a scope the fence itself is on the hook: the same jumps, before the replies.
+        let mut unscoped_policy = policy(SCOPED);
+        unscoped_policy.scope = None;
+        let unscoped = plan(&unscoped_policy, &r);
+        let established = unscoped
             .output
             .iter()
-            .filter_map(|r| match r {
-                Rule::JumpGuardFromPort(p) => Some(*p),
-                _ => None,
-            })
-            .collect();
-        for rule in &scope.guard {
-            match rule {
-                Rule::RefuseUnmarkedFromGuardPort { from, .. }
-                | Rule::RefuseOtherUidsFromGuardPort { from, .. } => {
-                    assert!(ports.contains(&from.port()), "{rule}: {ports:?}")
+            .position(|r| *r == Rule::AcceptEstablished);
+        let gates = |hook: &[Rule]| -> Vec<Rule> {
+            hook.iter()
+                .filter(|r| matches!(r, Rule::JumpGuardFromPort(_) | Rule::JumpGuardToUpstream(_)))
+                .cloned()
+                .collect()
+        };
+        assert_eq!(gates(hook), gates(&unscoped.output[..established.unwrap()]));
+        assert_eq!(scoped.guard, unscoped.guard);
+        for (rs, hook) in [(&scoped, hook), (&unscoped, &unscoped.output)] {
+            let ports: Vec<u16> = hook
+                .iter()
+                .filter_map(|r| match r {
+                    Rule::JumpGuardFromPort(p) => Some(*p),
+                    _ => None,
+                })
+                .collect();
+            assert!(!rs.guard.is_empty());
+            for rule in &rs.guard {
+                match rule {
+                    Rule::RefuseUnmarkedFromGuardPort { from, .. }
+                    | Rule::RefuseOtherUidsFromGuardPort { from, .. } => {
+                        assert!(ports.contains(&from.port()), "{rule}: {ports:?}")
+                    }
+                    Rule::RefuseUpstreamFromOtherUids { set, .. }
+                    | Rule::RefuseUpstreamUnmarked { set, .. } => {
+                        assert!(hook.contains(&Rule::JumpGuardToUpstream(*set)), "{rule}")
+                    }
+                    other => panic!("not a guard protection: {other}"),
                 }
-                Rule::RefuseUpstreamFromOtherUids { set, .. }
-                | Rule::RefuseUpstreamUnmarked { set, .. } => {
-                    assert!(
-                        scope.output.contains(&Rule::JumpGuardToUpstream(*set)),
-                        "{rule}"
-                    )
-                }
-                other => panic!("not a guard protection: {other}"),
             }
         }
         // Without a guard, neither jumps nor the chain.
@@ -1898,7 +1928,7 @@ log:
             &resolution(&[]),
         );
         let scope = rs.scope.as_ref().unwrap();
-        assert!(scope.guard.is_empty());
+        assert!(rs.guard.is_empty());
         assert_eq!(scope.output[0], Rule::Fence(ScopeMatch::Uid(1001)));
         assert!(
             !scope
@@ -1913,17 +1943,37 @@ log:
     fn a_generation_recorded_before_the_guard_chain_still_reads() {
         // Then the protections were scope_output's first rules, and there was no `guard`.
         let mut old = scoped_plan(&[], &[]);
+        let protections = std::mem::take(&mut old.guard);
         let scope = old.scope.as_mut().unwrap();
-        let protections = std::mem::take(&mut scope.guard);
         scope
             .output
             .retain(|r| !matches!(r, Rule::JumpGuardFromPort(_) | Rule::JumpGuardToUpstream(_)));
         scope.output.splice(0..0, protections);
-        let mut json = serde_json::to_value(&old).unwrap();
-        json["scope"].as_object_mut().unwrap().remove("guard");
+        let json = serde_json::to_value(&old).unwrap();
+        assert!(json.get("guard").is_none());
         let read: Ruleset = serde_json::from_value(json).unwrap();
         assert_eq!(read, old);
         assert!(read.chain("guard").is_none());
         assert_ne!(read, scoped_plan(&[], &[]), "and it is not today's plan");
+    }
+
+    #[test]
+    fn a_generation_recorded_while_only_a_scope_had_the_guard_chain_reads_it_back_whole() {
+        // Then the chain's rules were the scope's (`scope.guard`); a rollback to that
+        // generation makes the chain its jumps need.
+        let now = scoped_plan(&[], &[]);
+        let mut json = serde_json::to_value(&now).unwrap();
+        let guard = json
+            .as_object_mut()
+            .unwrap()
+            .remove("guard")
+            .expect("guard");
+        json["scope"]
+            .as_object_mut()
+            .unwrap()
+            .insert("guard".into(), guard);
+        let read: Ruleset = serde_json::from_value(json).unwrap();
+        assert_eq!(read, now);
+        assert!(read.chain("guard").is_some());
     }
 }

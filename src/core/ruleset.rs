@@ -34,10 +34,11 @@ pub const FROM_BRIDGE_CHAIN: &str = "from_bridge";
 /// the routing decision (and the kernel's ICMP errors it makes) or any of our chains answers it.
 pub const SCOPE_PREROUTING_CHAIN: &str = "scope_prerouting";
 
-/// With a `scope:` in guard mode, the guard's own protections (they hold for every socket),
-/// entered from [`SCOPE_OUTPUT_CHAIN`] only by the packets they can concern: from the guard's
-/// listen port, or to its upstream resolvers. Every other packet pays a few cheap matches
-/// instead of walking them one by one.
+/// In guard mode, the guard's own protections (they hold for every socket), entered from the
+/// base chain on the output hook ([`OUTPUT_CHAIN`] without a scope, [`SCOPE_OUTPUT_CHAIN`]
+/// with one) only by the packets they can concern: from the guard's listen port, or to its
+/// upstream resolvers. Every other packet, the established ones among them, pays a few cheap
+/// matches instead of walking them one by one.
 pub const GUARD_CHAIN: &str = "guard";
 
 /// `learn`'s audit window: a set of address families (`type nf_proto; flags timeout`) whose
@@ -54,9 +55,8 @@ pub const AUDIT_COMMENT: &str =
     "audit: learn lets through what the policy refuses while audit_window holds its family";
 
 /// The chains only a scoped table has.
-pub const SCOPE_CHAINS: [&str; 6] = [
+pub const SCOPE_CHAINS: [&str; 5] = [
     FROM_BRIDGE_CHAIN,
-    GUARD_CHAIN,
     SCOPE_OUTPUT_CHAIN,
     SCOPE_FORWARD_CHAIN,
     SCOPE_INPUT_CHAIN,
@@ -1010,6 +1010,7 @@ pub fn dhcp_servers(family: Family) -> IpAddr {
 
 /// The whole table as a value.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "RulesetRecord")]
 pub struct Ruleset {
     /// All eight sets, in [`SetId::ALL`] order.
     pub sets: Vec<Set>,
@@ -1017,6 +1018,9 @@ pub struct Ruleset {
     pub output: Vec<Rule>,
     /// Where refused packets are logged, counted and rejected or dropped.
     pub refused: Vec<Rule>,
+    /// [`GUARD_CHAIN`]: in guard mode the guard's own protections; empty (no chain) otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub guard: Vec<Rule>,
     /// With a `scope:`, the chains that send the scope's packets to `output` (then a regular
     /// chain); `None`: `output` is on the hook and fences everything.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1065,9 +1069,6 @@ pub struct ScopeChains {
     /// [`GUARD_CHAIN`] holds the guard's protections here, first.)
     #[serde(default)]
     pub output: Vec<Rule>,
-    /// [`GUARD_CHAIN`]: the guard's own protections.
-    #[serde(default)]
-    pub guard: Vec<Rule>,
     /// [`SCOPE_FORWARD_CHAIN`]: a [`Rule::RefuseIcmpv6`] per link-scoped type, then one
     /// [`Rule::Fence`] per listed interface.
     #[serde(default)]
@@ -1082,6 +1083,50 @@ pub struct ScopeChains {
     /// [`SCOPE_PREROUTING_CHAIN`]: one [`Rule::DropSpoofedFrom`] per listed interface.
     #[serde(default)]
     pub prerouting: Vec<Rule>,
+}
+
+/// A [`Ruleset`] as a generation records it. A generation recorded while only a scoped table
+/// had [`GUARD_CHAIN`] holds that chain's rules in its scope (`scope.guard`): read into
+/// [`Ruleset::guard`], where they are now, so that its rollback makes the chain its jumps need.
+#[derive(Deserialize)]
+struct RulesetRecord {
+    sets: Vec<Set>,
+    output: Vec<Rule>,
+    refused: Vec<Rule>,
+    #[serde(default)]
+    guard: Vec<Rule>,
+    #[serde(default)]
+    scope: Option<ScopeRecord>,
+    #[serde(default)]
+    audit: Option<AuditWindow>,
+}
+
+#[derive(Deserialize)]
+struct ScopeRecord {
+    #[serde(flatten)]
+    chains: ScopeChains,
+    #[serde(default)]
+    guard: Vec<Rule>,
+}
+
+impl From<RulesetRecord> for Ruleset {
+    fn from(r: RulesetRecord) -> Ruleset {
+        let (scope, mut guard) = match r.scope {
+            Some(s) => (Some(s.chains), s.guard),
+            None => (None, Vec::new()),
+        };
+        if !r.guard.is_empty() {
+            guard = r.guard;
+        }
+        Ruleset {
+            sets: r.sets,
+            output: r.output,
+            refused: r.refused,
+            guard,
+            scope,
+            audit: r.audit,
+        }
+    }
 }
 
 impl Ruleset {
@@ -1112,10 +1157,16 @@ impl Ruleset {
                 rules: &self.refused,
             },
         ];
+        if !self.guard.is_empty() {
+            chains.push(ChainSpec {
+                name: GUARD_CHAIN,
+                base: None,
+                rules: &self.guard,
+            });
+        }
         if let Some(scope) = &self.scope {
             let scoped = [
                 (FROM_BRIDGE_CHAIN, None, &scope.from_bridge),
-                (GUARD_CHAIN, None, &scope.guard),
                 (
                     SCOPE_OUTPUT_CHAIN,
                     base(Hook::Output, ChainPolicy::Accept),

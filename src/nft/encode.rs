@@ -3121,6 +3121,7 @@ mod tests {
             sets: vec![],
             output: vec![Rule::AcceptEstablished, Rule::GotoRefused],
             refused: vec![Rule::CountFamily(Family::V4), Rule::Refuse(Action::Drop)],
+            guard: vec![],
             scope: None,
             audit: None,
         };
@@ -3147,13 +3148,13 @@ mod tests {
             sets: vec![],
             output: rules(Rule::GotoRefused),
             refused: rules(Rule::Refuse(Action::Drop)),
+            guard: rules(Rule::GotoRefused),
             scope: Some(crate::core::ruleset::ScopeChains {
                 output: rules(Rule::Fence(ScopeMatch::Uid(1001))),
                 forward: rules(Rule::Fence(ScopeMatch::Interface(iface("br-*")))),
                 input: rules(Rule::FromBridge(iface("br-*"))),
                 from_bridge: rules(Rule::GotoRefused),
                 prerouting: vec![],
-                guard: rules(Rule::GotoRefused),
             }),
             audit: None,
         };
@@ -3164,8 +3165,8 @@ mod tests {
             [
                 "chain output",
                 "chain refused",
-                "chain from_bridge",
                 "chain guard",
+                "chain from_bridge",
                 "chain scope_output",
                 "chain scope_forward",
                 "chain scope_input"
@@ -3181,6 +3182,7 @@ mod tests {
             sets: vec![],
             output: vec![Rule::GotoRefused],
             refused: vec![],
+            guard: vec![],
             scope: None,
             audit: None,
         };
