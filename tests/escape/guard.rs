@@ -528,7 +528,7 @@ fn one_client_flooding_the_guard_does_not_starve_another() {
         ms[ms.len() / 2],
         ms[ms.len() - 1],
     );
-    assert!(p99 < 50.0, "p99 {p99:.1} ms during the flood: {ms:?}");
+    assert!(p99 < STARVED_MS, "p99 {p99:.1} ms during the flood: {ms:?}");
     drop(guard);
 }
 
@@ -559,9 +559,14 @@ while time.monotonic() < end:
     time.sleep(0.03)
 "#;
 
+/// A p99 at or above this during a flood is starvation. A starved client waits for a slot the
+/// flood holds, which takes seconds; a busy 2-CPU test machine adds tens of milliseconds (a
+/// 50 ms bound failed there once with nothing starved). Latency itself is benches/guard.rs's.
+const STARVED_MS: f64 = 250.0;
+
 /// Runs `floods` (each started once it prints "flooding") while the timed client (uid
 /// nobody, 127.0.0.2) asks 200 UDP and 20 TCP queries; asserts it loses none and its p99 stays
-/// under 50 ms, as [`one_client_flooding_the_guard_does_not_starve_another`] measures.
+/// under [`STARVED_MS`], as [`one_client_flooding_the_guard_does_not_starve_another`] measures.
 fn timed_client_survives(w: &World, guard: &Background, floods: &[(Adversary, Vec<&str>)]) {
     let calm = w.sandbox_cmd_as(
         NOBODY,
@@ -617,7 +622,7 @@ fn timed_client_survives(w: &World, guard: &Background, floods: &[(Adversary, Ve
         ms.len(),
         ms[ms.len() / 2]
     );
-    assert!(p99 < 50.0, "p99 {p99:.1} ms during the flood: {ms:?}");
+    assert!(p99 < STARVED_MS, "p99 {p99:.1} ms during the flood: {ms:?}");
 }
 
 /// Red team, item 1: root with CAP_NET_RAW forges queries from 64 source addresses; each
