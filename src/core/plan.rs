@@ -549,10 +549,11 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>, gates: Vec<Rule>
 }
 
 /// In guard mode, the jumps of the base chain on the output hook to the guard's protections
-/// ([`crate::core::ruleset::GUARD_CHAIN`]), and those protections (both empty without a guard). They hold for every
-/// socket, so every packet of the host meets the jumps, before the replies' accept: one
-/// `th sport` match per listen port and one set lookup per family, where the protections
-/// themselves are four rules per listen address and four upstream rules. Each jump takes in
+/// ([`crate::core::ruleset::GUARD_CHAIN`]), and those protections (both empty without a
+/// guard). They hold for every socket, so every packet of the host meets the jumps, before
+/// the replies' accept: one `th sport` match per listen port and one set lookup per family,
+/// where the protections themselves are four rules per listen address and four upstream
+/// rules. Each jump takes in
 /// all that its protections can match (see [`Rule::JumpGuardFromPort`]).
 fn guard_gates(guard: Option<&GuardIdentity>) -> (Vec<Rule>, Vec<Rule>) {
     let Some(g) = guard else {
