@@ -7,6 +7,8 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
 
@@ -94,11 +96,19 @@ enum Message {
     Close(mpsc::SyncSender<()>),
 }
 
+/// The records waiting for the writer at most: a disk slower than what an agent makes the
+/// run record loses records (counted), never grows the daemon.
+const QUEUE: usize = 65_536;
+/// A run's trace grows by at most this much (what an agent can make it write is unbounded:
+/// every flow it opens and every name it asks); past it records are counted, not written.
+pub const MAX_TRACE_BYTES: u64 = 1 << 30;
+
 /// A handle on the trace: cheap to clone, each record sent to the writer thread. Records
 /// sent after [`TraceSink::finish`] are dropped.
 #[derive(Clone)]
 pub struct TraceSink {
-    tx: mpsc::Sender<Message>,
+    tx: mpsc::SyncSender<Message>,
+    lost: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for TraceSink {
@@ -115,12 +125,28 @@ impl TraceSink {
         policy: &Path,
         audit: bool,
     ) -> Result<TraceSink, TraceFileError> {
-        let (tx, rx) = mpsc::channel::<Message>();
+        TraceSink::start_capped(file, mode, policy, audit, MAX_TRACE_BYTES)
+    }
+
+    fn start_capped(
+        file: File,
+        mode: &str,
+        policy: &Path,
+        audit: bool,
+        max_bytes: u64,
+    ) -> Result<TraceSink, TraceFileError> {
+        let (tx, rx) = mpsc::sync_channel::<Message>(QUEUE);
+        let lost = Arc::new(AtomicU64::new(0));
+        let writer = Writer {
+            out: BufWriter::new(file),
+            room: max_bytes,
+            lost: lost.clone(),
+        };
         std::thread::Builder::new()
             .name("trace-writer".into())
-            .spawn(move || write_lines(BufWriter::new(file), rx))
+            .spawn(move || writer.run(rx))
             .map_err(TraceFileError::Thread)?;
-        let sink = TraceSink { tx };
+        let sink = TraceSink { tx, lost };
         sink.record(Record::Start {
             time: now(),
             version: VERSION,
@@ -131,14 +157,21 @@ impl TraceSink {
         Ok(sink)
     }
 
+    /// Queues `record` without waiting: the guard and the daemon never wait for the disk.
     pub fn record(&self, record: Record) {
-        // The writer gone (a write failed, said in the log) loses the line.
-        let _ = self.tx.send(Message::Line(record.to_line()));
+        match self.tx.try_send(Message::Line(record.to_line())) {
+            Ok(()) => {}
+            Err(mpsc::TrySendError::Full(_)) => {
+                self.lost.fetch_add(1, Ordering::Relaxed);
+            }
+            // The writer gone (a write failed, said in the log, or finished) loses the line.
+            Err(mpsc::TrySendError::Disconnected(_)) => {}
+        }
     }
 
-    /// Writes the `end` line, and returns once everything sent before is on disk.
+    /// Has the writer write the `end` line (with what was lost), and returns once everything
+    /// sent before is on disk.
     pub fn finish(&self) {
-        self.record(Record::End { time: now() });
         let (done_tx, done_rx) = mpsc::sync_channel(1);
         if self.tx.send(Message::Close(done_tx)).is_ok() {
             let _ = done_rx.recv();
@@ -156,40 +189,71 @@ pub fn now() -> String {
 /// most of what `learn` added to an answer's latency). A killed run loses at most this much.
 const GATHER: Duration = Duration::from_millis(50);
 
-fn write_lines(mut out: BufWriter<File>, rx: mpsc::Receiver<Message>) {
-    let fail = |e: std::io::Error| error!(error = %e, "the trace can no longer be written");
-    // Idle, the writer waits for the next record (its send wakes it).
-    while let Ok(first) = rx.recv() {
-        let mut next = Some(first);
-        loop {
-            while let Some(message) = next.take().or_else(|| rx.try_recv().ok()) {
-                match message {
-                    Message::Line(line) => {
-                        if let Err(e) = writeln!(out, "{line}") {
-                            return fail(e);
+struct Writer {
+    out: BufWriter<File>,
+    /// Bytes the trace may still grow by.
+    room: u64,
+    /// Records not written: dropped by a full queue (counted by the senders) or past the cap.
+    lost: Arc<AtomicU64>,
+}
+
+impl Writer {
+    fn run(mut self, rx: mpsc::Receiver<Message>) {
+        // Idle, the writer waits for the next record (its send wakes it).
+        while let Ok(first) = rx.recv() {
+            let mut next = Some(first);
+            loop {
+                while let Some(message) = next.take().or_else(|| rx.try_recv().ok()) {
+                    let written = match message {
+                        Message::Line(line) => self.line(&line),
+                        Message::Close(done) => {
+                            self.end();
+                            let _ = done.send(());
+                            return;
                         }
-                    }
-                    Message::Close(done) => {
-                        if let Err(e) = out.flush() {
-                            fail(e);
-                        }
-                        let _ = done.send(());
-                        return;
+                    };
+                    if let Err(e) = written {
+                        return fail(e);
                     }
                 }
-            }
-            if let Err(e) = out.flush() {
-                return fail(e);
-            }
-            std::thread::sleep(GATHER);
-            match rx.try_recv() {
-                Ok(message) => next = Some(message),
-                Err(mpsc::TryRecvError::Empty) => break,
-                Err(mpsc::TryRecvError::Disconnected) => return,
+                if let Err(e) = self.out.flush() {
+                    return fail(e);
+                }
+                std::thread::sleep(GATHER);
+                match rx.try_recv() {
+                    Ok(message) => next = Some(message),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return,
+                }
             }
         }
+        let _ = self.out.flush();
     }
-    let _ = out.flush();
+
+    fn line(&mut self, line: &str) -> std::io::Result<()> {
+        let len = line.len() as u64 + 1;
+        if len > self.room {
+            self.lost.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        self.room -= len;
+        writeln!(self.out, "{line}")
+    }
+
+    /// The `end` line, past the cap too: it says how many records were lost.
+    fn end(&mut self) {
+        let end = Record::End {
+            time: now(),
+            lost: self.lost.load(Ordering::Relaxed),
+        };
+        if let Err(e) = writeln!(self.out, "{}", end.to_line()).and_then(|()| self.out.flush()) {
+            fail(e);
+        }
+    }
+}
+
+fn fail(e: std::io::Error) {
+    error!(error = %e, "the trace can no longer be written");
 }
 
 #[cfg(test)]
@@ -220,7 +284,10 @@ mod tests {
             });
         }
         sink.finish();
-        sink.record(Record::End { time: now() });
+        sink.record(Record::End {
+            time: now(),
+            lost: 0,
+        });
         let text = std::fs::read_to_string(&path).unwrap();
         let trace = Trace::parse(&text).unwrap();
         assert_eq!(
@@ -261,5 +328,40 @@ mod tests {
         let e = open_append(&path).unwrap_err().to_string();
         assert!(e.contains(&format!("belongs to uid {other}")), "{e}");
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn past_its_cap_a_trace_counts_what_it_loses_and_still_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("capped.jsonl");
+        let sink = TraceSink::start_capped(
+            open_append(&path).unwrap(),
+            "guard",
+            Path::new("p.yaml"),
+            false,
+            1000,
+        )
+        .unwrap();
+        for i in 0..100u16 {
+            sink.record(Record::Flow {
+                time: now(),
+                family: "ipv4".into(),
+                protocol: "tcp".into(),
+                dst: "192.0.2.1".parse().unwrap(),
+                dport: Some(i),
+                uid: Some(1001),
+                iif: None,
+            });
+        }
+        sink.finish();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let trace = Trace::parse(&text).unwrap();
+        let flows = trace.records.len() - 2;
+        assert!(flows > 0 && flows < 100, "{text}");
+        assert!(matches!(trace.records.last(), Some(Record::End { .. })));
+        assert_eq!(trace.lost(), 100 - flows as u64, "{text}");
+        // The cap bounds all but the end line.
+        let before_end = text.len() - text.lines().last().unwrap().len() - 1;
+        assert!(before_end <= 1000, "{before_end}");
     }
 }

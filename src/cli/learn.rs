@@ -94,6 +94,13 @@ pub fn run(
     let options = LearnOptions {
         fold_at: args.fold_at.unwrap_or(LearnOptions::default().fold_at),
     };
+    if recorded.lost() > 0 {
+        eprintln!(
+            "learn: WARNING: the run lost {} records (the trace writer's queue was full, or the \
+             trace reached its size cap): the learned policy lacks what they held",
+            recorded.lost()
+        );
+    }
     let learned = learn(&start_text, &start, &recorded, &options);
     match &args.out {
         Some(out) => write_policy(out, &learned.yaml)?,

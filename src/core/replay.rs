@@ -879,6 +879,13 @@ pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
             });
         }
     }
+    if trace.lost() > 0 {
+        report.notes.push(format!(
+            "the run lost {} records (its writer's queue was full, or the trace reached its \
+             size cap): what they held is not judged",
+            trace.lost()
+        ));
+    }
     if let Some(scope) = &policy.scope
         && !scope.cgroups.is_empty()
     {

@@ -8,7 +8,7 @@
 //! {"kind":"start","time":"2026-12-01T10:00:00.000Z","version":1,"mode":"guard","policy":"/etc/egress-fence/policy.yaml"}
 //! {"kind":"name","time":"…","name":"api.github.com","qtype":"A","answer":"NOERROR","addrs":["192.0.2.7"],"ttl":60,"uid":1001}
 //! {"kind":"flow","time":"…","family":"ipv4","protocol":"tcp","dst":"192.0.2.7","dport":443,"uid":1001}
-//! {"kind":"end","time":"…"}
+//! {"kind":"end","time":"…"}                (with "lost":N if the writer dropped N records)
 //! ```
 
 use std::net::IpAddr;
@@ -72,7 +72,17 @@ pub enum Record {
         iif: Option<String>,
     },
     /// The last line of a run that ended cleanly.
-    End { time: String },
+    End {
+        time: String,
+        /// Records the writer could not keep (its queue full, or the trace at its size cap):
+        /// what they held is not in the trace.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        lost: u64,
+    },
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Record {
@@ -87,7 +97,7 @@ impl Record {
             Record::Start { time, .. }
             | Record::Name { time, .. }
             | Record::Flow { time, .. }
-            | Record::End { time } => time,
+            | Record::End { time, .. } => time,
         }
     }
 }
@@ -116,6 +126,18 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// Records the run's writer could not keep (the `end` lines' `lost`): what they held is
+    /// not in the trace, and nothing judged from it knows of them.
+    pub fn lost(&self) -> u64 {
+        self.records
+            .iter()
+            .map(|r| match r {
+                Record::End { lost, .. } => *lost,
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// Reads a trace: one record per line, blank lines skipped. A trace cut short (a run
     /// killed while writing) loses only its last, unfinished line.
     pub fn parse(text: &str) -> Result<Trace, TraceError> {
@@ -200,11 +222,20 @@ mod tests {
             flow("2026-12-01T10:00:02.000Z", "192.0.2.1", 443),
             Record::End {
                 time: "2026-12-01T10:00:03.000Z".into(),
+                lost: 0,
+            },
+            Record::End {
+                time: "2026-12-01T10:00:04.000Z".into(),
+                lost: 7,
             },
         ];
         let t = Trace::parse(&text(&records)).unwrap();
         assert_eq!(t.records, records);
         assert!(records[1].to_line().starts_with(r#"{"kind":"name","#));
+        // Nothing lost is written as before; a loss is said.
+        assert!(!records[3].to_line().contains("lost"));
+        assert!(records[4].to_line().ends_with(r#","lost":7}"#));
+        assert_eq!(t.lost(), 7);
     }
 
     #[test]

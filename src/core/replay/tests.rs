@@ -544,3 +544,20 @@ fn a_huge_trace_of_one_shared_address_on_many_ports_lists_names_in_one_pass() {
         assert!(f.names.windows(2).all(|w| w[0] < w[1]));
     }
 }
+
+#[test]
+fn a_trace_that_lost_records_says_so_in_the_report() {
+    let mut t = T::start().tcp("192.0.2.7", 443);
+    t.records.push(Record::End {
+        time: "2026-12-01T11:00:00.000Z".into(),
+        lost: 3,
+    });
+    let report = replay(&policy(GUARD), &t.trace());
+    assert!(
+        report.notes.iter().any(|n| n.contains("lost 3 records")),
+        "{:?}",
+        report.notes
+    );
+    let whole = replay(&policy(GUARD), &T::start().tcp("192.0.2.7", 443).trace());
+    assert!(!whole.notes.iter().any(|n| n.contains("lost")));
+}
