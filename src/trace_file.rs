@@ -101,7 +101,8 @@ enum Message {
 const QUEUE: usize = 65_536;
 /// A run's trace grows by at most this much (what an agent can make it write is unbounded:
 /// every flow it opens and every name it asks); past it records are counted, not written.
-pub const MAX_TRACE_BYTES: u64 = 1 << 30;
+/// About 800,000 records: `learn` and `replay` read a whole trace into memory.
+pub const MAX_TRACE_BYTES: u64 = 128 << 20;
 
 /// A handle on the trace: cheap to clone, each record sent to the writer thread. Records
 /// sent after [`TraceSink::finish`] are dropped.
@@ -141,6 +142,8 @@ impl TraceSink {
             out: BufWriter::new(file),
             room: max_bytes,
             lost: lost.clone(),
+            broken: false,
+            unflushed: 0,
         };
         std::thread::Builder::new()
             .name("trace-writer".into())
@@ -193,8 +196,13 @@ struct Writer {
     out: BufWriter<File>,
     /// Bytes the trace may still grow by.
     room: u64,
-    /// Records not written: dropped by a full queue (counted by the senders) or past the cap.
+    /// Records not written: dropped by a full queue (counted by the senders), past the cap,
+    /// or after a write failed.
     lost: Arc<AtomicU64>,
+    /// A write failed: nothing more is written but the `end` line.
+    broken: bool,
+    /// Lines written into the buffer since it was last written out.
+    unflushed: u64,
 }
 
 impl Writer {
@@ -204,21 +212,16 @@ impl Writer {
             let mut next = Some(first);
             loop {
                 while let Some(message) = next.take().or_else(|| rx.try_recv().ok()) {
-                    let written = match message {
+                    match message {
                         Message::Line(line) => self.line(&line),
                         Message::Close(done) => {
                             self.end();
                             let _ = done.send(());
                             return;
                         }
-                    };
-                    if let Err(e) = written {
-                        return fail(e);
                     }
                 }
-                if let Err(e) = self.out.flush() {
-                    return fail(e);
-                }
+                self.flush();
                 std::thread::sleep(GATHER);
                 match rx.try_recv() {
                     Ok(message) => next = Some(message),
@@ -230,14 +233,41 @@ impl Writer {
         let _ = self.out.flush();
     }
 
-    fn line(&mut self, line: &str) -> std::io::Result<()> {
+    fn line(&mut self, line: &str) {
         let len = line.len() as u64 + 1;
-        if len > self.room {
+        if self.broken || len > self.room {
             self.lost.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
+            return;
         }
         self.room -= len;
-        writeln!(self.out, "{line}")
+        match writeln!(self.out, "{line}") {
+            Ok(()) => self.unflushed += 1,
+            Err(e) => {
+                self.lost.fetch_add(1, Ordering::Relaxed);
+                self.fail(e);
+            }
+        }
+    }
+
+    /// Writes out what the buffer holds; if that fails, its lines are lost too.
+    fn flush(&mut self) {
+        if self.broken {
+            return;
+        }
+        match self.out.flush() {
+            Ok(()) => self.unflushed = 0,
+            Err(e) => self.fail(e),
+        }
+    }
+
+    /// A write failed (a full disk): from now on every record is counted as lost, and the
+    /// `end` line is still tried, since the disk may have room again by then.
+    fn fail(&mut self, e: std::io::Error) {
+        error!(error = %e, "the trace can no longer be written; records are counted as lost");
+        self.broken = true;
+        // What the buffer held may or may not have reached the file: counted as lost.
+        self.lost.fetch_add(self.unflushed, Ordering::Relaxed);
+        self.unflushed = 0;
     }
 
     /// The `end` line, past the cap too: it says how many records were lost.
@@ -247,13 +277,9 @@ impl Writer {
             lost: self.lost.load(Ordering::Relaxed),
         };
         if let Err(e) = writeln!(self.out, "{}", end.to_line()).and_then(|()| self.out.flush()) {
-            fail(e);
+            error!(error = %e, "the trace's end line could not be written");
         }
     }
-}
-
-fn fail(e: std::io::Error) {
-    error!(error = %e, "the trace can no longer be written");
 }
 
 #[cfg(test)]
@@ -363,5 +389,31 @@ mod tests {
         // The cap bounds all but the end line.
         let before_end = text.len() - text.lines().last().unwrap().len() - 1;
         assert!(before_end <= 1000, "{before_end}");
+    }
+
+    #[test]
+    fn a_failing_disk_counts_every_record_it_did_not_take() {
+        // /dev/full takes nothing: whatever reached the buffer and all that follows is lost.
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let lost = Arc::new(AtomicU64::new(0));
+        let mut writer = Writer {
+            out: BufWriter::new(full),
+            room: MAX_TRACE_BYTES,
+            lost: lost.clone(),
+            broken: false,
+            unflushed: 0,
+        };
+        for _ in 0..5 {
+            writer.line("{\"kind\":\"end\",\"time\":\"t\"}");
+        }
+        writer.flush();
+        assert!(writer.broken);
+        for _ in 0..3 {
+            writer.line("{\"kind\":\"end\",\"time\":\"t\"}");
+        }
+        assert_eq!(lost.load(Ordering::Relaxed), 8);
     }
 }

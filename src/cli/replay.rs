@@ -183,8 +183,13 @@ fn describe(
     for n in &r.notes {
         writeln!(out, "note: {n}")?;
     }
-    if !r.refuses_anything() {
-        writeln!(out, "nothing would have been refused")?;
+    match (r.refuses_anything(), r.lost) {
+        (true, _) => {}
+        (false, 0) => writeln!(out, "nothing would have been refused")?,
+        (false, lost) => writeln!(
+            out,
+            "nothing would have been refused of what the trace holds; it lost {lost} records"
+        )?,
     }
     Ok(())
 }

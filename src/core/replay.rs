@@ -618,6 +618,8 @@ pub struct ReplayReport {
     pub narrowable: Vec<NarrowableWildcard>,
     /// What the trace cannot tell about this policy.
     pub notes: Vec<String>,
+    /// Records the run could not keep (its `end` lines' `lost`): not judged.
+    pub lost: u64,
 }
 
 impl ReplayReport {
@@ -788,6 +790,7 @@ pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
         unused: Vec::new(),
         narrowable: Vec::new(),
         notes: Vec::new(),
+        lost: trace.lost(),
     };
 
     report.refused_names = refused_names(&j);
