@@ -110,7 +110,7 @@ struct Installed {
 impl Installed {
     fn of(planned: &Planned) -> Installed {
         Installed {
-            rules: planned.ruleset.output.len() + planned.ruleset.refused.len(),
+            rules: planned.ruleset.rule_count(),
             elements: planned.ruleset.element_count(),
             names: planned.resolution.hosts.len(),
             unresolved: planned

@@ -101,8 +101,9 @@ impl Generation {
         }
     }
 
+    /// Every rule of every chain (the guard's and the scope's too).
     pub fn rule_count(&self) -> usize {
-        self.ruleset.output.len() + self.ruleset.refused.len()
+        self.ruleset.rule_count()
     }
 
     /// The generation without its contents, for lists and JSON.
