@@ -95,7 +95,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    TempNetns, a_query, end_process, enter, field, kernel_release, measure, percentile,
+    TempNetns, a_query, dnsmasq_on, end_process, enter, field, kernel_release, measure, percentile,
     require_root, run, run_parent, self_command,
 };
 use egress_fence::nft::Nft;
@@ -709,23 +709,6 @@ fn read_lossy(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// The common flags of both dnsmasqs.
-fn dnsmasq(ns: &TempNetns, listen: Ipv4Addr) -> Command {
-    let mut cmd = ns.command("dnsmasq");
-    cmd.args([
-        "--keep-in-foreground",
-        "--conf-file=/dev/null",
-        "--no-resolv",
-        "--no-hosts",
-        "--bind-interfaces",
-        "--user=root",
-        "--group=root",
-        "--pid-file=",
-    ])
-    .arg(format!("--listen-address={listen}"));
-    cmd
-}
-
 struct Options {
     queries: usize,
     concurrency: usize,
@@ -834,7 +817,7 @@ fn bench(args: &[String]) {
         .args(["add table inet efbench; add set inet efbench peer4 { type ipv4_addr; }"]));
     procs.spawn(
         "the upstream dnsmasq",
-        dnsmasq(&ns, UPSTREAM)
+        dnsmasq_on(&ns, &UPSTREAM.to_string())
             .arg(format!("--listen-address={UPSTREAM_PEERS}"))
             .arg(format!("--addn-hosts={}", path("hosts").display()))
             .arg(format!("--local-ttl={TTL}"))
@@ -844,14 +827,14 @@ fn bench(args: &[String]) {
     );
     procs.spawn(
         "the plain forwarder",
-        dnsmasq(&ns, PLAIN)
+        dnsmasq_on(&ns, &PLAIN.to_string())
             .arg("--cache-size=0")
             .arg(format!("--server={UPSTREAM_PEERS}")),
         &path("plain.stderr"),
     );
     procs.spawn(
         "dnsmasq --nftset",
-        dnsmasq(&ns, NFTSET)
+        dnsmasq_on(&ns, &NFTSET.to_string())
             .arg("--cache-size=0")
             .arg(format!("--server={UPSTREAM_PEERS}"))
             .arg(format!(

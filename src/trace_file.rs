@@ -287,6 +287,18 @@ mod tests {
     use super::*;
     use crate::core::trace::Trace;
 
+    fn flow(dport: u16) -> Record {
+        Record::Flow {
+            time: now(),
+            family: "ipv4".into(),
+            protocol: "tcp".into(),
+            dst: "192.0.2.1".parse().unwrap(),
+            dport: Some(dport),
+            uid: Some(1001),
+            iif: None,
+        }
+    }
+
     #[test]
     fn a_trace_is_written_whole_with_mode_0600_and_never_through_a_link() {
         let dir = tempfile::tempdir().unwrap();
@@ -299,15 +311,7 @@ mod tests {
         )
         .unwrap();
         for i in 0..100u16 {
-            sink.record(Record::Flow {
-                time: now(),
-                family: "ipv4".into(),
-                protocol: "tcp".into(),
-                dst: "192.0.2.1".parse().unwrap(),
-                dport: Some(i),
-                uid: Some(1001),
-                iif: None,
-            });
+            sink.record(flow(i));
         }
         sink.finish();
         sink.record(Record::End {
@@ -369,15 +373,7 @@ mod tests {
         )
         .unwrap();
         for i in 0..100u16 {
-            sink.record(Record::Flow {
-                time: now(),
-                family: "ipv4".into(),
-                protocol: "tcp".into(),
-                dst: "192.0.2.1".parse().unwrap(),
-                dport: Some(i),
-                uid: Some(1001),
-                iif: None,
-            });
+            sink.record(flow(i));
         }
         sink.finish();
         let text = std::fs::read_to_string(&path).unwrap();

@@ -324,6 +324,16 @@ impl Drop for Dnsmasq {
 /// `hosts` only with TTL `ttl` seconds (anything else is NXDOMAIN, never forwarded); the
 /// command, to spawn as the bench needs.
 pub fn dnsmasq_from_hosts(ns: &TempNetns, listen: &str, hosts: &Path, ttl: u32) -> Command {
+    let mut cmd = dnsmasq_on(ns, listen);
+    cmd.arg("--local=/#/")
+        .arg(format!("--local-ttl={ttl}"))
+        .arg(format!("--addn-hosts={}", hosts.display()));
+    cmd
+}
+
+/// dnsmasq in `ns` in the foreground, listening on `listen` only, reading no configuration,
+/// resolv.conf or /etc/hosts: what every bench's dnsmasq starts from.
+pub fn dnsmasq_on(ns: &TempNetns, listen: &str) -> Command {
     let mut cmd = ns.command("dnsmasq");
     cmd.args([
         "--keep-in-foreground",
@@ -331,14 +341,11 @@ pub fn dnsmasq_from_hosts(ns: &TempNetns, listen: &str, hosts: &Path, ttl: u32) 
         "--no-resolv",
         "--no-hosts",
         "--bind-interfaces",
-        "--local=/#/",
         "--user=root",
         "--group=root",
         "--pid-file=",
     ])
-    .arg(format!("--listen-address={listen}"))
-    .arg(format!("--local-ttl={ttl}"))
-    .arg(format!("--addn-hosts={}", hosts.display()));
+    .arg(format!("--listen-address={listen}"));
     cmd
 }
 
