@@ -1098,14 +1098,22 @@ impl Core {
         now: Instant,
         fx: &mut Vec<Effect>,
     ) {
-        let mut who: Vec<String> = changes
+        // One culprit per netlink port, named if any of its changes could name it (the
+        // process may be looked up in time for one change and not for another).
+        let mut ports: Vec<(u32, Option<&str>)> = Vec::new();
+        for c in changes {
+            match ports.iter_mut().find(|(port, _)| *port == c.portid) {
+                Some((_, name)) => *name = name.or(c.process.as_deref()),
+                None => ports.push((c.portid, c.process.as_deref())),
+            }
+        }
+        let who: Vec<String> = ports
             .iter()
-            .map(|c| match &c.process {
-                Some(p) => format!("{p} (netlink port {})", c.portid),
-                None => format!("netlink port {}", c.portid),
+            .map(|(port, process)| match process {
+                Some(p) => format!("{p} (netlink port {port})"),
+                None => format!("netlink port {port}"),
             })
             .collect();
-        who.dedup();
         let first = changes.first().map_or("changes lost", |c| c.what);
         warn!(
             first = first,
@@ -1517,14 +1525,32 @@ mod tests {
             &mut table,
         );
         table.lose_table();
-        let changes = [Change {
-            what: "table deleted",
-            portid: 4242,
-            process: Some("nft".into()),
-        }];
+        // The same port twice, named only the second time, and another port never named.
+        let changes = [
+            Change {
+                what: "rule deleted",
+                portid: 4242,
+                process: None,
+            },
+            Change {
+                what: "table deleted",
+                portid: 4242,
+                process: Some("nft".into()),
+            },
+            Change {
+                what: "set deleted",
+                portid: 77,
+                process: None,
+            },
+        ];
         let later = now + Duration::from_secs(10);
         let fx = c.on(Event::TableChanged(&changes), later, &mut table);
         assert_eq!(records(&fx), 0, "healing is no new configuration");
+        assert_eq!(
+            c.last_heal_by.as_deref(),
+            Some("nft (netlink port 4242), netlink port 77"),
+            "one culprit per port, named if any change named it"
+        );
         let back = held(&table, tuple("192.0.2.1", 443)).expect("restored with its addresses");
         assert_eq!(
             back.timeout_ms,
