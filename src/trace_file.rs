@@ -167,7 +167,7 @@ impl TraceSink {
             Err(mpsc::TrySendError::Full(_)) => {
                 self.lost.fetch_add(1, Ordering::Relaxed);
             }
-            // The writer gone (a write failed, said in the log, or finished) loses the line.
+            // The writer gone (the trace finished, or its thread died) loses the line.
             Err(mpsc::TrySendError::Disconnected(_)) => {}
         }
     }
