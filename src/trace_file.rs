@@ -97,8 +97,9 @@ enum Message {
 }
 
 /// The records waiting for the writer at most: a disk slower than what an agent makes the
-/// run record loses records (counted), never grows the daemon.
-const QUEUE: usize = 65_536;
+/// run record loses records (counted), never grows the daemon (a name line with 64 addresses
+/// is some 3 KB: 50 MB at most). The writer drains it every 50 ms: 300,000 records a second.
+const QUEUE: usize = 16_384;
 /// A run's trace grows by at most this much (what an agent can make it write is unbounded:
 /// every flow it opens and every name it asks); past it records are counted, not written.
 /// About 800,000 records: `learn` and `replay` read a whole trace into memory.
