@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 
 use common::{
     DEFAULT_SIZES, Measured, NAMES, TempNetns, V6_PER_10, enter, field, forked, initial_address,
-    initial_answers, kernel_release, measure, median, policy, require_root, resolution, run,
-    run_parent, self_command,
+    initial_answers, kernel_release, measure, median, nft_set_len, policy, require_root,
+    resolution, run, run_parent, self_command,
 };
 use egress_fence::core::plan::plan;
 use egress_fence::core::ruleset::{Family, Ruleset, SetId, SetRole, TABLE};
@@ -154,19 +154,7 @@ fn child_count(ns: &str) {
     };
     let nft = |family| {
         let name = SetId::new(SetRole::Resolved, family).name();
-        let out = Command::new("nft")
-            .args(["-j", "list", "set", "inet", TABLE, &name])
-            .output()
-            .expect("running nft");
-        assert!(out.status.success(), "nft -j list set {name} failed");
-        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("nft's JSON");
-        json["nftables"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|o| o["set"]["elem"].as_array())
-            .map(Vec::len)
-            .sum::<usize>()
+        nft_set_len(Command::new("nft"), &name)
     };
     println!(
         "lib4={} lib6={} nft4={} nft6={}",

@@ -45,8 +45,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{
-    Dnsmasq, Measured, TempNetns, forked, kernel_release, limit_open_files, measure, measure_any,
-    median, real_name, require_root, run, run_parent, start_dnsmasq, v4,
+    Dnsmasq, Measured, TempNetns, first_line_of, forked, kernel_release, limit_open_files, measure,
+    measure_any, median, nft_set_len, real_name, require_root, run, run_parent, start_dnsmasq, v4,
 };
 
 /// This bench's namespaces are `efa-<pid>-<n>`.
@@ -134,22 +134,7 @@ fn world(w: &Workload) -> World {
 
 /// The elements of resolved4 and resolved6 in `ns`, as `nft -j` lists them.
 fn resolved_counts(ns: &TempNetns) -> (usize, usize) {
-    let count = |set: &str| {
-        let out = ns
-            .command("nft")
-            .args(["-j", "list", "set", "inet", "egress_fence", set])
-            .output()
-            .expect("running nft");
-        assert!(out.status.success(), "nft -j list set {set} failed");
-        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("nft's JSON");
-        json["nftables"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|o| o["set"]["elem"].as_array())
-            .map(Vec::len)
-            .sum::<usize>()
-    };
+    let count = |set: &str| nft_set_len(ns.command("nft"), set);
     (count("resolved4"), count("resolved6"))
 }
 
@@ -236,24 +221,11 @@ fn machine() -> String {
         .lines()
         .filter(|l| l.starts_with("processor"))
         .count();
-    let version = |program: &str, arg: &str| {
-        Command::new(program)
-            .arg(arg)
-            .output()
-            .ok()
-            .and_then(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .lines()
-                    .next()
-                    .map(str::to_string)
-            })
-            .unwrap_or_else(|| format!("{program}: missing"))
-    };
     format!(
         "{cpus} x {model}, kernel {}, {}, {}; egress-fence {}",
         kernel_release(),
-        version("nft", "--version"),
-        version("dnsmasq", "--version"),
+        first_line_of("nft", &["--version"]),
+        first_line_of("dnsmasq", &["--version"]),
         // The build measured: the commit the bench was built from (`-dirty` with local edits).
         option_env!("CARGO_MANIFEST_DIR")
             .and_then(|dir| {

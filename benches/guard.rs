@@ -95,8 +95,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    TempNetns, a_query, dnsmasq_on, end_process, enter, field, kernel_release, measure, percentile,
-    require_root, run, run_parent, self_command,
+    TempNetns, a_query, dnsmasq_on, end_process, enter, field, first_line_of, kernel_release,
+    measure, percentile, require_root, run, run_parent, self_command,
 };
 use egress_fence::nft::Nft;
 use hickory_proto::op::{Message, MessageType, ResponseCode};
@@ -893,8 +893,8 @@ fn bench(args: &[String]) {
         "egress-fence guard benchmark: {}; kernel {kernel}; {}; {}; {} queries per side and \
          mode, concurrency {}; every name asked once; load average before: {}",
         machine(),
-        version("dnsmasq", &["--version"]),
-        version("nft", &["--version"]),
+        first_line_of("dnsmasq", &["--version"]),
+        first_line_of("nft", &["--version"]),
         o.queries,
         o.concurrency,
         load_average(),
@@ -1133,21 +1133,6 @@ fn machine() -> String {
         .map_or("unknown CPU", |(_, m)| m.trim());
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     format!("{cpus} CPUs ({model})")
-}
-
-/// The first line `program args` prints.
-fn version(program: &str, args: &[&str]) -> String {
-    Command::new(program)
-        .args(args)
-        .output()
-        .ok()
-        .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| format!("{program}: unknown version"))
 }
 
 /// The CPU time of every thread of `pid` so far, in ns.

@@ -401,6 +401,39 @@ pub fn start_dnsmasq(ns: &TempNetns, hosts: &Path, ttl: u32) -> Dnsmasq {
     }
 }
 
+/// How many elements `nft -j list set inet egress_fence SET` shows, `nft` being the command
+/// to run it with (in the namespace the caller means).
+pub fn nft_set_len(mut nft: Command, set: &str) -> usize {
+    let out = nft
+        .args(["-j", "list", "set", "inet", "egress_fence", set])
+        .output()
+        .expect("running nft");
+    assert!(out.status.success(), "nft -j list set {set} failed");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("nft's JSON");
+    json["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o["set"]["elem"].as_array())
+        .map(Vec::len)
+        .sum()
+}
+
+/// The first line `program args` prints, for a bench's machine line.
+pub fn first_line_of(program: &str, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| format!("{program}: missing"))
+}
+
 // ---- children and their reports ----------------------------------------------------------------
 
 /// A command that std spawns with fork+exec, as [`TempNetns::command`] does. Without a
