@@ -337,7 +337,12 @@ fn record_flows(group: u16, trace: TraceSink) -> Result<(), DaemonError> {
             loop {
                 match watcher.next_event() {
                     Ok(event) => trace.record(flow_record(&event)),
-                    Err(e) if e.is_transient() => warn!(error = %e, "reading new flows"),
+                    // Flows the kernel could not queue (an overrun) or that did not parse
+                    // are missing from the trace: counted, so that learn and replay say so.
+                    Err(e) if e.is_transient() => {
+                        warn!(error = %e, "reading new flows");
+                        trace.lost_one();
+                    }
                     Err(e) => {
                         error!(error = %e, "new flows are no longer recorded");
                         return;
