@@ -63,4 +63,28 @@ fn a_killed_learn_stops_auditing_within_the_windows_timeout() {
     let table = w.sandbox_cmd(&["nft", "list", "set", "inet", "egress_fence", "audit_window"]);
     assert!(table.success(), "{table}");
     assert!(!table.stdout.contains("elements"), "{table}");
+
+    // The window left behind opens again only for a holder of CAP_NET_ADMIN: an unprivileged
+    // user and root without it are refused by the kernel...
+    let reopen = [
+        "nft",
+        "add",
+        "element",
+        "inet",
+        "egress_fence",
+        "audit_window",
+        "{ ipv4 timeout 1h }",
+    ];
+    for who in [Adversary::Nobody, Adversary::RootWithoutNetAdmin] {
+        let out = w.adversary_cmd(who, &reopen);
+        assert!(!out.success(), "{who:?} reopened the audit window: {out}");
+        assert!(
+            !w.tcp_connects(OTHER_V4, PORT),
+            "{who:?} reopened the audit"
+        );
+    }
+    // ...while the same command as root opens it (the attack is the real one).
+    let root = w.sandbox_cmd(&reopen);
+    assert!(root.success(), "{root}");
+    assert!(w.tcp_connects(OTHER_V4, PORT), "root reopened the window");
 }
