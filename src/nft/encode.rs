@@ -1,9 +1,11 @@
 //! Ruleset -> one netlink batch. Mirrors, expression for expression, what `nft -f` sends for
 //! the rendered plan, so `nft list` reads our table back exactly as it reads its own.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ffi::{CString, c_int};
 use std::net::{IpAddr, SocketAddr};
+use std::ops::Range;
 
 use ipnet::IpNet;
 use nftnl::expr::{
@@ -23,6 +25,7 @@ use crate::core::ruleset::{
     Limit, LimitKind, LogSpec, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset,
     ScopeMatch, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
+use crate::netlink::message::NLM_F_ACK;
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
 pub struct Encoded {
@@ -33,18 +36,76 @@ pub struct Encoded {
 impl Encoded {
     /// What the message with sequence number `seq` carried.
     pub fn label(&self, seq: u32) -> String {
+        seq.checked_sub(self.change_seqs().start)
+            .and_then(|i| self.labels.get(i as usize))
+            .cloned()
+            .unwrap_or_else(|| "the transaction".to_string())
+    }
+
+    /// The sequence numbers of the messages that carry changes, each of which asks for an
+    /// acknowledgement: the kernel sends them once the batch is committed, or an error.
+    pub fn change_seqs(&self) -> Range<u32> {
         let seqs = self.batch.sequence_numbers();
-        // Kernels from 6.10 acknowledge the batch's BEGIN and END too; then our messages start
-        // one after the range's start. Derive that from the batch, never from the kernel
-        // version.
+        // nftnl numbers the batch's BEGIN and END too when the kernel (6.10 and later) can
+        // acknowledge them; then our messages start one after the range's start. Derive that
+        // from the batch, never from the kernel version.
         let offset = match seqs.len().checked_sub(self.labels.len()) {
             Some(2) => 1,
             _ => 0,
         };
-        seq.checked_sub(seqs.start + offset)
-            .and_then(|i| self.labels.get(i as usize))
-            .cloned()
-            .unwrap_or_else(|| "the transaction".to_string())
+        let start = seqs.start + offset;
+        start..start + self.labels.len() as u32
+    }
+
+    /// The batch as it is sent, page by page, with BEGIN and END asking for no
+    /// acknowledgement (nftnl asks for both where the kernel gives them): each would be one
+    /// more datagram to read per transaction, and they tell nothing the changes' own
+    /// acknowledgements do not. A refused batch is still reported, whatever its flags: an
+    /// error is always sent, and a failed commit is reported against the first change.
+    pub fn pages(&self) -> Vec<Cow<'_, [u8]>> {
+        let mut pages: Vec<Cow<'_, [u8]>> = self.batch.iter().map(Cow::Borrowed).collect();
+        let last = pages.len().saturating_sub(1);
+        for (index, batch_type) in [(0, NFNL_MSG_BATCH_BEGIN), (last, NFNL_MSG_BATCH_END)] {
+            if let Some(page) = pages.get_mut(index) {
+                without_ack(page, batch_type);
+            }
+        }
+        pages
+    }
+}
+
+const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+const NFNL_MSG_BATCH_END: u16 = 0x11;
+
+/// Clears NLM_F_ACK on the message of `batch_type` (BEGIN first on its page, END last on
+/// its), if it is there; the page is copied only then.
+fn without_ack(page: &mut Cow<'_, [u8]>, batch_type: u16) {
+    let u16_at = |bytes: &[u8], at: usize| {
+        bytes
+            .get(at..at + 2)
+            .map(|b| u16::from_ne_bytes([b[0], b[1]]))
+    };
+    let u32_at = |bytes: &[u8], at: usize| {
+        bytes
+            .get(at..at + 4)
+            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    // The offset of the page's last message: each length rounded up to four bytes.
+    let mut at = 0usize;
+    let mut offset = 0usize;
+    if batch_type == NFNL_MSG_BATCH_END {
+        while let Some(len) = u32_at(page, offset).filter(|&l| l >= 16) {
+            at = offset;
+            offset += (len as usize).div_ceil(4) * 4;
+        }
+    }
+    let flags_at = at + 6;
+    let (Some(kind), Some(flags)) = (u16_at(page, at + 4), u16_at(page, flags_at)) else {
+        return;
+    };
+    if kind == batch_type && flags & NLM_F_ACK != 0 {
+        let cleared = (flags & !NLM_F_ACK).to_ne_bytes();
+        page.to_mut()[flags_at..flags_at + 2].copy_from_slice(&cleared);
     }
 }
 
@@ -3195,5 +3256,55 @@ mod tests {
             seqs.end - 1
         };
         assert!(enc.label(last_ours).starts_with("rule 1 of chain output"));
+    }
+
+    /// BEGIN and END go out asking for no acknowledgement, every change asks for one, and the
+    /// sequence numbers awaited are exactly the changes' (a large batch spans pages).
+    #[test]
+    fn only_the_changes_ask_for_acknowledgements() {
+        let elements: Vec<Timed> = (0..20_000u32)
+            .map(|i| Timed {
+                tuple: Tuple {
+                    net: IpNet::from(IpAddr::from((0xc612_0000u32 + i).to_be_bytes())),
+                    proto: L4Proto::Tcp,
+                    ports: crate::core::policy::PortRange::single(443),
+                },
+                timeout_ms: Some(60_000),
+                expires_ms: None,
+                name: None,
+            })
+            .collect();
+        for enc in [upsert_resolved(&elements[..1]), upsert_resolved(&elements)] {
+            let pages = enc.pages();
+            let mut flags = Vec::new();
+            for page in &pages {
+                let mut at = 0;
+                while at + 16 <= page.len() {
+                    let field =
+                        |o: usize| u32::from_ne_bytes(page[at + o..at + o + 4].try_into().unwrap());
+                    let kind = u16::from_ne_bytes([page[at + 4], page[at + 5]]);
+                    let flag = u16::from_ne_bytes([page[at + 6], page[at + 7]]);
+                    flags.push((kind, flag & NLM_F_ACK != 0, field(8)));
+                    at += (field(0) as usize).div_ceil(4) * 4;
+                }
+            }
+            let (first, rest) = flags.split_first().expect("messages");
+            let (last, changes) = rest.split_last().expect("messages");
+            assert_eq!((first.0, first.1), (NFNL_MSG_BATCH_BEGIN, false));
+            assert_eq!((last.0, last.1), (NFNL_MSG_BATCH_END, false));
+            assert_eq!(changes.len(), enc.labels.len());
+            assert!(changes.iter().all(|(_, ack, _)| *ack), "{changes:?}");
+            let seqs: Vec<u32> = changes.iter().map(|(_, _, seq)| *seq).collect();
+            assert_eq!(seqs, enc.change_seqs().collect::<Vec<_>>());
+            // What nftnl built is left as it was; only the copies sent differ.
+            assert_eq!(
+                pages.iter().map(|p| p.len()).sum::<usize>(),
+                enc.batch.iter().map(|p| p.len()).sum::<usize>()
+            );
+        }
+        assert!(
+            upsert_resolved(&elements).pages().len() > 1,
+            "one page only"
+        );
     }
 }

@@ -163,7 +163,8 @@ impl Nft {
     /// Sends a finalized batch as one datagram (the kernel runs a batch only if it arrives
     /// whole) and waits for every acknowledgement.
     pub fn send(&mut self, encoded: &Encoded) -> Result<(), NftError> {
-        let pages: Vec<IoSlice<'_>> = encoded.batch.iter().map(IoSlice::new).collect();
+        let datagram = encoded.pages();
+        let pages: Vec<IoSlice<'_>> = datagram.iter().map(|p| IoSlice::new(p)).collect();
         let total: usize = pages.iter().map(|p| p.len()).sum();
         let fd = sys::socket_fd(&self.socket);
         // The datagram must fit the send buffer; as root we may raise it past the sysctl cap.
@@ -191,7 +192,11 @@ impl Nft {
             return Err(NftError::Malformed(format!("sent {sent} of {total} bytes")));
         }
 
-        let mut waiting: BTreeSet<u32> = encoded.batch.sequence_numbers().collect();
+        let mut waiting: BTreeSet<u32> = encoded.change_seqs().collect();
+        // BEGIN (numbered 0 when the kernel cannot acknowledge it) and END are answered only
+        // with an error: one refuses the whole batch.
+        let batch = encoded.batch.sequence_numbers();
+        let ours = |seq: u32| seq == 0 || batch.contains(&seq);
         let mut refused: Option<(u32, Errno)> = None;
         while !waiting.is_empty() {
             // After a refusal the kernel has aborted the batch; take what it still sends
@@ -210,7 +215,9 @@ impl Nft {
             for msg in messages(self.recv_buf.get(..n).unwrap_or_default()) {
                 let msg = msg.map_err(malformed_netlink)?;
                 let Some(errno) = ack(&msg)? else { continue };
-                if !waiting.remove(&msg.seq) {
+                let awaited = waiting.remove(&msg.seq);
+                let refusal_of_ours = errno.is_some() && ours(msg.seq);
+                if !(awaited || refusal_of_ours) {
                     continue;
                 }
                 if let Some(errno) = errno
