@@ -45,6 +45,16 @@ impl ClientKey {
     }
 }
 
+/// Whether `peer` reached us on a local path (a loopback address, or one of `host`'s own,
+/// which the kernel never takes from outside): its socket's owner can be asked for.
+pub fn is_local(host: &HostAddrs, peer: SocketAddr) -> bool {
+    let ip = match peer.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    };
+    ip.is_loopback() || host.is_own(ip)
+}
+
 /// The key of the client at `peer` that reached our socket at `local`. A peer on a local
 /// path (a loopback address, or one of `host`'s own addresses, which the kernel never takes
 /// from outside) is a local client: `diag` (when it could be opened) tells the uid of its
@@ -66,7 +76,7 @@ pub fn client_key(
     };
     let (peer, local) = (unmapped(peer), unmapped(local));
     let ip = peer.ip();
-    if ip.is_loopback() || host.is_own(ip) {
+    if is_local(host, peer) {
         return match diag.and_then(|d| d.owner(protocol, local, peer)) {
             Some(uid) => ClientKey::LocalUser(uid),
             None => ClientKey::LocalUnknown,
@@ -84,6 +94,11 @@ pub fn client_key(
 /// How many of something (queries in flight, connections) each client holds, against a cap;
 /// and all [`ClientKey::Address`] clients together, against twice that: forged source
 /// addresses are free, so however many there are they hold no more than two clients would.
+///
+/// Telling a local client apart costs a sock_diag round trip (some 5 µs, a sixth of what the
+/// guard adds to an answer), so a few slots may go to local clients not told apart
+/// ([`ClientLimits::try_take_unidentified`]), as long as no local client could be over its
+/// cap whichever of them holds those: every local client is charged with all of them.
 #[derive(Debug)]
 pub struct ClientLimits {
     cap: usize,
@@ -95,13 +110,18 @@ struct Held {
     by_client: std::collections::HashMap<ClientKey, usize>,
     /// The sum over the [`ClientKey::Address`] keys.
     by_address: usize,
+    /// The sum over the local keys ([`ClientKey::LocalUser`], [`ClientKey::LocalUnknown`]).
+    by_local: usize,
+    /// Held by local clients not told apart.
+    unidentified: usize,
 }
 
 /// One unit a client holds; given back when dropped.
 #[derive(Debug)]
 pub struct ClientSlot {
     limits: Arc<ClientLimits>,
-    key: ClientKey,
+    /// `None`: a local client not told apart.
+    key: Option<ClientKey>,
 }
 
 impl ClientLimits {
@@ -117,24 +137,58 @@ impl ClientLimits {
         self.cap.saturating_mul(2)
     }
 
-    /// A slot for the client `key`, unless it already holds its cap (or it is known by its
-    /// address only and those clients together hold theirs).
+    /// What local clients not told apart may hold together: a quarter of a client's cap,
+    /// which is all a told-apart local client may lose to them.
+    fn unidentified_cap(&self) -> usize {
+        self.cap / 4
+    }
+
+    /// A slot for the client `key`, unless it already holds its cap (a local client counting
+    /// the slots of local clients not told apart as its own), or it is known by its address
+    /// only and those clients together hold theirs.
     pub fn try_take(self: &Arc<Self>, key: ClientKey) -> Option<ClientSlot> {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         if key.by_address() && held.by_address >= self.address_cap() {
             return None;
         }
+        let also = if key.by_address() {
+            0
+        } else {
+            held.unidentified
+        };
         let count = held.by_client.entry(key).or_default();
-        if *count >= self.cap {
+        if *count + also >= self.cap {
+            if *count == 0 {
+                held.by_client.remove(&key);
+            }
             return None;
         }
         *count += 1;
-        if key.by_address() {
-            held.by_address += 1;
+        match key.by_address() {
+            true => held.by_address += 1,
+            false => held.by_local += 1,
         }
         Some(ClientSlot {
             limits: self.clone(),
-            key,
+            key: Some(key),
+        })
+    }
+
+    /// A slot for a local client that is not told apart, if local clients not told apart hold
+    /// fewer than [`ClientLimits::unidentified_cap`] and one more could not put any local
+    /// client over its cap (were they all its own); else the client must be told apart and
+    /// [`ClientLimits::try_take`] asked.
+    pub fn try_take_unidentified(self: &Arc<Self>) -> Option<ClientSlot> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if held.unidentified >= self.unidentified_cap()
+            || held.by_local + held.unidentified >= self.cap
+        {
+            return None;
+        }
+        held.unidentified += 1;
+        Some(ClientSlot {
+            limits: self.clone(),
+            key: None,
         })
     }
 
@@ -148,14 +202,19 @@ impl ClientLimits {
 impl Drop for ClientSlot {
     fn drop(&mut self) {
         let mut held = self.limits.held.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(count) = held.by_client.get_mut(&self.key) {
+        let Some(key) = self.key else {
+            held.unidentified -= 1;
+            return;
+        };
+        if let Some(count) = held.by_client.get_mut(&key) {
             *count -= 1;
             if *count == 0 {
                 // Forgotten at once: a flood of spoofed sources leaves no table behind.
-                held.by_client.remove(&self.key);
+                held.by_client.remove(&key);
             }
-            if self.key.by_address() {
-                held.by_address -= 1;
+            match key.by_address() {
+                true => held.by_address -= 1,
+                false => held.by_local -= 1,
             }
         }
     }
@@ -213,6 +272,61 @@ mod tests {
         drop(held);
         assert_eq!(limits.held.lock().unwrap().by_address, 0);
         assert!(limits.try_take(forged(9)).is_some(), "slots given back");
+    }
+
+    /// Local clients not told apart hold at most a quarter of a client's cap together, and
+    /// only while that could put no local client over its cap: each local client counts them
+    /// as its own, so none holds more than its cap whoever they are. Clients known by their
+    /// address are not charged with them.
+    #[test]
+    fn local_clients_not_told_apart_count_against_every_local_client() {
+        let limits = ClientLimits::new(8);
+        let flood = ClientKey::LocalUser(4242);
+        let quiet = ClientKey::LocalUser(65534);
+        let unknown: Vec<ClientSlot> = (0..8)
+            .map_while(|_| limits.try_take_unidentified())
+            .collect();
+        assert_eq!(unknown.len(), 2, "a quarter of the cap");
+        let mut flooded: Vec<ClientSlot> = (0..8).map_while(|_| limits.try_take(flood)).collect();
+        assert_eq!(
+            flooded.len(),
+            6,
+            "the cap, counting the two not told apart as its own"
+        );
+        let quiet_slot = limits
+            .try_take(quiet)
+            .expect("another local client is served");
+        drop(unknown);
+        // Seven told apart: one more not told apart could be anyone's eighth, not a ninth.
+        let one = limits
+            .try_take_unidentified()
+            .expect("no local client over its cap");
+        assert!(
+            limits.try_take_unidentified().is_none(),
+            "a second could make one local client's ninth"
+        );
+        flooded.extend(limits.try_take(flood));
+        assert_eq!(
+            flooded.len(),
+            7,
+            "the eighth, counting the one not told apart"
+        );
+        assert!(limits.try_take(flood).is_none());
+        let away = ClientKey::Address(IpAddr::from([192, 0, 2, 9]));
+        let remote: Vec<ClientSlot> = (0..9).map_while(|_| limits.try_take(away)).collect();
+        assert_eq!(remote.len(), 8, "not charged with local clients' slots");
+        drop((one, flooded, quiet_slot, remote));
+        let held = limits.held.lock().unwrap();
+        assert_eq!(
+            (held.unidentified, held.by_address, held.by_local),
+            (0, 0, 0)
+        );
+        assert!(held.by_client.is_empty());
+        drop(held);
+        assert!(
+            ClientLimits::new(3).try_take_unidentified().is_none(),
+            "a cap too small"
+        );
     }
 
     /// A local client is its socket's uid, whatever loopback or own address it sends from;

@@ -21,7 +21,7 @@ use crate::host::HostAddrsCache;
 use crate::trace_file::TraceSink;
 use crate::watch::QueryEvent;
 
-use super::clients::{ClientKey, ClientLimits, client_key, open_sock_diag};
+use super::clients::{ClientKey, ClientLimits, client_key, is_local, open_sock_diag};
 use super::counters::{Counters, LogBudget, may_log};
 use super::pool::UpstreamSockets;
 use super::rules::{Rules, Verdict, judge};
@@ -106,13 +106,20 @@ pub(super) async fn serve_udp(
             Prepared::Forward(forward) => forward,
         };
         // Never wait here: the loop serves every client, and a client over its share (or a
-        // guard out of slots) loses this query, which it asks again.
-        let key = client_key(diag.as_mut(), host.current(), L4Proto::Udp, local, client);
-        let forward = Forward {
-            uid: key.uid(),
-            ..forward
+        // guard out of slots) loses this query, which it asks again. A local client is told
+        // apart only when its slot depends on it, or the trace records its uid.
+        let untold = (context.trace.is_none() && is_local(host.current(), client))
+            .then(|| forwarding.try_take_unidentified())
+            .flatten();
+        let (slot, uid) = match untold {
+            Some(slot) => (Some(slot), None),
+            None => {
+                let key = client_key(diag.as_mut(), host.current(), L4Proto::Udp, local, client);
+                (forwarding.try_take(key), key.uid())
+            }
         };
-        let Some(slot) = forwarding.try_take(key) else {
+        let forward = Forward { uid, ..forward };
+        let Some(slot) = slot else {
             debug!(client = %client, "this client has too many queries in flight; dropping one");
             continue;
         };
