@@ -400,6 +400,42 @@ fn a_refused_transaction_leaves_the_running_table_untouched() {
     );
 }
 
+/// The daemon's change monitor is told of every transaction but its own: the kernel drops
+/// the notifications of our batches (every element a guard answer installs) before they are
+/// queued, and still delivers another process's change to our table, naming it. Without the
+/// filter the first read below would see our apply's datagrams (eight of them).
+#[test]
+fn the_change_monitor_hears_others_transactions_and_never_its_own() {
+    use egress_fence::nft::monitor::Monitor;
+    let (w, _policy) = world();
+    let ruleset = planned(&w);
+    let (ours, theirs) = w.in_sandbox_ns(|| {
+        let mut monitor = Monitor::open().expect("subscribe to nftables notifications");
+        let mut nft = Nft::open().expect("netlink");
+        monitor.ignore_port(nft.portid()).expect("filter");
+        nft.apply(&ruleset).expect("apply");
+        let ours = monitor.drain(nft.portid()).expect("drain");
+        let out = Command::new("nft")
+            .args(["add", "chain", "inet", "egress_fence", "intruder"])
+            .output()
+            .expect("run nft");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let theirs = monitor.drain(nft.portid()).expect("drain");
+        (ours, theirs)
+    });
+    assert_eq!(ours.datagrams, 0, "our own transaction reached the monitor");
+    assert!(ours.changes.is_empty() && !ours.overrun);
+    assert!(theirs.datagrams >= 1, "{theirs:?}");
+    assert!(!theirs.overrun);
+    let change = theirs.changes.first().expect("nft's change is reported");
+    assert_eq!(change.what, "chain added");
+    assert_eq!(change.process.as_deref(), Some("nft"));
+}
+
 #[test]
 fn netns_may_be_given_as_a_path() {
     let (w, policy) = world();

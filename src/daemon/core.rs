@@ -184,9 +184,6 @@ pub struct Core {
     next_prune: Instant,
     /// When a failed full apply is tried again.
     retry_apply: Option<Instant>,
-    /// The ruleset generation right after our last transaction: when change notifications
-    /// were lost, a different current generation means someone else committed since.
-    our_generation: Option<u32>,
     last_refresh: Option<SystemTime>,
     /// When the kernel last accepted a full apply.
     last_apply: Option<SystemTime>,
@@ -266,7 +263,6 @@ impl Core {
             installed: BTreeMap::new(),
             next_prune: now,
             retry_apply: None,
-            our_generation: None,
             last_refresh: None,
             last_apply: None,
             heals: 0,
@@ -299,12 +295,9 @@ impl Core {
         let Some(open_for_ms) = self.extras.audit.and_then(|a| a.open_for_ms) else {
             return;
         };
-        match table.renew_audit_window(open_for_ms) {
-            Ok(()) => self.our_generation = table.generation().ok(),
-            Err(e) => {
-                warn!(error = %e, "renewing the audit window failed; restoring the table");
-                self.reapply(table, now, fx);
-            }
+        if let Err(e) = table.renew_audit_window(open_for_ms) {
+            warn!(error = %e, "renewing the audit window failed; restoring the table");
+            self.reapply(table, now, fx);
         }
     }
 
@@ -571,7 +564,6 @@ impl Core {
         for chunk in elements.chunks(MAX_UPSERT_BATCH) {
             let batch = timed(chunk.iter().copied(), now, &name_of);
             table.upsert_resolved(&batch)?;
-            self.our_generation = table.generation().ok();
             self.installed.extend(chunk.iter().copied());
         }
         Ok(())
@@ -779,7 +771,6 @@ impl Core {
         let (ruleset, elements) = self.table(now);
         match table.apply(&ruleset) {
             Ok(()) => {
-                self.our_generation = table.generation().ok();
                 self.installed = elements;
                 self.retry_apply = None;
                 self.last_apply = Some(SystemTime::now());
@@ -1126,23 +1117,18 @@ impl Core {
         self.reapply(table, now, fx);
     }
 
-    /// Notifications were lost: heal only if the ruleset moved on since our last transaction.
+    /// Notifications were lost. Ours never reach the monitor, so someone else's burst
+    /// overflowed it, and whether that touched our table is unknown: it is put back.
+    ///
+    /// (The ruleset generation cannot tell: it moves with anyone's transaction, and one
+    /// of ours after a lost change to our table would have read as ours.)
     fn check_after_overrun(&mut self, table: &mut dyn Table, now: Instant, fx: &mut Vec<Effect>) {
-        match table.generation() {
-            Ok(g) if Some(g) == self.our_generation => {
-                info!(
-                    "nftables notifications overran; the ruleset generation shows only our own transactions since"
-                );
-            }
-            Ok(_) | Err(_) => {
-                warn!(
-                    "nftables notifications were lost and the ruleset changed since our last transaction; restoring the table"
-                );
-                self.heals += 1;
-                self.last_heal_by = Some("unknown (notifications lost)".into());
-                self.reapply(table, now, fx);
-            }
-        }
+        warn!(
+            "nftables notifications were lost in someone else's burst of changes; restoring the table"
+        );
+        self.heals += 1;
+        self.last_heal_by = Some("unknown (notifications lost)".into());
+        self.reapply(table, now, fx);
     }
 
     /// When the core wants [`Event::Wake`] next.
@@ -1608,15 +1594,21 @@ mod tests {
         assert_eq!(table.generation, renewals, "nothing to renew after the end");
     }
 
+    /// Lost notifications are someone else's (ours never reach the monitor): whatever the
+    /// ruleset generation says, the table is put back, and the heal is counted.
     #[test]
-    fn lost_notifications_heal_only_when_someone_else_committed() {
+    fn lost_notifications_always_heal() {
         let now = Instant::now();
         let (mut c, mut table) = started(RESOLVE, now);
         c.on(Event::NotificationsLost, now, &mut table);
-        assert_eq!(table.applied.len(), 1, "only our own transactions since");
-        table.generation += 1;
-        c.on(Event::NotificationsLost, now, &mut table);
         assert_eq!(table.applied.len(), 2);
+        c.on(Event::NotificationsLost, now, &mut table);
+        assert_eq!(table.applied.len(), 3);
+        assert_eq!(c.heals, 2);
+        assert_eq!(
+            c.last_heal_by.as_deref(),
+            Some("unknown (notifications lost)")
+        );
     }
 
     #[test]

@@ -242,8 +242,20 @@ fn start_and_serve(
             None => None,
         };
         let shared = metrics.as_ref().map(|(_, _, m)| m.clone());
-        let mut daemon =
-            Daemon::start(options, lock, policy, policy_text, identity, shared, extras).await?;
+        // Our own transactions never reach the monitor, from the first apply on.
+        let nft = Nft::open()?;
+        monitor.get_ref().ignore_port(nft.portid())?;
+        let mut daemon = Daemon::start(
+            options,
+            lock,
+            nft,
+            policy,
+            policy_text,
+            identity,
+            shared,
+            extras,
+        )
+        .await?;
         *boundary_up = true;
         let answers = guard.map(|g| daemon.start_guard(g));
         let mut socket = None;

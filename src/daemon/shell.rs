@@ -73,9 +73,11 @@ struct GuardLink {
 }
 
 impl Daemon {
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn start(
         options: Options,
         lock: Arc<WriterLock>,
+        nft: Nft,
         policy: Policy,
         policy_text: String,
         guard: Option<GuardIdentity>,
@@ -128,7 +130,7 @@ impl Daemon {
             options,
             lock,
             resolver,
-            nft: Nft::open()?,
+            nft,
             guard: None,
             host_addrs: HostAddrsCache::new(),
             metrics,

@@ -53,6 +53,40 @@ impl Socket {
     pub fn force_recv_buffer(&self, bytes: usize) -> nix::Result<()> {
         socket::setsockopt(&self.fd, sockopt::RcvBufForce, &bytes)
     }
+
+    /// Has the kernel drop, before they are queued, the datagrams whose first message was
+    /// sent from netlink port `portid` (a multicast notification carries its sender's port).
+    /// Replaces any filter set before.
+    pub fn drop_from_port(&self, portid: u32) -> std::io::Result<()> {
+        socket2::SockRef::from(&self.fd).attach_filter(&port_filter(portid))
+    }
+}
+
+/// A classic BPF program: datagrams whose first `nlmsg_pid` is `portid` are dropped, all
+/// others kept whole. `BPF_LD|BPF_W|BPF_ABS` reads a word in network byte order and netlink
+/// headers are in the host's, so the port is compared as those bytes read big-endian.
+fn port_filter(portid: u32) -> [socket2::SockFilter; 4] {
+    const NLMSG_PID_OFFSET: u32 = 12;
+    let as_loaded = u32::from_be_bytes(portid.to_ne_bytes());
+    let op = |code: u32| code as u16;
+    [
+        // A = nlmsg_pid (a datagram too short to hold one ends the program: dropped; every
+        // netlink message has a whole header).
+        socket2::SockFilter::new(
+            op(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS),
+            0,
+            0,
+            NLMSG_PID_OFFSET,
+        ),
+        socket2::SockFilter::new(
+            op(libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K),
+            0,
+            1,
+            as_loaded,
+        ),
+        socket2::SockFilter::new(op(libc::BPF_RET | libc::BPF_K), 0, 0, 0),
+        socket2::SockFilter::new(op(libc::BPF_RET | libc::BPF_K), 0, 0, u32::MAX),
+    ]
 }
 
 impl AsFd for Socket {

@@ -22,8 +22,8 @@ const NFT_MSG_NEWGEN: u16 = 15;
 /// The first attribute of table, chain, rule, set and element messages names the table.
 const ATTR_TABLE: u16 = 1;
 const NFTA_GEN_PROC_NAME: u16 = 3;
-/// Our own full apply of a large table is one notification per element: room for a few
-/// thousand; beyond that an overrun is resolved by the ruleset generation (see `Drained`).
+/// Room for a burst of someone else's notifications (one per element of a table loaded)
+/// while the daemon is busy; beyond that they are lost (see [`Drained::overrun`]).
 const RECV_BUFFER: usize = 4 << 20;
 
 /// A change to our table made by someone else.
@@ -80,6 +80,20 @@ impl Monitor {
         })
     }
 
+    /// Has the kernel drop the notifications of the transactions sent from netlink port
+    /// `ours` before they are queued: they are the most of what arrives here (every element
+    /// a guard answer installs, every element of a full apply), and each would wake the
+    /// daemon to be read and skipped. Nor can they fill the buffer any more, so that lost
+    /// notifications always mean someone else's burst (see [`Drained::overrun`]).
+    pub fn ignore_port(&self, ours: u32) -> Result<(), NftError> {
+        self.socket
+            .drop_from_port(ours)
+            .map_err(|source| NftError::Io {
+                doing: "filter our own notifications out",
+                source,
+            })
+    }
+
     /// Reads every pending notification without blocking: the changes to our table that a
     /// port other than `ours` made, and whether notifications were lost.
     pub fn drain(&mut self, ours: u32) -> Result<Drained, NftError> {
@@ -87,7 +101,10 @@ impl Monitor {
         let changes = &mut drained.changes;
         loop {
             let n = match self.socket.recv(&mut self.buf, MsgFlags::MSG_DONTWAIT) {
-                Ok(n) => n,
+                Ok(n) => {
+                    drained.datagrams += 1;
+                    n
+                }
                 Err(Errno::EAGAIN) => return Ok(drained),
                 Err(Errno::ENOBUFS) => {
                     drained.overrun = true;
@@ -120,9 +137,12 @@ impl Monitor {
 #[derive(Debug, Default)]
 pub struct Drained {
     pub changes: Vec<Change>,
-    /// The socket overflowed and notifications were lost: whether anyone but us changed
-    /// anything is then told by the ruleset generation (`Nft::generation`).
+    /// The socket overflowed and notifications were lost. Ours never reach it
+    /// ([`Monitor::ignore_port`]): someone else's burst filled it, and what it changed is
+    /// unknown.
     pub overrun: bool,
+    /// How many datagrams were read (ours the kernel drops before they are queued).
+    pub datagrams: usize,
 }
 
 enum Notification {
