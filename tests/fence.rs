@@ -10,10 +10,15 @@ use std::time::Duration;
 use common::*;
 use egress_fence::core::plan::plan;
 use egress_fence::core::policy::Policy;
+use egress_fence::core::policy::{L4Proto, PortRange};
 use egress_fence::core::resolution::Resolution;
-use egress_fence::core::ruleset::{Elements, Family, SetId, SetRole};
+use egress_fence::core::ruleset::{Elements, Family, SetId, SetRole, Timed, Tuple};
+use egress_fence::nft::encode::{self, Encoded};
+use egress_fence::nft::sys::{Elem, ElemOp, KeySpec, NlSet};
 use egress_fence::nft::{Nft, NftError};
+use nix::errno::Errno;
 use serde_json::Value;
+use std::ffi::CStr;
 
 const POLICY: &str = r#"
 version: 1
@@ -398,6 +403,147 @@ fn a_refused_transaction_leaves_the_running_table_untouched() {
         before,
         "a refused batch changed the table"
     );
+}
+
+/// A batch of one change: `add` appends it (a set, or the messages of its elements).
+fn one_change(add: impl FnOnce(&mut nftnl::Batch), label: &str) -> Encoded {
+    let mut batch = nftnl::Batch::new();
+    add(&mut batch);
+    Encoded {
+        batch: batch.finalize(),
+        labels: vec![label.to_string()],
+    }
+}
+
+const IPV4_ADDR: KeySpec = KeySpec {
+    datatype: 7,
+    len: 4,
+    concat_fields: Vec::new(),
+};
+
+/// One element for set `name` of our table: refused (ENOENT) unless that set exists.
+fn element_of(name: &CStr) -> Encoded {
+    one_change(
+        |batch| {
+            let mut set = NlSet::new(&encode::table_name(), name, 0, &IPV4_ADDR, 0);
+            set.push(&Elem {
+                key: vec![192, 0, 2, 1],
+                ..Elem::default()
+            });
+            assert_eq!(set.add_elements_to(batch, ElemOp::Upsert), 1);
+        },
+        "an element",
+    )
+}
+
+/// A commit the kernel fails after every change was taken (an anonymous set that no rule
+/// binds) is reported against the first change, whose acknowledgement follows the error:
+/// `send` must take that too, or the next batch of the same sequence numbers would read it
+/// as its own and a refused element would pass for installed.
+#[test]
+fn a_failed_commit_leaves_nothing_for_the_next_batch_to_read() {
+    let (w, policy) = world();
+    apply(&w, &policy);
+    let (failed, refused, accepted) = w.in_sandbox_ns(|| {
+        let mut nft = Nft::open().expect("netlink");
+        let unbound = one_change(
+            |batch| {
+                const ANONYMOUS_CONSTANT: u32 = 0x1 | 0x2;
+                let set = NlSet::new(
+                    &encode::table_name(),
+                    c"__set%d",
+                    1,
+                    &IPV4_ADDR,
+                    ANONYMOUS_CONSTANT,
+                );
+                batch.add(&set, nftnl::MsgType::Add);
+            },
+            "an anonymous set no rule binds",
+        );
+        let failed = nft.send(&unbound);
+        let refused = nft.send(&element_of(c"no_such_set"));
+        let accepted = nft.upsert_resolved(&[Timed {
+            tuple: Tuple {
+                net: "198.18.0.7/32".parse().expect("network"),
+                proto: L4Proto::Tcp,
+                ports: PortRange::single(443),
+            },
+            timeout_ms: Some(60_000),
+            expires_ms: None,
+            name: None,
+        }]);
+        (failed, refused, accepted)
+    });
+    assert!(
+        matches!(&failed, Err(NftError::Refused { errno: Errno::EINVAL, what }) if what.contains("anonymous set")),
+        "{failed:?}"
+    );
+    assert!(
+        matches!(
+            &refused,
+            Err(NftError::Refused {
+                errno: Errno::ENOENT,
+                ..
+            })
+        ),
+        "a refused element passed for installed: {refused:?}"
+    );
+    assert!(
+        accepted.is_ok(),
+        "an accepted element read as refused: {accepted:?}"
+    );
+    let after = normalized_ruleset(w.nft_json());
+    assert!(after.to_string().contains("198.18.0.7"), "{after}");
+    assert!(
+        !after.to_string().contains("__set"),
+        "the failed commit left its set: {after}"
+    );
+}
+
+/// A batch the kernel refuses as a whole before its first change (sent by a thread without
+/// CAP_NET_ADMIN, as root in a container is: the error names BEGIN, which asks for no
+/// acknowledgement) is reported as refused, not waited on, and changes nothing.
+#[test]
+fn a_batch_refused_before_its_first_change_is_reported_refused() {
+    let (w, policy) = world();
+    apply(&w, &policy);
+    let before = normalized_ruleset(w.nft_json());
+    let result = w.in_sandbox_ns(|| {
+        // Opened with the capability; the kernel checks the sender's too.
+        let mut nft = Nft::open().expect("netlink");
+        caps::drop(
+            None,
+            caps::CapSet::Effective,
+            caps::Capability::CAP_NET_ADMIN,
+        )
+        .expect("drop CAP_NET_ADMIN from this thread");
+        let result = nft.send(&element_of(c"resolved4"));
+        caps::raise(
+            None,
+            caps::CapSet::Effective,
+            caps::Capability::CAP_NET_ADMIN,
+        )
+        .expect("raise CAP_NET_ADMIN again");
+        // The socket is left clean: the next batch is its own.
+        (result, nft.send(&element_of(c"no_such_set")))
+    });
+    assert!(
+        matches!(&result.0, Err(NftError::Refused { errno: Errno::EPERM, what }) if what == "the transaction"),
+        "{:?}",
+        result.0
+    );
+    assert!(
+        matches!(
+            &result.1,
+            Err(NftError::Refused {
+                errno: Errno::ENOENT,
+                ..
+            })
+        ),
+        "{:?}",
+        result.1
+    );
+    assert_eq!(normalized_ruleset(w.nft_json()), before);
 }
 
 /// The daemon's change monitor is told of every transaction but its own: the kernel drops

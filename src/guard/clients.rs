@@ -274,6 +274,49 @@ mod tests {
         assert!(limits.try_take(forged(9)).is_some(), "slots given back");
     }
 
+    /// The guard's order for a local UDP query (a slot not told apart if one is free, else
+    /// one by uid), under random takes and releases by three local users: whichever of them
+    /// really holds the slots not told apart, no user ever holds more than its cap, and a
+    /// user holding nothing can always take a slot, up to three quarters of its cap.
+    #[test]
+    fn no_local_user_exceeds_its_cap_or_is_starved_below_three_quarters() {
+        for cap in [1, 3, 4, 8, 128] {
+            let limits = ClientLimits::new(cap);
+            let users = [4242u32, 4243, 0];
+            let mut held: Vec<(u32, ClientSlot)> = Vec::new();
+            let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ cap as u64;
+            for _ in 0..20_000 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let pick = (state >> 32) as usize;
+                if pick.is_multiple_of(3) && !held.is_empty() {
+                    held.swap_remove(pick % held.len());
+                } else {
+                    let uid = users[pick % users.len()];
+                    let slot = limits
+                        .try_take_unidentified()
+                        .or_else(|| limits.try_take(ClientKey::LocalUser(uid)));
+                    held.extend(slot.map(|s| (uid, s)));
+                }
+                for uid in users {
+                    let really = held.iter().filter(|(u, _)| *u == uid).count();
+                    assert!(really <= cap, "uid {uid} holds {really} of cap {cap}");
+                }
+                let quiet = ClientKey::LocalUser(65534);
+                let mut taken = Vec::new();
+                while let Some(slot) = limits.try_take(quiet) {
+                    taken.push(slot);
+                }
+                assert!(
+                    taken.len() >= cap - cap / 4,
+                    "a quiet user got {} of cap {cap}",
+                    taken.len()
+                );
+            }
+        }
+    }
+
     /// Local clients not told apart hold at most a quarter of a client's cap together, and
     /// only while that could put no local client over its cap: each local client counts them
     /// as its own, so none holds more than its cap whoever they are. Clients known by their

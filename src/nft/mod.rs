@@ -198,7 +198,12 @@ impl Nft {
         let batch = encoded.batch.sequence_numbers();
         let ours = |seq: u32| seq == 0 || batch.contains(&seq);
         let mut refused: Option<(u32, Errno)> = None;
-        while !waiting.is_empty() {
+        // After a refusal everything the kernel sends is read, awaited or not: it answers the
+        // batch before sendmsg returns, and a failed commit's error for the first change is
+        // followed by that change's acknowledgement. Left queued, it would pass for the next
+        // batch's (the sequence numbers of every batch are the same) and make a refused
+        // change of that batch read as accepted.
+        while !waiting.is_empty() || refused.is_some() {
             // After a refusal the kernel has aborted the batch; take what it still sends
             // without waiting for acknowledgements that may never come.
             let flags = if refused.is_some() {
