@@ -108,6 +108,10 @@ pub struct Nft {
     /// The socket's send buffer as last read or set: only this process changes it, and
     /// reading it for every batch was a system call per guard answer.
     send_buffer: Option<usize>,
+    /// A request failed before all of its answer was read (a timeout, a full receive buffer,
+    /// a malformed reply): what is left is discarded before the next request, since every
+    /// batch is numbered alike and a leftover acknowledgement would pass for the next's.
+    unread: bool,
 }
 
 /// The acknowledgement an NLMSG_ERROR message carries: `None` for another message,
@@ -132,6 +136,7 @@ impl Nft {
             socket,
             recv_buf: vec![0; 2 * nftnl::nft_nlmsg_maxsize() as usize],
             send_buffer: None,
+            unread: false,
         })
     }
 
@@ -163,6 +168,26 @@ impl Nft {
     /// Sends a finalized batch as one datagram (the kernel runs a batch only if it arrives
     /// whole) and waits for every acknowledgement.
     pub fn send(&mut self, encoded: &Encoded) -> Result<(), NftError> {
+        self.request(|nft| nft.send_and_read(encoded))
+    }
+
+    /// Runs one request and its answer on the socket: first drops whatever a failed request
+    /// left queued, and notes whether this one leaves some. A refusal is read to its end; any
+    /// other failure may leave answers behind.
+    fn request<T>(
+        &mut self,
+        exchange: impl FnOnce(&mut Nft) -> Result<T, NftError>,
+    ) -> Result<T, NftError> {
+        if std::mem::take(&mut self.unread) {
+            let fd = sys::socket_fd(&self.socket);
+            while netlink::socket::recv(fd, &mut self.recv_buf, MsgFlags::MSG_DONTWAIT).is_ok() {}
+        }
+        let result = exchange(self);
+        self.unread = matches!(&result, Err(e) if !matches!(e, NftError::Refused { .. }));
+        result
+    }
+
+    fn send_and_read(&mut self, encoded: &Encoded) -> Result<(), NftError> {
         let datagram = encoded.pages();
         let pages: Vec<IoSlice<'_>> = datagram.iter().map(|p| IoSlice::new(p)).collect();
         let total: usize = pages.iter().map(|p| p.len()).sum();
@@ -243,6 +268,14 @@ impl Nft {
 
     /// Sends a dump request and collects the messages of the answer.
     fn dump(&mut self, request: &[u8], what: &'static str) -> Result<Vec<Vec<u8>>, NftError> {
+        self.request(|nft| nft.dump_and_read(request, what))
+    }
+
+    fn dump_and_read(
+        &mut self,
+        request: &[u8],
+        what: &'static str,
+    ) -> Result<Vec<Vec<u8>>, NftError> {
         let fd = sys::socket_fd(&self.socket);
         netlink::socket::send(fd, request).map_err(|e| io_error("dump request", e))?;
         let mut out = Vec::new();
@@ -289,6 +322,10 @@ impl Nft {
 
     /// The ruleset's generation: the kernel counts every committed transaction, anyone's.
     pub fn generation(&mut self) -> Result<u32, NftError> {
+        self.request(Nft::generation_and_read)
+    }
+
+    fn generation_and_read(&mut self) -> Result<u32, NftError> {
         let request =
             generation_request().map_err(|_| io_error("generation request", Errno::EMSGSIZE))?;
         let fd = sys::socket_fd(&self.socket);
