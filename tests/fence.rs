@@ -500,6 +500,48 @@ fn a_failed_commit_leaves_nothing_for_the_next_batch_to_read() {
     );
 }
 
+/// A read that fails midway (here the receive buffer overflows: a transaction of some 20,000
+/// changes is acknowledged 20,000 times) leaves the acknowledgements that fit queued. They
+/// are dropped before the next request: every batch is numbered alike, and one left over
+/// would make the next batch's refused element pass for installed.
+#[test]
+fn acknowledgements_a_failed_read_leaves_never_pass_for_the_next_batchs() {
+    use egress_fence::core::ruleset::Rule;
+    let (w, policy) = world();
+    apply(&w, &policy);
+    let mut huge = planned(&w);
+    huge.output
+        .extend(std::iter::repeat_n(Rule::GotoRefused, 20_000));
+    let (overflowed, refused, reapplied) = w.in_sandbox_ns(|| {
+        let mut nft = Nft::open().expect("netlink");
+        let overflowed = nft.apply(&huge);
+        let refused = nft.send(&element_of(c"no_such_set"));
+        let reapplied = nft.apply(&planned(&w));
+        (overflowed, refused, reapplied)
+    });
+    assert!(
+        matches!(
+            &overflowed,
+            Err(NftError::Io {
+                doing: "receive",
+                ..
+            })
+        ),
+        "the acknowledgements did not overflow the receive buffer: {overflowed:?}"
+    );
+    assert!(
+        matches!(
+            &refused,
+            Err(NftError::Refused {
+                errno: Errno::ENOENT,
+                ..
+            })
+        ),
+        "a refused element passed for installed: {refused:?}"
+    );
+    assert!(reapplied.is_ok(), "{reapplied:?}");
+}
+
 /// A batch the kernel refuses as a whole before its first change (sent by a thread without
 /// CAP_NET_ADMIN, as root in a container is: the error names BEGIN, which asks for no
 /// acknowledgement) is reported as refused, not waited on, and changes nothing.
