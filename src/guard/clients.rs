@@ -95,8 +95,8 @@ pub fn client_key(
 /// and all [`ClientKey::Address`] clients together, against twice that: forged source
 /// addresses are free, so however many there are they hold no more than two clients would.
 ///
-/// Telling a local client apart costs a sock_diag round trip (some 5 µs, a sixth of what the
-/// guard adds to an answer), so a few slots may go to local clients not told apart
+/// Telling a local client apart costs a sock_diag round trip (two system calls, some 5 µs
+/// per query), so a few slots may go to local clients not told apart
 /// ([`ClientLimits::try_take_unidentified`]), as long as no local client could be over its
 /// cap whichever of them holds those: every local client is charged with all of them.
 #[derive(Debug)]
