@@ -436,6 +436,20 @@ fn element_of(name: &CStr) -> Encoded {
     )
 }
 
+/// `element_of` a set that does not exist came back refused (ENOENT), not accepted.
+fn assert_refused_as_missing(sent: &Result<(), NftError>) {
+    assert!(
+        matches!(
+            sent,
+            Err(NftError::Refused {
+                errno: Errno::ENOENT,
+                ..
+            })
+        ),
+        "a refused element passed for installed: {sent:?}"
+    );
+}
+
 /// A commit the kernel fails after every change was taken (an anonymous set that no rule
 /// binds) is reported against the first change, whose acknowledgement follows the error:
 /// `send` must take that too, or the next batch of the same sequence numbers would read it
@@ -478,16 +492,7 @@ fn a_failed_commit_leaves_nothing_for_the_next_batch_to_read() {
         matches!(&failed, Err(NftError::Refused { errno: Errno::EINVAL, what }) if what.contains("anonymous set")),
         "{failed:?}"
     );
-    assert!(
-        matches!(
-            &refused,
-            Err(NftError::Refused {
-                errno: Errno::ENOENT,
-                ..
-            })
-        ),
-        "a refused element passed for installed: {refused:?}"
-    );
+    assert_refused_as_missing(&refused);
     assert!(
         accepted.is_ok(),
         "an accepted element read as refused: {accepted:?}"
@@ -529,16 +534,7 @@ fn acknowledgements_a_failed_read_leaves_never_pass_for_the_next_batchs() {
         ),
         "the acknowledgements did not overflow the receive buffer: {overflowed:?}"
     );
-    assert!(
-        matches!(
-            &refused,
-            Err(NftError::Refused {
-                errno: Errno::ENOENT,
-                ..
-            })
-        ),
-        "a refused element passed for installed: {refused:?}"
-    );
+    assert_refused_as_missing(&refused);
     assert!(reapplied.is_ok(), "{reapplied:?}");
 }
 
