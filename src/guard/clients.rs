@@ -222,10 +222,58 @@ impl Drop for ClientSlot {
 
 /// Opens the lookup of local clients' uids; without it (no netlink, say) every local client
 /// shares one share.
-pub(super) fn open_sock_diag() -> Option<SockDiag> {
-    SockDiag::open()
-        .inspect_err(|e| warn!(error = %e, "local DNS clients cannot be told apart by uid"))
-        .ok()
+pub(super) fn open_sock_diag() -> SharedDiag {
+    Arc::new(std::sync::Mutex::new(
+        SockDiag::open()
+            .inspect_err(|e| warn!(error = %e, "local DNS clients cannot be told apart by uid"))
+            .ok(),
+    ))
+}
+
+/// A listener's lookup of local clients' uids, shared by its receiving loop and the
+/// exchanges it starts (one thread: the lock is never contended).
+pub(super) type SharedDiag = Arc<std::sync::Mutex<Option<SockDiag>>>;
+
+/// [`client_key`] through a listener's shared lookup.
+pub(super) fn shared_client_key(
+    diag: &SharedDiag,
+    host: &HostAddrs,
+    protocol: L4Proto,
+    local: SocketAddr,
+    peer: SocketAddr,
+) -> ClientKey {
+    let mut diag = diag.lock().unwrap_or_else(|e| e.into_inner());
+    client_key(diag.as_mut(), host, protocol, local, peer)
+}
+
+/// Who asked a forwarded query, for the trace (`run --record`, `learn`): known already, or
+/// looked up once the query is on its way upstream, off the answer's path (the client waits
+/// for its answer, so its socket is still there).
+pub(super) enum Asker {
+    Known(Option<u32>),
+    /// Boxed: every forwarded query carries an `Asker`, and only a traced one this.
+    LookUp(Box<LookUp>),
+}
+
+/// The lookup of the socket at `client` that asked our listener at `local`.
+pub(super) struct LookUp {
+    pub diag: SharedDiag,
+    pub local: SocketAddr,
+    pub client: SocketAddr,
+}
+
+impl Asker {
+    /// The uid of the socket that asked, if it is a local one still open.
+    pub(super) fn uid(self) -> Option<u32> {
+        match self {
+            Asker::Known(uid) => uid,
+            Asker::LookUp(lookup) => {
+                let mut diag = lookup.diag.lock().unwrap_or_else(|e| e.into_inner());
+                diag.as_mut()?
+                    .owner(L4Proto::Udp, lookup.local, lookup.client)
+            }
+        }
+    }
 }
 
 #[cfg(test)]

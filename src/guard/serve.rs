@@ -21,7 +21,9 @@ use crate::host::HostAddrsCache;
 use crate::trace_file::TraceSink;
 use crate::watch::QueryEvent;
 
-use super::clients::{ClientKey, ClientLimits, client_key, is_local, open_sock_diag};
+use super::clients::{
+    Asker, ClientKey, ClientLimits, LookUp, is_local, open_sock_diag, shared_client_key,
+};
 use super::counters::{Counters, LogBudget, may_log};
 use super::pool::UpstreamSockets;
 use super::rules::{Rules, Verdict, judge};
@@ -66,8 +68,8 @@ pub(super) struct Forward {
     query: Message,
     name: DomainName,
     rules: Arc<Rules>,
-    /// Who asked, for a local client whose socket's owner is known (the trace's `uid`).
-    uid: Option<u32>,
+    /// Who asked, for the trace.
+    asker: Asker,
 }
 
 pub(super) async fn serve_udp(
@@ -77,7 +79,7 @@ pub(super) async fn serve_udp(
 ) {
     // One byte more than a query may be: a datagram that fills it is oversize.
     let mut buf = vec![0u8; MAX_QUERY + 1];
-    let mut diag = open_sock_diag();
+    let diag = open_sock_diag();
     let mut host = HostAddrsCache::new();
     let Ok(local) = socket.local_addr() else {
         return;
@@ -107,18 +109,29 @@ pub(super) async fn serve_udp(
         };
         // Never wait here: the loop serves every client, and a client over its share (or a
         // guard out of slots) loses this query, which it asks again. A local client is told
-        // apart only when its slot depends on it, or the trace records its uid.
-        let untold = (context.trace.is_none() && is_local(host.current(), client))
+        // apart here only when its slot depends on it; the trace's uid is looked up while the
+        // upstream answers.
+        let untold = is_local(host.current(), client)
             .then(|| forwarding.try_take_unidentified())
             .flatten();
-        let (slot, uid) = match untold {
-            Some(slot) => (Some(slot), None),
+        let (slot, asker) = match untold {
+            Some(slot) => {
+                let asker = match context.trace {
+                    Some(_) => Asker::LookUp(Box::new(LookUp {
+                        diag: diag.clone(),
+                        local,
+                        client,
+                    })),
+                    None => Asker::Known(None),
+                };
+                (Some(slot), asker)
+            }
             None => {
-                let key = client_key(diag.as_mut(), host.current(), L4Proto::Udp, local, client);
-                (forwarding.try_take(key), key.uid())
+                let key = shared_client_key(&diag, host.current(), L4Proto::Udp, local, client);
+                (forwarding.try_take(key), Asker::Known(key.uid()))
             }
         };
-        let forward = Forward { uid, ..forward };
+        let forward = Forward { asker, ..forward };
         let Some(slot) = slot else {
             debug!(client = %client, "this client has too many queries in flight; dropping one");
             continue;
@@ -150,7 +163,7 @@ pub(super) async fn serve_tcp(
     connected: Arc<ClientLimits>,
 ) {
     let clients = Arc::new(Semaphore::new(max_clients));
-    let mut diag = open_sock_diag();
+    let diag = open_sock_diag();
     let mut host = HostAddrsCache::new();
     loop {
         match listener.accept().await {
@@ -159,7 +172,7 @@ pub(super) async fn serve_tcp(
                     continue;
                 };
                 // The connection's client, once: its uid stays while it is connected.
-                let key = client_key(diag.as_mut(), host.current(), L4Proto::Tcp, local, client);
+                let key = shared_client_key(&diag, host.current(), L4Proto::Tcp, local, client);
                 let Some(slot) = connected.try_take(key) else {
                     debug!(client = %client, "this client has too many DNS connections; closing this one");
                     continue;
@@ -214,7 +227,7 @@ async fn serve_tcp_client(
                     return;
                 };
                 let forward = Forward {
-                    uid: key.uid(),
+                    asker: Asker::Known(key.uid()),
                     ..forward
                 };
                 match forward_reply(&context, forward, client, L4Proto::Tcp).await {
@@ -304,7 +317,7 @@ fn prepare(context: &Context, raw: &[u8], client: SocketAddr, transport: L4Proto
             query,
             name,
             rules,
-            uid: None,
+            asker: Asker::Known(None),
         }),
     }
 }
@@ -317,13 +330,13 @@ async fn forward_reply(
         query,
         name,
         rules,
-        uid,
+        asker,
     }: Forward,
     client: SocketAddr,
     transport: L4Proto,
 ) -> Option<(Vec<u8>, Spent)> {
     let asked = std::time::Instant::now();
-    match forward(context, &rules, &query, name, transport, uid).await {
+    match forward(context, &rules, &query, name, transport, asker).await {
         Ok(answered) => {
             context.counters.answered.fetch_add(1, Ordering::Relaxed);
             context.counters.answer_latency.observe(asked.elapsed());

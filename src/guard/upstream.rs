@@ -21,6 +21,7 @@ use crate::dns::exchange;
 use crate::dns::message::{self, EdnsOffer, MAX_MESSAGE};
 
 use super::addresses::answer_addresses;
+use super::clients::Asker;
 use super::counters::may_log;
 use super::mark_socket;
 use super::pool::{UpstreamSockets, random_id};
@@ -52,16 +53,19 @@ pub(super) async fn forward(
     query: &Message,
     name: DomainName,
     transport: L4Proto,
-    uid: Option<u32>,
+    asker: Asker,
 ) -> Result<(Vec<u8>, Spent), String> {
-    let (mut reply, parsed, spent) = ask_upstream(
+    let asked = ask_upstream(
         &context.upstream_sockets,
         &rules.upstream,
         rules.mark,
         query,
         transport,
-    )
-    .await?;
+    );
+    // Polled in this order: the query goes upstream first, then who asked is looked up (if
+    // the trace needs it) while the upstream answers.
+    let (answer, uid) = tokio::join!(asked, async { asker.uid() });
+    let (mut reply, parsed, spent) = answer?;
     let arrived = Instant::now();
     let (addrs, left_out) = answer_addresses(query, &parsed);
     if left_out > 0
