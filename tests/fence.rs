@@ -620,6 +620,97 @@ fn the_change_monitor_hears_others_transactions_and_never_its_own() {
     assert_eq!(change.process.as_deref(), Some("nft"));
 }
 
+/// The table is read back in several dumps (table, chains, rules, sets, each set's
+/// elements), and a transaction landing between two of them would mix two tables. While
+/// another process commits without pause, a chain and an element that come and go together in
+/// one transaction are, in every read, both there or both gone; a read that cannot fall
+/// within one generation gives up (`Unsettled`) rather than mix.
+#[test]
+fn reads_while_others_commit_never_mix_two_tables() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (w, policy) = world();
+    apply(&w, &policy);
+    const MARKER: [u8; 4] = [198, 51, 100, 77];
+    let add = w.write_file(
+        "add.nft",
+        "add chain inet egress_fence hammer\n\
+         add element inet egress_fence deny4 { 198.51.100.77 }\n",
+    );
+    let del = w.write_file(
+        "del.nft",
+        "delete chain inet egress_fence hammer\n\
+         delete element inet egress_fence deny4 { 198.51.100.77 }\n",
+    );
+    let stop = AtomicBool::new(false);
+    let (reads, commits) = w.in_sandbox_ns(|| {
+        std::thread::scope(|scope| {
+            // Started from this thread, in its namespace, as are the nft processes it runs.
+            let hammer = scope.spawn(|| {
+                let mut commits = 0;
+                for file in [&add, &del].into_iter().cycle() {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let out = Command::new("nft")
+                        .arg("-f")
+                        .arg(file)
+                        .output()
+                        .expect("run nft");
+                    assert!(
+                        out.status.success(),
+                        "{}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    commits += 1;
+                }
+                commits
+            });
+            let mut nft = Nft::open().expect("netlink");
+            let read = |nft: &mut Nft| {
+                nft.read_table().map(|table| {
+                    let table = table.expect("our table");
+                    let chain = table.chains.iter().any(|c| c.name == "hammer");
+                    let element = table.sets.iter().any(|(set, elems)| {
+                        set.name == "deny4" && elems.iter().any(|e| e.key == MARKER)
+                    });
+                    (chain, element)
+                })
+            };
+            // 300 reads at least, and on until both states were read (a slow machine).
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            let mut reads: Vec<Result<(bool, bool), NftError>> = Vec::new();
+            while reads.len() < 300
+                || (!reads.iter().any(|r| matches!(r, Ok((true, true))))
+                    && std::time::Instant::now() < deadline)
+            {
+                reads.push(read(&mut nft));
+            }
+            stop.store(true, Ordering::Relaxed);
+            (reads, hammer.join().expect("the committing thread"))
+        })
+    });
+    // (chain there, element there) -> reads; gave up -> unsettled.
+    let mut seen = std::collections::BTreeMap::new();
+    let mut unsettled = 0;
+    for read in &reads {
+        match read {
+            Ok(state) => *seen.entry(*state).or_insert(0) += 1,
+            Err(NftError::Unsettled(_)) => unsettled += 1,
+            Err(e) => panic!("a read failed: {e}"),
+        }
+    }
+    let report = format!("{seen:?}, {unsettled} unsettled, {commits} commits");
+    assert!(
+        !seen.contains_key(&(true, false)) && !seen.contains_key(&(false, true)),
+        "a read mixed two tables: {report}"
+    );
+    assert!(
+        seen.contains_key(&(true, true)) && seen.contains_key(&(false, false)),
+        "the reads did not see both states: {report}"
+    );
+    eprintln!("{report}");
+}
+
 #[test]
 fn netns_may_be_given_as_a_path() {
     let (w, policy) = world();
