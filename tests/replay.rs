@@ -125,6 +125,68 @@ fn nothing_refused_exits_0() {
     );
 }
 
+/// A trace that does not hold all its run did (records lost past its bounds, or no `end`
+/// line: the run was killed) cannot pass a gate: nothing refused of what it holds exits 7,
+/// and says what is missing; a refusal in what it holds still exits 1.
+#[test]
+fn an_incomplete_trace_exits_7_unless_it_shows_a_refusal() {
+    let allowed: String = TRACE
+        .lines()
+        .filter(|l| !l.contains("evil") && !l.contains("\"dst\":\"169.254"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let lost = allowed.replace(
+        r#"{"kind":"end","time":"2026-12-01T10:00:05.000Z"}"#,
+        r#"{"kind":"end","time":"2026-12-01T10:00:05.000Z","lost":3}"#,
+    );
+    assert_ne!(lost, allowed);
+    let unended: String = allowed
+        .lines()
+        .filter(|l| !l.contains("\"kind\":\"end\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let refused: String = TRACE
+        .lines()
+        .filter(|l| !l.contains("\"kind\":\"end\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let policy_text =
+        format!("version: 1\nallow:\n  - domain: api.example\n    ports: [443]\n{GUARD}");
+    for (trace, code, says) in [
+        (&lost, 7, "but it lost 3 records"),
+        (&unended, 7, "but it has no end line"),
+        (&refused, 1, "no end line"),
+    ] {
+        let f = Files::new(trace);
+        let policy = f.policy("p.yaml", &policy_text);
+        let out = egress_fence(&[&f.trace, &policy]);
+        let stdout = text(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{stdout}{}",
+            text(&out.stderr)
+        );
+        assert!(stdout.contains(says), "{stdout}");
+        let json = Command::new(env!("CARGO_BIN_EXE_egress-fence"))
+            .arg("replay")
+            .args([&f.trace, &policy])
+            .arg("--json")
+            .output()
+            .expect("run egress-fence");
+        assert_eq!(json.status.code(), Some(code));
+        let report: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
+        assert_eq!(
+            (report["lost"].as_u64(), report["ended"].as_bool()),
+            (
+                Some(if trace == &lost { 3 } else { 0 }),
+                Some(trace == &lost)
+            ),
+            "{report}"
+        );
+    }
+}
+
 #[test]
 fn a_bad_trace_or_policy_exits_2_with_where() {
     let f = Files::new(&TRACE.replace("\"dport\":443", "\"dport\":\"https\""));

@@ -24,7 +24,9 @@ Exit codes:
   3  done, but some allowed names did not resolve: their entries are missing
   4  status: the table is not installed
   5  probe: at least one check failed (the boundary does not hold as the policy says)
-  6  diff: the comparison itself failed (netlink, namespace, resolver)";
+  6  diff: the comparison itself failed (netlink, namespace, resolver)
+  7  replay: nothing would have been refused of what the trace holds, but it is incomplete
+     (its run lost records, or it has no end line)";
 
 /// A default-deny egress boundary for AI agent hosts, built on nftables.
 ///
@@ -134,7 +136,8 @@ pub enum Command {
     /// it and the uids), what a trace cannot tell (cgroups, flows without an owner under a
     /// scope), the allow entries nothing used (an include's named by preset) and wildcards
     /// that allowed a single name. Exits 0 when nothing would have been refused, 1 when
-    /// something would, 2 for an unreadable trace or policy.
+    /// something would, 2 for an unreadable trace or policy, 7 when nothing would of what the
+    /// trace holds but it is incomplete (its run lost records, or it has no end line).
     #[command(after_help = EXIT_CODES)]
     Replay {
         trace: PathBuf,

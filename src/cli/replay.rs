@@ -8,7 +8,7 @@ use anyhow::anyhow;
 use egress_fence::core::replay::{ReplayReport, describe_flow, replay};
 use egress_fence::core::trace::{Trace, TraceError};
 
-use super::exit::{EXIT_BAD_POLICY, EXIT_FAILURE, Failure};
+use super::exit::{EXIT_BAD_POLICY, EXIT_FAILURE, EXIT_INCOMPLETE_TRACE, Failure};
 use super::load::load;
 
 pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Failure> {
@@ -50,6 +50,8 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
     stdout.flush()?;
     Ok(if report.refuses_anything() {
         EXIT_FAILURE
+    } else if !report.complete() {
+        EXIT_INCOMPLETE_TRACE
     } else {
         0
     })
@@ -183,12 +185,19 @@ fn describe(
     for n in &r.notes {
         writeln!(out, "note: {n}")?;
     }
-    match (r.refuses_anything(), r.lost) {
+    let missing = match (r.lost, r.ended) {
+        (0, true) => None,
+        (0, false) => Some("it has no end line".to_string()),
+        (lost, true) => Some(format!("it lost {lost} records")),
+        (lost, false) => Some(format!("it lost {lost} records and has no end line")),
+    };
+    match (r.refuses_anything(), missing) {
         (true, _) => {}
-        (false, 0) => writeln!(out, "nothing would have been refused")?,
-        (false, lost) => writeln!(
+        (false, None) => writeln!(out, "nothing would have been refused")?,
+        (false, Some(missing)) => writeln!(
             out,
-            "nothing would have been refused of what the trace holds; it lost {lost} records"
+            "nothing would have been refused of what the trace holds, but {missing}: the run \
+             did more than it shows"
         )?,
     }
     Ok(())

@@ -620,12 +620,20 @@ pub struct ReplayReport {
     pub notes: Vec<String>,
     /// Records the run could not keep (its `end` lines' `lost`): not judged.
     pub lost: u64,
+    /// Whether the trace's last line is an `end` line: a run that did not stop cleanly (a
+    /// SIGKILL, a crash, a failed write) leaves none, and what its writer held is missing.
+    pub ended: bool,
 }
 
 impl ReplayReport {
     /// Whether the policy would have refused any name or flow of the trace.
     pub fn refuses_anything(&self) -> bool {
         !self.refused_names.is_empty() || !self.refused_flows.is_empty()
+    }
+
+    /// Whether the trace holds all its run saw: nothing lost, and an `end` line.
+    pub fn complete(&self) -> bool {
+        self.lost == 0 && self.ended
     }
 }
 
@@ -791,6 +799,7 @@ pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
         narrowable: Vec::new(),
         notes: Vec::new(),
         lost: trace.lost(),
+        ended: matches!(trace.records.last(), Some(Record::End { .. })),
     };
 
     report.refused_names = refused_names(&j);
@@ -888,6 +897,13 @@ pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
              size cap): what they held is not judged",
             trace.lost()
         ));
+    }
+    if !report.ended {
+        report.notes.push(
+            "the trace has no end line: its run did not stop cleanly, and what its writer \
+             had not written yet is not judged"
+                .into(),
+        );
     }
     if let Some(scope) = &policy.scope
         && !scope.cgroups.is_empty()

@@ -98,7 +98,14 @@ impl T {
         self.flow_as("udp", dst, Some(port), Some(1001), None)
     }
 
-    pub(crate) fn trace(self) -> Trace {
+    /// The trace of a run that stopped cleanly: it ends with an `end` line.
+    pub(crate) fn trace(mut self) -> Trace {
+        if !matches!(self.records.last(), Some(Record::End { .. })) {
+            self.records.push(Record::End {
+                time: "2026-12-01T12:00:00.000Z".into(),
+                lost: 0,
+            });
+        }
         Trace {
             records: self.records,
         }
@@ -558,6 +565,18 @@ fn a_trace_that_lost_records_says_so_in_the_report() {
         "{:?}",
         report.notes
     );
+    assert!(!report.complete());
     let whole = replay(&policy(GUARD), &T::start().tcp("192.0.2.7", 443).trace());
     assert!(!whole.notes.iter().any(|n| n.contains("lost")));
+    assert!(whole.complete());
+    // A run that did not stop cleanly left no end line: said, and not complete.
+    let mut cut = T::start().tcp("192.0.2.7", 443).trace();
+    cut.records.pop();
+    let cut = replay(&policy(GUARD), &cut);
+    assert!(!cut.ended && !cut.complete());
+    assert!(
+        cut.notes.iter().any(|n| n.contains("no end line")),
+        "{:?}",
+        cut.notes
+    );
 }
