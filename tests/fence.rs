@@ -584,6 +584,17 @@ fn a_batch_refused_before_its_first_change_is_reported_refused() {
     assert_eq!(normalized_ruleset(w.nft_json()), before);
 }
 
+/// Runs `nft ARGS` in the namespace of the calling thread; panics with nft's message if it
+/// fails.
+fn nft_here<S: AsRef<std::ffi::OsStr>>(args: &[S]) {
+    let out = Command::new("nft").args(args).output().expect("run nft");
+    assert!(
+        out.status.success(),
+        "nft: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The daemon's change monitor is told of every transaction but its own: the kernel drops
 /// the notifications of our batches (every element a guard answer installs) before they are
 /// queued, and still delivers another process's change to our table, naming it. Without the
@@ -599,15 +610,7 @@ fn the_change_monitor_hears_others_transactions_and_never_its_own() {
         monitor.ignore_port(nft.portid()).expect("filter");
         nft.apply(&ruleset).expect("apply");
         let ours = monitor.drain(nft.portid()).expect("drain");
-        let out = Command::new("nft")
-            .args(["add", "chain", "inet", "egress_fence", "intruder"])
-            .output()
-            .expect("run nft");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        nft_here(&["add", "chain", "inet", "egress_fence", "intruder"]);
         let theirs = monitor.drain(nft.portid()).expect("drain");
         (ours, theirs)
     });
@@ -651,16 +654,7 @@ fn reads_while_others_commit_never_mix_two_tables() {
                     if stop.load(Ordering::Relaxed) {
                         break;
                     }
-                    let out = Command::new("nft")
-                        .arg("-f")
-                        .arg(file)
-                        .output()
-                        .expect("run nft");
-                    assert!(
-                        out.status.success(),
-                        "{}",
-                        String::from_utf8_lossy(&out.stderr)
-                    );
+                    nft_here(&["-f".as_ref(), file.as_os_str()]);
                     commits += 1;
                 }
                 commits

@@ -26,6 +26,22 @@ const TRACE: &str = r#"{"kind":"start","time":"2026-12-01T10:00:00.000Z","versio
 {"kind":"end","time":"2026-12-01T10:00:05.000Z"}
 "#;
 
+/// `trace` without the lines `drop` picks.
+fn without_lines(trace: &str, drop: impl Fn(&str) -> bool) -> String {
+    trace
+        .lines()
+        .filter(|l| !drop(l))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// [`TRACE`] without what a policy allowing `api.example` refuses.
+fn allowed_only(trace: &str) -> String {
+    without_lines(trace, |l| {
+        l.contains("evil") || l.contains("\"dst\":\"169.254")
+    })
+}
+
 const GUARD: &str = "dns:\n  mode: guard\n  upstream: [192.0.2.53]\n";
 
 struct Files {
@@ -100,11 +116,7 @@ fn refusals_exit_1_with_what_and_why() {
 
 #[test]
 fn nothing_refused_exits_0() {
-    let trace: String = TRACE
-        .lines()
-        .filter(|l| !l.contains("evil") && !l.contains("\"dst\":\"169.254"))
-        .map(|l| format!("{l}\n"))
-        .collect();
+    let trace = allowed_only(TRACE);
     let f = Files::new(&trace);
     let policy = f.policy(
         "p.yaml",
@@ -130,26 +142,14 @@ fn nothing_refused_exits_0() {
 /// and says what is missing; a refusal in what it holds still exits 1.
 #[test]
 fn an_incomplete_trace_exits_7_unless_it_shows_a_refusal() {
-    let allowed: String = TRACE
-        .lines()
-        .filter(|l| !l.contains("evil") && !l.contains("\"dst\":\"169.254"))
-        .map(|l| format!("{l}\n"))
-        .collect();
+    let allowed = allowed_only(TRACE);
     let lost = allowed.replace(
         r#"{"kind":"end","time":"2026-12-01T10:00:05.000Z"}"#,
         r#"{"kind":"end","time":"2026-12-01T10:00:05.000Z","lost":3}"#,
     );
     assert_ne!(lost, allowed);
-    let unended: String = allowed
-        .lines()
-        .filter(|l| !l.contains("\"kind\":\"end\""))
-        .map(|l| format!("{l}\n"))
-        .collect();
-    let refused: String = TRACE
-        .lines()
-        .filter(|l| !l.contains("\"kind\":\"end\""))
-        .map(|l| format!("{l}\n"))
-        .collect();
+    let unended = without_lines(&allowed, |l| l.contains("\"kind\":\"end\""));
+    let refused = without_lines(TRACE, |l| l.contains("\"kind\":\"end\""));
     let policy_text =
         format!("version: 1\nallow:\n  - domain: api.example\n    ports: [443]\n{GUARD}");
     for (trace, code, says) in [
