@@ -196,8 +196,8 @@ fn describe(
         (false, None) => writeln!(out, "nothing would have been refused")?,
         (false, Some(missing)) => writeln!(
             out,
-            "nothing would have been refused of what the trace holds, but {missing}: the run \
-             did more than it shows"
+            "nothing would have been refused of what the trace holds, but {missing}: it may \
+             not hold all its run did"
         )?,
     }
     Ok(())
