@@ -64,7 +64,7 @@ pub(super) async fn forward(
     );
     // Polled in this order: the query goes upstream first, then who asked is looked up (if
     // the trace needs it) while the upstream answers.
-    let (answer, uid) = tokio::join!(asked, async { asker.uid() });
+    let (answer, uid) = tokio::join!(biased; asked, async { asker.uid() });
     let (mut reply, parsed, spent) = answer?;
     let arrived = Instant::now();
     let (addrs, left_out) = answer_addresses(query, &parsed);
