@@ -118,6 +118,12 @@ impl World {
         )
     }
 
+    /// A `Command` that runs `args` inside the net namespace (a test's own server, say), with
+    /// proxy variables removed. Not started; no timeout.
+    pub fn net_command(&self, args: &[&str]) -> Command {
+        self.ns_command(&self.net, args)
+    }
+
     /// Runs `args` inside the net namespace and waits for it (killed after 60 s).
     pub fn net_cmd(&self, args: &[&str]) -> CmdOutput {
         run(&mut self.ns_command(&self.net, &with_timeout(args)), None)

@@ -705,15 +705,8 @@ fn one_name_answering_fresh_addresses_every_time_holds_at_most_its_cap() {
     const CAP: usize = 256;
     let w = World::new();
     w.add_host(EVIL_DNS);
-    let mut server = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            w.net_name(),
-            PYTHON,
-            "-c",
-            ROTATING_DNS_SCRIPT,
-        ])
+    let mut server = w
+        .net_command(&[PYTHON, "-c", ROTATING_DNS_SCRIPT])
         .arg(EVIL_DNS.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

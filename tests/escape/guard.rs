@@ -1159,15 +1159,8 @@ fn every_upstream_exchange_comes_from_a_socket_of_its_own() {
     use std::io::BufRead;
     const QUERIES: usize = 40;
     let w = World::new();
-    let mut upstream = std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            w.net_name(),
-            PYTHON,
-            "-c",
-            PORT_NOTING_UPSTREAM,
-        ])
+    let mut upstream = w
+        .net_command(&[PYTHON, "-c", PORT_NOTING_UPSTREAM])
         .arg(HOST3_V4.to_string())
         .arg(QUERIES.to_string())
         .stdout(std::process::Stdio::piped())
