@@ -409,26 +409,27 @@ fn bench(args: &[String]) {
         "spawn floor (ru_maxrss of `true` forked from the bench): {:.1} MiB",
         mib(floor)
     );
-    println!();
-    println!(
-        "| into a fresh namespace | wall (median) | user / sys | peak RSS | wall / nft -f (rounds' range) | \
-         peak / nft -f | every round's wall (ms) |"
-    );
-    println!("|---|---|---|---|---|---|---|");
-    for ((label, _), s) in binaries.iter().zip(&applied) {
-        println!("{}", row(label, &s.first, &nft.first));
+    /// Which of a side's samples a table shows.
+    type Pick = fn(&Samples) -> &[Measured];
+    let cases: [(&str, &str, Pick); 2] = [
+        ("into a fresh namespace", "nft -f", |s| &s.first),
+        ("again, nothing changed", "nft -f again", |s| &s.again),
+    ];
+    for (case, baseline, samples) in cases {
+        println!();
+        println!(
+            "| {case} | wall (median) | user / sys | peak RSS | wall / {baseline} (rounds' range) \
+             | peak / {baseline} | every round's wall (ms) |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        for ((label, _), s) in binaries.iter().zip(&applied) {
+            println!("{}", row(label, samples(s), samples(&nft)));
+        }
+        println!(
+            "{}",
+            row("`nft -f` of the plan", samples(&nft), samples(&nft))
+        );
     }
-    println!("{}", row("`nft -f` of the plan", &nft.first, &nft.first));
-    println!();
-    println!(
-        "| again, nothing changed | wall (median) | user / sys | peak RSS | wall / nft -f again (range) | \
-         peak / nft -f again | every round's wall (ms) |"
-    );
-    println!("|---|---|---|---|---|---|---|");
-    for ((label, _), s) in binaries.iter().zip(&applied) {
-        println!("{}", row(label, &s.again, &nft.again));
-    }
-    println!("{}", row("`nft -f` of the plan", &nft.again, &nft.again));
     println!();
     println!(
         "Aim from issue 16: apply at most 1.5x the wall time and 1.5x the peak RSS of nft -f of \
