@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use egress_fence::core::learn::{LearnOptions, learn};
 use egress_fence::core::plan::AUDIT_WINDOW;
-use egress_fence::core::trace::{Record, Trace};
+use egress_fence::core::trace::Trace;
 use egress_fence::daemon;
 use egress_fence::trace_file::{open_append, refuse_foreign};
 
@@ -94,7 +94,7 @@ pub fn run(
     let options = LearnOptions {
         fold_at: args.fold_at.unwrap_or(LearnOptions::default().fold_at),
     };
-    if !matches!(recorded.records.last(), Some(Record::End { .. })) {
+    if !recorded.ended() {
         eprintln!(
             "learn: WARNING: the trace has no end line: its writer failed (see the log above), \
              and the learned policy lacks what it did not write"

@@ -799,7 +799,7 @@ pub fn replay(policy: &Policy, trace: &Trace) -> ReplayReport {
         narrowable: Vec::new(),
         notes: Vec::new(),
         lost: trace.lost(),
-        ended: matches!(trace.records.last(), Some(Record::End { .. })),
+        ended: trace.ended(),
     };
 
     report.refused_names = refused_names(&j);

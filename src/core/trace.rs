@@ -126,6 +126,12 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// Whether the trace's last line is an `end` line: a run that did not stop cleanly (a
+    /// SIGKILL, a crash, a failed write) leaves none, and what its writer held is missing.
+    pub fn ended(&self) -> bool {
+        matches!(self.records.last(), Some(Record::End { .. }))
+    }
+
     /// Records the run's writer could not keep (the `end` lines' `lost`): what they held is
     /// not in the trace, and nothing judged from it knows of them.
     pub fn lost(&self) -> u64 {
