@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{error, info, warn};
@@ -67,6 +67,10 @@ pub(super) struct Daemon {
 
 /// The daemon's side of the DNS guard.
 struct GuardLink {
+    /// The guard's slots for forwarded queries, and how many there are: the queries in
+    /// flight are those taken.
+    in_flight: Arc<Semaphore>,
+    slots: usize,
     rules: watch::Sender<Arc<Rules>>,
     counters: Arc<Counters>,
     events_path: PathBuf,
@@ -187,8 +191,9 @@ impl Daemon {
             warn!(error = %e, "refused queries will be in the log only");
         }
         let in_flight = guard.in_flight_limit();
+        let slots = in_flight.available_permits();
         guard.serve(crate::guard::Context {
-            in_flight,
+            in_flight: in_flight.clone(),
             log_budget: Default::default(),
             rules: rules_rx,
             answered: answered_tx,
@@ -205,6 +210,8 @@ impl Daemon {
             .unwrap_or_default();
         info!(listen = ?listen, upstream = ?self.core.resolvers(), "the DNS guard is serving");
         self.guard = Some(GuardLink {
+            in_flight,
+            slots,
             rules: rules_tx,
             counters,
             events_path,
@@ -391,6 +398,16 @@ impl Daemon {
             &mut BTreeMap::new(),
         );
         adopted
+    }
+
+    /// Whether more forwarded queries are in flight than the `at_hand` answers: others wait
+    /// for their upstream, whose answers may be arriving now.
+    fn more_answers_due(&self, at_hand: usize) -> bool {
+        self.guard.as_ref().is_some_and(|link| {
+            link.slots
+                .saturating_sub(link.in_flight.available_permits())
+                > at_hand
+        })
     }
 
     /// Installs the addresses of guard answers, this one and whatever else is waiting, in one
@@ -586,6 +603,14 @@ impl Daemon {
                 }
                 Some(answer) = async { answers.as_mut().expect("guarded").recv().await }, if answers.is_some() => {
                     let waiting = answers.as_mut().expect("guarded");
+                    if self.more_answers_due(1 + waiting.len()) {
+                        // Upstream answers that arrived while this one was handled join its
+                        // batch: one commit for them all. The first turn of the runtime
+                        // polls the sockets, the second runs the tasks they woke, which pass
+                        // their answers on. A query alone is installed at once.
+                        tokio::task::yield_now().await;
+                        tokio::task::yield_now().await;
+                    }
                     self.install_answers(answer, waiting);
                 }
                 changed = cgroup_watch.changed(), if cgroup_watch.watching() => {
