@@ -60,7 +60,8 @@
 //!   the sequential run also the paired differences (guard − other of the same iteration).
 //! * **answers per second** and **CPU time per answer** of each side in the concurrent run.
 //! * **GETGEN**: the round trip of one NFT_MSG_GETGEN on a netlink socket of the bench's own in
-//!   the namespace (read-only), which the daemon sends after every batch it commits.
+//!   the namespace (read-only): the cost of a netlink round trip that changes nothing (the
+//!   daemon sent one after every batch it committed before 5e0cd2b).
 //! * the machine (CPUs, their model), kernel, dnsmasq's and nft's versions, and the load
 //!   average before and after.
 //!
