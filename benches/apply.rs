@@ -109,8 +109,8 @@ fn child_breakdown(n: usize, ns: &str) {
     let encoded = encode::replace_table(&ruleset);
     let encode_us = micros(t.elapsed());
     let hwm_encoded = vm_hwm_kib();
-    let bytes: usize = encoded.batch.iter().map(<[u8]>::len).sum();
-    let messages = encoded.batch.sequence_numbers().len();
+    let bytes: usize = encoded.built().iter().map(|p| p.len()).sum();
+    let messages = encoded.sequence_numbers().len();
     let t = Instant::now();
     nft.send(&encoded).unwrap_or_else(|e| panic!("{e}"));
     let send_us = micros(t.elapsed());

@@ -127,8 +127,7 @@ impl Rng {
 // ---- the batches -------------------------------------------------------------------------------
 
 /// One transaction that upserts `add` (with their timeouts) and deletes `delete` from the
-/// resolved sets, built from the library's public encoding pieces the way
-/// `encode::upsert_resolved` builds its upserts.
+/// resolved sets, built by libnftnl from the library's public encoding pieces.
 fn upsert_and_delete(add: &[Timed], delete: &[Tuple]) -> Encoded {
     let mut batch = nftnl::Batch::new();
     let mut labels = Vec::new();
@@ -166,10 +165,7 @@ fn upsert_and_delete(add: &[Timed], delete: &[Tuple]) -> Encoded {
             }
         }
     }
-    Encoded {
-        batch: batch.finalize(),
-        labels,
-    }
+    Encoded::of_pages(batch.finalize(), labels)
 }
 
 // ---- the child: one N, one namespace, one socket ------------------------------------------
@@ -287,7 +283,7 @@ fn refresh_upsert(nft: &mut Nft, w: &mut World, series: &mut Series) {
     let change = w.change();
     let start = Instant::now();
     let add = w.missing(&change.arrived);
-    let enc = encode::upsert_resolved(&add);
+    let enc = encode::upsert_resolved(&add).unwrap_or_else(|e| panic!("upsert: {e}"));
     let encoded = Instant::now();
     nft.send(&enc)
         .unwrap_or_else(|e| panic!("refresh batch: {e}"));
@@ -334,7 +330,7 @@ fn refresh_whole_answers(nft: &mut Nft, w: &mut World, series: &mut Series) {
         .flat_map(|&k| w.answers[k].iter())
         .map(|&a| timed(tuple(a)))
         .collect();
-    let enc = encode::upsert_resolved(&renew);
+    let enc = encode::upsert_resolved(&renew).unwrap_or_else(|e| panic!("upsert: {e}"));
     let encoded = Instant::now();
     nft.send(&enc)
         .unwrap_or_else(|e| panic!("whole-answers batch: {e}"));

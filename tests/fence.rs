@@ -409,10 +409,7 @@ fn a_refused_transaction_leaves_the_running_table_untouched() {
 fn one_change(add: impl FnOnce(&mut nftnl::Batch), label: &str) -> Encoded {
     let mut batch = nftnl::Batch::new();
     add(&mut batch);
-    Encoded {
-        batch: batch.finalize(),
-        labels: vec![label.to_string()],
-    }
+    Encoded::of_pages(batch.finalize(), vec![label.to_string()])
 }
 
 const IPV4_ADDR: KeySpec = KeySpec {

@@ -25,15 +25,53 @@ use crate::core::ruleset::{
     Limit, LimitKind, LogSpec, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset,
     ScopeMatch, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
 };
-use crate::netlink::message::NLM_F_ACK;
+use crate::netlink::attr::NLA_HDRLEN;
+use crate::netlink::bytes::align4;
+use crate::netlink::message::{
+    NFNL_SUBSYS_NFTABLES, NLM_F_ACK, NLM_F_REQUEST, Oversize, Request, nfnl_type,
+};
 
 /// A finalized batch and, for each message in it, what it carries (for error messages).
 pub struct Encoded {
-    pub batch: FinalizedBatch,
+    body: Body,
     pub labels: Vec<String>,
 }
 
+/// How a batch was built.
+enum Body {
+    /// By libnftnl, page by page.
+    Pages(FinalizedBatch),
+    /// Here, with the netlink codec: BEGIN, the changes and END, numbered `seqs`, none of
+    /// BEGIN and END asking for an acknowledgement (see [`upsert_resolved`]).
+    Written { bytes: Vec<u8>, seqs: Range<u32> },
+}
+
 impl Encoded {
+    /// A batch libnftnl built, and what each of its changes carries.
+    pub fn of_pages(batch: FinalizedBatch, labels: Vec<String>) -> Encoded {
+        Encoded {
+            body: Body::Pages(batch),
+            labels,
+        }
+    }
+
+    /// The sequence numbers of the batch's messages: the changes', and BEGIN's and END's
+    /// when they are numbered among them.
+    pub fn sequence_numbers(&self) -> Range<u32> {
+        match &self.body {
+            Body::Pages(batch) => batch.sequence_numbers(),
+            Body::Written { seqs, .. } => seqs.clone(),
+        }
+    }
+
+    /// The batch's bytes as built (for a libnftnl batch, with BEGIN and END as it wrote them).
+    pub fn built(&self) -> Vec<&[u8]> {
+        match &self.body {
+            Body::Pages(batch) => batch.iter().collect(),
+            Body::Written { bytes, .. } => vec![bytes],
+        }
+    }
+
     /// What the message with sequence number `seq` carried.
     pub fn label(&self, seq: u32) -> String {
         seq.checked_sub(self.change_seqs().start)
@@ -45,7 +83,7 @@ impl Encoded {
     /// The sequence numbers of the messages that carry changes, each of which asks for an
     /// acknowledgement: the kernel sends them once the batch is committed, or an error.
     pub fn change_seqs(&self) -> Range<u32> {
-        let seqs = self.batch.sequence_numbers();
+        let seqs = self.sequence_numbers();
         // nftnl numbers the batch's BEGIN and END too when the kernel (6.10 and later) can
         // acknowledge them; then our messages start one after the range's start. Derive that
         // from the batch, never from the kernel version.
@@ -63,7 +101,11 @@ impl Encoded {
     /// acknowledgements do not. A refused batch is still reported, whatever its flags: an
     /// error is always sent, and a failed commit is reported against the first change.
     pub fn pages(&self) -> Vec<Cow<'_, [u8]>> {
-        let mut pages: Vec<Cow<'_, [u8]>> = self.batch.iter().map(Cow::Borrowed).collect();
+        let batch = match &self.body {
+            Body::Pages(batch) => batch,
+            Body::Written { bytes, .. } => return vec![Cow::Borrowed(bytes)],
+        };
+        let mut pages: Vec<Cow<'_, [u8]>> = batch.iter().map(Cow::Borrowed).collect();
         let last = pages.len().saturating_sub(1);
         for (index, batch_type) in [(0, NFNL_MSG_BATCH_BEGIN), (last, NFNL_MSG_BATCH_END)] {
             if let Some(page) = pages.get_mut(index) {
@@ -128,10 +170,7 @@ impl Builder {
     }
 
     fn finish(self) -> Encoded {
-        Encoded {
-            batch: self.batch.finalize(),
-            labels: self.labels,
-        }
+        Encoded::of_pages(self.batch.finalize(), self.labels)
     }
 }
 
@@ -234,19 +273,141 @@ fn nl_chain<'a>(name: &'a CString, table: &'a Table, base: Option<BaseChain>) ->
 }
 
 /// The transaction that adds resolved elements or renews their timeouts, leaving everything
-/// else as it is: what a refresh sends instead of reloading the table.
-pub fn upsert_resolved(elements: &[Timed]) -> Encoded {
-    let mut b = Builder::new();
+/// else as it is: what the guard sends for its answers, and a refresh instead of reloading
+/// the table.
+///
+/// It is written with the netlink codec ([`Request`]) rather than by libnftnl, as the bytes
+/// libnftnl writes for the same elements (a unit test holds them to those): it is the one
+/// batch on the path of a guard answer, and there libnftnl's objects (a batch of 196 KiB, a
+/// set, an element each, all allocated and freed again) took 8 to 20 µs to build, their code
+/// and data cold after every wait, against 2 to 5 µs for this (BENCHMARKS.md, "Issue 16,
+/// third pass").
+pub fn upsert_resolved(elements: &[Timed]) -> Result<Encoded, Oversize> {
+    let mut bytes = Vec::new();
+    let mut labels = Vec::new();
+    // Every batch is numbered alike, as libnftnl numbers its own: BEGIN 1, then the changes,
+    // then END.
+    let first = 1;
+    let mut seq = first;
+    bytes.extend(batch_marker(NFNL_MSG_BATCH_BEGIN, seq)?);
     for family in Family::BOTH {
         let id = SetId::new(SetRole::Resolved, family);
-        let of_family = elements
+        let of_family: Vec<Elem> = elements
             .iter()
             .filter(|t| Family::of_net(&t.tuple.net) == family)
-            .map(|t| timed_elem(id, t));
-        // The set already exists, so its batch id is not used: 0 means "by name".
-        add_elements(&mut b, id, 0, of_family, ElemOp::Upsert);
+            .map(|t| timed_elem(id, t))
+            .collect();
+        for (message, chunk) in within_one_message(&of_family).enumerate() {
+            seq += 1;
+            bytes.extend(upsert_message(id, chunk, seq)?);
+            labels.push(format!(
+                "elements of set {} (message {})",
+                id.name(),
+                message + 1
+            ));
+        }
     }
-    b.finish()
+    seq += 1;
+    bytes.extend(batch_marker(NFNL_MSG_BATCH_END, seq)?);
+    Ok(Encoded {
+        body: Body::Written {
+            bytes,
+            seqs: first..seq + 1,
+        },
+        labels,
+    })
+}
+
+// From linux/netfilter/nf_tables.h.
+const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
+const NFTA_SET_ELEM_LIST_SET: u16 = 2;
+const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
+const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_SET_ELEM_TIMEOUT: u16 = 4;
+const NFTA_SET_ELEM_EXPIRATION: u16 = 5;
+const NFTA_SET_ELEM_USERDATA: u16 = 6;
+const NFTA_DATA_VALUE: u16 = 1;
+
+/// BEGIN or END of an nf_tables batch, asking for no acknowledgement.
+fn batch_marker(kind: u16, seq: u32) -> Result<Vec<u8>, Oversize> {
+    Request::new(kind, NLM_F_REQUEST, seq)
+        .nfgenmsg(libc::AF_UNSPEC as u8, u16::from(NFNL_SUBSYS_NFTABLES))
+        .finish()
+}
+
+/// The bytes of one element of a resolved set inside its message: the list entry's header,
+/// the timeout and expiration, the key and the comment.
+fn resolved_elem_len(e: &Elem) -> usize {
+    let attr = |len: usize| NLA_HDRLEN + align4(len);
+    let timeouts = if e.timeout_ms.is_some() {
+        2 * attr(8)
+    } else {
+        0
+    };
+    NLA_HDRLEN
+        + timeouts
+        + attr(attr(e.key.len()))
+        + e.userdata.as_ref().map_or(0, |u| attr(u.len()))
+}
+
+/// `elems` in runs whose list attribute fits its 16-bit length, in order.
+fn within_one_message(elems: &[Elem]) -> impl Iterator<Item = &[Elem]> {
+    let mut rest = elems;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut len = NLA_HDRLEN;
+        let fit = rest
+            .iter()
+            .take_while(|e| {
+                len += resolved_elem_len(e);
+                len <= usize::from(u16::MAX)
+            })
+            .count()
+            .max(1);
+        let (run, after) = rest.split_at(fit);
+        rest = after;
+        Some(run)
+    })
+}
+
+/// One NEWSETELEM message (create, or renew what exists) for resolved set `id`. Resolved sets
+/// are no interval sets: their elements have no end key and no flags.
+fn upsert_message(id: SetId, elems: &[Elem], seq: u32) -> Result<Vec<u8>, Oversize> {
+    let mut set = id.name().as_bytes().to_vec();
+    set.push(0);
+    let mut table = TABLE.as_bytes().to_vec();
+    table.push(0);
+    let flags = NLM_F_REQUEST | libc::NLM_F_CREATE as u16 | NLM_F_ACK;
+    Request::new(
+        nfnl_type(NFNL_SUBSYS_NFTABLES, libc::NFT_MSG_NEWSETELEM as u8),
+        flags,
+        seq,
+    )
+    .nfgenmsg(libc::NFPROTO_INET as u8, 0)
+    .attr(NFTA_SET_ELEM_LIST_SET, &set)
+    .attr(NFTA_SET_ELEM_LIST_TABLE, &table)
+    .nested(NFTA_SET_ELEM_LIST_ELEMENTS, |list| {
+        // libnftnl numbers a message's entries from 1; the kernel reads them in order.
+        elems.iter().zip(1u16..).fold(list, |list, (e, n)| {
+            debug_assert!(e.key_end.is_none() && e.flags == 0, "an interval element");
+            list.nested(n, |mut entry| {
+                if let Some(ms) = e.timeout_ms {
+                    // The kernel restarts an existing element's expiry only when given one.
+                    entry = entry
+                        .attr(NFTA_SET_ELEM_TIMEOUT, &ms.to_be_bytes())
+                        .attr(NFTA_SET_ELEM_EXPIRATION, &ms.to_be_bytes());
+                }
+                entry = entry.nested(NFTA_SET_ELEM_KEY, |key| key.attr(NFTA_DATA_VALUE, &e.key));
+                match &e.userdata {
+                    Some(udata) => entry.attr(NFTA_SET_ELEM_USERDATA, udata),
+                    None => entry,
+                }
+            })
+        })
+    })
+    .finish()
 }
 
 /// The audit window's id within a batch (the eight sets take 1 to 8; the kernel never
@@ -1950,9 +2111,7 @@ mod tests {
     fn a_table_without_extras_is_the_plans_byte_for_byte() {
         use crate::core::plan::{Audit, Extras, with_extras};
         let rs = crate::core::plan::fail_closed();
-        let bytes = |rs: &Ruleset| {
-            without_padding(replace_table(rs).batch.iter().flatten().copied().collect())
-        };
+        let bytes = |rs: &Ruleset| without_padding(replace_table(rs).built().concat());
         assert_eq!(
             bytes(&with_extras(rs.clone(), &Extras::default())),
             bytes(&rs)
@@ -3187,7 +3346,7 @@ mod tests {
             audit: None,
         };
         let now = replace_table(&rs);
-        let now_bytes = without_padding(now.batch.iter().flatten().copied().collect());
+        let now_bytes = without_padding(now.built().concat());
         assert_eq!(now_bytes, before(&rs));
         let mut other = rs.clone();
         other.refused[1] = Rule::Refuse(Action::Reject);
@@ -3248,7 +3407,7 @@ mod tests {
             audit: None,
         };
         let enc = replace_table(&rs);
-        let seqs = enc.batch.sequence_numbers();
+        let seqs = enc.sequence_numbers();
         // The last message is our rule, whether or not BEGIN/END are acknowledged.
         let last_ours = if seqs.len() == enc.labels.len() + 2 {
             seqs.end - 2
@@ -3258,11 +3417,10 @@ mod tests {
         assert!(enc.label(last_ours).starts_with("rule 1 of chain output"));
     }
 
-    /// BEGIN and END go out asking for no acknowledgement, every change asks for one, and the
-    /// sequence numbers awaited are exactly the changes' (a large batch spans pages).
-    #[test]
-    fn only_the_changes_ask_for_acknowledgements() {
-        let elements: Vec<Timed> = (0..20_000u32)
+    /// `count` resolved IPv4 elements on tcp/443, from 198.18.0.0, each with a timeout and, if
+    /// `named`, its name as its comment.
+    fn resolved(count: u32, named: bool) -> Vec<Timed> {
+        (0..count)
             .map(|i| Timed {
                 tuple: Tuple {
                     net: IpNet::from(IpAddr::from((0xc612_0000u32 + i).to_be_bytes())),
@@ -3271,24 +3429,59 @@ mod tests {
                 },
                 timeout_ms: Some(60_000),
                 expires_ms: None,
-                name: None,
+                name: named.then(|| format!("n{i}.example")),
             })
-            .collect();
-        for enc in [upsert_resolved(&elements[..1]), upsert_resolved(&elements)] {
-            let pages = enc.pages();
-            let mut flags = Vec::new();
-            for page in &pages {
-                let mut at = 0;
-                while at + 16 <= page.len() {
-                    let field =
-                        |o: usize| u32::from_ne_bytes(page[at + o..at + o + 4].try_into().unwrap());
-                    let kind = u16::from_ne_bytes([page[at + 4], page[at + 5]]);
-                    let flag = u16::from_ne_bytes([page[at + 6], page[at + 7]]);
-                    flags.push((kind, flag & NLM_F_ACK != 0, field(8)));
-                    at += (field(0) as usize).div_ceil(4) * 4;
-                }
+            .collect()
+    }
+
+    /// The upsert as libnftnl builds it (what `upsert_resolved` built before it was written
+    /// with the netlink codec).
+    fn libnftnl_upsert(elements: &[Timed]) -> Encoded {
+        let mut b = Builder::new();
+        for family in Family::BOTH {
+            let id = SetId::new(SetRole::Resolved, family);
+            let of_family = elements
+                .iter()
+                .filter(|t| Family::of_net(&t.tuple.net) == family)
+                .map(|t| timed_elem(id, t));
+            add_elements(&mut b, id, 0, of_family, ElemOp::Upsert);
+        }
+        b.finish()
+    }
+
+    /// Each message of a batch as sent: (type, asks for an acknowledgement, sequence number).
+    fn sent_messages(enc: &Encoded) -> Vec<(u16, bool, u32)> {
+        let mut out = Vec::new();
+        for page in &enc.pages() {
+            let mut at = 0;
+            while at + 16 <= page.len() {
+                let field =
+                    |o: usize| u32::from_ne_bytes(page[at + o..at + o + 4].try_into().unwrap());
+                let kind = u16::from_ne_bytes([page[at + 4], page[at + 5]]);
+                let flag = u16::from_ne_bytes([page[at + 6], page[at + 7]]);
+                out.push((kind, flag & NLM_F_ACK != 0, field(8)));
+                at += (field(0) as usize).div_ceil(4) * 4;
             }
-            let (first, rest) = flags.split_first().expect("messages");
+        }
+        out
+    }
+
+    /// BEGIN and END go out asking for no acknowledgement, every change asks for one, and the
+    /// sequence numbers awaited are exactly the changes': for the upserts written here, and
+    /// for libnftnl's batches (a large one spans pages).
+    #[test]
+    fn only_the_changes_ask_for_acknowledgements() {
+        let elements = resolved(20_000, false);
+        let large_by_libnftnl = libnftnl_upsert(&elements);
+        assert!(large_by_libnftnl.pages().len() > 1, "one page only");
+        for enc in [
+            upsert_resolved(&elements[..1]).unwrap(),
+            upsert_resolved(&elements).unwrap(),
+            libnftnl_upsert(&elements[..1]),
+            large_by_libnftnl,
+        ] {
+            let sent = sent_messages(&enc);
+            let (first, rest) = sent.split_first().expect("messages");
             let (last, changes) = rest.split_last().expect("messages");
             assert_eq!((first.0, first.1), (NFNL_MSG_BATCH_BEGIN, false));
             assert_eq!((last.0, last.1), (NFNL_MSG_BATCH_END, false));
@@ -3296,15 +3489,125 @@ mod tests {
             assert!(changes.iter().all(|(_, ack, _)| *ack), "{changes:?}");
             let seqs: Vec<u32> = changes.iter().map(|(_, _, seq)| *seq).collect();
             assert_eq!(seqs, enc.change_seqs().collect::<Vec<_>>());
-            // What nftnl built is left as it was; only the copies sent differ.
+            assert!(enc.sequence_numbers().contains(&first.2) || first.2 == 0);
+            // What was built is left as it was; only the copies sent differ.
             assert_eq!(
-                pages.iter().map(|p| p.len()).sum::<usize>(),
-                enc.batch.iter().map(|p| p.len()).sum::<usize>()
+                enc.pages().iter().map(|p| p.len()).sum::<usize>(),
+                enc.built().iter().map(|p| p.len()).sum::<usize>()
             );
         }
-        assert!(
-            upsert_resolved(&elements).pages().len() > 1,
-            "one page only"
-        );
+    }
+
+    /// The upsert written with the netlink codec is the one libnftnl writes, byte for byte but
+    /// the sequence numbers (libnftnl's depend on the running kernel) and the padding (ours is
+    /// zeros, libnftnl's what its buffer held): one element, both
+    /// families with and without comments, no timeout, and a batch of several messages.
+    #[test]
+    fn the_written_upsert_is_libnftnls_byte_for_byte() {
+        let zero_seqs = |mut bytes: Vec<u8>| {
+            let mut at = 0;
+            while at + 16 <= bytes.len() {
+                let len = u32::from_ne_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+                bytes[at + 8..at + 12].fill(0);
+                at += len.div_ceil(4) * 4;
+            }
+            bytes
+        };
+        let v6 = |i: u16, named: bool| Timed {
+            tuple: Tuple {
+                net: IpNet::from(IpAddr::from([0x2001, 0xdb8, 0, 0, 0, 0, 0, i])),
+                proto: L4Proto::Udp,
+                ports: crate::core::policy::PortRange::single(8443),
+            },
+            timeout_ms: Some(3_600_000),
+            expires_ms: None,
+            name: named.then(|| "v6.example".to_string()),
+        };
+        let mut mixed = resolved(3, true);
+        mixed.extend([v6(1, true), v6(2, false)]);
+        mixed.extend(resolved(2, false));
+        let mut untimed = resolved(2, true);
+        for t in &mut untimed {
+            t.timeout_ms = None;
+        }
+        // As many as one message holds (some 900): libnftnl's is split where our own
+        // chunks of `ELEMS_PER_CHUNK` end, ours only where the 16-bit length needs it.
+        let full = resolved(900, true);
+        for elements in [&resolved(1, true)[..], &mixed, &untimed, &full] {
+            let ours = upsert_resolved(elements).unwrap();
+            let theirs = libnftnl_upsert(elements);
+            // libnftnl leaves whatever its buffer held in the padding.
+            assert_eq!(
+                zero_seqs(ours.pages().concat()),
+                zero_seqs(without_padding(theirs.pages().concat())),
+                "{} elements",
+                elements.len()
+            );
+            assert_eq!(ours.labels, theirs.labels);
+        }
+    }
+
+    /// An element message as the kernel dumps it, for libnftnl's parser: each entry of the
+    /// list typed NFTA_LIST_ELEM. libnftnl (and so the upsert) numbers them instead, which the
+    /// kernel does not read.
+    fn as_dumped(message: &[u8]) -> Vec<u8> {
+        let mut out = message.to_vec();
+        let field = |b: &[u8], at: usize| u16::from_ne_bytes([b[at], b[at + 1]]);
+        let mut at = 20;
+        while at + 4 <= out.len() {
+            let len = usize::from(field(&out, at));
+            if field(&out, at + 2) & !crate::netlink::attr::NLA_F_NESTED
+                == NFTA_SET_ELEM_LIST_ELEMENTS
+            {
+                let mut entry = at + 4;
+                while entry + 4 <= at + len {
+                    let kind = 1 | crate::netlink::attr::NLA_F_NESTED;
+                    out[entry + 2..entry + 4].copy_from_slice(&kind.to_ne_bytes());
+                    entry += usize::from(field(&out, entry)).div_ceil(4) * 4;
+                }
+            }
+            at += len.div_ceil(4) * 4;
+        }
+        out
+    }
+
+    /// A batch too large for one message is split where the list of elements would outgrow
+    /// its 16-bit length, and libnftnl's parser reads every element back, in order.
+    #[test]
+    fn a_large_upsert_is_split_into_messages_libnftnl_reads_back() {
+        let elements = resolved(20_000, true);
+        let enc = upsert_resolved(&elements).unwrap();
+        let bytes = enc.pages().concat();
+        let mut messages = Vec::new();
+        let mut at = 0;
+        while at + 16 <= bytes.len() {
+            let len = u32::from_ne_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+            messages.push(&bytes[at..at + len]);
+            at += len.div_ceil(4) * 4;
+        }
+        assert_eq!(at, bytes.len());
+        let changes = &messages[1..messages.len() - 1];
+        assert_eq!(changes.len(), enc.labels.len());
+        assert!(changes.len() >= 20, "{} messages", changes.len());
+        let mut read = Vec::new();
+        for (n, message) in changes.iter().enumerate() {
+            // Full but for the last: another element would not have fitted.
+            if n + 1 < changes.len() {
+                assert!(
+                    message.len() > 65_535 - 100,
+                    "message {n}: {}",
+                    message.len()
+                );
+            }
+            read.extend(sys::parse_elems(&as_dumped(message)).expect("libnftnl parses it"));
+        }
+        assert_eq!(read.len(), elements.len());
+        for (live, sent) in read.iter().zip(&elements) {
+            let want = timed_elem(SetId::new(SetRole::Resolved, Family::V4), sent);
+            assert_eq!(live.key, want.key);
+            assert_eq!(live.timeout_ms, Some(60_000));
+            assert_eq!(live.userdata, want.userdata);
+            assert!(live.key_end.is_none() && live.flags == 0 && live.unread.is_empty());
+        }
     }
 }

@@ -42,6 +42,8 @@ pub enum NftError {
     Timeout(&'static str),
     #[error("the kernel sent a netlink message egress-fence cannot read ({0})")]
     Malformed(String),
+    #[error("cannot build the batch: {0}")]
+    Build(#[from] crate::netlink::message::Oversize),
     #[error(
         "the ruleset changed while the table was read, {0} times in a row; something is \
          rewriting it constantly (another firewall manager?)"
@@ -150,7 +152,7 @@ impl Nft {
         if elements.is_empty() {
             return Ok(());
         }
-        self.send(&encode::upsert_resolved(elements))
+        self.send(&encode::upsert_resolved(elements)?)
     }
 
     /// Replaces the table with `ruleset` in one transaction.
@@ -220,7 +222,7 @@ impl Nft {
         let mut waiting: BTreeSet<u32> = encoded.change_seqs().collect();
         // BEGIN (numbered 0 when the kernel cannot acknowledge it) and END are answered only
         // with an error: one refuses the whole batch.
-        let batch = encoded.batch.sequence_numbers();
+        let batch = encoded.sequence_numbers();
         let ours = |seq: u32| seq == 0 || batch.contains(&seq);
         let mut refused: Option<(u32, Errno)> = None;
         // After a refusal everything the kernel sends is read, awaited or not: it answers the
