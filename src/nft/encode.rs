@@ -604,12 +604,13 @@ fn timed_elem(id: SetId, t: &Timed) -> Elem {
 
 /// nft's element comment: the user-data TLV of type 0 (`NFTNL_UDATA_SET_ELEM_COMMENT`), a
 /// NUL-terminated string, so that `nft list` shows it as `comment "NAME"`. `None` for a
-/// text that does not fit the kernel's 256 bytes of user data.
+/// text whose user data an element cannot keep (over [`MAX_ELEM_USERDATA`] bytes: names of
+/// 252 and 253 characters, which a client may ask under a `**.` wildcard).
 pub fn comment_userdata(text: &str) -> Option<Vec<u8>> {
-    let len = u8::try_from(text.len() + 1).ok()?;
-    if text.contains('\0') {
+    if text.len() + 3 > MAX_ELEM_USERDATA || text.contains('\0') {
         return None;
     }
+    let len = u8::try_from(text.len() + 1).ok()?;
     let mut out = vec![UDATA_ELEM_COMMENT, len];
     out.extend_from_slice(text.as_bytes());
     out.push(0);
@@ -633,6 +634,12 @@ pub fn comment_of(udata: &[u8]) -> Option<String> {
 
 /// libnftnl's `NFTNL_UDATA_SET_ELEM_COMMENT`.
 const UDATA_ELEM_COMMENT: u8 = 0;
+
+/// The most user data a set element keeps, though the attribute may hold 256 bytes: the
+/// kernel refuses 255 (EINVAL: `nft_set_ext_check` wants the extension, a length byte and
+/// the data, within 255 bytes), which refuses the whole batch, and takes 256 for none (its
+/// `u8` length in `nft_add_set_elem` wraps to 0). Measured on 6.18 (tests/upsert_written.rs).
+pub const MAX_ELEM_USERDATA: usize = 254;
 
 fn tuple_elem(id: SetId, t: &Tuple) -> Elem {
     let proto = t.proto.number();
@@ -3415,6 +3422,19 @@ mod tests {
             seqs.end - 1
         };
         assert!(enc.label(last_ours).starts_with("rule 1 of chain output"));
+    }
+
+    /// A comment is written only when the kernel keeps it: up to 251 characters (254 bytes of
+    /// user data); a longer name gets none rather than one the kernel refuses or drops.
+    #[test]
+    fn element_comments_stop_where_the_kernel_keeps_them() {
+        let name = |len: usize| "a".repeat(len);
+        let kept = comment_userdata(&name(251)).expect("kept");
+        assert_eq!(kept.len(), MAX_ELEM_USERDATA);
+        assert_eq!(comment_of(&kept), Some(name(251)));
+        for len in [252, 253, 254, 300] {
+            assert_eq!(comment_userdata(&name(len)), None, "{len}");
+        }
     }
 
     /// `count` resolved IPv4 elements on tcp/443, from 198.18.0.0, each with a timeout and, if
