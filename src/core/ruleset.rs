@@ -321,6 +321,11 @@ fn stored_ports<'de, D: Deserializer<'de>>(d: D) -> Result<PortRange, D::Error> 
     Ok(PortRange { first, last })
 }
 
+/// The longest name an element keeps as its comment ([`Timed::name`]): the kernel keeps at
+/// most 254 bytes of an element's user data, the comment's type and length bytes, the name
+/// and its NUL (see `nft::encode::MAX_ELEM_USERDATA`).
+pub const MAX_COMMENTED_NAME: usize = 251;
+
 /// An element of a resolved set: a tuple and, when the daemon keeps it fresh, how long the
 /// kernel keeps it without another refresh (so a dead daemon's addresses still expire).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -33,7 +33,9 @@ use crate::core::plan::{
 };
 use crate::core::policy::{DomainName, Policy, PolicyError};
 use crate::core::resolution::{HostScope, Resolution, ResolvedAddr, ResolvedHost};
-use crate::core::ruleset::{CgroupMatch, Elements, Family, Ruleset, SetId, SetRole, TABLE, Tuple};
+use crate::core::ruleset::{
+    CgroupMatch, Elements, Family, MAX_COMMENTED_NAME, Ruleset, SetId, SetRole, TABLE, Tuple,
+};
 use crate::guard::{LogBudget, Rules};
 use crate::netlink::conntrack::Flow;
 use crate::nft::monitor::Change;
@@ -202,7 +204,8 @@ pub struct Core {
     /// Bounds the warnings about dropped answer addresses (the guard's answers are the
     /// sandbox's to provoke).
     dropped_log: LogBudget,
-    /// Bounds the warnings about answers refused past [`MAX_LIVE_NAMES`].
+    /// Bounds the warnings about answers refused: past [`MAX_LIVE_NAMES`], or for a name
+    /// too long to be an element's comment.
     full_log: LogBudget,
     /// Bounds the guard's "new addresses allowed" lines: every name under an allowed
     /// wildcard is new once, and the sandbox can invent them by the hundred thousand (the
@@ -433,8 +436,14 @@ impl Core {
         let mut i = 0;
         while i < batch.len() {
             let a = &batch[i];
+            // Every element keeps the name it was answered for as its comment, by which a
+            // restart, a reload, `status` and `probe` explain it; the kernel keeps no longer
+            // one (a client may ask one under a `**.` wildcard). Its answer gets SERVFAIL: no
+            // address the fence could not explain.
+            let commented = a.name.as_str().len() <= MAX_COMMENTED_NAME;
             if a.addrs.is_empty()
-                || may_track(&self.names, &a.name, now, MAX_LIVE_NAMES, &mut live_names)
+                || commented
+                    && may_track(&self.names, &a.name, now, MAX_LIVE_NAMES, &mut live_names)
             {
                 i += 1;
                 continue;
@@ -443,9 +452,15 @@ impl Core {
                 self.full_log
                     .take(self.policy.log.rate, self.policy.log.burst, now.into_std())
             {
-                warn!(name = %a.name, held_back,
-                      "{MAX_LIVE_NAMES} names hold live addresses; this answer is not installed \
-                       and its client gets SERVFAIL until some expire");
+                match commented {
+                    true => warn!(name = %a.name, held_back,
+                                  "{MAX_LIVE_NAMES} names hold live addresses; this answer is \
+                                   not installed and its client gets SERVFAIL until some expire"),
+                    false => warn!(name = %a.name, held_back,
+                                   "a name longer than {MAX_COMMENTED_NAME} characters cannot \
+                                    name its addresses in the table; this answer is not \
+                                    installed and its client gets SERVFAIL"),
+                }
             }
             release.push((batch.swap_remove(i).id, false));
         }
@@ -1812,6 +1827,47 @@ mod tests {
         let again = vec![answer(3, "a.pool.example", &[("192.0.2.1", 5)])];
         c.on(guard_answers(again, &none), much_later, &mut table);
         assert_eq!(table.upserted.len(), 2);
+    }
+
+    /// The longest name an element keeps as its comment is installed with it; a longer one (a
+    /// client may ask one under `**.`: the kernel refused its comment, and with it the batch
+    /// of every answer in it) gets SERVFAIL, leaves nothing in the table and takes no other
+    /// answer with it.
+    #[test]
+    fn a_name_too_long_to_be_a_comment_gets_servfail_alone() {
+        let now = Instant::now();
+        let text = GUARD.replace("\"*.pool.example\"", "\"**.pool.example\"");
+        let (mut c, mut table) = started(&text, now);
+        let name = |len: usize| {
+            let suffix = ".pool.example";
+            let mut labels: Vec<String> = Vec::new();
+            let mut room = len - suffix.len();
+            while room > 0 {
+                let dot = usize::from(!labels.is_empty());
+                let label = (room - dot).min(63);
+                labels.push("a".repeat(label));
+                room -= label + dot;
+            }
+            let name = format!("{}{suffix}", labels.join("."));
+            assert_eq!(name.len(), len);
+            name
+        };
+        let (kept, too_long) = (name(MAX_COMMENTED_NAME), name(MAX_COMMENTED_NAME + 1));
+        let none = HostAddrs::none();
+        let batch = vec![
+            answer(0, &kept, &[("192.0.2.1", 60)]),
+            answer(1, &too_long, &[("192.0.2.2", 60)]),
+            answer(2, "a.pool.example", &[("192.0.2.3", 60)]),
+        ];
+        let fx = c.on(guard_answers(batch, &none), now, &mut table);
+        let mut r = released(&fx);
+        r.sort();
+        assert_eq!(r, vec![(0, true), (1, false), (2, true)]);
+        let held_kept = held(&table, tuple("192.0.2.1", 443)).expect("installed");
+        assert_eq!(held_kept.name.as_deref(), Some(kept.as_str()));
+        assert_eq!(held(&table, tuple("192.0.2.2", 443)), None);
+        assert!(held(&table, tuple("192.0.2.3", 443)).is_some());
+        assert_eq!(table.applied.len(), 1, "nothing refused, nothing reapplied");
     }
 
     #[test]

@@ -640,6 +640,7 @@ const UDATA_ELEM_COMMENT: u8 = 0;
 /// the data, within 255 bytes), which refuses the whole batch, and takes 256 for none (its
 /// `u8` length in `nft_add_set_elem` wraps to 0). Measured on 6.18 (tests/upsert_written.rs).
 pub const MAX_ELEM_USERDATA: usize = 254;
+const _: () = assert!(MAX_ELEM_USERDATA == crate::core::ruleset::MAX_COMMENTED_NAME + 3);
 
 fn tuple_elem(id: SetId, t: &Tuple) -> Elem {
     let proto = t.proto.number();

@@ -771,3 +771,69 @@ fn one_name_answering_fresh_addresses_every_time_holds_at_most_its_cap() {
     assert_eq!(y, 2 * 28, "the other name's addresses, tcp and udp");
     assert!(log.contains("live addresses of a family"), "{log}");
 }
+
+/// A valid name of exactly `len` characters under `zone`: labels of `a` (at most 63 each)
+/// after a first label `first`.
+fn name_of_length(first: &str, zone: &str, len: usize) -> String {
+    let mut name = first.to_string();
+    while name.len() + 1 + zone.len() < len {
+        let room = len - zone.len() - name.len() - 1;
+        // A dot and a label; never leave room for a dot alone.
+        let label = if room > 64 { 63 } else { room - 1 };
+        name.push('.');
+        name.push_str(&"a".repeat(label));
+    }
+    let name = format!("{name}.{zone}");
+    assert_eq!(name.len(), len, "{name}");
+    name
+}
+
+/// Red team (session 9): a name of 252 characters, which a client may ask under an allowed
+/// `**.` wildcard, carried a comment the kernel refuses (EINVAL): its batch was refused, every
+/// other answer in it with it, and so was every full apply of the table while the name lived.
+/// Now it gets SERVFAIL and leaves nothing in the table; the longest name a comment holds (251
+/// characters) is installed with it, and `probe` finds every element explained.
+#[test]
+fn a_name_too_long_to_be_a_comment_gets_servfail_and_breaks_nothing() {
+    let w = World::new();
+    w.dns_wildcard("pool.example", HOST2_V4);
+    let policy = format!(
+        "version: 1\nallow:\n  - domain: \"**.pool.example\"\n    ports: [80]\ndns:\n  mode: guard\n  \
+         listen: [\"{GUARD_ADDR}\"]\n  upstream: [{DNS_V4}]\n"
+    );
+    let path = w.write_file("guard.yaml", &policy);
+    let guard = w.spawn_guard(path.to_str().expect("utf-8"));
+    let too_long = name_of_length("x", "pool.example", 252);
+    let kept = name_of_length("y", "pool.example", 251);
+
+    let refused = w.dig_as(Some(NOBODY), Some(GUARD_V4), &too_long, "A", &[]);
+    assert_eq!(
+        refused.status.as_deref(),
+        Some("SERVFAIL"),
+        "{}",
+        refused.output
+    );
+    let held = resolved_elements(&w);
+    assert!(
+        held.iter().all(|e| e.addr != HOST2_V4),
+        "installed for a name no comment holds: {held:?}"
+    );
+
+    let answered = w.dig_as(Some(NOBODY), Some(GUARD_V4), &kept, "A", &[]);
+    assert!(answered.answered(), "{}", answered.output);
+    let held = resolved_elements(&w);
+    let element = held
+        .iter()
+        .find(|e| e.addr == HOST2_V4 && e.port == 80)
+        .unwrap_or_else(|| panic!("not installed: {held:?}"));
+    assert_eq!(element.comment.as_deref(), Some(kept.as_str()));
+    let probe = w.egress_fence(&["probe", path.to_str().expect("utf-8")]);
+    let log = guard.stderr();
+    drop(guard);
+    assert!(
+        log.contains("cannot name its addresses in the table"),
+        "the refusal is logged: {log}"
+    );
+    assert!(!log.contains("EINVAL"), "a batch was refused: {log}");
+    assert!(!probe.stdout.contains("does not explain"), "probe: {probe}");
+}
