@@ -120,6 +120,45 @@ mod tests {
     use super::*;
     use crate::core::policy::test_support::*;
 
+    /// A name, or every name under a wildcard, longer than an element's comment holds is
+    /// refused where it is written: the table could not say which name an address is for.
+    #[test]
+    fn names_longer_than_a_comment_holds_are_refused_where_written() {
+        let name = |len: usize| {
+            let mut labels = Vec::new();
+            let mut room = len;
+            while room > 0 {
+                let dot = usize::from(!labels.is_empty());
+                let label = (room - dot).min(63);
+                labels.push("a".repeat(label));
+                room -= label + dot;
+            }
+            labels.join(".")
+        };
+        let policy = |domain: &str| {
+            format!("version: 1\nallow:\n  - domain: \"{domain}\"\n    ports: [443]\n")
+        };
+        let guard = |domain: &str| {
+            format!(
+                "{}dns:\n  mode: guard\n  upstream: [192.0.2.53]\n",
+                policy(domain)
+            )
+        };
+        let kept = parse(&policy(&name(251)));
+        assert!(kept.is_ok(), "{kept:?}");
+        let kept = parse(&guard(&format!("*.{}", name(249))));
+        assert!(kept.is_ok(), "{kept:?}");
+        for text in [
+            policy(&name(252)),
+            guard(&format!("*.{}", name(250))),
+            guard(&format!("**.{}", name(250))),
+        ] {
+            let (line, column, msg) = err(&text);
+            assert_eq!((line, column), (3, 14), "{msg}");
+            assert!(msg.contains("at most 251 characters"), "{msg}");
+        }
+    }
+
     #[test]
     fn malformed_domains_are_refused() {
         for bad in ["bad..example", "-a.example", "a_b c.example", "a.example-"] {

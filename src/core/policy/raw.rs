@@ -6,6 +6,8 @@ use ipnet::IpNet;
 use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer};
 
+use crate::core::ruleset::MAX_COMMENTED_NAME;
+
 use super::includes::AllowPreset;
 use super::names::{DomainName, Wildcard};
 use super::presets::Preset;
@@ -46,6 +48,22 @@ impl<'de> Deserialize<'de> for DomainTarget {
         } else {
             t.parse().map(Target::Domain)
         };
+        // The table keeps, as each address's comment, the name it was allowed for: status,
+        // probe and a restart explain the address by it.
+        let shortest = |target: &Target| match target {
+            Target::Domain(name) => name.as_str().len(),
+            // One more label of one character.
+            Target::Wildcard(w) => w.suffix.as_str().len() + 2,
+            Target::Cidr(_) => 0,
+        };
+        let target = target.and_then(|target| match shortest(&target) {
+            len if len > MAX_COMMENTED_NAME => Err(format!(
+                "`{t}` allows no name of at most {MAX_COMMENTED_NAME} characters: the table \
+                 keeps the name each address was allowed for (as the element's comment, at \
+                 most {MAX_COMMENTED_NAME} characters), and could not name a longer one"
+            )),
+            _ => Ok(target),
+        });
         target.map(DomainTarget).map_err(serde::de::Error::custom)
     }
 }
