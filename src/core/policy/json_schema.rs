@@ -123,7 +123,9 @@ described!(DomainTarget, "DomainTarget", {
     string_schema(
         "A domain name, resolved to A and AAAA. With `dns.mode: guard` also a wildcard: \
          `*.example.com` covers one more label, `**.example.com` any depth; neither covers \
-         example.com itself.",
+         example.com itself. The table keeps the name each address is allowed for as the \
+         element's comment, at most 251 characters: a longer name, or a wildcard no name of \
+         251 characters fits, is refused.",
         trimmed(&format!("(\\*\\*?\\.)?{}", name())),
     )
 });
