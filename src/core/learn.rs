@@ -39,6 +39,7 @@ use crate::core::policy::{
     wildcard_risk,
 };
 use crate::core::replay::{self, FlowVerdict, NameRefusal, NameVerdict};
+use crate::core::ruleset::MAX_COMMENTED_NAME;
 use crate::core::trace::Trace;
 
 /// How `learn` writes what it found.
@@ -222,6 +223,18 @@ pub fn learn(start_text: &str, start: &Policy, trace: &Trace, options: &LearnOpt
             (true, Some(port)) if udp || f.protocol == "tcp" => {
                 if let Some(why_not) = not_learned(f.dst, port, f.latest_name.is_some(), guard) {
                     let what = replay::describe_flow(&safe(f.protocol), f.dst, f.dport);
+                    *left_out.entry(format!("{what}: {why_not}")).or_default() += 1;
+                    continue;
+                }
+                // An entry the policy would refuse (the table keeps an allowed name as each
+                // address's comment) would leave every learned entry unwritten.
+                let long = f.latest_name.map(|n| j.domains[n].as_str().len());
+                if let Some(len) = long.filter(|&len| len > MAX_COMMENTED_NAME) {
+                    let what = replay::describe_flow(&safe(f.protocol), f.dst, f.dport);
+                    let why_not = format!(
+                        "its name has {len} characters, more than the {MAX_COMMENTED_NAME} an \
+                         allowed name may have"
+                    );
                     *left_out.entry(format!("{what}: {why_not}")).or_default() += 1;
                     continue;
                 }

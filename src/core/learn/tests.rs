@@ -624,3 +624,37 @@ fn a_rewritten_list_beside_an_include_keeps_the_presets_entries_out() {
     );
     assert!(!replay(&p, &t).refuses_anything());
 }
+
+/// A name longer than an allowed name may be (251 characters: the table keeps it as each
+/// address's comment) is left to a person, not written as an entry the policy would refuse:
+/// that made every learned entry a comment, the text left as it was.
+#[test]
+fn a_name_too_long_to_be_allowed_is_a_note_not_an_entry() {
+    let long = {
+        let mut labels = vec!["a".repeat(63); 3];
+        labels.push("b".repeat(52));
+        labels.push("example".into());
+        labels.join(".")
+    };
+    assert_eq!(long.len(), 252);
+    let t = T::start()
+        .name(&long, &["192.0.2.20"])
+        .tcp("192.0.2.20", 443)
+        .name("fine.example", &["192.0.2.21"])
+        .tcp("192.0.2.21", 443)
+        .trace();
+    let (out, p) = learned(GUARD, &t);
+    assert_eq!(out.added.len(), 1, "{}", out.yaml);
+    assert!(
+        out.added[0].starts_with("fine.example tcp 443"),
+        "{:?}",
+        out.added
+    );
+    assert_eq!(p.allow.len(), policy(GUARD).allow.len() + 1);
+    assert!(
+        out.yaml
+            .contains("tcp 192.0.2.20:443: its name has 252 characters, more than the 251"),
+        "{}",
+        out.yaml
+    );
+}
