@@ -772,22 +772,6 @@ fn one_name_answering_fresh_addresses_every_time_holds_at_most_its_cap() {
     assert!(log.contains("live addresses of a family"), "{log}");
 }
 
-/// A valid name of exactly `len` characters under `zone`: labels of `a` (at most 63 each)
-/// after a first label `first`.
-fn name_of_length(first: &str, zone: &str, len: usize) -> String {
-    let mut name = first.to_string();
-    while name.len() + 1 + zone.len() < len {
-        let room = len - zone.len() - name.len() - 1;
-        // A dot and a label; never leave room for a dot alone.
-        let label = if room > 64 { 63 } else { room - 1 };
-        name.push('.');
-        name.push_str(&"a".repeat(label));
-    }
-    let name = format!("{name}.{zone}");
-    assert_eq!(name.len(), len, "{name}");
-    name
-}
-
 /// Red team (session 9): a name of 252 characters, which a client may ask under an allowed
 /// `**.` wildcard, carried a comment the kernel refuses (EINVAL): its batch was refused, every
 /// other answer in it with it, and so was every full apply of the table while the name lived.
