@@ -30,7 +30,7 @@ allow:
 /// the name, NUL) must be at most 254 bytes.
 const LONGEST_KEPT: usize = 251;
 
-/// A valid name of exactly `len` characters (16 to 253), unique by `i`.
+/// A valid name of exactly `len` characters (17 to 253), unique by `i`.
 fn name_of_len(i: u32, len: usize) -> String {
     name_of_length(&format!("n{i:06}"), "example", len)
 }

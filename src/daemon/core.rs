@@ -1838,20 +1838,7 @@ mod tests {
         let now = Instant::now();
         let text = GUARD.replace("\"*.pool.example\"", "\"**.pool.example\"");
         let (mut c, mut table) = started(&text, now);
-        let name = |len: usize| {
-            let suffix = ".pool.example";
-            let mut labels: Vec<String> = Vec::new();
-            let mut room = len - suffix.len();
-            while room > 0 {
-                let dot = usize::from(!labels.is_empty());
-                let label = (room - dot).min(63);
-                labels.push("a".repeat(label));
-                room -= label + dot;
-            }
-            let name = format!("{}{suffix}", labels.join("."));
-            assert_eq!(name.len(), len);
-            name
-        };
+        let name = |len| crate::core::policy::name_of_length("pool.example", len);
         let (kept, too_long) = (name(MAX_COMMENTED_NAME), name(MAX_COMMENTED_NAME + 1));
         let none = HostAddrs::none();
         let batch = vec![

@@ -175,13 +175,18 @@ fn parse_dns_reply(msg: &[u8]) -> Result<DnsReply, String> {
 }
 
 /// A valid name of exactly `len` characters: `first`, then labels of `a` (at most 63 each),
-/// then `zone`. For the longest names a client may ask (up to 253).
+/// then `zone` (`len` at least two more than `first` and `zone` with their dot). For the
+/// longest names a client may ask (up to 253).
 pub fn name_of_length(first: &str, zone: &str, len: usize) -> String {
     let mut name = first.to_string();
     while name.len() + 1 + zone.len() < len {
         let room = len - zone.len() - name.len() - 1;
         // A dot and a label; never leave room for a dot alone.
-        let label = if room > 64 { 63 } else { room - 1 };
+        let label = match room {
+            left if left > 65 => 63,
+            65 => 62,
+            left => left - 1,
+        };
         name.push('.');
         name.push_str(&"a".repeat(label));
     }

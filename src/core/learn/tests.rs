@@ -630,13 +630,7 @@ fn a_rewritten_list_beside_an_include_keeps_the_presets_entries_out() {
 /// that made every learned entry a comment, the text left as it was.
 #[test]
 fn a_name_too_long_to_be_allowed_is_a_note_not_an_entry() {
-    let long = {
-        let mut labels = vec!["a".repeat(63); 3];
-        labels.push("b".repeat(52));
-        labels.push("example".into());
-        labels.join(".")
-    };
-    assert_eq!(long.len(), 252);
+    let long = crate::core::policy::name_of_length("example", 252);
     let t = T::start()
         .name(&long, &["192.0.2.20"])
         .tcp("192.0.2.20", 443)

@@ -32,6 +32,8 @@ pub use includes::AllowPreset;
 pub use json_schema::policy_schema;
 pub use limits::{UNCHECKED_KERNEL_LIMITS_ENV, kernel_accepts_limit};
 pub use load::{MAX_POLICY_BYTES, MAX_POLICY_NESTING};
+#[cfg(test)]
+pub(crate) use names::name_of_length;
 pub use names::{DomainName, Wildcard};
 pub use presets::Preset;
 pub use schema::*;
