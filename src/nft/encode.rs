@@ -279,7 +279,7 @@ fn nl_chain<'a>(name: &'a CString, table: &'a Table, base: Option<BaseChain>) ->
 /// It is written with the netlink codec ([`Request`]) rather than by libnftnl, as the bytes
 /// libnftnl writes for the same elements (a unit test holds them to those): it is the one
 /// batch on the path of a guard answer, and there libnftnl's objects (a batch of 196 KiB, a
-/// set, an element each, all allocated and freed again) took 8 to 20 µs to build, their code
+/// set, an element each, all allocated and freed again) took 8 to 13 µs to build, their code
 /// and data cold after every wait, against 4 to 5 µs for this (BENCHMARKS.md, "Issue 16,
 /// third pass").
 pub fn upsert_resolved(elements: &[Timed]) -> Result<Encoded, Oversize> {
