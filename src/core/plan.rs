@@ -496,6 +496,11 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>, gates: Vec<Rule>
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
     }
+    // A packet to this host from a source that is not its own gets this host's answer (an
+    // ICMP error quoting it, a reset, a service's reply) sent to that source, as `related`
+    // or `established`: refused before anything below accepts it, loopback or an allow
+    // entry holding this host's address.
+    rules.push(Rule::RefuseForeignSourceToHost);
     // With a scope, the host's other processes are not fenced, and a resolver among them
     // (systemd-resolved, dnsmasq) would ask anything for a fenced process over loopback: in
     // guard mode fenced DNS goes to the guard alone, before loopback is accepted.
@@ -876,6 +881,7 @@ pub fn fail_closed() -> Ruleset {
             .chain(Family::BOTH.map(Rule::RefuseIcmpFromProcesses))
             .chain([
                 Rule::AcceptEstablished,
+                Rule::RefuseForeignSourceToHost,
                 Rule::AcceptLoopback,
                 Rule::GotoRefused,
             ])
@@ -1127,6 +1133,7 @@ log:
                 Rule::RefuseIcmpFromProcesses(Family::V4),
                 Rule::RefuseIcmpFromProcesses(Family::V6),
                 Rule::AcceptEstablished,
+                Rule::RefuseForeignSourceToHost,
                 Rule::AcceptLoopback,
                 Rule::GotoRefused
             ]
@@ -1142,13 +1149,15 @@ log:
             SourceRoute::ALL.map(Rule::RefuseSourceRoute)
         );
         assert_eq!(
-            rs.output[routes..routes + 3],
+            rs.output[routes..routes + 4],
             [
                 Rule::RefuseIcmpFromProcesses(Family::V4),
                 Rule::RefuseIcmpFromProcesses(Family::V6),
-                Rule::AcceptEstablished
+                Rule::AcceptEstablished,
+                Rule::RefuseForeignSourceToHost
             ],
-            "ICMP that processes write is refused before the replies are accepted"
+            "ICMP that processes write is refused before the replies are accepted, and a \
+             packet to this host from a source not its own before anything else is"
         );
         let first_accept_set = rs
             .output
@@ -1233,6 +1242,9 @@ log:
             bare.output[..SourceRoute::ALL.len()],
             SourceRoute::ALL.map(Rule::RefuseSourceRoute)
         );
+        // And so is a packet to this host from a source not its own: an allow entry may
+        // hold this host's address, whose answer would go to that source.
+        assert!(bare.output.contains(&Rule::RefuseForeignSourceToHost));
     }
 
     #[test]

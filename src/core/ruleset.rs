@@ -719,6 +719,15 @@ pub enum Rule {
     },
     /// `ct state established,related accept`
     AcceptEstablished,
+    /// `oif "lo" fib saddr type != local goto refused`: a packet to this host from a source
+    /// that is not this host's. Only a writer that chose its source sends one (any user over
+    /// IPv6 with `IPV6_FREEBIND`, root with a raw socket), and this host answers that source,
+    /// not the writer: a closed port with ICMP port unreachable quoting the packet or a reset
+    /// carrying its ports and sequence number, a service with its reply; each leaves as
+    /// `related` or `established` to the written flow, a channel to any address. Refused in
+    /// every table, whatever the essentials: an allow entry may hold this host's address.
+    /// After the replies, which the fence has accepted a first packet for (or that came in).
+    RefuseForeignSourceToHost,
     /// `oif "lo" accept`
     AcceptLoopback,
     /// `icmpv6 type T accept`
@@ -920,6 +929,9 @@ impl fmt::Display for Rule {
             }
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
+            Rule::RefuseForeignSourceToHost => {
+                write!(f, "oif \"lo\" fib saddr type != local goto {REFUSED_CHAIN}")
+            }
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
             Rule::AcceptMldReport => write!(
                 f,
@@ -1377,6 +1389,10 @@ mod tests {
                 "ct state established,related accept",
             ),
             (Rule::AcceptLoopback, "oif \"lo\" accept"),
+            (
+                Rule::RefuseForeignSourceToHost,
+                "oif \"lo\" fib saddr type != local goto refused",
+            ),
             (
                 Rule::RefuseUnmarkedFromGuardPort {
                     from: "127.0.0.53:53".parse().unwrap(),

@@ -535,7 +535,9 @@ fn one_client_flooding_the_guard_does_not_starve_another() {
 /// Root without CAP_NET_ADMIN but with CAP_NET_RAW (Docker's default root) forges, over a
 /// raw socket for `argv[1]` seconds, queries the upstream never answers from `argv[2]`
 /// source addresses 203.0.113.1 and up, each a client of its own by address. From the
-/// red-team review of issue 10.
+/// red-team review of issue 10. Since round 4 the fence refuses a packet to this host from a
+/// source not its own (EPERM here): the flood stays, so that the guard is shown to survive
+/// it whichever way it is stopped; forged sources from a listed bridge still reach it.
 const RAW_FLOOD: &str = r#"
 import socket, struct, sys, time
 secs, nsrc = float(sys.argv[1]), int(sys.argv[2])
@@ -551,7 +553,10 @@ while time.monotonic() < end:
         p = q(n & 0xffff, "flood%d.pool.example" % n)
         udp = struct.pack(">HHHH", 10000 + n % 50000, 53, 8 + len(p), 0) + p
         ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0, src, dst)
-        s.sendto(ip + udp, ("127.0.0.53", 0))
+        try:
+            s.sendto(ip + udp, ("127.0.0.53", 0))
+        except PermissionError:
+            pass
         n += 1
     if time.monotonic() - said >= 1:
         said = time.monotonic()
