@@ -492,15 +492,17 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>, gates: Vec<Rule>
     // answers and a stranger's packets over the guard's old upstream flows are established
     // too. With a scope the gates are in the scope's base chain, which every socket meets.
     rules.extend(gates);
+    // A packet to this host from a source that is not its own gets this host's answer (an
+    // ICMP error quoting it, a reset, a service's reply) sent to that source, as `related`
+    // or `established`; and written as the reply of a flow this host opened (the guard's to
+    // its upstream) it is taken for that peer's reply. Refused before anything accepts it:
+    // the replies, loopback, or an allow entry holding this host's address. Only loopback
+    // packets pay the route lookup.
+    rules.push(Rule::RefuseForeignSourceToHost);
     // Replies next: the bulk of packets leaves here after one conntrack lookup.
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
     }
-    // A packet to this host from a source that is not its own gets this host's answer (an
-    // ICMP error quoting it, a reset, a service's reply) sent to that source, as `related`
-    // or `established`: refused before anything below accepts it, loopback or an allow
-    // entry holding this host's address.
-    rules.push(Rule::RefuseForeignSourceToHost);
     // With a scope, the host's other processes are not fenced, and a resolver among them
     // (systemd-resolved, dnsmasq) would ask anything for a fenced process over loopback: in
     // guard mode fenced DNS goes to the guard alone, before loopback is accepted.
@@ -880,8 +882,8 @@ pub fn fail_closed() -> Ruleset {
             .into_iter()
             .chain(Family::BOTH.map(Rule::RefuseIcmpFromProcesses))
             .chain([
-                Rule::AcceptEstablished,
                 Rule::RefuseForeignSourceToHost,
+                Rule::AcceptEstablished,
                 Rule::AcceptLoopback,
                 Rule::GotoRefused,
             ])
@@ -1132,8 +1134,8 @@ log:
             [
                 Rule::RefuseIcmpFromProcesses(Family::V4),
                 Rule::RefuseIcmpFromProcesses(Family::V6),
-                Rule::AcceptEstablished,
                 Rule::RefuseForeignSourceToHost,
+                Rule::AcceptEstablished,
                 Rule::AcceptLoopback,
                 Rule::GotoRefused
             ]
@@ -1153,11 +1155,11 @@ log:
             [
                 Rule::RefuseIcmpFromProcesses(Family::V4),
                 Rule::RefuseIcmpFromProcesses(Family::V6),
-                Rule::AcceptEstablished,
-                Rule::RefuseForeignSourceToHost
+                Rule::RefuseForeignSourceToHost,
+                Rule::AcceptEstablished
             ],
-            "ICMP that processes write is refused before the replies are accepted, and a \
-             packet to this host from a source not its own before anything else is"
+            "ICMP that processes write and a packet to this host from a source not its own \
+             are refused before the replies are accepted"
         );
         let first_accept_set = rs
             .output

@@ -1061,6 +1061,11 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
         Rule::RefuseForeignSourceToHost => {
             e.push(crate_expr(Meta::Oif));
             e.push(eq(&LOOPBACK_IFINDEX.to_ne_bytes()));
+            // Breaks (matches nothing) for a socket without a file: the kernel's own, which
+            // sends the fence's reset to this host from the refused destination.
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
             e.push(own(Expr::fib_saddr_type(sys::REG_1)));
             e.push(own(Expr::cmp(
                 libc::NFT_CMP_NEQ,
@@ -2076,12 +2081,15 @@ mod tests {
                 "reject type 1 code 0"
             ]
         );
-        // `oif "lo" fib saddr type != local goto refused`.
+        // `oif "lo" meta skuid >= 0 fib saddr type != local goto refused`.
         assert_eq!(
             exprs(&Rule::RefuseForeignSourceToHost),
             [
                 "meta load oif => reg 1",
                 "cmp eq reg 1 0x00000001",
+                "meta load skuid => reg 1",
+                "byteorder reg 1 = hton(reg 1, 4, 4)",
+                "cmp gte reg 1 0x00000000",
                 "fib saddr type => reg 1",
                 "cmp neq reg 1 0x00000002",
                 "immediate reg 0 goto -> refused"
