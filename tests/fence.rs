@@ -880,8 +880,14 @@ fn an_unscoped_guard_table_enters_the_guards_chain_and_reads_back_clean() {
     ] {
         assert!(at(gate) < established, "{output:#?}");
     }
-    // What an established packet walks first: source routes, ICMP of processes, the jumps.
-    assert_eq!(established, 7, "{output:#?}");
+    // What an established packet walks first: source routes, ICMP of processes, the jumps,
+    // and what a process writes to this host from a source not its own (one interface
+    // compare for a packet that does not go to loopback).
+    assert_eq!(established, 8, "{output:#?}");
+    assert_eq!(
+        output[7], "oif \"lo\" meta skuid >= 0 fib saddr type != local goto refused",
+        "{output:#?}"
+    );
     assert!(
         !output.iter().any(|l| l.contains("meta mark !=")),
         "{output:#?}"

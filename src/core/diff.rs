@@ -651,7 +651,11 @@ pub(crate) mod tests {
             output.added_rules[2],
             "meta l4proto icmp meta skuid >= 0 oif != \"lo\" goto refused"
         );
-        assert_eq!(output.added_rules[4], "ct state established,related accept");
+        assert_eq!(
+            output.added_rules[4],
+            "oif \"lo\" meta skuid >= 0 fib saddr type != local goto refused"
+        );
+        assert_eq!(output.added_rules[5], "ct state established,related accept");
         assert_eq!(
             diff.summary(),
             vec!["table inet egress_fence is new (it was not installed)"]

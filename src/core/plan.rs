@@ -492,6 +492,13 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>, gates: Vec<Rule>
     // answers and a stranger's packets over the guard's old upstream flows are established
     // too. With a scope the gates are in the scope's base chain, which every socket meets.
     rules.extend(gates);
+    // A packet to this host from a source that is not its own gets this host's answer (an
+    // ICMP error quoting it, a reset, a service's reply) sent to that source, as `related`
+    // or `established`; and written as the reply of a flow this host opened (the guard's to
+    // its upstream) it is taken for that peer's reply. Refused before anything accepts it:
+    // the replies, loopback, or an allow entry holding this host's address. Only loopback
+    // packets pay the route lookup.
+    rules.push(Rule::RefuseForeignSourceToHost);
     // Replies next: the bulk of packets leaves here after one conntrack lookup.
     if has(Essential::Established) {
         rules.push(Rule::AcceptEstablished);
@@ -875,6 +882,7 @@ pub fn fail_closed() -> Ruleset {
             .into_iter()
             .chain(Family::BOTH.map(Rule::RefuseIcmpFromProcesses))
             .chain([
+                Rule::RefuseForeignSourceToHost,
                 Rule::AcceptEstablished,
                 Rule::AcceptLoopback,
                 Rule::GotoRefused,
@@ -1126,6 +1134,7 @@ log:
             [
                 Rule::RefuseIcmpFromProcesses(Family::V4),
                 Rule::RefuseIcmpFromProcesses(Family::V6),
+                Rule::RefuseForeignSourceToHost,
                 Rule::AcceptEstablished,
                 Rule::AcceptLoopback,
                 Rule::GotoRefused
@@ -1142,13 +1151,15 @@ log:
             SourceRoute::ALL.map(Rule::RefuseSourceRoute)
         );
         assert_eq!(
-            rs.output[routes..routes + 3],
+            rs.output[routes..routes + 4],
             [
                 Rule::RefuseIcmpFromProcesses(Family::V4),
                 Rule::RefuseIcmpFromProcesses(Family::V6),
+                Rule::RefuseForeignSourceToHost,
                 Rule::AcceptEstablished
             ],
-            "ICMP that processes write is refused before the replies are accepted"
+            "ICMP that processes write and a packet to this host from a source not its own \
+             are refused before the replies are accepted"
         );
         let first_accept_set = rs
             .output
@@ -1233,6 +1244,9 @@ log:
             bare.output[..SourceRoute::ALL.len()],
             SourceRoute::ALL.map(Rule::RefuseSourceRoute)
         );
+        // And so is a packet to this host from a source not its own: an allow entry may
+        // hold this host's address, whose answer would go to that source.
+        assert!(bare.output.contains(&Rule::RefuseForeignSourceToHost));
     }
 
     #[test]

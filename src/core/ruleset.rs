@@ -719,6 +719,19 @@ pub enum Rule {
     },
     /// `ct state established,related accept`
     AcceptEstablished,
+    /// `oif "lo" meta skuid >= 0 fib saddr type != local goto refused`: a packet a process
+    /// writes to this host from a source that is not this host's. Only a writer that chose its
+    /// source sends one (any user over IPv6 with `IPV6_FREEBIND`, root with a raw socket), and
+    /// this host answers that source,
+    /// not the writer: a closed port with ICMP port unreachable quoting the packet or a reset
+    /// carrying its ports and sequence number, a service with its reply; each leaves as
+    /// `related` or `established` to the written flow, a channel to any address. Refused in
+    /// every table, whatever the essentials: an allow entry may hold this host's address.
+    /// Before the replies: written as the reply of a flow this host opened (the guard's query
+    /// to its upstream), it is `established` and would pass for that peer's answer. The
+    /// kernel's own packets have no owner and pass: the fence's reset of a refused connect
+    /// comes to this host from the refused destination.
+    RefuseForeignSourceToHost,
     /// `oif "lo" accept`
     AcceptLoopback,
     /// `icmpv6 type T accept`
@@ -920,6 +933,12 @@ impl fmt::Display for Rule {
             }
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
+            Rule::RefuseForeignSourceToHost => {
+                write!(
+                    f,
+                    "oif \"lo\" meta skuid >= 0 fib saddr type != local goto {REFUSED_CHAIN}"
+                )
+            }
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
             Rule::AcceptMldReport => write!(
                 f,
@@ -1377,6 +1396,10 @@ mod tests {
                 "ct state established,related accept",
             ),
             (Rule::AcceptLoopback, "oif \"lo\" accept"),
+            (
+                Rule::RefuseForeignSourceToHost,
+                "oif \"lo\" meta skuid >= 0 fib saddr type != local goto refused",
+            ),
             (
                 Rule::RefuseUnmarkedFromGuardPort {
                     from: "127.0.0.53:53".parse().unwrap(),

@@ -1058,6 +1058,21 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(eq(&LOOPBACK_IFINDEX.to_ne_bytes()));
             e.push(accept);
         }
+        Rule::RefuseForeignSourceToHost => {
+            e.push(crate_expr(Meta::Oif));
+            e.push(eq(&LOOPBACK_IFINDEX.to_ne_bytes()));
+            // Breaks (matches nothing) for a socket without a file: the kernel's own, which
+            // sends the fence's reset to this host from the refused destination.
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
+            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &sys::RTN_LOCAL.to_ne_bytes(),
+            )));
+            e.push(goto_refused());
+        }
         Rule::AcceptIcmpv6(t) => {
             e.extend(icmpv6_type_is(*t));
             e.push(accept);
@@ -1583,7 +1598,9 @@ fn rule_of(m: &Matches) -> Option<Rule> {
             _ => return None,
         },
         ReadVerdict::GotoRefused => {
-            if let Some(mark) = m.socket_mark_neq {
+            if m.fib_not_local && m.oif_eq {
+                Rule::RefuseForeignSourceToHost
+            } else if let Some(mark) = m.socket_mark_neq {
                 Rule::RefuseGuardQueryToOtherSockets {
                     to: SocketAddr::new(m.daddr.unwrap_or(IpAddr::from([0u8; 4])), m.dport?),
                     proto: proto()?,
@@ -2064,6 +2081,20 @@ mod tests {
                 "reject type 1 code 0"
             ]
         );
+        // `oif "lo" meta skuid >= 0 fib saddr type != local goto refused`.
+        assert_eq!(
+            exprs(&Rule::RefuseForeignSourceToHost),
+            [
+                "meta load oif => reg 1",
+                "cmp eq reg 1 0x00000001",
+                "meta load skuid => reg 1",
+                "byteorder reg 1 = hton(reg 1, 4, 4)",
+                "cmp gte reg 1 0x00000000",
+                "fib saddr type => reg 1",
+                "cmp neq reg 1 0x00000002",
+                "immediate reg 0 goto -> refused"
+            ]
+        );
         assert_eq!(
             exprs(&Rule::DropForeignSource(Arrival::Loopback)),
             [
@@ -2205,6 +2236,7 @@ mod tests {
             Rule::RecordFlow { group: 8 },
             Rule::AcceptEstablished,
             Rule::AcceptLoopback,
+            Rule::RefuseForeignSourceToHost,
             Rule::AcceptMldReport,
             Rule::GotoRefused,
             Rule::Refuse(Action::Reject),

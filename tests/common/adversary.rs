@@ -47,6 +47,13 @@ impl World {
         during: impl FnOnce() -> T + Send,
     ) -> (CmdOutput, T) {
         let ready = self.dir().join(format!("capture-ready-{marker}"));
+        // A capture of the same marker before left its file: waiting on that one would send
+        // before this capture is bound, and count nothing.
+        match std::fs::remove_file(&ready) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => panic!("removing {}: {e}", ready.display()),
+        }
         let ready_arg = ready.to_str().expect("utf-8 path").to_string();
         let (seconds, ethertype) = (seconds.to_string(), format!("{ethertype:#x}"));
         std::thread::scope(|scope| {

