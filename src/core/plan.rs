@@ -515,6 +515,12 @@ fn output_rules(policy: &Policy, guard: Option<&GuardIdentity>, gates: Vec<Rule>
     if has(Essential::Loopback) {
         rules.push(Rule::AcceptLoopback);
     }
+    // A packet a process writes to anywhere else from a source not this host's: the allowed
+    // destination (a resolver, a server) answers that source, an address no allow entry
+    // holds. Before the first accept a process's new flow meets (the resolvers', DHCP's, the
+    // allow entries'); after the replies and loopback, so only a new flow pays the lookup (a
+    // flow from a foreign source never has its replies here, and stays new).
+    rules.push(Rule::RefuseForeignSource);
     if has(Essential::Icmpv6Nd) {
         rules.extend(neighbour_discovery());
     }
@@ -1863,6 +1869,34 @@ log:
         }
         let rs = plan(&p, &resolution(&[]));
         assert!(rs.chain("scope_prerouting").is_none());
+    }
+
+    /// Red team round 5: an allowed destination answers the source of what a process writes,
+    /// and `IPV6_FREEBIND` lets any user write from an outside address.
+    #[test]
+    fn a_source_not_the_hosts_is_refused_after_loopback_and_before_every_other_accept() {
+        // The scoped guard's accepts of its own upstream questions come before loopback: only
+        // the guard's marked sockets meet them.
+        let scoped = scoped_plan(&[], &[]);
+        for (what, rs) in [
+            ("plain", plan(&policy(POLICY), &resolution(&[]))),
+            ("scoped guard", scoped),
+        ] {
+            let output = &rs.output;
+            let at = |want: &Rule| output.iter().position(|r| r == want).unwrap();
+            let refuse = at(&Rule::RefuseForeignSource);
+            assert_eq!(refuse, at(&Rule::AcceptLoopback) + 1, "{what}: {output:#?}");
+            assert!(at(&Rule::AcceptEstablished) < refuse, "{what}");
+            let first_process_accept = output
+                .iter()
+                .position(|r| matches!(r, Rule::AcceptTupleIn(_) | Rule::AcceptDhcpClient(_)))
+                .unwrap();
+            assert!(refuse < first_process_accept, "{what}: {output:#?}");
+        }
+        // Without the loopback essential it still comes before the first accept of a
+        // process's flow.
+        let bare = plan(&policy("version: 1\nessentials: []\n"), &resolution(&[]));
+        assert!(bare.output.contains(&Rule::RefuseForeignSource));
     }
 
     #[test]

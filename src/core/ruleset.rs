@@ -732,6 +732,19 @@ pub enum Rule {
     /// kernel's own packets have no owner and pass: the fence's reset of a refused connect
     /// comes to this host from the refused destination.
     RefuseForeignSourceToHost,
+    /// `meta skuid >= 0 fib saddr type != local fib saddr type != broadcast goto refused`: a
+    /// packet a process writes, to anywhere, from a source that is not this host's. The fence
+    /// judges a packet by its destination, and an allowed destination answers the source: a
+    /// resolver its question, a TCP server its SYN-ACK (the chosen port and sequence number),
+    /// to an address of the writer's choice that no allow entry holds. Any user can over IPv6
+    /// (`IPV6_FREEBIND`), root with CAP_NET_RAW over IPv4 (`IP_TRANSPARENT`, a raw socket).
+    /// After the replies (a flow from a foreign source has its replies go elsewhere, so it
+    /// stays new and meets this rule with every packet) and loopback (the rule above covers
+    /// it), before the first accept a process's new flow can meet. A broadcast source passes:
+    /// a DHCPv4 client's plain socket sends from 0.0.0.0 before it has an address, and no
+    /// reply comes back to a broadcast address. Only a source that is not local pays the
+    /// second lookup.
+    RefuseForeignSource,
     /// `oif "lo" accept`
     AcceptLoopback,
     /// `icmpv6 type T accept`
@@ -939,6 +952,11 @@ impl fmt::Display for Rule {
                     "oif \"lo\" meta skuid >= 0 fib saddr type != local goto {REFUSED_CHAIN}"
                 )
             }
+            Rule::RefuseForeignSource => write!(
+                f,
+                "meta skuid >= 0 fib saddr type != local fib saddr type != broadcast \
+                 goto {REFUSED_CHAIN}"
+            ),
             Rule::AcceptIcmpv6(t) => write!(f, "icmpv6 type {} accept", t.name()),
             Rule::AcceptMldReport => write!(
                 f,
@@ -1399,6 +1417,10 @@ mod tests {
             (
                 Rule::RefuseForeignSourceToHost,
                 "oif \"lo\" meta skuid >= 0 fib saddr type != local goto refused",
+            ),
+            (
+                Rule::RefuseForeignSource,
+                "meta skuid >= 0 fib saddr type != local fib saddr type != broadcast goto refused",
             ),
             (
                 Rule::RefuseUnmarkedFromGuardPort {

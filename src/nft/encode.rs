@@ -1073,6 +1073,24 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             )));
             e.push(goto_refused());
         }
+        Rule::RefuseForeignSource => {
+            // Breaks for the kernel's own packets, as above.
+            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
+            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
+            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
+            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &sys::RTN_LOCAL.to_ne_bytes(),
+            )));
+            // A second lookup, as nft writes the rule, for a source that is not local only.
+            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &sys::RTN_BROADCAST.to_ne_bytes(),
+            )));
+            e.push(goto_refused());
+        }
         Rule::AcceptIcmpv6(t) => {
             e.extend(icmpv6_type_is(*t));
             e.push(accept);
@@ -1304,6 +1322,7 @@ struct Matches {
     fib_missing: bool,
     /// `fib saddr type != local`.
     fib_not_local: bool,
+    fib_not_broadcast: bool,
     /// `iif N`: the input interface's index.
     iif: Option<u32>,
     /// `meta priority != P`.
@@ -1428,6 +1447,9 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     Loaded::Meta(libc::NFT_META_IIFNAME) => m.iifname = Some(data.clone()),
                     Loaded::SocketMark if !eq => m.socket_mark_neq = u32_of(data),
                     Loaded::Fib => m.fib_missing = eq && data.iter().all(|&b| b == 0),
+                    Loaded::FibType if !eq && u32_of(data) == Some(sys::RTN_BROADCAST) => {
+                        m.fib_not_broadcast = true;
+                    }
                     Loaded::FibType => {
                         m.fib_not_local = !eq && u32_of(data) == Some(sys::RTN_LOCAL);
                     }
@@ -1600,6 +1622,8 @@ fn rule_of(m: &Matches) -> Option<Rule> {
         ReadVerdict::GotoRefused => {
             if m.fib_not_local && m.oif_eq {
                 Rule::RefuseForeignSourceToHost
+            } else if m.fib_not_local && m.fib_not_broadcast {
+                Rule::RefuseForeignSource
             } else if let Some(mark) = m.socket_mark_neq {
                 Rule::RefuseGuardQueryToOtherSockets {
                     to: SocketAddr::new(m.daddr.unwrap_or(IpAddr::from([0u8; 4])), m.dport?),
@@ -2095,6 +2119,20 @@ mod tests {
                 "immediate reg 0 goto -> refused"
             ]
         );
+        // `meta skuid >= 0 fib saddr type != local fib saddr type != broadcast goto refused`.
+        assert_eq!(
+            exprs(&Rule::RefuseForeignSource),
+            [
+                "meta load skuid => reg 1",
+                "byteorder reg 1 = hton(reg 1, 4, 4)",
+                "cmp gte reg 1 0x00000000",
+                "fib saddr type => reg 1",
+                "cmp neq reg 1 0x00000002",
+                "fib saddr type => reg 1",
+                "cmp neq reg 1 0x00000003",
+                "immediate reg 0 goto -> refused"
+            ]
+        );
         assert_eq!(
             exprs(&Rule::DropForeignSource(Arrival::Loopback)),
             [
@@ -2237,6 +2275,7 @@ mod tests {
             Rule::AcceptEstablished,
             Rule::AcceptLoopback,
             Rule::RefuseForeignSourceToHost,
+            Rule::RefuseForeignSource,
             Rule::AcceptMldReport,
             Rule::GotoRefused,
             Rule::Refuse(Action::Reject),

@@ -39,6 +39,8 @@ pub const NFT_FIB_RESULT_OIF: u32 = 1;
 pub const NFT_FIB_RESULT_ADDRTYPE: u32 = 3;
 /// `RTN_LOCAL`: an address of this host.
 pub const RTN_LOCAL: u32 = 2;
+/// `RTN_BROADCAST`: a broadcast address (0.0.0.0 and 255.255.255.255 among them).
+pub const RTN_BROADCAST: u32 = 3;
 /// The fib expression's flags (`NFTA_FIB_F_*`, absent from libc): look up the source
 /// address, restricted to the input interface, and say only whether a route was found.
 pub const NFTA_FIB_F_SADDR: u32 = 1 << 0;

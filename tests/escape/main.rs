@@ -9,6 +9,7 @@ mod answers;
 mod common;
 mod daemon;
 mod essentials;
+mod foreign_source;
 mod forged;
 mod guard;
 mod inputs;
