@@ -11,6 +11,7 @@
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::Read;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -56,6 +57,7 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
     prctl::set_pdeathsig(Signal::SIGKILL).map_err(ExecError::sys("arm the parent-death signal"))?;
     // Opened while still root: the pipe is root's.
     let go = open_go(inside.go_fd)?;
+    close_inherited(&[go.as_raw_fd()])?;
     // `exec` is outside this pid namespace, so the /proc mounted below will not show it:
     // its stat file, opened now, says later whether it still lives.
     let parent = File::open(format!("/proc/{}/stat", inside.parent))
@@ -189,6 +191,27 @@ fn open_go(fd: i32) -> Result<File, ExecError> {
         .map_err(ExecError::io("open the start signal"))?;
     nix::unistd::close(fd).map_err(ExecError::sys("close the start signal"))?;
     Ok(pipe)
+}
+
+/// Closes every descriptor past stderr but `keep`. This process was started with every
+/// descriptor of exec's that is not close-on-exec: the daemon's netfilter sockets (libmnl
+/// opens them without SOCK_CLOEXEC) and whatever exec's caller left open, a socket of the
+/// caller's network namespace among them (socket activation's, a careless parent's), which
+/// sends past the fence: the fence is a table of CMD's namespace. CMD gets stdin, stdout and
+/// stderr only. Runs before any thread or runtime of this process opens a descriptor.
+fn close_inherited(keep: &[RawFd]) -> Result<(), ExecError> {
+    let open: Vec<RawFd> = std::fs::read_dir("/proc/self/fd")
+        .map_err(ExecError::io("list the inherited descriptors"))?
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    // The listing's own descriptor is among them, closed with the listing: EBADF.
+    for fd in open.into_iter().filter(|fd| *fd > 2 && !keep.contains(fd)) {
+        match nix::unistd::close(fd) {
+            Ok(()) | Err(nix::errno::Errno::EBADF) => {}
+            Err(e) => return Err(ExecError::sys("close an inherited descriptor")(e)),
+        }
+    }
+    Ok(())
 }
 
 /// Reads the go byte: false at EOF (exec refused, or died).

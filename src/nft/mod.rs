@@ -129,6 +129,13 @@ fn malformed_netlink(e: Malformed) -> NftError {
 impl Nft {
     pub fn open() -> Result<Nft, NftError> {
         let socket = mnl::Socket::new(mnl::Bus::Netfilter).map_err(NftError::Socket)?;
+        // libmnl opens it without SOCK_CLOEXEC: no program this process starts (pasta, the
+        // inside of `exec`) may read its acknowledgements and dumps.
+        nix::fcntl::fcntl(
+            sys::socket_fd(&socket),
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )
+        .map_err(|e| NftError::Socket(e.into()))?;
         netlink::socket::set_recv_timeout(sys::socket_fd(&socket), Some(RECV_TIMEOUT))
             .map_err(|e| NftError::Socket(e.into()))?;
         sys::cap_acks(&socket).map_err(NftError::Socket)?;
