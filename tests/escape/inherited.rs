@@ -1,4 +1,4 @@
-//! Red team (session 11) on `egress-fence exec`: what CMD inherits besides its standard
+//! Red team (session 10) on `egress-fence exec`: what CMD inherits besides its standard
 //! descriptors. exec started the inside with every descriptor not marked close-on-exec, and
 //! the inside started CMD with them: the daemon's netfilter sockets (libmnl opens them without
 //! SOCK_CLOEXEC), and whatever exec's caller left open. A socket of that caller's namespace
