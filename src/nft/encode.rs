@@ -915,6 +915,24 @@ fn tuple_in(set: SetId, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
 /// The IPv6 routing header's extension header type.
 const IPV6_ROUTING_HEADER: u8 = 43;
 
+/// `meta skuid >= 0`: the packet has an owning socket. Breaks (matches nothing) for a
+/// socket without a file: the kernel's own packets.
+fn has_owner() -> [AnyExpr; 3] {
+    [
+        own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)),
+        own(Expr::hton(sys::REG_1, 4, 4)),
+        own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())),
+    ]
+}
+
+/// `fib saddr type != T`, `T` a route type (`RTN_*`).
+fn source_type_is_not(route_type: u32) -> [AnyExpr; 2] {
+    [
+        own(Expr::fib_saddr_type(sys::REG_1)),
+        own(Expr::cmp(libc::NFT_CMP_NEQ, &route_type.to_ne_bytes())),
+    ]
+}
+
 /// The expressions of one rule, in nft's order.
 fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
     let accept = crate_expr(Verdict::Accept);
@@ -1014,10 +1032,7 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
                 Family::V4 => IPPROTO_ICMP,
                 Family::V6 => IPPROTO_ICMPV6,
             }));
-            // Breaks (matches nothing) for a socket without a file: the kernel's own.
-            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
-            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
-            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
+            e.extend(has_owner());
             e.push(crate_expr(Meta::Oif));
             e.push(own(Expr::cmp(
                 libc::NFT_CMP_NEQ,
@@ -1061,34 +1076,17 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
         Rule::RefuseForeignSourceToHost => {
             e.push(crate_expr(Meta::Oif));
             e.push(eq(&LOOPBACK_IFINDEX.to_ne_bytes()));
-            // Breaks (matches nothing) for a socket without a file: the kernel's own, which
-            // sends the fence's reset to this host from the refused destination.
-            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
-            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
-            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
-            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
-            e.push(own(Expr::cmp(
-                libc::NFT_CMP_NEQ,
-                &sys::RTN_LOCAL.to_ne_bytes(),
-            )));
+            // The kernel's own packets pass: it sends the fence's reset to this host from
+            // the refused destination.
+            e.extend(has_owner());
+            e.extend(source_type_is_not(sys::RTN_LOCAL));
             e.push(goto_refused());
         }
         Rule::RefuseForeignSource => {
-            // Breaks for the kernel's own packets, as above.
-            e.push(own(Expr::meta(libc::NFT_META_SKUID, sys::REG_1)));
-            e.push(own(Expr::hton(sys::REG_1, 4, 4)));
-            e.push(own(Expr::cmp(libc::NFT_CMP_GTE, &0u32.to_ne_bytes())));
-            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
-            e.push(own(Expr::cmp(
-                libc::NFT_CMP_NEQ,
-                &sys::RTN_LOCAL.to_ne_bytes(),
-            )));
+            e.extend(has_owner());
+            e.extend(source_type_is_not(sys::RTN_LOCAL));
             // A second lookup, as nft writes the rule, for a source that is not local only.
-            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
-            e.push(own(Expr::cmp(
-                libc::NFT_CMP_NEQ,
-                &sys::RTN_BROADCAST.to_ne_bytes(),
-            )));
+            e.extend(source_type_is_not(sys::RTN_BROADCAST));
             e.push(goto_refused());
         }
         Rule::AcceptIcmpv6(t) => {
@@ -1164,11 +1162,7 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
         }
         Rule::DropForeignSource(arrival) => {
             e.extend(iif_is(*arrival));
-            e.push(own(Expr::fib_saddr_type(sys::REG_1)));
-            e.push(own(Expr::cmp(
-                libc::NFT_CMP_NEQ,
-                &sys::RTN_LOCAL.to_ne_bytes(),
-            )));
+            e.extend(source_type_is_not(sys::RTN_LOCAL));
             e.push(crate_expr(Verdict::Drop));
         }
         Rule::ResetTcp => {
