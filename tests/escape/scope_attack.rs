@@ -1372,13 +1372,13 @@ fn a_process_in_a_listed_cgroup_sends_through_a_socket_taken_from_its_uid_outsid
     put_up(&w, &policy, SCOPE_LOAD);
     let listener = w.listen_udp(OTHER_V4, UDP_PORT);
     let marker = format!("holder-{}", w.sandbox_name());
-    let _holder = w.spawn_adversary(SCOPED, &[PYTHON, "-c", HOLD_SOCKET, &marker]);
+    let holder = w.spawn_adversary(SCOPED, &[PYTHON, "-c", HOLD_SOCKET, &marker]);
     std::thread::sleep(Duration::from_millis(500));
-    let take = |payload: &str| {
+    let take = |marker: &str, payload: &str| {
         let who = as_ids(SCOPED_UID, SCOPED_UID, &[]);
         let mut args: Vec<&str> = who.iter().map(String::as_str).collect();
         let (other, port) = (OTHER_V4.to_string(), UDP_PORT.to_string());
-        args.extend([PYTHON, "-c", TAKE_SOCKET, &marker, payload, &other, &port]);
+        args.extend([PYTHON, "-c", TAKE_SOCKET, marker, payload, &other, &port]);
         w.sandbox_net_only_cmd_in_cgroup(&fenced, &args)
     };
     // Its own socket is fenced.
@@ -1393,7 +1393,7 @@ fn a_process_in_a_listed_cgroup_sends_through_a_socket_taken_from_its_uid_outsid
         ],
     );
     assert!(!own.success(), "the listed cgroup is not fenced: {own}");
-    let out = take("taken");
+    let out = take(&marker, "taken");
     assert!(
         out.stdout.contains("sent") && listener.wait_for(1, Duration::from_secs(2)),
         "the socket was not taken or did not get out: the test proves nothing: {out}"
@@ -1409,8 +1409,14 @@ fn a_process_in_a_listed_cgroup_sends_through_a_socket_taken_from_its_uid_outsid
     let text = text.replace("scope:\n", &format!("scope:\n  users: [{SCOPED_UID}]\n"));
     let policy = w.write_file("scope-user.yaml", &text);
     put_up(&w, &policy, SCOPE_LOAD);
+    // A socket of its own, not the flow the first one left established.
+    drop(holder);
+    let marker = format!("{marker}-again");
+    let _holder = w.spawn_adversary(SCOPED, &[PYTHON, "-c", HOLD_SOCKET, &marker]);
+    std::thread::sleep(Duration::from_millis(500));
     let before = listener.count();
-    let out = take("taken-again");
+    let out = take(&marker, "taken-again");
+    assert!(out.stdout.contains("refused"), "{out}");
     assert!(
         !listener.wait_for(before + 1, Duration::from_secs(2)),
         "a taken socket of the listed user got out: {out}"
