@@ -1315,3 +1315,125 @@ fn a_scoped_user_gets_nothing_out_through_a_socket_bound_to_lo() {
         );
     }
 }
+
+/// Holds an unconnected UDP socket as descriptor 3 and sleeps: an unfenced process of the
+/// fenced user (its editor, its shell, a job cron started), outside the listed cgroup.
+/// ARGV[1] only marks it, for [`TAKE_SOCKET`] to find.
+const HOLD_SOCKET: &str = r#"
+import os, socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+os.dup2(s.fileno(), 3)
+time.sleep(30)
+"#;
+
+/// Finds the process of its own uid whose command line holds ARGV[1], takes its descriptor 3
+/// with pidfd_getfd (ptrace's access check: same uid, dumpable, no Yama restriction) and sends
+/// ARGV[2] to ARGV[3]:ARGV[4] through it. Prints `sent` or why not.
+const TAKE_SOCKET: &str = r#"
+import ctypes, os, socket, sys
+marker = sys.argv[1].encode()
+libc = ctypes.CDLL(None, use_errno=True)
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    if int(pid) == os.getpid():
+        continue
+    try:
+        cmd = open('/proc/%s/cmdline' % pid, 'rb').read()
+        if marker not in cmd.split(b'\0') or os.stat('/proc/' + pid).st_uid != os.getuid():
+            continue
+        pidfd = os.pidfd_open(int(pid))
+    except OSError:
+        continue
+    fd = libc.syscall(438, pidfd, 3, 0)
+    if fd < 0:
+        sys.exit('pidfd_getfd: ' + os.strerror(ctypes.get_errno()))
+    s = socket.socket(fileno=fd)
+    try:
+        s.sendto(sys.argv[2].encode(), (sys.argv[3], int(sys.argv[4])))
+        print('sent')
+    except OSError as e:
+        print('refused:', e)
+    sys.exit(0)
+sys.exit('no holder found')
+"#;
+
+/// A cgroup-only scope fences the sockets made in the cgroup, by the socket's cgroup: a
+/// process in it may still take over any process of its own uid outside it (ptrace,
+/// /proc/PID/mem, pidfd_getfd, as the uid's own rights allow, with no capability) and send
+/// through that process's sockets, which no rule fences. No table can tell the taken socket
+/// from its owner's, so `check` says it and names the remedy: list the uid too, whose
+/// sockets are then fenced by their owner wherever they were made, taken ones included.
+#[test]
+fn a_process_in_a_listed_cgroup_sends_through_a_socket_taken_from_its_uid_outside_it() {
+    let w = World::new();
+    let mut cgroups = TestCgroups::new();
+    let fenced = cgroups.make("fenced");
+    let text = cgroup_policy(&cgroups.policy_path("fenced"));
+    let policy = w.write_file("scope.yaml", &text);
+    put_up(&w, &policy, SCOPE_LOAD);
+    let listener = w.listen_udp(OTHER_V4, UDP_PORT);
+    let marker = format!("holder-{}", w.sandbox_name());
+    let holder = w.spawn_adversary(SCOPED, &[PYTHON, "-c", HOLD_SOCKET, &marker]);
+    std::thread::sleep(Duration::from_millis(500));
+    let take = |marker: &str, payload: &str| {
+        let who = as_ids(SCOPED_UID, SCOPED_UID, &[]);
+        let mut args: Vec<&str> = who.iter().map(String::as_str).collect();
+        let (other, port) = (OTHER_V4.to_string(), UDP_PORT.to_string());
+        args.extend([PYTHON, "-c", TAKE_SOCKET, marker, payload, &other, &port]);
+        w.sandbox_net_only_cmd_in_cgroup(&fenced, &args)
+    };
+    // Its own socket is fenced.
+    let own = w.sandbox_net_only_cmd_in_cgroup(
+        &fenced,
+        &[
+            PYTHON,
+            "-c",
+            "import socket,sys; socket.socket(2,2).sendto(b'own', (sys.argv[1], int(sys.argv[2])))",
+            &OTHER_V4.to_string(),
+            &UDP_PORT.to_string(),
+        ],
+    );
+    assert!(!own.success(), "the listed cgroup is not fenced: {own}");
+    let out = take(&marker, "taken");
+    assert!(
+        out.stdout.contains("sent") && listener.wait_for(1, Duration::from_secs(2)),
+        "the socket was not taken or did not get out: the test proves nothing: {out}"
+    );
+    let (code, said) = check(&policy);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("warning:") && said.contains("pidfd_getfd") && said.contains("`scope.users`"),
+        "check says nothing of the uid a cgroup-only scope leaves open: {said}"
+    );
+
+    // The uid listed too: the taken socket is its owner's, and fenced.
+    let text = text.replace("scope:\n", &format!("scope:\n  users: [{SCOPED_UID}]\n"));
+    let policy = w.write_file("scope-user.yaml", &text);
+    put_up(&w, &policy, SCOPE_LOAD);
+    // A socket of its own, not the flow the first one left established.
+    drop(holder);
+    let marker = format!("{marker}-again");
+    let _holder = w.spawn_adversary(SCOPED, &[PYTHON, "-c", HOLD_SOCKET, &marker]);
+    std::thread::sleep(Duration::from_millis(500));
+    let before = listener.count();
+    let out = take(&marker, "taken-again");
+    assert!(out.stdout.contains("refused"), "{out}");
+    assert!(
+        !listener.wait_for(before + 1, Duration::from_secs(2)),
+        "a taken socket of the listed user got out: {out}"
+    );
+    let (code, said) = check(&policy);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(!said.contains("pidfd_getfd"), "{said}");
+}
+
+/// `egress-fence check POLICY`: its exit code and its stderr.
+fn check(policy: &std::path::Path) -> (Option<i32>, String) {
+    let out = std::process::Command::new(EGRESS_FENCE_BIN)
+        .args(["check", path_arg(policy)])
+        .output()
+        .expect("run egress-fence check");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

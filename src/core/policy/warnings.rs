@@ -500,6 +500,26 @@ impl Policy {
                 ))
             })
             .collect();
+        // The table fences a socket by the cgroup it was made in, so a process in a listed
+        // cgroup that takes over a process of its own uid outside it (ptrace and pidfd_getfd
+        // need no capability against the same uid) sends through sockets no rule fences; a
+        // listed uid or group fences them by their owner wherever they were made.
+        if let Some(first) = scope.cgroups.first()
+            && scope.users.is_empty()
+            && scope.groups.is_empty()
+        {
+            out.push(HostFinding::Warning(format!(
+                "{}: the scope lists cgroups and no user: a process in a listed cgroup can take \
+                 over any process of its own uid outside it (ptrace, /proc/PID/mem, \
+                 pidfd_getfd: no capability needed against the same uid) and send through \
+                 that process's sockets, which no rule fences. List the user the cgroup's \
+                 processes run as in `scope.users` too (its sockets are then fenced wherever \
+                 they were made), or run them as a user with no process outside the cgroup",
+                at("cgroups", &|t| t
+                    .parse::<CgroupPath>()
+                    .is_ok_and(|c| c == *first))
+            )));
+        }
         for cgroup in &scope.cgroups {
             if let Some(why) = host.cgroup_missing(cgroup) {
                 out.push(HostFinding::Warning(format!(
@@ -888,6 +908,36 @@ mod tests {
         );
         let unscoped = parse(FULL).expect("valid");
         assert!(unscoped.scope_holes(&Delegating).is_empty());
+    }
+
+    #[test]
+    fn a_cgroup_only_scope_warns_that_its_uid_outside_the_cgroup_is_not_fenced() {
+        let text = "version: 1\nscope:\n  cgroups: [agent.slice]\n";
+        let p = parse(text).expect("valid");
+        let found = p.scope_findings(text, Path::new("p.yaml"), &Host);
+        let [HostFinding::Warning(w)] = found.as_slice() else {
+            panic!("{found:?}")
+        };
+        assert!(
+            w.starts_with("p.yaml:3:13: the scope lists cgroups and no user"),
+            "{w}"
+        );
+        assert!(
+            w.contains("pidfd_getfd") && w.contains("`scope.users`"),
+            "{w}"
+        );
+        for fenced_by_owner in ["users: [1001]", "groups: [1001]"] {
+            let text =
+                format!("version: 1\nscope:\n  {fenced_by_owner}\n  cgroups: [agent.slice]\n");
+            let p = parse(&text).expect("valid");
+            let found = p.scope_findings(&text, Path::new("p.yaml"), &Host);
+            assert!(
+                !found
+                    .iter()
+                    .any(|f| format!("{f:?}").contains("pidfd_getfd")),
+                "{found:?}"
+            );
+        }
     }
 
     #[test]
