@@ -103,6 +103,13 @@ impl World {
         run(&mut cmd, None)
     }
 
+    /// Writes `policy` as policy.yaml and applies it to the sandbox; panics with the output
+    /// if `apply` fails.
+    pub fn apply_policy(&self, policy: &str) {
+        let path = self.write_file("policy.yaml", policy);
+        egress_fence_ok(self, &["apply", path_arg(&path)]);
+    }
+
     /// Starts the egress-fence binary with `args` + `--netns <sandbox>` in the background
     /// (daemon, watch); it is killed when the handle drops.
     pub fn spawn_egress_fence(&self, args: &[&str]) -> Background {

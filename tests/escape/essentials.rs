@@ -5,7 +5,6 @@
 //! checks (item 8, red-team review).
 
 use std::net::{IpAddr, Ipv6Addr, UdpSocket};
-use std::path::PathBuf;
 use std::time::Duration;
 
 use egress_fence::core::ruleset::{DHCP_CLIENT_LIMIT, MLD_REPORT_LIMIT};
@@ -64,9 +63,7 @@ fn fenced_world() -> World {
 }
 
 fn apply(w: &World) {
-    let policy: PathBuf = w.write_file("policy.yaml", POLICY);
-    let out = w.egress_fence(&["apply", policy.to_str().expect("utf-8 path")]);
-    assert!(out.success(), "apply: {out}");
+    w.apply_policy(POLICY);
 }
 
 /// `(sent, refused)` of [`SEND_FROM_PORT`].

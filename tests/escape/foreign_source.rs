@@ -6,7 +6,6 @@
 //! them without ever being allowed. Over IPv6 any user can (`IPV6_FREEBIND`); over IPv4
 //! root with CAP_NET_RAW (`IP_TRANSPARENT`, or a raw socket with `IP_HDRINCL`).
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::common::*;
@@ -106,9 +105,7 @@ except OSError as e:
 
 fn fenced_world() -> World {
     let w = World::new();
-    let policy: PathBuf = w.write_file("policy.yaml", POLICY);
-    let out = w.egress_fence(&["apply", policy.to_str().expect("utf-8 path")]);
-    assert!(out.success(), "apply: {out}");
+    w.apply_policy(POLICY);
     w
 }
 

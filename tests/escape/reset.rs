@@ -6,7 +6,6 @@
 //! answer that address.
 
 use std::net::IpAddr;
-use std::path::PathBuf;
 
 use egress_fence::core::ruleset::ICMP_ANSWER_PRIORITY;
 
@@ -85,9 +84,7 @@ print('written')
 
 fn fenced_world() -> World {
     let w = World::new();
-    let policy: PathBuf = w.write_file("policy.yaml", POLICY);
-    let out = w.egress_fence(&["apply", policy.to_str().expect("utf-8 path")]);
-    assert!(out.success(), "apply: {out}");
+    w.apply_policy(POLICY);
     w
 }
 
