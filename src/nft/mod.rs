@@ -485,6 +485,18 @@ fn io_error(doing: &'static str, e: Errno) -> NftError {
 mod tests {
     use super::*;
 
+    /// No program this process starts (`exec`'s pasta and inside) inherits the netfilter
+    /// socket: libmnl opens it without SOCK_CLOEXEC. Opening one needs no privilege.
+    #[test]
+    fn the_netfilter_socket_is_close_on_exec() {
+        let nft = Nft::open().expect("a netfilter socket");
+        let flags = nix::fcntl::fcntl(sys::socket_fd(&nft.socket), nix::fcntl::FcntlArg::F_GETFD)
+            .expect("its descriptor flags");
+        assert!(
+            nix::fcntl::FdFlag::from_bits_truncate(flags).contains(nix::fcntl::FdFlag::FD_CLOEXEC)
+        );
+    }
+
     #[test]
     fn the_generation_request_and_answer() {
         let r = generation_request().unwrap();
