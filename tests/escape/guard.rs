@@ -1316,6 +1316,14 @@ fn nobody_in_the_fence_answers_for_the_guards_upstream() {
         &[PYTHON, "-c", POISON, &up, "api.example", &to],
     );
     assert!(out.success(), "{out}");
+    // The attack reached its forging step with a socket of the guard's to aim at: otherwise
+    // nothing below could fail.
+    let aimed_at = out
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("fresh sockets "))
+        .and_then(|rest| rest.split_whitespace().next()?.parse::<usize>().ok());
+    assert!(aimed_at.is_some_and(|n| n > 0), "{out}");
     assert!(
         !out.stdout.contains("answered") && !out.stdout.contains("connected"),
         "the guard took a forged upstream answer:\n{out}\nguard:\n{}",
