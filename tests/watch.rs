@@ -103,6 +103,79 @@ fn human_lines_name_the_destination() {
     );
 }
 
+/// Sends one UDP datagram from SRC, an address not the sandbox's, to DST port 443: over IPv6
+/// with `IPV6_FREEBIND` (any user), over IPv4 with `IP_TRANSPARENT` (root). Prints the errno
+/// of the refused send, or `sent`. Arguments: SRC DST.
+const SEND_FROM_OUTSIDE: &str = r#"
+import socket, sys
+src, dst = sys.argv[1:3]
+v6 = ':' in src
+s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
+if v6:
+    s.setsockopt(socket.IPPROTO_IPV6, 78, 1)  # IPV6_FREEBIND
+else:
+    s.setsockopt(socket.IPPROTO_IP, 19, 1)  # IP_TRANSPARENT
+s.bind((src, 40001))
+try:
+    s.sendto(b'x', (dst, 443))
+    print('sent')
+except OSError as e:
+    print(e.errno)
+"#;
+
+/// A packet written from an address that is not the host's is refused for its source before
+/// any destination is judged: `watch` says so, for an allowed destination too, instead of
+/// blaming the destination.
+#[test]
+fn a_packet_sent_from_an_address_not_the_hosts_is_said_to_be_refused_for_its_source() {
+    let w = World::new();
+    w.apply_policy(POLICY);
+    let mut watch = w.spawn_egress_fence(&["watch", "--json", "--count", "2"]);
+    assert!(watch.wait_for_output("watching NFLOG group 100", Duration::from_secs(5)));
+
+    let eperm = "1";
+    let v4 = w.sandbox_cmd(&[
+        PYTHON,
+        "-c",
+        SEND_FROM_OUTSIDE,
+        "203.0.113.11",
+        "192.0.2.10",
+    ]);
+    assert_eq!(v4.stdout.trim(), eperm, "{v4}");
+    let v6 = w.sandbox_cmd_as(
+        NOBODY,
+        &[
+            PYTHON,
+            "-c",
+            SEND_FROM_OUTSIDE,
+            "2001:db8:2::10",
+            "2001:db8:1::12",
+        ],
+    );
+    assert_eq!(v6.stdout.trim(), eperm, "{v6}");
+
+    assert!(
+        watch.wait_timeout(Duration::from_secs(5)).is_some(),
+        "watch did not exit after 2 events"
+    );
+    let got = events(&watch.stdout());
+    for (src, uid) in [("203.0.113.11", 0), ("2001:db8:2::10", NOBODY)] {
+        let event = got
+            .iter()
+            .find(|e| e["src"] == src)
+            .unwrap_or_else(|| panic!("no event from {src} in {got:?}"));
+        assert_eq!(event["uid"], uid, "{event}");
+        assert_eq!(
+            event["note"],
+            format!(
+                "sent from {src}, which is not this host's address: a source a process \
+                 chose, refused whatever the destination"
+            ),
+            "{event}"
+        );
+    }
+}
+
 #[test]
 fn watch_needs_an_installed_table_with_a_group() {
     let w = World::new();

@@ -2,14 +2,17 @@
 //! every DNS query the guard refused (from its event socket), as they happen.
 //!
 //! The library merges the two streams ([`egress_fence::watch::hear`]); this file picks the
-//! group, notes what the table says of each refused destination, and prints.
+//! group, notes what the table says of each refused destination (or that its source was
+//! refused), and prints.
 
 use std::io::Write;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
+use egress_fence::core::explain;
 use egress_fence::core::policy::Preset;
 use egress_fence::core::ruleset::TABLE;
+use egress_fence::host::HostAddrsCache;
 use egress_fence::nft::live::Destinations;
 use egress_fence::nft::{LiveTable, Nft};
 use egress_fence::state::StateDir;
@@ -42,6 +45,7 @@ pub fn run(
 
     let mut notes = TableNotes::open(&state)?;
     let mut host = Host::open();
+    let mut host_addrs = HostAddrsCache::new();
     let mut seen = 0;
     let mut stdout = std::io::stdout().lock();
     while count.is_none_or(|c| seen < c) {
@@ -67,10 +71,13 @@ pub fn run(
                     .as_ref()
                     .and_then(|scope| scope.matched(&event, &mut host))
                     .map(Box::new);
-                event.note = match Preset::containing(event.dst) {
-                    Some(p) => Some(format!("{} (preset {})", p.describe(), p.name())),
-                    None => Some(table_note),
-                };
+                let foreign =
+                    explain::foreign_source(event.src, event.uid.is_some(), host_addrs.current());
+                event.note = Some(match (foreign, Preset::containing(event.dst)) {
+                    (Some(why), _) => why.to_string(),
+                    (None, Some(p)) => format!("{} (preset {})", p.describe(), p.name()),
+                    (None, None) => table_note,
+                });
                 if json {
                     serde_json::to_string(&event)?
                 } else {

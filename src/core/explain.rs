@@ -3,11 +3,20 @@
 //! way. Pure: the callers gather what they know into a [`WhyRefused`] and print it.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::time::Duration;
+
+use super::installable::HostAddrs;
 
 /// Why the boundary refused a packet to a destination.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WhyRefused {
+    /// A process of this host sent it from `src`, an address that is not the host's: refused
+    /// whatever its destination, since an answer to it would carry the process's bytes to
+    /// wherever `src` is ([`Rule::RefuseForeignSource`](super::ruleset::Rule)).
+    ForeignSource {
+        src: IpAddr,
+    },
     /// Guard mode: DNS to the guard's upstream resolver from a socket that is not the
     /// guard's.
     GuardUpstream {
@@ -38,6 +47,7 @@ impl WhyRefused {
     /// address, so the set of values is bounded whatever was refused.
     pub fn reason(&self) -> &'static str {
         match self {
+            WhyRefused::ForeignSource { .. } => "foreign_source",
             WhyRefused::GuardUpstream { .. } => "guard_upstream",
             WhyRefused::OtherResolver { .. } => "other_resolver",
             WhyRefused::Denied(_) => "deny",
@@ -48,7 +58,8 @@ impl WhyRefused {
     }
 
     /// Every value [`WhyRefused::reason`] gives.
-    pub const REASONS: [&'static str; 6] = [
+    pub const REASONS: [&'static str; 7] = [
+        "foreign_source",
         "guard_upstream",
         "other_resolver",
         "deny",
@@ -61,6 +72,11 @@ impl WhyRefused {
 impl fmt::Display for WhyRefused {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            WhyRefused::ForeignSource { src } => write!(
+                f,
+                "sent from {src}, which is not this host's address: a source a process chose, \
+                 refused whatever the destination"
+            ),
             WhyRefused::GuardUpstream { guard_uid } => write!(
                 f,
                 "DNS to the guard's upstream resolver: only the guard (uid {guard_uid}, its \
@@ -100,6 +116,16 @@ pub fn guard_dns(guard_uid: u32, dport: Option<u16>, to_upstream: bool) -> Optio
     })
 }
 
+/// Whether a refused packet was refused for its source, which the fence judges before any
+/// destination: sent by a socket of this host (`owned`: the rule spares the kernel's own
+/// packets; forwarded ones have no owner) from an address the host's routing does not call
+/// local or broadcast. `None` when the host's addresses could not be read: every source would
+/// look foreign.
+pub fn foreign_source(src: IpAddr, owned: bool, host: &HostAddrs) -> Option<WhyRefused> {
+    (owned && host.is_known() && !host.is_local_or_broadcast(src))
+        .then_some(WhyRefused::ForeignSource { src })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +133,9 @@ mod tests {
     #[test]
     fn each_reason_reads_as_one_sentence() {
         let said = [
+            WhyRefused::ForeignSource {
+                src: "2001:db8:2::10".parse().unwrap(),
+            },
             WhyRefused::GuardUpstream { guard_uid: 993 },
             WhyRefused::OtherResolver { port: 853 },
             WhyRefused::Denied("preset cloud-metadata".into()),
@@ -124,6 +153,8 @@ mod tests {
         assert_eq!(
             said,
             [
+                "sent from 2001:db8:2::10, which is not this host's address: a source a \
+                 process chose, refused whatever the destination",
                 "DNS to the guard's upstream resolver: only the guard (uid 993, its sockets \
                  marked) may ask it",
                 "DNS (port 853) to a resolver other than the guard: refused in guard mode",
@@ -133,6 +164,54 @@ mod tests {
                 "was an address of a.example until 4m10s ago (its grace ended)",
                 "not in the policy",
             ]
+        );
+    }
+
+    #[test]
+    fn only_an_owned_packet_from_an_address_not_the_hosts_is_refused_for_its_source() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let host = HostAddrs::from_interfaces([
+            (ip("127.0.0.1"), Some(ip("255.0.0.0")), None),
+            (ip("::1"), None, None),
+            (
+                ip("10.0.0.2"),
+                Some(ip("255.255.255.0")),
+                Some(ip("10.0.0.255")),
+            ),
+            (ip("2001:db8::2"), None, None),
+        ]);
+        let foreign = |src: &str, owned| foreign_source(ip(src), owned, &host);
+        assert_eq!(
+            foreign("2001:db8:2::10", true),
+            Some(WhyRefused::ForeignSource {
+                src: ip("2001:db8:2::10")
+            })
+        );
+        assert!(foreign("203.0.113.7", true).is_some());
+        assert!(
+            foreign("::", true).is_some(),
+            "the fib calls :: no local address"
+        );
+        // The kernel's own packets (a reset from a refused destination) and forwarded ones.
+        assert_eq!(foreign("203.0.113.7", false), None);
+        // The host's addresses, all of 127/8, and what the fib calls broadcast (DHCPv4's
+        // 0.0.0.0 among them).
+        for own in [
+            "10.0.0.2",
+            "2001:db8::2",
+            "::1",
+            "127.0.0.1",
+            "127.0.0.53",
+            "0.0.0.0",
+            "255.255.255.255",
+            "10.0.0.255",
+        ] {
+            assert_eq!(foreign(own, true), None, "{own}");
+        }
+        // Unread addresses: no source is called foreign.
+        assert_eq!(
+            foreign_source(ip("203.0.113.7"), true, &HostAddrs::none()),
+            None
         );
     }
 

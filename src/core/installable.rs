@@ -109,6 +109,23 @@ impl HostAddrs {
     pub fn is_own(&self, addr: IpAddr) -> bool {
         self.own.contains(&addr)
     }
+
+    /// Whether any address was read (a failed read knows none).
+    pub fn is_known(&self) -> bool {
+        !self.own.is_empty()
+    }
+
+    /// Whether a source address is one the host's routing calls local or broadcast
+    /// (`fib saddr type`): its own addresses, all of 127/8 (the loopback route is local), and
+    /// for IPv4 0.0.0.0, 255.255.255.255 and its subnets' broadcast addresses.
+    pub fn is_local_or_broadcast(&self, addr: IpAddr) -> bool {
+        self.own.contains(&addr)
+            || self.broadcasts.contains(&addr)
+            || match addr {
+                IpAddr::V4(v4) => v4.is_loopback() || v4.is_unspecified() || v4.is_broadcast(),
+                IpAddr::V6(_) => false,
+            }
+    }
 }
 
 /// The well-known NAT64 prefix, 64:ff9b::/96 (RFC 6052): a NAT64 gateway sends a packet to

@@ -23,7 +23,7 @@ use super::names::{
     MAX_RESOLVED_ELEMENTS, NameState, PRUNE_EVERY, Services, desired, forget_learned_names,
     live_resolution, may_track, owners, services, table_elements, timed,
 };
-use crate::core::explain::WhyRefused;
+use crate::core::explain::{self, WhyRefused};
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::{HostAddrs, retain_installable, summarise};
 use crate::core::lifetime::{Lifetimes, renewals};
@@ -81,8 +81,12 @@ pub enum Event<'a> {
     TableChanged(&'a [Change]),
     /// Change notifications were lost.
     NotificationsLost,
-    /// A refused packet (`--log-drops`).
-    Refused(DropEvent),
+    /// A refused packet (`--log-drops`), with this host's addresses (to tell a refused
+    /// source).
+    Refused {
+        event: DropEvent,
+        host_addrs: &'a HostAddrs,
+    },
 }
 
 /// What of the host a scope lists, as the shell read it (`crate::host`): its listed cgroups
@@ -408,7 +412,9 @@ impl Core {
             }
             Event::TableChanged(changes) => self.heal(table, changes, now, &mut fx),
             Event::NotificationsLost => self.check_after_overrun(table, now, &mut fx),
-            Event::Refused(event) => fx.push(self.log_drop(event, now)),
+            Event::Refused { event, host_addrs } => {
+                fx.push(self.log_drop(event, host_addrs, now));
+            }
         }
         fx
     }
@@ -1184,10 +1190,16 @@ impl Core {
         )
     }
 
-    /// What the daemon knows of a refused packet's destination.
-    /// Why a packet to `dst`:`dport` was refused, with what the daemon knows: the policy's
-    /// deny entries, and which name answered the address and until when.
-    fn why_refused(&self, dst: IpAddr, dport: Option<u16>, now: Instant) -> WhyRefused {
+    /// Why `event` was refused, with what the daemon knows: its source (judged first, as the
+    /// table does), the policy's deny entries, and which name answered the address and until
+    /// when.
+    fn why_refused(&self, event: &DropEvent, host_addrs: &HostAddrs, now: Instant) -> WhyRefused {
+        explain::foreign_source(event.src, event.uid.is_some(), host_addrs)
+            .unwrap_or_else(|| self.why_refused_to(event.dst, event.dport, now))
+    }
+
+    /// Why a packet to `dst`:`dport` was refused, as far as its destination tells.
+    fn why_refused_to(&self, dst: IpAddr, dport: Option<u16>, now: Instant) -> WhyRefused {
         if let Some(why) = self
             .guard
             .as_ref()
@@ -1220,8 +1232,8 @@ impl Core {
     }
 
     /// Logs a refused packet with why it was refused; returns the count of it for metrics.
-    fn log_drop(&self, mut event: DropEvent, now: Instant) -> Effect {
-        let why = self.why_refused(event.dst, event.dport, now);
+    fn log_drop(&self, mut event: DropEvent, host_addrs: &HostAddrs, now: Instant) -> Effect {
+        let why = self.why_refused(&event, host_addrs, now);
         let count = Effect::CountRefused {
             family: Family::of(event.dst),
             reason: why.reason(),
@@ -2030,17 +2042,47 @@ mod tests {
         );
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         assert_eq!(
-            c.why_refused(ip("192.0.2.1"), Some(22), now).to_string(),
+            c.why_refused_to(ip("192.0.2.1"), Some(22), now).to_string(),
             "an address of a.example, allowed on other ports or protocols only"
         );
         assert_eq!(
-            c.why_refused(ip("203.0.113.1"), Some(443), now).to_string(),
+            c.why_refused_to(ip("203.0.113.1"), Some(443), now)
+                .to_string(),
             "not in the policy"
         );
         let later = now + Duration::from_secs(900 + 250);
         assert_eq!(
-            c.why_refused(ip("192.0.2.1"), Some(443), later).to_string(),
+            c.why_refused_to(ip("192.0.2.1"), Some(443), later)
+                .to_string(),
             "was an address of a.example until 4m10s ago (its grace ended)"
+        );
+        // A packet a process sent from an address not the host's is refused for its source,
+        // before any rule looks at its destination, even an allowed one; the log and the
+        // metrics say so.
+        let host_addrs = HostAddrs::from_interfaces([(ip("10.0.0.2"), None, None)]);
+        let mut explained = |src: &str, uid: Option<u32>| {
+            let mut event = DropEvent::refused_to("192.0.2.1", 443);
+            event.src = ip(src);
+            event.uid = uid;
+            let fx = c.on(
+                Event::Refused {
+                    event,
+                    host_addrs: &host_addrs,
+                },
+                now,
+                &mut table,
+            );
+            match &fx[..] {
+                [Effect::CountRefused { reason, .. }] => *reason,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(explained("198.51.100.9", Some(65534)), "foreign_source");
+        assert_eq!(explained("10.0.0.2", Some(65534)), "other_port");
+        assert_eq!(
+            explained("198.51.100.9", None),
+            "other_port",
+            "the kernel's own"
         );
     }
 

@@ -877,7 +877,10 @@ mod tests {
         // address on another port, and anywhere else.
         for dst in ["169.254.169.254", "203.0.113.7", "192.0.2.99"] {
             for effect in c.on(
-                Event::Refused(DropEvent::refused_to(dst, 8443)),
+                Event::Refused {
+                    event: DropEvent::refused_to(dst, 8443),
+                    host_addrs: &host_addrs,
+                },
                 now,
                 &mut table,
             ) {

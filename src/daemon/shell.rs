@@ -445,6 +445,17 @@ impl Daemon {
         self.carry_out(effects, &mut releases);
     }
 
+    /// Logs a refused packet, judged against this host's addresses.
+    fn refused(&mut self, event: DropEvent) {
+        let host_addrs = self.host_addrs.current();
+        let effects = self.core.on(
+            Event::Refused { event, host_addrs },
+            Instant::now(),
+            &mut self.nft,
+        );
+        self.carry_out(effects, &mut BTreeMap::new());
+    }
+
     /// Hands what the core knows to the metrics server (at most once a second: it walks
     /// the names).
     fn publish_metrics(&self) {
@@ -599,7 +610,7 @@ impl Daemon {
                     }
                 }
                 Some(event) = async { drops.as_mut().expect("guarded").recv().await }, if drops.is_some() => {
-                    self.handle(Event::Refused(event), &mut no_releases);
+                    self.refused(event);
                 }
                 Some(answer) = async { answers.as_mut().expect("guarded").recv().await }, if answers.is_some() => {
                     let waiting = answers.as_mut().expect("guarded");
