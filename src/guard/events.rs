@@ -1,18 +1,28 @@
 //! Refused queries streamed to `watch`.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
-use tokio::sync::broadcast;
+use tokio::sync::{Semaphore, broadcast};
 
 use crate::watch::QueryEvent;
 
 use super::GuardError;
 
+/// How many `watch`es read the guard's events at once; more are closed at once, so that
+/// clients that connect and never read cannot take the guard's open files (which its
+/// upstream sockets need).
+pub const MAX_WATCHERS: usize = 8;
+
 /// Streams refused queries, one JSON line each, to every client of the Unix socket at `path`
-/// (`watch`). A client too slow to keep up misses events rather than slowing the guard.
+/// (`watch`), at most [`MAX_WATCHERS`] at a time. A client too slow to keep up misses events
+/// rather than slowing the guard. The socket is the guard's user's alone (0600; `watch` runs
+/// as root): the state directory's mode keeps others out already, and this keeps them out
+/// where an administrator loosened it.
 pub fn serve_events(
     path: PathBuf,
     events: broadcast::Sender<QueryEvent>,
@@ -23,14 +33,25 @@ pub fn serve_events(
         path: path.clone(),
         source,
     })?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(|source| {
+        GuardError::Events {
+            path: path.clone(),
+            source,
+        }
+    })?;
+    let slots = Arc::new(Semaphore::new(MAX_WATCHERS));
     tokio::spawn(async move {
         loop {
             let Ok((mut stream, _)) = listener.accept().await else {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                continue;
+            };
             let mut rx = events.subscribe();
             tokio::spawn(async move {
+                let _slot = slot;
                 loop {
                     let event = match rx.recv().await {
                         Ok(e) => e,
@@ -49,4 +70,60 @@ pub fn serve_events(
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncReadExt;
+    use tokio::net::UnixStream;
+
+    use super::*;
+
+    /// The socket is its owner's alone; past [`MAX_WATCHERS`] clients that do not read, the
+    /// next is closed at once, and a refused query still reaches the ones served.
+    #[tokio::test]
+    async fn the_events_socket_is_the_owners_and_serves_a_bounded_number_of_watchers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("guard-events.sock");
+        let (events, _) = broadcast::channel(16);
+        serve_events(path.clone(), events.clone()).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+
+        let mut served = Vec::new();
+        for _ in 0..MAX_WATCHERS {
+            served.push(UnixStream::connect(&path).await.unwrap());
+        }
+        let mut extra = UnixStream::connect(&path).await.unwrap();
+        let mut byte = [0u8; 1];
+        let closed = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut byte)).await;
+        assert!(matches!(closed, Ok(Ok(0))), "{closed:?}");
+
+        // The served ones subscribe once accepted: wait until they all have.
+        for _ in 0..500 {
+            if events.receiver_count() == MAX_WATCHERS {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let query = QueryEvent::refused(
+            "exfil.example".into(),
+            "TXT".into(),
+            "127.0.0.1:40000".parse().unwrap(),
+            "udp",
+            "REFUSED",
+            "not in the policy".into(),
+        );
+        events.send(query).unwrap();
+        let mut line = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), served[0].read(&mut line))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&line[..n]).contains("exfil.example"),
+            "{:?}",
+            String::from_utf8_lossy(&line[..n])
+        );
+    }
 }
