@@ -293,7 +293,8 @@ fn the_guard_forwards_no_odd_form_of_a_refused_question() {
     let policy = format!(
         "version: 1\nallow:\n  - domain: api.good.example\n    ports: [{PORT}]\n    protocol: any\n\
          \x20 - domain: \"*.pool.example\"\n    ports: [{PORT}]\n    protocol: any\n\
-         dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{EVIL_DNS}]\n"
+         dns:\n  mode: guard\n  listen: [\"{GUARD_ADDR}\"]\n  upstream: [{EVIL_DNS}]\n\
+         log:\n  rate: 1000/second\n  burst: 1000\n"
     );
     let path = w.write_file("guard.yaml", &policy);
     let mut daemon = w.spawn_guard(path.to_str().expect("utf-8"));
@@ -330,6 +331,10 @@ fn the_guard_forwards_no_odd_form_of_a_refused_question() {
         "the guard installed stranger.example's address: {installed:?}"
     );
     let log = daemon.stderr();
+    assert!(
+        log.contains(r"name=secret\027[2J\010.pool.example "),
+        "the refused name is logged in presentation form:\n{log}"
+    );
     for line in log.lines() {
         assert!(
             !line.contains('\x1b') && !line.contains('\0'),
