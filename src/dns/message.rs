@@ -6,6 +6,7 @@
 //! that was not checked, and a message longer than its caller takes is refused unread.
 
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{Name, RData, Record};
 use hickory_proto::serialize::binary::DecodeError;
 
 /// The length of a DNS header: id, flags and the four section counts.
@@ -137,6 +138,31 @@ pub fn parse_reply(
     }
 }
 
+/// CNAME hops followed from the asked name, as resolvers bound them.
+const MAX_CHAIN: usize = 16;
+
+/// The records of `answers` that answer `asked`: those owned by the asked name or by a name
+/// the CNAME chain from it reaches (in any order, loops ended, at most [`MAX_CHAIN`] hops;
+/// names compare without regard to case). An answer is hostile input: a record of any other
+/// name is one nobody asked for, and installing its address under the asked name would
+/// allow what no entry names.
+pub fn on_chain<'a>(asked: &'a Name, answers: &'a [Record]) -> impl Iterator<Item = &'a Record> {
+    let mut chain: Vec<&Name> = vec![asked];
+    for _ in 0..MAX_CHAIN {
+        let next = answers.iter().find_map(|r| match &r.data {
+            RData::CNAME(target) if chain.iter().any(|n| **n == r.name) => {
+                (!chain.contains(&&target.0)).then_some(&target.0)
+            }
+            _ => None,
+        });
+        match next {
+            Some(target) => chain.push(target),
+            None => break,
+        }
+    }
+    answers.iter().filter(move |r| chain.contains(&&r.name))
+}
+
 #[cfg(test)]
 mod tests {
     use std::str::FromStr;
@@ -255,5 +281,29 @@ mod tests {
         ));
         let err = parse_reply(&good[..good.len() - 2], MAX_MESSAGE, 42, &questions).unwrap_err();
         assert!(err.to_string().starts_with("a malformed answer ("), "{err}");
+    }
+
+    /// Records of names off the CNAME chain from the asked name are not the answer.
+    #[test]
+    fn only_records_on_the_asked_names_chain_answer_it() {
+        use hickory_proto::rr::rdata::{A, CNAME};
+        let name = |s: &str| Name::from_str(s).unwrap();
+        let rec = |owner: &str, data| Record::from_rdata(name(owner), 60, data);
+        let answers = vec![
+            rec("stranger.example.", RData::A(A::new(203, 0, 113, 66))),
+            rec("Good.Example.", RData::A(A::new(192, 0, 2, 1))),
+            rec("edge.example.", RData::A(A::new(192, 0, 2, 3))),
+            rec("good.example.", RData::CNAME(CNAME(name("EDGE.example.")))),
+            rec(
+                "other.example.",
+                RData::CNAME(CNAME(name("stranger.example."))),
+            ),
+        ];
+        let asked = name("good.example.");
+        let taken: Vec<String> = on_chain(&asked, &answers)
+            .map(|r| r.data.to_string().to_ascii_lowercase())
+            .collect();
+        assert_eq!(taken, ["192.0.2.1", "192.0.2.3", "edge.example."]);
+        assert_eq!(on_chain(&name("nobody.example."), &answers).count(), 0);
     }
 }

@@ -9,12 +9,13 @@ use hickory_resolver::Resolver;
 use hickory_resolver::config::{NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts};
 use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
-use hickory_resolver::proto::rr::RData;
+use hickory_resolver::proto::rr::{Name, RData};
 use tracing::warn;
 
 use crate::core::installable::{MAX_ADDRS_PER_FAMILY, answered_addrs, retain_installable};
 use crate::core::policy::DomainName;
 use crate::core::resolution::{Resolution, ResolvedHost};
+use crate::dns::message::on_chain;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ResolveError {
@@ -149,6 +150,9 @@ impl NameResolver {
         opts.cache_size = 0;
         opts.try_tcp_on_error = true;
         opts.num_concurrent_reqs = SERVERS_PER_QUERY;
+        // The CNAMEs of an answer stay in it: the addresses taken are those on the chain
+        // from the asked name (see `lookup`).
+        opts.preserve_intermediates = true;
         let inner = builder
             .build()
             .map_err(|e| ResolveError::Setup(e.to_string()))?;
@@ -195,13 +199,17 @@ impl NameResolver {
             self.inner.ipv4_lookup(fqdn.as_str()),
             self.inner.ipv6_lookup(fqdn.as_str())
         );
+        // Only the records of the name asked and of the CNAME chain from it: hickory hands an
+        // answer without CNAMEs over whole, records of names nobody asked included.
+        let asked = Name::from_ascii(&fqdn).ok();
         let mut records: Vec<(IpAddr, u32)> = Vec::new();
         let mut errors = Vec::new();
         let mut nxdomain = false;
         for (kind, result) in [("A", v4), ("AAAA", v6)] {
             match result {
                 Ok(lookup) => {
-                    for record in lookup.answers() {
+                    let answers = lookup.answers();
+                    for record in asked.iter().flat_map(|asked| on_chain(asked, answers)) {
                         let addr = match &record.data {
                             RData::A(a) => IpAddr::V4(a.0),
                             RData::AAAA(a) => IpAddr::V6(a.0),

@@ -3,14 +3,12 @@
 use std::net::IpAddr;
 
 use hickory_proto::op::Message;
+use hickory_proto::rr::RData;
 use hickory_proto::rr::rdata::svcb::SvcParamValue;
-use hickory_proto::rr::{Name, RData};
 
 use crate::core::installable::answered_addrs;
 use crate::core::resolution::ResolvedAddr;
-
-/// CNAME hops followed from the asked name, as resolvers bound them.
-const MAX_CHAIN: usize = 16;
+use crate::dns::message::on_chain;
 
 /// The addresses that answer the question: A and AAAA records, and the address hints of
 /// HTTPS and SVCB records (clients may connect to those without asking A or AAAA), owned by
@@ -21,28 +19,11 @@ pub fn answer_addresses(query: &Message, answer: &Message) -> (Vec<ResolvedAddr>
     let Some(question) = query.queries.first() else {
         return (Vec::new(), 0);
     };
-    let mut chain: Vec<&Name> = vec![question.name()];
-    for _ in 0..MAX_CHAIN {
-        let next = answer.answers.iter().find_map(|r| match &r.data {
-            RData::CNAME(target) if chain.iter().any(|n| **n == r.name) => {
-                (!chain.contains(&&target.0)).then_some(&target.0)
-            }
-            _ => None,
-        });
-        match next {
-            Some(target) => chain.push(target),
-            None => break,
-        }
-    }
-    let records = answer
-        .answers
-        .iter()
-        .filter(|r| chain.contains(&&r.name))
-        .flat_map(|r| {
-            record_addresses(&r.data)
-                .into_iter()
-                .map(move |a| (a, r.ttl))
-        });
+    let records = on_chain(question.name(), &answer.answers).flat_map(|r| {
+        record_addresses(&r.data)
+            .into_iter()
+            .map(move |a| (a, r.ttl))
+    });
     answered_addrs(records)
 }
 
@@ -68,8 +49,8 @@ mod tests {
     use std::str::FromStr;
 
     use hickory_proto::op::MessageType;
-    use hickory_proto::rr::RecordType;
     use hickory_proto::rr::rdata::{A, AAAA, CNAME};
+    use hickory_proto::rr::{Name, RecordType};
 
     use super::*;
     use crate::core::installable::MAX_ADDRS_PER_FAMILY;

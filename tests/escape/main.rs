@@ -8,6 +8,7 @@ mod answers;
 #[path = "../common/mod.rs"]
 mod common;
 mod daemon;
+mod dns_names;
 mod essentials;
 mod foreign_source;
 mod forged;
