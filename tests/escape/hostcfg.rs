@@ -292,7 +292,6 @@ fn answering_service(
 /// TCP and the kernel's ICMP errors are not had this way (both refuse a packet that came in a
 /// link-layer multicast), UDP is.
 #[test]
-#[ignore = "fails on main: the port is not the bridge"]
 fn a_container_reaches_no_host_service_through_its_bridge_port() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
