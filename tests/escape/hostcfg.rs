@@ -328,3 +328,91 @@ fn a_container_reaches_no_host_service_through_its_bridge_port() {
          {heard:?}; its answers reached {OTHER_V4}: {out:?}"
     );
 }
+
+/// Writes, on the container's eth0, a Router Advertisement to ff02::1 in a frame to DST_MAC,
+/// from the link-local address of eth0's MAC with hop limit 255: router lifetime LIFETIME,
+/// a prefix to autoconfigure (2001:db8:aaTAG::/64) and a resolver (RDNSS), 3 times (a
+/// packet socket: the kernel would put it in a frame to 33:33:00:00:00:01). Arguments:
+/// DST_MAC TAG LIFETIME.
+const PORT_RA: &str = r#"
+import socket, struct, sys
+dst_mac, tag, lifetime = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(('eth0', 0))
+src_mac = s.getsockname()[4]
+a = lambda t: socket.inet_pton(socket.AF_INET6, t)
+m = bytearray(src_mac); m[0] ^= 2
+src = b'\xfe\x80' + bytes(6) + bytes(m[:3]) + b'\xff\xfe' + bytes(m[3:])
+dst = a('ff02::1')
+pio = struct.pack('!BBBBIII', 3, 4, 64, 0xc0, 86400, 14400, 0) + a('2001:db8:aa%s::' % tag)
+rdnss = struct.pack('!BBHI', 25, 3, 0, 86400) + a('2001:db8:cc%s::53' % tag)
+ra = struct.pack('!BBHBBHII', 134, 0, 0, 64, 0, lifetime, 0, 0) + pio + rdnss
+def checksum(b):
+    t = sum(struct.unpack('!%dH' % (len(b) // 2), b))
+    while t >> 16:
+        t = (t & 0xffff) + (t >> 16)
+    return ~t & 0xffff
+c = checksum(src + dst + struct.pack('!I3xB', len(ra), 58) + ra)
+ra = ra[:2] + struct.pack('!H', c) + ra[4:]
+ip6 = struct.pack('!IHBB', 6 << 28, len(ra), 58, 255) + src + dst
+frame = bytes.fromhex(dst_mac.replace(':', '')) + src_mac + b'\x86\xdd' + ip6 + ra
+for _ in range(3):
+    s.send(frame)
+print('written')
+"#;
+
+/// The same bridge port, for the host's IPv6 configuration: a Router Advertisement in a frame
+/// to LLDP's group address is handed to the host on the port `ct0`, whose defaults take it
+/// (`accept_ra=1` where IPv6 forwarding is off, as on a host whose containers have IPv4
+/// only): the host autoconfigures the container's prefix on ct0 and makes the container its
+/// IPv6 default router, so the host's own IPv6 traffic (to allowed destinations too) goes to
+/// the container. Shown without the table (router lifetime 0, a prefix only), then refused
+/// with it.
+#[test]
+fn a_container_is_not_its_hosts_router_through_its_bridge_port() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let ready = within(Duration::from_secs(10), || {
+        let ct = container.cmd(&[
+            "ip", "-6", "-o", "addr", "show", "dev", "eth0", "scope", "link",
+        ]);
+        let port = w.sandbox_cmd(&[
+            "ip", "-6", "-o", "addr", "show", "dev", "ct0", "scope", "link",
+        ]);
+        [ct, port]
+            .iter()
+            .all(|o| o.stdout.contains("fe80::") && !o.stdout.contains("tentative"))
+    });
+    assert!(ready, "no link-local addresses on the container's link");
+    let ra = |tag: &str, lifetime: &str| {
+        let out = container.cmd(&[PYTHON, "-c", PORT_RA, LLDP_MAC, tag, lifetime]);
+        assert!(out.success(), "{out}");
+    };
+    let addrs = || w.sandbox_cmd(&["ip", "-6", "addr", "show"]).stdout;
+    let default = || {
+        w.sandbox_cmd(&["ip", "-6", "route", "show", "default"])
+            .stdout
+    };
+
+    ra("03", "0");
+    assert!(
+        within(Duration::from_secs(5), || addrs()
+            .contains("2001:db8:aa03:")),
+        "without a table the host took no prefix through the port: the test proves nothing\n{}",
+        addrs()
+    );
+
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    put_up(&w, &policy, SCOPE_LOAD);
+    ra("04", "1800");
+    std::thread::sleep(Duration::from_secs(1));
+    let (a, d) = (addrs(), default());
+    assert!(
+        !a.contains("2001:db8:aa04:"),
+        "the container gave its host a prefix through its port:\n{a}"
+    );
+    assert!(
+        !d.contains("dev ct0"),
+        "the container made itself its host's default router through its port:\n{d}"
+    );
+}
