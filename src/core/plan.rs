@@ -671,7 +671,15 @@ fn scope_chains(
         // A listed interface's packets from a source that does not route back through it
         // are dropped before anything answers that source: the fence's reject and the
         // guard's answers would quote a container's data to an outside address it spoofed.
-        prerouting: each(Rule::DropSpoofedFrom),
+        prerouting: if scope.forward.is_empty() {
+            Vec::new()
+        } else {
+            // The packets a bridge passes up on a port, not as the bridge, first: no rule
+            // naming the bridge would see them.
+            std::iter::once(Rule::DropBridgeGroupFrames)
+                .chain(each(Rule::DropSpoofedFrom))
+                .collect()
+        },
     })
 }
 
@@ -1842,6 +1850,7 @@ log:
         assert_eq!(
             scope.prerouting,
             [
+                Rule::DropBridgeGroupFrames,
                 Rule::DropSpoofedFrom(iface("docker0")),
                 Rule::DropSpoofedFrom(iface("br-*")),
             ]
@@ -1860,7 +1869,8 @@ log:
         );
         assert!(rs.to_nft().contains(
             "\tchain scope_prerouting {\n\t\ttype filter hook prerouting priority raw; policy \
-             accept;\n\t\tiifname \"docker0\" fib saddr . iif oif missing drop\n"
+             accept;\n\t\t@ll,0,40 0x180c20000 drop\n\t\tiifname \"docker0\" fib saddr . iif \
+             oif missing drop\n"
         ));
         // Without listed interfaces nothing is forwarded to check: no chain.
         let mut p = policy(SCOPED);

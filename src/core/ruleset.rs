@@ -34,6 +34,11 @@ pub const FROM_BRIDGE_CHAIN: &str = "from_bridge";
 /// the routing decision (and the kernel's ICMP errors it makes) or any of our chains answers it.
 pub const SCOPE_PREROUTING_CHAIN: &str = "scope_prerouting";
 
+/// The first five bytes of the IEEE 802.1 reserved group addresses (01:80:c2:00:00:xx: STP,
+/// pause frames, LACP, 802.1X, LLDP): what [`Rule::DropBridgeGroupFrames`] compares a frame's
+/// destination with.
+pub const BRIDGE_GROUP_PREFIX: [u8; 5] = [0x01, 0x80, 0xc2, 0x00, 0x00];
+
 /// In guard mode, the guard's own protections (they hold for every socket), entered from the
 /// base chain on the output hook ([`OUTPUT_CHAIN`] without a scope, [`SCOPE_OUTPUT_CHAIN`]
 /// with one) only by the packets they can concern: from the guard's listen port, or to its
@@ -699,6 +704,14 @@ pub enum Rule {
     /// spoofs) is dropped on the prerouting hook, before anything can answer that source
     /// with the packet's data: the fence's reject, the guard, the kernel's ICMP errors.
     DropSpoofedFrom(IfacePattern),
+    /// `@ll,0,40 0x180c20000 drop` (the frame's destination is 01:80:c2:00:00:xx): an IP
+    /// packet in a frame to an IEEE 802.1 reserved group address is dropped on the
+    /// prerouting hook, whatever interface it came in by. A bridge never forwards such a
+    /// frame: it passes it up on the port it came in by (a container's veth), so the packet
+    /// reaches this host with the port as its input interface, past every rule that names
+    /// the bridge (`iifname "docker0"`): a container would reach every UDP service of the
+    /// host, from any source address it writes. No IP packet is sent to these addresses.
+    DropBridgeGroupFrames,
     /// `icmpv6 type nd-neighbor-solicit goto refused`: link-scoped messages are never
     /// forwarded, and the fence accepts some by type alone.
     RefuseIcmpv6(Icmpv6Type),
@@ -930,6 +943,8 @@ impl fmt::Display for Rule {
             Rule::DropSpoofedFrom(iface) => {
                 write!(f, "iifname \"{iface}\" fib saddr . iif oif missing drop")
             }
+            // As nft lists it (the address's leading zero dropped).
+            Rule::DropBridgeGroupFrames => f.write_str("@ll,0,40 0x180c20000 drop"),
             Rule::RefuseIcmpv6(t) => write!(f, "icmpv6 type {} goto {REFUSED_CHAIN}", t.name()),
             Rule::FenceIgmp => write!(f, "meta l4proto igmp goto {OUTPUT_CHAIN}"),
             Rule::FenceIcmpv6(t) => write!(f, "icmpv6 type {} goto {OUTPUT_CHAIN}", t.name()),
@@ -1580,6 +1595,7 @@ mod tests {
                 Rule::RecordFlow { group: 8 },
                 "ct state new log prefix \"EGRESS-FLOW: \" group 8",
             ),
+            (Rule::DropBridgeGroupFrames, "@ll,0,40 0x180c20000 drop"),
             (
                 Rule::DropSpoofedFrom("docker0".parse().unwrap()),
                 "iifname \"docker0\" fib saddr . iif oif missing drop",

@@ -332,9 +332,52 @@ impl CanaryFile {
             canary::URL_VARIABLE,
             canary::url(&canary.host, &canary.token)
         );
-        fs::write(path, text).map_err(ExecError::io("write the canary file"))?;
+        let mut file = open_canary_file(path)?;
+        file.write_all(text.as_bytes())
+            .map_err(ExecError::io("write the canary file"))?;
         Ok(CanaryFile(path.to_path_buf()))
     }
+}
+
+/// Opens the canary's file, which is in CMD's working directory: a directory CMD's user may
+/// write, where a process of that user (CMD of another run) may have left a symbolic link, a
+/// hard link or a FIFO at `path`. Written by path this process (root) would truncate and
+/// write whatever file the link names. So: never through a symbolic link (`O_NOFOLLOW`),
+/// never a FIFO or device (`O_NONBLOCK`, then a regular file only), never a file with another
+/// name too (a hard link), and emptied only once all that is checked.
+fn open_canary_file(path: &Path) -> Result<File, ExecError> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let refused = |why: &str| {
+        ExecError::Refused(format!(
+            "the canary file {} {why}; CMD not started",
+            path.display()
+        ))
+    };
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => refused("is a symbolic link"),
+            _ => ExecError::Io {
+                doing: "open the canary file",
+                source: e,
+            },
+        })?;
+    let meta = file
+        .metadata()
+        .map_err(ExecError::io("open the canary file"))?;
+    if !meta.is_file() {
+        return Err(refused("is not a regular file"));
+    }
+    if meta.nlink() != 1 {
+        return Err(refused("has other names (a hard link)"));
+    }
+    file.set_len(0)
+        .map_err(ExecError::io("empty the canary file"))?;
+    Ok(file)
 }
 
 impl Drop for CanaryFile {
@@ -498,5 +541,59 @@ fn wait_for_inside(
         if let Ok(sig @ (Signal::SIGINT | Signal::SIGTERM)) = Signal::try_from(signo) {
             let _ = kill(Pid::from_raw(inside.0.id() as i32), sig);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canary() -> Canary {
+        Canary {
+            token: "ck_live_test".into(),
+            host: "hooks-x.canary.invalid".into(),
+            file: None,
+        }
+    }
+
+    #[test]
+    fn the_canary_file_is_written_fresh_and_over_a_file_of_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("canary.env");
+        drop(CanaryFile::write(&path, &canary()).unwrap());
+        assert!(!path.exists(), "removed when dropped");
+        fs::write(
+            &path,
+            "an older and much longer canary file left by a killed run\n",
+        )
+        .unwrap();
+        let kept = CanaryFile::write(&path, &canary()).unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(text.starts_with("CANARY_API_KEY=ck_live_test\n"), "{text}");
+        assert!(!text.contains("killed run"), "{text}");
+        drop(kept);
+    }
+
+    #[test]
+    fn the_canary_file_is_never_written_through_a_link_or_into_a_fifo() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        fs::write(&victim, "root's own\n").unwrap();
+        let path = dir.path().join("canary.env");
+
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        let err = CanaryFile::write(&path, &canary()).err().expect("refused");
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        fs::remove_file(&path).unwrap();
+
+        fs::hard_link(&victim, &path).unwrap();
+        let err = CanaryFile::write(&path, &canary()).err().expect("refused");
+        assert!(err.to_string().contains("hard link"), "{err}");
+        fs::remove_file(&path).unwrap();
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "root's own\n");
+
+        // A FIFO nobody reads: refused at once, not waited on.
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        assert!(CanaryFile::write(&path, &canary()).is_err());
     }
 }

@@ -20,10 +20,11 @@ use super::sys::{
 use crate::core::policy::{Action, CgroupPath, IfacePattern, L4Proto, Rate, RateUnit};
 use crate::core::ruleset::{AUDIT_COMMENT, AUDIT_PREFIX, AUDIT_WINDOW_SET, FLOW_PREFIX};
 use crate::core::ruleset::{
-    Arrival, BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT, DHCP_MAX_LENGTH, Elements,
-    FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, ICMP_ANSWER_PRIORITY, Icmpv6Type, KeyShape,
-    Limit, LimitKind, LogSpec, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN, Rule, Ruleset,
-    ScopeMatch, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple, dhcp_ports, dhcp_servers,
+    Arrival, BRIDGE_GROUP_PREFIX, BaseChain, CgroupMatch, ChainPolicy, DHCP_CLIENT_LIMIT,
+    DHCP_MAX_LENGTH, Elements, FROM_BRIDGE_CHAIN, Family, GUARD_CHAIN, Hook, ICMP_ANSWER_PRIORITY,
+    Icmpv6Type, KeyShape, Limit, LimitKind, LogSpec, MLD_REPORT_LIMIT, OUTPUT_CHAIN, REFUSED_CHAIN,
+    Rule, Ruleset, ScopeMatch, SetId, SetRole, SourceRoute, TABLE, Timed, Tuple, dhcp_ports,
+    dhcp_servers,
 };
 use crate::netlink::attr::NLA_HDRLEN;
 use crate::netlink::bytes::align4;
@@ -984,6 +985,16 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.push(eq(&0u32.to_ne_bytes()));
             e.push(crate_expr(Verdict::Drop));
         }
+        Rule::DropBridgeGroupFrames => {
+            e.push(own(Expr::payload(
+                PayloadBase::LinkLayer,
+                0,
+                BRIDGE_GROUP_PREFIX.len() as u32,
+                sys::REG_1,
+            )));
+            e.push(eq(&BRIDGE_GROUP_PREFIX));
+            e.push(crate_expr(Verdict::Drop));
+        }
         Rule::RefuseIcmpv6(t) => {
             e.extend(icmpv6_type_is(*t));
             e.push(goto_refused());
@@ -1314,6 +1325,8 @@ struct Matches {
     socket_mark_neq: Option<u32>,
     /// `fib saddr . iif oif missing`.
     fib_missing: bool,
+    /// `@ll,0,40`: the frame's destination's first five bytes, compared (equal) with these.
+    ll_daddr_prefix: Option<Vec<u8>>,
     /// `fib saddr type != local`.
     fib_not_local: bool,
     fib_not_broadcast: bool,
@@ -1393,6 +1406,7 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                 dreg,
             } if *dreg == sys::REG_1 => {
                 let base = match *base as c_int {
+                    libc::NFT_PAYLOAD_LL_HEADER => PayloadBase::LinkLayer,
                     libc::NFT_PAYLOAD_NETWORK_HEADER => PayloadBase::Network,
                     libc::NFT_PAYLOAD_TRANSPORT_HEADER => PayloadBase::Transport,
                     _ => return None,
@@ -1454,6 +1468,9 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     Loaded::Cgroup(level) => {
                         let id = u64::from_ne_bytes(data.as_slice().try_into().ok()?);
                         m.cgroup = Some((level, id));
+                    }
+                    Loaded::Payload(PayloadBase::LinkLayer, 0, 5) if eq => {
+                        m.ll_daddr_prefix = Some(data.clone());
                     }
                     Loaded::Payload(PayloadBase::Network, 0, 1) => m.hdrlength = true,
                     Loaded::Payload(PayloadBase::Network, offset, len) => {
@@ -1546,6 +1563,8 @@ fn rule_of(m: &Matches) -> Option<Rule> {
         ReadVerdict::Drop if m.fib_not_local => {
             Rule::DropForeignSource(Arrival::ALL.into_iter().find(|a| Some(a.iif()) == m.iif)?)
         }
+        // The re-encoding checks the bytes.
+        ReadVerdict::Drop if m.ll_daddr_prefix.is_some() => Rule::DropBridgeGroupFrames,
         ReadVerdict::Drop if m.fib_missing => {
             Rule::DropSpoofedFrom(iface_of(m.iifname.as_deref()?)?)
         }
@@ -2377,6 +2396,7 @@ mod tests {
         for name in ["docker0", "br-*"] {
             rules.push(Rule::DropSpoofedFrom(iface(name)));
         }
+        rules.push(Rule::DropBridgeGroupFrames);
         rules.extend(Icmpv6Type::ALL.map(Rule::RefuseIcmpv6));
         rules.extend(Icmpv6Type::ALL.map(Rule::FenceIcmpv6));
         rules.push(Rule::FenceIgmp);
@@ -2639,6 +2659,14 @@ mod tests {
     #[test]
     fn scope_guards_match_nft() {
         // Recorded from `nft --debug=netlink -f` (nft 1.0.6) for the same rules as nft text.
+        assert_eq!(
+            exprs(&Rule::DropBridgeGroupFrames),
+            [
+                "payload load 5b @ link header + 0 => reg 1",
+                "cmp eq reg 1 0x00c28001 0x00000000",
+                "immediate reg 0 drop",
+            ]
+        );
         assert_eq!(
             exprs(&Rule::DropSpoofedFrom(iface("docker0"))),
             [

@@ -59,6 +59,7 @@ pub const fn reg32(n: u32) -> u32 {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PayloadBase {
+    LinkLayer,
     Network,
     Transport,
 }
@@ -84,6 +85,7 @@ impl Expr {
     /// Loads `len` bytes at `offset` of a header into register `dreg`.
     pub fn payload(base: PayloadBase, offset: u32, len: u32, dreg: u32) -> Expr {
         let base = match base {
+            PayloadBase::LinkLayer => libc::NFT_PAYLOAD_LL_HEADER,
             PayloadBase::Network => libc::NFT_PAYLOAD_NETWORK_HEADER,
             PayloadBase::Transport => libc::NFT_PAYLOAD_TRANSPORT_HEADER,
         } as u32;

@@ -13,6 +13,7 @@ mod essentials;
 mod foreign_source;
 mod forged;
 mod guard;
+mod hostcfg;
 mod inherited;
 mod inputs;
 mod learn;
