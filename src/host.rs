@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use crate::core::guard_identity::GuardIdentity;
 use crate::core::installable::HostAddrs;
 use crate::core::policy::{
-    BridgePort, CgroupDelegation, CgroupPath, Delegate, IfacePattern, Policy, ScopeHost,
+    BridgePort, CgroupDelegation, CgroupPath, Delegate, IfacePattern, LocalResolver,
+    LocalResolverKind, Policy, ScopeHost,
 };
 use crate::core::resolution::HostScope;
 use crate::core::ruleset::CgroupMatch;
@@ -133,6 +134,28 @@ impl ScopeHost for ThisHost {
     fn bridge_ports(&self, pattern: &IfacePattern) -> Result<Vec<BridgePort>, String> {
         bridge_ports(pattern).map_err(|e| e.to_string())
     }
+
+    fn local_resolvers(&self) -> Vec<LocalResolver> {
+        local_resolvers_at(
+            &LocalResolverKind::ALL.map(|(kind, socket, servers)| {
+                (kind, PathBuf::from(socket), PathBuf::from(servers))
+            }),
+        )
+    }
+}
+
+/// The resolvers of `known` (kind, socket, file naming its servers) whose socket is there.
+fn local_resolvers_at(known: &[(LocalResolverKind, PathBuf, PathBuf)]) -> Vec<LocalResolver> {
+    use std::os::unix::fs::FileTypeExt;
+    known
+        .iter()
+        .filter(|(_, socket, _)| std::fs::metadata(socket).is_ok_and(|m| m.file_type().is_socket()))
+        .map(|(kind, socket, servers)| LocalResolver {
+            kind: *kind,
+            socket: socket.clone(),
+            upstream: crate::dns::resolve::system_resolvers(servers).unwrap_or_default(),
+        })
+        .collect()
 }
 
 /// The holes this host's configuration opens in `policy`'s scope, each as its message: what
@@ -451,5 +474,46 @@ mod tests {
     fn reading_the_interfaces_finds_loopback() {
         let host = read_addrs().expect("getifaddrs");
         assert!(host.is_own("127.0.0.1".parse().unwrap()), "{host:?}");
+    }
+
+    /// Only a resolver whose socket is there is found, with the servers its file names
+    /// (none when the file cannot be read).
+    #[test]
+    fn local_resolvers_are_those_whose_socket_is_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |name: &str| dir.path().join(name);
+        let _resolved = std::os::unix::net::UnixListener::bind(at("resolve.sock")).unwrap();
+        std::fs::write(
+            at("resolved.conf"),
+            "nameserver 192.0.2.53\nnameserver ::1\n",
+        )
+        .unwrap();
+        std::fs::write(at("not-a-socket"), "").unwrap();
+        let _nscd = std::os::unix::net::UnixListener::bind(at("nscd.sock")).unwrap();
+        let found = local_resolvers_at(&[
+            (
+                LocalResolverKind::SystemdResolved,
+                at("resolve.sock"),
+                at("resolved.conf"),
+            ),
+            (
+                LocalResolverKind::Nscd,
+                at("not-a-socket"),
+                at("resolved.conf"),
+            ),
+            (LocalResolverKind::Nscd, at("nscd.sock"), at("missing.conf")),
+        ]);
+        let got: Vec<(LocalResolverKind, Vec<IpAddr>)> =
+            found.into_iter().map(|r| (r.kind, r.upstream)).collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    LocalResolverKind::SystemdResolved,
+                    vec!["192.0.2.53".parse().unwrap(), "::1".parse().unwrap()]
+                ),
+                (LocalResolverKind::Nscd, vec![]),
+            ]
+        );
     }
 }

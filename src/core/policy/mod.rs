@@ -45,8 +45,8 @@ pub use values::{
     HumanDuration, MAX_DOMAIN_PORT_RANGE, PortRange, ProbeHost, ProbeTarget, Rate, RateUnit,
 };
 pub use warnings::{
-    BridgePort, CgroupDelegation, Delegate, HostFinding, ScopeEntry, ScopeHole, ScopeHost,
-    wildcard_risk,
+    BridgePort, CgroupDelegation, Delegate, HostFinding, LocalResolver, LocalResolverKind,
+    ScopeEntry, ScopeHole, ScopeHost, wildcard_risk,
 };
 
 #[cfg(test)]

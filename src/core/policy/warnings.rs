@@ -277,6 +277,65 @@ pub trait ScopeHost {
     /// The ports of every bridge whose name matches `pattern` (`Err`: why they cannot be
     /// read).
     fn bridge_ports(&self, pattern: &IfacePattern) -> Result<Vec<BridgePort>, String>;
+    /// The resolvers of this host that answer any local user over a Unix socket (and so
+    /// past the network fence), with the servers each asks.
+    fn local_resolvers(&self) -> Vec<LocalResolver>;
+}
+
+/// A resolver of this host that any local user may ask over a Unix socket, which no network
+/// rule sees: it asks `upstream` as itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalResolver {
+    pub kind: LocalResolverKind,
+    /// Its socket, as found.
+    pub socket: PathBuf,
+    /// The servers it asks (empty: they could not be read).
+    pub upstream: Vec<IpAddr>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalResolverKind {
+    /// systemd-resolved: varlink `io.systemd.Resolve` and D-Bus `org.freedesktop.resolve1`;
+    /// its servers are those of `/run/systemd/resolve/resolv.conf`.
+    SystemdResolved,
+    /// nscd's hosts cache: it resolves a client's lookup itself, with `/etc/resolv.conf`.
+    Nscd,
+}
+
+impl LocalResolverKind {
+    /// Where it listens, and where its servers are written: what the edge looks at.
+    pub const ALL: [(LocalResolverKind, &'static str, &'static str); 2] = [
+        (
+            LocalResolverKind::SystemdResolved,
+            "/run/systemd/resolve/io.systemd.Resolve",
+            "/run/systemd/resolve/resolv.conf",
+        ),
+        (
+            LocalResolverKind::Nscd,
+            "/run/nscd/socket",
+            "/etc/resolv.conf",
+        ),
+    ];
+
+    fn remedy(self) -> &'static str {
+        match self {
+            LocalResolverKind::SystemdResolved => {
+                "make the guard its only server (`DNS=` the guard's address and `Domains=~.` \
+                 in resolved.conf), or stop it"
+            }
+            LocalResolverKind::Nscd => {
+                "turn its hosts cache off (`enable-cache hosts no` in nscd.conf), point \
+                 /etc/resolv.conf at the guard, or stop it"
+            }
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            LocalResolverKind::SystemdResolved => "systemd-resolved",
+            LocalResolverKind::Nscd => "nscd",
+        }
+    }
 }
 
 /// A file or directory of the cgroup hierarchy that someone other than root may write.
@@ -520,6 +579,40 @@ impl Policy {
                     .is_ok_and(|c| c == *first))
             )));
         }
+        // In guard mode a fenced process's DNS goes to the guard alone, but a local resolver
+        // that any user asks over a Unix socket (no packet a rule could see) recurses the
+        // question as itself, unfenced, unless the guard is all it asks.
+        if let Some(guard) = &self.dns.guard
+            && !(scope.users.is_empty() && scope.groups.is_empty() && scope.cgroups.is_empty())
+        {
+            for resolver in host.local_resolvers() {
+                let guarded = !resolver.upstream.is_empty()
+                    && resolver
+                        .upstream
+                        .iter()
+                        .all(|u| guard.listen.iter().any(|l| l.ip() == *u));
+                if guarded {
+                    continue;
+                }
+                let asks = match resolver.upstream.as_slice() {
+                    [] => "servers that could not be read".to_string(),
+                    servers => servers
+                        .iter()
+                        .map(IpAddr::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                };
+                out.push(HostFinding::Warning(format!(
+                    "{}: {} answers every local user on {} and asks {asks} itself, as a \
+                     process no scope rule fences: a fenced user's questions there carry data \
+                     out in their names, around the guard. {}.",
+                    at("mode", &|t| t == "guard"),
+                    resolver.kind.name(),
+                    resolver.socket.display(),
+                    capitalised(resolver.kind.remedy()),
+                )));
+            }
+        }
         for cgroup in &scope.cgroups {
             if let Some(why) = host.cgroup_missing(cgroup) {
                 out.push(HostFinding::Warning(format!(
@@ -563,6 +656,14 @@ impl Policy {
         }
         out
     }
+}
+
+fn capitalised(s: &str) -> String {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .map(|c| c.to_uppercase().chain(chars).collect())
+        .unwrap_or_default()
 }
 
 /// Where a scope entry is written in `source`.
@@ -783,6 +884,9 @@ mod tests {
         fn bridge_ports(&self, _: &IfacePattern) -> Result<Vec<BridgePort>, String> {
             Ok(Vec::new())
         }
+        fn local_resolvers(&self) -> Vec<LocalResolver> {
+            Vec::new()
+        }
     }
 
     /// A host where `user.slice/...` is delegated to uid 1001, `shared.slice` is writable by
@@ -837,6 +941,9 @@ mod tests {
                 .into_iter()
                 .filter(|p| pattern.matches(&p.bridge))
                 .collect())
+        }
+        fn local_resolvers(&self) -> Vec<LocalResolver> {
+            Vec::new()
         }
     }
 
@@ -908,6 +1015,87 @@ mod tests {
         );
         let unscoped = parse(FULL).expect("valid");
         assert!(unscoped.scope_holes(&Delegating).is_empty());
+    }
+
+    /// A host whose systemd-resolved and nscd answer local users over their sockets, each
+    /// asking the given servers.
+    struct Resolving(Vec<IpAddr>, Vec<IpAddr>);
+
+    impl ScopeHost for Resolving {
+        fn cgroup_missing(&self, _: &CgroupPath) -> Option<String> {
+            None
+        }
+        fn interface_present(&self, _: &IfacePattern) -> bool {
+            true
+        }
+        fn uid_has_account(&self, _: u32) -> bool {
+            true
+        }
+        fn cgroup_delegations(&self, _: &CgroupPath) -> Vec<CgroupDelegation> {
+            Vec::new()
+        }
+        fn bridge_ports(&self, _: &IfacePattern) -> Result<Vec<BridgePort>, String> {
+            Ok(Vec::new())
+        }
+        fn local_resolvers(&self) -> Vec<LocalResolver> {
+            LocalResolverKind::ALL
+                .into_iter()
+                .zip([&self.0, &self.1])
+                .map(|((kind, socket, _), upstream)| LocalResolver {
+                    kind,
+                    socket: socket.into(),
+                    upstream: upstream.clone(),
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn a_local_resolver_any_user_asks_over_a_socket_is_warned_about_unless_it_asks_the_guard() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let text = "version: 1\nscope:\n  users: [1001]\ndns:\n  mode: guard\n  listen: \
+                    [\"127.0.0.53:53\"]\n  upstream: [192.0.2.53]\n";
+        let p = parse(text).expect("valid");
+        let host = Resolving(vec![ip("192.0.2.53")], vec![]);
+        let found = p.scope_findings(text, Path::new("p.yaml"), &host);
+        let [HostFinding::Warning(resolved), HostFinding::Warning(nscd)] = found.as_slice() else {
+            panic!("{found:?}")
+        };
+        assert!(
+            resolved.starts_with(
+                "p.yaml:5:9: systemd-resolved answers every local user on \
+                 /run/systemd/resolve/io.systemd.Resolve and asks 192.0.2.53 itself"
+            ),
+            "{resolved}"
+        );
+        assert!(resolved.contains("`Domains=~.`"), "{resolved}");
+        assert!(
+            nscd.contains(
+                "nscd answers every local user on /run/nscd/socket and asks servers \
+                           that could not be read"
+            ),
+            "{nscd}"
+        );
+        // Both asking the guard alone: nothing to say.
+        let guarded = Resolving(vec![ip("127.0.0.53")], vec![ip("127.0.0.53")]);
+        assert!(
+            p.scope_findings(text, Path::new("p.yaml"), &guarded)
+                .is_empty()
+        );
+        // Resolve mode lets fenced users ask the policy's resolvers anyway; a scope of
+        // bridges alone fences no process of the host.
+        for text in [
+            "version: 1\nscope:\n  users: [1001]\ndns:\n  resolvers: [192.0.2.53]\n",
+            "version: 1\nscope:\n  forward: [docker0]\ndns:\n  mode: guard\n  upstream: \
+             [192.0.2.53]\n",
+        ] {
+            let p = parse(text).expect("valid");
+            assert!(
+                p.scope_findings(text, Path::new("p.yaml"), &host)
+                    .is_empty(),
+                "{text}"
+            );
+        }
     }
 
     #[test]
