@@ -8,6 +8,7 @@
 //!   which the fence accepts (the replies to connections made to the host, by design);
 //! - on a host that forwards (`ip_forward=1`, as Docker sets it), a packet written to any
 //!   address is routed out, and an unscoped table has no forward chain.
+//!
 //! The table cannot tell a forged flow from a real inbound one (README, "What the fence cannot
 //! stop"), so `probe`, run as the fenced process, must say that such a device is open to it
 //! (it said nothing) and how to close it.
@@ -183,7 +184,6 @@ fn ip_in_sandbox(w: &World, args: &str) {
 }
 
 #[test]
-#[ignore = "fails on main: the probe has no tun/tap check (the fix follows)"]
 fn a_tun_device_the_fenced_process_may_attach_carries_it_out_and_the_probe_says_so() {
     let w = World::new();
     let listener = w.listen_udp(OUTSIDE, OUTSIDE_PORT);
