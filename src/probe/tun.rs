@@ -9,67 +9,81 @@ use super::report::{Check, Outcome};
 pub const TUN_CHECK: &str = "tun/tap devices (packets written as received)";
 
 /// linux/if_tun.h.
-const IFF_TUN: u32 = 0x0001;
-const IFF_TAP: u32 = 0x0002;
-const IFF_MULTI_QUEUE: u32 = 0x0100;
-const IFF_NO_PI: u32 = 0x1000;
+const IFF_TUN: i16 = 0x0001;
+const IFF_TAP: i16 = 0x0002;
+const IFF_MULTI_QUEUE: i16 = 0x0100;
+const IFF_NO_PI: i16 = 0x1000;
 
-/// The flags that attach to a device whose `tun_flags` (sysfs) are `tun_flags`: its type and
-/// whether it is multi-queue must match, or the driver refuses with EINVAL before it asks
-/// whose the device is.
-pub(super) fn attach_flags(tun_flags: u32) -> i16 {
-    (tun_flags & (IFF_TUN | IFF_TAP | IFF_MULTI_QUEUE | IFF_NO_PI)) as i16
+/// The flags tried, in turn, to attach to a device: its type and whether it is multi-queue
+/// must match, or the driver refuses with EINVAL before it asks whose the device is.
+const ATTACH_FLAGS: [i16; 4] = [
+    IFF_TUN | IFF_NO_PI,
+    IFF_TAP | IFF_NO_PI,
+    IFF_TUN | IFF_MULTI_QUEUE | IFF_NO_PI,
+    IFF_TAP | IFF_MULTI_QUEUE | IFF_NO_PI,
+];
+
+/// What this process may do with the namespace's tun and tap devices.
+#[derive(Debug)]
+pub(super) enum TunAccess {
+    /// The interfaces could not be listed.
+    Unlisted(String),
+    /// `/dev/net/tun` does not open (there is a device to attach, but not for this process).
+    Closed(Errno),
+    /// Each device (link type `tun`: tun and tap alike) with the outcome of attaching a fresh
+    /// descriptor to it.
+    Tried(Vec<(String, Result<(), Errno>)>),
 }
 
-/// The tun and tap devices of this network namespace (those with `tun_flags` in sysfs) and
-/// their flags.
-fn tun_devices() -> Vec<(String, u32)> {
-    let Ok(entries) = std::fs::read_dir("/sys/class/net") else {
-        return Vec::new();
-    };
-    let mut devices: Vec<(String, u32)> = entries
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_str()?.to_string();
-            let text = std::fs::read_to_string(e.path().join("tun_flags")).ok()?;
-            let flags = u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()?;
-            Some((name, flags))
-        })
-        .collect();
-    devices.sort();
-    devices
+fn open_tun() -> Result<std::fs::File, Errno> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))
 }
 
-/// Each device's name and the outcome of attaching to it; `Err` when `/dev/net/tun` itself
-/// does not open.
-pub(super) type TunAccess = Result<Vec<(String, Result<(), Errno>)>, Errno>;
-
-/// What this process may do with the namespace's tun and tap devices: `Err` when it cannot
-/// open `/dev/net/tun` at all, else each device with the outcome of attaching a fresh
-/// descriptor to it (closed at once, which detaches it).
-pub(super) fn tun_access() -> TunAccess {
-    let open = || {
-        std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open("/dev/net/tun")
-            .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))
-    };
-    let devices = tun_devices();
-    if devices.is_empty() {
-        return Ok(Vec::new());
+/// Attaches a fresh descriptor to the device `name` (closed at once, which detaches it).
+fn attach(name: &str) -> Result<(), Errno> {
+    use std::os::fd::AsFd;
+    let file = open_tun()?;
+    for flags in ATTACH_FLAGS {
+        match crate::nft::sys::tun_set_iff(file.as_fd(), name, flags) {
+            Err(Errno::EINVAL) => continue,
+            other => return other,
+        }
     }
-    drop(open()?);
-    Ok(devices
+    Err(Errno::EINVAL)
+}
+
+/// Tries every tun and tap device of the calling thread's network namespace (listed over
+/// rtnetlink: sysfs shows the namespace it was mounted in).
+pub(super) fn tun_access() -> TunAccess {
+    let links = match crate::netlink::link::links() {
+        Ok(links) => links,
+        Err(e) => return TunAccess::Unlisted(e.to_string()),
+    };
+    let mut names: Vec<String> = links
         .into_iter()
-        .map(|(name, flags)| {
-            let attached = open().and_then(|file| {
-                use std::os::fd::AsFd;
-                crate::nft::sys::tun_set_iff(file.as_fd(), &name, attach_flags(flags))
-            });
-            (name, attached)
-        })
-        .collect())
+        .filter(|l| l.kind.as_deref() == Some("tun"))
+        .map(|l| l.name)
+        .collect();
+    names.sort();
+    if names.is_empty() {
+        return TunAccess::Tried(Vec::new());
+    }
+    if let Err(e) = open_tun() {
+        return TunAccess::Closed(e);
+    }
+    TunAccess::Tried(
+        names
+            .into_iter()
+            .map(|name| {
+                let attached = attach(&name);
+                (name, attached)
+            })
+            .collect(),
+    )
 }
 
 /// A process that may attach a tun or tap device writes packets that the host takes as
@@ -85,14 +99,17 @@ pub(super) fn tun_check(access: &TunAccess, net_admin: Option<bool>) -> Check {
                   /dev/net/tun from them (a container without the device; systemd \
                   PrivateDevices=yes)";
     let access = match access {
-        Err(e) => {
+        TunAccess::Unlisted(e) => {
+            return Check::new(Outcome::Warn, TUN_CHECK, format!("could not tell: {e}"));
+        }
+        TunAccess::Closed(e) => {
             return Check::new(
                 Outcome::Pass,
                 TUN_CHECK,
                 format!("cannot open /dev/net/tun ({e}): no tun/tap device is this process's"),
             );
         }
-        Ok(access) => access,
+        TunAccess::Tried(access) => access,
     };
     let open: Vec<String> = access
         .iter()
@@ -156,16 +173,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn attach_flags_keep_the_type_and_queues_of_the_device() {
-        // tun, persistent, no packet information: as `ip tuntap add mode tun` makes it.
-        assert_eq!(attach_flags(0x1801), 0x1001);
-        assert_eq!(attach_flags(0x1901), 0x1101);
-        assert_eq!(attach_flags(0x5802), 0x1002);
-    }
-
-    #[test]
     fn a_device_this_process_may_attach_fails_the_probe_only_without_cap_net_admin() {
-        let one = |r| Ok(vec![("tun0".to_string(), r)]);
+        let one = |r| TunAccess::Tried(vec![("tun0".to_string(), r)]);
         let fail = tun_check(&one(Ok(())), Some(false));
         assert_eq!(fail.outcome, Outcome::Fail, "{fail}");
         assert_eq!(fail.check, TUN_CHECK);
@@ -181,10 +190,15 @@ mod tests {
         let theirs = tun_check(&one(Err(Errno::EPERM)), Some(false));
         assert_eq!(theirs.outcome, Outcome::Pass, "{theirs}");
         assert!(theirs.reason.contains("tun0: EPERM"), "{theirs}");
-        let closed = tun_check(&Err(Errno::EACCES), Some(false));
+        let closed = tun_check(&TunAccess::Closed(Errno::EACCES), Some(false));
         assert_eq!(closed.outcome, Outcome::Pass, "{closed}");
         assert!(closed.reason.contains("/dev/net/tun"), "{closed}");
-        assert_eq!(tun_check(&Ok(Vec::new()), None).outcome, Outcome::Pass);
+        assert_eq!(
+            tun_check(&TunAccess::Tried(Vec::new()), None).outcome,
+            Outcome::Pass
+        );
+        let unlisted = TunAccess::Unlisted("interface dump: EPERM".into());
+        assert_eq!(tun_check(&unlisted, None).outcome, Outcome::Warn);
         let odd = tun_check(&one(Err(Errno::EMFILE)), Some(false));
         assert_eq!(odd.outcome, Outcome::Warn, "{odd}");
     }
