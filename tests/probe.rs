@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use egress_fence::core::policy::Policy;
-use egress_fence::probe::{self, Check, LINK_LAYER_CHECK, Outcome, ProbeOptions, Report};
+use egress_fence::probe::{
+    self, Check, LINK_LAYER_CHECK, Outcome, ProbeOptions, Report, TUN_CHECK,
+};
 
 /// Per attempt. Short, because under `action: drop` every refused TCP attempt waits it out
 /// (concurrently, so one probe takes about this long); above one second, because over IPv6
@@ -177,6 +179,7 @@ const EXPECTED_CHECKS: &[&str] = &[
     "rogue resolver tcp [2001:db8:1::54]:53",
     "dns exfiltration",
     LINK_LAYER_CHECK,
+    TUN_CHECK,
 ];
 
 /// Without the boundary the probe fails every refusal; with it every check passes; with a

@@ -381,7 +381,9 @@ pub enum Command {
     /// Every element of the installed resolved sets must be one the policy explains (an
     /// allowed name's, on its ports, within the lifetime cap). Last, the probe must fail to
     /// open a packet socket (AF_PACKET) and an XDP socket (AF_XDP): frames written to them
-    /// pass every nftables rule (a process with CAP_NET_ADMIN skips this check). So run it as
+    /// pass every nftables rule (a process with CAP_NET_ADMIN skips this check), and to attach
+    /// any tun or tap device: packets written there arrive as received, and the fence lets out
+    /// the answers to a flow forged that way, and a forwarding host what it routes. So run it as
     /// the fenced user: `egress-fence probe policy.yaml --as agent` (or, by hand, `ip netns
     /// exec sandbox setpriv --reuid=agent --regid=agent --clear-groups egress-fence probe
     /// ...`).

@@ -1522,6 +1522,37 @@ pub fn release_free_memory() {
     }
 }
 
+/// `TUNSETIFF` (`_IOW('T', 202, int)`, linux/if_tun.h; absent from libc).
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+
+/// Asks the tun driver behind `fd` (an open `/dev/net/tun`) to attach it to the device `name`
+/// with `flags` (`IFF_TUN` or `IFF_TAP`, `IFF_MULTI_QUEUE` as the device has it): `Ok` once
+/// attached (closing `fd` detaches it), EPERM when the device is not this process's to
+/// attach, EBUSY when it may but another descriptor holds it now. A name that is not a
+/// device's makes a new one (only with CAP_NET_ADMIN): callers pass names of devices that
+/// exist.
+pub fn tun_set_iff(
+    fd: std::os::fd::BorrowedFd<'_>,
+    name: &str,
+    flags: i16,
+) -> Result<(), nix::errno::Errno> {
+    use std::os::fd::AsRawFd;
+    let mut ifreq = [0u8; 40]; // struct ifreq: the name (IFNAMSIZ), then a union of 24 bytes
+    let bytes = name.as_bytes();
+    if bytes.is_empty() || bytes.len() >= libc::IFNAMSIZ || bytes.contains(&0) {
+        return Err(nix::errno::Errno::EINVAL);
+    }
+    ifreq[..bytes.len()].copy_from_slice(bytes);
+    ifreq[libc::IFNAMSIZ..libc::IFNAMSIZ + 2].copy_from_slice(&flags.to_ne_bytes());
+    // SAFETY: TUNSETIFF reads and writes a struct ifreq, which `ifreq` is in size (40 bytes)
+    // and layout (the name, NUL-terminated, then the flags), valid for the whole call.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETIFF, ifreq.as_mut_ptr()) };
+    if r < 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

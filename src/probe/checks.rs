@@ -1,6 +1,6 @@
 //! The checks of both DNS modes: resolvers, allowed entries, denied presets and networks,
 //! blocked targets, rogue resolvers, DNS exfiltration, the installed resolved elements and
-//! link-layer frames.
+//! link-layer frames, tun and tap devices.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -17,6 +17,7 @@ use super::options::TableView;
 use super::other_protocols::OtherProto;
 use super::plan::{Attempt, Expect, Kind, Plan, join, ports_to_probe};
 use super::report::{Check, Outcome};
+use super::tun::{tun_access, tun_check};
 
 /// The well-known metadata endpoints probed for the `cloud-metadata` preset: AWS/GCP/Azure's
 /// link-local address and the IPv6 ones of AWS, GCP and Scaleway, on the HTTP port they serve.
@@ -362,6 +363,14 @@ impl<'a> Plan<'a> {
     pub(super) fn link_layer(&mut self) {
         self.done(link_layer_check(
             &link_layer_access(),
+            capability_effective(CAP_NET_ADMIN),
+        ));
+    }
+
+    /// Whether this process may attach a tun or tap device (see [`tun_check`]).
+    pub(super) fn tun_devices(&mut self) {
+        self.done(tun_check(
+            &tun_access(),
             capability_effective(CAP_NET_ADMIN),
         ));
     }

@@ -90,6 +90,7 @@ mod run_as;
 mod scope;
 #[cfg(test)]
 mod testing;
+mod tun;
 
 pub use attempt::MAX_UDP_WAIT;
 pub use forward_ns::{ForwardNs, ForwardNsError, FromBridge, interface_addrs};
@@ -99,6 +100,7 @@ pub use plan::DEFAULT_EXFIL_ZONE;
 pub use report::{Check, Outcome, ProbeError, Report};
 pub use run_as::{RunAs, RunAsError};
 pub use scope::Prober;
+pub use tun::TUN_CHECK;
 
 use crate::core::policy::{DomainName, Policy, ProbeHost};
 use crate::dns::resolve::resolve_names;
@@ -167,6 +169,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.resolved_elements();
             plan.table_elements();
             plan.link_layer();
+            plan.tun_devices();
         }
         Some(g) => {
             plan.system_resolver(g);
@@ -180,6 +183,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.resolved_elements();
             plan.table_elements();
             plan.link_layer();
+            plan.tun_devices();
         }
     }
 

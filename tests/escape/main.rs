@@ -28,3 +28,4 @@ mod round2;
 mod round3;
 mod scope;
 mod scope_attack;
+mod tun_inject;
