@@ -220,7 +220,7 @@ pub fn cgroup_delegations(path: &CgroupPath) -> Vec<CgroupDelegation> {
 }
 
 /// The ports of every bridge of the current network namespace whose name matches `pattern`,
-/// with their link types (rtnetlink: /sys/class/net shows the namespace sysfs was mounted
+/// and the devices stacked on it (VLAN, macvlan), with their link types (rtnetlink: /sys/class/net shows the namespace sysfs was mounted
 /// in, not the one this thread entered).
 pub fn bridge_ports(
     pattern: &IfacePattern,
@@ -234,11 +234,12 @@ pub fn bridge_ports(
         ports.extend(
             links
                 .iter()
-                .filter(|l| l.master == Some(bridge.index))
+                .filter(|l| l.master == Some(bridge.index) || l.lower == Some(bridge.index))
                 .map(|port| BridgePort {
                     bridge: bridge.name.clone(),
                     port: port.name.clone(),
                     kind: port.kind.clone(),
+                    stacked: port.lower == Some(bridge.index),
                 }),
         );
     }

@@ -16,9 +16,11 @@ const RTM_GETLINK: u16 = 18;
 /// Bytes of `struct ifinfomsg`.
 const IFINFOMSG_LEN: usize = 16;
 const IFLA_IFNAME: u16 = 3;
+const IFLA_LINK: u16 = 5;
 const IFLA_MASTER: u16 = 10;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
+const IFLA_LINK_NETNSID: u16 = 37;
 
 /// One interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +29,10 @@ pub struct Link {
     pub name: String,
     /// The interface index of the bridge (bond, VRF...) this one is a port of.
     pub master: Option<u32>,
+    /// The interface of this namespace it is stacked on (a VLAN's or macvlan's lower
+    /// device): `IFLA_LINK` when it names a device of this namespace (a veth's names its peer,
+    /// which is in another namespace: `IFLA_LINK_NETNSID` says so).
+    pub lower: Option<u32>,
     /// Its link type (`bridge`, `veth`, `tun`, `vxlan`, `macvlan`...); `None` for a device
     /// with no rtnetlink link type, which is what a physical NIC is.
     pub kind: Option<String>,
@@ -94,6 +100,11 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
         .value(IFLA_MASTER)
         .and_then(|m| ne32(m, 0))
         .filter(|&m| m != 0);
+    let lower = attrs
+        .clone()
+        .value(IFLA_LINK)
+        .and_then(|l| ne32(l, 0))
+        .filter(|&l| l != 0 && l != index && attrs.clone().find(IFLA_LINK_NETNSID).is_none());
     let kind = attrs
         .find(IFLA_LINKINFO)
         .and_then(|info| info.nested().find(IFLA_INFO_KIND))
@@ -102,6 +113,7 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
         index,
         name,
         master,
+        lower,
         kind,
     })
 }
@@ -111,6 +123,17 @@ mod tests {
     use super::*;
 
     fn link_message(index: u32, name: &str, master: Option<u32>, kind: Option<&str>) -> Vec<u8> {
+        link_message_on(index, name, master, None, kind)
+    }
+
+    /// `lower`: IFLA_LINK, and whether IFLA_LINK_NETNSID says it is in another namespace.
+    fn link_message_on(
+        index: u32,
+        name: &str,
+        master: Option<u32>,
+        lower: Option<(u32, bool)>,
+        kind: Option<&str>,
+    ) -> Vec<u8> {
         let mut name_z = name.as_bytes().to_vec();
         name_z.push(0);
         let mut ifinfo = [0u8; IFINFOMSG_LEN];
@@ -120,6 +143,12 @@ mod tests {
             .attr(IFLA_IFNAME, &name_z);
         if let Some(m) = master {
             request = request.attr(IFLA_MASTER, &m.to_ne_bytes());
+        }
+        if let Some((l, elsewhere)) = lower {
+            request = request.attr(IFLA_LINK, &l.to_ne_bytes());
+            if elsewhere {
+                request = request.attr(IFLA_LINK_NETNSID, &0i32.to_ne_bytes());
+            }
         }
         if let Some(k) = kind {
             request = request.nested(IFLA_LINKINFO, |r| r.attr(IFLA_INFO_KIND, k.as_bytes()));
@@ -142,10 +171,23 @@ mod tests {
     }
 
     #[test]
-    fn links_are_read_with_their_master_and_kind() {
+    fn links_are_read_with_their_master_lower_device_and_kind() {
         let mut datagram = link_message(1, "eth0", Some(3), None);
         datagram.extend(link_message(3, "br0", None, Some("bridge")));
-        datagram.extend(link_message(4, "veth1", Some(3), Some("veth")));
+        datagram.extend(link_message_on(
+            4,
+            "veth1",
+            Some(3),
+            Some((3, true)),
+            Some("veth"),
+        ));
+        datagram.extend(link_message_on(
+            5,
+            "mv0",
+            None,
+            Some((3, false)),
+            Some("macvlan"),
+        ));
         let mut found = Vec::new();
         assert_eq!(
             parse_datagram(&datagram, &mut found),
@@ -158,19 +200,29 @@ mod tests {
                     index: 1,
                     name: "eth0".into(),
                     master: Some(3),
+                    lower: None,
                     kind: None
                 },
                 Link {
                     index: 3,
                     name: "br0".into(),
                     master: None,
+                    lower: None,
                     kind: Some("bridge".into())
                 },
                 Link {
                     index: 4,
                     name: "veth1".into(),
                     master: Some(3),
+                    lower: None,
                     kind: Some("veth".into())
+                },
+                Link {
+                    index: 5,
+                    name: "mv0".into(),
+                    master: None,
+                    lower: Some(3),
+                    kind: Some("macvlan".into())
                 },
             ]
         );

@@ -796,6 +796,76 @@ fn a_container_on_a_bridge_with_a_lan_port_is_fenced_without_bridge_netfilter() 
     assert_lan_port_refused(&w, &policy);
 }
 
+/// Puts a macvlan device on the bridge (the kernel here has no VLAN driver; a VLAN device
+/// on the bridge takes the same way), with an address of the containers' subnet, and points
+/// the container's default route at it: root in a container with CAP_NET_RAW writes frames
+/// to any MAC address on its link, which is what setting its own route stands for here. What
+/// the container sends then arrives at the host on `efmv0`, not on the bridge.
+fn bridge_stacked_device(w: &World, container: &BridgedContainer) {
+    let script = format!(
+        "sysctl -q -w net.ipv4.conf.all.arp_ignore=1 && ip link add link {BRIDGE} name efmv0 \
+         type macvlan mode bridge && ip addr add 198.18.0.3/24 dev efmv0 && ip link set efmv0 up"
+    );
+    let out = w.sandbox_cmd(&["sh", "-c", &script]);
+    assert!(out.success(), "{out}");
+    let route = container.cmd(&["ip", "route", "replace", "default", "via", "198.18.0.3"]);
+    assert!(route.success(), "{route}");
+}
+
+/// What the container sends to OTHER_V4 by its default route; whether the datagram arrived.
+fn container_out_by_its_route(w: &World, container: &BridgedContainer) -> bool {
+    let listener = w.listen_udp(OTHER_V4, UDP_PORT);
+    let script = format!("echo -n stacked > /dev/udp/{OTHER_V4}/{UDP_PORT}");
+    for _ in 0..3 {
+        let _ = container.cmd(&["bash", "-c", &script]);
+    }
+    listener.wait_for(1, Duration::from_secs(2))
+}
+
+/// A device stacked on a listed bridge (a VLAN, a macvlan) receives what containers on the
+/// bridge send to its address, with itself as input interface: no rule naming the bridge sees
+/// it, so it is forwarded unfenced. The plan's table, put up by nft past egress-fence's
+/// checks, shows the container getting out; `apply` and `run` refuse the policy unless the
+/// device is listed too, and then the container is fenced.
+#[test]
+fn a_device_stacked_on_a_listed_bridge_is_refused_unless_listed_too() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    bridge_stacked_device(&w, &container);
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    put_up(&w, &policy, ScopeLoad::NftText);
+    assert!(
+        container_out_by_its_route(&w, &container),
+        "the container did not get out through the stacked device past the plan's table: the \
+         test proves nothing"
+    );
+    let before = w.table_handle();
+    for command in ["apply", "run"] {
+        let out = w.egress_fence(&[command, path_arg(&policy)]);
+        assert_eq!(out.code(), 2, "{command}: {out}");
+        assert!(
+            out.stderr
+                .contains("listed bridge efbr0 carries efmv0 (a macvlan device on top of it)")
+                && out.stderr.contains("List `efmv0` in `scope.forward` too"),
+            "{command}: {out}"
+        );
+    }
+    assert_eq!(
+        w.table_handle(),
+        before,
+        "a refused policy replaced the table"
+    );
+    let listed = w.write_file(
+        "listed.yaml",
+        &BRIDGE_POLICY.replace("forward: [efbr0]", "forward: [efbr0, efmv0]"),
+    );
+    put_up(&w, &listed, SCOPE_LOAD);
+    assert!(
+        !container_out_by_its_route(&w, &container),
+        "the container got out through the listed stacked device"
+    );
+}
+
 /// A LAN port that appears on a listed bridge while `run` fences it: the table has no rule
 /// that could refuse what the bridge switches, so the daemon's host poll says so as an error,
 /// every time it looks, until the port is gone; a reload then refuses the policy.

@@ -274,8 +274,8 @@ pub trait ScopeHost {
     /// owners and writers of its directory, its `cgroup.procs` and `cgroup.threads` and
     /// those of each of its ancestors that exists, up to the hierarchy's root.
     fn cgroup_delegations(&self, path: &CgroupPath) -> Vec<CgroupDelegation>;
-    /// The ports of every bridge whose name matches `pattern` (`Err`: why they cannot be
-    /// read).
+    /// The ports of every bridge whose name matches `pattern`, and the devices stacked on
+    /// it (`Err`: why they cannot be read).
     fn bridge_ports(&self, pattern: &IfacePattern) -> Result<Vec<BridgePort>, String>;
     /// The resolvers of this host that answer any local user over a Unix socket (and so
     /// past the network fence), with the servers each asks.
@@ -358,13 +358,16 @@ pub enum Delegate {
     Everyone,
 }
 
-/// A port of a listed bridge, as this host has it.
+/// A port of a listed bridge, or a device stacked on it, as this host has it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BridgePort {
     pub bridge: String,
     pub port: String,
     /// Its link type (`veth`, `tun`, `vxlan`...); `None` for a device without one (a NIC).
     pub kind: Option<String>,
+    /// Not a port but a device on top of the bridge (a VLAN's or macvlan's lower device is
+    /// the bridge): what containers send it arrives with this device as input interface.
+    pub stacked: bool,
 }
 
 impl BridgePort {
@@ -476,7 +479,26 @@ impl Policy {
                     continue;
                 }
             };
-            for port in ports.iter().filter(|p| !p.is_container_veth()) {
+            for upper in ports
+                .iter()
+                .filter(|p| p.stacked && !scope.forward.iter().any(|f| f.matches(&p.port)))
+            {
+                let kind = upper.kind.as_deref().unwrap_or("network");
+                out.push(ScopeHole {
+                    entry: ScopeEntry::Forward(pattern.clone()),
+                    message: format!(
+                        "listed bridge {} carries {} (a {kind} device on top of it): what \
+                         containers send it arrives with {} as its input interface, past every \
+                         rule that names the bridge, and is routed on unfenced. List `{}` in \
+                         `scope.forward` too, or remove it",
+                        upper.bridge, upper.port, upper.port, upper.port
+                    ),
+                });
+            }
+            for port in ports
+                .iter()
+                .filter(|p| !p.stacked && !p.is_container_veth())
+            {
                 let kind = match port.kind.as_deref() {
                     Some("tun") => "a tap device (a VM's, say)".to_string(),
                     Some(kind) => format!("a {kind} device"),
@@ -930,12 +952,19 @@ mod tests {
                 bridge: bridge.into(),
                 port: port.into(),
                 kind: kind.map(str::to_string),
+                stacked: false,
+            };
+            let stacked = |bridge: &str, device: &str, kind: &str| BridgePort {
+                stacked: true,
+                ..port(bridge, device, Some(kind))
             };
             let all = [
                 port("docker0", "veth1a2b", Some("veth")),
                 port("docker0", "eth1", None),
                 port("br-lab", "vnet0", Some("tun")),
                 port("br-ok", "veth9", Some("veth")),
+                stacked("br-ok", "br-ok.10", "vlan"),
+                stacked("br-lab", "br-lab-mv", "macvlan"),
             ];
             Ok(all
                 .into_iter()
@@ -1003,10 +1032,39 @@ mod tests {
         assert_eq!(text.lines().count(), 4, "{text}");
     }
 
+    /// A device stacked on a listed bridge (a VLAN, a macvlan) gets what containers send it
+    /// as its own input: refused unless listed too (under `br-*`, the DELEGATED policy's, both
+    /// are).
+    #[test]
+    fn a_device_stacked_on_a_listed_bridge_is_an_error_unless_listed_too() {
+        let text = "version: 1\nscope:\n  forward: [br-ok]\n";
+        let p = parse(text).expect("valid");
+        let holes = p.scope_holes(&Delegating);
+        let [hole] = holes.as_slice() else {
+            panic!("{holes:?}")
+        };
+        assert!(
+            hole.message.starts_with(
+                "listed bridge br-ok carries br-ok.10 (a vlan device on top of it): what \
+                 containers send it arrives with br-ok.10 as its input interface"
+            ),
+            "{}",
+            hole.message
+        );
+        assert!(
+            hole.message
+                .ends_with("List `br-ok.10` in `scope.forward` too, or remove it"),
+            "{}",
+            hole.message
+        );
+        let listed = parse("version: 1\nscope:\n  forward: [br-ok, \"br-ok.*\"]\n").unwrap();
+        assert_eq!(listed.scope_holes(&Delegating), Vec::new());
+    }
+
     #[test]
     fn a_cgroup_delegated_to_a_listed_user_is_fenced_by_uid() {
         let text = "version: 1\nscope:\n  users: [1001]\n  cgroups: \
-                    [user.slice/user@1001.service/agent.scope]\n  forward: [br-ok]\n";
+                    [user.slice/user@1001.service/agent.scope]\n  forward: [br-ok, br-ok.10]\n";
         let p = parse(text).expect("valid");
         assert_eq!(p.scope_holes(&Delegating), Vec::new());
         assert!(
