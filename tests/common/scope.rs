@@ -306,6 +306,20 @@ fn getent_gid(group: &str) -> Option<u32> {
 
 /// The bridge's name in the sandbox, as `scope.forward` lists it.
 pub const BRIDGE: &str = "efbr0";
+
+/// A scope that forwards [`BRIDGE`]: its containers may reach HOST_V4:443, and ask the
+/// policy's resolver (resolve mode, no guard on the bridge); nothing else.
+pub const BRIDGE_POLICY: &str = r#"
+version: 1
+action: reject
+scope:
+  forward: [efbr0]
+allow:
+  - cidr: 192.0.2.10/32
+    ports: [443]
+dns:
+  resolvers: [192.0.2.53]
+"#;
 /// The bridge's address: the container host seen from the container (its gateway).
 pub const BRIDGE_V4: IpAddr = IpAddr::V4(Ipv4Addr::new(198, 18, 0, 1));
 /// The container's address.

@@ -84,19 +84,6 @@ fn the_canary_file_does_not_follow_a_symlink_cmd_planted() {
     assert_ne!(out.status.code(), Some(0), "CMD ran: {}", show(&out));
 }
 
-/// A scope that forwards a bridge: resolvers in the policy, nothing else allowed but one host.
-const BRIDGE_POLICY: &str = r#"
-version: 1
-action: reject
-scope:
-  forward: [efbr0]
-allow:
-  - cidr: 192.0.2.10/32
-    ports: [443]
-dns:
-  resolvers: [192.0.2.53]
-"#;
-
 /// Root in the container (CAP_NET_RAW in its own namespace) writes, on eth0, from its
 /// link-local address with hop limit 255: a Router Advertisement to ff02::1 with a prefix to
 /// autoconfigure (PIO, A flag), a route (RIO) and a resolver (RDNSS), then an ICMPv6

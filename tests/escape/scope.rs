@@ -206,19 +206,6 @@ fn a_scoped_user_sends_neither_icmp_nor_a_routing_header() {
     );
 }
 
-/// The container may reach HOST_V4:443; resolve mode (no guard on the bridge).
-const BRIDGE_POLICY: &str = r#"
-version: 1
-action: reject
-scope:
-  forward: [efbr0]
-allow:
-  - cidr: 192.0.2.10/32
-    ports: [443]
-dns:
-  resolvers: [192.0.2.53]
-"#;
-
 /// Writes, on the container's eth0, IPv4/UDP frames to the bridge's MAC from the container's
 /// address to DST:PORT with payload MARKER (a raw socket: root in a container keeps
 /// CAP_NET_RAW), 3 times. Arguments: DST_MAC SRC DST PORT MARKER.

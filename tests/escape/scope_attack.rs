@@ -467,19 +467,6 @@ for _ in range(2):
 print('written')
 "#;
 
-/// The container may reach HOST_V4:443; resolve mode.
-const BRIDGE_POLICY: &str = r#"
-version: 1
-action: reject
-scope:
-  forward: [efbr0]
-allow:
-  - cidr: 192.0.2.10/32
-    ports: [443]
-dns:
-  resolvers: [192.0.2.53]
-"#;
-
 /// Root in the container spoofs its source (another container's address, an outside
 /// address, the upstream resolver's) and fragments its datagrams: the forward path fences
 /// what comes in on the bridge, whoever it claims to be from.
