@@ -280,7 +280,6 @@ time.sleep(120)
 /// A holder that cleared the persistence is told from a VPN by nothing the probe can read:
 /// that stays a warning that says so.
 #[test]
-#[ignore = "fails on main: the probe only warns"]
 fn a_tun_device_held_by_the_fenced_process_through_the_probe_still_fails_it() {
     let w = World::new();
     let _service = w.listen_tcp(HOST_V4, 7000);
