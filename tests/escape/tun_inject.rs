@@ -331,3 +331,45 @@ fn a_tun_device_held_by_the_fenced_process_through_the_probe_still_fails_it() {
     assert!(reason.contains("cleared its persistence"), "{reason}");
     drop(holder);
 }
+
+/// The probe run with CAP_NET_ADMIN (the administrator, whom the fence does not confine) only
+/// skips the check, so it must not attach anything: attaching an idle persistent device
+/// rewrites its flags (a VM's tap loses `vnet_hdr` until its owner attaches it again) and
+/// blinks its carrier, for every device of the namespace.
+#[test]
+#[ignore = "fails on main: the probe attaches every device"]
+fn the_probe_with_cap_net_admin_leaves_idle_devices_alone() {
+    let w = World::new();
+    let _service = w.listen_tcp(HOST_V4, 7000);
+    let path = w.write_file("policy.yaml", POLICY);
+    let path = path.to_str().expect("utf-8 path");
+    w.apply_policy(POLICY);
+    ip_in_sandbox(&w, "tuntap add dev eftap0 mode tap vnet_hdr");
+    let flags = || {
+        w.sandbox_cmd(&["ip", "-d", "link", "show", "eftap0"])
+            .stdout
+    };
+    assert!(flags().contains("vnet_hdr on"), "{}", flags());
+    // As root, with every capability.
+    let out = w.sandbox_cmd(&[EGRESS_FENCE_BIN, "probe", path, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|e| panic!("probe --json is not JSON ({e}): {out}"));
+    let check = v["checks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| {
+            c["check"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("tun/tap")
+        })
+        .unwrap_or_else(|| panic!("no tun/tap check: {out}"))
+        .clone();
+    assert_eq!(check["outcome"], "skip", "{check}");
+    assert!(
+        flags().contains("vnet_hdr on"),
+        "the probe rewrote the device's flags: {}",
+        flags()
+    );
+}
