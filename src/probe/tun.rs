@@ -33,6 +33,10 @@ pub(super) enum TunAccess {
     /// Each device (link type `tun`: tun and tap alike) with the outcome of attaching a fresh
     /// descriptor to it.
     Tried(Vec<Device>),
+    /// The devices, not attached: this process holds CAP_NET_ADMIN and may attach every one,
+    /// which would tell nothing, and attaching an idle device rewrites its flags (a VM's tap
+    /// loses `vnet_hdr` until its owner attaches it again) and blinks its carrier.
+    Listed(Vec<String>),
 }
 
 /// One tun or tap device and what attaching it gave.
@@ -67,8 +71,9 @@ fn attach(name: &str) -> Result<(), Errno> {
 }
 
 /// Tries every tun and tap device of the calling thread's network namespace (listed over
-/// rtnetlink: sysfs shows the namespace it was mounted in).
-pub(super) fn tun_access() -> TunAccess {
+/// rtnetlink: sysfs shows the namespace it was mounted in); only lists them when `net_admin`
+/// (this process holds CAP_NET_ADMIN).
+pub(super) fn tun_access(net_admin: bool) -> TunAccess {
     let links = match crate::netlink::link::links() {
         Ok(links) => links,
         Err(e) => return TunAccess::Unlisted(e.to_string()),
@@ -81,6 +86,9 @@ pub(super) fn tun_access() -> TunAccess {
     devices.sort();
     if devices.is_empty() {
         return TunAccess::Tried(Vec::new());
+    }
+    if net_admin {
+        return TunAccess::Listed(devices.into_iter().map(|(name, _)| name).collect());
     }
     if let Err(e) = open_tun() {
         return TunAccess::Closed(e);
@@ -126,6 +134,19 @@ pub(super) fn tun_check(access: &TunAccess, net_admin: Option<bool>) -> Check {
                 Outcome::Pass,
                 TUN_CHECK,
                 format!("cannot open /dev/net/tun ({e}): no tun/tap device is this process's"),
+            );
+        }
+        TunAccess::Listed(names) => {
+            return Check::new(
+                Outcome::Skip,
+                TUN_CHECK,
+                format!(
+                    "this probe holds CAP_NET_ADMIN, so it is not what the fence confines (it \
+                     may attach every device, and does not try: attaching rewrites an idle \
+                     device's flags); run it as the fenced user (root in a container: setpriv \
+                     --bounding-set=-net_admin) to check {}",
+                    names.join(", ")
+                ),
             );
         }
         TunAccess::Tried(access) => access,
@@ -256,6 +277,10 @@ mod tests {
         assert_eq!(persistent_busy(Some(true)).outcome, Outcome::Skip);
         let admin = tun_check(&one(Ok(())), Some(true));
         assert_eq!(admin.outcome, Outcome::Skip, "{admin}");
+        // Listed, not attached, with CAP_NET_ADMIN.
+        let listed = tun_check(&TunAccess::Listed(vec!["tap0".into()]), Some(true));
+        assert_eq!(listed.outcome, Outcome::Skip, "{listed}");
+        assert!(listed.reason.ends_with("to check tap0"), "{listed}");
 
         let theirs = tun_check(&one(Err(Errno::EPERM)), Some(false));
         assert_eq!(theirs.outcome, Outcome::Pass, "{theirs}");

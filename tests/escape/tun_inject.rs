@@ -337,7 +337,6 @@ fn a_tun_device_held_by_the_fenced_process_through_the_probe_still_fails_it() {
 /// rewrites its flags (a VM's tap loses `vnet_hdr` until its owner attaches it again) and
 /// blinks its carrier, for every device of the namespace.
 #[test]
-#[ignore = "fails on main: the probe attaches every device"]
 fn the_probe_with_cap_net_admin_leaves_idle_devices_alone() {
     let w = World::new();
     let _service = w.listen_tcp(HOST_V4, 7000);
