@@ -3,7 +3,7 @@
 //! and the uid the guard runs as.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::core::guard_identity::GuardIdentity;
@@ -140,12 +140,17 @@ impl ScopeHost for ThisHost {
             &LocalResolverKind::ALL.map(|(kind, socket, servers)| {
                 (kind, PathBuf::from(socket), PathBuf::from(servers))
             }),
+            &resolved_config_files(Path::new("/")),
         )
     }
 }
 
-/// The resolvers of `known` (kind, socket, file naming its servers) whose socket is there.
-fn local_resolvers_at(known: &[(LocalResolverKind, PathBuf, PathBuf)]) -> Vec<LocalResolver> {
+/// The resolvers of `known` (kind, socket, file naming its servers: none when empty) whose
+/// socket is there; systemd-resolved's multicast as `resolved_conf` sets it.
+fn local_resolvers_at(
+    known: &[(LocalResolverKind, PathBuf, PathBuf)],
+    resolved_conf: &[PathBuf],
+) -> Vec<LocalResolver> {
     use std::os::unix::fs::FileTypeExt;
     known
         .iter()
@@ -153,9 +158,84 @@ fn local_resolvers_at(known: &[(LocalResolverKind, PathBuf, PathBuf)]) -> Vec<Lo
         .map(|(kind, socket, servers)| LocalResolver {
             kind: *kind,
             socket: socket.clone(),
-            upstream: crate::dns::resolve::system_resolvers(servers).unwrap_or_default(),
+            upstream: match servers.as_os_str().is_empty() {
+                true => Vec::new(),
+                false => crate::dns::resolve::system_resolvers(servers).unwrap_or_default(),
+            },
+            multicast: match kind {
+                LocalResolverKind::SystemdResolved => resolved_multicast(resolved_conf),
+                LocalResolverKind::Nscd => false,
+                LocalResolverKind::Avahi => true,
+            },
         })
         .collect()
+}
+
+/// resolved.conf and its drop-ins under `root`, in the order systemd-resolved reads them: the
+/// first main file found, then every `*.conf` of the `resolved.conf.d` directories by file
+/// name (a name in an earlier directory hides the same name in a later one).
+fn resolved_config_files(root: &Path) -> Vec<PathBuf> {
+    let dirs = [
+        "etc/systemd",
+        "run/systemd",
+        "usr/local/lib/systemd",
+        "usr/lib/systemd",
+    ];
+    let mut files: Vec<PathBuf> = dirs
+        .iter()
+        .map(|d| root.join(d).join("resolved.conf"))
+        .find(|p| p.is_file())
+        .into_iter()
+        .collect();
+    let mut dropins = std::collections::BTreeMap::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(root.join(dir).join("resolved.conf.d")) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().ends_with(".conf") {
+                dropins.entry(entry.file_name()).or_insert(entry.path());
+            }
+        }
+    }
+    files.extend(dropins.into_values());
+    files
+}
+
+/// Whether systemd-resolved asks the local links by multicast, as `files` set it: unless both
+/// `LLMNR=` and `MulticastDNS=` are off (`no`) in `[Resolve]`, the last setting winning. Unset,
+/// each is what the build made its default (LLMNR on upstream; mDNS on in some
+/// distributions): taken as on.
+fn resolved_multicast(files: &[PathBuf]) -> bool {
+    let (mut llmnr, mut mdns) = (true, true);
+    for file in files {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        let mut in_resolve = false;
+        for line in text.lines().map(str::trim) {
+            if line.starts_with('[') {
+                in_resolve = line == "[Resolve]";
+                continue;
+            }
+            let Some((key, value)) = line.split_once('=') else {
+                continue;
+            };
+            if !in_resolve || line.starts_with('#') || line.starts_with(';') {
+                continue;
+            }
+            let on = !matches!(
+                value.trim().to_ascii_lowercase().as_str(),
+                "no" | "false" | "0" | "off"
+            );
+            match key.trim() {
+                "LLMNR" => llmnr = on,
+                "MulticastDNS" => mdns = on,
+                _ => {}
+            }
+        }
+    }
+    llmnr || mdns
 }
 
 /// The holes this host's configuration opens in `policy`'s scope, each as its message: what
@@ -491,30 +571,81 @@ mod tests {
         .unwrap();
         std::fs::write(at("not-a-socket"), "").unwrap();
         let _nscd = std::os::unix::net::UnixListener::bind(at("nscd.sock")).unwrap();
-        let found = local_resolvers_at(&[
-            (
-                LocalResolverKind::SystemdResolved,
-                at("resolve.sock"),
-                at("resolved.conf"),
-            ),
-            (
-                LocalResolverKind::Nscd,
-                at("not-a-socket"),
-                at("resolved.conf"),
-            ),
-            (LocalResolverKind::Nscd, at("nscd.sock"), at("missing.conf")),
-        ]);
-        let got: Vec<(LocalResolverKind, Vec<IpAddr>)> =
-            found.into_iter().map(|r| (r.kind, r.upstream)).collect();
+        let _avahi = std::os::unix::net::UnixListener::bind(at("avahi.sock")).unwrap();
+        let found = local_resolvers_at(
+            &[
+                (
+                    LocalResolverKind::SystemdResolved,
+                    at("resolve.sock"),
+                    at("resolved.conf"),
+                ),
+                (
+                    LocalResolverKind::Nscd,
+                    at("not-a-socket"),
+                    at("resolved.conf"),
+                ),
+                (LocalResolverKind::Nscd, at("nscd.sock"), at("missing.conf")),
+                (LocalResolverKind::Avahi, at("avahi.sock"), PathBuf::new()),
+            ],
+            &[],
+        );
+        let got: Vec<(LocalResolverKind, Vec<IpAddr>, bool)> = found
+            .into_iter()
+            .map(|r| (r.kind, r.upstream, r.multicast))
+            .collect();
         assert_eq!(
             got,
             [
                 (
                     LocalResolverKind::SystemdResolved,
-                    vec!["192.0.2.53".parse().unwrap(), "::1".parse().unwrap()]
+                    vec!["192.0.2.53".parse().unwrap(), "::1".parse().unwrap()],
+                    true
                 ),
-                (LocalResolverKind::Nscd, vec![]),
+                (LocalResolverKind::Nscd, vec![], false),
+                (LocalResolverKind::Avahi, vec![], true),
             ]
         );
+    }
+
+    /// systemd-resolved's multicast is off only where both LLMNR and MulticastDNS are set
+    /// off, by the main file or a drop-in read after it (the last setting wins; outside
+    /// `[Resolve]` or commented out, nothing counts).
+    #[test]
+    fn resolved_multicast_is_off_only_where_both_are_set_off() {
+        let root = tempfile::tempdir().unwrap();
+        let write = |rel: &str, text: &str| {
+            let path = root.path().join(rel);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        };
+        let multicast = || resolved_multicast(&resolved_config_files(root.path()));
+        assert!(multicast(), "unset: the build's defaults");
+        write(
+            "usr/lib/systemd/resolved.conf",
+            "[Resolve]\nLLMNR=no\nMulticastDNS=no\n",
+        );
+        assert!(!multicast());
+        // /etc's main file replaces /usr/lib's: its commented lines set nothing.
+        write(
+            "etc/systemd/resolved.conf",
+            "[Resolve]\n#LLMNR=no\nMulticastDNS=no\n",
+        );
+        assert!(multicast());
+        write(
+            "usr/lib/systemd/resolved.conf.d/50-llmnr.conf",
+            "[Resolve]\nLLMNR=false\n",
+        );
+        assert!(!multicast());
+        // A later drop-in turns it back on; one of the same name in /etc hides /usr/lib's.
+        write(
+            "run/systemd/resolved.conf.d/60-on.conf",
+            "[Resolve]\nLLMNR=resolve\n",
+        );
+        assert!(multicast());
+        write(
+            "etc/systemd/resolved.conf.d/60-on.conf",
+            "[Other]\nLLMNR=yes\n",
+        );
+        assert!(!multicast());
     }
 }

@@ -456,7 +456,8 @@ pub enum Command {
         #[arg(long)]
         canary: bool,
         /// With --canary: also write `CANARY_API_KEY=...` and `CANARY_WEBHOOK_URL=...` to this
-        /// file (relative to CMD's working directory, exec's), removed when the run ends.
+        /// file (relative to CMD's working directory, exec's; no symbolic link on the way),
+        /// removed when the run ends.
         #[arg(long, value_name = "PATH", requires = "canary")]
         canary_file: Option<PathBuf>,
         /// With --canary: the canary URL's HOST (default: a fresh

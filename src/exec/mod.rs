@@ -320,8 +320,12 @@ impl Drop for RunDir {
     }
 }
 
-/// The canary's file; removed when dropped.
-struct CanaryFile(PathBuf);
+/// The canary's file; removed when dropped, from the directory it was made in (held open:
+/// CMD may rename that directory or put a link in its place while it runs).
+struct CanaryFile {
+    dir: std::os::fd::OwnedFd,
+    name: OsString,
+}
 
 impl CanaryFile {
     fn write(path: &Path, canary: &Canary) -> Result<CanaryFile, ExecError> {
@@ -332,40 +336,91 @@ impl CanaryFile {
             canary::URL_VARIABLE,
             canary::url(&canary.host, &canary.token)
         );
-        let mut file = open_canary_file(path)?;
+        let (dir, name) = open_canary_dir(path)?;
+        let mut file = open_canary_file(&dir, &name, path)?;
         file.write_all(text.as_bytes())
             .map_err(ExecError::io("write the canary file"))?;
-        Ok(CanaryFile(path.to_path_buf()))
+        Ok(CanaryFile { dir, name })
     }
 }
 
-/// Opens the canary's file, which is in CMD's working directory: a directory CMD's user may
-/// write, where a process of that user (CMD of another run) may have left a symbolic link, a
-/// hard link or a FIFO at `path`. Written by path this process (root) would truncate and
-/// write whatever file the link names. So: never through a symbolic link (`O_NOFOLLOW`),
-/// never a FIFO or device (`O_NONBLOCK`, then a regular file only), never a file with another
-/// name too (a hard link), and emptied only once all that is checked.
-fn open_canary_file(path: &Path) -> Result<File, ExecError> {
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+/// The directory of the canary's file, reached one directory at a time without following a
+/// symbolic link (`O_NOFOLLOW | O_DIRECTORY` on each): a directory on the way that CMD's user
+/// may write can hold a link it left, and through it this process (root) would write, and at
+/// exit remove, a file of that name in any directory. Returns it with the file's name.
+fn open_canary_dir(path: &Path) -> Result<(std::os::fd::OwnedFd, OsString), ExecError> {
+    use std::path::Component;
     let refused = |why: &str| {
         ExecError::Refused(format!(
             "the canary file {} {why}; CMD not started",
             path.display()
         ))
     };
-    let file = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .mode(0o644)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => refused("is a symbolic link"),
-            _ => ExecError::Io {
-                doing: "open the canary file",
-                source: e,
+    let name = match path.file_name() {
+        Some(name) => name.to_os_string(),
+        None => return Err(refused("names no file")),
+    };
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let open = |at: std::os::fd::BorrowedFd<'_>, step: &std::ffi::OsStr| {
+        nix::fcntl::openat(at, step, flags, nix::sys::stat::Mode::empty()).map_err(|e| match e {
+            nix::errno::Errno::ELOOP | nix::errno::Errno::ENOTDIR => refused(&format!(
+                "is reached through {} (a symbolic link, or not a directory): give a path \
+                 without symbolic links",
+                Path::new(step).display()
+            )),
+            e => ExecError::Io {
+                doing: "open the canary file's directory",
+                source: e.into(),
             },
-        })?;
+        })
+    };
+    let mut dir = open(nix::fcntl::AT_FDCWD, std::ffi::OsStr::new("."))?;
+    for step in path.parent().into_iter().flat_map(Path::components) {
+        use std::os::fd::AsFd;
+        dir = match step {
+            Component::RootDir => open(nix::fcntl::AT_FDCWD, std::ffi::OsStr::new("/"))?,
+            Component::CurDir => continue,
+            Component::ParentDir => open(dir.as_fd(), std::ffi::OsStr::new(".."))?,
+            Component::Normal(step) => open(dir.as_fd(), step)?,
+            Component::Prefix(_) => return Err(refused("is not a Unix path")),
+        };
+    }
+    Ok((dir, name))
+}
+
+/// Opens the canary's file `name` in `dir` (`path` for messages): a directory CMD's user may
+/// write, where a process of that user (CMD of another run) may have left a symbolic link, a
+/// hard link or a FIFO. Written by path this process (root) would truncate and write whatever
+/// file the link names. So: never through a symbolic link (`O_NOFOLLOW`), never a FIFO or
+/// device (`O_NONBLOCK`, then a regular file only), never a file with another name too (a
+/// hard link), and emptied only once all that is checked.
+fn open_canary_file(
+    dir: &std::os::fd::OwnedFd,
+    name: &std::ffi::OsStr,
+    path: &Path,
+) -> Result<File, ExecError> {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let refused = |why: &str| {
+        ExecError::Refused(format!(
+            "the canary file {} {why}; CMD not started",
+            path.display()
+        ))
+    };
+    let file = nix::fcntl::openat(
+        dir.as_fd(),
+        name,
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::from_bits_truncate(0o644),
+    )
+    .map(File::from)
+    .map_err(|e| match e {
+        nix::errno::Errno::ELOOP => refused("is a symbolic link"),
+        e => ExecError::Io {
+            doing: "open the canary file",
+            source: e.into(),
+        },
+    })?;
     let meta = file
         .metadata()
         .map_err(ExecError::io("open the canary file"))?;
@@ -382,7 +437,11 @@ fn open_canary_file(path: &Path) -> Result<File, ExecError> {
 
 impl Drop for CanaryFile {
     fn drop(&mut self) {
-        let _ = fs::remove_file(&self.0);
+        let _ = nix::unistd::unlinkat(
+            &self.dir,
+            self.name.as_os_str(),
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        );
     }
 }
 
@@ -595,5 +654,36 @@ mod tests {
         // A FIFO nobody reads: refused at once, not waited on.
         nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
         assert!(CanaryFile::write(&path, &canary()).is_err());
+    }
+
+    /// A directory on the way to PATH that CMD's user may write may be a symbolic link it
+    /// left there (`sub -> /root/app`): the file is then another directory's, root's. And
+    /// while CMD runs it may swap the directory for such a link: the removal at exit must
+    /// still remove the canary's file, not one of the same name wherever the link points.
+    #[test]
+    fn the_canary_file_is_never_written_or_removed_through_a_linked_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let victims = dir.path().join("victims");
+        fs::create_dir(&victims).unwrap();
+        let victim = victims.join("canary.env");
+        fs::write(&victim, "root's own\n").unwrap();
+        let sub = dir.path().join("sub");
+        std::os::unix::fs::symlink(&victims, &sub).unwrap();
+        let path = sub.join("canary.env");
+        let err = CanaryFile::write(&path, &canary()).err().expect("refused");
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "root's own\n");
+
+        fs::remove_file(&sub).unwrap();
+        fs::create_dir(&sub).unwrap();
+        let kept = CanaryFile::write(&path, &canary()).unwrap();
+        fs::rename(&sub, dir.path().join("moved")).unwrap();
+        std::os::unix::fs::symlink(&victims, &sub).unwrap();
+        drop(kept);
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "root's own\n");
+        assert!(
+            !dir.path().join("moved/canary.env").exists(),
+            "its own file removed"
+        );
     }
 }

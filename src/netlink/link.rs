@@ -20,6 +20,11 @@ const IFLA_LINK: u16 = 5;
 const IFLA_MASTER: u16 = 10;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
+const IFLA_INFO_DATA: u16 = 2;
+/// linux/if_link.h, inside IFLA_INFO_DATA of a link of kind `tun`.
+const IFLA_TUN_OWNER: u16 = 1;
+const IFLA_TUN_GROUP: u16 = 2;
+const IFLA_TUN_PERSIST: u16 = 6;
 const IFLA_LINK_NETNSID: u16 = 37;
 
 /// One interface.
@@ -36,6 +41,17 @@ pub struct Link {
     /// Its link type (`bridge`, `veth`, `tun`, `vxlan`, `macvlan`...); `None` for a device
     /// with no rtnetlink link type, which is what a physical NIC is.
     pub kind: Option<String>,
+    /// What the tun driver says of a link of kind `tun` (tun and tap alike).
+    pub tun: Option<TunInfo>,
+}
+
+/// A tun or tap device's owner, group and whether it persists (IFLA_TUN_*): whose it is to
+/// attach, and whether it outlives its last descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TunInfo {
+    pub owner: Option<u32>,
+    pub group: Option<u32>,
+    pub persist: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -105,17 +121,39 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
         .value(IFLA_LINK)
         .and_then(|l| ne32(l, 0))
         .filter(|&l| l != 0 && l != index && attrs.clone().find(IFLA_LINK_NETNSID).is_none());
-    let kind = attrs
-        .find(IFLA_LINKINFO)
-        .and_then(|info| info.nested().find(IFLA_INFO_KIND))
+    let info = attrs.find(IFLA_LINKINFO).map(|info| info.nested());
+    let kind = info
+        .clone()
+        .and_then(|info| info.find(IFLA_INFO_KIND))
         .map(|k| k.string());
+    let tun = match (kind.as_deref(), info) {
+        (Some("tun"), Some(info)) => Some(
+            info.value(IFLA_INFO_DATA)
+                .map(|data| tun_info(Attrs::new(data)))
+                .unwrap_or_default(),
+        ),
+        _ => None,
+    };
     Some(Link {
         index,
         name,
         master,
         lower,
         kind,
+        tun,
     })
+}
+
+/// IFLA_INFO_DATA of a tun link: the owner and group only when set (u32 each), persist a u8.
+fn tun_info(data: Attrs<'_>) -> TunInfo {
+    TunInfo {
+        owner: data.clone().value(IFLA_TUN_OWNER).and_then(|v| ne32(v, 0)),
+        group: data.clone().value(IFLA_TUN_GROUP).and_then(|v| ne32(v, 0)),
+        persist: data
+            .value(IFLA_TUN_PERSIST)
+            .and_then(|v| v.first())
+            .is_some_and(|&p| p != 0),
+    }
 }
 
 #[cfg(test)]
@@ -201,32 +239,98 @@ mod tests {
                     name: "eth0".into(),
                     master: Some(3),
                     lower: None,
-                    kind: None
+                    kind: None,
+                    tun: None
                 },
                 Link {
                     index: 3,
                     name: "br0".into(),
                     master: None,
                     lower: None,
-                    kind: Some("bridge".into())
+                    kind: Some("bridge".into()),
+                    tun: None
                 },
                 Link {
                     index: 4,
                     name: "veth1".into(),
                     master: Some(3),
                     lower: None,
-                    kind: Some("veth".into())
+                    kind: Some("veth".into()),
+                    tun: None
                 },
                 Link {
                     index: 5,
                     name: "mv0".into(),
                     master: None,
                     lower: Some(3),
-                    kind: Some("macvlan".into())
+                    kind: Some("macvlan".into()),
+                    tun: None
                 },
             ]
         );
         assert_eq!(parse_datagram(&done(), &mut found), Ok(DumpProgress::Done));
+    }
+
+    /// A tun link's IFLA_INFO_DATA: owner and group when set, and whether it persists.
+    #[test]
+    fn a_tun_links_owner_group_and_persistence_are_read() {
+        let tun_message = |index: u32, data: &[(u16, Vec<u8>)]| {
+            let mut ifinfo = [0u8; IFINFOMSG_LEN];
+            ifinfo[4..8].copy_from_slice(&index.to_ne_bytes());
+            Request::new(RTM_NEWLINK, 2, 1)
+                .raw(&ifinfo)
+                .attr(IFLA_IFNAME, format!("tun{index}\0").as_bytes())
+                .nested(IFLA_LINKINFO, |r| {
+                    r.attr(IFLA_INFO_KIND, b"tun")
+                        .nested(IFLA_INFO_DATA, |mut r| {
+                            for (kind, value) in data {
+                                r = r.attr(*kind, value);
+                            }
+                            r
+                        })
+                })
+                .finish()
+                .expect("small")
+        };
+        let mut datagram = tun_message(
+            1,
+            &[
+                (3, vec![1]), // IFLA_TUN_TYPE: tun
+                (IFLA_TUN_PERSIST, vec![1]),
+            ],
+        );
+        datagram.extend(tun_message(
+            2,
+            &[
+                (IFLA_TUN_OWNER, 4242u32.to_ne_bytes().to_vec()),
+                (IFLA_TUN_GROUP, 4243u32.to_ne_bytes().to_vec()),
+                (IFLA_TUN_PERSIST, vec![0]),
+            ],
+        ));
+        let mut found = Vec::new();
+        parse_datagram(&datagram, &mut found).expect("readable");
+        let tun: Vec<_> = found.iter().map(|l| (l.name.as_str(), l.tun)).collect();
+        assert_eq!(
+            tun,
+            [
+                (
+                    "tun1",
+                    Some(TunInfo {
+                        owner: None,
+                        group: None,
+                        persist: true
+                    })
+                ),
+                (
+                    "tun2",
+                    Some(TunInfo {
+                        owner: Some(4242),
+                        group: Some(4243),
+                        persist: false
+                    })
+                ),
+            ]
+        );
     }
 
     #[test]

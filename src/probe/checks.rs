@@ -369,10 +369,8 @@ impl<'a> Plan<'a> {
 
     /// Whether this process may attach a tun or tap device (see [`tun_check`]).
     pub(super) fn tun_devices(&mut self) {
-        self.done(tun_check(
-            &tun_access(),
-            capability_effective(CAP_NET_ADMIN),
-        ));
+        let net_admin = capability_effective(CAP_NET_ADMIN);
+        self.done(tun_check(&tun_access(net_admin == Some(true)), net_admin));
     }
 
     /// The public DNS-over-HTTPS resolvers are never contacted: the installed table's deny

@@ -32,7 +32,21 @@ pub(super) enum TunAccess {
     Closed(Errno),
     /// Each device (link type `tun`: tun and tap alike) with the outcome of attaching a fresh
     /// descriptor to it.
-    Tried(Vec<(String, Result<(), Errno>)>),
+    Tried(Vec<Device>),
+    /// The devices, not attached: this process holds CAP_NET_ADMIN and may attach every one,
+    /// which would tell nothing, and attaching an idle device rewrites its flags (a VM's tap
+    /// loses `vnet_hdr` until its owner attaches it again) and blinks its carrier.
+    Listed(Vec<String>),
+}
+
+/// One tun or tap device and what attaching it gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Device {
+    pub name: String,
+    /// Whether the device outlives its last descriptor (IFLA_TUN_PERSIST): one held now
+    /// (EBUSY) is then the next attacher's once its holder lets go.
+    pub persist: bool,
+    pub attached: Result<(), Errno>,
 }
 
 fn open_tun() -> Result<std::fs::File, Errno> {
@@ -57,30 +71,38 @@ fn attach(name: &str) -> Result<(), Errno> {
 }
 
 /// Tries every tun and tap device of the calling thread's network namespace (listed over
-/// rtnetlink: sysfs shows the namespace it was mounted in).
-pub(super) fn tun_access() -> TunAccess {
+/// rtnetlink: sysfs shows the namespace it was mounted in); only lists them when `net_admin`
+/// (this process holds CAP_NET_ADMIN).
+pub(super) fn tun_access(net_admin: bool) -> TunAccess {
     let links = match crate::netlink::link::links() {
         Ok(links) => links,
         Err(e) => return TunAccess::Unlisted(e.to_string()),
     };
-    let mut names: Vec<String> = links
+    let mut devices: Vec<(String, bool)> = links
         .into_iter()
         .filter(|l| l.kind.as_deref() == Some("tun"))
-        .map(|l| l.name)
+        .map(|l| (l.name, l.tun.is_some_and(|t| t.persist)))
         .collect();
-    names.sort();
-    if names.is_empty() {
+    devices.sort();
+    if devices.is_empty() {
         return TunAccess::Tried(Vec::new());
+    }
+    if net_admin {
+        return TunAccess::Listed(devices.into_iter().map(|(name, _)| name).collect());
     }
     if let Err(e) = open_tun() {
         return TunAccess::Closed(e);
     }
     TunAccess::Tried(
-        names
+        devices
             .into_iter()
-            .map(|name| {
+            .map(|(name, persist)| {
                 let attached = attach(&name);
-                (name, attached)
+                Device {
+                    name,
+                    persist,
+                    attached,
+                }
             })
             .collect(),
     )
@@ -92,9 +114,12 @@ pub(super) fn tun_access() -> TunAccess {
 /// host that forwards, to any address, routed out past the output hook. The table cannot
 /// tell them from real traffic, so the device must not be the fenced process's: the kernel
 /// lets any user attach a persistent device made with no user and no group. EBUSY (another
-/// descriptor holds a single-queue device; the driver asked whose it is first) is a warning:
-/// the device is the process's to attach once its holder lets go, if it persists (a VPN's
-/// device that goes with its holder does not).
+/// descriptor holds a single-queue device; the driver asked whose it is first) fails too when
+/// the device persists: it is the process's to attach once its holder lets go, and the
+/// holder may be the fenced process itself, which hides nothing by holding it through the
+/// probe. A held device that does not persist (a VPN's, which goes with its holder) is a
+/// warning: any process that attached a device may clear its persistence without privilege
+/// (`TUNSETPERSIST`), so the probe cannot tell such a holder from a VPN.
 pub(super) fn tun_check(access: &TunAccess, net_admin: Option<bool>) -> Check {
     let remedy = "give every persistent tun/tap device a user or group the fenced processes are \
                   not (ip tuntap add ... user U group G), delete the ones nothing uses, or keep \
@@ -111,25 +136,44 @@ pub(super) fn tun_check(access: &TunAccess, net_admin: Option<bool>) -> Check {
                 format!("cannot open /dev/net/tun ({e}): no tun/tap device is this process's"),
             );
         }
+        TunAccess::Listed(names) => {
+            return Check::new(
+                Outcome::Skip,
+                TUN_CHECK,
+                format!(
+                    "this probe holds CAP_NET_ADMIN, so it is not what the fence confines (it \
+                     may attach every device, and does not try: attaching rewrites an idle \
+                     device's flags); run it as the fenced user (root in a container: setpriv \
+                     --bounding-set=-net_admin) to check {}",
+                    names.join(", ")
+                ),
+            );
+        }
         TunAccess::Tried(access) => access,
     };
+    // Attached, or held now and the next attacher's once its holder lets go.
     let open: Vec<String> = access
         .iter()
-        .filter_map(|(name, r)| match r {
-            Ok(()) => Some(name.clone()),
+        .filter_map(|d| match d.attached {
+            Ok(()) => Some(d.name.clone()),
+            Err(Errno::EBUSY) if d.persist => Some(format!(
+                "{} (held by another descriptor now, and persistent: this process's once \
+                 its holder lets go)",
+                d.name
+            )),
             Err(_) => None,
         })
         .collect();
     let held: Vec<&str> = access
         .iter()
-        .filter(|(_, r)| *r == Err(Errno::EBUSY))
-        .map(|(name, _)| name.as_str())
+        .filter(|d| d.attached == Err(Errno::EBUSY) && !d.persist)
+        .map(|d| d.name.as_str())
         .collect();
     let unclear: Vec<String> = access
         .iter()
-        .filter_map(|(name, r)| match r {
+        .filter_map(|d| match d.attached {
             Ok(()) | Err(Errno::EBUSY | Errno::EPERM | Errno::EACCES | Errno::ENODEV) => None,
-            Err(e) => Some(format!("{name}: {e}")),
+            Err(e) => Some(format!("{}: {e}", d.name)),
         })
         .collect();
     let (outcome, reason) = if !open.is_empty() {
@@ -158,10 +202,12 @@ pub(super) fn tun_check(access: &TunAccess, net_admin: Option<bool>) -> Check {
         (
             Outcome::Warn,
             format!(
-                "{} held by another descriptor now (EBUSY), but this process passed the \
-                 driver's check of whose it is: if the device persists after its holder lets \
-                 go, this process may attach it and write packets as received, past the \
-                 fence; {remedy}",
+                "{} held by another descriptor now (EBUSY) and not persistent, but this \
+                 process passed the driver's check of whose it is: a device that goes with its \
+                 holder (a VPN's) is no way out, but a fenced process that holds a device made \
+                 persistent for anyone may have cleared its persistence itself (no privilege \
+                 needed) and writes packets as received, past the fence: check that the \
+                 holder is a service you know; {remedy}",
                 held.join(", ")
             ),
         )
@@ -175,7 +221,7 @@ pub(super) fn tun_check(access: &TunAccess, net_admin: Option<bool>) -> Check {
     } else {
         let refused: Vec<String> = access
             .iter()
-            .filter_map(|(name, r)| r.err().map(|e| format!("{name}: {e}")))
+            .filter_map(|d| d.attached.err().map(|e| format!("{}: {e}", d.name)))
             .collect();
         (
             Outcome::Pass,
@@ -191,7 +237,13 @@ mod tests {
 
     #[test]
     fn a_device_this_process_may_attach_fails_the_probe_only_without_cap_net_admin() {
-        let one = |r| TunAccess::Tried(vec![("tun0".to_string(), r)]);
+        let one = |attached| {
+            TunAccess::Tried(vec![Device {
+                name: "tun0".to_string(),
+                persist: false,
+                attached,
+            }])
+        };
         let fail = tun_check(&one(Ok(())), Some(false));
         assert_eq!(fail.outcome, Outcome::Fail, "{fail}");
         assert_eq!(fail.check, TUN_CHECK);
@@ -202,8 +254,33 @@ mod tests {
         let busy = tun_check(&one(Err(Errno::EBUSY)), None);
         assert_eq!(busy.outcome, Outcome::Warn, "{busy}");
         assert!(busy.reason.starts_with("tun0 held by another"), "{busy}");
+        // One that persists is the next attacher's: its holder (the fenced process itself,
+        // holding it through the probe) turns no failure into a warning.
+        let persistent_busy = |net_admin| {
+            tun_check(
+                &TunAccess::Tried(vec![Device {
+                    name: "tun0".to_string(),
+                    persist: true,
+                    attached: Err(Errno::EBUSY),
+                }]),
+                net_admin,
+            )
+        };
+        let held = persistent_busy(Some(false));
+        assert_eq!(held.outcome, Outcome::Fail, "{held}");
+        assert!(
+            held.reason
+                .starts_with("may attach tun0 (held by another descriptor now, and persistent"),
+            "{held}"
+        );
+        assert_eq!(persistent_busy(None).outcome, Outcome::Fail);
+        assert_eq!(persistent_busy(Some(true)).outcome, Outcome::Skip);
         let admin = tun_check(&one(Ok(())), Some(true));
         assert_eq!(admin.outcome, Outcome::Skip, "{admin}");
+        // Listed, not attached, with CAP_NET_ADMIN.
+        let listed = tun_check(&TunAccess::Listed(vec!["tap0".into()]), Some(true));
+        assert_eq!(listed.outcome, Outcome::Skip, "{listed}");
+        assert!(listed.reason.ends_with("to check tap0"), "{listed}");
 
         let theirs = tun_check(&one(Err(Errno::EPERM)), Some(false));
         assert_eq!(theirs.outcome, Outcome::Pass, "{theirs}");

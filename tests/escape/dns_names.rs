@@ -369,3 +369,99 @@ fn resolve_mode_still_follows_cname_chains() {
         assert!(installed.contains(&addr), "{addr}: {installed:?}\n{out}");
     }
 }
+
+/// A resolver with fixed answers (A questions; any other type gets the CNAMEs alone), UDP:
+/// chains split over several answers (hickory asks again for the target), owner names in
+/// other case than asked, CNAMEs out of order, a loop and a CNAME to a name without records.
+const CHAIN_FORMS_DNS: &str = r#"
+import socket, struct, sys
+listen = sys.argv[1]
+def name(text):
+    return b"".join(bytes([len(l)]) + l.encode() for l in text.split(".")) + b"\0"
+def a(owner, addr):
+    return name(owner) + struct.pack(">HHIH", 1, 1, 60, 4) + socket.inet_pton(socket.AF_INET, addr)
+def cname(owner, target):
+    data = name(target)
+    return name(owner) + struct.pack(">HHIH", 5, 1, 60, len(data)) + data
+Z = {
+ "split.example": [cname("split.example", "TARGET.Other.Example")],
+ "target.other.example": [a("Target.other.EXAMPLE", "192.0.2.20")],
+ "case.example": [a("CASE.EXAMPLE", "192.0.2.21")],
+ "loop.example": [cname("loop.example", "loop2.example"), cname("loop2.example", "loop.example")],
+ "loop2.example": [cname("loop2.example", "loop.example"), cname("loop.example", "loop2.example")],
+ "dangling.example": [cname("dangling.example", "nowhere.example")],
+ "rev.example": [cname("b.rev2.example", "c.rev2.example"), a("c.rev2.example", "192.0.2.23"), cname("rev.example", "b.rev2.example")],
+ "b.rev2.example": [a("c.rev2.example", "192.0.2.23"), cname("b.rev2.example", "c.rev2.example")],
+ "c.rev2.example": [a("c.rev2.example", "192.0.2.23")],
+ "split2.example": [cname("split2.example", "mid.example")],
+ "mid.example": [cname("mid.example", "end.example"), a("end.example", "192.0.2.24"), a("stranger.example", "203.0.113.99")],
+ "end.example": [a("end.example", "192.0.2.24"), a("stranger.example", "203.0.113.98")],
+}
+def answer(data):
+    qid, flags = struct.unpack(">HH", data[:4])
+    i, labels = 12, []
+    while data[i] != 0:
+        labels.append(data[i + 1:i + 1 + data[i]].decode())
+        i += data[i] + 1
+    qtype = struct.unpack(">H", data[i + 1:i + 3])[0]
+    records = Z.get(".".join(labels).lower(), [])
+    if qtype != 1:
+        records = [r for r in records if b"\x00\x05\x00\x01" in r]
+    header = struct.pack(">HHHHHH", qid, 0x8180 | (flags & 0x0100), 1, len(records), 0, 0)
+    return header + data[12:i + 5] + b"".join(records)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((listen, 53))
+print("ready", flush=True)
+while True:
+    data, peer = s.recvfrom(4096)
+    s.sendto(answer(data), peer)
+"#;
+
+/// Resolve mode takes a chain's records however the resolver hands them (hickory's
+/// fully-qualified names against the asked one, owner names in any case, CNAMEs in any
+/// order, over several answers), never a stranger's, and a loop or a CNAME to nothing
+/// installs nothing and stops nothing else.
+#[test]
+fn resolve_mode_follows_chains_in_any_form_and_takes_nothing_else() {
+    let w = World::new();
+    w.add_host(EVIL_DNS);
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", w.net_name(), PYTHON, "-c", CHAIN_FORMS_DNS])
+        .arg(EVIL_DNS.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the scripted DNS server");
+    let mut line = String::new();
+    let _ = BufReader::new(child.stdout.take().expect("piped stdout")).read_line(&mut line);
+    assert_eq!(line.trim(), "ready");
+    let mut policy = "version: 1\nallow:\n".to_string();
+    for name in [
+        "split.example",
+        "case.example",
+        "loop.example",
+        "dangling.example",
+        "rev.example",
+        "split2.example",
+    ] {
+        policy += &format!("  - domain: {name}\n    ports: [{PORT}]\n");
+    }
+    policy += &format!("dns:\n  resolvers: [{EVIL_DNS}]\n");
+    let path = w.write_file("resolve.yaml", &policy);
+    let out = w.egress_fence(&["apply", path.to_str().expect("utf-8")]);
+    let mut installed = resolved_addrs(&w);
+    let _ = child.kill();
+    let _ = child.wait();
+    installed.sort();
+    let want: Vec<IpAddr> = ["192.0.2.20", "192.0.2.21", "192.0.2.23", "192.0.2.24"]
+        .map(|a| a.parse().expect("an address"))
+        .to_vec();
+    assert_eq!(installed, want, "{out}");
+    for unresolved in ["loop.example", "dangling.example"] {
+        assert!(
+            out.stderr.contains(&format!("{unresolved}: NOT RESOLVED")),
+            "{out}"
+        );
+    }
+}

@@ -254,3 +254,121 @@ fn a_tun_device_the_fenced_process_may_attach_carries_it_out_and_the_probe_says_
     assert_eq!(outcome, "pass", "{reason}");
     assert_eq!(code, 0, "every check passes: {reason}");
 }
+
+/// Attaches tun argv[1] and holds it until killed; with argv[2] `unpersist`, first clears
+/// its persistence (`TUNSETPERSIST 0`, which the kernel lets whoever attached a device do).
+/// Prints `holding` (or `attach ERRNO`).
+const HOLD: &str = r#"
+import errno, fcntl, os, struct, sys, time
+tun, how = sys.argv[1:3]
+try:
+    fd = os.open('/dev/net/tun', os.O_RDWR)
+    fcntl.ioctl(fd, 0x400454ca, struct.pack('16sH', tun.encode(), 0x0001 | 0x1000))  # TUNSETIFF
+    if how == 'unpersist':
+        fcntl.ioctl(fd, 0x400454cb, 0)  # TUNSETPERSIST
+except OSError as e:
+    print('attach', errno.errorcode.get(e.errno, str(e.errno)), flush=True)
+    sys.exit(0)
+print('holding', flush=True)
+time.sleep(120)
+"#;
+
+/// The fenced process holds the device it writes through (it would, using it) while the
+/// probe runs: the probe's attach gets EBUSY, after the driver found the device the prober's.
+/// A persistent device is the next attacher's once its holder lets go, so the probe fails as
+/// for a free one (it only warned: the way out in use made the probe pass with exit code 0).
+/// A holder that cleared the persistence is told from a VPN by nothing the probe can read:
+/// that stays a warning that says so.
+#[test]
+fn a_tun_device_held_by_the_fenced_process_through_the_probe_still_fails_it() {
+    let w = World::new();
+    let _service = w.listen_tcp(HOST_V4, 7000);
+    let path = w.write_file("policy.yaml", POLICY);
+    let path = path.to_str().expect("utf-8 path");
+    w.apply_policy(POLICY);
+    let node = tun_node(&w);
+    ip_in_sandbox(&w, &format!("tuntap add dev {TUN} mode tun"));
+    ip_in_sandbox(&w, &format!("addr add {TUN_ADDR} dev {TUN}"));
+
+    let hold = |how: &str| {
+        let mut full = vec![
+            "unshare".to_string(),
+            "-m".into(),
+            "--propagation".into(),
+            "private".into(),
+            "sh".into(),
+            "-c".into(),
+            "mount --bind \"$0\" /dev/net/tun && exec \"$@\"".into(),
+            node.clone(),
+        ];
+        full.extend(Adversary::Nobody.command(&[PYTHON, "-c", HOLD, TUN, how]));
+        let mut holder = w.spawn_in_sandbox(&full.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(
+            holder.wait_for_output("holding", Duration::from_secs(10)),
+            "the holder: {} {}",
+            holder.stdout(),
+            holder.stderr()
+        );
+        holder
+    };
+    let who = Adversary::RootWithoutNetAdminOrNetRaw;
+
+    let holder = hold("keep");
+    let (code, outcome, reason) = probe_tun(&w, &node, path, who);
+    assert_eq!(outcome, "fail", "{reason}");
+    assert_eq!(code, 5, "{reason}");
+    assert!(
+        reason.contains("held by another descriptor now, and persistent"),
+        "{reason}"
+    );
+    drop(holder);
+
+    // Its persistence cleared by the holder: the device now goes with it, as a VPN's does.
+    let holder = hold("unpersist");
+    let (code, outcome, reason) = probe_tun(&w, &node, path, who);
+    assert_eq!(outcome, "warn", "{reason}");
+    assert_eq!(code, 0, "{reason}");
+    assert!(reason.contains("cleared its persistence"), "{reason}");
+    drop(holder);
+}
+
+/// The probe run with CAP_NET_ADMIN (the administrator, whom the fence does not confine) only
+/// skips the check, so it must not attach anything: attaching an idle persistent device
+/// rewrites its flags (a VM's tap loses `vnet_hdr` until its owner attaches it again) and
+/// blinks its carrier, for every device of the namespace.
+#[test]
+fn the_probe_with_cap_net_admin_leaves_idle_devices_alone() {
+    let w = World::new();
+    let _service = w.listen_tcp(HOST_V4, 7000);
+    let path = w.write_file("policy.yaml", POLICY);
+    let path = path.to_str().expect("utf-8 path");
+    w.apply_policy(POLICY);
+    ip_in_sandbox(&w, "tuntap add dev eftap0 mode tap vnet_hdr");
+    let flags = || {
+        w.sandbox_cmd(&["ip", "-d", "link", "show", "eftap0"])
+            .stdout
+    };
+    assert!(flags().contains("vnet_hdr on"), "{}", flags());
+    // As root, with every capability.
+    let out = w.sandbox_cmd(&[EGRESS_FENCE_BIN, "probe", path, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|e| panic!("probe --json is not JSON ({e}): {out}"));
+    let check = v["checks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| {
+            c["check"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("tun/tap")
+        })
+        .unwrap_or_else(|| panic!("no tun/tap check: {out}"))
+        .clone();
+    assert_eq!(check["outcome"], "skip", "{check}");
+    assert!(
+        flags().contains("vnet_hdr on"),
+        "the probe rewrote the device's flags: {}",
+        flags()
+    );
+}

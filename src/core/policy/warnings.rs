@@ -289,8 +289,11 @@ pub struct LocalResolver {
     pub kind: LocalResolverKind,
     /// Its socket, as found.
     pub socket: PathBuf,
-    /// The servers it asks (empty: they could not be read).
+    /// The servers it asks (empty: they could not be read, or it asks none).
     pub upstream: Vec<IpAddr>,
+    /// It also asks the local links by multicast (LLMNR, mDNS): a single-label or `.local`
+    /// name goes, as its question, to every host on them, whatever servers it has.
+    pub multicast: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -300,11 +303,13 @@ pub enum LocalResolverKind {
     SystemdResolved,
     /// nscd's hosts cache: it resolves a client's lookup itself, with `/etc/resolv.conf`.
     Nscd,
+    /// avahi-daemon (nss-mdns asks it): `.local` names, asked by multicast on every link.
+    Avahi,
 }
 
 impl LocalResolverKind {
     /// Where it listens, and where its servers are written: what the edge looks at.
-    pub const ALL: [(LocalResolverKind, &'static str, &'static str); 2] = [
+    pub const ALL: [(LocalResolverKind, &'static str, &'static str); 3] = [
         (
             LocalResolverKind::SystemdResolved,
             "/run/systemd/resolve/io.systemd.Resolve",
@@ -315,17 +320,24 @@ impl LocalResolverKind {
             "/run/nscd/socket",
             "/etc/resolv.conf",
         ),
+        // No servers: it asks the links.
+        (LocalResolverKind::Avahi, "/run/avahi-daemon/socket", ""),
     ];
 
     fn remedy(self) -> &'static str {
         match self {
             LocalResolverKind::SystemdResolved => {
                 "make the guard its only server (`DNS=` the guard's address and `Domains=~.` \
-                 in resolved.conf), or stop it"
+                 in resolved.conf) and turn its multicast off (`LLMNR=no` and \
+                 `MulticastDNS=no`), or stop it"
             }
             LocalResolverKind::Nscd => {
                 "turn its hosts cache off (`enable-cache hosts no` in nscd.conf), point \
                  /etc/resolv.conf at the guard, or stop it"
+            }
+            LocalResolverKind::Avahi => {
+                "stop it (and take `mdns` off the `hosts:` line of /etc/nsswitch.conf), or keep \
+                 its socket from the fenced users"
             }
         }
     }
@@ -334,6 +346,7 @@ impl LocalResolverKind {
         match self {
             LocalResolverKind::SystemdResolved => "systemd-resolved",
             LocalResolverKind::Nscd => "nscd",
+            LocalResolverKind::Avahi => "avahi-daemon",
         }
     }
 }
@@ -608,7 +621,8 @@ impl Policy {
             && !(scope.users.is_empty() && scope.groups.is_empty() && scope.cgroups.is_empty())
         {
             for resolver in host.local_resolvers() {
-                let guarded = !resolver.upstream.is_empty()
+                let guarded = !resolver.multicast
+                    && !resolver.upstream.is_empty()
                     && resolver
                         .upstream
                         .iter()
@@ -616,14 +630,22 @@ impl Policy {
                 if guarded {
                     continue;
                 }
-                let asks = match resolver.upstream.as_slice() {
-                    [] => "servers that could not be read".to_string(),
-                    servers => servers
-                        .iter()
-                        .map(IpAddr::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                };
+                let mut asks = Vec::new();
+                match resolver.upstream.as_slice() {
+                    [] if resolver.kind == LocalResolverKind::Avahi => {}
+                    [] => asks.push("servers that could not be read".to_string()),
+                    servers => asks.push(
+                        servers
+                            .iter()
+                            .map(IpAddr::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    ),
+                }
+                if resolver.multicast {
+                    asks.push("the local links by multicast (LLMNR, mDNS)".to_string());
+                }
+                let asks = asks.join(" and ");
                 out.push(HostFinding::Warning(format!(
                     "{}: {} answers every local user on {} and asks {asks} itself, as a \
                      process no scope rule fences: a fenced user's questions there carry data \
@@ -1103,6 +1125,7 @@ mod tests {
                     kind,
                     socket: socket.into(),
                     upstream: upstream.clone(),
+                    multicast: false,
                 })
                 .collect()
         }
@@ -1154,6 +1177,74 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    /// A resolver that also asks the local links by multicast carries a fenced user's
+    /// single-label (LLMNR) or `.local` (mDNS) question to every host on them, even when the
+    /// guard is the only server it has: systemd-resolved with LLMNR on (its default), and
+    /// avahi-daemon, which asks nothing else.
+    #[test]
+    fn a_local_resolver_that_asks_the_links_by_multicast_is_warned_about_even_behind_the_guard() {
+        struct Multicast;
+        impl ScopeHost for Multicast {
+            fn cgroup_missing(&self, _: &CgroupPath) -> Option<String> {
+                None
+            }
+            fn interface_present(&self, _: &IfacePattern) -> bool {
+                true
+            }
+            fn uid_has_account(&self, _: u32) -> bool {
+                true
+            }
+            fn cgroup_delegations(&self, _: &CgroupPath) -> Vec<CgroupDelegation> {
+                Vec::new()
+            }
+            fn bridge_ports(&self, _: &IfacePattern) -> Result<Vec<BridgePort>, String> {
+                Ok(Vec::new())
+            }
+            fn local_resolvers(&self) -> Vec<LocalResolver> {
+                vec![
+                    LocalResolver {
+                        kind: LocalResolverKind::SystemdResolved,
+                        socket: "/run/systemd/resolve/io.systemd.Resolve".into(),
+                        upstream: vec!["127.0.0.53".parse().unwrap()],
+                        multicast: true,
+                    },
+                    LocalResolver {
+                        kind: LocalResolverKind::Avahi,
+                        socket: "/run/avahi-daemon/socket".into(),
+                        upstream: Vec::new(),
+                        multicast: true,
+                    },
+                ]
+            }
+        }
+        let text = "version: 1\nscope:\n  users: [1001]\ndns:\n  mode: guard\n  listen: \
+                    [\"127.0.0.53:53\"]\n  upstream: [192.0.2.53]\n";
+        let p = parse(text).expect("valid");
+        let found = p.scope_findings(text, Path::new("p.yaml"), &Multicast);
+        let [HostFinding::Warning(resolved), HostFinding::Warning(avahi)] = found.as_slice() else {
+            panic!("{found:?}")
+        };
+        assert!(
+            resolved.contains(
+                "systemd-resolved answers every local user on \
+                 /run/systemd/resolve/io.systemd.Resolve and asks 127.0.0.53 and the local \
+                 links by multicast (LLMNR, mDNS) itself"
+            ),
+            "{resolved}"
+        );
+        assert!(
+            resolved.contains("`LLMNR=no` and `MulticastDNS=no`"),
+            "{resolved}"
+        );
+        assert!(
+            avahi.contains(
+                "avahi-daemon answers every local user on /run/avahi-daemon/socket and asks \
+                 the local links by multicast (LLMNR, mDNS) itself"
+            ),
+            "{avahi}"
+        );
     }
 
     #[test]
