@@ -90,6 +90,17 @@ mod tests {
 
     use super::*;
 
+    fn refused_query() -> QueryEvent {
+        QueryEvent::refused(
+            "exfil.example".into(),
+            "TXT".into(),
+            "127.0.0.1:40000".parse().unwrap(),
+            "udp",
+            "REFUSED",
+            "not in the policy".into(),
+        )
+    }
+
     /// The socket is its owner's alone; past [`MAX_WATCHERS`] clients that do not read, the
     /// next is closed at once, and a refused query still reaches the ones served.
     #[tokio::test]
@@ -117,15 +128,7 @@ mod tests {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let query = QueryEvent::refused(
-            "exfil.example".into(),
-            "TXT".into(),
-            "127.0.0.1:40000".parse().unwrap(),
-            "udp",
-            "REFUSED",
-            "not in the policy".into(),
-        );
-        events.send(query).unwrap();
+        events.send(refused_query()).unwrap();
         let mut line = vec![0u8; 4096];
         let n = tokio::time::timeout(Duration::from_secs(5), served[0].read(&mut line))
             .await
@@ -174,15 +177,7 @@ mod tests {
 
         let mut next = UnixStream::connect(&path).await.unwrap();
         assert!(receivers(1).await, "the next watcher was turned away");
-        let query = QueryEvent::refused(
-            "exfil.example".into(),
-            "TXT".into(),
-            "127.0.0.1:40000".parse().unwrap(),
-            "udp",
-            "REFUSED",
-            "not in the policy".into(),
-        );
-        events.send(query).unwrap();
+        events.send(refused_query()).unwrap();
         let mut line = vec![0u8; 4096];
         let n = tokio::time::timeout(Duration::from_secs(5), next.read(&mut line))
             .await

@@ -1097,9 +1097,26 @@ mod tests {
         assert!(unscoped.scope_holes(&Delegating).is_empty());
     }
 
-    /// A host whose systemd-resolved and nscd answer local users over their sockets, each
-    /// asking the given servers.
-    struct Resolving(Vec<IpAddr>, Vec<IpAddr>);
+    /// A host whose local resolvers are these (and nothing else to say).
+    struct Resolving(Vec<LocalResolver>);
+
+    impl Resolving {
+        /// systemd-resolved and nscd, each asking the given servers and no link.
+        fn asking(resolved: Vec<IpAddr>, nscd: Vec<IpAddr>) -> Resolving {
+            Resolving(
+                LocalResolverKind::ALL
+                    .into_iter()
+                    .zip([resolved, nscd])
+                    .map(|((kind, socket, _), upstream)| LocalResolver {
+                        kind,
+                        socket: socket.into(),
+                        upstream,
+                        multicast: false,
+                    })
+                    .collect(),
+            )
+        }
+    }
 
     impl ScopeHost for Resolving {
         fn cgroup_missing(&self, _: &CgroupPath) -> Option<String> {
@@ -1118,16 +1135,7 @@ mod tests {
             Ok(Vec::new())
         }
         fn local_resolvers(&self) -> Vec<LocalResolver> {
-            LocalResolverKind::ALL
-                .into_iter()
-                .zip([&self.0, &self.1])
-                .map(|((kind, socket, _), upstream)| LocalResolver {
-                    kind,
-                    socket: socket.into(),
-                    upstream: upstream.clone(),
-                    multicast: false,
-                })
-                .collect()
+            self.0.clone()
         }
     }
 
@@ -1137,7 +1145,7 @@ mod tests {
         let text = "version: 1\nscope:\n  users: [1001]\ndns:\n  mode: guard\n  listen: \
                     [\"127.0.0.53:53\"]\n  upstream: [192.0.2.53]\n";
         let p = parse(text).expect("valid");
-        let host = Resolving(vec![ip("192.0.2.53")], vec![]);
+        let host = Resolving::asking(vec![ip("192.0.2.53")], vec![]);
         let found = p.scope_findings(text, Path::new("p.yaml"), &host);
         let [HostFinding::Warning(resolved), HostFinding::Warning(nscd)] = found.as_slice() else {
             panic!("{found:?}")
@@ -1158,7 +1166,7 @@ mod tests {
             "{nscd}"
         );
         // Both asking the guard alone: nothing to say.
-        let guarded = Resolving(vec![ip("127.0.0.53")], vec![ip("127.0.0.53")]);
+        let guarded = Resolving::asking(vec![ip("127.0.0.53")], vec![ip("127.0.0.53")]);
         assert!(
             p.scope_findings(text, Path::new("p.yaml"), &guarded)
                 .is_empty()
@@ -1185,44 +1193,24 @@ mod tests {
     /// avahi-daemon, which asks nothing else.
     #[test]
     fn a_local_resolver_that_asks_the_links_by_multicast_is_warned_about_even_behind_the_guard() {
-        struct Multicast;
-        impl ScopeHost for Multicast {
-            fn cgroup_missing(&self, _: &CgroupPath) -> Option<String> {
-                None
-            }
-            fn interface_present(&self, _: &IfacePattern) -> bool {
-                true
-            }
-            fn uid_has_account(&self, _: u32) -> bool {
-                true
-            }
-            fn cgroup_delegations(&self, _: &CgroupPath) -> Vec<CgroupDelegation> {
-                Vec::new()
-            }
-            fn bridge_ports(&self, _: &IfacePattern) -> Result<Vec<BridgePort>, String> {
-                Ok(Vec::new())
-            }
-            fn local_resolvers(&self) -> Vec<LocalResolver> {
-                vec![
-                    LocalResolver {
-                        kind: LocalResolverKind::SystemdResolved,
-                        socket: "/run/systemd/resolve/io.systemd.Resolve".into(),
-                        upstream: vec!["127.0.0.53".parse().unwrap()],
-                        multicast: true,
-                    },
-                    LocalResolver {
-                        kind: LocalResolverKind::Avahi,
-                        socket: "/run/avahi-daemon/socket".into(),
-                        upstream: Vec::new(),
-                        multicast: true,
-                    },
-                ]
-            }
-        }
+        let multicast = Resolving(vec![
+            LocalResolver {
+                kind: LocalResolverKind::SystemdResolved,
+                socket: "/run/systemd/resolve/io.systemd.Resolve".into(),
+                upstream: vec!["127.0.0.53".parse().unwrap()],
+                multicast: true,
+            },
+            LocalResolver {
+                kind: LocalResolverKind::Avahi,
+                socket: "/run/avahi-daemon/socket".into(),
+                upstream: Vec::new(),
+                multicast: true,
+            },
+        ]);
         let text = "version: 1\nscope:\n  users: [1001]\ndns:\n  mode: guard\n  listen: \
                     [\"127.0.0.53:53\"]\n  upstream: [192.0.2.53]\n";
         let p = parse(text).expect("valid");
-        let found = p.scope_findings(text, Path::new("p.yaml"), &Multicast);
+        let found = p.scope_findings(text, Path::new("p.yaml"), &multicast);
         let [HostFinding::Warning(resolved), HostFinding::Warning(avahi)] = found.as_slice() else {
             panic!("{found:?}")
         };
