@@ -62,9 +62,9 @@ fn connect_as(w: &World, who: Adversary, host: std::net::IpAddr) {
 /// just gave, before the honest user connects: learn credited the user's flow to the last
 /// name that answered the address, whoever asked it, so the learned policy allowed the
 /// sandbox's name (which it can point anywhere once the policy is applied) and called the
-/// user's name "asked but never connected to".
+/// user's name "asked but never connected to". A flow is now learned for the last name its
+/// own uid asked for the address.
 #[test]
-#[ignore = "fails on main: learn credits the flow to the sandbox's name"]
 fn a_users_flow_is_learned_for_the_name_that_user_asked() {
     let w = World::new();
     let _listener = w.listen_tcp(HOST_V4, PORT);
