@@ -18,6 +18,7 @@ mod inherited;
 mod inputs;
 mod learn;
 mod learn_attack;
+mod metrics_attack;
 mod probe_protocols;
 mod raw_frames;
 mod readback;
