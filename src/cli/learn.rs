@@ -192,18 +192,29 @@ fn read_trace_from(file: &mut std::fs::File, path: &Path, offset: u64) -> Result
 }
 
 /// Writes the learned policy to `out` (replaced whole), never through a symbolic link, nor
-/// into a file another user made (it could edit the policy between review and apply).
+/// into a file another user made (it could edit the policy between review and apply), nor
+/// into anything but a regular file: the open does not block, so a FIFO put at the path
+/// during the run is refused at once instead of holding learn until someone reads it.
 fn write_policy(out: &Path, yaml: &str) -> Result<(), Failure> {
     let context = || format!("writing the learned policy to {}", out.display());
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .mode(0o644)
-        .custom_flags(libc::O_NOFOLLOW)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(out)
         .with_context(context)?;
     // Checked before anything is cut: a file made during the run is refused untouched.
-    refuse_foreign(&file.metadata().with_context(context)?, out)?;
+    let meta = file.metadata().with_context(context)?;
+    if !meta.is_file() {
+        return Err(anyhow::anyhow!(
+            "writing the learned policy to {}: it is not a regular file (a FIFO, socket or \
+             device): give the path of a file, or remove what is there",
+            out.display()
+        )
+        .into());
+    }
+    refuse_foreign(&meta, out)?;
     file.set_len(0).with_context(context)?;
     file.write_all(yaml.as_bytes()).with_context(context)?;
     Ok(())

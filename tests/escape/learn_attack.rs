@@ -162,7 +162,6 @@ fn names_the_sandbox_asks_write_no_policy_text() {
 /// so learn never ended (its table was back, but a provisioning script waiting on it hung,
 /// and no policy came). It is refused like another user's file, at once.
 #[test]
-#[ignore = "fails on main: learn waits on the FIFO"]
 fn a_fifo_put_at_out_during_the_run_is_refused_not_waited_on() {
     let w = World::new();
     let _listener = w.listen_tcp(OTHER_V4, PORT);
