@@ -32,6 +32,12 @@ pub enum TraceFileError {
         path.display()
     )]
     NotOurs { path: PathBuf, uid: u32 },
+    #[error(
+        "the trace {} has {links} names (hard links): appending to it, or making it 0600, would \
+         change another file too; give a path of your own (or remove the file)",
+        path.display()
+    )]
+    Linked { path: PathBuf, links: u64 },
     #[error("cannot start the trace writer: {0}")]
     Thread(std::io::Error),
 }
@@ -68,6 +74,15 @@ pub fn open_append(path: &Path) -> Result<File, TraceFileError> {
         });
     }
     refuse_foreign(&meta, path)?;
+    // A second name (a hard link made at the path, which `fs.protected_hardlinks=0` lets
+    // anyone make to a file they do not own): the records and the chmod would land in that
+    // file, the host's policy for one.
+    if meta.nlink() != 1 {
+        return Err(TraceFileError::Linked {
+            path: path.to_owned(),
+            links: meta.nlink(),
+        });
+    }
     if meta.permissions().mode() & 0o077 != 0 {
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(open)?;
@@ -348,6 +363,18 @@ mod tests {
             e.contains("cannot open") || e.contains("not a regular"),
             "{e}"
         );
+        // A hard link to another file: refused, that file untouched (neither its text nor
+        // its mode).
+        let other = dir.path().join("policy.yaml");
+        std::fs::write(&other, "version: 1\n").unwrap();
+        std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let hard = dir.path().join("hard.jsonl");
+        std::fs::hard_link(&other, &hard).unwrap();
+        let e = open_append(&hard).unwrap_err().to_string();
+        assert!(e.contains("hard links"), "{e}");
+        assert_eq!(std::fs::read_to_string(&other).unwrap(), "version: 1\n");
+        let mode = std::fs::metadata(&other).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o644);
     }
 
     #[test]

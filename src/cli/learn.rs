@@ -173,6 +173,11 @@ fn refuse_out(out: &Path) -> Result<(), Failure> {
             "--out {} is a symbolic link: the learned policy is never written through one",
             out.display()
         ))),
+        Ok(m) if m.is_file() && m.nlink() != 1 => Err(refused(anyhow::anyhow!(
+            "--out {} has {} names (hard links): writing it would change another file too",
+            out.display(),
+            m.nlink()
+        ))),
         Ok(m) => refuse_foreign(&m, out).map_err(|e| refused(e.into())),
         Err(_) => Ok(()),
     }
@@ -192,19 +197,83 @@ fn read_trace_from(file: &mut std::fs::File, path: &Path, offset: u64) -> Result
 }
 
 /// Writes the learned policy to `out` (replaced whole), never through a symbolic link, nor
-/// into a file another user made (it could edit the policy between review and apply).
+/// into a file another user made (it could edit the policy between review and apply), nor
+/// into anything but a regular file: the open does not block, so a FIFO put at the path
+/// during the run is refused at once instead of holding learn until someone reads it.
 fn write_policy(out: &Path, yaml: &str) -> Result<(), Failure> {
     let context = || format!("writing the learned policy to {}", out.display());
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .mode(0o644)
-        .custom_flags(libc::O_NOFOLLOW)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(out)
         .with_context(context)?;
     // Checked before anything is cut: a file made during the run is refused untouched.
-    refuse_foreign(&file.metadata().with_context(context)?, out)?;
+    let meta = file.metadata().with_context(context)?;
+    if !meta.is_file() {
+        return Err(anyhow::anyhow!(
+            "writing the learned policy to {}: it is not a regular file (a FIFO, socket or \
+             device): give the path of a file, or remove what is there",
+            out.display()
+        )
+        .into());
+    }
+    refuse_foreign(&meta, out)?;
+    // A second name for the file (a hard link someone made at the path during the run, where
+    // the kernel lets them link files they do not own: `fs.protected_hardlinks=0`) would
+    // have the policy written into whatever file that is, this host's policy for one.
+    if meta.nlink() != 1 {
+        return Err(anyhow::anyhow!(
+            "writing the learned policy to {}: the file has {} names (hard links), so \
+             writing it would change another file too: give a path of your own (or remove the \
+             file)",
+            out.display(),
+            meta.nlink()
+        )
+        .into());
+    }
     file.set_len(0).with_context(context)?;
     file.write_all(yaml.as_bytes()).with_context(context)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_learned_policy_goes_into_a_regular_file_of_one_name_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("learned.yaml");
+        let ok = |path: &Path, text: &str| {
+            if let Err(e) = write_policy(path, text) {
+                panic!("{}", e.describe());
+            }
+        };
+        ok(&out, "version: 1\n");
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "version: 1\n");
+        // Replaced whole.
+        ok(&out, "v\n");
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "v\n");
+
+        // A hard link to another file at the path: refused, and that file is untouched.
+        let other = dir.path().join("policy.yaml");
+        std::fs::write(&other, "the host's policy\n").unwrap();
+        let linked = dir.path().join("linked.yaml");
+        std::fs::hard_link(&other, &linked).unwrap();
+        let Err(e) = write_policy(&linked, "allow: everything\n") else {
+            panic!("written through a hard link");
+        };
+        assert!(e.describe().contains("hard links"), "{}", e.describe());
+        assert_eq!(
+            std::fs::read_to_string(&other).unwrap(),
+            "the host's policy\n"
+        );
+
+        // A FIFO: refused at once, not waited on (no reader ever comes here).
+        let fifo = dir.path().join("fifo.yaml");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        assert!(write_policy(&fifo, "version: 1\n").is_err());
+    }
 }

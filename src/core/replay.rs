@@ -182,8 +182,10 @@ pub struct JudgedFlow<'t> {
     pub uid: Option<u32>,
     pub iif: Option<&'t str>,
     /// The name (index into [`Judgement::domains`]) whose answer named `dst` last before the
-    /// flow: the one the client most likely connected for. Only names a policy can allow
-    /// count, and only answers of addresses the table would take.
+    /// flow: the one the client most likely connected for. A name the flow's own uid asked
+    /// comes first (another user's later answer for the same address, such as the sandbox's
+    /// own zone answering it, does not take the flow); else the last of anyone's. Only names a
+    /// policy can allow count, and only answers of addresses the table would take.
     pub latest_name: Option<usize>,
     /// How many distinct names had answered `dst` by then: they are the first that many of
     /// [`Judgement::names_of`] for `dst`.
@@ -230,6 +232,8 @@ struct AddrState<'t> {
     /// Allow entries of names whose answers the table would have taken for it.
     entries: BTreeSet<usize>,
     latest: Option<usize>,
+    /// The latest per uid that asked.
+    latest_of: HashMap<u32, usize>,
 }
 
 struct Judge<'p> {
@@ -477,8 +481,11 @@ pub fn judge<'t>(policy: &Policy, trace: &'t Trace) -> Judgement<'t> {
                     if takes {
                         state.entries.extend(entries.iter().copied());
                     }
-                    if !never && domain.is_some() {
-                        state.latest = domain;
+                    if let Some(d) = domain.filter(|_| !never) {
+                        state.latest = Some(d);
+                        if let Some(uid) = uid {
+                            state.latest_of.insert(*uid, d);
+                        }
                     }
                 }
                 out.names.push(JudgedName {
@@ -514,7 +521,8 @@ pub fn judge<'t>(policy: &Policy, trace: &'t Trace) -> Judgement<'t> {
                     dport: *dport,
                     uid: *uid,
                     iif: iif.as_deref(),
-                    latest_name: state.and_then(|s| s.latest),
+                    latest_name: state
+                        .and_then(|s| uid.and_then(|u| s.latest_of.get(&u).copied()).or(s.latest)),
                     names_before: state.map_or(0, |s| s.names.len()),
                     verdict,
                 });

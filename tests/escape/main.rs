@@ -17,6 +17,8 @@ mod hostcfg;
 mod inherited;
 mod inputs;
 mod learn;
+mod learn_attack;
+mod metrics_attack;
 mod probe_protocols;
 mod raw_frames;
 mod readback;

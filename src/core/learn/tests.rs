@@ -652,3 +652,39 @@ fn a_name_too_long_to_be_allowed_is_a_note_not_an_entry() {
         out.yaml
     );
 }
+
+/// The sandbox's own zone answers a user's address last, before the user's flow: the flow is
+/// learned for the name its own uid asked, not for the sandbox's name (which it could point
+/// anywhere once the policy is applied). A flow whose uid asked no name for the address (a
+/// caching stub asked for it) still goes to the last name anyone asked.
+#[test]
+fn a_flow_is_learned_for_the_name_its_own_uid_asked() {
+    let mut t = T::start().name("good.example", &["192.0.2.7"]);
+    t.records.push(crate::core::trace::Record::Name {
+        time: "2026-12-01T10:00:02.500Z".into(),
+        name: "hijack.evil.example".into(),
+        qtype: "A".into(),
+        answer: "NOERROR".into(),
+        addrs: vec!["192.0.2.7".parse().unwrap()],
+        ttl: Some(60),
+        uid: Some(65534),
+    });
+    let t = t
+        .tcp("192.0.2.7", 443)
+        .flow_as("tcp", "192.0.2.7", Some(8443), Some(1002), None)
+        .trace();
+    let (out, _) = learned(GUARD, &t);
+    assert_eq!(out.added.len(), 2, "{:?}", out.added);
+    assert!(
+        out.yaml
+            .contains("- domain: \"good.example\"\n    ports: [443]\n"),
+        "{}",
+        out.yaml
+    );
+    assert!(
+        out.yaml
+            .contains("- domain: \"hijack.evil.example\"\n    ports: [8443]\n"),
+        "{}",
+        out.yaml
+    );
+}
