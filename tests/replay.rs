@@ -204,6 +204,34 @@ fn a_bad_trace_or_policy_exits_2_with_where() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("cannot read the trace"));
 
+    // A FIFO at the trace's path (a gate replaying in a directory the sandbox can write) is
+    // refused at once, not waited on.
+    let fifo = f.dir.join("fifo.jsonl");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+    let mut replay = Command::new(env!("CARGO_BIN_EXE_egress-fence"))
+        .arg("replay")
+        .args([&fifo, &policy])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run egress-fence");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while replay.try_wait().expect("wait").is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let finished = replay.try_wait().expect("wait").is_some();
+    if !finished {
+        let _ = replay.kill();
+    }
+    let out = replay.wait_with_output().expect("output");
+    assert!(finished, "replay waited on a FIFO");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("not a regular file"),
+        "{}",
+        text(&out.stderr)
+    );
+
     let help = Command::new(env!("CARGO_BIN_EXE_egress-fence"))
         .args(["replay", "--help"])
         .output()

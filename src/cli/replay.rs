@@ -16,7 +16,7 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
         code: EXIT_BAD_POLICY,
         error,
     };
-    let text = std::fs::read_to_string(trace_path).map_err(|e| {
+    let text = read_trace(trace_path).map_err(|e| {
         bad_input(anyhow!(
             "cannot read the trace {}: {e}; give a file `run --record` or `learn` wrote",
             trace_path.display()
@@ -55,6 +55,24 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
     } else {
         0
     })
+}
+
+/// Reads a trace that must be a regular file, opened without blocking: a gate may replay a
+/// trace in a directory the fenced process can write, where a FIFO put at the path would
+/// hold the gate forever.
+fn read_trace(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    let mut text = String::new();
+    file.read_to_string(&mut text)?;
+    Ok(text)
 }
 
 /// Trace text for a terminal: anything but printable ASCII is shown escaped (`\u{1b}`), not
