@@ -1575,7 +1575,6 @@ fn assert_stacked_refused(w: &World, container: &BridgedContainer, forward: &str
 /// not enough (the input interface is the second bridge), so the second bridge must be
 /// listed too; then the container is fenced.
 #[test]
-#[ignore = "fails on main: fixed in the next commits"]
 fn a_second_bridge_over_a_device_stacked_on_a_listed_bridge_is_refused_unless_listed_too() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
