@@ -309,7 +309,9 @@ pub fn bridge_ports(
 }
 
 /// [`bridge_ports`] of `links`. Stacked is every device above a matching bridge, however
-/// deep: one whose lower device is the bridge or stacked (a VLAN on a macvlan on it), and the
+/// deep: one whose lower device is the bridge, one of its ports or stacked (a VLAN on a
+/// macvlan on it; a VLAN on a port; the peer in this namespace of a veth port, which gets
+/// what the bridge sends out of the port), and the
 /// master of the bridge or of a stacked device (a second bridge a macvlan of it is a port of):
 /// what containers send arrives with that device, not the bridge, as input interface.
 fn bridge_ports_of(
@@ -342,10 +344,11 @@ fn bridge_ports_of(
                 if above.contains(&link.index) {
                     continue;
                 }
-                let on_top = link.lower.is_some_and(|i| above.contains(&i))
-                    || links
-                        .iter()
-                        .any(|l| above.contains(&l.index) && l.master == Some(link.index));
+                let on_top = link.lower.is_some_and(|i| {
+                    above.contains(&i) || links.iter().any(|l| l.index == i && is_port(l))
+                }) || links
+                    .iter()
+                    .any(|l| above.contains(&l.index) && l.master == Some(link.index));
                 if on_top {
                     above.push(link.index);
                     ports.push(port(link, true));
@@ -567,7 +570,8 @@ mod tests {
     use super::*;
 
     /// Devices above a listed bridge are stacked however deep: a VLAN on a macvlan on it, a
-    /// second bridge a macvlan of it is a port of; the bridge's ports are not.
+    /// second bridge a macvlan of it is a port of, the peer of a veth port left in this
+    /// namespace; the bridge's ports are not.
     #[test]
     fn every_device_above_a_listed_bridge_is_stacked_however_deep() {
         use crate::netlink::link::Link;
@@ -604,6 +608,7 @@ mod tests {
                 ("mv0.10", true),
                 ("mv1", true),
                 ("vA", false),
+                ("vB", true),
             ]
         );
         assert!(found.iter().all(|p| p.bridge == "efbr0"));

@@ -1594,7 +1594,6 @@ fn a_second_bridge_over_a_device_stacked_on_a_listed_bridge_is_refused_unless_li
 /// A veth port of the listed bridge whose peer is in this namespace: the peer is a hole
 /// until listed; then the container is fenced.
 #[test]
-#[ignore = "fails on main: fixed in the next commits"]
 fn a_veth_port_whose_peer_is_in_this_namespace_is_refused_unless_the_peer_is_listed() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
