@@ -1609,3 +1609,31 @@ fn a_veth_port_whose_peer_is_in_this_namespace_is_refused_unless_the_peer_is_lis
         "the container got out through the listed peer"
     );
 }
+
+/// A device stacked on a listed bridge while `run` fences it is seen by the daemon's host
+/// poll and said as an error every time it looks, like a LAN port.
+#[test]
+fn a_device_stacked_on_a_listed_bridge_while_running_is_logged_as_an_error() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(20)),
+        "the daemon did not start: {}",
+        daemon.stderr()
+    );
+    bridge_stacked_device(&w, &container);
+    let said = "listed bridge efbr0 carries efmv0 (a macvlan device on top of it)";
+    let seen_twice = within(Duration::from_secs(10), || {
+        daemon.stderr().matches(said).count() >= 2
+    });
+    let log = daemon.stderr();
+    let _ = daemon.terminate();
+    assert!(seen_twice, "the daemon did not keep saying so: {log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains(said) && l.contains("ERROR") && l.contains("NOT fenced")),
+        "{log}"
+    );
+}
