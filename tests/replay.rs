@@ -318,7 +318,6 @@ fn a_trace_shaped_to_amplify_is_reported_in_memory_bounded_by_the_trace() {
 /// whole: a trace larger than any `run --record` and `learn` write over a few runs is refused
 /// at once.
 #[test]
-#[ignore = "fails on main: replay reads the whole 2 GiB"]
 fn a_trace_too_large_to_be_one_written_is_refused_at_once() {
     let f = Files::new(TRACE);
     let policy = f.policy("p.yaml", "version: 1\n");
