@@ -233,6 +233,8 @@ struct AddrState<'t> {
     entries: BTreeSet<usize>,
     latest: Option<usize>,
     /// The latest per uid that asked (`None`: asked with no uid, as what crosses a bridge).
+    /// A flow whose uid asked none goes to `latest` only when one uid asked them all: with
+    /// several askers, the last could be the fenced process's, asked to take the flow.
     latest_of: HashMap<Option<u32>, usize>,
 }
 
@@ -519,7 +521,12 @@ pub fn judge<'t>(policy: &Policy, trace: &'t Trace) -> Judgement<'t> {
                     dport: *dport,
                     uid: *uid,
                     iif: iif.as_deref(),
-                    latest_name: state.and_then(|s| s.latest_of.get(uid).copied().or(s.latest)),
+                    latest_name: state.and_then(|s| {
+                        s.latest_of
+                            .get(uid)
+                            .copied()
+                            .or(s.latest.filter(|_| s.latest_of.len() == 1))
+                    }),
                     names_before: state.map_or(0, |s| s.names.len()),
                     verdict,
                 });
