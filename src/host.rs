@@ -300,30 +300,64 @@ pub fn cgroup_delegations(path: &CgroupPath) -> Vec<CgroupDelegation> {
 }
 
 /// The ports of every bridge of the current network namespace whose name matches `pattern`,
-/// and the devices stacked on it (VLAN, macvlan), with their link types (rtnetlink: /sys/class/net shows the namespace sysfs was mounted
-/// in, not the one this thread entered).
+/// and the devices stacked on it (VLAN, macvlan), with their link types (rtnetlink:
+/// /sys/class/net shows the namespace sysfs was mounted in, not the one this thread entered).
 pub fn bridge_ports(
     pattern: &IfacePattern,
 ) -> Result<Vec<BridgePort>, crate::netlink::link::LinkError> {
-    let links = crate::netlink::link::links()?;
+    Ok(bridge_ports_of(&crate::netlink::link::links()?, pattern))
+}
+
+/// [`bridge_ports`] of `links`. Stacked is every device above a matching bridge, however
+/// deep: one whose lower device is the bridge, one of its ports or stacked (a VLAN on a
+/// macvlan on it; a VLAN on a port; the peer in this namespace of a veth port, which gets
+/// what the bridge sends out of the port), and the
+/// master of the bridge or of a stacked device (a second bridge a macvlan of it is a port of):
+/// what containers send arrives with that device, not the bridge, as input interface.
+fn bridge_ports_of(
+    links: &[crate::netlink::link::Link],
+    pattern: &IfacePattern,
+) -> Vec<BridgePort> {
     let mut ports = Vec::new();
     for bridge in links
         .iter()
         .filter(|l| l.kind.as_deref() == Some("bridge") && pattern.matches(&l.name))
     {
+        let is_port = |l: &crate::netlink::link::Link| l.master == Some(bridge.index);
+        let port = |link: &crate::netlink::link::Link, stacked| BridgePort {
+            bridge: bridge.name.clone(),
+            port: link.name.clone(),
+            kind: link.kind.clone(),
+            stacked,
+        };
         ports.extend(
             links
                 .iter()
-                .filter(|l| l.master == Some(bridge.index) || l.lower == Some(bridge.index))
-                .map(|port| BridgePort {
-                    bridge: bridge.name.clone(),
-                    port: port.name.clone(),
-                    kind: port.kind.clone(),
-                    stacked: port.lower == Some(bridge.index),
-                }),
+                .filter(|l| is_port(l) && l.lower != Some(bridge.index))
+                .map(|l| port(l, false)),
         );
+        let mut above = vec![bridge.index];
+        let mut grew = true;
+        while grew {
+            grew = false;
+            for link in links.iter().filter(|l| !is_port(l)) {
+                if above.contains(&link.index) {
+                    continue;
+                }
+                let on_top = link.lower.is_some_and(|i| {
+                    above.contains(&i) || links.iter().any(|l| l.index == i && is_port(l))
+                }) || links
+                    .iter()
+                    .any(|l| above.contains(&l.index) && l.master == Some(link.index));
+                if on_top {
+                    above.push(link.index);
+                    ports.push(port(link, true));
+                    grew = true;
+                }
+            }
+        }
     }
-    Ok(ports)
+    ports
 }
 
 /// Where the cgroup v2 hierarchy is mounted: /sys/fs/cgroup on a unified host, its
@@ -534,6 +568,51 @@ impl Default for HostAddrsCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Devices above a listed bridge are stacked however deep: a VLAN on a macvlan on it, a
+    /// second bridge a macvlan of it is a port of, the peer of a veth port left in this
+    /// namespace; the bridge's ports are not.
+    #[test]
+    fn every_device_above_a_listed_bridge_is_stacked_however_deep() {
+        use crate::netlink::link::Link;
+        let link = |index, name: &str, master, lower, kind: Option<&str>| Link {
+            index,
+            name: name.into(),
+            master,
+            lower,
+            kind: kind.map(str::to_string),
+            tun: None,
+        };
+        let links = [
+            link(2, "efbr0", None, None, Some("bridge")),
+            link(3, "ct0", Some(2), None, Some("veth")),
+            link(4, "mv0", None, Some(2), Some("macvlan")),
+            link(5, "mv0.10", None, Some(4), Some("vlan")),
+            link(6, "br2", None, None, Some("bridge")),
+            link(7, "mv1", Some(6), Some(2), Some("macvlan")),
+            link(8, "vA", Some(2), Some(9), Some("veth")),
+            link(9, "vB", None, Some(8), Some("veth")),
+            link(10, "other", None, None, Some("bridge")),
+            link(11, "eth0", Some(10), None, None),
+        ];
+        let found = bridge_ports_of(&links, &"efbr0".parse().unwrap());
+        let mut named: Vec<(&str, bool)> =
+            found.iter().map(|p| (p.port.as_str(), p.stacked)).collect();
+        named.sort();
+        assert_eq!(
+            named,
+            [
+                ("br2", true),
+                ("ct0", false),
+                ("mv0", true),
+                ("mv0.10", true),
+                ("mv1", true),
+                ("vA", false),
+                ("vB", true),
+            ]
+        );
+        assert!(found.iter().all(|p| p.bridge == "efbr0"));
+    }
 
     #[test]
     fn mount_paths_are_unescaped() {

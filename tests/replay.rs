@@ -312,3 +312,42 @@ fn a_trace_shaped_to_amplify_is_reported_in_memory_bounded_by_the_trace() {
     );
     assert!(stdout.is_ascii(), "{stdout}");
 }
+
+/// A sparse file of 2 GiB (8 GiB held one for more than 20 s at 6.6 GB) at the trace's path (which takes no disk, made in a directory the
+/// sandbox can write) held a gate for minutes and grew it to gigabytes as replay read it
+/// whole: a trace larger than any `run --record` and `learn` write over a few runs is refused
+/// at once.
+#[test]
+fn a_trace_too_large_to_be_one_written_is_refused_at_once() {
+    let f = Files::new(TRACE);
+    let policy = f.policy("p.yaml", "version: 1\n");
+    let huge = f.dir.join("huge.jsonl");
+    std::fs::File::create(&huge)
+        .and_then(|file| file.set_len(2 << 30))
+        .expect("sparse file");
+    let started = std::time::Instant::now();
+    let mut replay = Command::new(env!("CARGO_BIN_EXE_egress-fence"))
+        .arg("replay")
+        .args([&huge, &policy])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run egress-fence");
+    while replay.try_wait().expect("wait").is_none()
+        && started.elapsed() < std::time::Duration::from_secs(10)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let finished = replay.try_wait().expect("wait").is_some();
+    if !finished {
+        let _ = replay.kill();
+    }
+    let out = replay.wait_with_output().expect("output");
+    assert!(finished, "replay read a 2 GiB trace");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("larger than"),
+        "{}",
+        text(&out.stderr)
+    );
+}

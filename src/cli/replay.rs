@@ -7,6 +7,7 @@ use std::path::Path;
 use anyhow::anyhow;
 use egress_fence::core::replay::{ReplayReport, describe_flow, replay};
 use egress_fence::core::trace::{Trace, TraceError};
+use egress_fence::trace_file::MAX_TRACE_BYTES;
 
 use super::exit::{EXIT_BAD_POLICY, EXIT_FAILURE, EXIT_INCOMPLETE_TRACE, Failure};
 use super::load::load;
@@ -57,21 +58,39 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
     })
 }
 
-/// Reads a trace that must be a regular file, opened without blocking: a gate may replay a
-/// trace in a directory the fenced process can write, where a FIFO put at the path would
-/// hold the gate forever.
+/// The largest trace replay reads: eight runs' worth of what `run --record` and `learn`
+/// write at most ([`MAX_TRACE_BYTES`] each, appended to the same file).
+const MAX_REPLAY_BYTES: u64 = 8 * MAX_TRACE_BYTES;
+
+/// Reads a trace that must be a regular file, opened without blocking, of at most
+/// [`MAX_REPLAY_BYTES`]: a gate may replay a trace in a directory the fenced process can
+/// write, where a FIFO put at the path would hold the gate forever, and a sparse file of any
+/// size (which takes no disk) would have it read gigabytes of zeros into memory.
 fn read_trace(path: &Path) -> std::io::Result<String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
-    let mut file = std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(path)?;
-    if !file.metadata()?.is_file() {
+    let meta = file.metadata()?;
+    if !meta.is_file() {
         return Err(std::io::Error::other("not a regular file"));
     }
+    let too_large = || {
+        std::io::Error::other(format!(
+            "larger than {} MiB, more than runs write: start a new trace file",
+            MAX_REPLAY_BYTES >> 20
+        ))
+    };
+    if meta.len() > MAX_REPLAY_BYTES {
+        return Err(too_large());
+    }
     let mut text = String::new();
-    file.read_to_string(&mut text)?;
+    file.take(MAX_REPLAY_BYTES + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_REPLAY_BYTES {
+        return Err(too_large());
+    }
     Ok(text)
 }
 

@@ -232,8 +232,10 @@ struct AddrState<'t> {
     /// Allow entries of names whose answers the table would have taken for it.
     entries: BTreeSet<usize>,
     latest: Option<usize>,
-    /// The latest per uid that asked.
-    latest_of: HashMap<u32, usize>,
+    /// The latest per uid that asked (`None`: asked with no uid, as what crosses a bridge).
+    /// A flow whose uid asked none goes to `latest` only when one uid asked them all: with
+    /// several askers, the last could be the fenced process's, asked to take the flow.
+    latest_of: HashMap<Option<u32>, usize>,
 }
 
 struct Judge<'p> {
@@ -483,9 +485,7 @@ pub fn judge<'t>(policy: &Policy, trace: &'t Trace) -> Judgement<'t> {
                     }
                     if let Some(d) = domain.filter(|_| !never) {
                         state.latest = Some(d);
-                        if let Some(uid) = uid {
-                            state.latest_of.insert(*uid, d);
-                        }
+                        state.latest_of.insert(*uid, d);
                     }
                 }
                 out.names.push(JudgedName {
@@ -521,8 +521,12 @@ pub fn judge<'t>(policy: &Policy, trace: &'t Trace) -> Judgement<'t> {
                     dport: *dport,
                     uid: *uid,
                     iif: iif.as_deref(),
-                    latest_name: state
-                        .and_then(|s| uid.and_then(|u| s.latest_of.get(&u).copied()).or(s.latest)),
+                    latest_name: state.and_then(|s| {
+                        s.latest_of
+                            .get(uid)
+                            .copied()
+                            .or(s.latest.filter(|_| s.latest_of.len() == 1))
+                    }),
                     names_before: state.map_or(0, |s| s.names.len()),
                     verdict,
                 });

@@ -1494,3 +1494,146 @@ fn check(policy: &std::path::Path) -> (Option<i32>, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// `efmv0`, a macvlan on the listed bridge, is a port of a second bridge `efbr2` that has the
+/// address the container routes by: what the container sends it arrives with `efbr2` as input
+/// interface, so listing `efmv0` fences nothing.
+fn bridge_stacked_device_in_a_second_bridge(w: &World, container: &BridgedContainer) {
+    let script = format!(
+        "sysctl -q -w net.ipv4.conf.all.arp_ignore=1 && ip link add link {BRIDGE} name efmv0 \
+         type macvlan mode bridge && ip link add efbr2 type bridge && ip link set efmv0 master \
+         efbr2 && ip addr add 198.18.0.3/24 dev efbr2 && ip link set efmv0 up && ip link set \
+         efbr2 up"
+    );
+    let out = w.sandbox_cmd(&["sh", "-c", &script]);
+    assert!(out.success(), "{out}");
+    let route = container.cmd(&["ip", "route", "replace", "default", "via", "198.18.0.3"]);
+    assert!(route.success(), "{route}");
+}
+
+/// A veth port of the listed bridge whose peer `efpeer` stays in this namespace, with the
+/// address the container routes by: what the container sends out of the port arrives with
+/// the peer as input interface (the container's neighbour entry names the peer's address,
+/// which the bridge would answer ARP for itself). Bridge netfilter is off in the sandbox (its
+/// default without Docker): on, it sends the bridged frame through the forward hook as the
+/// bridge's, and the fence takes it there.
+fn bridge_veth_with_its_peer_here(w: &World, container: &BridgedContainer) {
+    let script = format!(
+        "sysctl -q -w net.ipv4.conf.all.arp_ignore=1 net.bridge.bridge-nf-call-iptables=0 && \
+         ip link add efport type veth peer name efpeer && ip link set efport master {BRIDGE} && ip addr add 198.18.0.3/24 dev efpeer \
+         && ip link set efport up && ip link set efpeer up"
+    );
+    let out = w.sandbox_cmd(&["sh", "-c", &script]);
+    assert!(out.success(), "{out}");
+    let mac = w.sandbox_cmd(&["cat", "/sys/class/net/efpeer/address"]);
+    assert!(mac.success(), "{mac}");
+    let neigh = container.cmd(&[
+        "ip",
+        "neigh",
+        "replace",
+        "198.18.0.3",
+        "lladdr",
+        mac.stdout.trim(),
+        "dev",
+        "eth0",
+    ]);
+    assert!(neigh.success(), "{neigh}");
+    let route = container.cmd(&["ip", "route", "replace", "default", "via", "198.18.0.3"]);
+    assert!(route.success(), "{route}");
+}
+
+/// Devices above a listed bridge however deep are holes until listed: `policy` (passed by
+/// nft, where the container gets out) is refused by `apply` and `run` naming `device`.
+fn assert_stacked_refused(w: &World, container: &BridgedContainer, forward: &str, device: &str) {
+    let policy = w.write_file(
+        "deep.yaml",
+        &BRIDGE_POLICY.replace("forward: [efbr0]", forward),
+    );
+    put_up(w, &policy, ScopeLoad::NftText);
+    assert!(
+        container_out_by_its_route(w, container),
+        "the container did not get out past the plan's table: the test proves nothing"
+    );
+    let before = w.table_handle();
+    for command in ["apply", "run"] {
+        let out = w.egress_fence(&[command, path_arg(&policy)]);
+        assert_eq!(out.code(), 2, "{command}: {out}");
+        assert!(
+            out.stderr
+                .contains(&format!("List `{device}` in `scope.forward` too")),
+            "{command}: {out}"
+        );
+    }
+    assert_eq!(
+        w.table_handle(),
+        before,
+        "a refused policy replaced the table"
+    );
+}
+
+/// A macvlan on the listed bridge that is a port of a second bridge: listing the macvlan is
+/// not enough (the input interface is the second bridge), so the second bridge must be
+/// listed too; then the container is fenced.
+#[test]
+fn a_second_bridge_over_a_device_stacked_on_a_listed_bridge_is_refused_unless_listed_too() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    bridge_stacked_device_in_a_second_bridge(&w, &container);
+    assert_stacked_refused(&w, &container, "forward: [efbr0, efmv0]", "efbr2");
+    let listed = w.write_file(
+        "listed.yaml",
+        &BRIDGE_POLICY.replace("forward: [efbr0]", "forward: [efbr0, efmv0, efbr2]"),
+    );
+    put_up(&w, &listed, SCOPE_LOAD);
+    assert!(
+        !container_out_by_its_route(&w, &container),
+        "the container got out through the listed second bridge"
+    );
+}
+
+/// A veth port of the listed bridge whose peer is in this namespace: the peer is a hole
+/// until listed; then the container is fenced.
+#[test]
+fn a_veth_port_whose_peer_is_in_this_namespace_is_refused_unless_the_peer_is_listed() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    bridge_veth_with_its_peer_here(&w, &container);
+    assert_stacked_refused(&w, &container, "forward: [efbr0]", "efpeer");
+    let listed = w.write_file(
+        "listed.yaml",
+        &BRIDGE_POLICY.replace("forward: [efbr0]", "forward: [efbr0, efpeer]"),
+    );
+    put_up(&w, &listed, SCOPE_LOAD);
+    assert!(
+        !container_out_by_its_route(&w, &container),
+        "the container got out through the listed peer"
+    );
+}
+
+/// A device stacked on a listed bridge while `run` fences it is seen by the daemon's host
+/// poll and said as an error every time it looks, like a LAN port.
+#[test]
+fn a_device_stacked_on_a_listed_bridge_while_running_is_logged_as_an_error() {
+    let w = World::new();
+    let container = BridgedContainer::new(&w);
+    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(20)),
+        "the daemon did not start: {}",
+        daemon.stderr()
+    );
+    bridge_stacked_device(&w, &container);
+    let said = "listed bridge efbr0 carries efmv0 (a macvlan device on top of it)";
+    let seen_twice = within(Duration::from_secs(10), || {
+        daemon.stderr().matches(said).count() >= 2
+    });
+    let log = daemon.stderr();
+    let _ = daemon.terminate();
+    assert!(seen_twice, "the daemon did not keep saying so: {log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains(said) && l.contains("ERROR") && l.contains("NOT fenced")),
+        "{log}"
+    );
+}

@@ -655,8 +655,8 @@ fn a_name_too_long_to_be_allowed_is_a_note_not_an_entry() {
 
 /// The sandbox's own zone answers a user's address last, before the user's flow: the flow is
 /// learned for the name its own uid asked, not for the sandbox's name (which it could point
-/// anywhere once the policy is applied). A flow whose uid asked no name for the address (a
-/// caching stub asked for it) still goes to the last name anyone asked.
+/// anywhere once the policy is applied). A flow whose uid asked no name for the address,
+/// which two uids asked names for, is learned as the address alone.
 #[test]
 fn a_flow_is_learned_for_the_name_its_own_uid_asked() {
     let mut t = T::start().name("good.example", &["192.0.2.7"]);
@@ -683,7 +683,78 @@ fn a_flow_is_learned_for_the_name_its_own_uid_asked() {
     );
     assert!(
         out.yaml
-            .contains("- domain: \"hijack.evil.example\"\n    ports: [8443]\n"),
+            .contains("- cidr: \"192.0.2.7/32\"\n    ports: [8443]\n"),
+        "{}",
+        out.yaml
+    );
+}
+
+/// A container's flow has no uid, nor has the name the container asked (both cross the
+/// bridge): the host's fenced process asking its own name for the same address afterwards
+/// does not take the flow, which goes to the last name asked with no uid.
+#[test]
+fn a_flow_with_no_uid_is_learned_for_the_name_asked_with_no_uid() {
+    let name = |name: &str, uid| crate::core::trace::Record::Name {
+        time: "2026-12-01T10:00:02.500Z".into(),
+        name: name.into(),
+        qtype: "A".into(),
+        answer: "NOERROR".into(),
+        addrs: vec!["192.0.2.7".parse().unwrap()],
+        ttl: Some(60),
+        uid,
+    };
+    let mut t = T::start();
+    t.records.push(name("good.example", None));
+    t.records.push(name("hijack.evil.example", Some(65534)));
+    let t = t
+        .flow_as("tcp", "192.0.2.7", Some(443), None, Some("efbr0"))
+        .trace();
+    let (out, _) = learned(GUARD, &t);
+    assert_eq!(out.added.len(), 1, "{:?}", out.added);
+    assert!(
+        out.yaml
+            .contains("- domain: \"good.example\"\n    ports: [443]\n"),
+        "{}",
+        out.yaml
+    );
+    assert!(!out.yaml.contains("- domain: \"hijack"), "{}", out.yaml);
+}
+
+/// The user's name was asked through a caching stub (its uid, not the user's), then the
+/// sandbox asked its own name for the same address directly: the user's flow, whose uid asked
+/// nothing, is no longer the last asker's; two askers answered the address, so it is learned
+/// as the address alone, which the sandbox cannot point anywhere.
+#[test]
+fn a_flow_whose_uid_asked_nothing_is_no_names_when_several_uids_asked() {
+    let name = |name: &str, uid| crate::core::trace::Record::Name {
+        time: "2026-12-01T10:00:02.500Z".into(),
+        name: name.into(),
+        qtype: "A".into(),
+        answer: "NOERROR".into(),
+        addrs: vec!["192.0.2.7".parse().unwrap()],
+        ttl: Some(60),
+        uid,
+    };
+    let stub = Some(193);
+    let mut t = T::start();
+    t.records.push(name("good.example", stub));
+    t.records.push(name("hijack.evil.example", Some(65534)));
+    let t = t.tcp("192.0.2.7", 443).trace();
+    let (out, _) = learned(GUARD, &t);
+    assert!(!out.yaml.contains("- domain: \"hijack"), "{}", out.yaml);
+    assert!(
+        out.yaml.contains("- cidr: \"192.0.2.7/32\""),
+        "{}",
+        out.yaml
+    );
+    // One asker (the stub alone): its name, as before.
+    let mut t = T::start();
+    t.records.push(name("good.example", stub));
+    let t = t.tcp("192.0.2.7", 443).trace();
+    let (out, _) = learned(GUARD, &t);
+    assert!(
+        out.yaml
+            .contains("- domain: \"good.example\"\n    ports: [443]\n"),
         "{}",
         out.yaml
     );

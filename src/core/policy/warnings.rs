@@ -477,8 +477,23 @@ impl Policy {
                 });
             }
         }
-        for pattern in &scope.forward {
-            let ports = match host.bridge_ports(pattern) {
+        let read: Vec<_> = scope
+            .forward
+            .iter()
+            .map(|pattern| (pattern, host.bridge_ports(pattern)))
+            .collect();
+        // A device stacked on a listed bridge and a port of another (a macvlan of one in the
+        // other): it leads to the listed bridge, not out of the host.
+        let stacked: Vec<&str> = read
+            .iter()
+            .filter_map(|(_, ports)| ports.as_ref().ok())
+            .flatten()
+            .filter(|p| p.stacked)
+            .map(|p| p.port.as_str())
+            .collect();
+        for (pattern, ports) in &read {
+            let pattern = *pattern;
+            let ports = match ports {
                 Ok(ports) => ports,
                 Err(why) => {
                     out.push(ScopeHole {
@@ -508,10 +523,9 @@ impl Policy {
                     ),
                 });
             }
-            for port in ports
-                .iter()
-                .filter(|p| !p.stacked && !p.is_container_veth())
-            {
+            for port in ports.iter().filter(|p| {
+                !p.stacked && !p.is_container_veth() && !stacked.contains(&p.port.as_str())
+            }) {
                 let kind = match port.kind.as_deref() {
                     Some("tun") => "a tap device (a VM's, say)".to_string(),
                     Some(kind) => format!("a {kind} device"),
@@ -1081,6 +1095,60 @@ mod tests {
         );
         let listed = parse("version: 1\nscope:\n  forward: [br-ok, \"br-ok.*\"]\n").unwrap();
         assert_eq!(listed.scope_holes(&Delegating), Vec::new());
+    }
+
+    /// A macvlan of listed `br-ok` that is a port of `br-up`: `br-up` is stacked on `br-ok`
+    /// (must be listed), and, listed, the macvlan is no LAN port of it (it leads to `br-ok`).
+    #[test]
+    fn a_device_stacked_on_a_listed_bridge_is_no_lan_port_of_another_listed_one() {
+        struct TwoBridges;
+        impl ScopeHost for TwoBridges {
+            fn cgroup_missing(&self, _: &CgroupPath) -> Option<String> {
+                None
+            }
+            fn interface_present(&self, _: &IfacePattern) -> bool {
+                true
+            }
+            fn uid_has_account(&self, _: u32) -> bool {
+                true
+            }
+            fn cgroup_delegations(&self, _: &CgroupPath) -> Vec<CgroupDelegation> {
+                Vec::new()
+            }
+            fn bridge_ports(&self, pattern: &IfacePattern) -> Result<Vec<BridgePort>, String> {
+                let port = |bridge: &str, port: &str, kind: &str, stacked| BridgePort {
+                    bridge: bridge.into(),
+                    port: port.into(),
+                    kind: Some(kind.into()),
+                    stacked,
+                };
+                Ok(match pattern.as_str() {
+                    "br-ok" => vec![
+                        port("br-ok", "veth9", "veth", false),
+                        port("br-ok", "mv0", "macvlan", true),
+                        port("br-ok", "br-up", "bridge", true),
+                    ],
+                    "br-up" => vec![port("br-up", "mv0", "macvlan", false)],
+                    _ => Vec::new(),
+                })
+            }
+            fn local_resolvers(&self) -> Vec<LocalResolver> {
+                Vec::new()
+            }
+        }
+        let only_mv = parse("version: 1\nscope:\n  forward: [br-ok, mv0]\n").unwrap();
+        let holes = only_mv.scope_holes(&TwoBridges);
+        let [hole] = holes.as_slice() else {
+            panic!("{holes:?}")
+        };
+        assert!(
+            hole.message
+                .starts_with("listed bridge br-ok carries br-up (a bridge device on top of it)"),
+            "{}",
+            hole.message
+        );
+        let all = parse("version: 1\nscope:\n  forward: [br-ok, mv0, br-up]\n").unwrap();
+        assert_eq!(all.scope_holes(&TwoBridges), Vec::new());
     }
 
     #[test]
