@@ -819,38 +819,12 @@ fn a_device_stacked_on_a_listed_bridge_is_refused_unless_listed_too() {
     let w = World::new();
     let container = BridgedContainer::new(&w);
     bridge_stacked_device(&w, &container);
-    let policy = w.write_file("scope.yaml", BRIDGE_POLICY);
-    put_up(&w, &policy, ScopeLoad::NftText);
+    let said = assert_stacked_refused(&w, &container, "forward: [efbr0]", "efmv0");
     assert!(
-        container_out_by_its_route(&w, &container),
-        "the container did not get out through the stacked device past the plan's table: the \
-         test proves nothing"
+        said.contains("listed bridge efbr0 carries efmv0 (a macvlan device on top of it)"),
+        "{said}"
     );
-    let before = w.table_handle();
-    for command in ["apply", "run"] {
-        let out = w.egress_fence(&[command, path_arg(&policy)]);
-        assert_eq!(out.code(), 2, "{command}: {out}");
-        assert!(
-            out.stderr
-                .contains("listed bridge efbr0 carries efmv0 (a macvlan device on top of it)")
-                && out.stderr.contains("List `efmv0` in `scope.forward` too"),
-            "{command}: {out}"
-        );
-    }
-    assert_eq!(
-        w.table_handle(),
-        before,
-        "a refused policy replaced the table"
-    );
-    let listed = w.write_file(
-        "listed.yaml",
-        &BRIDGE_POLICY.replace("forward: [efbr0]", "forward: [efbr0, efmv0]"),
-    );
-    put_up(&w, &listed, SCOPE_LOAD);
-    assert!(
-        !container_out_by_its_route(&w, &container),
-        "the container got out through the listed stacked device"
-    );
+    assert_fenced_once_listed(&w, &container, "forward: [efbr0, efmv0]");
 }
 
 /// A LAN port that appears on a listed bridge while `run` fences it: the table has no rule
@@ -1544,7 +1518,12 @@ fn bridge_veth_with_its_peer_here(w: &World, container: &BridgedContainer) {
 
 /// Devices above a listed bridge however deep are holes until listed: `policy` (passed by
 /// nft, where the container gets out) is refused by `apply` and `run` naming `device`.
-fn assert_stacked_refused(w: &World, container: &BridgedContainer, forward: &str, device: &str) {
+fn assert_stacked_refused(
+    w: &World,
+    container: &BridgedContainer,
+    forward: &str,
+    device: &str,
+) -> String {
     let policy = w.write_file(
         "deep.yaml",
         &BRIDGE_POLICY.replace("forward: [efbr0]", forward),
@@ -1555,6 +1534,7 @@ fn assert_stacked_refused(w: &World, container: &BridgedContainer, forward: &str
         "the container did not get out past the plan's table: the test proves nothing"
     );
     let before = w.table_handle();
+    let mut said = String::new();
     for command in ["apply", "run"] {
         let out = w.egress_fence(&[command, path_arg(&policy)]);
         assert_eq!(out.code(), 2, "{command}: {out}");
@@ -1563,11 +1543,27 @@ fn assert_stacked_refused(w: &World, container: &BridgedContainer, forward: &str
                 .contains(&format!("List `{device}` in `scope.forward` too")),
             "{command}: {out}"
         );
+        said = out.stderr;
     }
     assert_eq!(
         w.table_handle(),
         before,
         "a refused policy replaced the table"
+    );
+    said
+}
+
+/// With `forward` listing what is above the bridge, the policy goes up and the container's
+/// datagram no longer gets out.
+fn assert_fenced_once_listed(w: &World, container: &BridgedContainer, forward: &str) {
+    let listed = w.write_file(
+        "listed.yaml",
+        &BRIDGE_POLICY.replace("forward: [efbr0]", forward),
+    );
+    put_up(w, &listed, SCOPE_LOAD);
+    assert!(
+        !container_out_by_its_route(w, container),
+        "the container got out with {forward}"
     );
 }
 
@@ -1580,15 +1576,7 @@ fn a_second_bridge_over_a_device_stacked_on_a_listed_bridge_is_refused_unless_li
     let container = BridgedContainer::new(&w);
     bridge_stacked_device_in_a_second_bridge(&w, &container);
     assert_stacked_refused(&w, &container, "forward: [efbr0, efmv0]", "efbr2");
-    let listed = w.write_file(
-        "listed.yaml",
-        &BRIDGE_POLICY.replace("forward: [efbr0]", "forward: [efbr0, efmv0, efbr2]"),
-    );
-    put_up(&w, &listed, SCOPE_LOAD);
-    assert!(
-        !container_out_by_its_route(&w, &container),
-        "the container got out through the listed second bridge"
-    );
+    assert_fenced_once_listed(&w, &container, "forward: [efbr0, efmv0, efbr2]");
 }
 
 /// A veth port of the listed bridge whose peer is in this namespace: the peer is a hole
@@ -1599,15 +1587,7 @@ fn a_veth_port_whose_peer_is_in_this_namespace_is_refused_unless_the_peer_is_lis
     let container = BridgedContainer::new(&w);
     bridge_veth_with_its_peer_here(&w, &container);
     assert_stacked_refused(&w, &container, "forward: [efbr0]", "efpeer");
-    let listed = w.write_file(
-        "listed.yaml",
-        &BRIDGE_POLICY.replace("forward: [efbr0]", "forward: [efbr0, efpeer]"),
-    );
-    put_up(&w, &listed, SCOPE_LOAD);
-    assert!(
-        !container_out_by_its_route(&w, &container),
-        "the container got out through the listed peer"
-    );
+    assert_fenced_once_listed(&w, &container, "forward: [efbr0, efpeer]");
 }
 
 /// A device stacked on a listed bridge while `run` fences it is seen by the daemon's host
