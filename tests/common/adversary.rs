@@ -90,6 +90,24 @@ if cap_eff & (1 << 12):
     sys.exit('CAP_NET_ADMIN is effective')
 "#;
 
+/// The Internet checksum (RFC 1071, an odd length padded) for `python3 -c` scripts that
+/// write packets by hand; imports `struct`. Put it first:
+/// `const SCRIPT: &str = concat!(crate::inet_checksum_py!(), r#"..."#);`.
+#[macro_export]
+macro_rules! inet_checksum_py {
+    () => {
+        r#"
+import struct
+def checksum(data):
+    data += b'\0' * (len(data) % 2)
+    s = sum(struct.unpack('!%dH' % (len(data) // 2), data))
+    while s >> 16:
+        s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+"#
+    };
+}
+
 /// A process inside the fence as the threat model has it: it lacks CAP_NET_ADMIN. Tests start
 /// it as root in the sandbox and `setpriv` makes it the adversary before it execs
 /// ([`World::adversary_cmd`], [`World::spawn_adversary`]).

@@ -1009,7 +1009,9 @@ fn a_squatter_that_sets_the_guards_mark_answers_nobody() {
 /// it: the one for the guard's old port is related to its flow in conntrack. Each carries the
 /// marker `related-to-the-guard` in the quoted datagram's data, about 1 KB. Prints
 /// `sent N refused M`. Needs CAP_NET_RAW (root in a container keeps it).
-const RELATED_ICMP: &str = r#"
+const RELATED_ICMP: &str = concat!(
+    crate::inet_checksum_py!(),
+    r#"
 import socket, struct
 if not cap_eff & (1 << 13):
     sys.exit('want CAP_NET_RAW without CAP_NET_ADMIN, have %x' % cap_eff)
@@ -1017,13 +1019,6 @@ upstream, me = sys.argv[1], sys.argv[2]
 def q(name, qid):
     qname = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
     return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 1, 1)
-def checksum(b):
-    if len(b) % 2:
-        b += b"\0"
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    while s >> 16:
-        s = (s & 0xffff) + (s >> 16)
-    return ~s & 0xffff
 c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 c.settimeout(3)
 c.sendto(q("via-guard.pool.example", 1), ("127.0.0.53", 53))
@@ -1045,7 +1040,8 @@ for port in range(lo, hi + 1):
     except PermissionError:
         refused += 1
 print('sent', sent, 'refused', refused)
-"#;
+"#
+);
 
 /// Red team 2, F1 (its ICMP side): root in a container keeps CAP_NET_RAW and writes ICMP
 /// errors; one that quotes the guard's closed upstream flow is `related` to it in conntrack

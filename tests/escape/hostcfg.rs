@@ -213,7 +213,9 @@ fn a_container_does_not_configure_its_hosts_routes_addresses_or_resolvers() {
 /// Writes, on the container's eth0, IPv4/UDP frames to DST_MAC from SRC:SPORT to DST:DPORT
 /// with payload MARKER (a packet socket: root in a container keeps CAP_NET_RAW in its own
 /// namespace), 3 times. Arguments: DST_MAC SRC SPORT DST DPORT MARKER.
-const FRAME: &str = r#"
+const FRAME: &str = concat!(
+    crate::inet_checksum_py!(),
+    r#"
 import socket, struct, sys
 dst_mac, src, sport, dst, dport, marker = sys.argv[1:7]
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
@@ -221,11 +223,6 @@ s.bind(('eth0', 0))
 src_mac = s.getsockname()[4]
 payload = marker.encode()
 udp = struct.pack('!HHHH', int(sport), int(dport), 8 + len(payload), 0) + payload
-def checksum(b):
-    t = sum(struct.unpack('!%dH' % (len(b) // 2), b))
-    while t >> 16:
-        t = (t & 0xffff) + (t >> 16)
-    return ~t & 0xffff
 ip = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
                  socket.inet_aton(src), socket.inet_aton(dst))
 ip = ip[:10] + struct.pack('!H', checksum(ip)) + ip[12:]
@@ -233,7 +230,8 @@ frame = bytes.fromhex(dst_mac.replace(':', '')) + src_mac + b'\x08\x00' + ip + u
 for _ in range(3):
     s.send(frame)
 print('written')
-"#;
+"#
+);
 
 /// The LLDP group address. A bridge never forwards frames to 01:80:c2:00:00:0X (IEEE 802.1D
 /// reserved group addresses; 0E is LLDP): it passes them up on the port they came in by
@@ -321,7 +319,9 @@ fn a_container_reaches_no_host_service_through_its_bridge_port() {
 /// a prefix to autoconfigure (2001:db8:aaTAG::/64) and a resolver (RDNSS), 3 times (a
 /// packet socket: the kernel would put it in a frame to 33:33:00:00:00:01). Arguments:
 /// DST_MAC TAG LIFETIME.
-const PORT_RA: &str = r#"
+const PORT_RA: &str = concat!(
+    crate::inet_checksum_py!(),
+    r#"
 import socket, struct, sys
 dst_mac, tag, lifetime = sys.argv[1], sys.argv[2], int(sys.argv[3])
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
@@ -334,11 +334,6 @@ dst = a('ff02::1')
 pio = struct.pack('!BBBBIII', 3, 4, 64, 0xc0, 86400, 14400, 0) + a('2001:db8:aa%s::' % tag)
 rdnss = struct.pack('!BBHI', 25, 3, 0, 86400) + a('2001:db8:cc%s::53' % tag)
 ra = struct.pack('!BBHBBHII', 134, 0, 0, 64, 0, lifetime, 0, 0) + pio + rdnss
-def checksum(b):
-    t = sum(struct.unpack('!%dH' % (len(b) // 2), b))
-    while t >> 16:
-        t = (t & 0xffff) + (t >> 16)
-    return ~t & 0xffff
 c = checksum(src + dst + struct.pack('!I3xB', len(ra), 58) + ra)
 ra = ra[:2] + struct.pack('!H', c) + ra[4:]
 ip6 = struct.pack('!IHBB', 6 << 28, len(ra), 58, 255) + src + dst
@@ -346,7 +341,8 @@ frame = bytes.fromhex(dst_mac.replace(':', '')) + src_mac + b'\x86\xdd' + ip6 + 
 for _ in range(3):
     s.send(frame)
 print('written')
-"#;
+"#
+);
 
 /// The same bridge port, for the host's IPv6 configuration: a Router Advertisement in a frame
 /// to LLDP's group address is handed to the host on the port `ct0`, whose defaults take it

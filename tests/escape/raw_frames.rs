@@ -32,15 +32,13 @@ const REFUSED_PORT: u16 = 9999;
 /// being `packet` (an `AF_PACKET` socket), `bypass` (the same with PACKET_QDISC_BYPASS) or
 /// `xdp` (an `AF_XDP` socket in copy mode, no XDP program). Prints `sent` or `refused ERRNO`
 /// (the socket could not be opened). Run after [`REFUSE_CAP_NET_ADMIN_PY`].
-const SEND_FRAME: &str = r#"
+const SEND_FRAME: &str = concat!(
+    crate::inet_checksum_py!(),
+    r#"
 import ctypes, mmap, socket, struct, sys
 how, ifname, dmac, src, dst, dport = sys.argv[1:7]
 payload = ('frame past the fence (%s)' % how).encode()
 udp = struct.pack('!HHHH', 40000, int(dport), 8 + len(payload), 0) + payload
-def checksum(b):
-    total = sum(struct.unpack('!%dH' % (len(b) // 2), b))
-    total = (total >> 16) + (total & 0xffff)
-    return ~(total + (total >> 16)) & 0xffff
 ip = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
                  socket.inet_aton(src), socket.inet_aton(dst))
 ip = ip[:10] + struct.pack('!H', checksum(ip)) + ip[12:]
@@ -83,7 +81,8 @@ struct.pack_into('=QII', tx, descs, 0, len(frame), 0)
 struct.pack_into('=I', tx, producer, 1)
 s.send(b'', socket.MSG_DONTWAIT)
 print('sent')
-"#;
+"#
+);
 
 /// How [`SEND_FRAME`] writes its frame.
 #[derive(Debug, Clone, Copy)]

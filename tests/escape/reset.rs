@@ -48,7 +48,9 @@ for host in sys.argv[2:]:
 /// the acknowledgment number as its sequence number; an ICMP error quotes the packet. Run
 /// after [`REFUSE_CAP_NET_ADMIN_PY`]; exits non-zero without CAP_NET_RAW (the test would
 /// prove nothing). Arguments: SRC DST MARKER.
-const SPOOFED_REFUSALS: &str = r#"
+const SPOOFED_REFUSALS: &str = concat!(
+    crate::inet_checksum_py!(),
+    r#"
 import socket, struct
 src, dst, marker = sys.argv[1], sys.argv[2], sys.argv[3].encode()
 if not cap_eff & (1 << 13):
@@ -56,12 +58,6 @@ if not cap_eff & (1 << 13):
 v6 = ':' in src
 family = socket.AF_INET6 if v6 else socket.AF_INET
 a, b = socket.inet_pton(family, src), socket.inet_pton(family, dst)
-def checksum(data):
-    data += b'\0' * (len(data) % 2)
-    s = sum(struct.unpack('!%dH' % (len(data) // 2), data))
-    while s >> 16:
-        s = (s & 0xffff) + (s >> 16)
-    return ~s & 0xffff
 def packet(proto, l4):
     pseudo = a + b + (struct.pack('!IxxxB', len(l4), proto) if v6 else struct.pack('!xBH', proto, len(l4)))
     at = 16 if proto == 6 else 6
@@ -80,7 +76,8 @@ for _ in range(3):
         except PermissionError:
             pass
 print('written')
-"#;
+"#
+);
 
 fn fenced_world() -> World {
     let w = World::new();

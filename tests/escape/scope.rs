@@ -209,7 +209,9 @@ fn a_scoped_user_sends_neither_icmp_nor_a_routing_header() {
 /// Writes, on the container's eth0, IPv4/UDP frames to the bridge's MAC from the container's
 /// address to DST:PORT with payload MARKER (a raw socket: root in a container keeps
 /// CAP_NET_RAW), 3 times. Arguments: DST_MAC SRC DST PORT MARKER.
-const FRAME_TO_HOST: &str = r#"
+const FRAME_TO_HOST: &str = concat!(
+    crate::inet_checksum_py!(),
+    r#"
 import socket, struct, sys
 dst_mac, src, dst, port, marker = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
@@ -217,11 +219,6 @@ s.bind(('eth0', 0))
 src_mac = s.getsockname()[4]
 payload = marker.encode()
 udp = struct.pack('!HHHH', 40000, port, 8 + len(payload), 0) + payload
-def checksum(b):
-    t = sum(struct.unpack('!%dH' % (len(b) // 2), b))
-    while t >> 16:
-        t = (t & 0xffff) + (t >> 16)
-    return ~t & 0xffff
 ip = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
                  socket.inet_aton(src), socket.inet_aton(dst))
 ip = ip[:10] + struct.pack('!H', checksum(ip)) + ip[12:]
@@ -229,7 +226,8 @@ frame = bytes.fromhex(dst_mac.replace(':', '')) + src_mac + b'\x08\x00' + ip + u
 for _ in range(3):
     s.send(frame)
 print('written')
-"#;
+"#
+);
 
 #[test]
 fn a_container_reaches_neither_the_hosts_other_addresses_nor_its_loopback() {

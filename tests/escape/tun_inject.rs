@@ -42,7 +42,9 @@ const OUTSIDE_PORT: u16 = 6666;
 /// listens, receives it and sends MARKER back to X:XPORT three times (`sent N` or the errno).
 /// `forward`: writes three datagrams carrying MARKER from 198.18.0.2 to X:XPORT. Prints
 /// `attach ERRNO` when the device refuses it. Arguments: HOW TUN LOCAL X XPORT MARKER.
-const WRITE_AS_RECEIVED: &str = r#"
+const WRITE_AS_RECEIVED: &str = concat!(
+    crate::inet_checksum_py!(),
+    r#"
 import errno, fcntl, os, socket, struct, sys
 how, tun, local, x, xport, marker = sys.argv[1:7]
 xport = int(xport)
@@ -54,12 +56,6 @@ try:
 except OSError as e:
     print('attach', name(e))
     sys.exit(0)
-def checksum(b):
-    if len(b) % 2:
-        b += b'\0'
-    total = sum(struct.unpack('!%dH' % (len(b) // 2), b))
-    total = (total >> 16) + (total & 0xffff)
-    return ~(total + (total >> 16)) & 0xffff
 def udp(src, dst, sport, dport, data):
     u = struct.pack('!HHHH', sport, dport, 8 + len(data), 0) + data
     pseudo = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack('!BBH', 0, 17, len(u))
@@ -90,7 +86,8 @@ else:
     for _ in range(3):
         os.write(fd, udp('198.18.0.2', x, 40000, xport, marker.encode()))
     print('written 3')
-"#;
+"#
+);
 
 /// A tun character device open to everyone (`crw-rw-rw-`, as distributions ship
 /// /dev/net/tun), made in the world's directory and bound over /dev/net/tun in a mount
