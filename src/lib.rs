@@ -27,6 +27,7 @@ pub mod host;
 pub mod netlink;
 pub mod netns;
 pub mod nft;
+pub mod path_trust;
 pub mod state;
 pub mod trace_file;
 pub mod watch;

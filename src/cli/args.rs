@@ -18,7 +18,8 @@ Exit codes:
      replay: the policy would have refused something of the trace
   2  invalid policy, trace or command line (the message names file:line:column);
      run: also when the kernel refused the policy's table (the namespace keeps the table
-     in place, else gets a fail-closed one); apply, run: also `action: audit` (learn's);
+     in place, else gets a fail-closed one), or a user other than root could change the
+     policy file or a directory above it; apply, run: also `action: audit` (learn's);
      learn: also a policy not in guard mode, no --duration/--until-stopped, or --out
      naming the start policy
   3  done, but some allowed names did not resolve: their entries are missing
@@ -251,7 +252,9 @@ pub enum Command {
     /// SIGHUP reloads the policy (one that fails validation, or whose table the kernel
     /// refuses, is not adopted and the running one stays); SIGTERM and SIGINT stop and leave
     /// the boundary in place. Speaks systemd's notify protocol (READY once the table is live,
-    /// STATUS, WATCHDOG).
+    /// STATUS, WATCHDOG). The policy file, every directory above it and every link followed
+    /// must belong to root (or the user `run` runs as) and not be writable by group or
+    /// others: a user who could change it would widen the fence at the next reload.
     ///
     /// A start that cannot put up the policy's table leaves a table already in place as it
     /// is, gives a namespace without one a fail-closed table (loopback and established

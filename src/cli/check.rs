@@ -12,6 +12,14 @@ use super::output::join_display;
 
 pub fn run(path: &Path) -> Result<u8, Failure> {
     let (policy, text) = load_with_text(path)?;
+    let euid = nix::unistd::geteuid().as_raw();
+    if let Some(found) = egress_fence::path_trust::open_to_others(path, euid) {
+        eprintln!(
+            "warning: {found}: `run` refuses a policy file that a user other than root (or \
+             the user it runs as) could change, since it reads the file again on every reload; \
+             `apply` and `exec` read it once"
+        );
+    }
     let mut errors = 0;
     for finding in policy.scope_findings(&text, path, &ThisHost) {
         match finding {

@@ -85,6 +85,7 @@ pub fn run(
             trace: trace.clone(),
             audit: Some(audit),
         }),
+        trusted_policy_file: false,
     };
     let result = run_daemon(options);
     trace.finish();

@@ -42,7 +42,7 @@ pub mod metrics;
 mod names;
 mod shell;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -123,6 +123,11 @@ pub struct Options {
     pub metrics: Option<MetricsAddr>,
     /// `run --record` and `learn`: the trace this run writes, and whether it audits.
     pub recording: Option<Recording>,
+    /// Refuse a policy file that a user other than root and this process's could change
+    /// ([`crate::path_trust`]), at start and on every reload: `run`, which reads it again for
+    /// as long as it runs. `exec` reads it before CMD exists and ignores SIGHUP; `learn`
+    /// audits, letting everything through anyway.
+    pub trusted_policy_file: bool,
 }
 
 /// What a recording run writes and does.
@@ -180,12 +185,28 @@ pub fn run(options: Options) -> Result<(), DaemonError> {
     }
 }
 
+/// Reads and validates the policy file; with `trusted`, refuses it while anyone but root and
+/// this process's user could change it (see [`Options::trusted_policy_file`]).
+fn load_policy(path: &Path, trusted: bool) -> Result<(Policy, String), PolicyError> {
+    let euid = nix::unistd::geteuid().as_raw();
+    if let Some(found) = trusted
+        .then(|| crate::path_trust::open_to_others(path, euid))
+        .flatten()
+    {
+        return Err(PolicyError::OpenToOthers {
+            path: path.to_owned(),
+            found: found.to_string(),
+        });
+    }
+    Policy::load_with_text(path)
+}
+
 fn start_and_serve(
     options: Options,
     lock: Arc<WriterLock>,
     boundary_up: &mut bool,
 ) -> Result<(), DaemonError> {
-    let (policy, policy_text) = Policy::load_with_text(&options.policy_path)?;
+    let (policy, policy_text) = load_policy(&options.policy_path, options.trusted_policy_file)?;
     // `action: audit` is learn's alone, and learn needs the guard.
     match options.audit() {
         None => policy.refuse_audit(&policy_text, &options.policy_path, "run")?,

@@ -331,8 +331,9 @@ impl Daemon {
     fn parse_policy(&self) -> JoinHandle<Parsed> {
         let path = self.options.policy_path.clone();
         let auditing = self.options.audit().is_some();
+        let trusted = self.options.trusted_policy_file;
         tokio::task::spawn_blocking(move || {
-            let loaded = Policy::load_with_text(&path).and_then(|(policy, text)| {
+            let loaded = super::load_policy(&path, trusted).and_then(|(policy, text)| {
                 if !auditing {
                     policy.refuse_audit(&text, &path, "run")?;
                 }

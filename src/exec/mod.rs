@@ -473,6 +473,7 @@ fn start_daemon(options: &Options, state: StateDir) -> Result<mpsc::Receiver<()>
         lock_timeout: Duration::from_secs(1),
         metrics: None,
         recording: None,
+        trusted_policy_file: false,
     };
     let (ended_tx, ended_rx) = mpsc::channel();
     std::thread::Builder::new()

@@ -15,6 +15,14 @@ pub enum PolicyError {
         path: PathBuf,
         error: std::io::Error,
     },
+    /// `run` reads the file again on every reload: a user who may change it (or a directory
+    /// or link on the way to it) would widen the fence.
+    #[error(
+        "{path}: {found}, so a user other than root could change the policy the service \
+         reloads; make the file and every directory above it belong to root and not writable \
+         by group or others (`chown root`, `chmod go-w`), or keep the policy elsewhere"
+    )]
+    OpenToOthers { path: PathBuf, found: String },
     #[error("{}: {message}", location(path, *line, *column))]
     Invalid {
         path: PathBuf,

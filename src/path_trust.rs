@@ -1,0 +1,311 @@
+//! Who else could change what a path reads: the policy file that `run` reads again on every
+//! reload must be writable by root (or the user egress-fence runs as) alone, and so must
+//! every directory on the way to it and every symbolic link followed, or a fenced user who
+//! may write any of them widens the fence at the next reload.
+//!
+//! The walk resolves the path one component at a time, as the kernel does, and judges each
+//! entry by the directory that holds it: a directory that group or others may write lets
+//! them rename or replace any entry of it, unless its sticky bit keeps them to their own
+//! entries. POSIX ACLs are not read.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Component, Path, PathBuf};
+
+/// Links followed at most, as the kernel's own limit.
+const MAX_LINKS: usize = 40;
+
+/// What of an inode the judgement needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Inode {
+    pub uid: u32,
+    /// The whole `st_mode`: type and permission bits.
+    pub mode: u32,
+}
+
+impl Inode {
+    fn of(meta: &std::fs::Metadata) -> Inode {
+        Inode {
+            uid: meta.uid(),
+            mode: meta.mode(),
+        }
+    }
+
+    fn group_or_others_write(self) -> bool {
+        self.mode & 0o022 != 0
+    }
+
+    fn sticky(self) -> bool {
+        self.mode & 0o1000 != 0
+    }
+}
+
+/// Why a path can be changed by a user other than root and `euid`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenToOthers {
+    /// The file, directory or link someone else controls.
+    pub at: PathBuf,
+    pub why: Why,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Why {
+    /// It belongs to this uid, who may change it or, for a directory, its entries.
+    Owner(u32),
+    /// Its mode lets group or others write it (for a directory: replace its entries).
+    Mode(u32),
+    /// More links than the kernel follows, or a loop.
+    TooManyLinks,
+}
+
+impl fmt::Display for OpenToOthers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let at = self.at.display();
+        match self.why {
+            Why::Owner(uid) => write!(f, "{at} belongs to uid {uid}, who can change it"),
+            Why::Mode(mode) => write!(
+                f,
+                "{at} has mode {:o}, which lets group or others write it",
+                mode & 0o7777
+            ),
+            Why::TooManyLinks => write!(f, "{at} follows more than {MAX_LINKS} links"),
+        }
+    }
+}
+
+/// Which of the two [`judge`] looks at lets others in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Culprit {
+    Directory,
+    Entry,
+}
+
+/// Whether an entry (`entry`, found in the directory `dir`) can be changed or replaced by a
+/// user other than root and `euid`: its directory's owner and mode, then its own owner, and
+/// for a file (not a directory or link, whose entries and targets are judged on the way on)
+/// its mode. Pure: the walk hands it what `lstat` said.
+pub fn judge(dir: Inode, entry: Inode, euid: u32) -> Option<(Culprit, Why)> {
+    let trusted = |uid: u32| uid == 0 || uid == euid;
+    if !trusted(dir.uid) {
+        return Some((Culprit::Directory, Why::Owner(dir.uid)));
+    }
+    // In a sticky directory others may add entries but rename or remove only their own.
+    if dir.group_or_others_write() && !(dir.sticky() && trusted(entry.uid)) {
+        return Some((Culprit::Directory, Why::Mode(dir.mode)));
+    }
+    if !trusted(entry.uid) {
+        return Some((Culprit::Entry, Why::Owner(entry.uid)));
+    }
+    let kind = entry.mode & libc::S_IFMT;
+    if kind != libc::S_IFDIR && kind != libc::S_IFLNK && entry.group_or_others_write() {
+        return Some((Culprit::Entry, Why::Mode(entry.mode)));
+    }
+    None
+}
+
+/// Walks `path` (relative to the working directory when not absolute) and returns the first
+/// place where a user other than root and `euid` could change what it reads, or `None`.
+/// A component that cannot be looked up ends the walk with `None`: reading the path then
+/// fails on its own, with its own error.
+pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
+    let Ok(absolute) = std::path::absolute(path) else {
+        return None;
+    };
+    let mut pending: Vec<OsString> = Vec::new();
+    push_components(&mut pending, &absolute);
+    let mut current = PathBuf::from("/");
+    let Ok(root) = std::fs::symlink_metadata(&current) else {
+        return None;
+    };
+    let mut dir = Inode::of(&root);
+    if let Some((_, why)) = judge(dir, dir, euid) {
+        return Some(OpenToOthers { at: current, why });
+    }
+    let mut links = 0;
+    while let Some(name) = pending.pop() {
+        match name.as_bytes() {
+            b"" | b"." => continue,
+            b".." => {
+                // `current` never holds a link (each is replaced by its target), so its
+                // parent is the directory `..` names.
+                current.pop();
+                dir = match std::fs::symlink_metadata(&current) {
+                    Ok(meta) => Inode::of(&meta),
+                    Err(_) => return None,
+                };
+                continue;
+            }
+            _ => {}
+        }
+        let next = current.join(&name);
+        let Ok(meta) = std::fs::symlink_metadata(&next) else {
+            return None;
+        };
+        let entry = Inode::of(&meta);
+        if let Some((culprit, why)) = judge(dir, entry, euid) {
+            let at = match culprit {
+                Culprit::Directory => current,
+                Culprit::Entry => next,
+            };
+            return Some(OpenToOthers { at, why });
+        }
+        if meta.file_type().is_symlink() {
+            links += 1;
+            if links > MAX_LINKS {
+                return Some(OpenToOthers {
+                    at: path.to_owned(),
+                    why: Why::TooManyLinks,
+                });
+            }
+            let Ok(target) = std::fs::read_link(&next) else {
+                return None;
+            };
+            if target.is_absolute() {
+                current = PathBuf::from("/");
+                dir = Inode::of(&root);
+            }
+            push_components(&mut pending, &target);
+        } else {
+            current = next;
+            dir = entry;
+        }
+    }
+    None
+}
+
+/// Puts the components of `path` on `pending` so that the first is popped first.
+fn push_components(pending: &mut Vec<OsString>, path: &Path) {
+    let names: Vec<OsString> = path
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(name) => Some(name.to_owned()),
+            Component::ParentDir => Some(OsString::from("..")),
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => None,
+        })
+        .collect();
+    pending.extend(names.into_iter().rev());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{PermissionsExt, symlink};
+
+    const DIR: u32 = libc::S_IFDIR;
+    const FILE: u32 = libc::S_IFREG;
+    const LINK: u32 = libc::S_IFLNK;
+
+    fn inode(uid: u32, mode: u32) -> Inode {
+        Inode { uid, mode }
+    }
+
+    #[test]
+    fn a_root_owned_file_in_root_owned_directories_is_trusted() {
+        assert_eq!(
+            judge(inode(0, DIR | 0o755), inode(0, FILE | 0o644), 0),
+            None
+        );
+        // The user egress-fence runs as counts as root.
+        assert_eq!(
+            judge(inode(0, DIR | 0o755), inode(61234, FILE | 0o600), 61234),
+            None
+        );
+    }
+
+    #[test]
+    fn an_entry_of_a_directory_others_own_or_write_is_not() {
+        assert_eq!(
+            judge(inode(1000, DIR | 0o755), inode(0, FILE | 0o644), 0),
+            Some((Culprit::Directory, Why::Owner(1000)))
+        );
+        assert_eq!(
+            judge(inode(0, DIR | 0o775), inode(0, FILE | 0o644), 0),
+            Some((Culprit::Directory, Why::Mode(DIR | 0o775)))
+        );
+        assert_eq!(
+            judge(inode(0, DIR | 0o777), inode(0, DIR | 0o755), 0),
+            Some((Culprit::Directory, Why::Mode(DIR | 0o777)))
+        );
+    }
+
+    #[test]
+    fn a_sticky_directory_keeps_others_to_their_own_entries() {
+        // /tmp: root's entries stay root's; a link another user planted there is theirs.
+        assert_eq!(
+            judge(inode(0, DIR | 0o1777), inode(0, FILE | 0o644), 0),
+            None
+        );
+        assert_eq!(
+            judge(inode(0, DIR | 0o1777), inode(65534, LINK | 0o777), 0),
+            Some((Culprit::Directory, Why::Mode(DIR | 0o1777)))
+        );
+    }
+
+    #[test]
+    fn a_file_others_own_or_write_is_not_trusted_but_a_links_mode_means_nothing() {
+        assert_eq!(
+            judge(inode(0, DIR | 0o755), inode(65534, FILE | 0o644), 0),
+            Some((Culprit::Entry, Why::Owner(65534)))
+        );
+        assert_eq!(
+            judge(inode(0, DIR | 0o755), inode(0, FILE | 0o666), 0),
+            Some((Culprit::Entry, Why::Mode(FILE | 0o666)))
+        );
+        assert_eq!(
+            judge(inode(0, DIR | 0o755), inode(0, LINK | 0o777), 0),
+            None
+        );
+    }
+
+    /// The walk on real files: this test runs as whoever runs `cargo test`, which is
+    /// `euid` here, in a private directory under the temporary one.
+    #[test]
+    fn the_walk_follows_links_and_names_where_others_could_write() {
+        let euid = nix::unistd::geteuid().as_raw();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path();
+        std::fs::set_permissions(base, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let file = base.join("policy.yaml");
+        std::fs::write(&file, "version: 1\n").expect("write");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        if open_to_others(base, euid).is_some() {
+            // The temporary directory itself is shared (a group-writable TMPDIR): nothing
+            // under it can be judged trusted.
+            return;
+        }
+        assert_eq!(open_to_others(&file, euid), None);
+
+        // A link through a directory others may write: the directory is named.
+        let shared = base.join("shared");
+        std::fs::create_dir(&shared).expect("mkdir");
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let link = base.join("link.yaml");
+        symlink(shared.join("policy.yaml"), &link).expect("symlink");
+        std::fs::write(shared.join("policy.yaml"), "version: 1\n").expect("write");
+        let found = open_to_others(&link, euid).expect("the shared directory is named");
+        assert_eq!(found.at, shared);
+        assert!(matches!(found.why, Why::Mode(_)), "{found}");
+
+        // A relative link with `..` resolves like the kernel's.
+        let sub = base.join("sub");
+        std::fs::create_dir(&sub).expect("mkdir");
+        symlink("../policy.yaml", sub.join("up.yaml")).expect("symlink");
+        assert_eq!(open_to_others(&sub.join("up.yaml"), euid), None);
+
+        // A file others may write.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+        let found = open_to_others(&sub.join("up.yaml"), euid).expect("the file is named");
+        assert_eq!(found.at, file);
+        assert!(found.to_string().contains("666"), "{found}");
+
+        // A loop.
+        symlink("loop-b", base.join("loop-a")).expect("symlink");
+        symlink("loop-a", base.join("loop-b")).expect("symlink");
+        assert_eq!(
+            open_to_others(&base.join("loop-a"), euid).map(|f| f.why),
+            Some(Why::TooManyLinks)
+        );
+    }
+}
