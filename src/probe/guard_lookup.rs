@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::thread;
 use std::time::Duration;
 
-use hickory_proto::rr::RecordType;
+use hickory_proto::rr::{Name, Record, RecordType};
 
 use crate::core::policy::DomainName;
 use crate::core::resolution::{ResolvedAddr, ResolvedHost};
@@ -186,17 +186,29 @@ fn dns_exchange(
     let rcode = dns_rcode(id, &reply).ok_or("the response does not match the query")?;
     let response =
         message::parse(&reply, MAX_MESSAGE).map_err(|e| format!("an unreadable response ({e})"))?;
-    let addrs = response
-        .answers
-        .iter()
+    Ok(Asked::Answered {
+        rcode,
+        addrs: answered_addrs(name, &response.answers),
+    })
+}
+
+/// The addresses an answer gives `name`: those of its records and of the CNAME chain from it,
+/// as the guard takes them ([`message::on_chain`]). A record of another name in the answer
+/// (which a zone's owner may add under an allowed wildcard) is no address of `name`, and the
+/// probe must not judge its targets by it.
+fn answered_addrs(name: &str, answers: &[Record]) -> Vec<ResolvedAddr> {
+    let Ok(mut asked) = Name::from_ascii(name) else {
+        return Vec::new();
+    };
+    asked.set_fqdn(true);
+    message::on_chain(&asked, answers)
         .filter_map(|r| {
             Some(ResolvedAddr {
                 addr: r.data.ip_addr()?,
                 ttl: r.ttl,
             })
         })
-        .collect();
-    Ok(Asked::Answered { rcode, addrs })
+        .collect()
 }
 
 fn udp_exchange(
@@ -233,5 +245,42 @@ fn tcp_exchange(server: SocketAddr, query: &[u8], id: u16, ctx: &Ctx) -> Result<
     match dns_rcode(id, &reply) {
         Some(_) => Ok(reply),
         None => Err("the TCP response does not match the query".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use hickory_proto::rr::RData;
+    use hickory_proto::rr::rdata::{A, AAAA, CNAME};
+
+    use super::*;
+
+    fn record(name: &str, data: RData) -> Record {
+        Record::from_rdata(Name::from_str(name).expect("name"), 300, data)
+    }
+
+    #[test]
+    fn only_the_asked_names_chain_gives_it_addresses() {
+        let answers = [
+            record(
+                "WWW.Example.com.",
+                RData::CNAME(CNAME(Name::from_str("edge.cdn.test.").expect("name"))),
+            ),
+            record("edge.cdn.test.", RData::A(A::new(192, 0, 2, 10))),
+            // Records of names not asked, as a zone's owner may add them.
+            record("blocked.test.", RData::A(A::new(203, 0, 113, 10))),
+            record(
+                "www.example.com.evil.",
+                RData::AAAA(AAAA::from_str("2001:db8::10").expect("addr")),
+            ),
+        ];
+        let addrs: Vec<IpAddr> = answered_addrs("www.example.com", &answers)
+            .into_iter()
+            .map(|a| a.addr)
+            .collect();
+        assert_eq!(addrs, [IpAddr::from([192, 0, 2, 10])]);
+        assert!(answered_addrs("not a name\u{0}", &answers).is_empty());
     }
 }
