@@ -351,3 +351,36 @@ fn a_trace_too_large_to_be_one_written_is_refused_at_once() {
         text(&out.stderr)
     );
 }
+
+/// A trace that a user other than root (and the one replaying) could have changed since its
+/// run wrote it may be a clean one swapped in: nothing refused of it passes no gate (exit 7),
+/// whether the file or a directory on its way is open; a refusal in it still exits 1.
+#[test]
+fn a_trace_others_could_have_changed_passes_no_gate() {
+    use std::os::unix::fs::PermissionsExt;
+    let policy_text =
+        format!("version: 1\nallow:\n  - domain: api.example\n    ports: [443]\n{GUARD}");
+    let mode = |path: &Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod")
+    };
+    for open in ["file", "directory"] {
+        for (trace, before, code) in [(allowed_only(TRACE), 0, 7), (TRACE.to_string(), 1, 1)] {
+            let f = Files::new(&trace);
+            let policy = f.policy("p.yaml", &policy_text);
+            let out = egress_fence(&[&f.trace, &policy]);
+            assert_eq!(out.status.code(), Some(before), "{}", text(&out.stderr));
+            match open {
+                "file" => mode(&f.trace, 0o666),
+                _ => mode(&f.dir, 0o777),
+            }
+            let out = egress_fence(&[&f.trace, &policy]);
+            let stderr = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(code), "{open}: {stderr}");
+            assert_eq!(
+                stderr.contains("could have changed the trace"),
+                code == 7,
+                "{open}: {stderr}"
+            );
+        }
+    }
+}

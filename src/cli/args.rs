@@ -27,7 +27,8 @@ Exit codes:
   5  probe: at least one check failed (the boundary does not hold as the policy says)
   6  diff: the comparison itself failed (netlink, namespace, resolver)
   7  replay: nothing would have been refused of what the trace holds, but it is incomplete
-     (its run lost records, or it has no end line)";
+     (its run lost records, or it has no end line), or a user other than root could have
+     changed it";
 
 /// A default-deny egress boundary for AI agent hosts, built on nftables.
 ///
@@ -138,7 +139,8 @@ pub enum Command {
     /// scope), the allow entries nothing used (an include's named by preset) and wildcards
     /// that allowed a single name. Exits 0 when nothing would have been refused, 1 when
     /// something would, 2 for an unreadable trace or policy, 7 when nothing would of what the
-    /// trace holds but it is incomplete (its run lost records, or it has no end line).
+    /// trace holds but it is incomplete (its run lost records, or it has no end line) or a
+    /// user other than root could have changed it (keep traces where only root writes).
     #[command(after_help = EXIT_CODES)]
     Replay {
         trace: PathBuf,

@@ -10,7 +10,8 @@ pub const EXIT_NOT_INSTALLED: u8 = 4;
 pub const EXIT_PROBE_FAILED: u8 = 5;
 pub const EXIT_DIFF_FAILED: u8 = 6;
 /// `replay`: nothing would have been refused of what the trace holds, but it does not hold
-/// all its run saw: a gate must not pass on it.
+/// all its run saw, or a user other than root could have changed it: a gate must not pass on
+/// it.
 pub const EXIT_INCOMPLETE_TRACE: u8 = 7;
 /// `diff`: something would change.
 pub const EXIT_CHANGES: u8 = 1;

@@ -49,9 +49,20 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
         describe(&report, trace_path, policy_path, &mut stdout)?;
     }
     stdout.flush()?;
+    // What the trace holds may not be what its run wrote: whoever could change the file
+    // could have swapped in a clean one, so it passes no gate (a refusal in it still counts).
+    let euid = nix::unistd::geteuid().as_raw();
+    let open_to_others = egress_fence::path_trust::open_to_others(trace_path, euid);
+    if let (Some(found), false) = (&open_to_others, report.refuses_anything()) {
+        eprintln!(
+            "replay: {found}: a user other than root could have changed the trace since its \
+             run wrote it, so nothing refused of what it holds passes no gate (exit 7); keep \
+             traces where only root writes"
+        );
+    }
     Ok(if report.refuses_anything() {
         EXIT_FAILURE
-    } else if !report.complete() {
+    } else if !report.complete() || open_to_others.is_some() {
         EXIT_INCOMPLETE_TRACE
     } else {
         0
