@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use egress_fence::core::policy::Policy;
 use egress_fence::probe::{
-    self, Check, LINK_LAYER_CHECK, Outcome, ProbeOptions, Report, TUN_CHECK,
+    self, Check, KERNEL_SOCKETS_CHECK, LINK_LAYER_CHECK, Outcome, ProbeOptions, Report, TUN_CHECK,
 };
 
 /// Per attempt. Short, because under `action: drop` every refused TCP attempt waits it out
@@ -180,6 +180,7 @@ const EXPECTED_CHECKS: &[&str] = &[
     "dns exfiltration",
     LINK_LAYER_CHECK,
     TUN_CHECK,
+    KERNEL_SOCKETS_CHECK,
 ];
 
 /// Without the boundary the probe fails every refusal; with it every check passes; with a

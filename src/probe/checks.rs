@@ -12,6 +12,7 @@ use crate::core::policy::{Allow, DenyOrigin, DomainName, L4Proto, Preset, ProbeH
 use crate::core::ruleset::{Elements, Family, SetId, SetRole, TABLE, Tuple, fmt_tuple};
 
 use super::guard_lookup::GuardLookup;
+use super::kernel_sockets::{kernel_sockets_check, try_families};
 use super::link_layer::{CAP_NET_ADMIN, capability_effective, link_layer_access, link_layer_check};
 use super::options::TableView;
 use super::other_protocols::OtherProto;
@@ -371,6 +372,16 @@ impl<'a> Plan<'a> {
     pub(super) fn tun_devices(&mut self) {
         let net_admin = capability_effective(CAP_NET_ADMIN);
         self.done(tun_check(&tun_access(net_admin == Some(true)), net_admin));
+    }
+
+    /// Whether this process may open a socket whose packets the kernel sends from a socket
+    /// of its own (see [`kernel_sockets_check`]).
+    pub(super) fn kernel_sockets(&mut self) {
+        let fenced_by_socket =
+            self.policy.scope.as_ref().is_some_and(|s| {
+                !(s.users.is_empty() && s.groups.is_empty() && s.cgroups.is_empty())
+            });
+        self.done(kernel_sockets_check(&try_families(), fenced_by_socket));
     }
 
     /// The public DNS-over-HTTPS resolvers are never contacted: the installed table's deny

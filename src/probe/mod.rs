@@ -42,6 +42,12 @@
 //! either is a FAIL for a process without CAP_NET_ADMIN, and skipped, with the reason, for
 //! one that holds it.
 //!
+//! And whether this process may open a socket of a family whose packets leave from a socket
+//! the kernel makes (SMC, RDS, RxRPC, TIPC: `kernel_sockets.rs`): no owner and, made on a
+//! workqueue, no cgroup of the fenced process's, so a scope of users, groups or cgroups does
+//! not see them (a FAIL under such a scope; with no scope the table judges their
+//! destinations as any packet's).
+//!
 //! Everything runs in the caller's network namespace: the CLI enters `--netns` first, and the
 //! probe's threads inherit the namespace of the thread that calls [`run`].
 //!
@@ -80,6 +86,7 @@ mod forward_ns;
 mod guard_checks;
 mod guard_lookup;
 mod judge;
+mod kernel_sockets;
 mod link_layer;
 mod options;
 mod origin;
@@ -94,6 +101,7 @@ mod tun;
 
 pub use attempt::MAX_UDP_WAIT;
 pub use forward_ns::{ForwardNs, ForwardNsError, FromBridge, interface_addrs};
+pub use kernel_sockets::KERNEL_SOCKETS_CHECK;
 pub use link_layer::LINK_LAYER_CHECK;
 pub use options::{ProbeOptions, SystemResolvers, TableFacts, TableView};
 pub use plan::DEFAULT_EXFIL_ZONE;
@@ -170,6 +178,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.table_elements();
             plan.link_layer();
             plan.tun_devices();
+            plan.kernel_sockets();
         }
         Some(g) => {
             plan.system_resolver(g);
@@ -184,6 +193,7 @@ pub fn run(policy: &Policy, options: &ProbeOptions) -> Result<Report, ProbeError
             plan.table_elements();
             plan.link_layer();
             plan.tun_devices();
+            plan.kernel_sockets();
         }
     }
 
