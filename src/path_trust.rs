@@ -201,62 +201,69 @@ mod tests {
         Inode { uid, mode }
     }
 
+    /// Each case: the directory, the entry found in it, the uid egress-fence runs as, and
+    /// who may change the entry besides root and that uid.
     #[test]
-    fn a_root_owned_file_in_root_owned_directories_is_trusted() {
-        assert_eq!(
-            judge(inode(0, DIR | 0o755), inode(0, FILE | 0o644), 0),
-            None
-        );
-        // The user egress-fence runs as counts as root.
-        assert_eq!(
-            judge(inode(0, DIR | 0o755), inode(61234, FILE | 0o600), 61234),
-            None
-        );
-    }
-
-    #[test]
-    fn an_entry_of_a_directory_others_own_or_write_is_not() {
-        assert_eq!(
-            judge(inode(1000, DIR | 0o755), inode(0, FILE | 0o644), 0),
-            Some((Culprit::Directory, Why::Owner(1000)))
-        );
-        assert_eq!(
-            judge(inode(0, DIR | 0o775), inode(0, FILE | 0o644), 0),
-            Some((Culprit::Directory, Why::Mode(DIR | 0o775)))
-        );
-        assert_eq!(
-            judge(inode(0, DIR | 0o777), inode(0, DIR | 0o755), 0),
-            Some((Culprit::Directory, Why::Mode(DIR | 0o777)))
-        );
-    }
-
-    #[test]
-    fn a_sticky_directory_keeps_others_to_their_own_entries() {
-        // /tmp: root's entries stay root's; a link another user planted there is theirs.
-        assert_eq!(
-            judge(inode(0, DIR | 0o1777), inode(0, FILE | 0o644), 0),
-            None
-        );
-        assert_eq!(
-            judge(inode(0, DIR | 0o1777), inode(65534, LINK | 0o777), 0),
-            Some((Culprit::Directory, Why::Mode(DIR | 0o1777)))
-        );
-    }
-
-    #[test]
-    fn a_file_others_own_or_write_is_not_trusted_but_a_links_mode_means_nothing() {
-        assert_eq!(
-            judge(inode(0, DIR | 0o755), inode(65534, FILE | 0o644), 0),
-            Some((Culprit::Entry, Why::Owner(65534)))
-        );
-        assert_eq!(
-            judge(inode(0, DIR | 0o755), inode(0, FILE | 0o666), 0),
-            Some((Culprit::Entry, Why::Mode(FILE | 0o666)))
-        );
-        assert_eq!(
-            judge(inode(0, DIR | 0o755), inode(0, LINK | 0o777), 0),
-            None
-        );
+    fn an_entry_is_judged_by_its_directory_then_by_itself() {
+        use Culprit::{Directory, Entry};
+        let cases = [
+            // Root's file in root's directory; the uid egress-fence runs as counts as root.
+            (inode(0, DIR | 0o755), inode(0, FILE | 0o644), 0, None),
+            (
+                inode(0, DIR | 0o755),
+                inode(61234, FILE | 0o600),
+                61234,
+                None,
+            ),
+            // A directory another user owns, or group or others may write.
+            (
+                inode(1000, DIR | 0o755),
+                inode(0, FILE | 0o644),
+                0,
+                Some((Directory, Why::Owner(1000))),
+            ),
+            (
+                inode(0, DIR | 0o775),
+                inode(0, FILE | 0o644),
+                0,
+                Some((Directory, Why::Mode(DIR | 0o775))),
+            ),
+            (
+                inode(0, DIR | 0o777),
+                inode(0, DIR | 0o755),
+                0,
+                Some((Directory, Why::Mode(DIR | 0o777))),
+            ),
+            // /tmp: root's entries stay root's; a link another user planted there is theirs.
+            (inode(0, DIR | 0o1777), inode(0, FILE | 0o644), 0, None),
+            (
+                inode(0, DIR | 0o1777),
+                inode(65534, LINK | 0o777),
+                0,
+                Some((Directory, Why::Mode(DIR | 0o1777))),
+            ),
+            // A file others own or may write; a link's own mode means nothing.
+            (
+                inode(0, DIR | 0o755),
+                inode(65534, FILE | 0o644),
+                0,
+                Some((Entry, Why::Owner(65534))),
+            ),
+            (
+                inode(0, DIR | 0o755),
+                inode(0, FILE | 0o666),
+                0,
+                Some((Entry, Why::Mode(FILE | 0o666))),
+            ),
+            (inode(0, DIR | 0o755), inode(0, LINK | 0o777), 0, None),
+        ];
+        for (dir, entry, euid, expected) in cases {
+            assert_eq!(
+                judge(dir, entry, euid),
+                expected,
+                "{dir:?} {entry:?} {euid}"
+            );
+        }
     }
 
     /// The walk on real files: this test runs as whoever runs `cargo test`, which is
