@@ -189,6 +189,15 @@ pub fn plan_elements(
     for d in &policy.deny {
         deny.extend(d.networks.iter().copied());
     }
+    // In guard mode only the guard's own sockets reach its upstream resolvers, on every port
+    // and protocol: its questions are accepted before the deny list (as a resolver's in a
+    // denied network are), and everything else to them is refused with it, also where an
+    // allow entry covers their address. A resolver serves more than 53 and 853 (DNS over
+    // HTTPS on 443, over HTTP/3 on UDP 443): any process would ask it any name around the
+    // guard.
+    if let Some(g) = guard {
+        deny.extend(g.upstream.iter().map(|&a| IpNet::from(a)));
+    }
     // A denied IPv4 network is also reachable as its NAT64 image (64:ff9b::/96, RFC 6052)
     // through a NAT64 gateway on the path: deny6 holds those images too.
     let images: Vec<IpNet> = deny
@@ -1544,6 +1553,24 @@ log:
             deny4
                 .iter()
                 .any(|n| n.contains(&"8.8.8.8".parse::<IpAddr>().unwrap()))
+        );
+        // And so does the upstream itself, with its NAT64 image: its DNS from the guard is
+        // accepted above, and nothing else reaches it on any port, though the cidr entry
+        // allows 443 there (DNS over HTTPS would ask it any name).
+        assert!(
+            deny4.contains(&"192.0.2.53/32".parse().unwrap()),
+            "{deny4:?}"
+        );
+        let Elements::Networks(deny6) = &rs
+            .set(SetId::new(SetRole::Deny, Family::V6))
+            .unwrap()
+            .elements
+        else {
+            panic!("deny6 holds networks");
+        };
+        assert!(
+            deny6.contains(&"64:ff9b::c000:235/128".parse().unwrap()),
+            "{deny6:?}"
         );
 
         // Without the guard's uid the table lets no socket reach upstream.
