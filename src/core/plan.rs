@@ -104,6 +104,16 @@ impl<'a> AllowIndex<'a> {
     }
 }
 
+/// Whether the guard's upstream `addr` goes to the deny sets (see [`plan_elements`]): every
+/// upstream a resolver can answer from. The unspecified address, the broadcast address and
+/// groups (which `check` warns about) stay out: the last two would refuse DHCP's requests.
+pub fn upstream_denied(addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(v4) => !(v4.is_unspecified() || v4.is_broadcast() || v4.is_multicast()),
+        IpAddr::V6(v6) => !(v6.is_unspecified() || v6.is_multicast()),
+    }
+}
+
 /// The resolved-set element of `addr` for one protocol and port.
 pub fn resolved_tuple(addr: IpAddr, (proto, port): (L4Proto, u16)) -> Tuple {
     Tuple {
@@ -194,9 +204,16 @@ pub fn plan_elements(
     // denied network are), and everything else to them is refused with it, also where an
     // allow entry covers their address. A resolver serves more than 53 and 853 (DNS over
     // HTTPS on 443, over HTTP/3 on UDP 443): any process would ask it any name around the
-    // guard.
+    // guard. (An upstream no resolver answers from, which `check` warns about, is left out:
+    // the broadcast address or a group would refuse DHCP's requests, accepted after the deny
+    // list.)
     if let Some(g) = guard {
-        deny.extend(g.upstream.iter().map(|&a| IpNet::from(a)));
+        deny.extend(
+            g.upstream
+                .iter()
+                .filter(|a| upstream_denied(**a))
+                .map(|&a| IpNet::from(a)),
+        );
     }
     // A denied IPv4 network is also reachable as its NAT64 image (64:ff9b::/96, RFC 6052)
     // through a NAT64 gateway on the path: deny6 holds those images too.

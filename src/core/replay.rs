@@ -333,7 +333,7 @@ impl Judge<'_> {
             {
                 return FlowVerdict::Essential("a question to the DNS guard");
             }
-            if to_guard_upstream(policy, dst) {
+            if dns_port.is_some() && g.upstream.contains(&dst) || to_guard_upstream(policy, dst) {
                 return FlowVerdict::Refused(FlowRefusal::GuardUpstream);
             }
         } else if dport == Some(DNS_PORT) {
@@ -399,7 +399,8 @@ fn to_guard_upstream(policy: &Policy, dst: IpAddr) -> bool {
         IpAddr::V6(v6) => installable::nat64_embedded(v6).map(IpAddr::V4),
         IpAddr::V4(_) => None,
     };
-    g.upstream.contains(&dst) || embedded.is_some_and(|v4| g.upstream.contains(&v4))
+    let upstream = |a: IpAddr| crate::core::plan::upstream_denied(a) && g.upstream.contains(&a);
+    upstream(dst) || embedded.is_some_and(upstream)
 }
 
 /// The deny entry that covers `dst`, also as the NAT64 image of a denied IPv4 address (the

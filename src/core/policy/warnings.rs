@@ -34,6 +34,20 @@ impl Policy {
                 }
             }
         }
+        // The guard's upstreams are refused to every socket but the guard's, on every port: an
+        // allowed network that holds one does not reach it.
+        for allow in &self.allow {
+            if let Target::Cidr(net) = allow.target {
+                for r in self.dns.guard.iter().flat_map(|g| &g.upstream) {
+                    if net.contains(r) {
+                        out.push(format!(
+                            "allowed network {net} holds the guard's upstream {r}, which only \
+                             the guard reaches, on any port: nothing else to {r} is allowed"
+                        ));
+                    }
+                }
+            }
+        }
         for allow in &self.allow {
             if let Target::Wildcard(w) = &allow.target {
                 out.extend(wildcard_risk(w));
@@ -877,6 +891,21 @@ mod tests {
         assert!(w.iter().any(|w| w.contains("10.1.0.0/16")), "{w:?}");
         assert!(w.iter().any(|w| w.contains("established")), "{w:?}");
         assert!(parse(FULL).unwrap().warnings().is_empty());
+    }
+
+    #[test]
+    fn an_allowed_network_holding_the_guards_upstream_is_warned() {
+        let text = "version: 1\nallow:\n  - cidr: 192.0.2.0/24\n    ports: [443]\ndns:\n  \
+                    mode: guard\n  upstream: [192.0.2.53]\n";
+        let w = parse(text).expect("valid").warnings();
+        assert!(
+            w.iter().any(|w| w
+                == "allowed network 192.0.2.0/24 holds the guard's upstream 192.0.2.53, which \
+                    only the guard reaches, on any port: nothing else to 192.0.2.53 is allowed"),
+            "{w:?}"
+        );
+        let elsewhere = text.replace("192.0.2.0/24", "198.51.100.0/24");
+        assert!(parse(&elsewhere).expect("valid").warnings().is_empty());
     }
 
     #[test]
