@@ -195,3 +195,72 @@ fn a_cdn_address_of_an_allowed_name_carries_only_that_name() {
     );
     daemon.terminate();
 }
+
+/// As nobody in the sandbox: asks the guard (argv[1]) argv[2] distinct names under
+/// `pool.example`, one A question each over UDP, and prints how many were answered.
+const MANY_NAMES: &str = r#"
+import socket, struct, sys
+guard, count = sys.argv[1], int(sys.argv[2])
+def labels(name):
+    return b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+answered = 0
+for i in range(count):
+    q = struct.pack(">HHHHHH", i, 0x0100, 1, 0, 0, 0) + labels(f"n{i}.pool.example") + struct.pack(">HH", 1, 1)
+    s.sendto(q, (guard, 53))
+    try:
+        s.recv(4096)
+        answered += 1
+    except OSError:
+        pass
+print(answered, flush=True)
+"#;
+
+/// Under an allowed wildcard the zone's owner writes the answers, and an answer in a denied
+/// network was warned about with one log line per address and answer, beside the guard's
+/// other lines about answers, which all take the policy's `log.rate` ("a flood of random
+/// names cannot flood the journal"): the sandbox wrote a line into the daemon's log with every
+/// question (32 per answer of 32 addresses), a flood that journald's own rate limit then
+/// answers by dropping the service's next lines, the refusals the operator would look for
+/// among them. Now those warnings take `log.rate` and `log.burst` too, and say how many they
+/// held back.
+#[test]
+fn answers_in_denied_networks_do_not_flood_the_log() {
+    let w = World::new();
+    w.dns_wildcard("pool.example", METADATA_V4);
+    let policy = format!(
+        "version: 1\nallow:\n  - domain: \"*.pool.example\"\n    ports: [80]\n\
+         deny:\n  - preset: cloud-metadata\n\
+         dns:\n  mode: guard\n  upstream: [{DNS_V4}]\n\
+         log:\n  rate: 1/minute\n  burst: 5\n"
+    );
+    let path = w.write_file("guard.yaml", &policy);
+    let mut daemon = w.spawn_guard(path.to_str().expect("utf-8"));
+    let asked = 200;
+    let out = w.adversary_cmd(
+        Adversary::Nobody,
+        &[
+            PYTHON,
+            "-c",
+            MANY_NAMES,
+            &GUARD_V4.to_string(),
+            &asked.to_string(),
+        ],
+    );
+    assert!(out.success(), "{out}");
+    let answered: usize = out.stdout.trim().parse().expect("a count");
+    assert!(answered > asked / 2, "the guard answered: {out}");
+    daemon.terminate();
+    let log = daemon.stderr();
+    let lines = log
+        .lines()
+        .filter(|l| l.contains("inside the denied"))
+        .count();
+    assert!(lines > 0, "the denied answers are warned about:\n{log}");
+    assert!(
+        lines <= 10,
+        "{answered} answers wrote {lines} lines about denied addresses into the log, past \
+         log.rate 1/minute burst 5"
+    );
+}
