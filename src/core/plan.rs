@@ -105,13 +105,21 @@ impl<'a> AllowIndex<'a> {
 }
 
 /// Whether the guard's upstream `addr` goes to the deny sets (see [`plan_elements`]): every
-/// upstream a resolver can answer from. The unspecified address, the broadcast address and
-/// groups (which `check` warns about) stay out: the last two would refuse DHCP's requests.
-pub fn upstream_denied(addr: IpAddr) -> bool {
-    match addr {
+/// upstream a resolver can answer from, unless an allow entry names its address alone
+/// (`cidr: 192.0.2.53/32`: the router that is also the NTP server, on the ports it gives; a
+/// network that only holds the upstream does not count). The unspecified address, the
+/// broadcast address and groups (which `check` warns about) stay out: the last two would
+/// refuse DHCP's requests.
+pub fn upstream_denied(policy: &Policy, addr: IpAddr) -> bool {
+    let unicast = match addr {
         IpAddr::V4(v4) => !(v4.is_unspecified() || v4.is_broadcast() || v4.is_multicast()),
         IpAddr::V6(v6) => !(v6.is_unspecified() || v6.is_multicast()),
-    }
+    };
+    let named_alone = policy
+        .allow
+        .iter()
+        .any(|a| a.target == Target::Cidr(IpNet::from(addr)));
+    unicast && !named_alone
 }
 
 /// The resolved-set element of `addr` for one protocol and port.
@@ -202,16 +210,15 @@ pub fn plan_elements(
     // In guard mode only the guard's own sockets reach its upstream resolvers, on every port
     // and protocol: its questions are accepted before the deny list (as a resolver's in a
     // denied network are), and everything else to them is refused with it, also where an
-    // allow entry covers their address. A resolver serves more than 53 and 853 (DNS over
+    // allowed network holds their address. A resolver serves more than 53 and 853 (DNS over
     // HTTPS on 443, over HTTP/3 on UDP 443): any process would ask it any name around the
-    // guard. (An upstream no resolver answers from, which `check` warns about, is left out:
-    // the broadcast address or a group would refuse DHCP's requests, accepted after the deny
-    // list.)
+    // guard. Only an allow entry of the upstream's address alone opens its ports, which
+    // `check` warns about (see [`upstream_denied`]).
     if let Some(g) = guard {
         deny.extend(
             g.upstream
                 .iter()
-                .filter(|a| upstream_denied(**a))
+                .filter(|a| upstream_denied(policy, **a))
                 .map(|&a| IpNet::from(a)),
         );
     }
@@ -1588,6 +1595,30 @@ log:
         assert!(
             deny6.contains(&"64:ff9b::c000:235/128".parse().unwrap()),
             "{deny6:?}"
+        );
+        // An allow entry of the upstream's address alone says it is meant (the router that is
+        // also the NTP server): then only the entry's ports, and no deny.
+        let alone = policy(
+            "version: 1\nallow:\n  - cidr: 192.0.2.53/32\n    ports: [123]\n    protocol: udp\n\
+             dns:\n  mode: guard\n  upstream: [192.0.2.53, 192.0.2.54]\n",
+        );
+        let rs_alone = plan(&alone, &res);
+        let Elements::Networks(deny4) = &rs_alone
+            .set(SetId::new(SetRole::Deny, Family::V4))
+            .unwrap()
+            .elements
+        else {
+            panic!("deny4 holds networks");
+        };
+        assert!(
+            !deny4
+                .iter()
+                .any(|n| n.contains(&"192.0.2.53".parse::<IpAddr>().unwrap())),
+            "{deny4:?}"
+        );
+        assert!(
+            deny4.contains(&"192.0.2.54/32".parse().unwrap()),
+            "{deny4:?}"
         );
 
         // Without the guard's uid the table lets no socket reach upstream.

@@ -399,7 +399,8 @@ fn to_guard_upstream(policy: &Policy, dst: IpAddr) -> bool {
         IpAddr::V6(v6) => installable::nat64_embedded(v6).map(IpAddr::V4),
         IpAddr::V4(_) => None,
     };
-    let upstream = |a: IpAddr| crate::core::plan::upstream_denied(a) && g.upstream.contains(&a);
+    let upstream =
+        |a: IpAddr| g.upstream.contains(&a) && crate::core::plan::upstream_denied(policy, a);
     upstream(dst) || embedded.is_some_and(upstream)
 }
 

@@ -330,6 +330,20 @@ fn the_guards_upstream_is_refused_on_every_port() {
             FlowVerdict::Allowed(vec![2]),
         ]
     );
+    // An entry of the upstream's address alone opens its ports (the table leaves it out of
+    // the deny set).
+    let alone = policy(&GUARD.replace("198.51.100.0/24", "192.0.2.53/32"));
+    let t = T::start()
+        .tcp("192.0.2.53", 22)
+        .tcp("192.0.2.53", 443)
+        .trace();
+    assert_eq!(
+        verdicts(&alone, &t),
+        [
+            FlowVerdict::Allowed(vec![2]),
+            refused(FlowRefusal::OtherPortsOnly)
+        ]
+    );
 }
 
 #[test]
