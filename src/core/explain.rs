@@ -17,8 +17,8 @@ pub enum WhyRefused {
     ForeignSource {
         src: IpAddr,
     },
-    /// Guard mode: DNS to the guard's upstream resolver from a socket that is not the
-    /// guard's.
+    /// Guard mode: anything to the guard's upstream resolver from a socket that is not the
+    /// guard's (DNS, and DNS over HTTPS or on any other port it serves).
     GuardUpstream {
         guard_uid: u32,
     },
@@ -79,8 +79,8 @@ impl fmt::Display for WhyRefused {
             ),
             WhyRefused::GuardUpstream { guard_uid } => write!(
                 f,
-                "DNS to the guard's upstream resolver: only the guard (uid {guard_uid}, its \
-                 sockets marked) may ask it"
+                "to the guard's upstream resolver: only the guard (uid {guard_uid}, its \
+                 sockets marked) may reach it, on any port"
             ),
             WhyRefused::OtherResolver { port } => write!(
                 f,
@@ -105,15 +105,16 @@ impl fmt::Display for WhyRefused {
     }
 }
 
-/// In guard mode, why a packet to a DNS port (53, 853) was refused: `None` for other ports.
-/// `to_upstream`: the destination is one of the guard's upstream resolvers.
+/// In guard mode, why a packet to one of the guard's upstream resolvers (`to_upstream`, any
+/// port) or to a DNS port (53, 853) elsewhere was refused: `None` for other packets.
 pub fn guard_dns(guard_uid: u32, dport: Option<u16>, to_upstream: bool) -> Option<WhyRefused> {
+    // The guard's upstream is refused to every other socket on every port (see
+    // `plan::plan_elements`); DNS elsewhere only on the DNS ports.
+    if to_upstream {
+        return Some(WhyRefused::GuardUpstream { guard_uid });
+    }
     let port = dport.filter(|p| super::plan::GUARDED_DNS_PORTS.contains(p))?;
-    Some(if to_upstream {
-        WhyRefused::GuardUpstream { guard_uid }
-    } else {
-        WhyRefused::OtherResolver { port }
-    })
+    Some(WhyRefused::OtherResolver { port })
 }
 
 /// Whether a refused packet was refused for its source, which the fence judges before any
@@ -155,8 +156,8 @@ mod tests {
             [
                 "sent from 2001:db8:2::10, which is not this host's address: a source a \
                  process chose, refused whatever the destination",
-                "DNS to the guard's upstream resolver: only the guard (uid 993, its sockets \
-                 marked) may ask it",
+                "to the guard's upstream resolver: only the guard (uid 993, its sockets \
+                 marked) may reach it, on any port",
                 "DNS (port 853) to a resolver other than the guard: refused in guard mode",
                 "denied: preset cloud-metadata",
                 "allowed on other ports or protocols only",
@@ -216,7 +217,7 @@ mod tests {
     }
 
     #[test]
-    fn only_dns_ports_get_a_guard_reason() {
+    fn the_upstream_on_any_port_and_dns_ports_elsewhere_get_a_guard_reason() {
         assert_eq!(
             guard_dns(993, Some(53), true),
             Some(WhyRefused::GuardUpstream { guard_uid: 993 })
@@ -225,7 +226,13 @@ mod tests {
             guard_dns(993, Some(853), false),
             Some(WhyRefused::OtherResolver { port: 853 })
         );
-        assert_eq!(guard_dns(993, Some(443), true), None);
+        for port in [Some(443), None] {
+            assert_eq!(
+                guard_dns(993, port, true),
+                Some(WhyRefused::GuardUpstream { guard_uid: 993 })
+            );
+        }
+        assert_eq!(guard_dns(993, Some(443), false), None);
         assert_eq!(guard_dns(993, None, false), None);
     }
 }

@@ -172,7 +172,11 @@ mod tests {
             guard.why_dns_refused(other, Some(53)),
             Some(WhyRefused::OtherResolver { port: 53 })
         );
-        assert_eq!(guard.why_dns_refused(upstream, Some(443)), None);
+        assert_eq!(
+            guard.why_dns_refused(upstream, Some(443)),
+            Some(WhyRefused::GuardUpstream { guard_uid: 993 })
+        );
+        assert_eq!(guard.why_dns_refused(other, Some(443)), None);
         assert_eq!(guard.why_dns_refused(other, None), None);
     }
 }

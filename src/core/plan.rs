@@ -104,6 +104,24 @@ impl<'a> AllowIndex<'a> {
     }
 }
 
+/// Whether the guard's upstream `addr` goes to the deny sets (see [`plan_elements`]): every
+/// upstream a resolver can answer from, unless an allow entry names its address alone
+/// (`cidr: 192.0.2.53/32`: the router that is also the NTP server, on the ports it gives; a
+/// network that only holds the upstream does not count). The unspecified address, the
+/// broadcast address and groups (which `check` warns about) stay out: the last two would
+/// refuse DHCP's requests.
+pub fn upstream_denied(policy: &Policy, addr: IpAddr) -> bool {
+    let unicast = match addr {
+        IpAddr::V4(v4) => !(v4.is_unspecified() || v4.is_broadcast() || v4.is_multicast()),
+        IpAddr::V6(v6) => !(v6.is_unspecified() || v6.is_multicast()),
+    };
+    let named_alone = policy
+        .allow
+        .iter()
+        .any(|a| a.target == Target::Cidr(IpNet::from(addr)));
+    unicast && !named_alone
+}
+
 /// The resolved-set element of `addr` for one protocol and port.
 pub fn resolved_tuple(addr: IpAddr, (proto, port): (L4Proto, u16)) -> Tuple {
     Tuple {
@@ -188,6 +206,21 @@ pub fn plan_elements(
     let mut deny: Vec<IpNet> = Vec::new();
     for d in &policy.deny {
         deny.extend(d.networks.iter().copied());
+    }
+    // In guard mode only the guard's own sockets reach its upstream resolvers, on every port
+    // and protocol: its questions are accepted before the deny list (as a resolver's in a
+    // denied network are), and everything else to them is refused with it, also where an
+    // allowed network holds their address. A resolver serves more than 53 and 853 (DNS over
+    // HTTPS on 443, over HTTP/3 on UDP 443): any process would ask it any name around the
+    // guard. Only an allow entry of the upstream's address alone opens its ports, which
+    // `check` warns about (see [`upstream_denied`]).
+    if let Some(g) = guard {
+        deny.extend(
+            g.upstream
+                .iter()
+                .filter(|a| upstream_denied(policy, **a))
+                .map(|&a| IpNet::from(a)),
+        );
     }
     // A denied IPv4 network is also reachable as its NAT64 image (64:ff9b::/96, RFC 6052)
     // through a NAT64 gateway on the path: deny6 holds those images too.
@@ -1544,6 +1577,48 @@ log:
             deny4
                 .iter()
                 .any(|n| n.contains(&"8.8.8.8".parse::<IpAddr>().unwrap()))
+        );
+        // And so does the upstream itself, with its NAT64 image: its DNS from the guard is
+        // accepted above, and nothing else reaches it on any port, though the cidr entry
+        // allows 443 there (DNS over HTTPS would ask it any name).
+        assert!(
+            deny4.contains(&"192.0.2.53/32".parse().unwrap()),
+            "{deny4:?}"
+        );
+        let Elements::Networks(deny6) = &rs
+            .set(SetId::new(SetRole::Deny, Family::V6))
+            .unwrap()
+            .elements
+        else {
+            panic!("deny6 holds networks");
+        };
+        assert!(
+            deny6.contains(&"64:ff9b::c000:235/128".parse().unwrap()),
+            "{deny6:?}"
+        );
+        // An allow entry of the upstream's address alone says it is meant (the router that is
+        // also the NTP server): then only the entry's ports, and no deny.
+        let alone = policy(
+            "version: 1\nallow:\n  - cidr: 192.0.2.53/32\n    ports: [123]\n    protocol: udp\n\
+             dns:\n  mode: guard\n  upstream: [192.0.2.53, 192.0.2.54]\n",
+        );
+        let rs_alone = plan(&alone, &res);
+        let Elements::Networks(deny4) = &rs_alone
+            .set(SetId::new(SetRole::Deny, Family::V4))
+            .unwrap()
+            .elements
+        else {
+            panic!("deny4 holds networks");
+        };
+        assert!(
+            !deny4
+                .iter()
+                .any(|n| n.contains(&"192.0.2.53".parse::<IpAddr>().unwrap())),
+            "{deny4:?}"
+        );
+        assert!(
+            deny4.contains(&"192.0.2.54/32".parse().unwrap()),
+            "{deny4:?}"
         );
 
         // Without the guard's uid the table lets no socket reach upstream.

@@ -45,8 +45,8 @@ pub enum FlowRefusal {
     Denied { by: String },
     /// Guard mode: DNS (53, 853) to a resolver other than the guard.
     OtherResolver { port: u16 },
-    /// Guard mode: DNS to one of the guard's upstream resolvers, which only the guard's own
-    /// (marked) sockets may ask.
+    /// Guard mode: anything to one of the guard's upstream resolvers (or its NAT64 image),
+    /// which only the guard's own (marked) sockets may reach, on any port.
     GuardUpstream,
     /// ICMP a process wrote (the kernel's own has no owner).
     IcmpFromProcess,
@@ -75,8 +75,8 @@ impl fmt::Display for FlowRefusal {
             FlowRefusal::NotInPolicy => WhyRefused::NotInPolicy,
             FlowRefusal::GuardUpstream => {
                 return f.write_str(
-                    "DNS to the guard's upstream resolver: only the guard's own (marked) \
-                     sockets may ask it",
+                    "to the guard's upstream resolver: only the guard's own (marked) \
+                     sockets may reach it, on any port",
                 );
             }
             FlowRefusal::IcmpFromProcess => {
@@ -315,6 +315,9 @@ impl Judge<'_> {
             "icmp" | "icmpv6" | "ipv6-icmp" => {
                 return FlowVerdict::Refused(FlowRefusal::IcmpFromProcess);
             }
+            _ if to_guard_upstream(policy, dst) => {
+                return FlowVerdict::Refused(FlowRefusal::GuardUpstream);
+            }
             _ => {
                 return FlowVerdict::Refused(match denied(policy, dst) {
                     Some(by) => FlowRefusal::Denied { by },
@@ -330,7 +333,7 @@ impl Judge<'_> {
             {
                 return FlowVerdict::Essential("a question to the DNS guard");
             }
-            if dns_port.is_some() && g.upstream.contains(&dst) {
+            if dns_port.is_some() && g.upstream.contains(&dst) || to_guard_upstream(policy, dst) {
                 return FlowVerdict::Refused(FlowRefusal::GuardUpstream);
             }
         } else if dport == Some(DNS_PORT) {
@@ -384,6 +387,21 @@ impl Judge<'_> {
             FlowVerdict::Refused(FlowRefusal::NotInPolicy)
         }
     }
+}
+
+/// Whether `dst` is one of the guard's upstream resolvers, or the NAT64 image of one: the
+/// table refuses it to every socket but the guard's, on every port (the deny set holds it).
+fn to_guard_upstream(policy: &Policy, dst: IpAddr) -> bool {
+    let Some(g) = &policy.dns.guard else {
+        return false;
+    };
+    let embedded = match dst {
+        IpAddr::V6(v6) => installable::nat64_embedded(v6).map(IpAddr::V4),
+        IpAddr::V4(_) => None,
+    };
+    let upstream =
+        |a: IpAddr| g.upstream.contains(&a) && crate::core::plan::upstream_denied(policy, a);
+    upstream(dst) || embedded.is_some_and(upstream)
 }
 
 /// The deny entry that covers `dst`, also as the NAT64 image of a denied IPv4 address (the

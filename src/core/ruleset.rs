@@ -187,7 +187,8 @@ impl Family {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SetRole {
-    /// Denied networks (interval set of addresses), checked first.
+    /// Denied networks (interval set of addresses), checked first; in guard mode also the
+    /// upstream resolvers, which only the guard's accept before them reaches.
     Deny,
     /// Allowed resolvers: address . protocol . port 53.
     Dns,

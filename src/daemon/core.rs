@@ -208,6 +208,9 @@ pub struct Core {
     /// Bounds the warnings about dropped answer addresses (the guard's answers are the
     /// sandbox's to provoke).
     dropped_log: LogBudget,
+    /// Bounds the warnings about answered addresses in denied networks (under an allowed
+    /// wildcard the sandbox writes the answers: one line each would let it flood the log).
+    denied_log: LogBudget,
     /// Bounds the warnings about answers refused: past [`MAX_LIVE_NAMES`], or for a name
     /// too long to be an element's comment.
     full_log: LogBudget,
@@ -277,6 +280,7 @@ impl Core {
             guard,
             carried: BTreeMap::new(),
             dropped_log: LogBudget::default(),
+            denied_log: LogBudget::default(),
             full_log: LogBudget::default(),
             allowed_log: LogBudget::default(),
             host_scope: HostScope::default(),
@@ -525,7 +529,13 @@ impl Core {
         self.last_refresh = Some(SystemTime::now());
         for a in &batch {
             for w in denied_addresses(&self.policy, &a.name, a.addrs.iter().map(|r| r.addr)) {
-                warn!("{w}");
+                if let Some(held_back) = self.denied_log.take(
+                    self.policy.log.rate,
+                    self.policy.log.burst,
+                    now.into_std(),
+                ) {
+                    warn!(not_logged_before = held_back, "{w}");
+                }
             }
         }
         let ok = self.install(table, &names, now, life.renew_slack(), fx);

@@ -886,10 +886,7 @@ mod tests {
         let other: IpAddr = "203.0.113.9".parse().unwrap();
         assert!(d.why_refused(upstream, Some(53)) == WhyRefused::GuardUpstream { guard_uid: 993 });
         assert!(d.why_refused(other, Some(853)) == WhyRefused::OtherResolver { port: 853 });
-        assert_eq!(
-            d.why_refused(upstream, Some(443)),
-            WhyRefused::OtherPortsOnly { names: vec![] }
-        );
+        assert!(d.why_refused(upstream, Some(443)) == WhyRefused::GuardUpstream { guard_uid: 993 });
         d.guard_uid = None;
         assert_eq!(d.why_refused(other, Some(53)), WhyRefused::NotInPolicy);
     }

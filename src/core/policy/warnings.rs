@@ -34,6 +34,28 @@ impl Policy {
                 }
             }
         }
+        // The guard's upstreams are refused to every socket but the guard's, on every port: an
+        // allowed network that holds one does not reach it; an entry of its address alone
+        // does, on that entry's ports (see `plan::upstream_denied`).
+        for allow in &self.allow {
+            if let Target::Cidr(net) = allow.target {
+                for r in self.dns.guard.iter().flat_map(|g| &g.upstream) {
+                    if net == IpNet::from(*r) {
+                        out.push(format!(
+                            "allowed address {r} is the guard's upstream: every process reaches \
+                             it on this entry's ports, around the guard if it serves DNS there \
+                             (DNS over HTTPS on 443)"
+                        ));
+                    } else if net.contains(r) {
+                        out.push(format!(
+                            "allowed network {net} holds the guard's upstream {r}, which only \
+                             the guard reaches, on any port: nothing else to {r} is allowed \
+                             (an entry of {r} alone would allow its ports)"
+                        ));
+                    }
+                }
+            }
+        }
         for allow in &self.allow {
             if let Target::Wildcard(w) = &allow.target {
                 out.extend(wildcard_risk(w));
@@ -877,6 +899,30 @@ mod tests {
         assert!(w.iter().any(|w| w.contains("10.1.0.0/16")), "{w:?}");
         assert!(w.iter().any(|w| w.contains("established")), "{w:?}");
         assert!(parse(FULL).unwrap().warnings().is_empty());
+    }
+
+    #[test]
+    fn an_allowed_network_holding_the_guards_upstream_is_warned() {
+        let text = "version: 1\nallow:\n  - cidr: 192.0.2.0/24\n    ports: [443]\ndns:\n  \
+                    mode: guard\n  upstream: [192.0.2.53]\n";
+        let w = parse(text).expect("valid").warnings();
+        assert!(
+            w.iter().any(|w| w
+                == "allowed network 192.0.2.0/24 holds the guard's upstream 192.0.2.53, which \
+                    only the guard reaches, on any port: nothing else to 192.0.2.53 is allowed \
+                    (an entry of 192.0.2.53 alone would allow its ports)"),
+            "{w:?}"
+        );
+        let alone = text.replace("192.0.2.0/24", "192.0.2.53/32");
+        let w = parse(&alone).expect("valid").warnings();
+        assert!(
+            w.iter().any(|w| w.starts_with(
+                "allowed address 192.0.2.53 is the guard's upstream: every process reaches it"
+            )),
+            "{w:?}"
+        );
+        let elsewhere = text.replace("192.0.2.0/24", "198.51.100.0/24");
+        assert!(parse(&elsewhere).expect("valid").warnings().is_empty());
     }
 
     #[test]

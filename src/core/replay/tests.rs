@@ -307,6 +307,45 @@ fn the_essentials_are_not_refusals() {
     assert_eq!(v[2], refused(FlowRefusal::NotInPolicy));
 }
 
+/// The guard's upstream is refused to every socket but the guard's on every port, also
+/// where an allow entry covers it (a resolver serves DNS over HTTPS on 443), and as its NAT64
+/// image; the rest of the allowed network is not.
+#[test]
+fn the_guards_upstream_is_refused_on_every_port() {
+    let p = policy(&GUARD.replace("198.51.100.0/24", "192.0.2.0/24"));
+    let t = T::start()
+        .tcp("192.0.2.53", 22)
+        .udp("192.0.2.53", 22)
+        .tcp("64:ff9b::c000:235", 22)
+        .flow_as("sctp", "192.0.2.53", Some(22), Some(1001), None)
+        .tcp("192.0.2.54", 22)
+        .trace();
+    assert_eq!(
+        verdicts(&p, &t),
+        [
+            refused(FlowRefusal::GuardUpstream),
+            refused(FlowRefusal::GuardUpstream),
+            refused(FlowRefusal::GuardUpstream),
+            refused(FlowRefusal::GuardUpstream),
+            FlowVerdict::Allowed(vec![2]),
+        ]
+    );
+    // An entry of the upstream's address alone opens its ports (the table leaves it out of
+    // the deny set).
+    let alone = policy(&GUARD.replace("198.51.100.0/24", "192.0.2.53/32"));
+    let t = T::start()
+        .tcp("192.0.2.53", 22)
+        .tcp("192.0.2.53", 443)
+        .trace();
+    assert_eq!(
+        verdicts(&alone, &t),
+        [
+            FlowVerdict::Allowed(vec![2]),
+            refused(FlowRefusal::OtherPortsOnly)
+        ]
+    );
+}
+
 #[test]
 fn resolve_mode_judges_no_names_and_takes_only_the_policys_own() {
     let p = policy(RESOLVE);
