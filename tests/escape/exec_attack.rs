@@ -264,3 +264,70 @@ fn cmd_shutting_a_shared_stderr_socket_does_not_hide_a_tripped_canary() {
     );
     assert_eq!(out.status.code(), Some(99), "{shown}");
 }
+
+/// `--report FILE` is opened by exec (root) before CMD starts, refusing a symbolic link at
+/// FILE itself (`O_NOFOLLOW`) but following one anywhere on the way to it: a directory CMD's
+/// user may write (its working directory, where `--report out/report.json` lands) may hold
+/// a link that CMD of an earlier run left, and through it root creates, or empties and
+/// rewrites, a file of that name in any directory. The canary file refuses exactly this
+/// (`open_canary_dir`); the report did not.
+#[test]
+fn the_report_is_never_written_through_a_linked_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let w = World::new();
+    let policy = setup(&w);
+    let work = w.dir().join("work");
+    std::fs::create_dir(&work).expect("CMD's working directory");
+    let chown = std::process::Command::new("chown")
+        .args(["nobody", work.to_str().expect("utf-8 path")])
+        .status()
+        .expect("chown");
+    assert!(chown.success());
+    // The world's directory is root's 0700: nobody must reach its working directory.
+    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let victims = w.dir().join("victims");
+    std::fs::create_dir(&victims).expect("root's directory");
+    let victim = victims.join("report.json");
+    std::fs::write(&victim, "root's own\n").expect("root's file");
+
+    // The earlier run: CMD leaves `out` pointing at root's directory.
+    let plant = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody"],
+        &format!("ln -s {} out && echo planted", victims.display()),
+    )
+    .current_dir(&work)
+    .output()
+    .expect("run egress-fence exec");
+    assert!(stdout_of(&plant).contains("planted"), "{}", show(&plant));
+
+    let out = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody", "--report", "out/report.json"],
+        "exit 0",
+    )
+    .current_dir(&work)
+    .output()
+    .expect("run egress-fence exec");
+    assert_eq!(
+        std::fs::read_to_string(&victim).expect("the victim"),
+        "root's own\n",
+        "root wrote the report through CMD's link\n{}",
+        show(&out)
+    );
+    assert_ne!(out.status.code(), Some(0), "{}", show(&out));
+}
+
+/// Scratch: runs $EF_SCRIPT as CMD ($EF_USER), prints the outcome.
+#[test]
+#[ignore = "scratch"]
+fn scratch() {
+    let w = World::new();
+    let policy = setup(&w);
+    let script = std::fs::read_to_string(std::env::var("EF_SCRIPT").unwrap()).unwrap();
+    let user = std::env::var("EF_USER").unwrap_or("nobody".into());
+    let out = exec(&w, &policy, &["--user", &user, "--canary"], &script);
+    println!("{}", show(&out));
+}
