@@ -76,7 +76,7 @@ pub fn run(
     // Opened before CMD starts, never by path afterwards: the path may be in a directory CMD's
     // user can write, and a symlink CMD put there would have exec (root) write over any file.
     let report = match report {
-        Some(path) => Some((open_report(&path).map_err(failed)?, path)),
+        Some(path) => Some((exec::open_report(&path).map_err(failed)?, path)),
         None => None,
     };
     let outcome = exec::run(options).map_err(failed)?;
@@ -119,18 +119,6 @@ pub fn run(
 fn say(text: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "egress-fence exec: {text}");
-}
-
-/// `--report`'s file, made (or emptied) now, a symlink at its path refused.
-fn open_report(path: &std::path::Path) -> Result<std::fs::File, ExecError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(|e| ExecError::Refused(format!("cannot open the report {}: {e}", path.display())))
 }
 
 /// What a canary run's exit code means, when it could be misread: 99 is both the canary's

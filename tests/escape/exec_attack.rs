@@ -319,15 +319,3 @@ fn the_report_is_never_written_through_a_linked_directory() {
     );
     assert_ne!(out.status.code(), Some(0), "{}", show(&out));
 }
-
-/// Scratch: runs $EF_SCRIPT as CMD ($EF_USER), prints the outcome.
-#[test]
-#[ignore = "scratch"]
-fn scratch() {
-    let w = World::new();
-    let policy = setup(&w);
-    let script = std::fs::read_to_string(std::env::var("EF_SCRIPT").unwrap()).unwrap();
-    let user = std::env::var("EF_USER").unwrap_or("nobody".into());
-    let out = exec(&w, &policy, &["--user", &user, "--canary"], &script);
-    println!("{}", show(&out));
-}
