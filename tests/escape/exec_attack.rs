@@ -319,3 +319,65 @@ fn the_report_is_never_written_through_a_linked_directory() {
     );
     assert_ne!(out.status.code(), Some(0), "{}", show(&out));
 }
+
+/// pasta's capture (`--canary`) holds every frame of the run, and exec read it whole into
+/// memory at exit: CMD sending 200 MB to an allowed destination (a download from an allowed
+/// registry does the same) made exec take 200 MB more at exit. Where memory is bounded (a
+/// unit's `MemoryMax=`, a CI container) exec is then killed before its verdict: no exit
+/// 99, no report, for a token CMD also leaked. Now the capture is read a frame at a time.
+#[test]
+fn exec_reads_pastas_capture_in_bounded_memory() {
+    let w = World::new();
+    setup(&w);
+    // UDP to a port nothing listens on: every datagram is captured, none is kept.
+    let text = policy_text().replace(
+        "allow:\n",
+        "allow:\n  - cidr: 192.0.2.10/32\n    ports: [9999]\n    protocol: udp\n",
+    );
+    let policy = w.write_file("udp.yaml", &text);
+    let policy = policy.to_str().expect("utf-8 path");
+    let inner = exec_command(
+        &w,
+        policy,
+        &["--user", "nobody", "--canary"],
+        "python3 -c \"
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect(('192.0.2.10', 9999))
+data = b'x' * 60000
+for _ in range(3400):
+    s.send(data)
+print('sent')
+\"; exit 0",
+    );
+    // The largest resident size of a process below the wrapper (exec's, pasta's, CMD's).
+    let mut cmd = std::process::Command::new("python3");
+    cmd.args([
+        "-c",
+        "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); \
+         print('maxrss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); \
+         sys.exit(r.returncode)",
+    ])
+    .arg(inner.get_program())
+    .args(inner.get_args())
+    .stdin(std::process::Stdio::null());
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd.output().expect("run exec");
+    let text = stdout_of(&out);
+    assert!(text.contains("sent"), "{}", show(&out));
+    let maxrss: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("maxrss_kib "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no maxrss\n{}", show(&out)));
+    assert!(
+        maxrss < 100 * 1024,
+        "exec took {maxrss} KiB for a capture of 200 MB\n{}",
+        show(&out)
+    );
+}
