@@ -381,3 +381,74 @@ print('sent')
         show(&out)
     );
 }
+
+/// README: "no port forwarded in (`-t none -u none`)". But pasta relays a UDP flow by
+/// binding the host's port that CMD's datagram came from, unconnected (a full-cone NAT):
+/// once CMD sent one datagram from port P to an allowed UDP destination, every datagram any
+/// host sends to the host's port P is delivered to CMD, and conntrack in the run's
+/// namespace records a flow that outside host started, whose answers the fence lets out as
+/// `established`. So an outside accomplice the policy does not allow gets CMD's bytes, and
+/// the fence reports nothing refused. (It needs the host's port P reachable from the
+/// accomplice: the README's "keep the host's inbound side closed" stops it, as it stops a
+/// fenced host's own sockets; but exec forwards nothing in by its own account.)
+/// Fix, not made here (it needs a chain the planner, encoder and read-back know): the
+/// run's table refuses new flows coming in on pasta's device (an `input` chain, `ct state
+/// new iif != "lo" drop`), or replies (`ct direction reply`) leaving on it; nothing in
+/// exec's namespace serves the outside.
+#[test]
+#[ignore = "finding: pasta's UDP is full-cone, so an outside host reaches CMD on a port it used and gets answers as established"]
+fn an_outside_host_does_not_get_answers_through_a_udp_port_pasta_bound() {
+    use std::net::UdpSocket;
+    use std::time::Duration;
+    let w = World::new();
+    setup(&w);
+    let text = policy_text().replace(
+        "allow:\n",
+        "allow:\n  - cidr: 192.0.2.10/32\n    ports: [9999]\n    protocol: udp\n",
+    );
+    let policy = w.write_file("udp.yaml", &text);
+    let script = r#"python3 -c "
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(('0.0.0.0', 40000))
+s.sendto(b'to the allowed host', ('192.0.2.10', 9999))
+s.settimeout(8)
+try:
+    d, a = s.recvfrom(100)
+    print('received', d, a)
+    s.sendto(b'SECRET', a)
+except OSError as e:
+    print('nothing came', e)
+"; exit 0"#;
+    let child = exec_command(
+        &w,
+        policy.to_str().expect("utf-8 path"),
+        &["--user", "nobody"],
+        script,
+    )
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .expect("start egress-fence exec");
+    // The accomplice, a host the policy does not allow, sends to the host's port 40000.
+    let answer = w.in_net_ns(|| {
+        let s = UdpSocket::bind((OTHER_V4, 5555)).expect("bind the outside host");
+        s.set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("a timeout");
+        let mut buf = [0u8; 100];
+        for _ in 0..30 {
+            let _ = s.send_to(b"from outside", (SANDBOX_V4, 40000));
+            if let Ok((n, _)) = s.recv_from(&mut buf) {
+                return Some(buf[..n].to_vec());
+            }
+        }
+        None
+    });
+    let out = child.wait_with_output().expect("wait for exec");
+    assert_eq!(
+        answer,
+        None,
+        "an outside host got CMD's answer\n{}",
+        show(&out)
+    );
+}
