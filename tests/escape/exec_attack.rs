@@ -472,3 +472,56 @@ fn the_canary_trips_on_a_token_split_by_hyphens_in_one_name() {
     assert!(stdout_of(&out).contains("asked "), "{}", show(&out));
     assert_eq!(out.status.code(), Some(99), "{}", show(&out));
 }
+
+/// What held: pasta's tap device cannot be attached by CMD, as root (`EBUSY`: one queue,
+/// pasta's; `EINVAL` as multi-queue) or as nobody (`/dev/net/tun` refused, or `EBUSY` where
+/// it is 0666), so CMD writes no packet as if received on it; and the names CMD asks are
+/// shown escaped (`\027`), so a refused name cannot move or erase the operator's lines
+/// (the canary's verdict among them) with terminal control sequences.
+#[test]
+fn pastas_tap_is_not_attached_and_refused_names_carry_no_control_bytes() {
+    let w = World::new();
+    let policy = setup(&w);
+    let script = r#"python3 - <<'PY'
+import errno, fcntl, os, socket, struct
+for flags, what in ((0x0002 | 0x1000, 'single'), (0x0002 | 0x1000 | 0x0100, 'multi')):
+    try:
+        fd = os.open('/dev/net/tun', os.O_RDWR)
+        fcntl.ioctl(fd, 0x400454ca, struct.pack('16sH', b'eth0', flags))
+        print(what, 'ATTACHED')
+    except OSError as e:
+        print(what, errno.errorcode[e.errno])
+name = b'x\x1b[1A\x1b[2K\ry'
+wire = bytes([len(name)]) + name + b'\x05exfil\x04test\x00'
+q = struct.pack('>HHHHHH', 7, 0x0100, 1, 0, 0, 0) + wire + struct.pack('>HH', 1, 1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+s.sendto(q, ('127.0.0.53', 53))
+try:
+    s.recv(512)
+    print('answered')
+except OSError:
+    pass
+PY
+exit 0"#;
+    for user in ["root", "nobody"] {
+        let out = exec(&w, &policy, &["--user", user], script);
+        let text = stdout_of(&out);
+        assert!(
+            text.contains("single ") && text.contains("multi "),
+            "{}",
+            show(&out)
+        );
+        assert!(!text.contains("ATTACHED"), "{user}\n{}", show(&out));
+        assert!(
+            !out.stderr.iter().any(|b| *b == 0x1b || *b == b'\r'),
+            "{user}: a control byte reached the operator's terminal\n{}",
+            show(&out)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("x\\027[1a\\027[2k\\013y.exfil.test"),
+            "{user}\n{}",
+            show(&out)
+        );
+    }
+}
