@@ -52,9 +52,10 @@ pub fn asks_host(name: &str, host: &str) -> bool {
 /// digits are 48 random bits, which no innocent name carries by chance.
 const FRAGMENT: usize = 12;
 
-/// What a question is searched for, lower case, letters and digits only ([`squash`]): the token and its encodings (hex, base32,
-/// base64 and its URL-safe alphabet), each also reversed; the base32 and base64 of the token
-/// after 1 to 4 (base32) or 1 to 2 (base64) bytes of anything, which shift its encoding's
+/// What a question is searched for, lower case, letters and digits only ([`squash`]): the
+/// token and its encodings (hex, base32, base64 and its URL-safe alphabet), each also
+/// reversed, and those of the token reversed; the base32 and base64 of the token after 1 to
+/// 4 (base32) or 1 to 2 (base64) bytes of anything, which shift its encoding's
 /// characters (the ones the other bytes touch left out); and every fragment of the token's
 /// random part of [`FRAGMENT`] characters, plain or hex, so a token split across questions
 /// or labels is found in each piece. A tripwire, not a proof: an encoding it does not know
@@ -84,8 +85,15 @@ pub fn needles(token: &str) -> Vec<String> {
         }
     }
     out.push(base32hex(bytes));
+    // The token reversed, then encoded: in each encoding the forward token has.
     let backwards: Vec<u8> = bytes.iter().rev().copied().collect();
-    out.push(hex(&backwards));
+    out.extend([
+        hex(&backwards),
+        base32(&backwards),
+        base32hex(&backwards),
+        base64(&backwards, false),
+        base64(&backwards, true),
+    ]);
     let reversed: Vec<String> = out.iter().map(|n| n.chars().rev().collect()).collect();
     out.extend(reversed);
     let random = token.strip_prefix(PREFIX).unwrap_or(token);
