@@ -549,3 +549,72 @@ fn the_canary_trips_on_the_reversed_token_in_base32_and_base64() {
         assert_eq!(out.status.code(), Some(99), "{encode}\n{}", show(&out));
     }
 }
+
+/// Each run removes the names killed runs left in /run/netns, as `ip netns delete` does:
+/// `umount2(MNT_DETACH)`, then unlink. `umount2` follows a symbolic link, and /run/netns is
+/// root's, which CMD as `--user root` is by its uid: CMD plants
+/// `/run/netns/ef-exec-<a pid no process has>` pointing at any mount point of the host, and
+/// the next run (root, with every capability) detaches that mount from the host's mount
+/// namespace. (Shown in a mount namespace of the test's own, with a tmpfs over /run/netns
+/// so that no other run on this machine meets the link, and a tmpfs as the host's mount.)
+#[test]
+fn the_next_runs_cleanup_does_not_unmount_what_cmds_link_names() {
+    use std::process::Command;
+    let w = World::new();
+    let policy = setup(&w);
+    std::fs::create_dir(w.dir().join("netns")).expect("a directory for /run/netns");
+    std::fs::create_dir(w.dir().join("mnt")).expect("the host's mount point");
+    let plant = exec_command(
+        &w,
+        &policy,
+        &["--user", "root"],
+        &format!(
+            "ln -s {} /run/netns/ef-exec-4000001 && echo planted; exit 0",
+            w.dir().join("mnt").display()
+        ),
+    );
+    let next = exec_command(&w, &policy, &["--user", "nobody"], "exit 0");
+    let command_line = |c: &Command| -> String {
+        std::iter::once(c.get_program())
+            .chain(c.get_args())
+            .map(|a| format!("'{}'", a.to_string_lossy()))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let script = format!(
+        r#"set -e
+mount --rbind /run/netns "$D/netns"
+mount -t tmpfs tmpfs /run/netns
+touch "/run/netns/$SB"
+mount --bind "$D/netns/$SB" "/run/netns/$SB"
+mount -t tmpfs victim "$VICTIM"
+touch "$VICTIM/mounted"
+set +e
+{plant}
+{next}
+test -e "$VICTIM/mounted" && echo still-mounted
+exit 0"#,
+        plant = command_line(&plant),
+        next = command_line(&next),
+    );
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", &script])
+        .env("D", w.dir())
+        .env("SB", w.sandbox_name())
+        .env("VICTIM", w.dir().join("mnt"))
+        .stdin(std::process::Stdio::null());
+    for (key, value) in plant.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd.output().expect("run exec twice");
+    let text = stdout_of(&out);
+    assert!(text.contains("planted"), "{}", show(&out));
+    assert!(
+        text.contains("still-mounted"),
+        "the next run unmounted the host's mount CMD's link named\n{}",
+        show(&out)
+    );
+}
