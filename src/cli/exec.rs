@@ -106,7 +106,13 @@ pub fn run(
         let text = serde_json::to_string_pretty(&json)?;
         if let Err(e) = std::io::Write::write_all(&mut file, (text + "\n").as_bytes()) {
             say(&format!("cannot write the report {}: {e}", path.display()));
-            return Ok(EXIT_EXEC_FAILED.max(outcome.code));
+            // The canary's verdict comes first: CMD may have made the write fail (it can
+            // fill the report's filesystem), and 99 is the one code the caller looks for.
+            return Ok(if tripped {
+                EXIT_CANARY_TRIPPED
+            } else {
+                EXIT_EXEC_FAILED.max(outcome.code)
+            });
         }
     }
     Ok(exit_code)
