@@ -677,3 +677,42 @@ set +e
     );
     assert_eq!(out.status.code(), Some(99), "{}", show(&out));
 }
+
+/// Answers are hostile input: "the host's own addresses are never installed". In exec the
+/// guard runs in the run's namespace and takes "the host's own addresses" from there: the
+/// copy of one interface's addresses pasta made. The host's other addresses (a second
+/// interface's, docker0's 172.17.0.1, one on its loopback device) are installed when a name
+/// under an allowed wildcard answers them, and pasta connects from the host to the host
+/// itself: CMD reaches every service of the host bound to that address or to all of them.
+/// Here exec's host (the world's sandbox) has 198.18.0.7 on its loopback device and a
+/// service on it; `svc.exfil.test` (the adversary's zone, allowed) answers 198.18.0.7.
+#[test]
+fn an_answer_naming_another_address_of_the_host_is_not_installed() {
+    use std::net::{IpAddr, Ipv4Addr, TcpListener};
+    let w = World::new();
+    setup(&w);
+    let policy = wildcard_policy(&w);
+    let other = IpAddr::V4(Ipv4Addr::new(198, 18, 0, 7));
+    let added = std::process::Command::new("ip")
+        .args(["netns", "exec", w.sandbox_name()])
+        .args(["ip", "addr", "add", "198.18.0.7/32", "dev", "lo"])
+        .status()
+        .expect("ip addr add");
+    assert!(added.success());
+    let service =
+        w.in_sandbox_ns(|| TcpListener::bind((other, 443)).expect("a service of the host"));
+    service.set_nonblocking(true).expect("nonblocking");
+    w.dns_set("svc.exfil.test", &[other], 60);
+    let out = exec(
+        &w,
+        &policy,
+        &["--user", "nobody"],
+        "nc -z -w 2 svc.exfil.test 443 && echo reached; echo done; exit 0",
+    );
+    assert!(stdout_of(&out).contains("done"), "{}", show(&out));
+    assert!(
+        service.accept().is_err() && !stdout_of(&out).contains("reached"),
+        "CMD reached a service of the host through an answer naming the host's address\n{}",
+        show(&out)
+    );
+}
