@@ -172,6 +172,10 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     let signal_fd = SignalFd::with_flags(&signals, SfdFlags::SFD_CLOEXEC)
         .map_err(ExecError::sys("read signals"))?;
 
+    // The host's addresses, kept fresh by a thread that stays in the host's namespace
+    // (started with the signals blocked, before the pid namespace): the run's guard must not
+    // install an answer naming one, which pasta would connect to the host itself.
+    follow_host_addrs()?;
     let host = namespace::current()?;
     namespace::enter_new()?;
     let fenced = namespace::current()?;
@@ -276,6 +280,33 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     }
     drop(run_dir);
     Ok(Outcome { code, refusals })
+}
+
+/// How often the host's addresses are read again for the run's guard (as the guard reads
+/// its own namespace's: [`crate::host::HostAddrsCache`]).
+const HOST_ADDRS_EVERY: Duration = Duration::from_secs(5);
+
+/// Reads the host's addresses now (in the calling thread's namespace, the host's), and again
+/// every [`HOST_ADDRS_EVERY`] on a thread that stays there, for the guard of the run's
+/// namespace ([`crate::host::set_addrs_elsewhere`]).
+fn follow_host_addrs() -> Result<(), ExecError> {
+    let read = || {
+        crate::host::read_interfaces()
+            .map(crate::host::set_addrs_elsewhere)
+            .map_err(ExecError::sys("read the host's addresses"))
+    };
+    read()?;
+    std::thread::Builder::new()
+        .name("host-addrs".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(HOST_ADDRS_EVERY);
+                // The last ones read are still the best guess.
+                let _ = read();
+            }
+        })
+        .map_err(ExecError::io("follow the host's addresses"))?;
+    Ok(())
 }
 
 /// The guard's address for CMD's resolv.conf: its first listen address, which must be on
