@@ -85,6 +85,7 @@ pub fn run(
             trace: trace.clone(),
             audit: Some(audit),
         }),
+        refuse_replies: false,
     };
     let result = run_daemon(options);
     trace.finish();

@@ -46,6 +46,7 @@ pub fn run(
         lock_timeout: writer.lock.lock_timeout.0,
         metrics: args.metrics,
         recording,
+        refuse_replies: false,
     };
     let result = run_daemon(options);
     if let Some(trace) = trace {

@@ -185,7 +185,15 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     let resolv_conf = run_dir.write_resolv_conf(&nameserver)?;
 
     let resolution = crate::dns::resolve::resolve_policy(&policy, &options.resolv_conf)?;
-    let planned = crate::core::plan::plan(&policy, &resolution);
+    // As the daemon plans it for exec's run: replies leaving on pasta's device refused (no
+    // flow an outside host starts is CMD's to answer).
+    let planned = crate::core::plan::with_extras(
+        crate::core::plan::plan(&policy, &resolution),
+        &crate::core::plan::Extras {
+            refuse_replies: true,
+            ..crate::core::plan::Extras::default()
+        },
+    );
     let mut nft = Nft::open()?;
     tracing::debug!("exec: namespace made, starting the fence");
     let state = StateDir::new(&options.state_root, &name);
@@ -511,6 +519,7 @@ fn start_daemon(options: &Options, state: StateDir) -> Result<mpsc::Receiver<()>
         lock_timeout: Duration::from_secs(1),
         metrics: None,
         recording: None,
+        refuse_replies: true,
     };
     let (ended_tx, ended_rx) = mpsc::channel();
     std::thread::Builder::new()

@@ -391,12 +391,10 @@ print('sent')
 /// the fence reports nothing refused. (It needs the host's port P reachable from the
 /// accomplice: the README's "keep the host's inbound side closed" stops it, as it stops a
 /// fenced host's own sockets; but exec forwards nothing in by its own account.)
-/// Fix, not made here (it needs a chain the planner, encoder and read-back know): the
-/// run's table refuses new flows coming in on pasta's device (an `input` chain, `ct state
-/// new iif != "lo" drop`), or replies (`ct direction reply`) leaving on it; nothing in
-/// exec's namespace serves the outside.
+/// Now exec's table refuses replies (`ct direction reply`) leaving anywhere but loopback,
+/// before `ct state established,related accept` (`Rule::RefuseRepliesOut`, an extra of
+/// exec's run): nothing in its namespace serves the outside.
 #[test]
-#[ignore = "finding: pasta's UDP is full-cone, so an outside host reaches CMD on a port it used and gets answers as established"]
 fn an_outside_host_does_not_get_answers_through_a_udp_port_pasta_bound() {
     use std::net::UdpSocket;
     use std::time::Duration;
@@ -445,6 +443,8 @@ except OSError as e:
         None
     });
     let out = child.wait_with_output().expect("wait for exec");
+    // The datagram came in (pasta relays it); only CMD's answer must not leave.
+    assert!(stdout_of(&out).contains("received"), "{}", show(&out));
     assert_eq!(
         answer,
         None,
