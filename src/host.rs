@@ -500,8 +500,27 @@ pub fn listed_bridge_addrs(policy: &Policy) -> Vec<(String, SocketAddr)> {
     found
 }
 
-/// The interfaces' addresses now (getifaddrs).
-pub fn read_addrs() -> Result<HostAddrs, nix::Error> {
+/// An interface address: the address, its netmask and its broadcast address.
+pub type InterfaceAddr = (IpAddr, Option<IpAddr>, Option<IpAddr>);
+
+/// This host's addresses in a network namespace other than the one this process reads its
+/// interfaces in, taken as its own too (see [`set_addrs_elsewhere`]).
+static ELSEWHERE: std::sync::Mutex<Vec<InterfaceAddr>> = std::sync::Mutex::new(Vec::new());
+
+/// Says what the host's addresses are where this process's namespace does not show them:
+/// `exec` runs its guard in the run's namespace, which has a copy of one interface's
+/// addresses (pasta's), while pasta connects CMD from the host's, where every other address
+/// of the host (a second interface's, docker0's, one on its loopback device) reaches the
+/// host itself. An answer naming one of them must not be installed, as for a fenced host.
+pub fn set_addrs_elsewhere(interfaces: Vec<InterfaceAddr>) {
+    match ELSEWHERE.lock() {
+        Ok(mut held) => *held = interfaces,
+        Err(poisoned) => *poisoned.into_inner() = interfaces,
+    }
+}
+
+/// The addresses of the interfaces of the calling thread's namespace now (getifaddrs).
+pub fn read_interfaces() -> Result<Vec<InterfaceAddr>, nix::Error> {
     let ip = |s: Option<nix::sys::socket::SockaddrStorage>| -> Option<IpAddr> {
         let s = s?;
         if let Some(v4) = s.as_sockaddr_in() {
@@ -513,7 +532,17 @@ pub fn read_addrs() -> Result<HostAddrs, nix::Error> {
         let addr = ip(i.address)?;
         Some((addr, ip(i.netmask), ip(i.broadcast)))
     });
-    Ok(HostAddrs::from_interfaces(interfaces.collect::<Vec<_>>()))
+    Ok(interfaces.collect())
+}
+
+/// The interfaces' addresses now (getifaddrs), and those set with [`set_addrs_elsewhere`].
+pub fn read_addrs() -> Result<HostAddrs, nix::Error> {
+    let mut interfaces = read_interfaces()?;
+    match ELSEWHERE.lock() {
+        Ok(held) => interfaces.extend(held.iter().copied()),
+        Err(poisoned) => interfaces.extend(poisoned.into_inner().iter().copied()),
+    }
+    Ok(HostAddrs::from_interfaces(interfaces))
 }
 
 /// Reads the interfaces, or, when that fails, knows none (the address classes still apply)

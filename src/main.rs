@@ -17,7 +17,12 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(code) => ExitCode::from(code),
         Err(f) => {
-            eprintln!("egress-fence: {}", f.describe());
+            // Not `eprintln!`, which panics when stderr is gone (exec's CMD shares it and may
+            // have shut it): the exit code must still say what happened.
+            let _ = std::io::Write::write_fmt(
+                &mut std::io::stderr(),
+                format_args!("egress-fence: {}\n", f.describe()),
+            );
             ExitCode::from(f.code)
         }
     }

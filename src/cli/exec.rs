@@ -76,15 +76,13 @@ pub fn run(
     // Opened before CMD starts, never by path afterwards: the path may be in a directory CMD's
     // user can write, and a symlink CMD put there would have exec (root) write over any file.
     let report = match report {
-        Some(path) => Some((open_report(&path).map_err(failed)?, path)),
+        Some(path) => Some((exec::open_report(&path).map_err(failed)?, path)),
         None => None,
     };
     let outcome = exec::run(options).map_err(failed)?;
     match &outcome.refusals {
-        Some(refusals) => eprintln!("egress-fence exec: {}", refusals.summary()),
-        None => {
-            eprintln!("egress-fence exec: refusals are not reported: the policy has no `log.group`")
-        }
+        Some(refusals) => say(&refusals.summary()),
+        None => say("refusals are not reported: the policy has no `log.group`"),
     }
     let tripped = outcome
         .refusals
@@ -96,7 +94,7 @@ pub fn run(
         outcome.code
     };
     if let Some(note) = exit_note(canary, tripped, outcome.code) {
-        eprintln!("egress-fence exec: {note}");
+        say(&note);
     }
     if let Some((mut file, path)) = report {
         let json = serde_json::json!({
@@ -107,26 +105,26 @@ pub fn run(
         });
         let text = serde_json::to_string_pretty(&json)?;
         if let Err(e) = std::io::Write::write_all(&mut file, (text + "\n").as_bytes()) {
-            eprintln!(
-                "egress-fence exec: cannot write the report {}: {e}",
-                path.display()
-            );
-            return Ok(EXIT_EXEC_FAILED.max(outcome.code));
+            say(&format!("cannot write the report {}: {e}", path.display()));
+            // The canary's verdict comes first: CMD may have made the write fail (it can
+            // fill the report's filesystem), and 99 is the one code the caller looks for.
+            return Ok(if tripped {
+                EXIT_CANARY_TRIPPED
+            } else {
+                EXIT_EXEC_FAILED.max(outcome.code)
+            });
         }
     }
     Ok(exit_code)
 }
 
-/// `--report`'s file, made (or emptied) now, a symlink at its path refused.
-fn open_report(path: &std::path::Path) -> Result<std::fs::File, ExecError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(|e| ExecError::Refused(format!("cannot open the report {}: {e}", path.display())))
+/// Prints a line on stderr, ignoring a failure. CMD shares exec's stderr: it may have shut it
+/// (`shutdown` of a socket, a systemd unit's stream to journald) or made it non-blocking, and
+/// `eprintln!` panics when the write fails, which would end exec before its report and exit
+/// code, the record of what the fence saw (a tripped canary among it).
+fn say(text: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "egress-fence exec: {text}");
 }
 
 /// What a canary run's exit code means, when it could be misread: 99 is both the canary's

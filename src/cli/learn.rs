@@ -86,6 +86,7 @@ pub fn run(
             audit: Some(audit),
         }),
         trusted_policy_file: false,
+        refuse_replies: false,
     };
     let result = run_daemon(options);
     trace.finish();

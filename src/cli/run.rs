@@ -47,6 +47,7 @@ pub fn run(
         metrics: args.metrics,
         recording,
         trusted_policy_file: true,
+        refuse_replies: false,
     };
     let result = run_daemon(options);
     if let Some(trace) = trace {

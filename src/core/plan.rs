@@ -337,6 +337,9 @@ pub struct Extras {
     pub flow_group: Option<u16>,
     /// `learn`'s audit window ([`Rule::AuditAccept`]).
     pub audit: Option<Audit>,
+    /// `exec`'s run: replies leaving anywhere but loopback are refused
+    /// ([`Rule::RefuseRepliesOut`]).
+    pub refuse_replies: bool,
 }
 
 /// How long `learn`'s audit window stays open without a renewal: what a killed `learn`
@@ -366,6 +369,7 @@ impl Extras {
                 group: log_group.unwrap_or(AUDIT_GROUP),
                 open_for_ms: Some(AUDIT_WINDOW.as_millis() as u64),
             }),
+            refuse_replies: false,
         }
     }
 }
@@ -384,6 +388,14 @@ pub struct Audit {
 /// accept just before the fence's last `goto refused` (the deny list, the guard's
 /// protections and DNS to other resolvers stay refused), and the audit window's set.
 pub fn with_extras(mut ruleset: Ruleset, extras: &Extras) -> Ruleset {
+    if extras.refuse_replies {
+        let at = ruleset
+            .output
+            .iter()
+            .position(|r| *r == Rule::AcceptEstablished)
+            .unwrap_or(ruleset.output.len());
+        ruleset.output.insert(at, Rule::RefuseRepliesOut);
+    }
     if let Some(group) = extras.flow_group {
         let at = ruleset
             .output
@@ -410,7 +422,10 @@ pub fn with_extras(mut ruleset: Ruleset, extras: &Extras) -> Ruleset {
 
 /// Whether `rule` is one that only [`with_extras`] adds.
 pub fn is_extra(rule: &Rule) -> bool {
-    matches!(rule, Rule::RecordFlow { .. } | Rule::AuditAccept { .. })
+    matches!(
+        rule,
+        Rule::RecordFlow { .. } | Rule::AuditAccept { .. } | Rule::RefuseRepliesOut
+    )
 }
 
 /// `ruleset` without what [`with_extras`] added: the policy's table, as a generation records

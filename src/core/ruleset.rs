@@ -731,6 +731,13 @@ pub enum Rule {
         proto: L4Proto,
         mark: u32,
     },
+    /// `ct direction reply oif != "lo" goto refused`, before `ct state established,related
+    /// accept`, in `exec`'s run only (an extra, [`crate::core::plan::Extras`]): nothing in
+    /// its namespace serves the outside, so a reply leaving it answers a flow an outside host
+    /// started, which pasta let in (its UDP is a full-cone NAT: any host reaches the port a
+    /// datagram of CMD's came from), and would carry CMD's bytes to that host as
+    /// `established`. Loopback (the guard's answers) is not the outside.
+    RefuseRepliesOut,
     /// `ct state established,related accept`
     AcceptEstablished,
     /// `oif "lo" meta skuid >= 0 fib saddr type != local goto refused`: a packet a process
@@ -959,6 +966,9 @@ impl fmt::Display for Rule {
                     proto.name(),
                     to.port()
                 )
+            }
+            Rule::RefuseRepliesOut => {
+                write!(f, "ct direction reply oif != \"lo\" goto {REFUSED_CHAIN}")
             }
             Rule::AcceptEstablished => f.write_str("ct state established,related accept"),
             Rule::AcceptLoopback => f.write_str("oif \"lo\" accept"),
@@ -1597,6 +1607,10 @@ mod tests {
                 "ct state new log prefix \"EGRESS-FLOW: \" group 8",
             ),
             (Rule::DropBridgeGroupFrames, "@ll,0,40 0x180c20000 drop"),
+            (
+                Rule::RefuseRepliesOut,
+                "ct direction reply oif != \"lo\" goto refused",
+            ),
             (
                 Rule::DropSpoofedFrom("docker0".parse().unwrap()),
                 "iifname \"docker0\" fib saddr . iif oif missing drop",

@@ -320,7 +320,11 @@ impl Core {
         now: Instant,
         fx: &mut Vec<Effect>,
     ) -> Result<(), NftError> {
-        self.extras = Extras::default();
+        // What the run is (exec's refusal of replies) stays; only the recording ends.
+        self.extras = Extras {
+            refuse_replies: self.extras.refuse_replies,
+            ..Extras::default()
+        };
         self.record_next_apply = true;
         self.apply_all(table, now, fx)
     }
@@ -1593,6 +1597,7 @@ mod tests {
                 group: 7,
                 open_for_ms: Some(30_000),
             }),
+            refuse_replies: false,
         });
         let mut table = MemoryTable::new();
         let mut fx = Vec::new();

@@ -128,6 +128,9 @@ pub struct Options {
     /// as long as it runs. `exec` reads it before CMD exists and ignores SIGHUP; `learn`
     /// audits, letting everything through anyway.
     pub trusted_policy_file: bool,
+    /// `exec`'s run: its table refuses replies leaving anywhere but loopback
+    /// ([`crate::core::ruleset::Rule::RefuseRepliesOut`]).
+    pub refuse_replies: bool,
 }
 
 /// What a recording run writes and does.
@@ -224,11 +227,14 @@ fn start_and_serve(
         let monitor = crate::nft::sys::async_monitor(Monitor::open()?)
             .map_err(io("watch for nftables changes"))?;
         // Subscribed before the table logs to it, so no flow goes unrecorded.
-        let extras = Extras::of_run(
-            &policy,
-            options.recording.is_some(),
-            options.audit().is_some(),
-        );
+        let extras = Extras {
+            refuse_replies: options.refuse_replies,
+            ..Extras::of_run(
+                &policy,
+                options.recording.is_some(),
+                options.audit().is_some(),
+            )
+        };
         if let (Some(group), Some(trace)) = (extras.flow_group, options.trace()) {
             record_flows(group, trace.clone())?;
         }

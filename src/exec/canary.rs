@@ -52,9 +52,10 @@ pub fn asks_host(name: &str, host: &str) -> bool {
 /// digits are 48 random bits, which no innocent name carries by chance.
 const FRAGMENT: usize = 12;
 
-/// What a question is searched for, lower case: the token and its encodings (hex, base32,
-/// base64 and its URL-safe alphabet), each also reversed; the base32 and base64 of the token
-/// after 1 to 4 (base32) or 1 to 2 (base64) bytes of anything, which shift its encoding's
+/// What a question is searched for, lower case, letters and digits only ([`squash`]): the
+/// token and its encodings (hex, base32, base64 and its URL-safe alphabet), each also
+/// reversed, and those of the token reversed; the base32 and base64 of the token after 1 to
+/// 4 (base32) or 1 to 2 (base64) bytes of anything, which shift its encoding's
 /// characters (the ones the other bytes touch left out); and every fragment of the token's
 /// random part of [`FRAGMENT`] characters, plain or hex, so a token split across questions
 /// or labels is found in each piece. A tripwire, not a proof: an encoding it does not know
@@ -84,8 +85,15 @@ pub fn needles(token: &str) -> Vec<String> {
         }
     }
     out.push(base32hex(bytes));
+    // The token reversed, then encoded: in each encoding the forward token has.
     let backwards: Vec<u8> = bytes.iter().rev().copied().collect();
-    out.push(hex(&backwards));
+    out.extend([
+        hex(&backwards),
+        base32(&backwards),
+        base32hex(&backwards),
+        base64(&backwards, false),
+        base64(&backwards, true),
+    ]);
     let reversed: Vec<String> = out.iter().map(|n| n.chars().rev().collect()).collect();
     out.extend(reversed);
     let random = token.strip_prefix(PREFIX).unwrap_or(token);
@@ -96,21 +104,48 @@ pub fn needles(token: &str) -> Vec<String> {
             out.push(hex(piece.as_bytes()));
         }
     }
-    for n in &mut out {
-        *n = n.to_ascii_lowercase();
-    }
+    let mut out: Vec<String> = out.iter().map(|n| squash(n)).collect();
+    out.retain(|n| !n.is_empty());
     out.sort();
     out.dedup();
     out
 }
 
+/// What a name or needle is compared as: its letters and digits alone, lower case, a DNS
+/// name's escapes (`\DDD`, `\X`) read first. The dots between labels are not all a name
+/// may split a token with: a hyphen, an underscore or any other byte between pieces shorter
+/// than a fragment would hide it just as well.
+fn squash(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        let c = match c {
+            '\\' => {
+                let digits: String = std::iter::from_fn(|| chars.next_if(char::is_ascii_digit))
+                    .take(3)
+                    .collect();
+                match digits.parse::<u8>() {
+                    Ok(byte) if digits.len() == 3 => char::from(byte),
+                    _ if digits.is_empty() => chars.next().unwrap_or('\\'),
+                    // A short escape: its digits are data.
+                    _ => {
+                        out.push_str(&digits);
+                        continue;
+                    }
+                }
+            }
+            c => c,
+        };
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        }
+    }
+    out
+}
+
 /// Whether the name carries one of `needles` (see the module comment).
 pub fn carries(name: &str, needles: &[String]) -> bool {
-    let squashed: String = name
-        .chars()
-        .filter(|c| *c != '.')
-        .collect::<String>()
-        .to_ascii_lowercase();
+    let squashed = squash(name);
     needles.iter().any(|n| squashed.contains(n.as_str()))
 }
 
@@ -129,11 +164,7 @@ const JOINED_TAIL: usize = 512;
 impl Joined {
     /// Adds `name`'s first label; whether the joined labels now carry one of `needles`.
     pub fn push(&mut self, name: &str, needles: &[String]) -> bool {
-        let label = name
-            .split('.')
-            .next()
-            .unwrap_or_default()
-            .to_ascii_lowercase();
+        let label = squash(name.split('.').next().unwrap_or_default());
         self.tail.push_str(&label);
         if self.tail.len() > JOINED_TAIL {
             let cut = self.tail.len() - JOINED_TAIL;
@@ -249,6 +280,19 @@ mod tests {
             let b64 = base64(&shifted, true);
             assert!(carries(&format!("{b64}.evil.test"), &needles), "{lead}");
         }
+        // Split inside one label by hyphens, or by escaped bytes, into pieces shorter than a
+        // fragment.
+        let random = &token["ck_live_".len()..];
+        let hyphens = format!("{}-{}-{}", &random[..11], &random[11..22], &random[22..]);
+        assert!(carries(&format!("{hyphens}.evil.test"), &needles));
+        let escaped = format!(
+            "{}\\000{}\\.{}",
+            &random[..11],
+            &random[11..22],
+            &random[22..]
+        );
+        assert!(carries(&format!("{escaped}.evil.test"), &needles));
+        assert_eq!(squash("a\\065b\\.c-d_e"), "aabcde");
         // Names that merely look like hex are not the token.
         assert!(!carries("0123456789ab.cdn.example.test", &needles));
     }

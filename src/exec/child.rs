@@ -24,6 +24,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, User, initgroups, setgid, setuid};
 
 use super::ExecError;
+use crate::core::policy::LocalResolverKind;
 
 /// What `exec` hands the inside on its command line.
 pub struct Inside {
@@ -66,6 +67,7 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
         &inside.resolv_conf,
         &super::namespace::name_path(inside.parent),
     )?;
+    hide_local_resolvers()?;
     own_proc()?;
     drop_bounding_set()?;
     if let Some(name) = &inside.user {
@@ -124,6 +126,30 @@ fn private_resolv_conf(resolv_conf: &Path, name: &Path) -> Result<(), ExecError>
     .map_err(ExecError::sys(
         "bind the guard's resolv.conf over /etc/resolv.conf",
     ))
+}
+
+/// The host's resolvers that answer any local user over a Unix socket (systemd-resolved's
+/// varlink, nscd, avahi-daemon; see [`LocalResolverKind::ALL`]) ask their servers from the
+/// host's namespace, past the fence, the guard and the canary; and glibc asks them on its
+/// own (nscd before resolv.conf's server, nss-resolve instead of it), so an ordinary lookup
+/// in CMD would leave that way. /dev/null is bound over each socket there is: connecting to
+/// it is refused, and glibc falls back to resolv.conf, the guard. CMD cannot take the mount
+/// away (no CAP_SYS_ADMIN; a user namespace of its own gets it locked).
+fn hide_local_resolvers() -> Result<(), ExecError> {
+    for (_, socket, _) in LocalResolverKind::ALL {
+        if !Path::new(socket).exists() {
+            continue;
+        }
+        mount(
+            Some("/dev/null"),
+            socket,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(ExecError::sys("hide a local resolver's socket from CMD"))?;
+    }
+    Ok(())
 }
 
 /// A /proc of this pid namespace over the host's: CMD sees its own processes only, not the

@@ -172,6 +172,10 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     let signal_fd = SignalFd::with_flags(&signals, SfdFlags::SFD_CLOEXEC)
         .map_err(ExecError::sys("read signals"))?;
 
+    // The host's addresses, kept fresh by a thread that stays in the host's namespace
+    // (started with the signals blocked, before the pid namespace): the run's guard must not
+    // install an answer naming one, which pasta would connect to the host itself.
+    follow_host_addrs()?;
     let host = namespace::current()?;
     namespace::enter_new()?;
     let fenced = namespace::current()?;
@@ -181,7 +185,15 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     let resolv_conf = run_dir.write_resolv_conf(&nameserver)?;
 
     let resolution = crate::dns::resolve::resolve_policy(&policy, &options.resolv_conf)?;
-    let planned = crate::core::plan::plan(&policy, &resolution);
+    // As the daemon plans it for exec's run: replies leaving on pasta's device refused (no
+    // flow an outside host starts is CMD's to answer).
+    let planned = crate::core::plan::with_extras(
+        crate::core::plan::plan(&policy, &resolution),
+        &crate::core::plan::Extras {
+            refuse_replies: true,
+            ..crate::core::plan::Extras::default()
+        },
+    );
     let mut nft = Nft::open()?;
     tracing::debug!("exec: namespace made, starting the fence");
     let state = StateDir::new(&options.state_root, &name);
@@ -278,6 +290,33 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     Ok(Outcome { code, refusals })
 }
 
+/// How often the host's addresses are read again for the run's guard (as the guard reads
+/// its own namespace's: [`crate::host::HostAddrsCache`]).
+const HOST_ADDRS_EVERY: Duration = Duration::from_secs(5);
+
+/// Reads the host's addresses now (in the calling thread's namespace, the host's), and again
+/// every [`HOST_ADDRS_EVERY`] on a thread that stays there, for the guard of the run's
+/// namespace ([`crate::host::set_addrs_elsewhere`]).
+fn follow_host_addrs() -> Result<(), ExecError> {
+    let read = || {
+        crate::host::read_interfaces()
+            .map(crate::host::set_addrs_elsewhere)
+            .map_err(ExecError::sys("read the host's addresses"))
+    };
+    read()?;
+    std::thread::Builder::new()
+        .name("host-addrs".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(HOST_ADDRS_EVERY);
+                // The last ones read are still the best guess.
+                let _ = read();
+            }
+        })
+        .map_err(ExecError::io("follow the host's addresses"))?;
+    Ok(())
+}
+
 /// The guard's address for CMD's resolv.conf: its first listen address, which must be on
 /// port 53 (resolv.conf names no port).
 fn guard_nameserver(policy: &Policy) -> Result<std::net::IpAddr, ExecError> {
@@ -336,26 +375,35 @@ impl CanaryFile {
             canary::URL_VARIABLE,
             canary::url(&canary.host, &canary.token)
         );
-        let (dir, name) = open_canary_dir(path)?;
-        let mut file = open_canary_file(&dir, &name, path)?;
+        let (dir, name) = open_dir_unfollowed(path, "the canary file")?;
+        let mut file = open_file_unlinked(&dir, &name, path, "the canary file")?;
         file.write_all(text.as_bytes())
             .map_err(ExecError::io("write the canary file"))?;
         Ok(CanaryFile { dir, name })
     }
 }
 
-/// The directory of the canary's file, reached one directory at a time without following a
-/// symbolic link (`O_NOFOLLOW | O_DIRECTORY` on each): a directory on the way that CMD's user
-/// may write can hold a link it left, and through it this process (root) would write, and at
-/// exit remove, a file of that name in any directory. Returns it with the file's name.
-fn open_canary_dir(path: &Path) -> Result<(std::os::fd::OwnedFd, OsString), ExecError> {
+/// `--report FILE`, opened (made, or emptied) before CMD starts as the canary's file is
+/// ([`open_dir_unfollowed`], [`open_file_unlinked`]): it may be in a directory CMD's user
+/// may write (CMD's working directory), where CMD of an earlier run left a link.
+pub fn open_report(path: &Path) -> Result<File, ExecError> {
+    let (dir, name) = open_dir_unfollowed(path, "the report")?;
+    open_file_unlinked(&dir, &name, path, "the report")
+}
+
+/// The directory of a file this process (root) writes where CMD's user may (the canary's
+/// file, the report; `what` names it in messages), reached one directory at a time without
+/// following a symbolic link (`O_NOFOLLOW | O_DIRECTORY` on each): a directory on the way
+/// that CMD's user may write can hold a link it left, and through it this process would
+/// write, and at exit remove, a file of that name in any directory. Returns it with the
+/// file's name.
+fn open_dir_unfollowed(
+    path: &Path,
+    what: &str,
+) -> Result<(std::os::fd::OwnedFd, OsString), ExecError> {
     use std::path::Component;
-    let refused = |why: &str| {
-        ExecError::Refused(format!(
-            "the canary file {} {why}; CMD not started",
-            path.display()
-        ))
-    };
+    let refused =
+        |why: &str| ExecError::Refused(format!("{what} {} {why}; CMD not started", path.display()));
     let name = match path.file_name() {
         Some(name) => name.to_os_string(),
         None => return Err(refused("names no file")),
@@ -369,7 +417,7 @@ fn open_canary_dir(path: &Path) -> Result<(std::os::fd::OwnedFd, OsString), Exec
                 Path::new(step).display()
             )),
             e => ExecError::Io {
-                doing: "open the canary file's directory",
+                doing: "open a directory on the way to a file exec writes",
                 source: e.into(),
             },
         })
@@ -388,25 +436,23 @@ fn open_canary_dir(path: &Path) -> Result<(std::os::fd::OwnedFd, OsString), Exec
     Ok((dir, name))
 }
 
-/// Opens the canary's file `name` in `dir` (`path` for messages): a directory CMD's user may
-/// write, where a process of that user (CMD of another run) may have left a symbolic link, a
-/// hard link or a FIFO. Written by path this process (root) would truncate and write whatever
-/// file the link names. So: never through a symbolic link (`O_NOFOLLOW`), never a FIFO or
-/// device (`O_NONBLOCK`, then a regular file only), never a file with another name too (a
-/// hard link), and emptied only once all that is checked.
-fn open_canary_file(
+/// Opens file `name` in `dir` (`path` and `what` for messages; the canary's file, the
+/// report): a directory CMD's user may write, where a process of that user (CMD of another
+/// run) may have left a symbolic link, a hard link or a FIFO. Written by path this process
+/// (root) would truncate and write whatever file the link names. So: never through a
+/// symbolic link (`O_NOFOLLOW`), never a FIFO or device (`O_NONBLOCK`, then a regular file
+/// only), never a file with another name too (a hard link), and emptied only once all that
+/// is checked.
+fn open_file_unlinked(
     dir: &std::os::fd::OwnedFd,
     name: &std::ffi::OsStr,
     path: &Path,
+    what: &str,
 ) -> Result<File, ExecError> {
     use std::os::fd::AsFd;
     use std::os::unix::fs::MetadataExt;
-    let refused = |why: &str| {
-        ExecError::Refused(format!(
-            "the canary file {} {why}; CMD not started",
-            path.display()
-        ))
-    };
+    let refused =
+        |why: &str| ExecError::Refused(format!("{what} {} {why}; CMD not started", path.display()));
     let file = nix::fcntl::openat(
         dir.as_fd(),
         name,
@@ -417,13 +463,13 @@ fn open_canary_file(
     .map_err(|e| match e {
         nix::errno::Errno::ELOOP => refused("is a symbolic link"),
         e => ExecError::Io {
-            doing: "open the canary file",
+            doing: "open a file exec writes",
             source: e.into(),
         },
     })?;
     let meta = file
         .metadata()
-        .map_err(ExecError::io("open the canary file"))?;
+        .map_err(ExecError::io("open a file exec writes"))?;
     if !meta.is_file() {
         return Err(refused("is not a regular file"));
     }
@@ -431,7 +477,7 @@ fn open_canary_file(
         return Err(refused("has other names (a hard link)"));
     }
     file.set_len(0)
-        .map_err(ExecError::io("empty the canary file"))?;
+        .map_err(ExecError::io("empty a file exec writes"))?;
     Ok(file)
 }
 
@@ -474,13 +520,19 @@ fn start_daemon(options: &Options, state: StateDir) -> Result<mpsc::Receiver<()>
         metrics: None,
         recording: None,
         trusted_policy_file: false,
+        refuse_replies: true,
     };
     let (ended_tx, ended_rx) = mpsc::channel();
     std::thread::Builder::new()
         .name("fence".into())
         .spawn(move || {
             if let Err(e) = daemon::run(daemon_options) {
-                eprintln!("egress-fence exec: {}", ExecError::Daemon(e));
+                // Not `eprintln!`: CMD shares this stderr and may have shut it (a panic here
+                // would skip telling exec the daemon ended).
+                let _ = std::io::Write::write_fmt(
+                    &mut std::io::stderr(),
+                    format_args!("egress-fence exec: {}\n", ExecError::Daemon(e)),
+                );
             }
             let _ = ended_tx.send(());
         })

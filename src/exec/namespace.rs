@@ -7,6 +7,8 @@
 //! name (and its state directory) behind; the next run removes both, as their pid is dead.
 
 use std::fs::{self, File};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
@@ -69,8 +71,14 @@ pub fn remove_leftovers(state_root: &Path) -> Vec<PathBuf> {
             }
             let path = entry.path();
             let gone = if dir == Path::new(NETNS_RUN_DIR) {
-                // As `ip netns delete` does: detach, then unlink the mount point.
-                let _ = umount2(&path, MntFlags::MNT_DETACH);
+                // As `ip netns delete` does: detach, then unlink the mount point; but never
+                // through a symbolic link. /run/netns is root's, and so is CMD run as
+                // `--user root`: a link it left under a dead pid's name would have this
+                // process (root, every capability) detach whatever mount it names.
+                let is_link = fs::symlink_metadata(&path).is_ok_and(|m| m.is_symlink());
+                if !is_link {
+                    let _ = umount2(&path, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW);
+                }
                 fs::remove_file(&path).is_ok()
             } else {
                 fs::remove_dir_all(&path).is_ok()
@@ -124,11 +132,19 @@ impl NamedNetns {
     pub fn bind(name: &str) -> Result<NamedNetns, ExecError> {
         fs::create_dir_all(NETNS_RUN_DIR).map_err(ExecError::io("create /run/netns"))?;
         let path = Path::new(NETNS_RUN_DIR).join(name);
-        File::create(&path).map_err(ExecError::io("create the namespace's name"))?;
+        // Never through a symbolic link (CMD of another run, as `--user root`, may write
+        // /run/netns): the name is opened without following one, and the namespace is bound
+        // onto the file opened, by its descriptor, not by a path that could be swapped.
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(ExecError::io("create the namespace's name"))?;
         let named = NamedNetns { path };
         mount(
             Some("/proc/thread-self/ns/net"),
-            &named.path,
+            format!("/proc/self/fd/{}", file.as_raw_fd()).as_str(),
             None::<&str>,
             MsFlags::MS_BIND,
             None::<&str>,
@@ -144,7 +160,7 @@ impl NamedNetns {
 
 impl Drop for NamedNetns {
     fn drop(&mut self) {
-        let _ = umount2(&self.path, MntFlags::MNT_DETACH);
+        let _ = umount2(&self.path, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW);
         let _ = fs::remove_file(&self.path);
     }
 }

@@ -4,6 +4,7 @@
 //! extension headers) to or from port 53 over UDP, or over TCP when one segment holds the
 //! length-prefixed message, are read.
 
+use std::io::{Read, Seek, SeekFrom};
 use std::net::IpAddr;
 use std::path::Path;
 
@@ -26,25 +27,53 @@ pub struct Captured {
     pub answers: Vec<(String, IpAddr)>,
 }
 
-/// Reads the DNS messages of pasta's capture.
+/// The longest frame read: a DNS message (at most 64 KiB) with its Ethernet, IP and
+/// transport headers. A longer one carries none this reads, and is skipped unread.
+const MAX_FRAME: u32 = 70_000;
+
+/// Reads the DNS messages of pasta's capture, a frame at a time: the capture holds all of
+/// the run's traffic, which CMD chooses (read whole, it would grow this process by as much,
+/// and where memory is bounded end it before it says what the fence saw).
 pub fn read(path: &Path) -> std::io::Result<Captured> {
-    let bytes = std::fs::read(path)?;
-    Ok(dns_in(&bytes))
+    let file = std::fs::File::open(path)?;
+    dns_from(std::io::BufReader::new(file))
 }
 
+#[cfg(test)]
 fn dns_in(bytes: &[u8]) -> Captured {
+    dns_from(std::io::Cursor::new(bytes)).unwrap_or_default()
+}
+
+/// The DNS messages of a capture read from `reader`; a cut-off last record ends it (a run
+/// killed while pasta wrote).
+fn dns_from(mut reader: impl Read + Seek) -> std::io::Result<Captured> {
     let mut captured = Captured::default();
-    let magic = u32_at(bytes, 0);
-    if magic != Some(MAGIC_US) && magic != Some(MAGIC_NS) {
-        return captured;
+    let mut header = [0u8; GLOBAL_HEADER];
+    if reader.read_exact(&mut header).is_err() {
+        return Ok(captured);
     }
-    let mut at = GLOBAL_HEADER;
-    while let Some(len) = u32_at(bytes, at + 8) {
-        let start = at + RECORD_HEADER;
-        let Some(frame) = bytes.get(start..start + len as usize) else {
+    let magic = u32_at(&header, 0);
+    if magic != Some(MAGIC_US) && magic != Some(MAGIC_NS) {
+        return Ok(captured);
+    }
+    let mut frame = Vec::new();
+    loop {
+        let mut record = [0u8; RECORD_HEADER];
+        if reader.read_exact(&mut record).is_err() {
+            break;
+        }
+        let Some(len) = u32_at(&record, 8) else {
             break;
         };
-        match dns_payload(frame).map(|(to_53, p)| (to_53, Message::from_vec(p))) {
+        if len > MAX_FRAME {
+            reader.seek(SeekFrom::Current(i64::from(len)))?;
+            continue;
+        }
+        frame.resize(len as usize, 0);
+        if reader.read_exact(&mut frame).is_err() {
+            break;
+        }
+        match dns_payload(&frame).map(|(to_53, p)| (to_53, Message::from_vec(p))) {
             Some((true, Ok(query))) => captured
                 .questions
                 .extend(query.queries.iter().map(|q| q.name().to_ascii())),
@@ -62,9 +91,8 @@ fn dns_in(bytes: &[u8]) -> Captured {
             }
             _ => {}
         }
-        at = start + len as usize;
     }
-    captured
+    Ok(captured)
 }
 
 /// The DNS message a frame carries to port 53 (true) or from it (false), if it carries one.
@@ -162,6 +190,20 @@ mod tests {
                 "192.0.2.11".parse().expect("an address")
             )]
         );
+    }
+
+    /// A frame too long to carry a DNS message is skipped unread, and what follows is read.
+    #[test]
+    fn a_long_frame_is_skipped_and_the_next_read() {
+        let mut m = Message::query();
+        m.add_query(Query::query(
+            Name::from_ascii("after.exfil.test.").expect("a name"),
+            RecordType::A,
+        ));
+        let query = m.to_vec().expect("encoded");
+        let long = vec![0u8; MAX_FRAME as usize + 1];
+        let captured = dns_in(&pcap_of(&[long, frame(&query)]));
+        assert_eq!(captured.questions, vec!["after.exfil.test.".to_string()]);
     }
 
     #[test]

@@ -198,10 +198,16 @@ impl Refusals {
     /// answered with and the refused packets to them.
     pub fn add_capture(&mut self, captured: &Captured, token: &str) {
         let needles = super::canary::needles(token);
+        // Joined in the order they left, as the refused ones are: a token sent in pieces
+        // shorter than a fragment under an allowed wildcard left the host whole.
+        let mut joined = super::canary::Joined::default();
         let mut sent: Vec<String> = captured
             .questions
             .iter()
-            .filter(|n| super::canary::carries(n, &needles))
+            .filter(|n| {
+                let whole = super::canary::carries(n, &needles);
+                joined.push(n, &needles) || whole
+            })
             .cloned()
             .collect();
         sent.dedup();
@@ -351,6 +357,34 @@ mod tests {
         let summary = r.summary();
         assert!(summary.contains("CANARY TRIPPED: the canary's URL host hooks.example.test was asked: Hooks.Example.Test. (SENT)"), "{summary}");
         assert!(summary.contains("answered with 192.0.2.11"), "{summary}");
+    }
+
+    /// Pieces shorter than a fragment, sent one a question: joined, they carry the token.
+    #[test]
+    fn a_token_sent_in_short_pieces_trips() {
+        let token = "ck_live_0123456789abcdef0123456789abcdef";
+        let questions: Vec<String> = token.as_bytes()["ck_live_".len()..]
+            .chunks(11)
+            .map(|c| format!("{}.exfil.test.", String::from_utf8_lossy(c)))
+            .collect();
+        let needles = super::super::canary::needles(token);
+        assert!(
+            !questions
+                .iter()
+                .any(|q| super::super::canary::carries(q, &needles))
+        );
+        let mut r = Refusals {
+            canary_in: Some(Vec::new()),
+            ..Refusals::default()
+        };
+        r.add_capture(
+            &Captured {
+                questions,
+                answers: Vec::new(),
+            },
+            token,
+        );
+        assert!(r.canary_tripped());
     }
 
     #[test]

@@ -760,6 +760,9 @@ fn crate_expr(e: impl Expression + 'static) -> AnyExpr {
     AnyExpr(Box::new(e))
 }
 
+/// `ct direction reply`'s value (the kernel's `IP_CT_DIR_REPLY`, one byte).
+const IP_CT_DIR_REPLY: u8 = 1;
+
 fn eq(data: &[u8]) -> AnyExpr {
     own(Expr::cmp(libc::NFT_CMP_EQ, data))
 }
@@ -1072,6 +1075,16 @@ fn rule_exprs(rule: &Rule, set_ids: &BTreeMap<SetId, u32>) -> Vec<AnyExpr> {
             e.extend(tuple_in(*set, set_ids));
             e.push(goto_refused());
         }
+        Rule::RefuseRepliesOut => {
+            e.push(own(Expr::ct(libc::NFT_CT_DIRECTION, sys::REG_1)));
+            e.push(eq(&[IP_CT_DIR_REPLY]));
+            e.push(crate_expr(Meta::Oif));
+            e.push(own(Expr::cmp(
+                libc::NFT_CMP_NEQ,
+                &LOOPBACK_IFINDEX.to_ne_bytes(),
+            )));
+            e.push(goto_refused());
+        }
         Rule::AcceptEstablished => {
             let wanted = States::ESTABLISHED | States::RELATED;
             e.push(crate_expr(Conntrack::State));
@@ -1338,6 +1351,8 @@ struct Matches {
     mark_neq: Option<u32>,
     oif_eq: bool,
     ct_state: bool,
+    /// `ct direction reply`.
+    ct_reply: bool,
     hdrlength: bool,
     routing_header: bool,
     set: Option<SetId>,
@@ -1367,6 +1382,8 @@ enum Loaded {
     Meta(c_int),
     Payload(PayloadBase, u32, u32),
     Ct,
+    /// `ct direction`.
+    CtDirection,
     Exthdr,
     /// `socket cgroupv2 level N`.
     Cgroup(u32),
@@ -1412,6 +1429,9 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     _ => return None,
                 };
                 loaded = Some(Loaded::Payload(base, *offset, *len));
+            }
+            LiveExpr::Ct { key, dir: None, .. } if *key == libc::NFT_CT_DIRECTION as u32 => {
+                loaded = Some(Loaded::CtDirection);
             }
             LiveExpr::Ct { .. } => loaded = Some(Loaded::Ct),
             LiveExpr::Socket {
@@ -1496,6 +1516,7 @@ fn decoded_candidate(exprs: &[LiveExpr], comment: Option<&str>) -> Option<Rule> 
                     Loaded::Payload(PayloadBase::Transport, 2, 2) => m.dport = u16_be_of(data),
                     Loaded::Exthdr => m.routing_header = true,
                     Loaded::Ct => m.ct_state = true,
+                    Loaded::CtDirection => m.ct_reply = eq && data.as_slice() == [IP_CT_DIR_REPLY],
                     _ => {}
                 }
             }
@@ -1633,7 +1654,9 @@ fn rule_of(m: &Matches) -> Option<Rule> {
             _ => return None,
         },
         ReadVerdict::GotoRefused => {
-            if m.fib_not_local && m.oif_eq {
+            if m.ct_reply {
+                Rule::RefuseRepliesOut
+            } else if m.fib_not_local && m.oif_eq {
                 Rule::RefuseForeignSourceToHost
             } else if m.fib_not_local && m.fib_not_broadcast {
                 Rule::RefuseForeignSource
@@ -2212,6 +2235,7 @@ mod tests {
                 group: 7,
                 open_for_ms: Some(30_000),
             }),
+            refuse_replies: true,
         };
         let extra = with_extras(rs.clone(), &recording);
         assert_ne!(bytes(&extra), bytes(&rs));
@@ -2285,6 +2309,7 @@ mod tests {
         let mut rules = vec![
             Rule::AuditAccept { group: 7 },
             Rule::RecordFlow { group: 8 },
+            Rule::RefuseRepliesOut,
             Rule::AcceptEstablished,
             Rule::AcceptLoopback,
             Rule::RefuseForeignSourceToHost,

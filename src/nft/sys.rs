@@ -112,6 +112,17 @@ impl Expr {
         }
     }
 
+    /// Loads conntrack key `key` (`libc::NFT_CT_*`) of the packet's flow into register `dreg`.
+    pub fn ct(key: c_int, dreg: u32) -> Expr {
+        Expr {
+            name: c"ct",
+            attrs: vec![
+                (sys::NFTNL_EXPR_CT_KEY, Attr::U32(key as u32)),
+                (sys::NFTNL_EXPR_CT_DREG, Attr::U32(dreg)),
+            ],
+        }
+    }
+
     /// Loads meta key `key` (`libc::NFT_META_*`) into register `dreg`.
     pub fn meta(key: c_int, dreg: u32) -> Expr {
         Expr {

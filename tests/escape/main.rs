@@ -10,6 +10,7 @@ mod common;
 mod daemon;
 mod dns_names;
 mod essentials;
+mod exec_attack;
 mod foreign_source;
 mod forged;
 mod guard;
