@@ -19,6 +19,7 @@ mod inputs;
 mod learn;
 mod learn_attack;
 mod metrics_attack;
+mod operator_attack;
 mod probe_protocols;
 mod raw_frames;
 mod readback;
