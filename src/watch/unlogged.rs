@@ -1,0 +1,159 @@
+//! Refused packets the table counted but `watch` never heard of: the table logs at the
+//! policy's `log.rate`, one limit for every process, so a sandbox that spends it on decoys
+//! has its next refusals counted and never logged. `watch` cannot show those packets; it
+//! says how many there were, from the refused chain's counters (which count every refusal).
+//!
+//! The comparison is made one reading late: the kernel logs a packet (and, with a queue
+//! threshold of 1, puts the message on the socket) before the counter after the log rule
+//! counts it, so every message of the packets a reading counted is on the socket when the
+//! reading is made, and read by the next one. Packets heard since then make the count
+//! smaller, never larger: what is said to be unshown was never shown.
+
+use std::fmt;
+
+use serde::Serialize;
+
+/// The bookkeeping: readings of the table's refused counter against the refused packets heard.
+#[derive(Debug, Default)]
+pub struct Unlogged {
+    /// The counter when the count started (the first reading, or the first of a new table):
+    /// what it had counted by then is not judged.
+    base: u64,
+    /// Refused packets heard when the count started.
+    heard_at_base: u64,
+    /// The previous reading, judged at the next one; `None` before the first and while no
+    /// table is installed.
+    last: Option<u64>,
+    /// Unshown packets said so far, since `base`.
+    said: u64,
+}
+
+impl Unlogged {
+    /// Takes a reading of the counter (`None`: no table) with the number of refused packets
+    /// heard so far, and returns how many more refused packets went unshown since the last
+    /// report, if any.
+    pub fn reading(&mut self, counted: Option<u64>, heard: u64) -> Option<u64> {
+        let Some(counted) = counted else {
+            self.last = None;
+            return None;
+        };
+        let previous = match self.last.replace(counted) {
+            // A table applied whole (a reload, a heal) counts from 0 again: start over, and
+            // judge only what it counts from now.
+            Some(previous) if counted >= previous => previous,
+            _ => {
+                *self = Unlogged {
+                    base: counted,
+                    heard_at_base: heard,
+                    last: Some(counted),
+                    said: 0,
+                };
+                return None;
+            }
+        };
+        let unshown = (previous - self.base).saturating_sub(heard - self.heard_at_base);
+        let more = unshown.checked_sub(self.said).filter(|&m| m > 0)?;
+        self.said = unshown;
+        Some(more)
+    }
+}
+
+/// `watch`'s report of refused packets it could not show. Serialises (serde_json) to one JSON
+/// object, `{"time": ..., "verdict": "unlogged", "packets": N, "note": ...}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UnloggedEvent {
+    /// RFC 3339, UTC, milliseconds: when the count was made.
+    pub time: String,
+    /// Always "unlogged", which tells these lines from refused packets.
+    pub verdict: &'static str,
+    /// How many refused packets, since the last such line, were counted and never logged.
+    pub packets: u64,
+    pub note: &'static str,
+}
+
+const NOTE: &str = "counted by the table, not logged: over the policy's log.rate, \
+                    or logged to another NFLOG group";
+
+impl UnloggedEvent {
+    pub fn new(time: String, packets: u64) -> UnloggedEvent {
+        UnloggedEvent {
+            time,
+            verdict: "unlogged",
+            packets,
+            note: NOTE,
+        }
+    }
+}
+
+impl fmt::Display for UnloggedEvent {
+    /// `TIME UNLOGGED N refused packet(s) not shown [NOTE]`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} UNLOGGED {} refused packet(s) not shown [{}]",
+            self.time, self.packets, self.note
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_was_counted_and_not_heard_is_said_once_a_reading_later() {
+        let mut u = Unlogged::default();
+        // Started with 7 refusals counted and 2 heard: none of them is judged.
+        assert_eq!(u.reading(Some(7), 2), None);
+        // 20 logged and heard, 81 more counted: judged at the next reading.
+        assert_eq!(u.reading(Some(108), 22), None);
+        assert_eq!(u.reading(Some(108), 22), Some(81));
+        // Said once.
+        assert_eq!(u.reading(Some(108), 22), None);
+        // 3 more, all heard: nothing.
+        assert_eq!(u.reading(Some(111), 25), None);
+        assert_eq!(u.reading(Some(111), 25), None);
+        // 5 more, 1 heard.
+        assert_eq!(u.reading(Some(116), 26), None);
+        assert_eq!(u.reading(Some(116), 26), Some(4));
+    }
+
+    #[test]
+    fn packets_heard_after_a_reading_count_for_it_and_nothing_is_said_early() {
+        let mut u = Unlogged::default();
+        assert_eq!(u.reading(Some(0), 0), None);
+        // 10 counted at this reading, their messages read only after it.
+        assert_eq!(u.reading(Some(10), 0), None);
+        assert_eq!(u.reading(Some(12), 12), None);
+        assert_eq!(u.reading(Some(12), 12), None);
+    }
+
+    #[test]
+    fn a_new_table_or_none_starts_the_count_again() {
+        let mut u = Unlogged::default();
+        assert_eq!(u.reading(Some(100), 0), None);
+        assert_eq!(u.reading(Some(150), 0), None);
+        // Replaced: its counter starts at 0; nothing of the old one is judged.
+        assert_eq!(u.reading(Some(3), 0), None);
+        assert_eq!(u.reading(Some(3), 0), None);
+        assert_eq!(u.reading(Some(13), 0), None);
+        assert_eq!(u.reading(Some(13), 0), Some(10));
+        // Gone, then back: a new start.
+        assert_eq!(u.reading(None, 0), None);
+        assert_eq!(u.reading(Some(50), 0), None);
+        assert_eq!(u.reading(Some(50), 0), None);
+    }
+
+    #[test]
+    fn the_line_says_how_many_and_why() {
+        let e = UnloggedEvent::new("2026-12-02T13:46:16.868Z".into(), 181);
+        assert_eq!(
+            e.to_string(),
+            "2026-12-02T13:46:16.868Z UNLOGGED 181 refused packet(s) not shown [counted by \
+             the table, not logged: over the policy's log.rate, or logged to another NFLOG group]"
+        );
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["verdict"], "unlogged");
+        assert_eq!(json["packets"], 181);
+    }
+}
