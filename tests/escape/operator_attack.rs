@@ -1,5 +1,5 @@
-//! The operator's tools as the fenced process plays them: what `watch` prints must not be
-//! less than what the fence refused without saying so.
+//! The operator's tools as the fenced process plays them: what `watch` prints and the service
+//! logs must not be less than what the fence refused without saying so.
 
 use std::time::Duration;
 
@@ -7,6 +7,47 @@ use nix::sys::signal::Signal;
 use serde_json::Value;
 
 use crate::common::*;
+
+/// Refused decoys the sandbox sends to spend the log rate (10/second, burst 20).
+const DECOYS: usize = 200;
+/// Where the attempt it wants hidden goes.
+const HIDDEN_PORT: u16 = 4444;
+/// The decoys and the one that matters.
+const SENT: u64 = DECOYS as u64 + 1;
+
+/// A policy that logs refusals to NFLOG group 100 at the default rate.
+fn logging_policy(w: &World) -> std::path::PathBuf {
+    w.write_file(
+        "policy.yaml",
+        "version: 1\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n",
+    )
+}
+
+/// As nobody: [`DECOYS`] refused datagrams at once, then the one to [`HIDDEN_PORT`].
+fn flood_then_hide(w: &World) {
+    let flood = format!(
+        "import socket\n\
+     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+     refused = 0\n\
+     for i in range({DECOYS}):\n\
+     \x20   try:\n\
+     \x20       s.sendto(b'decoy', ('{OTHER_V4}', 9))\n\
+     \x20   except OSError:\n\
+     \x20       refused += 1\n\
+     try:\n\
+     \x20   s.sendto(b'the one that matters', ('{OTHER2_V4}', {HIDDEN_PORT}))\n\
+     except OSError:\n\
+     \x20   refused += 1\n\
+     print(refused)\n"
+    );
+    let out = w.adversary_cmd(Adversary::Nobody, &[PYTHON, "-c", &flood]);
+    assert!(out.success(), "{out}");
+    assert_eq!(
+        out.stdout.trim(),
+        (DECOYS + 1).to_string(),
+        "every send refused: {out}"
+    );
+}
 
 /// The table logs refusals at the policy's `log.rate` (here the default, 10/second burst 20),
 /// one limit for every process. The sandbox sends a burst of refused decoys, then the attempt
@@ -16,42 +57,14 @@ use crate::common::*;
 /// says how many refused packets it could not show.
 #[test]
 fn a_burst_of_refusals_hides_no_later_one_from_watch() {
-    const DECOYS: usize = 200;
-    const HIDDEN_PORT: u16 = 4444;
-    /// The decoys and the one that matters.
-    const SENT: u64 = DECOYS as u64 + 1;
     let w = World::new();
-    let policy = w.write_file(
-        "policy.yaml",
-        "version: 1\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n",
-    );
+    let policy = logging_policy(&w);
     let applied = w.egress_fence(&["apply", path_arg(&policy)]);
     assert!(applied.success(), "{applied}");
     let mut watch = w.spawn_egress_fence(&["watch", "--json"]);
     assert!(watch.wait_for_output("watching NFLOG group 100", Duration::from_secs(5)));
 
-    let flood = format!(
-        "import socket\n\
-         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
-         refused = 0\n\
-         for i in range({DECOYS}):\n\
-         \x20   try:\n\
-         \x20       s.sendto(b'decoy', ('{OTHER_V4}', 9))\n\
-         \x20   except OSError:\n\
-         \x20       refused += 1\n\
-         try:\n\
-         \x20   s.sendto(b'the one that matters', ('{OTHER2_V4}', {HIDDEN_PORT}))\n\
-         except OSError:\n\
-         \x20   refused += 1\n\
-         print(refused)\n"
-    );
-    let out = w.adversary_cmd(Adversary::Nobody, &[PYTHON, "-c", &flood]);
-    assert!(out.success(), "{out}");
-    assert_eq!(
-        out.stdout.trim(),
-        (DECOYS + 1).to_string(),
-        "every send refused: {out}"
-    );
+    flood_then_hide(&w);
 
     // Whatever `watch` says of what it could not show, it says within a few seconds.
     let shown = |w: &Background| {
@@ -92,4 +105,56 @@ fn events(out: &str) -> Vec<Value> {
     out.lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
+}
+
+/// The same burst against `run --log-drops`: the journal logged the decoys and never said that
+/// later refusals went unlogged (only the metrics' exact totals could tell). The service now
+/// logs how many refused packets the table counted and did not log.
+#[test]
+#[ignore = "finding: run --log-drops says nothing of refusals over the log rate"]
+fn a_burst_of_refusals_hides_no_later_one_from_the_services_log() {
+    let w = World::new();
+    let policy = logging_policy(&w);
+    let mut daemon = w.spawn_egress_fence(&[
+        "run",
+        path_arg(&policy),
+        "--log-drops",
+        "--log-format",
+        "json",
+    ]);
+    assert!(
+        daemon.wait_for_output("\"running\"", Duration::from_secs(10)),
+        "{}",
+        daemon.stderr()
+    );
+    flood_then_hide(&w);
+
+    let told = |daemon: &Background| {
+        let lines = events(&daemon.stderr());
+        let message = |l: &Value| l["fields"]["message"].as_str().unwrap_or("").to_string();
+        let logged = lines
+            .iter()
+            .filter(|l| message(l) == "refused packet")
+            .count() as u64;
+        let unlogged: u64 = lines
+            .iter()
+            .filter(|l| message(l).starts_with("refused packets not logged"))
+            .filter_map(|l| l["fields"]["packets"].as_u64())
+            .sum();
+        (logged, unlogged)
+    };
+    let accounted = within(Duration::from_secs(15), || {
+        let (logged, unlogged) = told(&daemon);
+        logged + unlogged >= SENT
+    });
+    let (logged, unlogged) = told(&daemon);
+    daemon.signal(Signal::SIGTERM);
+    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    assert!(
+        accounted,
+        "the fence refused {SENT} packets; the service logged {logged} and said {unlogged} \
+         were not logged:\n{}",
+        daemon.stderr()
+    );
+    assert_eq!(logged + unlogged, SENT, "{}", daemon.stderr());
 }
