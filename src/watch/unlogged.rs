@@ -16,14 +16,16 @@ use serde::Serialize;
 /// The bookkeeping: readings of the table's refused counter against the refused packets heard.
 #[derive(Debug, Default)]
 pub struct Unlogged {
-    /// The counter when the count started (the first reading, or the first of a new table):
-    /// what it had counted by then is not judged.
+    /// The counter when the count started: what it had counted by then is not judged (0 for
+    /// a table made since the reading before, whose counter started at 0).
     base: u64,
     /// Refused packets heard when the count started.
     heard_at_base: u64,
     /// The previous reading, judged at the next one; `None` before the first and while no
     /// table is installed.
     last: Option<u64>,
+    /// Refused packets heard at the previous reading, table or not; `None` before the first.
+    heard_before: Option<u64>,
     /// Unshown packets said so far, since `base`.
     said: u64,
 }
@@ -33,25 +35,30 @@ impl Unlogged {
     /// heard so far, and returns how many more refused packets went unshown since the last
     /// report, if any.
     pub fn reading(&mut self, counted: Option<u64>, heard: u64) -> Option<u64> {
+        let heard_before = self.heard_before.replace(heard);
         let Some(counted) = counted else {
             self.last = None;
             return None;
         };
         let previous = match self.last.replace(counted) {
-            // A table applied whole (a reload, a heal) counts from 0 again: start over, and
-            // judge only what it counts from now.
             Some(previous) if counted >= previous => previous,
+            // The first reading, a table made since the last one, or one applied whole (a
+            // reload, a heal: its counter starts at 0 again, so it went down): start over.
             _ => {
-                *self = Unlogged {
-                    base: counted,
-                    heard_at_base: heard,
-                    last: Some(counted),
-                    said: 0,
+                (self.base, self.heard_at_base) = match heard_before {
+                    // What the table counted before anyone listened is not judged.
+                    None => (counted, heard),
+                    // The new table counted from 0, and all it logged was heard after the
+                    // last reading (with, at worst, the old table's last packets: a count
+                    // too small, never too large).
+                    Some(heard_before) => (0, heard_before),
                 };
+                self.said = 0;
                 return None;
             }
         };
-        let unshown = (previous - self.base).saturating_sub(heard - self.heard_at_base);
+        let unshown =
+            (previous - self.base).saturating_sub(heard.saturating_sub(self.heard_at_base));
         let more = unshown.checked_sub(self.said).filter(|&m| m > 0)?;
         self.said = unshown;
         Some(more)
@@ -129,19 +136,29 @@ mod tests {
     }
 
     #[test]
-    fn a_new_table_or_none_starts_the_count_again() {
+    fn a_new_table_is_judged_from_its_start() {
         let mut u = Unlogged::default();
         assert_eq!(u.reading(Some(100), 0), None);
         assert_eq!(u.reading(Some(150), 0), None);
-        // Replaced: its counter starts at 0; nothing of the old one is judged.
+        // Replaced (a reload): its counter started at 0 and counted 3, none heard.
         assert_eq!(u.reading(Some(3), 0), None);
-        assert_eq!(u.reading(Some(3), 0), None);
+        assert_eq!(u.reading(Some(3), 0), Some(3));
         assert_eq!(u.reading(Some(13), 0), None);
         assert_eq!(u.reading(Some(13), 0), Some(10));
-        // Gone, then back: a new start.
+        // Gone, then made again: 50 counted, 20 of them heard, all since the last reading.
         assert_eq!(u.reading(None, 0), None);
-        assert_eq!(u.reading(Some(50), 0), None);
-        assert_eq!(u.reading(Some(50), 0), None);
+        assert_eq!(u.reading(Some(50), 20), None);
+        assert_eq!(u.reading(Some(50), 20), Some(30));
+    }
+
+    #[test]
+    fn a_table_made_after_the_first_reading_is_judged_whole() {
+        // The service reads before its table is applied: the refusals of the table's first
+        // second count too.
+        let mut u = Unlogged::default();
+        assert_eq!(u.reading(None, 0), None);
+        assert_eq!(u.reading(Some(201), 20), None);
+        assert_eq!(u.reading(Some(201), 20), Some(181));
     }
 
     #[test]

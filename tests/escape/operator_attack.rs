@@ -111,7 +111,6 @@ fn events(out: &str) -> Vec<Value> {
 /// later refusals went unlogged (only the metrics' exact totals could tell). The service now
 /// logs how many refused packets the table counted and did not log.
 #[test]
-#[ignore = "finding: run --log-drops says nothing of refusals over the log rate"]
 fn a_burst_of_refusals_hides_no_later_one_from_the_services_log() {
     let w = World::new();
     let policy = logging_policy(&w);
