@@ -157,3 +157,61 @@ fn a_burst_of_refusals_hides_no_later_one_from_the_services_log() {
     );
     assert_eq!(logged + unlogged, SENT, "{}", daemon.stderr());
 }
+
+/// `exec --report FILE` where CMD's user may write FILE's directory (the agent's workspace, as
+/// a CI job has it): exec opened the file before CMD started (a symlink there is refused) and
+/// wrote the report into it at the end, but CMD removed it meanwhile and left its own at the
+/// path. The canary tripped (exit 99), and the report a gate then reads said it had not. At
+/// its end exec now puts its report back at the path, whatever CMD left there.
+#[test]
+#[ignore = "finding: CMD replaces the --report file in a directory it can write"]
+fn the_report_at_the_path_is_execs_not_cmds() {
+    use crate::common::exec::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    let w = World::new();
+    let policy = setup(&w);
+    let work = w.dir().join("work");
+    std::fs::create_dir(&work).expect("mkdir work");
+    std::os::unix::fs::chown(&work, Some(NOBODY), Some(NOBODY)).expect("chown work");
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let report = work.join("report.json");
+    let forge = "host=${CANARY_WEBHOOK_URL#https://}; host=${host%%/*}; \
+                 dig +time=1 +tries=1 \"$host\" >/dev/null; \
+                 rm -f report.json && \
+                 printf '{\"exit_code\": 0, \"exec_exit_code\": 0, \"canary_tripped\": false, \
+                 \"refused\": {\"connections\": 0, \"queries\": 0}}\\n' > report.json && \
+                 echo forged";
+    let mut cmd = exec_command(
+        &w,
+        &policy,
+        &[
+            "--user",
+            "nobody",
+            "--canary",
+            "--report",
+            path_arg(&report),
+        ],
+        forge,
+    );
+    cmd.current_dir(&work);
+    let out = cmd.output().expect("run egress-fence exec");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("forged"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(99),
+        "the canary trips: {}",
+        show(&out)
+    );
+    let text = std::fs::read_to_string(&report).expect("the report");
+    let json: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(
+        json["canary_tripped"], true,
+        "the report at the path is CMD's forgery: {json}"
+    );
+    assert_eq!(json["exec_exit_code"], 99, "{json}");
+}
