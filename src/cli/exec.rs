@@ -73,10 +73,11 @@ pub fn run(
             false => None,
         },
     };
-    // Opened before CMD starts, never by path afterwards: the path may be in a directory CMD's
-    // user can write, and a symlink CMD put there would have exec (root) write over any file.
+    // Opened before CMD starts, in its directory held open: the path may be in a directory
+    // CMD's user can write, where a link CMD put would have exec (root) write over any file,
+    // and where CMD may replace the file while it runs (see `ReportFile`).
     let report = match report {
-        Some(path) => Some((open_report(&path).map_err(failed)?, path)),
+        Some(path) => Some(exec::ReportFile::open(&path).map_err(failed)?),
         None => None,
     };
     let outcome = exec::run(options).map_err(failed)?;
@@ -98,7 +99,7 @@ pub fn run(
     if let Some(note) = exit_note(canary, tripped, outcome.code) {
         eprintln!("egress-fence exec: {note}");
     }
-    if let Some((mut file, path)) = report {
+    if let Some(report) = report {
         let json = serde_json::json!({
             "exit_code": outcome.code,
             "exec_exit_code": exit_code,
@@ -106,27 +107,12 @@ pub fn run(
             "refused": outcome.refusals,
         });
         let text = serde_json::to_string_pretty(&json)?;
-        if let Err(e) = std::io::Write::write_all(&mut file, (text + "\n").as_bytes()) {
-            eprintln!(
-                "egress-fence exec: cannot write the report {}: {e}",
-                path.display()
-            );
+        if let Err(e) = report.write(&(text + "\n")) {
+            eprintln!("egress-fence exec: cannot write the report: {e}");
             return Ok(EXIT_EXEC_FAILED.max(outcome.code));
         }
     }
     Ok(exit_code)
-}
-
-/// `--report`'s file, made (or emptied) now, a symlink at its path refused.
-fn open_report(path: &std::path::Path) -> Result<std::fs::File, ExecError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(|e| ExecError::Refused(format!("cannot open the report {}: {e}", path.display())))
 }
 
 /// What a canary run's exit code means, when it could be misread: 99 is both the canary's

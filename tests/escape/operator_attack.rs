@@ -164,7 +164,6 @@ fn a_burst_of_refusals_hides_no_later_one_from_the_services_log() {
 /// path. The canary tripped (exit 99), and the report a gate then reads said it had not. At
 /// its end exec now puts its report back at the path, whatever CMD left there.
 #[test]
-#[ignore = "finding: CMD replaces the --report file in a directory it can write"]
 fn the_report_at_the_path_is_execs_not_cmds() {
     use crate::common::exec::*;
     use std::os::unix::fs::PermissionsExt;
@@ -214,4 +213,46 @@ fn the_report_at_the_path_is_execs_not_cmds() {
         "the report at the path is CMD's forgery: {json}"
     );
     assert_eq!(json["exec_exit_code"], 99, "{json}");
+}
+
+/// The same with the report's directory: CMD moves its workspace away and leaves a fresh one
+/// of the same name holding its forgery. exec cannot write there without following CMD's
+/// moves, so it fails (125) and says the report at the path is not its own.
+#[test]
+fn a_report_whose_directory_cmd_moved_is_said_not_to_be_there() {
+    use crate::common::exec::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    let w = World::new();
+    let policy = setup(&w);
+    let top = w.dir().join("workspace");
+    let work = top.join("work");
+    for dir in [&top, &work] {
+        std::fs::create_dir(dir).expect("mkdir");
+        std::os::unix::fs::chown(dir, Some(NOBODY), Some(NOBODY)).expect("chown");
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    let report = work.join("report.json");
+    let forge = "cd .. && mv work work.old && mkdir work && \
+                 printf '{\"exit_code\": 0, \"exec_exit_code\": 0, \"canary_tripped\": false}\\n' \
+                 > work/report.json && echo forged";
+    let mut cmd = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody", "--report", path_arg(&report)],
+        forge,
+    );
+    cmd.current_dir(&work);
+    let out = cmd.output().expect("run egress-fence exec");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("forged"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(out.status.code(), Some(125), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the report is not at"),
+        "{}",
+        show(&out)
+    );
 }
