@@ -256,3 +256,113 @@ fn a_report_whose_directory_cmd_moved_is_said_not_to_be_there() {
         show(&out)
     );
 }
+
+/// A DNS server for every name: answers each A question with ADDR (and nothing else), on UDP
+/// ADDRESS:53 bound with SO_REUSEADDR (as dnsmasq and systemd-resolved bind theirs). Prints
+/// `bound` once it listens. Arguments: ADDRESS ADDR.
+const SQUAT_DNS_PY: &str = r#"
+import socket, struct, sys
+listen, addr = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((listen, 53))
+print('bound', flush=True)
+while True:
+    q, peer = s.recvfrom(4096)
+    if len(q) < 12:
+        continue
+    end = 12
+    while q[end] != 0:
+        end += q[end] + 1
+    question = q[12:end + 5]
+    qtype = struct.unpack('!H', q[end + 1:end + 3])[0]
+    answers = b''
+    if qtype == 1:
+        answers = b'\xc0\x0c' + struct.pack('!HHIH', 1, 1, 3600, 4) + socket.inet_aton(addr)
+    head = struct.pack('!HHHHHH', struct.unpack('!H', q[:2])[0], 0x8180, 1,
+                       1 if answers else 0, 0, 0)
+    s.sendto(head + question + answers, peer)
+"#;
+
+/// Resolve mode with the resolver resolv.conf names (no `dns.resolvers`), here a local stub
+/// on 127.0.0.53 as systemd-resolved is on many hosts, bound with SO_REUSEADDR as resolved
+/// binds its stub (`set_dns_stub_common_socket_options`). Root in a container that shares the
+/// host's network (no CAP_NET_ADMIN, but it may bind port 53; or any user where
+/// `ip_unprivileged_port_start` allows it) binds the same address and port with SO_REUSEADDR
+/// too, which UDP grants whatever the owner, and as the later socket it gets the unicast
+/// questions sent there (also when the stub is down: at boot, in a restart). The service asks
+/// it for the policy's names and installs what it answers: the allowed name points at an
+/// address of the fenced process's choosing, on the allowed port, and the fenced process
+/// connects there.
+///
+/// Not fixed: the table cannot tell the stub's answers from the squatter's (resolve mode has
+/// no mark of its own on the resolver's sockets, unlike the guard). A fix: with a scope, refuse
+/// what the scope's sockets send from a loopback resolver's address and port 53 (UDP and TCP,
+/// as `RefuseOtherUidsFromGuardPort` does for the guard's listen addresses), so that a
+/// squatter's answer never reaches the service (its lookup fails closed); without a scope,
+/// where the stub is fenced too, warn that loopback resolvers from resolv.conf answer the
+/// service for any local process that may bind port 53 (the check warns only for loopback
+/// `dns.resolvers` given explicitly, and for another reason), and advise guard mode or the
+/// upstream resolvers; or, in the daemon, read with sock_diag who holds the resolver's
+/// address and port before taking an answer (more than one socket, or one of the scope's, is
+/// a squatter).
+#[test]
+#[ignore = "finding: in resolve mode a process that binds a loopback resolver's address answers the service"]
+fn a_squatter_on_a_loopback_resolver_chooses_the_addresses_of_allowed_names() {
+    let w = World::new();
+    let stub: std::net::IpAddr = "127.0.0.53".parse().expect("an address");
+    w.set_sandbox_nameserver(stub);
+    w.dns_set("api.example.test", &[HOST_V4], 60);
+    let _listener = w.listen_tcp(OTHER_V4, 443);
+    let policy = w.write_file(
+        "resolve.yaml",
+        "version: 1\nallow:\n  - domain: api.example.test\n    ports: [443]\nlog:\n  group: 100\n",
+    );
+    // The host's stub, answering as the real resolver would.
+    let mut resolved = w.spawn_in_sandbox(&[
+        PYTHON,
+        "-c",
+        SQUAT_DNS_PY,
+        "127.0.0.53",
+        &HOST_V4.to_string(),
+    ]);
+    assert!(
+        resolved.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        resolved.stderr()
+    );
+    let mut squatter = w.spawn_adversary(
+        Adversary::RootWithoutNetAdminOrNetRaw,
+        &[
+            PYTHON,
+            "-c",
+            SQUAT_DNS_PY,
+            "127.0.0.53",
+            &OTHER_V4.to_string(),
+        ],
+    );
+    assert!(
+        squatter.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        squatter.stderr()
+    );
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(15)),
+        "{}",
+        daemon.stderr()
+    );
+    // Whatever the service made of the answer, it has had it.
+    std::thread::sleep(Duration::from_secs(3));
+    let out = w.adversary_cmd(
+        Adversary::Nobody,
+        &["bash", "-c", &format!("exec 3<>/dev/tcp/{OTHER_V4}/443")],
+    );
+    daemon.signal(Signal::SIGTERM);
+    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    assert!(
+        !out.success(),
+        "the squatter's answer for api.example.test opened {OTHER_V4}:443:\n{}",
+        daemon.stderr()
+    );
+}
