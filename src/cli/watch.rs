@@ -63,15 +63,23 @@ pub fn run(
         // logged is said, not left out in silence (a sandbox would spend the rate on decoys).
         if Instant::now() >= next_count {
             next_count = Instant::now() + COUNT_EVERY;
-            let counted = counters.refused_counters()?.map(|r| r.packets());
-            if let Some(packets) = unlogged.reading(counted, refused_read.load(Ordering::Relaxed)) {
-                let event = UnloggedEvent::new(rfc3339_millis_at(SystemTime::now()), packets);
-                let line = match json {
-                    true => serde_json::to_string(&event)?,
-                    false => event.to_string(),
-                };
-                writeln!(stdout, "{line}")?;
-                stdout.flush()?;
+            match counters.refused_counters() {
+                Ok(counted) => {
+                    let counted = counted.map(|r| r.packets());
+                    let heard = refused_read.load(Ordering::Relaxed);
+                    if let Some(packets) = unlogged.reading(counted, heard) {
+                        let event =
+                            UnloggedEvent::new(rfc3339_millis_at(SystemTime::now()), packets);
+                        let line = match json {
+                            true => serde_json::to_string(&event)?,
+                            false => event.to_string(),
+                        };
+                        writeln!(stdout, "{line}")?;
+                        stdout.flush()?;
+                    }
+                }
+                // Not taken for "no table": a failed reading judges nothing, the next may.
+                Err(e) => eprintln!("warning: cannot read the table's refused counters: {e}"),
             }
         }
         let heard = match rx.recv_timeout(next_count.saturating_duration_since(Instant::now())) {

@@ -402,12 +402,14 @@ fn drop_events(group: u16) -> Result<mpsc::Receiver<DropEvent>, DaemonError> {
                 )
                 .ok();
             let mut unlogged = Unlogged::default();
+            let mut failing = None;
             let mut next_count = Instant::now();
             loop {
                 if Instant::now() >= next_count {
                     next_count = Instant::now() + COUNT_UNLOGGED_EVERY;
                     if let Some(nft) = counters.as_mut() {
-                        count_unlogged(nft, &mut unlogged, refused_read.load(Ordering::Relaxed));
+                        let heard = refused_read.load(Ordering::Relaxed);
+                        count_unlogged(nft, &mut unlogged, heard, &mut failing);
                     }
                 }
                 let left = next_count.saturating_duration_since(Instant::now());
@@ -434,10 +436,18 @@ fn drop_events(group: u16) -> Result<mpsc::Receiver<DropEvent>, DaemonError> {
 const COUNT_UNLOGGED_EVERY: Duration = Duration::from_secs(1);
 
 /// One reading of the table's refused counters against the `heard` refused packets: logs
-/// the refused packets counted and never logged since the last such line, if any.
-fn count_unlogged(nft: &mut Nft, unlogged: &mut Unlogged, heard: u64) {
+/// the refused packets counted and never logged since the last such line, if any. A reading
+/// that fails judges nothing (it is not taken for "no table"), and is logged when its error
+/// is not the one `failing` holds, the last one logged.
+fn count_unlogged(
+    nft: &mut Nft,
+    unlogged: &mut Unlogged,
+    heard: u64,
+    failing: &mut Option<String>,
+) {
     match nft.refused_counters() {
         Ok(counted) => {
+            *failing = None;
             if let Some(packets) = unlogged.reading(counted.map(|r| r.packets()), heard) {
                 warn!(
                     packets,
@@ -446,8 +456,13 @@ fn count_unlogged(nft: &mut Nft, unlogged: &mut Unlogged, heard: u64) {
                 );
             }
         }
-        // The next reading may do; this one judges nothing.
-        Err(e) => warn!(error = %e, "cannot read the table's refused counters"),
+        Err(e) => {
+            let error = e.to_string();
+            if failing.as_ref() != Some(&error) {
+                warn!(error = %error, "cannot read the table's refused counters");
+                *failing = Some(error);
+            }
+        }
     }
 }
 
