@@ -77,6 +77,8 @@ pub(super) fn open_file(
     .map(File::from)
     .map_err(|e| match e {
         Errno::ELOOP => refused("is a symbolic link"),
+        // A FIFO no one reads, opened without blocking (a device: ENODEV, ENXIO too).
+        Errno::ENXIO | Errno::ENODEV => refused("is not a regular file"),
         e => ExecError::Io {
             doing: "open a file exec writes",
             source: e.into(),

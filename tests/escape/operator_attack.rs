@@ -366,3 +366,49 @@ fn a_squatter_on_a_loopback_resolver_chooses_the_addresses_of_allowed_names() {
         daemon.stderr()
     );
 }
+
+/// What CMD of an earlier run left at the `--report` path in its workspace: a FIFO made exec
+/// (root) wait in the open for a reader before CMD ever started (killed by the harness's
+/// timeout); a hard link (where `fs.protected_hardlinks` is off) would have had exec write its
+/// report over the linked file. Both are refused at once, before CMD starts, as for the
+/// canary's file.
+#[test]
+fn a_fifo_at_the_report_path_is_refused_not_waited_on() {
+    use crate::common::exec::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    let w = World::new();
+    let policy = setup(&w);
+    let work = w.dir().join("work");
+    std::fs::create_dir(&work).expect("mkdir work");
+    std::os::unix::fs::chown(&work, Some(NOBODY), Some(NOBODY)).expect("chown work");
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let report = work.join("report.json");
+    nix::unistd::mkfifo(&report, nix::sys::stat::Mode::from_bits_truncate(0o666)).expect("mkfifo");
+    std::os::unix::fs::chown(&report, Some(NOBODY), Some(NOBODY)).expect("chown the FIFO");
+    let started = std::time::Instant::now();
+    let mut cmd = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody", "--report", path_arg(&report)],
+        "echo ran",
+    );
+    cmd.current_dir(&work);
+    let out = cmd.output().expect("run egress-fence exec");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "exec waited on the FIFO: {}",
+        show(&out)
+    );
+    assert_eq!(out.status.code(), Some(125), "{}", show(&out));
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("ran"),
+        "CMD ran: {}",
+        show(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the report"),
+        "{}",
+        show(&out)
+    );
+}
