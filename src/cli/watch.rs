@@ -47,6 +47,7 @@ pub fn run(
     let watcher = Watcher::subscribe(group)?;
     eprintln!("watching NFLOG group {group} for refused packets");
     let refused_read = watcher.refused_read();
+    let drains = watcher.drains();
 
     let rx = egress_fence::watch::hear(watcher, state.guard_events())?;
 
@@ -56,17 +57,25 @@ pub fn run(
     let mut unlogged = Unlogged::default();
     let mut counters = Nft::open()?;
     let mut next_count = Instant::now();
+    // The reader's drains when the last reading was taken: the next one is taken only once
+    // the reader has since seen its socket empty (see `Unlogged`).
+    let mut drains_at_reading: Option<u64> = None;
     let mut seen = 0;
     let mut stdout = std::io::stdout().lock();
     while count.is_none_or(|c| seen < c) {
         // The table's log rate lets through only so many refusals: what it counted and never
         // logged is said, not left out in silence (a sandbox would spend the rate on decoys).
-        if Instant::now() >= next_count {
+        let drained = drains_at_reading.is_none_or(|d| drains.load(Ordering::Relaxed) > d);
+        if Instant::now() >= next_count && drained {
             next_count = Instant::now() + COUNT_EVERY;
+            // Before the counters: a packet heard after them is not taken for one they had
+            // counted when the count starts.
+            let heard = refused_read.load(Ordering::Relaxed);
             match counters.refused_counters() {
                 Ok(counted) => {
                     let counted = counted.map(|r| r.packets());
-                    let heard = refused_read.load(Ordering::Relaxed);
+                    // After the counters: a drain counted from here on came after them.
+                    drains_at_reading = Some(drains.load(Ordering::Relaxed));
                     if let Some(packets) = unlogged.reading(counted, heard) {
                         let event =
                             UnloggedEvent::new(rfc3339_millis_at(SystemTime::now()), packets);

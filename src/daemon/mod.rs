@@ -391,6 +391,7 @@ fn flow_record(event: &DropEvent) -> Record {
 fn drop_events(group: u16) -> Result<mpsc::Receiver<DropEvent>, DaemonError> {
     let mut watcher = Watcher::subscribe(group)?;
     let refused_read = watcher.refused_read();
+    let drains = watcher.drains();
     let (tx, rx) = mpsc::channel(1024);
     std::thread::Builder::new()
         .name("refused-packets".into())
@@ -404,15 +405,25 @@ fn drop_events(group: u16) -> Result<mpsc::Receiver<DropEvent>, DaemonError> {
             let mut unlogged = Unlogged::default();
             let mut failing = None;
             let mut next_count = Instant::now();
+            // The drains when the last reading was taken: the next is taken only once this
+            // thread has since found the socket empty (see `Unlogged`); a send that waited
+            // on a slow event loop leaves messages of counted packets unread meanwhile.
+            let mut drains_at_reading: Option<u64> = None;
             loop {
-                if Instant::now() >= next_count {
+                let drained = drains_at_reading.is_none_or(|d| drains.load(Ordering::Relaxed) > d);
+                if Instant::now() >= next_count && drained {
                     next_count = Instant::now() + COUNT_UNLOGGED_EVERY;
                     if let Some(nft) = counters.as_mut() {
                         let heard = refused_read.load(Ordering::Relaxed);
                         count_unlogged(nft, &mut unlogged, heard, &mut failing);
+                        drains_at_reading = Some(drains.load(Ordering::Relaxed));
                     }
                 }
-                let left = next_count.saturating_duration_since(Instant::now());
+                // At least a millisecond: a wait of none would not look at the socket, and
+                // only a wait that finds it empty counts as a drain.
+                let left = next_count
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
                 match watcher.next_event_timeout(left) {
                     Ok(Some(event)) => {
                         if tx.blocking_send(event).is_err() {

@@ -6,8 +6,10 @@
 //! The comparison is made one reading late: the kernel logs a packet (and, with a queue
 //! threshold of 1, puts the message on the socket) before the counter after the log rule
 //! counts it, so every message of the packets a reading counted is on the socket when the
-//! reading is made, and read by the next one. Packets heard since then make the count
-//! smaller, never larger: what is said to be unshown was never shown.
+//! reading is made, and read by the next one, which callers take only once the reader has
+//! since found its socket empty ([`super::Watcher::drains`]); the packets heard are sampled
+//! before the counters. Packets heard since then make the count smaller, never larger: what
+//! is said to be unshown was never shown.
 
 use std::fmt;
 
