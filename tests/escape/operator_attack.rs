@@ -412,3 +412,50 @@ fn a_fifo_at_the_report_path_is_refused_not_waited_on() {
         show(&out)
     );
 }
+
+/// The same burst inside `exec`: its summary and `--report` counted the refused packets the
+/// table logged, so CMD's decoys spent the log rate and its next refusals were neither listed
+/// nor counted ("a burst may be counted short"). exec now reads the table's counters at the
+/// end and says how many refused packets went unlogged.
+#[test]
+#[ignore = "finding: exec counts only the refusals the table logged"]
+fn a_burst_of_refusals_inside_exec_is_counted_whole() {
+    use crate::common::exec::*;
+
+    let w = World::new();
+    setup(&w);
+    let policy = w.write_file(
+        "exec-rate.yaml",
+        &policy_text().replace("  rate: 1000/second\n  burst: 1000\n", ""),
+    );
+    let report = w.dir().join("report.json");
+    let flood = format!(
+        "python3 -c \"\nimport socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         for i in range({DECOYS}):\n    try: s.sendto(b'decoy', ('{OTHER_V4}', 9))\n    \
+         except OSError: pass\ntry: s.sendto(b'x', ('{OTHER2_V4}', {HIDDEN_PORT}))\n\
+         except OSError: pass\n\""
+    );
+    let out = exec(
+        &w,
+        path_arg(&policy),
+        &["--user", "nobody", "--report", path_arg(&report)],
+        &flood,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("the report")).expect("JSON");
+    let logged = json["refused"]["connections"].as_u64().expect("a count");
+    let unlogged = json["refused"]["unlogged_connections"].as_u64();
+    assert_eq!(
+        logged + unlogged.unwrap_or(0),
+        SENT,
+        "the report accounts for {logged} logged and {unlogged:?} unlogged refusals of \
+         {SENT}: {json}\n{}",
+        show(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!("refused {SENT} packet(s)")),
+        "{}",
+        show(&out)
+    );
+}
