@@ -265,7 +265,9 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
 
     tracing::debug!("exec: fence proved, CMD starts");
     let code = wait_for_inside(inside, &mut pasta, &signal_fd)?;
-    let mut refusals = listening.map(|l| l.finish(Duration::from_millis(100)));
+    // CMD has ended: what the table counted now is all it will count of CMD's.
+    let counted = nft.refused_counters().ok().flatten().map(|r| r.packets());
+    let mut refusals = listening.map(|l| l.finish(Duration::from_millis(100), counted));
     if let (Some(canary), Some(capture), Some(refusals)) =
         (&options.canary, &capture, &mut refusals)
     {

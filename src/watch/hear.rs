@@ -7,7 +7,7 @@ use super::{DropEvent, QueryEvent, WatchError, Watcher};
 
 /// How long the packet reader waits on an empty socket before it notes so (see
 /// [`Watcher::drains`]).
-const DRAIN_EVERY: Duration = Duration::from_millis(250);
+const DRAIN_EVERY: Duration = Duration::from_millis(50);
 
 /// What `watch` hears: a refused packet (or the error reading one), a query the DNS guard
 /// refused, or a note about the sources themselves (for stderr).

@@ -418,7 +418,6 @@ fn a_fifo_at_the_report_path_is_refused_not_waited_on() {
 /// nor counted ("a burst may be counted short"). exec now reads the table's counters at the
 /// end and says how many refused packets went unlogged.
 #[test]
-#[ignore = "finding: exec counts only the refusals the table logged"]
 fn a_burst_of_refusals_inside_exec_is_counted_whole() {
     use crate::common::exec::*;
 
