@@ -260,7 +260,7 @@ pub fn plan_elements(
     let (output, scope) = match policy.scope {
         None => (output_rules(policy, guard, gates), None),
         Some(_) => (
-            output_rules(policy, guard, Vec::new()),
+            output_rules(policy, guard, squatted_resolvers(resolvers, guard)),
             scope_chains(policy, guard, cgroups, gates),
         ),
     };
@@ -451,6 +451,38 @@ fn dns_accepts(guard: Option<&GuardIdentity>) -> Vec<Rule> {
             }
         })
         .into()
+}
+
+/// Resolve mode with a scope: what a fenced socket sends from a loopback resolver's address
+/// and port 53 (UDP and TCP) is refused, before the replies. The resolver there is a stub of
+/// the host's (systemd-resolved, dnsmasq: unfenced), and it answers the service's lookups
+/// too; a fenced process that may bind port 53 (root in a container on the host's network)
+/// binds the same address and port with SO_REUSEADDR, which UDP grants to any owner when the
+/// stub set it too (both of those do), and as the later socket it gets the questions: its
+/// answers would choose the addresses of the policy's names. Refused, the service's lookup
+/// fails closed instead. As the guard's protections say it, "any uid but none": every
+/// socket with an owner. Without a scope the stub is fenced as well, and is not told apart.
+fn squatted_resolvers(resolvers: &[IpAddr], guard: Option<&GuardIdentity>) -> Vec<Rule> {
+    if guard.is_some() {
+        return Vec::new();
+    }
+    let mut loopback: Vec<IpAddr> = resolvers
+        .iter()
+        .copied()
+        .filter(IpAddr::is_loopback)
+        .collect();
+    loopback.sort_unstable();
+    loopback.dedup();
+    loopback
+        .into_iter()
+        .flat_map(|r| {
+            [L4Proto::Udp, L4Proto::Tcp].map(|proto| Rule::RefuseOtherUidsFromGuardPort {
+                from: std::net::SocketAddr::new(r, DNS_PORT),
+                proto,
+                uid: NO_UID,
+            })
+        })
+        .collect()
 }
 
 /// In guard mode, DNS and DNS over TLS to anywhere but the guard.

@@ -295,17 +295,14 @@ while True:
 /// address of the fenced process's choosing, on the allowed port, and the fenced process
 /// connects there.
 ///
-/// Not fixed: the table cannot tell the stub's answers from the squatter's (resolve mode has
-/// no mark of its own on the resolver's sockets, unlike the guard). A fix: with a scope, refuse
-/// what the scope's sockets send from a loopback resolver's address and port 53 (UDP and TCP,
-/// as `RefuseOtherUidsFromGuardPort` does for the guard's listen addresses), so that a
-/// squatter's answer never reaches the service (its lookup fails closed); without a scope,
-/// where the stub is fenced too, warn that loopback resolvers from resolv.conf answer the
-/// service for any local process that may bind port 53 (the check warns only for loopback
-/// `dns.resolvers` given explicitly, and for another reason), and advise guard mode or the
-/// upstream resolvers; or, in the daemon, read with sock_diag who holds the resolver's
-/// address and port before taking an answer (more than one socket, or one of the scope's, is
-/// a squatter).
+/// Not fixed without a scope: the table cannot tell the stub's answers from the squatter's
+/// (resolve mode has no mark of its own on the resolver's sockets, unlike the guard), and the
+/// stub is fenced like the squatter. With a scope it is fixed (see the next test). Fixes to
+/// consider: warn that loopback resolvers from resolv.conf answer the service for any local
+/// process that may bind port 53 (the check warns only for loopback `dns.resolvers` given
+/// explicitly, and for another reason), and advise guard mode or the upstream resolvers; or
+/// a policy setting naming the stub's uid, whose sockets alone may answer from its address
+/// (the guard's `RefuseOtherUidsFromGuardPort` with that uid).
 #[test]
 #[ignore = "finding: in resolve mode a process that binds a loopback resolver's address answers the service"]
 fn a_squatter_on_a_loopback_resolver_chooses_the_addresses_of_allowed_names() {
@@ -456,5 +453,74 @@ fn a_burst_of_refusals_inside_exec_is_counted_whole() {
         String::from_utf8_lossy(&out.stderr).contains(&format!("refused {SENT} packet(s)")),
         "{}",
         show(&out)
+    );
+}
+
+/// The same squat with a scope (the README's way: fence the agent, not the host), where the
+/// host's stub is not fenced and answers the service: the agent (uid 1001, where
+/// `ip_unprivileged_port_start` lets it bind port 53, as in a container by Docker's default)
+/// binds the stub's address and port with SO_REUSEADDR and answers the service's questions.
+/// What the scope's sockets send from a loopback resolver's address and port 53 is now
+/// refused: the squatter's answer never reaches the service, whose lookup fails closed.
+#[test]
+fn a_fenced_squatter_on_the_hosts_stub_answers_nobody() {
+    const AGENT: u32 = 1001;
+    let w = World::new();
+    let stub: std::net::IpAddr = "127.0.0.53".parse().expect("an address");
+    w.set_sandbox_nameserver(stub);
+    let _listener = w.listen_tcp(OTHER_V4, 443);
+    let low_ports = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
+    assert!(low_ports.success(), "{low_ports}");
+    let policy = w.write_file(
+        "scoped-resolve.yaml",
+        &format!(
+            "version: 1\nscope:\n  users: [{AGENT}]\nallow:\n  - domain: api.example.test\n    \
+             ports: [443]\nlog:\n  group: 100\n"
+        ),
+    );
+    let mut resolved = w.spawn_in_sandbox(&[
+        PYTHON,
+        "-c",
+        SQUAT_DNS_PY,
+        "127.0.0.53",
+        &HOST_V4.to_string(),
+    ]);
+    assert!(
+        resolved.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        resolved.stderr()
+    );
+    let mut squatter = w.spawn_adversary(
+        Adversary::User(AGENT),
+        &[
+            PYTHON,
+            "-c",
+            SQUAT_DNS_PY,
+            "127.0.0.53",
+            &OTHER_V4.to_string(),
+        ],
+    );
+    assert!(
+        squatter.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        squatter.stderr()
+    );
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(15)),
+        "{}",
+        daemon.stderr()
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let out = w.adversary_cmd(
+        Adversary::User(AGENT),
+        &["bash", "-c", &format!("exec 3<>/dev/tcp/{OTHER_V4}/443")],
+    );
+    daemon.signal(Signal::SIGTERM);
+    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    assert!(
+        !out.success() && !daemon.stderr().contains(&format!("added={OTHER_V4}")),
+        "the fenced squatter's answer for api.example.test opened {OTHER_V4}:443:\n{}",
+        daemon.stderr()
     );
 }
