@@ -986,6 +986,51 @@ pub(crate) mod tests {
         }
     }
 
+    /// A scoped resolve-mode table refuses what the scope sends from its loopback resolvers'
+    /// address and port 53; an unscoped one, or one in guard mode, has no such rule.
+    #[test]
+    fn a_scope_may_not_answer_as_a_loopback_resolver() {
+        let squat = |from: &str, proto| Rule::RefuseOtherUidsFromGuardPort {
+            from: from.parse().unwrap(),
+            proto,
+            uid: NO_UID,
+        };
+        let mut res = resolution(&[]);
+        res.resolvers = vec![
+            "127.0.0.53".parse().unwrap(),
+            "192.0.2.53".parse().unwrap(),
+            "::1".parse().unwrap(),
+            "127.0.0.53".parse().unwrap(),
+        ];
+        let scoped = plan(&policy("version: 1\nscope:\n  users: [1001]\n"), &res);
+        let found: Vec<&Rule> = scoped
+            .output
+            .iter()
+            .filter(|r| matches!(r, Rule::RefuseOtherUidsFromGuardPort { .. }))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                &squat("127.0.0.53:53", L4Proto::Udp),
+                &squat("127.0.0.53:53", L4Proto::Tcp),
+                &squat("[::1]:53", L4Proto::Udp),
+                &squat("[::1]:53", L4Proto::Tcp),
+            ]
+        );
+        let at = |r: &Rule| scoped.output.iter().position(|x| x == r);
+        assert!(
+            at(found[0]) < at(&Rule::AcceptEstablished),
+            "before the replies"
+        );
+        let unscoped = plan(&policy("version: 1\n"), &res);
+        assert!(
+            !unscoped
+                .output
+                .iter()
+                .any(|r| matches!(r, Rule::RefuseOtherUidsFromGuardPort { .. }))
+        );
+    }
+
     fn tuple(net: &str, proto: L4Proto, first: u16, last: u16) -> Tuple {
         Tuple {
             net: net.parse().unwrap(),
