@@ -366,7 +366,9 @@ pub enum Command {
         /// Exit after this many events (refused packets and refused DNS queries together).
         #[arg(long)]
         count: Option<u64>,
-        /// Print JSON lines instead (refused queries have "protocol": "dns" and a "name").
+        /// Print JSON lines instead (refused queries have "protocol": "dns" and a "name";
+        /// refused packets the table counted but never logged, over its log rate,
+        /// "verdict": "unlogged" and "packets").
         #[arg(long)]
         json: bool,
         #[command(flatten)]

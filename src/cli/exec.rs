@@ -73,10 +73,11 @@ pub fn run(
             false => None,
         },
     };
-    // Opened before CMD starts, never by path afterwards: the path may be in a directory CMD's
-    // user can write, and a symlink CMD put there would have exec (root) write over any file.
+    // Opened before CMD starts, in its directory held open: the path may be in a directory
+    // CMD's user can write, where a link CMD put would have exec (root) write over any file,
+    // and where CMD may replace the file while it runs (see `ReportFile`).
     let report = match report {
-        Some(path) => Some((exec::open_report(&path).map_err(failed)?, path)),
+        Some(path) => Some(exec::ReportFile::open(&path).map_err(failed)?),
         None => None,
     };
     let outcome = exec::run(options).map_err(failed)?;
@@ -96,7 +97,7 @@ pub fn run(
     if let Some(note) = exit_note(canary, tripped, outcome.code) {
         say(&note);
     }
-    if let Some((mut file, path)) = report {
+    if let Some(report) = report {
         let json = serde_json::json!({
             "exit_code": outcome.code,
             "exec_exit_code": exit_code,
@@ -104,8 +105,8 @@ pub fn run(
             "refused": outcome.refusals,
         });
         let text = serde_json::to_string_pretty(&json)?;
-        if let Err(e) = std::io::Write::write_all(&mut file, (text + "\n").as_bytes()) {
-            say(&format!("cannot write the report {}: {e}", path.display()));
+        if let Err(e) = report.write(&(text + "\n")) {
+            say(&format!("cannot write the report: {e}"));
             // The canary's verdict comes first: CMD may have made the write fail (it can
             // fill the report's filesystem), and 99 is the one code the caller looks for.
             return Ok(if tripped {

@@ -3,20 +3,23 @@
 //!
 //! The library merges the two streams ([`egress_fence::watch::hear`]); this file picks the
 //! group, notes what the table says of each refused destination (or that its source was
-//! refused), and prints.
+//! refused), says how many refused packets the table counted and never logged, and prints.
 
 use std::io::Write;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::RecvTimeoutError;
+use std::time::{Duration, Instant, SystemTime};
 
 use egress_fence::core::explain;
 use egress_fence::core::policy::Preset;
 use egress_fence::core::ruleset::TABLE;
+use egress_fence::core::time::rfc3339_millis_at;
 use egress_fence::host::HostAddrsCache;
 use egress_fence::nft::live::Destinations;
 use egress_fence::nft::{LiveTable, Nft};
 use egress_fence::state::StateDir;
-use egress_fence::watch::{FencedScope, Heard, Host, Watcher};
+use egress_fence::watch::{FencedScope, Heard, Host, Unlogged, UnloggedEvent, Watcher};
 
 use super::args::{NamespaceArg, StateArgs};
 use super::common::{enter, state_dir};
@@ -24,6 +27,9 @@ use super::exit::Failure;
 
 /// How often `watch` reads the table again for its notes.
 const WATCH_REREAD: Duration = Duration::from_secs(10);
+/// How often `watch` reads the table's refused counters, to say how many refused packets it
+/// heard nothing of (over the log rate).
+const COUNT_EVERY: Duration = Duration::from_secs(1);
 
 pub fn run(
     target: &NamespaceArg,
@@ -40,17 +46,57 @@ pub fn run(
     };
     let watcher = Watcher::subscribe(group)?;
     eprintln!("watching NFLOG group {group} for refused packets");
+    let refused_read = watcher.refused_read();
+    let drains = watcher.drains();
 
     let rx = egress_fence::watch::hear(watcher, state.guard_events())?;
 
     let mut notes = TableNotes::open(&state)?;
     let mut host = Host::open();
     let mut host_addrs = HostAddrsCache::new();
+    let mut unlogged = Unlogged::default();
+    let mut counters = Nft::open()?;
+    let mut next_count = Instant::now();
+    // The reader's drains when the last reading was taken: the next one is taken only once
+    // the reader has since seen its socket empty (see `Unlogged`).
+    let mut drains_at_reading: Option<u64> = None;
     let mut seen = 0;
     let mut stdout = std::io::stdout().lock();
     while count.is_none_or(|c| seen < c) {
-        let Ok(heard) = rx.recv() else {
-            return Err(anyhow::anyhow!("both event readers stopped").into());
+        // The table's log rate lets through only so many refusals: what it counted and never
+        // logged is said, not left out in silence (a sandbox would spend the rate on decoys).
+        let drained = drains_at_reading.is_none_or(|d| drains.load(Ordering::Relaxed) > d);
+        if Instant::now() >= next_count && drained {
+            next_count = Instant::now() + COUNT_EVERY;
+            // Before the counters: a packet heard after them is not taken for one they had
+            // counted when the count starts.
+            let heard = refused_read.load(Ordering::Relaxed);
+            match counters.refused_counters() {
+                Ok(counted) => {
+                    let counted = counted.map(|r| r.packets());
+                    // After the counters: a drain counted from here on came after them.
+                    drains_at_reading = Some(drains.load(Ordering::Relaxed));
+                    if let Some(packets) = unlogged.reading(counted, heard) {
+                        let event =
+                            UnloggedEvent::new(rfc3339_millis_at(SystemTime::now()), packets);
+                        let line = match json {
+                            true => serde_json::to_string(&event)?,
+                            false => event.to_string(),
+                        };
+                        writeln!(stdout, "{line}")?;
+                        stdout.flush()?;
+                    }
+                }
+                // Not taken for "no table": a failed reading judges nothing, the next may.
+                Err(e) => eprintln!("warning: cannot read the table's refused counters: {e}"),
+            }
+        }
+        let heard = match rx.recv_timeout(next_count.saturating_duration_since(Instant::now())) {
+            Ok(heard) => heard,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(anyhow::anyhow!("both event readers stopped").into());
+            }
         };
         let line = match heard {
             Heard::Note(note) => {

@@ -293,7 +293,7 @@ pub fn plan_elements(
     let (output, scope) = match policy.scope {
         None => (output_rules(policy, guard, gates), None),
         Some(_) => (
-            output_rules(policy, guard, Vec::new()),
+            output_rules(policy, guard, squatted_resolvers(resolvers, guard)),
             scope_chains(policy, guard, cgroups, gates),
         ),
     };
@@ -499,6 +499,38 @@ fn dns_accepts(guard: Option<&GuardIdentity>) -> Vec<Rule> {
             }
         })
         .into()
+}
+
+/// Resolve mode with a scope: what a fenced socket sends from a loopback resolver's address
+/// and port 53 (UDP and TCP) is refused, before the replies. The resolver there is a stub of
+/// the host's (systemd-resolved, dnsmasq: unfenced), and it answers the service's lookups
+/// too; a fenced process that may bind port 53 (root in a container on the host's network)
+/// binds the same address and port with SO_REUSEADDR, which UDP grants to any owner when the
+/// stub set it too (both of those do), and as the later socket it gets the questions: its
+/// answers would choose the addresses of the policy's names. Refused, the service's lookup
+/// fails closed instead. As the guard's protections say it, "any uid but none": every
+/// socket with an owner. Without a scope the stub is fenced as well, and is not told apart.
+fn squatted_resolvers(resolvers: &[IpAddr], guard: Option<&GuardIdentity>) -> Vec<Rule> {
+    if guard.is_some() {
+        return Vec::new();
+    }
+    let mut loopback: Vec<IpAddr> = resolvers
+        .iter()
+        .copied()
+        .filter(IpAddr::is_loopback)
+        .collect();
+    loopback.sort_unstable();
+    loopback.dedup();
+    loopback
+        .into_iter()
+        .flat_map(|r| {
+            [L4Proto::Udp, L4Proto::Tcp].map(|proto| Rule::RefuseOtherUidsFromGuardPort {
+                from: std::net::SocketAddr::new(r, DNS_PORT),
+                proto,
+                uid: NO_UID,
+            })
+        })
+        .collect()
 }
 
 /// In guard mode, DNS and DNS over TLS to anywhere but the guard.
@@ -1000,6 +1032,51 @@ pub(crate) mod tests {
             guard_uid: None,
             scope: Default::default(),
         }
+    }
+
+    /// A scoped resolve-mode table refuses what the scope sends from its loopback resolvers'
+    /// address and port 53; an unscoped one, or one in guard mode, has no such rule.
+    #[test]
+    fn a_scope_may_not_answer_as_a_loopback_resolver() {
+        let squat = |from: &str, proto| Rule::RefuseOtherUidsFromGuardPort {
+            from: from.parse().unwrap(),
+            proto,
+            uid: NO_UID,
+        };
+        let mut res = resolution(&[]);
+        res.resolvers = vec![
+            "127.0.0.53".parse().unwrap(),
+            "192.0.2.53".parse().unwrap(),
+            "::1".parse().unwrap(),
+            "127.0.0.53".parse().unwrap(),
+        ];
+        let scoped = plan(&policy("version: 1\nscope:\n  users: [1001]\n"), &res);
+        let found: Vec<&Rule> = scoped
+            .output
+            .iter()
+            .filter(|r| matches!(r, Rule::RefuseOtherUidsFromGuardPort { .. }))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                &squat("127.0.0.53:53", L4Proto::Udp),
+                &squat("127.0.0.53:53", L4Proto::Tcp),
+                &squat("[::1]:53", L4Proto::Udp),
+                &squat("[::1]:53", L4Proto::Tcp),
+            ]
+        );
+        let at = |r: &Rule| scoped.output.iter().position(|x| x == r);
+        assert!(
+            at(found[0]) < at(&Rule::AcceptEstablished),
+            "before the replies"
+        );
+        let unscoped = plan(&policy("version: 1\n"), &res);
+        assert!(
+            !unscoped
+                .output
+                .iter()
+                .any(|r| matches!(r, Rule::RefuseOtherUidsFromGuardPort { .. }))
+        );
     }
 
     fn tuple(net: &str, proto: L4Proto, first: u16, last: u16) -> Tuple {

@@ -44,7 +44,8 @@ mod shell;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tracing::{error, warn};
@@ -59,7 +60,7 @@ use crate::nft::monitor::Monitor;
 use crate::nft::{Nft, NftError, Table};
 use crate::state::{StateDir, StateError, WriterLock};
 use crate::trace_file::TraceSink;
-use crate::watch::{DropEvent, WatchError, Watcher};
+use crate::watch::{DropEvent, Unlogged, WatchError, Watcher};
 pub use metrics::{MetricsAddr, MetricsAddrError};
 use shell::Daemon;
 
@@ -410,20 +411,53 @@ fn flow_record(event: &DropEvent) -> Record {
 }
 
 /// Refused packets from NFLOG `group`, read on a thread of their own (the kernel's log rule
-/// already limits their rate).
+/// already limits their rate). The same thread reads the table's refused counters every
+/// [`COUNT_UNLOGGED_EVERY`] and logs how many refused packets the table counted and never
+/// logged: a sandbox that spends the log rate on decoys must not have its next refusals left
+/// out of the journal in silence.
 fn drop_events(group: u16) -> Result<mpsc::Receiver<DropEvent>, DaemonError> {
     let mut watcher = Watcher::subscribe(group)?;
+    let refused_read = watcher.refused_read();
+    let drains = watcher.drains();
     let (tx, rx) = mpsc::channel(1024);
     std::thread::Builder::new()
         .name("refused-packets".into())
         .spawn(move || {
+            // A thread starts in the namespace of the one that made it: the daemon's.
+            let mut counters = Nft::open()
+                .inspect_err(
+                    |e| warn!(error = %e, "refused packets over the log rate go uncounted"),
+                )
+                .ok();
+            let mut unlogged = Unlogged::default();
+            let mut failing = None;
+            let mut next_count = Instant::now();
+            // The drains when the last reading was taken: the next is taken only once this
+            // thread has since found the socket empty (see `Unlogged`); a send that waited
+            // on a slow event loop leaves messages of counted packets unread meanwhile.
+            let mut drains_at_reading: Option<u64> = None;
             loop {
-                match watcher.next_event() {
-                    Ok(event) => {
+                let drained = drains_at_reading.is_none_or(|d| drains.load(Ordering::Relaxed) > d);
+                if Instant::now() >= next_count && drained {
+                    next_count = Instant::now() + COUNT_UNLOGGED_EVERY;
+                    if let Some(nft) = counters.as_mut() {
+                        let heard = refused_read.load(Ordering::Relaxed);
+                        count_unlogged(nft, &mut unlogged, heard, &mut failing);
+                        drains_at_reading = Some(drains.load(Ordering::Relaxed));
+                    }
+                }
+                // At least a millisecond: a wait of none would not look at the socket, and
+                // only a wait that finds it empty counts as a drain.
+                let left = next_count
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                match watcher.next_event_timeout(left) {
+                    Ok(Some(event)) => {
                         if tx.blocking_send(event).is_err() {
                             return;
                         }
                     }
+                    Ok(None) => {}
                     Err(e) if e.is_transient() => warn!(error = %e, "reading refused packets"),
                     Err(e) => {
                         error!(error = %e, "refused packets are no longer logged");
@@ -434,6 +468,40 @@ fn drop_events(group: u16) -> Result<mpsc::Receiver<DropEvent>, DaemonError> {
         })
         .map_err(io("start the refused-packet reader"))?;
     Ok(rx)
+}
+
+/// How often `run --log-drops` compares the table's refused counters with what it logged.
+const COUNT_UNLOGGED_EVERY: Duration = Duration::from_secs(1);
+
+/// One reading of the table's refused counters against the `heard` refused packets: logs
+/// the refused packets counted and never logged since the last such line, if any. A reading
+/// that fails judges nothing (it is not taken for "no table"), and is logged when its error
+/// is not the one `failing` holds, the last one logged.
+fn count_unlogged(
+    nft: &mut Nft,
+    unlogged: &mut Unlogged,
+    heard: u64,
+    failing: &mut Option<String>,
+) {
+    match nft.refused_counters() {
+        Ok(counted) => {
+            *failing = None;
+            if let Some(packets) = unlogged.reading(counted.map(|r| r.packets()), heard) {
+                warn!(
+                    packets,
+                    "refused packets not logged: the table counted them over the policy's \
+                     log.rate (or logged them to another NFLOG group)"
+                );
+            }
+        }
+        Err(e) => {
+            let error = e.to_string();
+            if failing.as_ref() != Some(&error) {
+                warn!(error = %error, "cannot read the table's refused counters");
+                *failing = Some(error);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ mod connect;
 mod namespace;
 mod pcap;
 mod report;
+mod written;
 
 use std::ffi::OsString;
 use std::fs::{self, DirBuilder, File};
@@ -45,6 +46,7 @@ use crate::state::StateDir;
 
 pub use namespace::NAME_PREFIX;
 pub use report::{CanaryHost, Refusals};
+pub use written::ReportFile;
 
 /// What CMD's environment keeps of the caller's besides `--keep-env` names.
 pub const KEPT_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "TERM", "TZ"];
@@ -275,7 +277,9 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
 
     tracing::debug!("exec: fence proved, CMD starts");
     let code = wait_for_inside(inside, &mut pasta, &signal_fd)?;
-    let mut refusals = listening.map(|l| l.finish(Duration::from_millis(100)));
+    // CMD has ended: what the table counted now is all it will count of CMD's.
+    let counted = nft.refused_counters().ok().flatten().map(|r| r.packets());
+    let mut refusals = listening.map(|l| l.finish(Duration::from_millis(100), counted));
     if let (Some(canary), Some(capture), Some(refusals)) =
         (&options.canary, &capture, &mut refusals)
     {
@@ -359,6 +363,8 @@ impl Drop for RunDir {
     }
 }
 
+const CANARY_FILE: &str = "the canary file";
+
 /// The canary's file; removed when dropped, from the directory it was made in (held open:
 /// CMD may rename that directory or put a link in its place while it runs).
 struct CanaryFile {
@@ -375,110 +381,12 @@ impl CanaryFile {
             canary::URL_VARIABLE,
             canary::url(&canary.host, &canary.token)
         );
-        let (dir, name) = open_dir_unfollowed(path, "the canary file")?;
-        let mut file = open_file_unlinked(&dir, &name, path, "the canary file")?;
+        let (dir, name) = written::open_dir(path, CANARY_FILE)?;
+        let mut file = written::open_file(&dir, &name, path, CANARY_FILE)?;
         file.write_all(text.as_bytes())
             .map_err(ExecError::io("write the canary file"))?;
         Ok(CanaryFile { dir, name })
     }
-}
-
-/// `--report FILE`, opened (made, or emptied) before CMD starts as the canary's file is
-/// ([`open_dir_unfollowed`], [`open_file_unlinked`]): it may be in a directory CMD's user
-/// may write (CMD's working directory), where CMD of an earlier run left a link.
-pub fn open_report(path: &Path) -> Result<File, ExecError> {
-    let (dir, name) = open_dir_unfollowed(path, "the report")?;
-    open_file_unlinked(&dir, &name, path, "the report")
-}
-
-/// The directory of a file this process (root) writes where CMD's user may (the canary's
-/// file, the report; `what` names it in messages), reached one directory at a time without
-/// following a symbolic link (`O_NOFOLLOW | O_DIRECTORY` on each): a directory on the way
-/// that CMD's user may write can hold a link it left, and through it this process would
-/// write, and at exit remove, a file of that name in any directory. Returns it with the
-/// file's name.
-fn open_dir_unfollowed(
-    path: &Path,
-    what: &str,
-) -> Result<(std::os::fd::OwnedFd, OsString), ExecError> {
-    use std::path::Component;
-    let refused =
-        |why: &str| ExecError::Refused(format!("{what} {} {why}; CMD not started", path.display()));
-    let name = match path.file_name() {
-        Some(name) => name.to_os_string(),
-        None => return Err(refused("names no file")),
-    };
-    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-    let open = |at: std::os::fd::BorrowedFd<'_>, step: &std::ffi::OsStr| {
-        nix::fcntl::openat(at, step, flags, nix::sys::stat::Mode::empty()).map_err(|e| match e {
-            nix::errno::Errno::ELOOP | nix::errno::Errno::ENOTDIR => refused(&format!(
-                "is reached through {} (a symbolic link, or not a directory): give a path \
-                 without symbolic links",
-                Path::new(step).display()
-            )),
-            e => ExecError::Io {
-                doing: "open a directory on the way to a file exec writes",
-                source: e.into(),
-            },
-        })
-    };
-    let mut dir = open(nix::fcntl::AT_FDCWD, std::ffi::OsStr::new("."))?;
-    for step in path.parent().into_iter().flat_map(Path::components) {
-        use std::os::fd::AsFd;
-        dir = match step {
-            Component::RootDir => open(nix::fcntl::AT_FDCWD, std::ffi::OsStr::new("/"))?,
-            Component::CurDir => continue,
-            Component::ParentDir => open(dir.as_fd(), std::ffi::OsStr::new(".."))?,
-            Component::Normal(step) => open(dir.as_fd(), step)?,
-            Component::Prefix(_) => return Err(refused("is not a Unix path")),
-        };
-    }
-    Ok((dir, name))
-}
-
-/// Opens file `name` in `dir` (`path` and `what` for messages; the canary's file, the
-/// report): a directory CMD's user may write, where a process of that user (CMD of another
-/// run) may have left a symbolic link, a hard link or a FIFO. Written by path this process
-/// (root) would truncate and write whatever file the link names. So: never through a
-/// symbolic link (`O_NOFOLLOW`), never a FIFO or device (`O_NONBLOCK`, then a regular file
-/// only), never a file with another name too (a hard link), and emptied only once all that
-/// is checked.
-fn open_file_unlinked(
-    dir: &std::os::fd::OwnedFd,
-    name: &std::ffi::OsStr,
-    path: &Path,
-    what: &str,
-) -> Result<File, ExecError> {
-    use std::os::fd::AsFd;
-    use std::os::unix::fs::MetadataExt;
-    let refused =
-        |why: &str| ExecError::Refused(format!("{what} {} {why}; CMD not started", path.display()));
-    let file = nix::fcntl::openat(
-        dir.as_fd(),
-        name,
-        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::from_bits_truncate(0o644),
-    )
-    .map(File::from)
-    .map_err(|e| match e {
-        nix::errno::Errno::ELOOP => refused("is a symbolic link"),
-        e => ExecError::Io {
-            doing: "open a file exec writes",
-            source: e.into(),
-        },
-    })?;
-    let meta = file
-        .metadata()
-        .map_err(ExecError::io("open a file exec writes"))?;
-    if !meta.is_file() {
-        return Err(refused("is not a regular file"));
-    }
-    if meta.nlink() != 1 {
-        return Err(refused("has other names (a hard link)"));
-    }
-    file.set_len(0)
-        .map_err(ExecError::io("empty a file exec writes"))?;
-    Ok(file)
 }
 
 impl Drop for CanaryFile {

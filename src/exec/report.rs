@@ -4,6 +4,8 @@
 
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
@@ -13,6 +15,10 @@ use crate::watch::{DropEvent, Heard, QueryEvent, Watcher, hear};
 
 use super::ExecError;
 use super::pcap::Captured;
+
+/// How long [`Listening::finish`] waits, past its linger, for the packet reader to have
+/// read everything the table counted.
+const DRAINED_WITHIN: Duration = Duration::from_secs(1);
 
 /// How many refusals of each kind the report keeps (all are counted).
 pub const KEPT: usize = 20;
@@ -30,6 +36,8 @@ pub struct Listening {
     canary: Option<Vec<String>>,
     /// The refused questions' first labels, joined (a token sent in short pieces).
     joined: super::canary::Joined,
+    /// How many times the packet reader found its socket empty ([`Watcher::drains`]).
+    drains: Arc<AtomicU64>,
 }
 
 /// The run's canary, as [`listen`] needs it.
@@ -62,9 +70,12 @@ impl CanaryHost {
 /// What the fence refused during the run.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Refusals {
-    /// Refused packets the table logged (at the policy's `log.rate`: a burst may be counted
-    /// short, never as zero).
+    /// Refused packets the table logged (at the policy's `log.rate`: a burst is logged short).
     pub connections: usize,
+    /// Refused packets the table counted and did not log (over the log rate): none of them is
+    /// listed. Absent when the table's counters could not be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unlogged_connections: Option<u64>,
     pub first_connections: Vec<DropEvent>,
     /// Refused DNS queries, and the distinct names they asked.
     pub queries: usize,
@@ -96,6 +107,7 @@ pub fn listen(
 ) -> Result<Listening, ExecError> {
     let watcher = Watcher::subscribe(group)
         .map_err(|e| ExecError::Refused(format!("cannot read refused packets: {e}")))?;
+    let drains = watcher.drains();
     let heard = hear(watcher, guard_events).map_err(ExecError::io("start the refusal log"))?;
     Ok(Listening {
         heard,
@@ -110,6 +122,7 @@ pub fn listen(
         },
         canary: canary.map(|c| super::canary::needles(c.token)),
         joined: super::canary::Joined::default(),
+        drains,
     })
 }
 
@@ -130,16 +143,37 @@ impl Listening {
         }
     }
 
-    /// Everything heard until now, after `linger` for the last packets to arrive.
-    pub fn finish(mut self, linger: Duration) -> Refusals {
-        let deadline = Instant::now() + linger;
+    /// Everything heard until now, after `linger` for the last packets to arrive, with how
+    /// many refused packets the table counted and never logged: `counted` is its refused
+    /// counter read once CMD ended (`None`: unreadable). Every message of a packet it counted
+    /// was on the socket when it was read (the log rule comes before the counter), so the
+    /// comparison waits, at most [`DRAINED_WITHIN`] more, for the reader to find its socket
+    /// empty after that; if it does not, the count is left out rather than made too large.
+    pub fn finish(mut self, linger: Duration, counted: Option<u64>) -> Refusals {
+        let drains_at_count = self.drains.load(Ordering::Relaxed);
+        self.receive_until(Instant::now() + linger);
+        let give_up = Instant::now() + DRAINED_WITHIN;
+        while self.drains.load(Ordering::Relaxed) <= drains_at_count && Instant::now() < give_up {
+            self.receive_until(Instant::now() + Duration::from_millis(20));
+        }
+        // What the reader handed out before it found the socket empty may still be in the
+        // channel.
+        self.receive_until(Instant::now());
+        if self.drains.load(Ordering::Relaxed) > drains_at_count {
+            self.refusals.unlogged_connections =
+                counted.map(|c| c.saturating_sub(self.refusals.connections as u64));
+        }
+        self.refusals
+    }
+
+    /// Takes in what is heard until `until` (what is already queued, when it has passed).
+    fn receive_until(&mut self, until: Instant) {
         while let Ok(heard) = self
             .heard
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .recv_timeout(until.saturating_duration_since(Instant::now()))
         {
             self.take(heard);
         }
-        self.refusals
     }
 
     fn take(&mut self, heard: Heard) {
@@ -281,13 +315,21 @@ impl Refusals {
     }
 
     fn counts_and_lists(&self) -> String {
-        if self.connections == 0 && self.queries == 0 {
+        let unlogged = self.unlogged_connections.unwrap_or(0);
+        let packets = (self.connections as u64).saturating_add(unlogged);
+        if packets == 0 && self.queries == 0 {
             return "the fence refused nothing during the run".into();
         }
         let mut out = format!(
-            "the fence refused {} packet(s) and {} DNS quer(ies) during the run",
-            self.connections, self.queries
+            "the fence refused {packets} packet(s) and {} DNS quer(ies) during the run",
+            self.queries
         );
+        if unlogged > 0 {
+            out.push_str(&format!(
+                "\n  {unlogged} refused packet(s) over the policy's log.rate were counted, not \
+                 logged: they are not listed"
+            ));
+        }
         for event in self.first_connections.iter().take(LISTED) {
             out.push_str(&format!("\n  {event}"));
         }

@@ -157,19 +157,7 @@ impl LiveTable {
                 rules: self.rules.iter().filter(|r| r.chain == c.name).count(),
             })
             .collect();
-        let counter = |family: Family| {
-            self.rules
-                .iter()
-                .filter(|r| {
-                    r.chain == REFUSED_CHAIN && r.rule == ReadRule::Known(Rule::CountFamily(family))
-                })
-                .find_map(|r| r.counter)
-                .unwrap_or_default()
-        };
-        let refused = Refused {
-            ipv4: counter(Family::V4),
-            ipv6: counter(Family::V6),
-        };
+        let refused = refused_counters(&self.rules).unwrap_or_default();
         let sets = self
             .sets
             .iter()
@@ -263,6 +251,33 @@ impl LiveTable {
                 // An element without a timeout (none of ours) holds the window open for good.
                 elems.iter().map(|e| e.expires_ms.unwrap_or(u64::MAX)).max()
             })
+    }
+}
+
+/// What the refused chain's per-family counters counted; `None` when it has neither (not a
+/// table of ours).
+pub fn refused_counters(rules: &[LiveRule]) -> Option<Refused> {
+    let counter = |family: Family| {
+        rules
+            .iter()
+            .filter(|r| {
+                r.chain == REFUSED_CHAIN && r.rule == ReadRule::Known(Rule::CountFamily(family))
+            })
+            .find_map(|r| r.counter)
+    };
+    match (counter(Family::V4), counter(Family::V6)) {
+        (None, None) => None,
+        (ipv4, ipv6) => Some(Refused {
+            ipv4: ipv4.unwrap_or_default(),
+            ipv6: ipv6.unwrap_or_default(),
+        }),
+    }
+}
+
+impl Refused {
+    /// Packets of both families.
+    pub fn packets(&self) -> u64 {
+        self.ipv4.packets.saturating_add(self.ipv6.packets)
     }
 }
 

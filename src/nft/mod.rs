@@ -386,6 +386,16 @@ impl Nft {
         Ok(Some(live::log_group(&rules)))
     }
 
+    /// What the installed table's refused chain counted, per family, read from its rules
+    /// alone (no sets): `None` when no table of ours is installed. Cheap enough to ask every
+    /// second.
+    pub fn refused_counters(&mut self) -> Result<Option<live::Refused>, NftError> {
+        if !self.table_exists()? {
+            return Ok(None);
+        }
+        Ok(live::refused_counters(&self.read_rules()?))
+    }
+
     /// The rules of our table, decoded.
     fn read_rules(&mut self) -> Result<Vec<live::LiveRule>, NftError> {
         let dumped = self.dump_own(Dump::Rules, "rules", sys::parse_rule, |r| &r.table)?;

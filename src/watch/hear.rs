@@ -5,6 +5,10 @@ use std::time::Duration;
 
 use super::{DropEvent, QueryEvent, WatchError, Watcher};
 
+/// How long the packet reader waits on an empty socket before it notes so (see
+/// [`Watcher::drains`]).
+const DRAIN_EVERY: Duration = Duration::from_millis(50);
+
 /// What `watch` hears: a refused packet (or the error reading one), a query the DNS guard
 /// refused, or a note about the sources themselves (for stderr).
 pub enum Heard {
@@ -28,7 +32,13 @@ pub fn hear(
         .name("nflog".into())
         .spawn(move || {
             loop {
-                let event = watcher.next_event();
+                // With a timeout, so that the socket is seen empty now and then: what
+                // [`Watcher::drains`] counts, and readers of the table's counters wait for.
+                let event = match watcher.next_event_timeout(DRAIN_EVERY) {
+                    Ok(None) => continue,
+                    Ok(Some(event)) => Ok(event),
+                    Err(e) => Err(e),
+                };
                 let fatal = matches!(&event, Err(e) if !e.is_transient());
                 if packets.send(Heard::Packet(event)).is_err() || fatal {
                     return;

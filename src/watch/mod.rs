@@ -13,7 +13,8 @@
 //! By concern: `nflog` binds the group and reads its messages (the [`Watcher`]), `packet`
 //! decodes the copied IP and transport headers, `event` holds the events and how they print,
 //! `hear` merges the packets with the guard's query log for `watch`, `scope` says which part
-//! of a scoped table's scope a refused packet was refused in. Timestamps are written by
+//! of a scoped table's scope a refused packet was refused in, `unlogged` how many refused
+//! packets the table counted and never logged (over its log rate). Timestamps are written by
 //! [`crate::core::time`].
 
 mod event;
@@ -21,6 +22,7 @@ mod hear;
 mod nflog;
 mod packet;
 mod scope;
+mod unlogged;
 
 use nix::errno::Errno;
 
@@ -29,6 +31,7 @@ pub use hear::{Heard, hear};
 use nflog::ACK_TIMEOUT;
 pub use nflog::{COPY_RANGE, Watcher};
 pub use scope::{FencedScope, Host, HostLookup, ScopeMatched};
+pub use unlogged::{Unlogged, UnloggedEvent};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {

@@ -21,6 +21,8 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use nix::errno::Errno;
@@ -84,6 +86,12 @@ pub struct Watcher {
     pending: VecDeque<Result<DropEvent, WatchError>>,
     /// The receive timeout currently set on the socket, to avoid a syscall per call.
     rcv_timeout: Option<Duration>,
+    /// Refused packets handed out so far (not audited ones), as they are read: what a reader
+    /// on another thread compares with the table's counters ([`super::Unlogged`]).
+    refused_read: Arc<AtomicU64>,
+    /// How many times a wait found the socket empty with nothing queued (a timeout): once it
+    /// has moved past a moment, every message the kernel sent before it has been handed out.
+    drains: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for Watcher {
@@ -110,6 +118,8 @@ impl Watcher {
             buf: vec![0; RECV_BUF],
             pending: VecDeque::new(),
             rcv_timeout: None,
+            refused_read: Arc::new(AtomicU64::new(0)),
+            drains: Arc::new(AtomicU64::new(0)),
         };
         const SEQ: u32 = 1;
         let request = bind_request(group, SEQ).map_err(|_| WatchError::Io {
@@ -152,6 +162,20 @@ impl Watcher {
         self.group
     }
 
+    /// How many refused packets this watcher has handed out, counted as they are read (also
+    /// once the watcher has moved to a thread of its own).
+    pub fn refused_read(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.refused_read)
+    }
+
+    /// How many times a wait with a timeout found nothing to hand out: read after a moment,
+    /// a larger value says everything the kernel sent before that moment has been handed out
+    /// (and counted in [`Watcher::refused_read`]). Only [`Watcher::next_event_timeout`] can
+    /// find the socket empty.
+    pub fn drains(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.drains)
+    }
+
     /// Blocks until the next logged packet and returns it decoded. After an error for which
     /// [`WatchError::is_transient`] holds, call again for the following packets.
     pub fn next_event(&mut self) -> Result<DropEvent, WatchError> {
@@ -178,6 +202,9 @@ impl Watcher {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             if let Some(next) = self.pending.pop_front() {
+                if next.as_ref().is_ok_and(|e| e.verdict != AUDITED) {
+                    self.refused_read.fetch_add(1, Ordering::Relaxed);
+                }
                 return next.map(Some);
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
@@ -198,7 +225,15 @@ impl Watcher {
         // MSG_TRUNC makes recv return the datagram's real length, so a cut one is detected.
         let n = match self.socket.recv(&mut self.buf, MsgFlags::MSG_TRUNC) {
             Ok(n) => n,
-            Err(Errno::EAGAIN | Errno::EINTR) => return Ok(None),
+            Err(Errno::EAGAIN) => {
+                // Nothing on the socket, nothing queued: every message sent before now has
+                // been handed out (and counted).
+                if self.pending.is_empty() {
+                    self.drains.fetch_add(1, Ordering::Relaxed);
+                }
+                return Ok(None);
+            }
+            Err(Errno::EINTR) => return Ok(None),
             Err(Errno::ENOBUFS) => return Err(WatchError::Overrun),
             Err(source) => {
                 return Err(WatchError::Io {

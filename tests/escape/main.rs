@@ -20,6 +20,7 @@ mod inputs;
 mod learn;
 mod learn_attack;
 mod metrics_attack;
+mod operator_attack;
 mod policy_attack;
 mod policy_file;
 mod probe_protocols;
