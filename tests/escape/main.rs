@@ -19,6 +19,7 @@ mod inputs;
 mod learn;
 mod learn_attack;
 mod metrics_attack;
+mod path_trust_attack;
 mod policy_file;
 mod probe_protocols;
 mod raw_frames;
