@@ -307,6 +307,18 @@ mod tests {
         assert_eq!(found.at, file);
         assert!(found.to_string().contains("666"), "{found}");
 
+        // Nothing (yet, or any more) at a name in a directory others may add to: they may
+        // put their own entry there before the path is read, or have removed theirs since.
+        let found = open_to_others(&shared.join("absent.yaml"), euid).expect("named");
+        assert_eq!(found.at, shared);
+        let sticky = base.join("sticky");
+        std::fs::create_dir(&sticky).expect("mkdir");
+        std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+        let found = open_to_others(&sticky.join("absent.yaml"), euid).expect("named");
+        assert_eq!(found.at, sticky);
+        // Where only root and `euid` may add entries, reading fails on its own.
+        assert_eq!(open_to_others(&base.join("absent.yaml"), euid), None);
+
         // A loop.
         symlink("loop-b", base.join("loop-a")).expect("symlink");
         symlink("loop-a", base.join("loop-b")).expect("symlink");
