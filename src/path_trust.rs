@@ -17,6 +17,12 @@ use std::path::{Component, Path, PathBuf};
 /// Links followed at most, as the kernel's own limit.
 const MAX_LINKS: usize = 40;
 
+/// A name with nothing behind it is judged as an entry someone else could put there.
+const ABSENT: Inode = Inode {
+    uid: u32::MAX,
+    mode: libc::S_IFREG,
+};
+
 /// What of an inode the judgement needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Inode {
@@ -107,8 +113,9 @@ pub fn judge(dir: Inode, entry: Inode, euid: u32) -> Option<(Culprit, Why)> {
 
 /// Walks `path` (relative to the working directory when not absolute) and returns the first
 /// place where a user other than root and `euid` could change what it reads, or `None`.
-/// A component that cannot be looked up ends the walk with `None`: reading the path then
-/// fails on its own, with its own error.
+/// A component that cannot be looked up ends the walk: with the directory that should hold
+/// it when others may add entries to that directory, else with `None` (reading the path then
+/// fails on its own, with its own error).
 pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
     let Ok(absolute) = std::path::absolute(path) else {
         return None;
@@ -141,7 +148,13 @@ pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
         }
         let next = current.join(&name);
         let Ok(meta) = std::fs::symlink_metadata(&next) else {
-            return None;
+            // Nothing there: whoever may add an entry to `current` may put one there before
+            // the path is read, or have removed theirs since it was read (replay judges
+            // after reading). Elsewhere reading fails on its own.
+            return match judge(dir, ABSENT, euid) {
+                Some((Culprit::Directory, why)) => Some(OpenToOthers { at: current, why }),
+                _ => None,
+            };
         };
         let entry = Inode::of(&meta);
         if let Some((culprit, why)) = judge(dir, entry, euid) {
