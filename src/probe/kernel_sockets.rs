@@ -205,6 +205,20 @@ mod tests {
         assert_eq!(whole_host.outcome, Outcome::Pass, "{}", whole_host.reason);
     }
 
+    /// The table judges IP packets only: TIPC over an Ethernet or InfiniBand bearer and RDS
+    /// over InfiniBand or RoCE leave the host as frames that never meet it, so that one of
+    /// them opens is no pass for the whole host either.
+    #[test]
+    fn a_family_with_a_path_past_ip_is_no_pass_for_the_whole_host() {
+        for name in ["AF_TIPC", "AF_RDS"] {
+            let check = kernel_sockets_check(&tried(&[name], Errno::EAFNOSUPPORT), false);
+            assert_eq!(check.outcome, Outcome::Warn, "{name}: {}", check.reason);
+            assert!(check.reason.contains(name), "{}", check.reason);
+        }
+        let rxrpc = kernel_sockets_check(&tried(&["AF_RXRPC"], Errno::EAFNOSUPPORT), false);
+        assert_eq!(rxrpc.outcome, Outcome::Pass, "{}", rxrpc.reason);
+    }
+
     #[test]
     fn none_open_passes_and_an_odd_error_is_said() {
         let none = kernel_sockets_check(&tried(&[], Errno::EAFNOSUPPORT), true);
