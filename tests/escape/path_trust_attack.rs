@@ -92,3 +92,88 @@ fn a_trace_its_writer_removes_after_replay_read_it_still_passes_no_gate() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Puts ARGV[2] (a policy) at ARGV[1] and takes it away again, as fast as it can, until
+/// killed: prints `ready` once running.
+const FLICKER: &str = r#"
+import os, sys
+path, text = sys.argv[1], sys.argv[2]
+tmp = path + '.nobody'
+print('ready', flush=True)
+while True:
+    with open(tmp, 'w') as f:
+        f.write(text)
+    os.rename(tmp, path)
+    os.unlink(path)
+"#;
+
+fn policy_allowing(name: &str) -> String {
+    format!(
+        "version: 1\nallow:\n  - domain: {name}\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n"
+    )
+}
+
+/// `run`'s policy in a directory where anyone may add files (as /tmp), root's, which the walk
+/// passes. While the operator replaces it (removed, not yet written again), every reload
+/// walked to a missing name, took that for "nobody else can change this" and then opened
+/// the path again: the fenced user who puts its own file there in between is adopted.
+#[test]
+fn a_policy_missing_at_the_walk_and_put_there_by_nobody_before_the_read_is_not_adopted() {
+    let w = World::new();
+    w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    w.dns_set("new.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let _old = w.listen_tcp(HOST_V4, 443);
+    let _new = w.listen_tcp(HOST2_V4, 443);
+    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    let shared = w.dir().join("shared");
+    std::fs::create_dir(&shared).expect("mkdir shared");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    let path = shared.join("policy.yaml");
+    std::fs::write(&path, policy_allowing("old.example.com")).expect("write the policy");
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&path)]);
+    assert!(
+        daemon.wait_for_output("new addresses allowed", Duration::from_secs(15)),
+        "the daemon did not start:\n{}",
+        daemon.stderr()
+    );
+    let connects = |addr| {
+        w.in_sandbox_ns(|| {
+            std::net::TcpStream::connect_timeout(
+                &std::net::SocketAddr::new(addr, 443),
+                Duration::from_millis(200),
+            )
+            .is_ok()
+        })
+    };
+    assert!(within(Duration::from_secs(5), || connects(HOST_V4)));
+
+    // The operator's rewrite has removed the file and not yet written the new one.
+    std::fs::remove_file(&path).expect("remove the policy");
+    let mut flicker = w.spawn_adversary(
+        Adversary::Nobody,
+        &[
+            PYTHON,
+            "-c",
+            FLICKER,
+            path_arg(&path),
+            &policy_allowing("new.example.com"),
+        ],
+    );
+    assert!(
+        flicker.wait_for_output("ready", Duration::from_secs(10)),
+        "{}",
+        flicker.stderr()
+    );
+    let mut adopted = false;
+    for _ in 0..120 {
+        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+        if within(Duration::from_millis(300), || connects(HOST2_V4)) {
+            adopted = true;
+            break;
+        }
+    }
+    let _ = flicker.terminate();
+    let log = daemon.stderr();
+    let _ = daemon.terminate();
+    assert!(!adopted, "nobody's policy was adopted on a reload:\n{log}");
+}
