@@ -20,6 +20,7 @@ const MAX_LINKS: usize = 40;
 /// A name with nothing behind it is judged as an entry someone else could put there.
 const ABSENT: Inode = Inode {
     uid: u32::MAX,
+    nlink: 1,
     mode: libc::S_IFREG,
 };
 
@@ -27,6 +28,8 @@ const ABSENT: Inode = Inode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Inode {
     pub uid: u32,
+    /// Its names: past one, in a directory others may add to, one may be theirs.
+    pub nlink: u64,
     /// The whole `st_mode`: type and permission bits.
     pub mode: u32,
 }
@@ -35,6 +38,7 @@ impl Inode {
     fn of(meta: &std::fs::Metadata) -> Inode {
         Inode {
             uid: meta.uid(),
+            nlink: meta.nlink(),
             mode: meta.mode(),
         }
     }
@@ -211,7 +215,21 @@ mod tests {
     const LINK: u32 = libc::S_IFLNK;
 
     fn inode(uid: u32, mode: u32) -> Inode {
-        Inode { uid, mode }
+        Inode {
+            uid,
+            mode,
+            nlink: 1,
+        }
+    }
+
+    /// A second name of root's file, which where hard links are not protected
+    /// (`fs.protected_hardlinks=0`, the kernel's default) anyone may make in /tmp.
+    fn linked(uid: u32, mode: u32) -> Inode {
+        Inode {
+            uid,
+            mode,
+            nlink: 2,
+        }
     }
 
     /// Each case: the directory, the entry found in it, the uid egress-fence runs as, and
@@ -255,6 +273,13 @@ mod tests {
                 0,
                 Some((Directory, Why::Mode(DIR | 0o1777))),
             ),
+            (
+                inode(0, DIR | 0o1777),
+                linked(0, FILE | 0o644),
+                0,
+                Some((Directory, Why::Mode(DIR | 0o1777))),
+            ),
+            (inode(0, DIR | 0o755), linked(0, FILE | 0o644), 0, None),
             // A file others own or may write; a link's own mode means nothing.
             (
                 inode(0, DIR | 0o755),
