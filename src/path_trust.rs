@@ -101,14 +101,18 @@ pub fn judge(dir: Inode, entry: Inode, euid: u32) -> Option<(Culprit, Why)> {
     if !trusted(dir.uid) {
         return Some((Culprit::Directory, Why::Owner(dir.uid)));
     }
-    // In a sticky directory others may add entries but rename or remove only their own.
-    if dir.group_or_others_write() && !(dir.sticky() && trusted(entry.uid)) {
+    // In a sticky directory others may add entries but rename or remove only their own. A
+    // file or link with more than one name may be a hard link one of them made there to
+    // root's file (allowed unless `fs.protected_hardlinks=1`): root's, but not put there by
+    // root.
+    let kind = entry.mode & libc::S_IFMT;
+    let own_entry = trusted(entry.uid) && (kind == libc::S_IFDIR || entry.nlink <= 1);
+    if dir.group_or_others_write() && !(dir.sticky() && own_entry) {
         return Some((Culprit::Directory, Why::Mode(dir.mode)));
     }
     if !trusted(entry.uid) {
         return Some((Culprit::Entry, Why::Owner(entry.uid)));
     }
-    let kind = entry.mode & libc::S_IFMT;
     if kind != libc::S_IFDIR && kind != libc::S_IFLNK && entry.group_or_others_write() {
         return Some((Culprit::Entry, Why::Mode(entry.mode)));
     }
