@@ -96,7 +96,15 @@ pub enum Culprit {
 /// user other than root and `euid`: its directory's owner and mode, then its own owner, and
 /// for a file (not a directory or link, whose entries and targets are judged on the way on)
 /// its mode. Pure: the walk hands it what `lstat` said.
-pub fn judge(dir: Inode, entry: Inode, euid: u32) -> Option<(Culprit, Why)> {
+///
+/// `hardlinks_protected`: `fs.protected_hardlinks` is 1, so no one links another user's file
+/// (unless they may write it, which is judged anyway): a second name is then no sign.
+pub fn judge(
+    dir: Inode,
+    entry: Inode,
+    euid: u32,
+    hardlinks_protected: bool,
+) -> Option<(Culprit, Why)> {
     let trusted = |uid: u32| uid == 0 || uid == euid;
     if !trusted(dir.uid) {
         return Some((Culprit::Directory, Why::Owner(dir.uid)));
@@ -106,7 +114,8 @@ pub fn judge(dir: Inode, entry: Inode, euid: u32) -> Option<(Culprit, Why)> {
     // root's file (allowed unless `fs.protected_hardlinks=1`): root's, but not put there by
     // root.
     let kind = entry.mode & libc::S_IFMT;
-    let own_entry = trusted(entry.uid) && (kind == libc::S_IFDIR || entry.nlink <= 1);
+    let own_entry =
+        trusted(entry.uid) && (kind == libc::S_IFDIR || entry.nlink <= 1 || hardlinks_protected);
     if dir.group_or_others_write() && !(dir.sticky() && own_entry) {
         return Some((Culprit::Directory, Why::Mode(dir.mode)));
     }
@@ -135,7 +144,8 @@ pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
         return None;
     };
     let mut dir = Inode::of(&root);
-    if let Some((_, why)) = judge(dir, dir, euid) {
+    let protected = hardlinks_protected();
+    if let Some((_, why)) = judge(dir, dir, euid, protected) {
         return Some(OpenToOthers { at: current, why });
     }
     let mut links = 0;
@@ -159,13 +169,13 @@ pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
             // Nothing there: whoever may add an entry to `current` may put one there before
             // the path is read, or have removed theirs since it was read (replay judges
             // after reading). Elsewhere reading fails on its own.
-            return match judge(dir, ABSENT, euid) {
+            return match judge(dir, ABSENT, euid, protected) {
                 Some((Culprit::Directory, why)) => Some(OpenToOthers { at: current, why }),
                 _ => None,
             };
         };
         let entry = Inode::of(&meta);
-        if let Some((culprit, why)) = judge(dir, entry, euid) {
+        if let Some((culprit, why)) = judge(dir, entry, euid, protected) {
             let at = match culprit {
                 Culprit::Directory => current,
                 Culprit::Entry => next,
@@ -194,6 +204,11 @@ pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
         }
     }
     None
+}
+
+/// Whether `fs.protected_hardlinks` is 1; unreadable, it is taken as not.
+fn hardlinks_protected() -> bool {
+    std::fs::read_to_string("/proc/sys/fs/protected_hardlinks").is_ok_and(|v| v.trim() == "1")
 }
 
 /// Puts the components of `path` on `pending` so that the first is popped first.
@@ -299,9 +314,15 @@ mod tests {
             ),
             (inode(0, DIR | 0o755), inode(0, LINK | 0o777), 0, None),
         ];
+        // Where hard links are protected, no one else made that second name (the Nix store,
+        // optimised, is full of them).
+        assert_eq!(
+            judge(inode(0, DIR | 0o1775), linked(0, FILE | 0o444), 0, true),
+            None
+        );
         for (dir, entry, euid, expected) in cases {
             assert_eq!(
-                judge(dir, entry, euid),
+                judge(dir, entry, euid, false),
                 expected,
                 "{dir:?} {entry:?} {euid}"
             );
