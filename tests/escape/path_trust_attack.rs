@@ -177,3 +177,33 @@ fn a_policy_missing_at_the_walk_and_put_there_by_nobody_before_the_read_is_not_a
     let _ = daemon.terminate();
     assert!(!adopted, "nobody's policy was adopted on a reload:\n{log}");
 }
+
+/// `check` run by the user who owns the policy (an operator trying it before installing it)
+/// said nothing, since that user counted as the one egress-fence runs as; `run`, as root,
+/// refuses that file. `check` must warn of what `run` will refuse.
+#[test]
+fn check_warns_of_a_file_run_refuses_whoever_runs_check() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mine = dir.path().join("mine");
+    std::fs::create_dir(&mine).expect("mkdir");
+    chown(&mine, Some(NOBODY), Some(NOBODY)).expect("chown");
+    let path = mine.join("policy.yaml");
+    std::fs::write(&path, policy_allowing("old.example.com")).expect("write");
+    chown(&path, Some(NOBODY), Some(NOBODY)).expect("chown");
+    let nobody = NOBODY.to_string();
+    let out = Command::new("setpriv")
+        .args([
+            &format!("--reuid={nobody}"),
+            &format!("--regid={nobody}"),
+            "--clear-groups",
+            EGRESS_FENCE_BIN,
+            "check",
+            path_arg(&path),
+        ])
+        .output()
+        .expect("run check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("`run` refuses a policy file"), "{stderr}");
+}
