@@ -283,4 +283,37 @@ mod tests {
         assert_eq!(addrs, [IpAddr::from([192, 0, 2, 10])]);
         assert!(answered_addrs("not a name\u{0}", &answers).is_empty());
     }
+
+    /// The guard installs the address hints of an HTTPS or SVCB record on the chain whatever
+    /// was asked (`guard::answer_addresses`), so a zone's owner under an allowed wildcard can
+    /// put a blocked target in a hint of its answer to an A question: the probe must count
+    /// it among the name's addresses, as the guard allows it.
+    #[test]
+    fn an_address_hint_in_an_answer_to_a_is_the_names_as_the_guard_installs_it() {
+        use hickory_proto::rr::rdata::HTTPS;
+        use hickory_proto::rr::rdata::svcb::{IpHint, SVCB, SvcParamKey, SvcParamValue};
+        let hint = SVCB::new(
+            1,
+            Name::root(),
+            vec![(
+                SvcParamKey::Ipv4Hint,
+                SvcParamValue::Ipv4Hint(IpHint(vec![A::new(203, 0, 113, 10)])),
+            )],
+        );
+        let answers = [
+            record("www.example.com.", RData::A(A::new(192, 0, 2, 10))),
+            record("www.example.com.", RData::HTTPS(HTTPS(hint))),
+        ];
+        let addrs: Vec<IpAddr> = answered_addrs("www.example.com", &answers)
+            .into_iter()
+            .map(|a| a.addr)
+            .collect();
+        assert_eq!(
+            addrs,
+            [
+                IpAddr::from([192, 0, 2, 10]),
+                IpAddr::from([203, 0, 113, 10])
+            ]
+        );
+    }
 }
