@@ -193,7 +193,8 @@ fn dns_exchange(
 }
 
 /// The addresses an answer gives `name`: those of its records and of the CNAME chain from it,
-/// as the guard takes them ([`message::on_chain`]). A record of another name in the answer
+/// A and AAAA records and HTTPS and SVCB hints whatever was asked, as the guard takes them
+/// ([`message::on_chain`], [`crate::guard::record_addresses`]). A record of another name in the answer
 /// (which a zone's owner may add under an allowed wildcard) is no address of `name`, and the
 /// probe must not judge its targets by it.
 fn answered_addrs(name: &str, answers: &[Record]) -> Vec<ResolvedAddr> {
@@ -202,11 +203,10 @@ fn answered_addrs(name: &str, answers: &[Record]) -> Vec<ResolvedAddr> {
     };
     asked.set_fqdn(true);
     message::on_chain(&asked, answers)
-        .filter_map(|r| {
-            Some(ResolvedAddr {
-                addr: r.data.ip_addr()?,
-                ttl: r.ttl,
-            })
+        .flat_map(|r| {
+            crate::guard::record_addresses(&r.data)
+                .into_iter()
+                .map(|addr| ResolvedAddr { addr, ttl: r.ttl })
         })
         .collect()
 }
