@@ -256,3 +256,82 @@ fn a_policy_root_in_a_container_rewrites_is_not_adopted() {
     let _ = daemon.terminate();
     assert!(!adopted, "root in a container widened the fence:\n{log}");
 }
+
+/// A path through a magic link of /proc (`/proc/PID/root`, as an operator may name a file of
+/// a container's): the walk followed the link's text ("/") and judged the host's file of that
+/// name, root's; the kernel follows the link to the container's root and `run` read the
+/// container's file, which anyone there may write. What is read must be the file judged.
+#[test]
+fn a_policy_read_through_proc_pid_root_is_the_file_judged() {
+    let w = World::new();
+    w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    w.dns_set("new.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let _old = w.listen_tcp(HOST_V4, 443);
+    let _new = w.listen_tcp(HOST2_V4, 443);
+    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    let conf = w.dir().join("conf");
+    std::fs::create_dir(&conf).expect("mkdir conf");
+    std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let host_file = conf.join("policy.yaml");
+    std::fs::write(&host_file, policy_allowing("old.example.com")).expect("write");
+    // The container: its own mounts (`ip netns exec` gives it a mount namespace), where
+    // `conf` is a tmpfs holding a policy anyone may write.
+    let script = format!(
+        "mount -t tmpfs none {conf} && printf '%s' '{text}' > {conf}/policy.yaml && chmod 666 \
+         {conf}/policy.yaml && echo ready && exec sleep 600",
+        conf = path_arg(&conf),
+        text = policy_allowing("old.example.com"),
+    );
+    let mut container = w.spawn_in_sandbox(&["sh", "-c", &script]);
+    assert!(
+        container.wait_for_output("ready", Duration::from_secs(10)),
+        "{}",
+        container.stderr()
+    );
+    let pid = container.pid().as_raw();
+    let path = format!("/proc/{pid}/root{}", path_arg(&host_file));
+    let mut daemon = w.spawn_egress_fence(&["run", &path]);
+    let started = daemon.wait_for_output("new addresses allowed", Duration::from_secs(15));
+    if started {
+        // Nobody, in the container, rewrites the file `run` reads.
+        let rewrite = format!(
+            "printf '%s' '{}' > {}",
+            policy_allowing("new.example.com"),
+            path_arg(&host_file)
+        );
+        let pid = pid.to_string();
+        let out = w.sandbox_cmd(&[
+            "nsenter",
+            "-t",
+            &pid,
+            "-m",
+            "--",
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+            &rewrite,
+        ]);
+        assert!(out.success(), "{out}");
+        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+    }
+    let connects = || {
+        w.in_sandbox_ns(|| {
+            std::net::TcpStream::connect_timeout(
+                &std::net::SocketAddr::new(HOST2_V4, 443),
+                Duration::from_millis(200),
+            )
+            .is_ok()
+        })
+    };
+    let adopted = started && within(Duration::from_secs(5), connects);
+    let log = daemon.stderr();
+    let _ = daemon.terminate();
+    let _ = container.terminate();
+    assert!(
+        !adopted,
+        "nobody's policy, read through /proc/{pid}/root, was adopted:\n{log}"
+    );
+}
