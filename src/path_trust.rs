@@ -68,6 +68,9 @@ pub enum Why {
     Mode(u32),
     /// More links than the kernel follows, or a loop.
     TooManyLinks,
+    /// The file opened is not the one the walk judged: reached through a magic link of
+    /// /proc, whose text is not where the kernel goes, or put there while it was judged.
+    NotTheFileJudged,
 }
 
 impl fmt::Display for OpenToOthers {
@@ -81,6 +84,11 @@ impl fmt::Display for OpenToOthers {
                 mode & 0o7777
             ),
             Why::TooManyLinks => write!(f, "{at} follows more than {MAX_LINKS} links"),
+            Why::NotTheFileJudged => write!(
+                f,
+                "{at} opens another file than the one its path leads to when each link is read \
+                 (a link of /proc such as /proc/PID/root, or a file put there meanwhile)"
+            ),
         }
     }
 }
@@ -128,26 +136,75 @@ pub fn judge(
     None
 }
 
+/// What a walk found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Walk {
+    /// Only root and `euid` could change what the path reads: the file it leads to, as
+    /// (`st_dev`, `st_ino`).
+    Trusted(u64, u64),
+    /// Someone else could.
+    Open(OpenToOthers),
+    /// A component could not be looked up where only root and `euid` add entries, or a
+    /// link not read: reading the path fails on its own, with its own error.
+    Unfinished,
+}
+
 /// Walks `path` (relative to the working directory when not absolute) and returns the first
 /// place where a user other than root and `euid` could change what it reads, or `None`.
 /// A component that cannot be looked up ends the walk: with the directory that should hold
 /// it when others may add entries to that directory, else with `None` (reading the path then
 /// fails on its own, with its own error).
 pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
+    match walk(path, euid) {
+        Walk::Open(found) => Some(found),
+        Walk::Trusted(..) | Walk::Unfinished => None,
+    }
+}
+
+/// Why [`open_trusted`] gave no file.
+#[derive(Debug)]
+pub enum Refused {
+    /// Opening or reading its metadata failed.
+    Io(std::io::Error),
+    /// Someone else could change what it reads.
+    Open(OpenToOthers),
+}
+
+/// Opens `path` to read it, if only root and `euid` could change what it reads: opened
+/// first, then walked, and the file opened must be the one the walk judged. The kernel
+/// follows a magic link of /proc (`/proc/PID/root`, `/proc/PID/fd/N`) to its object, the
+/// walk only its text; and a name others may fill could change between the two.
+pub fn open_trusted(path: &Path, euid: u32) -> Result<std::fs::File, Refused> {
+    let file = std::fs::File::open(path).map_err(Refused::Io)?;
+    let meta = file.metadata().map_err(Refused::Io)?;
+    match walk(path, euid) {
+        Walk::Trusted(dev, ino) if (dev, ino) == (meta.dev(), meta.ino()) => Ok(file),
+        Walk::Open(found) => Err(Refused::Open(found)),
+        Walk::Trusted(..) | Walk::Unfinished => Err(Refused::Open(OpenToOthers {
+            at: path.to_owned(),
+            why: Why::NotTheFileJudged,
+        })),
+    }
+}
+
+/// The walk of [`open_to_others`], with the file it ends at.
+pub fn walk(path: &Path, euid: u32) -> Walk {
+    let found = |at, why| Walk::Open(OpenToOthers { at, why });
     let Ok(absolute) = std::path::absolute(path) else {
-        return None;
+        return Walk::Unfinished;
     };
     let mut pending: Vec<OsString> = Vec::new();
     push_components(&mut pending, &absolute);
     let mut current = PathBuf::from("/");
     let Ok(root) = std::fs::symlink_metadata(&current) else {
-        return None;
+        return Walk::Unfinished;
     };
     let mut dir = Inode::of(&root);
     let protected = hardlinks_protected();
     if let Some((_, why)) = judge(dir, dir, euid, protected) {
-        return Some(OpenToOthers { at: current, why });
+        return found(current, why);
     }
+    let mut last = (root.dev(), root.ino());
     let mut links = 0;
     while let Some(name) = pending.pop() {
         match name.as_bytes() {
@@ -156,10 +213,13 @@ pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
                 // `current` never holds a link (each is replaced by its target), so its
                 // parent is the directory `..` names.
                 current.pop();
-                dir = match std::fs::symlink_metadata(&current) {
-                    Ok(meta) => Inode::of(&meta),
-                    Err(_) => return None,
-                };
+                match std::fs::symlink_metadata(&current) {
+                    Ok(meta) => {
+                        dir = Inode::of(&meta);
+                        last = (meta.dev(), meta.ino());
+                    }
+                    Err(_) => return Walk::Unfinished,
+                }
                 continue;
             }
             _ => {}
@@ -170,8 +230,8 @@ pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
             // the path is read, or have removed theirs since it was read (replay judges
             // after reading). Elsewhere reading fails on its own.
             return match judge(dir, ABSENT, euid, protected) {
-                Some((Culprit::Directory, why)) => Some(OpenToOthers { at: current, why }),
-                _ => None,
+                Some((Culprit::Directory, why)) => found(current, why),
+                _ => Walk::Unfinished,
             };
         };
         let entry = Inode::of(&meta);
@@ -180,30 +240,29 @@ pub fn open_to_others(path: &Path, euid: u32) -> Option<OpenToOthers> {
                 Culprit::Directory => current,
                 Culprit::Entry => next,
             };
-            return Some(OpenToOthers { at, why });
+            return found(at, why);
         }
         if meta.file_type().is_symlink() {
             links += 1;
             if links > MAX_LINKS {
-                return Some(OpenToOthers {
-                    at: path.to_owned(),
-                    why: Why::TooManyLinks,
-                });
+                return found(path.to_owned(), Why::TooManyLinks);
             }
             let Ok(target) = std::fs::read_link(&next) else {
-                return None;
+                return Walk::Unfinished;
             };
             if target.is_absolute() {
                 current = PathBuf::from("/");
                 dir = Inode::of(&root);
+                last = (root.dev(), root.ino());
             }
             push_components(&mut pending, &target);
         } else {
             current = next;
             dir = entry;
+            last = (meta.dev(), meta.ino());
         }
     }
-    None
+    Walk::Trusted(last.0, last.1)
 }
 
 /// Whether `fs.protected_hardlinks` is 1; unreadable, it is taken as not.

@@ -331,6 +331,10 @@ fn a_policy_read_through_proc_pid_root_is_the_file_judged() {
     let _ = daemon.terminate();
     let _ = container.terminate();
     assert!(
+        started || log.contains("opens another file than the one its path leads to"),
+        "{log}"
+    );
+    assert!(
         !adopted,
         "nobody's policy, read through /proc/{pid}/root, was adopted:\n{log}"
     );
