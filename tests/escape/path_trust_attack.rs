@@ -339,3 +339,49 @@ fn a_policy_read_through_proc_pid_root_is_the_file_judged() {
         "nobody's policy, read through /proc/{pid}/root, was adopted:\n{log}"
     );
 }
+
+/// `replay` of a trace named through `/proc/PID/root` (a container's file): the walk judged
+/// the host's file of that name, root's, while the trace read was the container's, which
+/// anyone there may write; a gate passed on it.
+#[test]
+fn a_trace_read_through_proc_pid_root_passes_no_gate() {
+    let w = World::new();
+    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    let conf = w.dir().join("conf");
+    std::fs::create_dir(&conf).expect("mkdir conf");
+    std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let trace = "{\"kind\":\"start\",\"time\":\"2026-12-01T10:00:00.000Z\",\"version\":1,\"mode\":\"guard\",\"policy\":\"p.yaml\",\"audit\":false}\n{\"kind\":\"end\",\"time\":\"2026-12-01T10:00:05.000Z\"}\n";
+    let host_file = conf.join("trace.jsonl");
+    std::fs::write(&host_file, trace).expect("write");
+    let policy = w.write_file(
+        "policy.yaml",
+        "version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n",
+    );
+    let script = format!(
+        "mount -t tmpfs none {conf} && printf '%s' '{trace}' > {conf}/trace.jsonl && chmod 666 \
+         {conf}/trace.jsonl && echo ready && exec sleep 600",
+        conf = path_arg(&conf),
+    );
+    let mut container = w.spawn_in_sandbox(&["sh", "-c", &script]);
+    assert!(
+        container.wait_for_output("ready", Duration::from_secs(10)),
+        "{}",
+        container.stderr()
+    );
+    let path = format!(
+        "/proc/{}/root{}",
+        container.pid().as_raw(),
+        path_arg(&host_file)
+    );
+    let out = Command::new(EGRESS_FENCE_BIN)
+        .args(["replay", &path, path_arg(&policy)])
+        .output()
+        .expect("run replay");
+    let _ = container.terminate();
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "a gate passed on a container's trace: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
