@@ -388,6 +388,27 @@ mod tests {
         }
     }
 
+    /// A FIFO at the path (which others may put at a missing name of /tmp) is not waited
+    /// on: opening it for the judgement must not hang a reload for good.
+    #[test]
+    fn opening_a_fifo_to_judge_it_does_not_wait_for_a_writer() {
+        let euid = nix::unistd::geteuid().as_raw();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fifo = dir.path().join("policy.yaml");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644))
+            .expect("mkfifo");
+        let (done, opened) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(open_trusted(&fifo, euid).is_ok());
+        });
+        assert!(
+            opened
+                .recv_timeout(std::time::Duration::from_secs(5))
+                .is_ok(),
+            "open_trusted waited for a writer"
+        );
+    }
+
     /// The walk on real files: this test runs as whoever runs `cargo test`, which is
     /// `euid` here, in a private directory under the temporary one.
     #[test]
