@@ -175,10 +175,24 @@ pub enum Refused {
 /// follows a magic link of /proc (`/proc/PID/root`, `/proc/PID/fd/N`) to its object, the
 /// walk only its text; and a name others may fill could change between the two.
 pub fn open_trusted(path: &Path, euid: u32) -> Result<std::fs::File, Refused> {
-    let file = std::fs::File::open(path).map_err(Refused::Io)?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Not blocking: a FIFO (which others may put at a name the walk then refuses) would
+    // wait for a writer before anything is judged. Blocking again once judged.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(Refused::Io)?;
     let meta = file.metadata().map_err(Refused::Io)?;
     match walk(path, euid) {
-        Walk::Trusted(dev, ino) if (dev, ino) == (meta.dev(), meta.ino()) => Ok(file),
+        Walk::Trusted(dev, ino) if (dev, ino) == (meta.dev(), meta.ino()) => {
+            nix::fcntl::fcntl(
+                &file,
+                nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+            )
+            .map_err(|e| Refused::Io(e.into()))?;
+            Ok(file)
+        }
         Walk::Open(found) => Err(Refused::Open(found)),
         Walk::Trusted(..) | Walk::Unfinished => Err(Refused::Open(OpenToOthers {
             at: path.to_owned(),
