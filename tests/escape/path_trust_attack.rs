@@ -385,3 +385,92 @@ fn a_trace_read_through_proc_pid_root_passes_no_gate() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Holds ARGV[1] open for writing; on SIGUSR1 writes ARGV[2] through that descriptor.
+const WRITE_LATER: &str = r#"
+import os, signal, sys
+f = open(sys.argv[1], 'r+')
+def write(*_):
+    f.seek(0)
+    f.truncate()
+    f.write(sys.argv[2])
+    f.flush()
+    print('written', flush=True)
+signal.signal(signal.SIGUSR1, write)
+print('ready', flush=True)
+while True:
+    signal.pause()
+"#;
+
+/// The agent proposes a policy in its own directory; the operator takes the directory and
+/// file over (`chown root`, `chmod go-w`) and starts `run` on it, which judges every owner
+/// and mode fine. But the agent opened the file for writing before, and a descriptor keeps
+/// the access it was opened with: it rewrites the policy, adopted at the next reload. The
+/// kernel tells whether anyone holds a file open for writing: it grants a read lease
+/// (`F_SETLEASE`, `F_RDLCK`) only when no one does; taking one needs an FFI call that the
+/// crate's `unsafe_code = "deny"` keeps in `src/nft`, so it is not done here.
+#[test]
+#[ignore = "finding: a descriptor opened for writing before the file became root's still writes; fix: refuse when a read lease (F_SETLEASE) is refused with EAGAIN"]
+fn a_policy_written_through_a_descriptor_opened_before_the_takeover_is_not_adopted() {
+    let w = World::new();
+    w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
+    w.dns_set("new.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
+    let _old = w.listen_tcp(HOST_V4, 443);
+    let _new = w.listen_tcp(HOST2_V4, 443);
+    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    let dir = w.dir().join("proposal");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let path = dir.join("policy.yaml");
+    std::fs::write(&path, policy_allowing("old.example.com")).expect("write");
+    for p in [&dir, &path] {
+        chown(p, Some(NOBODY), Some(NOBODY)).expect("chown");
+    }
+    let mut agent = w.spawn_adversary(
+        Adversary::Nobody,
+        &[
+            PYTHON,
+            "-c",
+            WRITE_LATER,
+            path_arg(&path),
+            &policy_allowing("new.example.com"),
+        ],
+    );
+    assert!(
+        agent.wait_for_output("ready", Duration::from_secs(10)),
+        "{}",
+        agent.stderr()
+    );
+    // The operator takes the proposal over.
+    for p in [&dir, &path] {
+        chown(p, Some(0), Some(0)).expect("chown");
+    }
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&path)]);
+    assert!(
+        daemon.wait_for_output("new addresses allowed", Duration::from_secs(15)),
+        "the daemon did not start:\n{}",
+        daemon.stderr()
+    );
+    agent.signal(nix::sys::signal::Signal::SIGUSR1);
+    assert!(
+        agent.wait_for_output("written", Duration::from_secs(10)),
+        "{}",
+        agent.stderr()
+    );
+    daemon.signal(nix::sys::signal::Signal::SIGHUP);
+    let connects = || {
+        w.in_sandbox_ns(|| {
+            std::net::TcpStream::connect_timeout(
+                &std::net::SocketAddr::new(HOST2_V4, 443),
+                Duration::from_millis(200),
+            )
+            .is_ok()
+        })
+    };
+    let adopted = within(Duration::from_secs(5), connects);
+    let log = daemon.stderr();
+    let _ = daemon.terminate();
+    let _ = agent.terminate();
+    assert!(!adopted, "the agent's late write was adopted:\n{log}");
+}
