@@ -12,8 +12,12 @@ use super::output::join_display;
 
 pub fn run(path: &Path) -> Result<u8, Failure> {
     let (policy, text) = load_with_text(path)?;
-    let euid = nix::unistd::geteuid().as_raw();
-    if let Some(found) = egress_fence::path_trust::open_to_others(path, euid) {
+    // Judged as for `run` as root, whoever runs `check`: its owner trying a policy before
+    // installing it would otherwise count as the user `run` runs as.
+    // Judged as `run` judges it: the file opened must be the one the walk judged.
+    if let Err(egress_fence::path_trust::Refused::Open(found)) =
+        egress_fence::path_trust::open_trusted(path, 0)
+    {
         eprintln!(
             "warning: {found}: `run` refuses a policy file that a user other than root (or \
              the user it runs as) could change, since it reads the file again on every reload; \

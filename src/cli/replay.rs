@@ -7,6 +7,7 @@ use std::path::Path;
 use anyhow::anyhow;
 use egress_fence::core::replay::{ReplayReport, describe_flow, replay};
 use egress_fence::core::trace::{Trace, TraceError};
+use egress_fence::path_trust;
 use egress_fence::trace_file::MAX_TRACE_BYTES;
 
 use super::exit::{EXIT_BAD_POLICY, EXIT_FAILURE, EXIT_INCOMPLETE_TRACE, Failure};
@@ -17,7 +18,7 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
         code: EXIT_BAD_POLICY,
         error,
     };
-    let text = read_trace(trace_path).map_err(|e| {
+    let (text, read) = read_trace(trace_path).map_err(|e| {
         bad_input(anyhow!(
             "cannot read the trace {}: {e}; give a file `run --record` or `learn` wrote",
             trace_path.display()
@@ -51,8 +52,19 @@ pub fn run(trace_path: &Path, policy_path: &Path, json: bool) -> Result<u8, Fail
     stdout.flush()?;
     // What the trace holds may not be what its run wrote: whoever could change the file
     // could have swapped in a clean one, so it passes no gate (a refusal in it still counts).
+    // Judged after it was read, so the walk must end at the file read: another (a magic
+    // link of /proc, or one put there since) is no sign of anything.
     let euid = nix::unistd::geteuid().as_raw();
-    let open_to_others = egress_fence::path_trust::open_to_others(trace_path, euid);
+    let open_to_others = match path_trust::walk(trace_path, euid) {
+        path_trust::Walk::Trusted(dev, ino) if (dev, ino) == read => None,
+        path_trust::Walk::Open(found) => Some(found),
+        path_trust::Walk::Trusted(..) | path_trust::Walk::Unfinished => {
+            Some(path_trust::OpenToOthers {
+                at: trace_path.to_owned(),
+                why: path_trust::Why::NotTheFileJudged,
+            })
+        }
+    };
     if let (Some(found), false) = (&open_to_others, report.refuses_anything()) {
         eprintln!(
             "replay: {found}: a user other than root could have changed the trace since its \
@@ -77,8 +89,10 @@ const MAX_REPLAY_BYTES: u64 = 8 * MAX_TRACE_BYTES;
 /// [`MAX_REPLAY_BYTES`]: a gate may replay a trace in a directory the fenced process can
 /// write, where a FIFO put at the path would hold the gate forever, and a sparse file of any
 /// size (which takes no disk) would have it read gigabytes of zeros into memory.
-fn read_trace(path: &Path) -> std::io::Result<String> {
+/// The trace's text, and the file it was read from as (`st_dev`, `st_ino`).
+fn read_trace(path: &Path) -> std::io::Result<(String, (u64, u64))> {
     use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -102,7 +116,7 @@ fn read_trace(path: &Path) -> std::io::Result<String> {
     if text.len() as u64 > MAX_REPLAY_BYTES {
         return Err(too_large());
     }
-    Ok(text)
+    Ok((text, (meta.dev(), meta.ino())))
 }
 
 /// Trace text for a terminal: anything but printable ASCII is shown escaped (`\u{1b}`), not

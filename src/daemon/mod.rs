@@ -192,17 +192,22 @@ pub fn run(options: Options) -> Result<(), DaemonError> {
 /// Reads and validates the policy file; with `trusted`, refuses it while anyone but root and
 /// this process's user could change it (see [`Options::trusted_policy_file`]).
 fn load_policy(path: &Path, trusted: bool) -> Result<(Policy, String), PolicyError> {
+    if !trusted {
+        return Policy::load_with_text(path);
+    }
+    // Opened before it is judged, and read only if it is the file judged.
     let euid = nix::unistd::geteuid().as_raw();
-    if let Some(found) = trusted
-        .then(|| crate::path_trust::open_to_others(path, euid))
-        .flatten()
-    {
-        return Err(PolicyError::OpenToOthers {
+    let file = crate::path_trust::open_trusted(path, euid).map_err(|refused| match refused {
+        crate::path_trust::Refused::Io(error) => PolicyError::Read {
+            path: path.to_owned(),
+            error,
+        },
+        crate::path_trust::Refused::Open(found) => PolicyError::OpenToOthers {
             path: path.to_owned(),
             found: found.to_string(),
-        });
-    }
-    Policy::load_with_text(path)
+        },
+    })?;
+    Policy::read_with_text(file, path)
 }
 
 fn start_and_serve(

@@ -27,7 +27,9 @@ pub fn answer_addresses(query: &Message, answer: &Message) -> (Vec<ResolvedAddr>
     answered_addrs(records)
 }
 
-fn record_addresses(data: &RData) -> Vec<IpAddr> {
+/// The addresses one record brings: an A or AAAA record's, or an HTTPS or SVCB record's
+/// hints. The probe takes a name's addresses with this too, as the guard installs them.
+pub fn record_addresses(data: &RData) -> Vec<IpAddr> {
     let svcb = match data {
         RData::HTTPS(https) => &https.0,
         RData::SVCB(svcb) => svcb,

@@ -42,7 +42,7 @@ mod serve;
 mod testing;
 mod upstream;
 
-pub use addresses::answer_addresses;
+pub use addresses::{answer_addresses, record_addresses};
 pub use clients::{ClientKey, ClientLimits, ClientSlot, client_key};
 pub use counters::{Counters, LATENCY_BOUNDS, LatencySnapshot, LogBudget};
 pub use events::serve_events;

@@ -193,7 +193,8 @@ fn dns_exchange(
 }
 
 /// The addresses an answer gives `name`: those of its records and of the CNAME chain from it,
-/// as the guard takes them ([`message::on_chain`]). A record of another name in the answer
+/// A and AAAA records and HTTPS and SVCB hints whatever was asked, as the guard takes them
+/// ([`message::on_chain`], [`crate::guard::record_addresses`]). A record of another name in the answer
 /// (which a zone's owner may add under an allowed wildcard) is no address of `name`, and the
 /// probe must not judge its targets by it.
 fn answered_addrs(name: &str, answers: &[Record]) -> Vec<ResolvedAddr> {
@@ -202,11 +203,10 @@ fn answered_addrs(name: &str, answers: &[Record]) -> Vec<ResolvedAddr> {
     };
     asked.set_fqdn(true);
     message::on_chain(&asked, answers)
-        .filter_map(|r| {
-            Some(ResolvedAddr {
-                addr: r.data.ip_addr()?,
-                ttl: r.ttl,
-            })
+        .flat_map(|r| {
+            crate::guard::record_addresses(&r.data)
+                .into_iter()
+                .map(|addr| ResolvedAddr { addr, ttl: r.ttl })
         })
         .collect()
 }
@@ -282,5 +282,38 @@ mod tests {
             .collect();
         assert_eq!(addrs, [IpAddr::from([192, 0, 2, 10])]);
         assert!(answered_addrs("not a name\u{0}", &answers).is_empty());
+    }
+
+    /// The guard installs the address hints of an HTTPS or SVCB record on the chain whatever
+    /// was asked (`guard::answer_addresses`), so a zone's owner under an allowed wildcard can
+    /// put a blocked target in a hint of its answer to an A question: the probe must count
+    /// it among the name's addresses, as the guard allows it.
+    #[test]
+    fn an_address_hint_in_an_answer_to_a_is_the_names_as_the_guard_installs_it() {
+        use hickory_proto::rr::rdata::HTTPS;
+        use hickory_proto::rr::rdata::svcb::{IpHint, SVCB, SvcParamKey, SvcParamValue};
+        let hint = SVCB::new(
+            1,
+            Name::root(),
+            vec![(
+                SvcParamKey::Ipv4Hint,
+                SvcParamValue::Ipv4Hint(IpHint(vec![A::new(203, 0, 113, 10)])),
+            )],
+        );
+        let answers = [
+            record("www.example.com.", RData::A(A::new(192, 0, 2, 10))),
+            record("www.example.com.", RData::HTTPS(HTTPS(hint))),
+        ];
+        let addrs: Vec<IpAddr> = answered_addrs("www.example.com", &answers)
+            .into_iter()
+            .map(|a| a.addr)
+            .collect();
+        assert_eq!(
+            addrs,
+            [
+                IpAddr::from([192, 0, 2, 10]),
+                IpAddr::from([203, 0, 113, 10])
+            ]
+        );
     }
 }

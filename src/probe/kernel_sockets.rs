@@ -3,7 +3,9 @@
 //! endpoint and TIPC's UDP bearer. Such a socket has no file, so `meta skuid`/`skgid` match
 //! nothing on its packets, and one made on a workqueue is in the root cgroup: a scope of
 //! users, groups or cgroups does not see what a fenced process sends through it. With no
-//! scope every packet is judged by its destination, so they are no way out then.
+//! scope every IP packet is judged by its destination, so they are no way out then, but for
+//! TIPC's Ethernet and InfiniBand bearers and RDS over InfiniBand or RoCE, which send past
+//! the IP stack (a WARN: whether such a bearer or device is set up is not looked at).
 
 use nix::errno::Errno;
 
@@ -19,6 +21,9 @@ pub(super) struct Family {
     pub name: &'static str,
     /// Its kernel module, for the remedy.
     pub module: &'static str,
+    /// How its traffic may leave past the IP stack, as frames no rule of an `inet` table
+    /// sees (so not even a fence of the whole host judges it), if it may.
+    past_ip: Option<&'static str>,
     domain: libc::c_int,
     ty: libc::c_int,
     protocol: libc::c_int,
@@ -38,6 +43,7 @@ pub(super) const FAMILIES: [Family; 5] = [
         domain: AF_SMC,
         ty: libc::SOCK_STREAM,
         protocol: 0,
+        past_ip: None,
     },
     Family {
         name: "IPPROTO_SMC",
@@ -45,6 +51,7 @@ pub(super) const FAMILIES: [Family; 5] = [
         domain: libc::AF_INET,
         ty: libc::SOCK_STREAM,
         protocol: IPPROTO_SMC,
+        past_ip: None,
     },
     Family {
         name: "AF_RDS",
@@ -52,6 +59,7 @@ pub(super) const FAMILIES: [Family; 5] = [
         domain: AF_RDS,
         ty: libc::SOCK_SEQPACKET,
         protocol: 0,
+        past_ip: Some("over InfiniBand or RoCE (rds_rdma) through the RDMA device"),
     },
     Family {
         name: "AF_RXRPC",
@@ -59,6 +67,7 @@ pub(super) const FAMILIES: [Family; 5] = [
         domain: AF_RXRPC,
         ty: libc::SOCK_DGRAM,
         protocol: libc::AF_INET,
+        past_ip: None,
     },
     Family {
         name: "AF_TIPC",
@@ -66,6 +75,7 @@ pub(super) const FAMILIES: [Family; 5] = [
         domain: AF_TIPC,
         ty: libc::SOCK_RDM,
         protocol: 0,
+        past_ip: Some("over an Ethernet or InfiniBand bearer as frames of its own type"),
     },
 ];
 
@@ -139,6 +149,23 @@ pub(super) fn kernel_sockets_check(
             ),
         };
     }
+    let past_ip: Vec<String> = open
+        .iter()
+        .filter_map(|f| f.past_ip.map(|how| format!("{} {how}", f.name)))
+        .collect();
+    if !fenced_by_socket && !past_ip.is_empty() {
+        return Check::new(
+            Outcome::Warn,
+            KERNEL_SOCKETS_CHECK,
+            format!(
+                "{} open here; the table judges IP packets only, and {} leaves the host past \
+                 the IP stack where such a device or bearer is set up, fenced by nothing; keep \
+                 their modules from loading (`install MOD /bin/false` in /etc/modprobe.d)",
+                names(&open),
+                past_ip.join("; ")
+            ),
+        );
+    }
     if !fenced_by_socket {
         return Check::new(
             Outcome::Pass,
@@ -203,6 +230,20 @@ mod tests {
         );
         let whole_host = kernel_sockets_check(&opened, false);
         assert_eq!(whole_host.outcome, Outcome::Pass, "{}", whole_host.reason);
+    }
+
+    /// The table judges IP packets only: TIPC over an Ethernet or InfiniBand bearer and RDS
+    /// over InfiniBand or RoCE leave the host as frames that never meet it, so that one of
+    /// them opens is no pass for the whole host either.
+    #[test]
+    fn a_family_with_a_path_past_ip_is_no_pass_for_the_whole_host() {
+        for name in ["AF_TIPC", "AF_RDS"] {
+            let check = kernel_sockets_check(&tried(&[name], Errno::EAFNOSUPPORT), false);
+            assert_eq!(check.outcome, Outcome::Warn, "{name}: {}", check.reason);
+            assert!(check.reason.contains(name), "{}", check.reason);
+        }
+        let rxrpc = kernel_sockets_check(&tried(&["AF_RXRPC"], Errno::EAFNOSUPPORT), false);
+        assert_eq!(rxrpc.outcome, Outcome::Pass, "{}", rxrpc.reason);
     }
 
     #[test]

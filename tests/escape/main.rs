@@ -21,6 +21,7 @@ mod learn;
 mod learn_attack;
 mod metrics_attack;
 mod operator_attack;
+mod path_trust_attack;
 mod policy_attack;
 mod policy_file;
 mod probe_protocols;

@@ -25,17 +25,25 @@ impl Policy {
     /// Reads and validates a policy file; also returns the text that was validated (what a
     /// generation records: the file may change right after).
     pub fn load_with_text(path: &Path) -> Result<(Policy, String), PolicyError> {
-        let read_error = |error| PolicyError::Read {
+        let file = std::fs::File::open(path).map_err(|error| PolicyError::Read {
             path: path.to_owned(),
             error,
-        };
+        })?;
+        Policy::read_with_text(file, path)
+    }
+
+    /// Like [`Policy::load_with_text`], from a file already open (`run` opens it before it
+    /// judges who could change it, so that what it reads is what it judged); `path` labels
+    /// the errors.
+    pub fn read_with_text(file: impl Read, path: &Path) -> Result<(Policy, String), PolicyError> {
         // At most one byte past the limit is read: a huge file (or /dev/zero) costs nothing.
         let mut source = String::new();
-        std::fs::File::open(path)
-            .map_err(read_error)?
-            .take(MAX_POLICY_BYTES + 1)
+        file.take(MAX_POLICY_BYTES + 1)
             .read_to_string(&mut source)
-            .map_err(read_error)?;
+            .map_err(|error| PolicyError::Read {
+                path: path.to_owned(),
+                error,
+            })?;
         let policy = Policy::parse(&source, path)?;
         Ok((policy, source))
     }
