@@ -403,6 +403,16 @@ fn a_reload_still_reading_its_file_holds_up_neither_healing_nor_the_guard() {
     std::fs::remove_file(&path).expect("remove the policy");
     nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600))
         .expect("make the FIFO");
+    // A writer that has not written yet: the reload's read waits for it (with no writer at
+    // all the read ends at once, empty). Opened for reading too, so that it opens at once.
+    let writer = || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open the FIFO")
+    };
+    let mut slow = writer();
     daemon.signal(Signal::SIGHUP);
     assert!(daemon.wait_for_output("reloading the policy", Duration::from_secs(5)));
 
@@ -418,7 +428,9 @@ fn a_reload_still_reading_its_file_holds_up_neither_healing_nor_the_guard() {
     assert_eq!(guard_rcode(&w, "api.new.example"), Some(RCODE_REFUSED));
 
     // The read completes: the new policy is adopted.
-    std::fs::write(&path, guard("*.new.example")).expect("write into the FIFO");
+    std::io::Write::write_all(&mut slow, guard("*.new.example").as_bytes())
+        .expect("write into the FIFO");
+    drop(slow);
     assert!(
         within(Duration::from_secs(5), || guard_rcode(
             &w,
@@ -429,6 +441,7 @@ fn a_reload_still_reading_its_file_holds_up_neither_healing_nor_the_guard() {
     );
 
     // A reload left reading for ever does not hold up the exit either.
+    let _silent = writer();
     daemon.signal(Signal::SIGHUP);
     assert!(
         within(Duration::from_secs(5), || daemon
