@@ -10,6 +10,7 @@
 
 use std::ffi::OsString;
 use std::fmt;
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
@@ -71,6 +72,9 @@ pub enum Why {
     /// The file opened is not the one the walk judged: reached through a magic link of
     /// /proc, whose text is not where the kernel goes, or put there while it was judged.
     NotTheFileJudged,
+    /// A process holds it open for writing (a descriptor opened before the file became
+    /// root's keeps the access it was opened with).
+    OpenForWriting,
 }
 
 impl fmt::Display for OpenToOthers {
@@ -88,6 +92,11 @@ impl fmt::Display for OpenToOthers {
                 f,
                 "{at} opens another file than the one its path leads to when each link is read \
                  (a link of /proc such as /proc/PID/root, or a file put there meanwhile)"
+            ),
+            Why::OpenForWriting => write!(
+                f,
+                "{at} is held open for writing by a process (a descriptor opened before the \
+                 file was root's writes it still)"
             ),
         }
     }
@@ -186,6 +195,15 @@ pub fn open_trusted(path: &Path, euid: u32) -> Result<std::fs::File, Refused> {
     let meta = file.metadata().map_err(Refused::Io)?;
     match walk(path, euid) {
         Walk::Trusted(dev, ino) if (dev, ino) == (meta.dev(), meta.ino()) => {
+            // Owner and modes say who may open it from now on, not who holds it open: a
+            // writer from before it became root's. Where the kernel cannot tell (not this
+            // process's file, no CAP_LEASE), owner and modes are all there is.
+            if crate::nft::sys::open_for_writing(file.as_fd()) == Some(true) {
+                return Err(Refused::Open(OpenToOthers {
+                    at: path.to_owned(),
+                    why: Why::OpenForWriting,
+                }));
+            }
             nix::fcntl::fcntl(
                 &file,
                 nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),

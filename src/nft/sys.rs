@@ -1536,6 +1536,28 @@ pub fn release_free_memory() {
 /// `TUNSETIFF` (`_IOW('T', 202, int)`, linux/if_tun.h; absent from libc).
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 
+/// Whether a process holds `file` open for writing: the kernel grants a read lease
+/// (`F_SETLEASE`, `F_RDLCK`) only while no descriptor of it, anywhere, was opened for writing
+/// (one in flight over a Unix socket, or a shared writable mapping, included); the lease is let
+/// go at once. `None` when the kernel cannot tell this process: the file is not its own and it
+/// lacks CAP_LEASE, leases are off (`fs.leases-enable`), or the file system has none.
+pub fn open_for_writing(file: std::os::fd::BorrowedFd<'_>) -> Option<bool> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: F_SETLEASE takes an int argument and no pointer; `fd` is a descriptor the
+    // caller holds open for the whole call (it is borrowed).
+    let r = unsafe { libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) };
+    if r == 0 {
+        // SAFETY: as above; F_UNLCK lets go of the lease just taken.
+        unsafe { libc::fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK) };
+        return Some(false);
+    }
+    match nix::errno::Errno::last() {
+        nix::errno::Errno::EAGAIN => Some(true),
+        _ => None,
+    }
+}
+
 /// Asks the tun driver behind `fd` (an open `/dev/net/tun`) to attach it to the device `name`
 /// with `flags` (`IFF_TUN` or `IFF_TAP`, `IFF_MULTI_QUEUE` as the device has it): `Ok` once
 /// attached (closing `fd` detaches it), EPERM when the device is not this process's to

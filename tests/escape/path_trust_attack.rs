@@ -405,12 +405,12 @@ while True:
 /// The agent proposes a policy in its own directory; the operator takes the directory and
 /// file over (`chown root`, `chmod go-w`) and starts `run` on it, which judges every owner
 /// and mode fine. But the agent opened the file for writing before, and a descriptor keeps
-/// the access it was opened with: it rewrites the policy, adopted at the next reload. The
+/// the access it was opened with: it rewrote the policy, adopted at the next reload. The
 /// kernel tells whether anyone holds a file open for writing: it grants a read lease
-/// (`F_SETLEASE`, `F_RDLCK`) only when no one does; taking one needs an FFI call that the
-/// crate's `unsafe_code = "deny"` keeps in `src/nft`, so it is not done here.
+/// (`F_SETLEASE`, `F_RDLCK`) only when no one does. `run` now refuses the file while the
+/// agent holds it so (at start here: exit 2, the namespace closed), and takes it once the
+/// descriptor is gone.
 #[test]
-#[ignore = "finding: a descriptor opened for writing before the file became root's still writes; fix: refuse when a read lease (F_SETLEASE) is refused with EAGAIN"]
 fn a_policy_written_through_a_descriptor_opened_before_the_takeover_is_not_adopted() {
     let w = World::new();
     w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
@@ -447,30 +447,41 @@ fn a_policy_written_through_a_descriptor_opened_before_the_takeover_is_not_adopt
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
     let mut daemon = w.spawn_egress_fence(&["run", path_arg(&path)]);
-    assert!(
-        daemon.wait_for_output("new addresses allowed", Duration::from_secs(15)),
-        "the daemon did not start:\n{}",
-        daemon.stderr()
+    let status = daemon.wait_timeout(Duration::from_secs(15));
+    let log = daemon.stderr();
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(2),
+        "run took a policy the agent holds open for writing:\n{log}"
     );
+    assert!(log.contains("is held open for writing"), "{log}");
+    // The agent writes through its descriptor now: nothing took it.
     agent.signal(nix::sys::signal::Signal::SIGUSR1);
     assert!(
         agent.wait_for_output("written", Duration::from_secs(10)),
         "{}",
         agent.stderr()
     );
-    daemon.signal(nix::sys::signal::Signal::SIGHUP);
-    let connects = || {
+    let connects = |addr| {
         w.in_sandbox_ns(|| {
             std::net::TcpStream::connect_timeout(
-                &std::net::SocketAddr::new(HOST2_V4, 443),
+                &std::net::SocketAddr::new(addr, 443),
                 Duration::from_millis(200),
             )
             .is_ok()
         })
     };
-    let adopted = within(Duration::from_secs(5), connects);
-    let log = daemon.stderr();
-    let _ = daemon.terminate();
+    assert!(!connects(HOST2_V4), "the agent's policy is up:\n{log}");
+    // Once the descriptor is gone, the file is root's alone: taken.
     let _ = agent.terminate();
-    assert!(!adopted, "the agent's late write was adopted:\n{log}");
+    std::fs::write(&path, policy_allowing("old.example.com")).expect("rewrite");
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&path)]);
+    assert!(
+        daemon.wait_for_output("new addresses allowed", Duration::from_secs(15)),
+        "the daemon did not start once the writer was gone:\n{}",
+        daemon.stderr()
+    );
+    assert!(within(Duration::from_secs(5), || connects(HOST_V4)));
+    assert!(!connects(HOST2_V4));
+    let _ = daemon.terminate();
 }
