@@ -60,6 +60,12 @@ pub fn report_resolution(policy: &Policy, resolution: &Resolution) {
     for w in denied_answers(policy, &resolution.hosts) {
         eprintln!("warning: {w}");
     }
+    // Only where resolv.conf named them: the policy's own are warned about with the rest.
+    if policy.dns.resolvers.is_none()
+        && let Some(w) = policy.squattable_resolvers(&resolution.resolvers)
+    {
+        eprintln!("warning: {w}");
+    }
 }
 
 pub fn print_summary(diff: &TableDiff) {

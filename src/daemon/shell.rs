@@ -696,6 +696,10 @@ fn resolver_for(
         Some(r) => r.clone(),
         None => crate::dns::resolve::system_resolvers(&options.resolv_conf)?,
     };
+    // Said at start, on each reload and when resolv.conf appears: whichever names them.
+    if let Some(w) = policy.squattable_resolvers(&resolvers) {
+        warn!("{w}");
+    }
     let resolver = NameResolver::new(&resolvers)?;
     Ok((resolvers, resolver))
 }

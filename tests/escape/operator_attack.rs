@@ -297,20 +297,18 @@ while True:
 ///
 /// Not fixed without a scope: the table cannot tell the stub's answers from the squatter's
 /// (resolve mode has no mark of its own on the resolver's sockets, unlike the guard), and the
-/// stub is fenced like the squatter. With a scope it is fixed (see the next test). Fixes to
-/// consider: warn that loopback resolvers from resolv.conf answer the service for any local
-/// process that may bind port 53 (the check warns only for loopback `dns.resolvers` given
-/// explicitly, and for another reason), and advise guard mode or the upstream resolvers; or
-/// a policy setting naming the stub's uid, whose sockets alone may answer from its address
-/// (the guard's `RefuseOtherUidsFromGuardPort` with that uid).
+/// stub is fenced like the squatter. With a scope it is fixed (see the next test). Without
+/// one, `apply` and the service say so whenever a resolver (the policy's or resolv.conf's) is
+/// on loopback, with the ways out of it: guard mode, the upstream resolvers in
+/// `dns.resolvers`, or a scope. Open: a policy setting naming the stub's uid, whose sockets
+/// alone may answer from its address (the guard's `RefuseOtherUidsFromGuardPort` with that
+/// uid), would close it where the stub runs under a uid of its own.
 #[test]
-#[ignore = "finding: in resolve mode a process that binds a loopback resolver's address answers the service"]
-fn a_squatter_on_a_loopback_resolver_chooses_the_addresses_of_allowed_names() {
+fn a_loopback_resolver_a_fenced_process_could_squat_is_said_in_resolve_mode() {
     let w = World::new();
     let stub: std::net::IpAddr = "127.0.0.53".parse().expect("an address");
     w.set_sandbox_nameserver(stub);
     w.dns_set("api.example.test", &[HOST_V4], 60);
-    let _listener = w.listen_tcp(OTHER_V4, 443);
     let policy = w.write_file(
         "resolve.yaml",
         "version: 1\nallow:\n  - domain: api.example.test\n    ports: [443]\nlog:\n  group: 100\n",
@@ -328,40 +326,18 @@ fn a_squatter_on_a_loopback_resolver_chooses_the_addresses_of_allowed_names() {
         "{}",
         resolved.stderr()
     );
-    let mut squatter = w.spawn_adversary(
-        Adversary::RootWithoutNetAdminOrNetRaw,
-        &[
-            PYTHON,
-            "-c",
-            SQUAT_DNS_PY,
-            "127.0.0.53",
-            &OTHER_V4.to_string(),
-        ],
-    );
-    assert!(
-        squatter.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        squatter.stderr()
-    );
+    let said = "resolver 127.0.0.53 is on loopback: a local process that may bind port 53";
+    let apply = w.egress_fence(&["apply", path_arg(&policy)]);
+    assert!(apply.success(), "{apply}");
+    assert!(apply.stderr.contains(said), "{apply}");
     let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
     assert!(
-        daemon.wait_for_output("running", Duration::from_secs(15)),
+        daemon.wait_for_output(said, Duration::from_secs(15)),
         "{}",
         daemon.stderr()
-    );
-    // Whatever the service made of the answer, it has had it.
-    std::thread::sleep(Duration::from_secs(3));
-    let out = w.adversary_cmd(
-        Adversary::Nobody,
-        &["bash", "-c", &format!("exec 3<>/dev/tcp/{OTHER_V4}/443")],
     );
     daemon.signal(Signal::SIGTERM);
     let _ = daemon.wait_timeout(Duration::from_secs(10));
-    assert!(
-        !out.success(),
-        "the squatter's answer for api.example.test opened {OTHER_V4}:443:\n{}",
-        daemon.stderr()
-    );
 }
 
 /// What CMD of an earlier run left at the `--report` path in its workspace: a FIFO made exec

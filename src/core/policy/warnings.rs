@@ -102,6 +102,12 @@ impl Policy {
                 );
             }
         }
+        out.extend(
+            self.dns
+                .resolvers
+                .as_deref()
+                .and_then(|r| self.squattable_resolvers(r)),
+        );
         if let Some(resolvers) = &self.dns.resolvers
             && resolvers.iter().all(|r| r.is_loopback())
         {
@@ -113,6 +119,40 @@ impl Policy {
             );
         }
         out
+    }
+}
+
+impl Policy {
+    /// Resolve mode without a scope, asking a resolver on loopback (`resolvers`: the policy's,
+    /// or those resolv.conf named): the warning that a local process may answer in its place.
+    /// UDP lets a second socket share the address of a stub bound with SO_REUSEADDR
+    /// (systemd-resolved's and dnsmasq's are), and the later one gets the questions; a fenced
+    /// process that may bind port 53 (root in a container on the host's network) then chooses
+    /// the addresses of the policy's names. The table cannot tell the stub's answers from the
+    /// squatter's when both are fenced; with a scope the fenced sockets may not answer from a
+    /// resolver's address, and in guard mode the guard asks its upstreams itself.
+    pub fn squattable_resolvers(&self, resolvers: &[IpAddr]) -> Option<String> {
+        if self.dns.guard.is_some() || self.scope.is_some() {
+            return None;
+        }
+        let loopback: Vec<String> = resolvers
+            .iter()
+            .filter(|r| r.is_loopback())
+            .map(ToString::to_string)
+            .collect();
+        if loopback.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "resolver {} is on loopback: a local process that may bind port 53 there (root in \
+             a container on the host's network, or any user where \
+             net.ipv4.ip_unprivileged_port_start allows it) can share the stub's address and \
+             answer the service's lookups, pointing allowed names at addresses of its choosing; \
+             use `dns.mode: guard`, name the upstream resolvers in `dns.resolvers`, or scope \
+             the fence to the agent (its sockets may then not answer from a resolver's \
+             address)",
+            loopback.join(", ")
+        ))
     }
 }
 
@@ -792,6 +832,35 @@ fn not_a_server(addr: IpAddr) -> Option<&'static str> {
 mod tests {
     use super::*;
     use crate::core::policy::test_support::*;
+
+    #[test]
+    fn a_loopback_resolver_in_resolve_mode_without_a_scope_is_squattable() {
+        let stub: Vec<IpAddr> = vec!["127.0.0.53".parse().unwrap(), "192.0.2.53".parse().unwrap()];
+        let plain = parse("version: 1\n").expect("valid");
+        let w = plain.squattable_resolvers(&stub).expect("warned");
+        assert!(w.starts_with("resolver 127.0.0.53 is on loopback"), "{w}");
+        assert_eq!(
+            plain.squattable_resolvers(&["192.0.2.53".parse().unwrap()]),
+            None
+        );
+        // The policy's own resolvers are warned about by `warnings`.
+        let given = parse("version: 1\ndns:\n  resolvers: [127.0.0.53]\n").expect("valid");
+        assert!(
+            given
+                .warnings()
+                .iter()
+                .any(|w| w.contains("can share the stub's address")),
+            "{:?}",
+            given.warnings()
+        );
+        // A scope refuses its sockets' answers from the resolver's address; the guard asks
+        // its upstreams itself.
+        let scoped = parse("version: 1\nscope:\n  users: [1001]\n").expect("valid");
+        assert_eq!(scoped.squattable_resolvers(&stub), None);
+        let guard =
+            parse("version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n").expect("valid");
+        assert_eq!(guard.squattable_resolvers(&stub), None);
+    }
 
     #[test]
     fn resolver_inside_a_denied_network_is_warned_about() {
