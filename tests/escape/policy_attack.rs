@@ -190,3 +190,64 @@ fn answers_in_denied_networks_do_not_flood_the_log() {
          log.rate 1/minute burst 5"
     );
 }
+
+/// Red team H's fix keeps the guard's upstream out of the deny sets when an allow entry names
+/// its address alone (`cidr: 192.0.2.53/32` on udp 123: the router that is also the NTP
+/// server, the README's own example), and says that then only "that entry's ports" open. But
+/// out of the deny sets the upstream is an address like any other: every other allow entry
+/// that holds it opens its ports too, and so does an answer under an allowed wildcard, whose
+/// zone the adversary writes. Here the zone answers the upstream's address for any name
+/// under it: the guard installs it for the wildcard's port 443, and nobody in the sandbox
+/// asks the upstream `secret.attacker.example` over DNS over HTTPS, around the guard that
+/// refuses the name (`check` warned only that the NTP entry's ports are open).
+#[test]
+fn an_answer_under_a_wildcard_does_not_open_the_guards_upstream() {
+    let w = World::new();
+    w.dns_wildcard("pool.example", DNS_V4);
+    let policy = format!(
+        "version: 1\nallow:\n  - cidr: {DNS_V4}/32\n    ports: [123]\n    protocol: udp\n\
+         \x20 - domain: \"*.pool.example\"\n    ports: [443]\n\
+         dns:\n  mode: guard\n  upstream: [{DNS_V4}]\n"
+    );
+    let path = w.write_file("guard.yaml", &policy);
+    let mut daemon = w.spawn_guard(path.to_str().expect("utf-8"));
+    w.use_guard_resolver();
+
+    let refused = w.dig_as(Some(NOBODY), None, "secret.attacker.example", "A", &[]);
+    assert_eq!(
+        refused.status.as_deref(),
+        Some("REFUSED"),
+        "the guard refuses the name: {refused:?}"
+    );
+    // The adversary's zone answers the upstream's address; the guard installs what it
+    // answers (a "stays refused (deny wins)" warning only if the upstream were denied).
+    let opened = w.dig_as(Some(NOBODY), None, "doh.pool.example", "A", &[]);
+    eprintln!("doh.pool.example: {opened:?}");
+
+    let listeners = [w.listen_tcp(DNS_V4, 443), w.listen_udp(DNS_V4, 443)];
+    let out = w.adversary_cmd(
+        Adversary::Nobody,
+        &[PYTHON, "-c", ASK_AROUND_THE_GUARD, &DNS_V4.to_string()],
+    );
+    eprintln!("{out}");
+    std::thread::sleep(Duration::from_millis(300));
+    let reached: Vec<String> = listeners
+        .iter()
+        .flat_map(|l| l.hits())
+        .map(|h| {
+            format!(
+                "{} -> {}: {:?}",
+                h.peer,
+                h.local,
+                String::from_utf8_lossy(&h.data)
+            )
+        })
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "a process other than the guard reached the upstream resolver on 443 through an \
+         answer under the allowed wildcard, asking it a name the guard refuses:\n{}",
+        reached.join("\n")
+    );
+    daemon.terminate();
+}
