@@ -716,3 +716,47 @@ fn an_answer_naming_another_address_of_the_host_is_not_installed() {
         show(&out)
     );
 }
+
+/// exec fences "one command", but takes any guard-mode policy, one with a `scope:` too: then
+/// its table fences only the scope's sockets (`meta skuid`), and CMD run as a user the scope
+/// does not list (`--user root`, or a set-uid program CMD runs) is not fenced at all in the
+/// run's namespace, which pasta connects to the host's network: it reached a port the policy
+/// does not open. An operator who reuses the host's policy (`scope: users: [agent]`) for
+/// `exec --user root` (or for an agent that finds a set-uid binary) gets no fence and no
+/// word of it. exec must refuse a policy with a scope (the whole namespace is CMD's).
+#[test]
+fn a_scoped_policy_does_not_leave_cmd_unfenced() {
+    let w = World::new();
+    setup(&w);
+    let text = format!("{}scope:\n  users: [65534]\n", policy_text());
+    let policy = w.write_file("scoped.yaml", &text);
+    let listener = w.listen_tcp(HOST_V4, OTHER_PORT);
+    let script = format!(
+        "python3 -c \"
+import socket
+try:
+    s = socket.create_connection(('{HOST_V4}', {OTHER_PORT}), timeout=3)
+    s.sendall(b'SECRET from an unfenced CMD')
+    print('connected')
+except OSError as e:
+    print('refused', e)
+\"; exit 0"
+    );
+    let out = exec(
+        &w,
+        policy.to_str().expect("utf-8 path"),
+        &["--user", "root"],
+        &script,
+    );
+    listener.wait_for(1, std::time::Duration::from_secs(1));
+    let hits: Vec<String> = listener
+        .hits()
+        .iter()
+        .map(|h| String::from_utf8_lossy(&h.data).into_owned())
+        .collect();
+    assert!(
+        hits.is_empty(),
+        "CMD reached a port the policy does not open: {hits:?}\n{}",
+        show(&out)
+    );
+}
