@@ -832,3 +832,61 @@ wait $E"#
     );
     assert_eq!(out.status.code(), Some(99), "{shown}");
 }
+
+/// The hiding of systemd-resolved's directory (an empty tmpfs over /run/systemd/resolve)
+/// must not take CMD's resolv.conf with it where /etc/resolv.conf is resolved's link to
+/// `stub-resolv.conf` (Ubuntu's, Fedora's default): the guard's resolv.conf is bound where
+/// the link points, and CMD's names still resolve through the guard.
+#[test]
+fn cmd_resolves_through_the_guard_where_resolv_conf_links_into_resolveds_directory() {
+    use std::process::Command;
+    let w = World::new();
+    let policy = setup(&w);
+    std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
+    let inner = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody"],
+        &format!(
+            "cat /etc/resolv.conf; getent ahosts {ALLOWED} | head -1; \
+             ls /run/systemd/resolve; exit 0"
+        ),
+    );
+    let outer = r#"set -e
+mount --rbind /run "$D/run"
+mount -t tmpfs tmpfs /run
+mkdir -p /run/netns /run/systemd/resolve
+mount --rbind "$D/run/netns" /run/netns
+echo "nameserver 127.0.0.99" > /run/systemd/resolve/stub-resolv.conf
+echo "nameserver 192.0.2.53" > /run/systemd/resolve/resolv.conf
+cp -a /etc "$D/etc"
+rm -f "$D/etc/resolv.conf"
+ln -s ../run/systemd/resolve/stub-resolv.conf "$D/etc/resolv.conf"
+mount --bind "$D/etc" /etc
+set +e
+"$@""#;
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", outer, "sh"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .env("D", w.dir())
+        .stdin(std::process::Stdio::null());
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd
+        .output()
+        .expect("run exec beside a host's systemd-resolved");
+    eprintln!("{}", show(&out));
+    let text = stdout_of(&out);
+    assert!(
+        text.contains(&format!("nameserver {}", GUARD_ADDR.ip())),
+        "{}",
+        show(&out)
+    );
+    assert!(text.contains(&HOST_V4.to_string()), "{}", show(&out));
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
