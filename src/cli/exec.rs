@@ -179,7 +179,7 @@ pub fn run_child(
 
 fn failed(error: ExecError) -> Failure {
     let code = match error {
-        ExecError::Policy(_) | ExecError::NotGuard | ExecError::NoUser => {
+        ExecError::Policy(_) | ExecError::NotGuard | ExecError::Scoped | ExecError::NoUser => {
             super::exit::EXIT_BAD_POLICY
         }
         _ => EXIT_EXEC_FAILED,

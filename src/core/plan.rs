@@ -107,9 +107,10 @@ impl<'a> AllowIndex<'a> {
 /// Whether the guard's upstream `addr` goes to the deny sets (see [`plan_elements`]): every
 /// upstream a resolver can answer from, unless an allow entry names its address alone
 /// (`cidr: 192.0.2.53/32`: the router that is also the NTP server, on the ports it gives; a
-/// network that only holds the upstream does not count). The unspecified address, the
-/// broadcast address and groups (which `check` warns about) stay out: the last two would
-/// refuse DHCP's requests.
+/// network that only holds the upstream does not count) and nothing else in the policy can
+/// open it (see [`upstream_opened_otherwise`]). The unspecified address, the broadcast
+/// address and groups (which `check` warns about) stay out: the last two would refuse DHCP's
+/// requests.
 pub fn upstream_denied(policy: &Policy, addr: IpAddr) -> bool {
     let unicast = match addr {
         IpAddr::V4(v4) => !(v4.is_unspecified() || v4.is_broadcast() || v4.is_multicast()),
@@ -119,7 +120,30 @@ pub fn upstream_denied(policy: &Policy, addr: IpAddr) -> bool {
         .allow
         .iter()
         .any(|a| a.target == Target::Cidr(IpNet::from(addr)));
-    unicast && !named_alone
+    unicast && (!named_alone || upstream_opened_otherwise(policy, addr))
+}
+
+/// Whether an allow entry other than one of the upstream `addr` alone could open it, were it
+/// out of the deny sets: there it is an address like any other, and every entry that holds it
+/// opens that entry's ports, not the ports of the entry that names it alone. A network that
+/// holds it (or its NAT64 image), and a wildcard, under which the adversary writes the
+/// answers (one naming the upstream's address is installed for the wildcard's ports: DNS
+/// over HTTPS to the upstream, around the guard).
+pub fn upstream_opened_otherwise(policy: &Policy, addr: IpAddr) -> bool {
+    let alone = IpNet::from(addr);
+    let image = match addr {
+        IpAddr::V4(v4) => Some(IpAddr::V6(
+            crate::core::installable::nat64_image(ipnet::Ipv4Net::from(v4)).addr(),
+        )),
+        IpAddr::V6(_) => None,
+    };
+    policy.allow.iter().any(|a| match &a.target {
+        Target::Cidr(net) => {
+            *net != alone && (net.contains(&addr) || image.is_some_and(|i| net.contains(&i)))
+        }
+        Target::Wildcard(_) => true,
+        Target::Domain(_) => false,
+    })
 }
 
 /// The resolved-set element of `addr` for one protocol and port.
@@ -213,7 +237,7 @@ pub fn plan_elements(
     // allowed network holds their address. A resolver serves more than 53 and 853 (DNS over
     // HTTPS on 443, over HTTP/3 on UDP 443): any process would ask it any name around the
     // guard. Only an allow entry of the upstream's address alone opens its ports, which
-    // `check` warns about (see [`upstream_denied`]).
+    // `check` warns about, and only where nothing else could (see [`upstream_denied`]).
     if let Some(g) = guard {
         deny.extend(
             g.upstream
@@ -1712,6 +1736,31 @@ log:
             deny4.contains(&"192.0.2.54/32".parse().unwrap()),
             "{deny4:?}"
         );
+        // Beside a wildcard, whose zone may answer the upstream's address (installed for the
+        // wildcard's ports), or a network that holds it or its NAT64 image, the entry alone
+        // does not take it out: those would open their own ports to it.
+        for other in [
+            "  - domain: \"*.pool.example\"\n    ports: [443]\n",
+            "  - cidr: 192.0.2.0/24\n    ports: [443]\n",
+            "  - cidr: 64:ff9b::/96\n    ports: [443]\n",
+        ] {
+            let both = policy(&format!(
+                "version: 1\nallow:\n{other}  - cidr: 192.0.2.53/32\n    ports: [123]\n    \
+                 protocol: udp\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n"
+            ));
+            let rs_both = plan(&both, &res);
+            let Elements::Networks(deny4) = &rs_both
+                .set(SetId::new(SetRole::Deny, Family::V4))
+                .unwrap()
+                .elements
+            else {
+                panic!("deny4 holds networks");
+            };
+            assert!(
+                deny4.contains(&"192.0.2.53/32".parse().unwrap()),
+                "{other}: {deny4:?}"
+            );
+        }
 
         // Without the guard's uid the table lets no socket reach upstream.
         res.guard_uid = None;

@@ -67,7 +67,6 @@ pub fn run_inside(inside: Inside) -> Result<u8, ExecError> {
         &inside.resolv_conf,
         &super::namespace::name_path(inside.parent),
     )?;
-    hide_local_resolvers()?;
     own_proc()?;
     drop_bounding_set()?;
     if let Some(name) = &inside.user {
@@ -116,6 +115,9 @@ fn private_resolv_conf(resolv_conf: &Path, name: &Path) -> Result<(), ExecError>
     for other in super::namespace::run_names() {
         let _ = nix::mount::umount2(&other, nix::mount::MntFlags::MNT_DETACH);
     }
+    // Before the guard's resolv.conf is bound: /etc/resolv.conf may name a file in a hidden
+    // directory (systemd-resolved's stub-resolv.conf), which the bind must land on.
+    hide_local_resolvers()?;
     mount(
         Some(resolv_conf),
         "/etc/resolv.conf",
@@ -132,22 +134,42 @@ fn private_resolv_conf(resolv_conf: &Path, name: &Path) -> Result<(), ExecError>
 /// varlink, nscd, avahi-daemon; see [`LocalResolverKind::ALL`]) ask their servers from the
 /// host's namespace, past the fence, the guard and the canary; and glibc asks them on its
 /// own (nscd before resolv.conf's server, nss-resolve instead of it), so an ordinary lookup
-/// in CMD would leave that way. /dev/null is bound over each socket there is: connecting to
-/// it is refused, and glibc falls back to resolv.conf, the guard. CMD cannot take the mount
-/// away (no CAP_SYS_ADMIN; a user namespace of its own gets it locked).
+/// in CMD would leave that way. An empty tmpfs is mounted over each socket's directory there
+/// is: connecting finds no socket, and glibc falls back to resolv.conf, the guard. The
+/// directory, not the socket's file: a daemon that restarts during the run removes its
+/// socket and binds a new one, and removing a name that is a mount point in another mount
+/// namespace detaches that namespace's mount (a /dev/null bound over the file was gone, the
+/// new socket in CMD's /run). The directory's other files are there again, empty, so that
+/// the bind of the guard's resolv.conf lands where /etc/resolv.conf names one of them
+/// (`stub-resolv.conf`). CMD cannot take the mounts away (no CAP_SYS_ADMIN; a user
+/// namespace of its own gets them locked).
 fn hide_local_resolvers() -> Result<(), ExecError> {
     for (_, socket, _) in LocalResolverKind::ALL {
-        if !Path::new(socket).exists() {
+        let Some(dir) = Path::new(socket).parent() else {
             continue;
-        }
+        };
+        // No directory: no daemon of that kind to hide.
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let files: Vec<OsString> = entries
+            .filter_map(Result::ok)
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+            .map(|e| e.file_name())
+            .collect();
         mount(
-            Some("/dev/null"),
-            socket,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
+            Some("tmpfs"),
+            dir,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("mode=0755,size=64k"),
         )
-        .map_err(ExecError::sys("hide a local resolver's socket from CMD"))?;
+        .map_err(ExecError::sys("hide a local resolver's directory from CMD"))?;
+        for name in files {
+            File::create(dir.join(name)).map_err(ExecError::io(
+                "keep a hidden resolver directory's file names",
+            ))?;
+        }
     }
     Ok(())
 }

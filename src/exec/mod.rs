@@ -65,6 +65,12 @@ pub enum ExecError {
     )]
     NotGuard,
     #[error(
+        "exec fences its whole namespace, CMD and all it starts: a policy with a `scope:` would \
+         fence only the sockets of the users, groups or cgroups it lists (CMD as another user, \
+         or a set-uid program it runs, would not be fenced at all); remove the scope"
+    )]
+    Scoped,
+    #[error(
         "name the user CMD runs as with --user USER (--user nobody for none of the host's): as \
          root, even without capabilities, CMD could rewrite the host's root-owned files (a cron \
          job, a unit) that run later outside the fence; --user root if that is meant"
@@ -150,6 +156,12 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     tracing::debug!("exec: started");
     let policy = Policy::load(&options.policy_path)?;
     let nameserver = guard_nameserver(&policy)?;
+    // With a scope the table fences only the scope's sockets (`meta skuid`, `meta skgid`,
+    // `socket cgroupv2`), and pasta connects everything else in the namespace to the host's
+    // network: CMD as a user the scope does not list would be unfenced.
+    if policy.scope.is_some() {
+        return Err(ExecError::Scoped);
+    }
     for path in namespace::remove_leftovers(&options.state_root) {
         eprintln!(
             "egress-fence exec: removed {} (left by a killed run)",

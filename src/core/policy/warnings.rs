@@ -36,11 +36,21 @@ impl Policy {
         }
         // The guard's upstreams are refused to every socket but the guard's, on every port: an
         // allowed network that holds one does not reach it; an entry of its address alone
-        // does, on that entry's ports (see `plan::upstream_denied`).
+        // does, on that entry's ports, unless another entry could open it too (see
+        // `plan::upstream_denied`).
         for allow in &self.allow {
             if let Target::Cidr(net) = allow.target {
                 for r in self.dns.guard.iter().flat_map(|g| &g.upstream) {
-                    if net == IpNet::from(*r) {
+                    if net == IpNet::from(*r)
+                        && crate::core::plan::upstream_opened_otherwise(self, *r)
+                    {
+                        out.push(format!(
+                            "allowed address {r} is the guard's upstream, which other entries \
+                             would open too (a wildcard, whose zone may answer {r}, or a \
+                             network that holds it): it stays refused to every socket but the \
+                             guard's, this entry's ports too"
+                        ));
+                    } else if net == IpNet::from(*r) {
                         out.push(format!(
                             "allowed address {r} is the guard's upstream: every process reaches \
                              it on this entry's ports, around the guard if it serves DNS there \
@@ -50,7 +60,8 @@ impl Policy {
                         out.push(format!(
                             "allowed network {net} holds the guard's upstream {r}, which only \
                              the guard reaches, on any port: nothing else to {r} is allowed \
-                             (an entry of {r} alone would allow its ports)"
+                             (an entry of {r} alone would allow its ports, were there no \
+                             other to open it)"
                         ));
                     }
                 }
@@ -979,7 +990,8 @@ mod tests {
             w.iter().any(|w| w
                 == "allowed network 192.0.2.0/24 holds the guard's upstream 192.0.2.53, which \
                     only the guard reaches, on any port: nothing else to 192.0.2.53 is allowed \
-                    (an entry of 192.0.2.53 alone would allow its ports)"),
+                    (an entry of 192.0.2.53 alone would allow its ports, were there no other \
+                    to open it)"),
             "{w:?}"
         );
         let alone = text.replace("192.0.2.0/24", "192.0.2.53/32");
@@ -990,6 +1002,22 @@ mod tests {
             )),
             "{w:?}"
         );
+        // Beside a wildcard (whose zone may answer the upstream's address) or a network
+        // that holds it, the entry alone opens nothing: the upstream stays denied.
+        for other in [
+            "  - domain: \"*.pool.example\"\n    ports: [443]\n",
+            "  - cidr: 192.0.2.0/24\n    ports: [443]\n",
+        ] {
+            let both = alone.replace("allow:\n", &format!("allow:\n{other}"));
+            let w = parse(&both).expect("valid").warnings();
+            assert!(
+                w.iter().any(|w| w.starts_with(
+                    "allowed address 192.0.2.53 is the guard's upstream, which other entries \
+                     would open too"
+                )),
+                "{w:?}"
+            );
+        }
         let elsewhere = text.replace("192.0.2.0/24", "198.51.100.0/24");
         assert!(parse(&elsewhere).expect("valid").warnings().is_empty());
     }

@@ -330,9 +330,26 @@ fn the_guards_upstream_is_refused_on_every_port() {
             FlowVerdict::Allowed(vec![2]),
         ]
     );
-    // An entry of the upstream's address alone opens its ports (the table leaves it out of
-    // the deny set).
-    let alone = policy(&GUARD.replace("198.51.100.0/24", "192.0.2.53/32"));
+    // Beside a wildcard (whose zone may answer the upstream's address) an entry of the
+    // upstream's address alone opens nothing: the table keeps it in the deny set.
+    let beside_wildcard = policy(&GUARD.replace("198.51.100.0/24", "192.0.2.53/32"));
+    let t = T::start()
+        .tcp("192.0.2.53", 22)
+        .tcp("192.0.2.53", 443)
+        .trace();
+    assert_eq!(
+        verdicts(&beside_wildcard, &t),
+        [
+            refused(FlowRefusal::GuardUpstream),
+            refused(FlowRefusal::GuardUpstream)
+        ]
+    );
+    // Alone, it opens its ports (the table leaves it out of the deny set).
+    let alone = policy(
+        &GUARD
+            .replace("198.51.100.0/24", "192.0.2.53/32")
+            .replace("  - domain: \"*.pool.example\"\n    ports: [443]\n", ""),
+    );
     let t = T::start()
         .tcp("192.0.2.53", 22)
         .tcp("192.0.2.53", 443)
@@ -340,7 +357,7 @@ fn the_guards_upstream_is_refused_on_every_port() {
     assert_eq!(
         verdicts(&alone, &t),
         [
-            FlowVerdict::Allowed(vec![2]),
+            FlowVerdict::Allowed(vec![1]),
             refused(FlowRefusal::OtherPortsOnly)
         ]
     );
