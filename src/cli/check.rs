@@ -24,6 +24,9 @@ pub fn run(path: &Path) -> Result<u8, Failure> {
              `apply` and `exec` read it once"
         );
     }
+    for w in policy.upstreams_on_this_host(&egress_fence::host::read_addrs_or_warn()) {
+        eprintln!("warning: {w}");
+    }
     let mut errors = 0;
     for finding in policy.scope_findings(&text, path, &ThisHost) {
         match finding {

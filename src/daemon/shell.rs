@@ -209,6 +209,13 @@ impl Daemon {
             .map(|g| g.listen.clone())
             .unwrap_or_default();
         info!(listen = ?listen, upstream = ?self.core.resolvers(), "the DNS guard is serving");
+        for w in self
+            .core
+            .policy()
+            .upstreams_on_this_host(&crate::host::read_addrs_or_warn())
+        {
+            warn!("{w}");
+        }
         self.guard = Some(GuardLink {
             in_flight,
             slots,

@@ -258,14 +258,13 @@ fn an_answer_under_a_wildcard_does_not_open_the_guards_upstream() {
 /// on docker0's) is reached over loopback by every process, on every port but the guarded
 /// DNS ports, DNS over HTTPS on 443 among them: around the guard, though "nothing but the
 /// guard reaches an upstream's address on any port". `check` warns about an upstream in
-/// 127.0.0.0/8 ("every local process may reach it") but not about one of the host's other
-/// addresses, which the policy alone cannot tell (run and check could, from the interfaces,
-/// as they do for resolve mode's loopback resolver). Not fixed: refusing the upstreams before
-/// loopback's accept needs a rule of its own in the table (the deny sets hold networks that
-/// may hold the host's own addresses, which loopback must keep reaching).
+/// 127.0.0.0/8 ("every local process may reach it"), and `check` and `run` now also about one
+/// of the host's other addresses (read from its interfaces). Not fixed: refusing the upstreams
+/// before loopback's accept needs a rule of its own in the table (the deny sets hold networks
+/// that may hold the host's own addresses, which loopback must keep reaching).
 #[test]
 #[ignore = "finding: an upstream at one of the host's own (non-127) addresses is reached over \
-            loopback by every process on every non-DNS port; neither refused nor warned"]
+            loopback by every process on every non-DNS port; warned by check and run, not refused"]
 fn an_upstream_on_the_hosts_own_address_is_reached_by_the_guard_alone() {
     use std::net::{SocketAddr, TcpListener};
     let w = World::new();

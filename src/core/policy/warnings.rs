@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
 
+use crate::core::installable::HostAddrs;
+
 use super::errors::{PolicyError, locate_value, location};
 use super::names::Wildcard;
 use super::schema::*;
@@ -134,6 +136,28 @@ impl Policy {
 }
 
 impl Policy {
+    /// Guard mode: each upstream that is an address of this host (`host`) other than
+    /// loopback (which [`Policy::warnings`] names). What goes to an address of this host
+    /// leaves by loopback, which the table accepts before its deny sets: every local process
+    /// reaches the resolver there on every port but DNS's (the guard's protections cover
+    /// 53 and 853), a resolver that may answer DNS over HTTPS among them.
+    pub fn upstreams_on_this_host(&self, host: &HostAddrs) -> Vec<String> {
+        self.dns
+            .guard
+            .iter()
+            .flat_map(|g| &g.upstream)
+            .filter(|r| !r.is_loopback() && host.is_own(**r))
+            .map(|r| {
+                format!(
+                    "upstream {r} is an address of this host: every local process reaches it \
+                     over loopback on every port but 53 and 853, which the deny sets do not \
+                     cover (a resolver serving DNS over HTTPS would answer any name around the \
+                     guard); run the upstream resolver on another host"
+                )
+            })
+            .collect()
+    }
+
     /// Resolve mode without a scope, asking a resolver on loopback (`resolvers`: the policy's,
     /// or those resolv.conf named): the warning that a local process may answer in its place.
     /// UDP lets a second socket share the address of a stub bound with SO_REUSEADDR
@@ -843,6 +867,25 @@ fn not_a_server(addr: IpAddr) -> Option<&'static str> {
 mod tests {
     use super::*;
     use crate::core::policy::test_support::*;
+
+    #[test]
+    fn an_upstream_at_an_address_of_this_host_is_named() {
+        let p = parse(
+            "version: 1\ndns:\n  mode: guard\n  upstream: [198.18.0.53, 192.0.2.53, 127.0.0.1]\n",
+        )
+        .expect("valid");
+        let host = HostAddrs::from_interfaces([
+            ("198.18.0.53".parse().unwrap(), None, None),
+            ("127.0.0.1".parse().unwrap(), None, None),
+        ]);
+        let w = p.upstreams_on_this_host(&host);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].starts_with("upstream 198.18.0.53 is an address of this host"),
+            "{w:?}"
+        );
+        assert!(p.upstreams_on_this_host(&HostAddrs::none()).is_empty());
+    }
 
     #[test]
     fn a_loopback_resolver_in_resolve_mode_without_a_scope_is_squattable() {
