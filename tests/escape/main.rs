@@ -28,6 +28,7 @@ mod probe_protocols;
 mod raw_frames;
 mod readback;
 mod readback_attack;
+mod review_f_attack;
 mod repair;
 mod reset;
 mod revert_attack;
