@@ -49,7 +49,12 @@ fn a_relative_report_path_follows_no_move_of_the_working_directory() {
         "{}",
         show(&out)
     );
-    assert_eq!(out.status.code(), Some(99), "the canary trips: {}", show(&out));
+    assert_eq!(
+        out.status.code(),
+        Some(99),
+        "the canary trips: {}",
+        show(&out)
+    );
     let said_not_there = String::from_utf8_lossy(&out.stderr).contains("the report is not at");
     let text = std::fs::read_to_string(work.join("report.json")).expect("a report at the path");
     let json: Value = serde_json::from_str(&text).expect("JSON");
