@@ -260,7 +260,7 @@ fn a_report_whose_directory_cmd_moved_is_said_not_to_be_there() {
 /// A DNS server for every name: answers each A question with ADDR (and nothing else), on UDP
 /// ADDRESS:53 bound with SO_REUSEADDR (as dnsmasq and systemd-resolved bind theirs). Prints
 /// `bound` once it listens. Arguments: ADDRESS ADDR.
-const SQUAT_DNS_PY: &str = r#"
+pub(crate) const SQUAT_DNS_PY: &str = r#"
 import socket, struct, sys
 listen, addr = sys.argv[1], sys.argv[2]
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -65,3 +65,63 @@ fn a_relative_report_path_follows_no_move_of_the_working_directory() {
         show(&out)
     );
 }
+
+/// F's squat with the host's resolver on an address of the host that is not loopback (a
+/// dnsmasq, unbound or BIND listening on the host's LAN address, which resolv.conf names):
+/// the service's lookups go there over loopback all the same, and the agent (uid 1001, which
+/// may bind port 53) binds that address and port with SO_REUSEADDR and answers them. The
+/// scope's refusal of answers from a resolver's address covered loopback resolvers alone: the
+/// squatter's answer was a reply of the service's own flow and was accepted, and the allowed
+/// name pointed where the agent chose.
+#[test]
+fn a_fenced_squatter_on_a_resolver_at_a_host_address_answers_nobody() {
+    use crate::operator_attack::SQUAT_DNS_PY;
+    const AGENT: u32 = 1001;
+    let w = World::new();
+    w.set_sandbox_nameserver(SANDBOX_V4);
+    let _listener = w.listen_tcp(OTHER_V4, 443);
+    let low_ports = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
+    assert!(low_ports.success(), "{low_ports}");
+    let policy = w.write_file(
+        "scoped-resolve.yaml",
+        &format!(
+            "version: 1\nscope:\n  users: [{AGENT}]\nallow:\n  - domain: api.example.test\n    \
+             ports: [443]\nlog:\n  group: 100\n"
+        ),
+    );
+    let stub = SANDBOX_V4.to_string();
+    let mut resolver =
+        w.spawn_in_sandbox(&[PYTHON, "-c", SQUAT_DNS_PY, &stub, &HOST_V4.to_string()]);
+    assert!(
+        resolver.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        resolver.stderr()
+    );
+    let mut squatter = w.spawn_adversary(
+        Adversary::User(AGENT),
+        &[PYTHON, "-c", SQUAT_DNS_PY, &stub, &OTHER_V4.to_string()],
+    );
+    assert!(
+        squatter.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        squatter.stderr()
+    );
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(15)),
+        "{}",
+        daemon.stderr()
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let out = w.adversary_cmd(
+        Adversary::User(AGENT),
+        &["bash", "-c", &format!("exec 3<>/dev/tcp/{OTHER_V4}/443")],
+    );
+    daemon.signal(Signal::SIGTERM);
+    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    assert!(
+        !out.success() && !daemon.stderr().contains(&format!("added={OTHER_V4}")),
+        "the fenced squatter's answer for api.example.test opened {OTHER_V4}:443:\n{}",
+        daemon.stderr()
+    );
+}
