@@ -501,10 +501,13 @@ fn dns_accepts(guard: Option<&GuardIdentity>) -> Vec<Rule> {
         .into()
 }
 
-/// Resolve mode with a scope: what a fenced socket sends from a loopback resolver's address
-/// and port 53 (UDP and TCP) is refused, before the replies. The resolver there is a stub of
-/// the host's (systemd-resolved, dnsmasq: unfenced), and it answers the service's lookups
-/// too; a fenced process that may bind port 53 (root in a container on the host's network)
+/// Resolve mode with a scope: what a fenced socket sends from a resolver's address and port
+/// 53 (UDP and TCP) is refused, before the replies. A resolver on loopback is a stub of the
+/// host's (systemd-resolved, dnsmasq: unfenced), and it answers the service's lookups too; so
+/// is one on another address of the host's (a dnsmasq or BIND on its LAN address, which
+/// resolv.conf names), whose lookups go over loopback all the same. Every resolver, not only
+/// loopback ones: which addresses are the host's changes while the table stands, and a
+/// socket of this host sends from a resolver's address only where the resolver is the host; a fenced process that may bind port 53 (root in a container on the host's network)
 /// binds the same address and port with SO_REUSEADDR, which UDP grants to any owner when the
 /// stub set it too (both of those do), and as the later socket it gets the questions: its
 /// answers would choose the addresses of the policy's names. Refused, the service's lookup
@@ -514,14 +517,10 @@ fn squatted_resolvers(resolvers: &[IpAddr], guard: Option<&GuardIdentity>) -> Ve
     if guard.is_some() {
         return Vec::new();
     }
-    let mut loopback: Vec<IpAddr> = resolvers
-        .iter()
-        .copied()
-        .filter(IpAddr::is_loopback)
-        .collect();
-    loopback.sort_unstable();
-    loopback.dedup();
-    loopback
+    let mut resolvers = resolvers.to_vec();
+    resolvers.sort_unstable();
+    resolvers.dedup();
+    resolvers
         .into_iter()
         .flat_map(|r| {
             [L4Proto::Udp, L4Proto::Tcp].map(|proto| Rule::RefuseOtherUidsFromGuardPort {
@@ -1034,10 +1033,10 @@ pub(crate) mod tests {
         }
     }
 
-    /// A scoped resolve-mode table refuses what the scope sends from its loopback resolvers'
-    /// address and port 53; an unscoped one, or one in guard mode, has no such rule.
+    /// A scoped resolve-mode table refuses what the scope sends from its resolvers' address
+    /// and port 53 (loopback or not: an address of the host's may hold one too); an unscoped one, or one in guard mode, has no such rule.
     #[test]
-    fn a_scope_may_not_answer_as_a_loopback_resolver() {
+    fn a_scope_may_not_answer_as_a_resolver() {
         let squat = |from: &str, proto| Rule::RefuseOtherUidsFromGuardPort {
             from: from.parse().unwrap(),
             proto,
@@ -1061,6 +1060,9 @@ pub(crate) mod tests {
             [
                 &squat("127.0.0.53:53", L4Proto::Udp),
                 &squat("127.0.0.53:53", L4Proto::Tcp),
+                // Not loopback, but maybe the host's (its LAN address, a dnsmasq there).
+                &squat("192.0.2.53:53", L4Proto::Udp),
+                &squat("192.0.2.53:53", L4Proto::Tcp),
                 &squat("[::1]:53", L4Proto::Udp),
                 &squat("[::1]:53", L4Proto::Tcp),
             ]
