@@ -125,3 +125,75 @@ fn a_fenced_squatter_on_a_resolver_at_a_host_address_answers_nobody() {
         daemon.stderr()
     );
 }
+
+/// `watch` reads the table's refused counters only once its packet reader has found the socket
+/// empty since the last reading, and the reader noted "empty" only when a wait of 50 ms timed
+/// out. Where the operator raised `log.rate` past 20/second, a sandbox that keeps one logged
+/// refusal within every 50 ms (a steady trickle of decoys, well within the rate) never lets a
+/// wait time out: `watch` took no reading after the first, and the burst it sent meanwhile
+/// (the one that matters among it) went unlogged and was never said, for as long as the
+/// trickle ran.
+#[test]
+fn a_steady_trickle_of_logged_decoys_does_not_silence_the_unlogged_count() {
+    let w = World::new();
+    let policy = w.write_file(
+        "policy.yaml",
+        "version: 1\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n  rate: 100/second\n  \
+         burst: 5\n",
+    );
+    let applied = w.egress_fence(&["apply", path_arg(&policy)]);
+    assert!(applied.success(), "{applied}");
+    let mut watch = w.spawn_egress_fence(&["watch", "--json"]);
+    assert!(watch.wait_for_output("watching NFLOG group 100", Duration::from_secs(5)));
+    // Let the first reading be taken before the sandbox starts.
+    std::thread::sleep(Duration::from_millis(1500));
+    // A decoy every 20 ms (50/second, all within the rate) for 30 s; after 1 s, a burst of
+    // 500 and the one that matters, most of them over the rate.
+    let trickle = format!(
+        "import socket, time\n\
+         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         def send(addr):\n\
+         \x20   try:\n\
+         \x20       s.sendto(b'x', addr)\n\
+         \x20   except OSError:\n\
+         \x20       pass\n\
+         start = time.monotonic()\n\
+         burst = False\n\
+         print('trickling', flush=True)\n\
+         while time.monotonic() - start < 30:\n\
+         \x20   send(('{OTHER_V4}', 9))\n\
+         \x20   if not burst and time.monotonic() - start > 1:\n\
+         \x20       burst = True\n\
+         \x20       for i in range(500):\n\
+         \x20           send(('{OTHER_V4}', 9))\n\
+         \x20       send(('{OTHER2_V4}', 4444))\n\
+         \x20       print('burst', flush=True)\n\
+         \x20   time.sleep(0.02)\n"
+    );
+    let mut sandbox = w.spawn_adversary(Adversary::Nobody, &[PYTHON, "-c", &trickle]);
+    assert!(
+        sandbox.wait_for_output("burst", Duration::from_secs(10)),
+        "{}",
+        sandbox.stderr()
+    );
+    let unshown = |w: &Background| -> u64 {
+        w.stdout()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["verdict"] == "unlogged")
+            .filter_map(|e| e["packets"].as_u64())
+            .sum()
+    };
+    // The burst is said within a few readings, while the trickle goes on.
+    let said = within(Duration::from_secs(10), || unshown(&watch) >= 400);
+    let total = unshown(&watch);
+    drop(sandbox);
+    watch.signal(Signal::SIGTERM);
+    let _ = watch.wait_timeout(Duration::from_secs(5));
+    assert!(
+        said,
+        "a burst of 501 refusals over the rate went unsaid while the trickle ran: watch said \
+         {total} went unshown\n{}",
+        watch.stderr()
+    );
+}
