@@ -197,3 +197,69 @@ fn a_steady_trickle_of_logged_decoys_does_not_silence_the_unlogged_count() {
         watch.stderr()
     );
 }
+
+/// Guard mode with a scope (the README's way), the guard's upstream a resolver on an address
+/// of the host (a dnsmasq or BIND on its LAN address, unfenced since the scope leaves the host
+/// alone): the guard's questions reach it over loopback, and the agent (uid 1001, which may
+/// bind port 53) shares its address and port with SO_REUSEADDR and gets them. The guard's
+/// protections refuse the agent's packets to the upstream, not its answers from the
+/// upstream's address (a reply of the guard's own flow, accepted as established), and the
+/// scope's refusal of answers from a resolver's address was resolve mode's alone: the guard
+/// installed the agent's address for the allowed name.
+#[test]
+fn a_fenced_squatter_on_the_guards_upstream_at_a_host_address_answers_nobody() {
+    use crate::operator_attack::SQUAT_DNS_PY;
+    const AGENT: u32 = 1001;
+    let w = World::new();
+    let _listener = w.listen_tcp(OTHER_V4, 443);
+    let low_ports = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
+    assert!(low_ports.success(), "{low_ports}");
+    let upstream = SANDBOX_V4.to_string();
+    let policy = w.write_file(
+        "scoped-guard.yaml",
+        &format!(
+            "version: 1\nscope:\n  users: [{AGENT}]\nallow:\n  - domain: api.example.test\n    \
+             ports: [443]\ndns:\n  mode: guard\n  upstream: [{upstream}]\nlog:\n  group: 100\n"
+        ),
+    );
+    let mut resolver =
+        w.spawn_in_sandbox(&[PYTHON, "-c", SQUAT_DNS_PY, &upstream, &HOST_V4.to_string()]);
+    assert!(
+        resolver.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        resolver.stderr()
+    );
+    let mut squatter = w.spawn_adversary(
+        Adversary::User(AGENT),
+        &[PYTHON, "-c", SQUAT_DNS_PY, &upstream, &OTHER_V4.to_string()],
+    );
+    assert!(
+        squatter.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        squatter.stderr()
+    );
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(15)),
+        "{}",
+        daemon.stderr()
+    );
+    let out = w.adversary_cmd(
+        Adversary::User(AGENT),
+        &[
+            "bash",
+            "-c",
+            &format!(
+                "dig +short +time=2 +tries=1 @127.0.0.53 api.example.test; \
+                 exec 3<>/dev/tcp/{OTHER_V4}/443 && echo connected"
+            ),
+        ],
+    );
+    daemon.signal(Signal::SIGTERM);
+    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    assert!(
+        !out.stdout.contains("connected"),
+        "the fenced squatter's answer for api.example.test opened {OTHER_V4}:443:\n{out}\n{}",
+        daemon.stderr()
+    );
+}
