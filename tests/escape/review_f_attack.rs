@@ -263,3 +263,51 @@ fn a_fenced_squatter_on_the_guards_upstream_at_a_host_address_answers_nobody() {
         daemon.stderr()
     );
 }
+
+/// `watch` tells a table applied anew (a reload, a heal, `apply`) by its refused counter going
+/// down. A new table whose counter has passed the old one's last reading by the next reading
+/// (a burst in its first second, after an old table that had counted little) was taken for
+/// the old one: what the old one counted was taken off what the new one did not log, and that
+/// many refusals went unsaid.
+#[test]
+fn a_table_applied_anew_is_not_taken_for_the_old_one() {
+    use crate::operator_attack::{SENT, events, flood_then_hide, logging_policy};
+    let w = World::new();
+    let policy = logging_policy(&w);
+    let applied = w.egress_fence(&["apply", path_arg(&policy)]);
+    assert!(applied.success(), "{applied}");
+    let mut watch = w.spawn_egress_fence(&["watch", "--json"]);
+    assert!(watch.wait_for_output("watching NFLOG group 100", Duration::from_secs(5)));
+    let shown = |w: &Background| {
+        let events = events(&w.stdout());
+        let logged = events.iter().filter(|e| e["verdict"] == "refused").count() as u64;
+        let unshown: u64 = events
+            .iter()
+            .filter(|e| e["verdict"] == "unlogged")
+            .filter_map(|e| e["packets"].as_u64())
+            .sum();
+        logged + unshown
+    };
+    flood_then_hide(&w);
+    let first = within(Duration::from_secs(10), || shown(&watch) >= SENT);
+    assert!(first, "{}", watch.stdout());
+    // Another table, made anew (its counter starts at 0), and a burst at once.
+    let other = w.write_file(
+        "policy2.yaml",
+        "version: 1\ndns:\n  resolvers: [192.0.2.53, 192.0.2.54]\nlog:\n  group: 100\n",
+    );
+    let applied = w.egress_fence(&["apply", path_arg(&other)]);
+    assert!(applied.success(), "{applied}");
+    flood_then_hide(&w);
+    flood_then_hide(&w);
+    let all = within(Duration::from_secs(10), || shown(&watch) >= 3 * SENT);
+    let total = shown(&watch);
+    watch.signal(Signal::SIGTERM);
+    let _ = watch.wait_timeout(Duration::from_secs(5));
+    assert!(
+        all,
+        "the fence refused {} packets; watch accounted for {total}:\n{}",
+        3 * SENT,
+        watch.stdout()
+    );
+}
