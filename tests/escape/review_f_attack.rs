@@ -377,3 +377,26 @@ fn without_a_scope_a_squatter_on_the_guards_upstream_at_a_host_address_answers_n
         daemon.stderr()
     );
 }
+
+/// What can be said of the open way above: `apply` and `run` warn when the guard's upstream
+/// (or resolve mode's resolver) is an address of this host and no scope tells the fenced
+/// squatter's answers from the resolver's. Before, only loopback ones were warned about.
+#[test]
+fn a_guard_upstream_at_a_host_address_a_fenced_process_could_squat_is_said() {
+    let w = World::new();
+    let policy = w.write_file(
+        "guard.yaml",
+        &format!(
+            "version: 1\nallow:\n  - domain: api.example.test\n    ports: [443]\ndns:\n  \
+             mode: guard\n  upstream: [{SANDBOX_V4}]\nlog:\n  group: 100\n"
+        ),
+    );
+    let said = format!("upstream {SANDBOX_V4} is on loopback or an address of this host");
+    let apply = w.egress_fence(&["apply", path_arg(&policy)]);
+    assert!(apply.stderr.contains(&said), "{apply}");
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
+    let warned = daemon.wait_for_output(&said, Duration::from_secs(15));
+    daemon.signal(Signal::SIGTERM);
+    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    assert!(warned, "{}", daemon.stderr());
+}
