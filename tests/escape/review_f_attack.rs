@@ -314,13 +314,13 @@ fn a_table_applied_anew_is_not_taken_for_the_old_one() {
 
 /// The same without a scope: every socket is fenced, the upstream resolver on the host's
 /// address too, so the table cannot tell its answers to the guard from the squatter's (both
-/// are replies of the guard's flow, from the upstream's address and port), and nothing warns:
-/// `check` and `apply` warn about an upstream on loopback only. Not fixed: the way out is the
-/// same as for resolve mode's loopback stub (a warning where an upstream is an address of
-/// the host, which the pure policy check does not know; or a setting naming the upstream's
-/// uid, whose sockets alone may answer from its address).
+/// are replies of the guard's flow, from the upstream's address and port), and nothing
+/// warned (`check` and `apply` warned about an upstream on loopback only; `apply` and `run`
+/// now say so, see the next test). Not fixed: as for resolve mode's loopback stub, the fix is
+/// a setting naming the upstream resolver's uid, whose sockets alone may answer from its
+/// address.
 #[test]
-#[ignore = "finding: without a scope a fenced squatter on a guard upstream at a host address answers the guard; fix: warn (host addresses) or name the upstream's uid"]
+#[ignore = "finding: without a scope a fenced squatter on a guard upstream at a host address answers the guard; now warned; fix: a setting naming the upstream resolver's uid, whose sockets alone may answer from its address"]
 fn without_a_scope_a_squatter_on_the_guards_upstream_at_a_host_address_answers_nobody() {
     use crate::operator_attack::SQUAT_DNS_PY;
     const AGENT: u32 = 1001;
