@@ -60,10 +60,21 @@ pub fn report_resolution(policy: &Policy, resolution: &Resolution) {
     for w in denied_answers(policy, &resolution.hosts) {
         eprintln!("warning: {w}");
     }
-    // Only where resolv.conf named them: the policy's own are warned about with the rest.
-    if policy.dns.resolvers.is_none()
-        && let Some(w) = policy.squattable_resolvers(&resolution.resolvers)
-    {
+    // Where resolv.conf named them, or any on an address of this host (the policy's own on
+    // loopback are warned about with the rest), and the guard's upstreams on this host.
+    let host = egress_fence::host::read_addrs_or_warn();
+    let is_host = |a| host.is_own(a);
+    let warned = match policy.dns.resolvers.is_none() || policy.dns.guard.is_some() {
+        true => policy.squattable_resolvers(&resolution.resolvers, is_host),
+        false => policy
+            .squattable_resolvers(&resolution.resolvers, is_host)
+            .filter(|_| {
+                policy
+                    .squattable_resolvers(&resolution.resolvers, |_| false)
+                    .is_none()
+            }),
+    };
+    if let Some(w) = warned {
         eprintln!("warning: {w}");
     }
 }

@@ -19,7 +19,7 @@ use egress_fence::host::HostAddrsCache;
 use egress_fence::nft::live::Destinations;
 use egress_fence::nft::{LiveTable, Nft};
 use egress_fence::state::StateDir;
-use egress_fence::watch::{FencedScope, Heard, Host, Unlogged, UnloggedEvent, Watcher};
+use egress_fence::watch::{Counted, FencedScope, Heard, Host, Unlogged, UnloggedEvent, Watcher};
 
 use super::args::{NamespaceArg, StateArgs};
 use super::common::{enter, state_dir};
@@ -73,7 +73,7 @@ pub fn run(
             let heard = refused_read.load(Ordering::Relaxed);
             match counters.refused_counters() {
                 Ok(counted) => {
-                    let counted = counted.map(|r| r.packets());
+                    let counted = counted.map(|(table, r)| Counted::new(table, r.packets()));
                     // After the counters: a drain counted from here on came after them.
                     drains_at_reading = Some(drains.load(Ordering::Relaxed));
                     if let Some(packets) = unlogged.reading(counted, heard) {

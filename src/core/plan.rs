@@ -317,7 +317,7 @@ pub fn plan_elements(
     let (output, scope) = match policy.scope {
         None => (output_rules(policy, guard, gates), None),
         Some(_) => (
-            output_rules(policy, guard, squatted_resolvers(resolvers, guard)),
+            output_rules(policy, guard, squatted_resolvers(resolvers)),
             scope_chains(policy, guard, cgroups, gates),
         ),
     };
@@ -525,27 +525,27 @@ fn dns_accepts(guard: Option<&GuardIdentity>) -> Vec<Rule> {
         .into()
 }
 
-/// Resolve mode with a scope: what a fenced socket sends from a loopback resolver's address
-/// and port 53 (UDP and TCP) is refused, before the replies. The resolver there is a stub of
-/// the host's (systemd-resolved, dnsmasq: unfenced), and it answers the service's lookups
-/// too; a fenced process that may bind port 53 (root in a container on the host's network)
-/// binds the same address and port with SO_REUSEADDR, which UDP grants to any owner when the
-/// stub set it too (both of those do), and as the later socket it gets the questions: its
-/// answers would choose the addresses of the policy's names. Refused, the service's lookup
-/// fails closed instead. As the guard's protections say it, "any uid but none": every
-/// socket with an owner. Without a scope the stub is fenced as well, and is not told apart.
-fn squatted_resolvers(resolvers: &[IpAddr], guard: Option<&GuardIdentity>) -> Vec<Rule> {
-    if guard.is_some() {
-        return Vec::new();
-    }
-    let mut loopback: Vec<IpAddr> = resolvers
-        .iter()
-        .copied()
-        .filter(IpAddr::is_loopback)
-        .collect();
-    loopback.sort_unstable();
-    loopback.dedup();
-    loopback
+/// With a scope: what a fenced socket sends from a resolver's address and port 53 (UDP and
+/// TCP) is refused, before the replies. A resolver on loopback is a stub of the host's
+/// (systemd-resolved, dnsmasq: unfenced), and it answers the service's lookups too; so is one
+/// on another address of the host's (a dnsmasq or BIND on its LAN address), whose lookups go
+/// over loopback all the same. In guard mode the resolvers are the guard's upstreams, asked by
+/// the guard as the service asks resolve mode's, and squatted the same way (the guard's
+/// protections refuse what goes to an upstream, not what comes from its address). A fenced
+/// process that may bind port 53 (root in a container on the host's network) binds the same
+/// address and port with SO_REUSEADDR, which UDP grants to any owner when the resolver set it
+/// too (systemd-resolved and dnsmasq do), and as the later socket it gets the questions: its
+/// answers would choose the addresses of the policy's names. Refused, the lookup fails closed
+/// instead. Every resolver, not only loopback ones: which addresses are the host's changes
+/// while the table stands, and a socket of this host sends from a resolver's address only
+/// where the resolver is the host. As the guard's protections say it, "any uid but none":
+/// every socket with an owner. Without a scope the resolver is fenced as well, and is not told
+/// apart.
+fn squatted_resolvers(resolvers: &[IpAddr]) -> Vec<Rule> {
+    let mut resolvers = resolvers.to_vec();
+    resolvers.sort_unstable();
+    resolvers.dedup();
+    resolvers
         .into_iter()
         .flat_map(|r| {
             [L4Proto::Udp, L4Proto::Tcp].map(|proto| Rule::RefuseOtherUidsFromGuardPort {
@@ -1058,10 +1058,11 @@ pub(crate) mod tests {
         }
     }
 
-    /// A scoped resolve-mode table refuses what the scope sends from its loopback resolvers'
-    /// address and port 53; an unscoped one, or one in guard mode, has no such rule.
+    /// A scoped table refuses what the scope sends from its resolvers' address and port 53
+    /// (loopback or not: an address of the host's may hold one too; in guard mode the guard's
+    /// upstreams); an unscoped one has no such rule.
     #[test]
-    fn a_scope_may_not_answer_as_a_loopback_resolver() {
+    fn a_scope_may_not_answer_as_a_resolver() {
         let squat = |from: &str, proto| Rule::RefuseOtherUidsFromGuardPort {
             from: from.parse().unwrap(),
             proto,
@@ -1085,6 +1086,9 @@ pub(crate) mod tests {
             [
                 &squat("127.0.0.53:53", L4Proto::Udp),
                 &squat("127.0.0.53:53", L4Proto::Tcp),
+                // Not loopback, but maybe the host's (its LAN address, a dnsmasq there).
+                &squat("192.0.2.53:53", L4Proto::Udp),
+                &squat("192.0.2.53:53", L4Proto::Tcp),
                 &squat("[::1]:53", L4Proto::Udp),
                 &squat("[::1]:53", L4Proto::Tcp),
             ]
@@ -1101,6 +1105,28 @@ pub(crate) mod tests {
                 .iter()
                 .any(|r| matches!(r, Rule::RefuseOtherUidsFromGuardPort { .. }))
         );
+        // Guard mode: the guard asks its upstreams, one of them on the host's LAN address.
+        let mut res = resolution(&[]);
+        res.resolvers = vec!["198.51.100.2".parse().unwrap()];
+        let guarded = plan(
+            &policy(
+                "version: 1\nscope:\n  users: [1001]\ndns:\n  mode: guard\n  upstream: \
+                 [198.51.100.2]\n",
+            ),
+            &res,
+        );
+        for proto in [L4Proto::Udp, L4Proto::Tcp] {
+            let squatted = guarded
+                .output
+                .iter()
+                .position(|r| *r == squat("198.51.100.2:53", proto));
+            assert!(squatted.is_some(), "{proto:?}: {:?}", guarded.output);
+            assert!(squatted < at_of(&guarded.output, &Rule::AcceptEstablished));
+        }
+    }
+
+    fn at_of(rules: &[Rule], rule: &Rule) -> Option<usize> {
+        rules.iter().position(|r| r == rule)
     }
 
     fn tuple(net: &str, proto: L4Proto, first: u16, last: u16) -> Tuple {

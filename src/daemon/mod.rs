@@ -60,7 +60,7 @@ use crate::nft::monitor::Monitor;
 use crate::nft::{Nft, NftError, Table};
 use crate::state::{StateDir, StateError, WriterLock};
 use crate::trace_file::TraceSink;
-use crate::watch::{DropEvent, Unlogged, WatchError, Watcher};
+use crate::watch::{Counted, DropEvent, Unlogged, WatchError, Watcher};
 pub use metrics::{MetricsAddr, MetricsAddrError};
 use shell::Daemon;
 
@@ -491,7 +491,8 @@ fn count_unlogged(
     match nft.refused_counters() {
         Ok(counted) => {
             *failing = None;
-            if let Some(packets) = unlogged.reading(counted.map(|r| r.packets()), heard) {
+            let counted = counted.map(|(table, r)| Counted::new(table, r.packets()));
+            if let Some(packets) = unlogged.reading(counted, heard) {
                 warn!(
                     packets,
                     "refused packets not logged: the table counted them over the policy's \

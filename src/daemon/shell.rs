@@ -704,7 +704,8 @@ fn resolver_for(
         None => crate::dns::resolve::system_resolvers(&options.resolv_conf)?,
     };
     // Said at start, on each reload and when resolv.conf appears: whichever names them.
-    if let Some(w) = policy.squattable_resolvers(&resolvers) {
+    let host = crate::host::read_addrs_or_warn();
+    if let Some(w) = policy.squattable_resolvers(&resolvers, |a| host.is_own(a)) {
         warn!("{w}");
     }
     let resolver = NameResolver::new(&resolvers)?;

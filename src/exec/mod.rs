@@ -283,6 +283,13 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     if daemon_ended.try_recv().is_ok() {
         return Err(ExecError::DaemonEnded);
     }
+    // The table CMD starts under: one applied anew during the run (the daemon heals, or
+    // restores a set) counted from 0 again, and its counters say nothing of the whole run.
+    let table_at_start = nft
+        .refused_counters()
+        .ok()
+        .flatten()
+        .map(|(table, _)| table);
     File::from(go_write)
         .write_all(b"g")
         .map_err(ExecError::io("start CMD"))?;
@@ -290,7 +297,10 @@ pub fn run(options: Options) -> Result<Outcome, ExecError> {
     tracing::debug!("exec: fence proved, CMD starts");
     let code = wait_for_inside(inside, &mut pasta, &signal_fd)?;
     // CMD has ended: what the table counted now is all it will count of CMD's.
-    let counted = nft.refused_counters().ok().flatten().map(|r| r.packets());
+    let counted = match nft.refused_counters() {
+        Ok(Some((table, refused))) if Some(table) == table_at_start => Some(refused.packets()),
+        _ => None,
+    };
     let mut refusals = listening.map(|l| l.finish(Duration::from_millis(100), counted));
     if let (Some(canary), Some(capture), Some(refusals)) =
         (&options.canary, &capture, &mut refusals)

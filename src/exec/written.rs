@@ -113,13 +113,14 @@ pub struct ReportFile {
 
 impl ReportFile {
     pub fn open(path: &Path) -> Result<ReportFile, ExecError> {
-        let (dir, name) = open_dir(path, REPORT)?;
-        open_file(&dir, &name, path, REPORT)?;
-        Ok(ReportFile {
-            dir,
-            name,
-            path: path.to_path_buf(),
-        })
+        // Made absolute now, from the working directory's path at the start: a relative path
+        // walked again at the end would start from the working directory itself, which CMD
+        // may have moved (it is the held directory, or on the way to it), and would lead to
+        // the held directory wherever it went while a directory of CMD's holds the path.
+        let path = std::path::absolute(path).map_err(ExecError::io("find the report's path"))?;
+        let (dir, name) = open_dir(&path, REPORT)?;
+        open_file(&dir, &name, &path, REPORT)?;
+        Ok(ReportFile { dir, name, path })
     }
 
     /// Writes `text` as the report at its path. A directory on the way moved during the run

@@ -367,13 +367,20 @@ impl Nft {
 
     /// The flags of our table (`NFT_TABLE_F_DORMANT`: switched off), if it exists.
     fn table_flags(&mut self) -> Result<Option<u32>, NftError> {
+        Ok(self.table_attrs()?.map(|(flags, _)| flags))
+    }
+
+    /// Our table's flags and handle, if it exists. The kernel gives each table it makes a
+    /// handle of its own, never given again in the namespace: a table applied anew (a
+    /// reload, a heal) has another.
+    fn table_attrs(&mut self) -> Result<Option<(u32, u64)>, NftError> {
         let request = sys::dump_request(Dump::Tables, &encode::table_name(), None, 0);
         let tables = self.dump(&request, "tables")?;
         Ok(tables
             .iter()
             .filter_map(|m| sys::parse_table(m))
-            .find(|(family, name, _)| *family == libc::NFPROTO_INET as u32 && name == TABLE)
-            .map(|(_, _, flags)| flags))
+            .find(|(family, name, ..)| *family == libc::NFPROTO_INET as u32 && name == TABLE)
+            .map(|(_, _, flags, handle)| (flags, handle)))
     }
 
     /// The NFLOG group the installed table logs refusals to: `None` when no table is
@@ -387,13 +394,15 @@ impl Nft {
     }
 
     /// What the installed table's refused chain counted, per family, read from its rules
-    /// alone (no sets): `None` when no table of ours is installed. Cheap enough to ask every
-    /// second.
-    pub fn refused_counters(&mut self) -> Result<Option<live::Refused>, NftError> {
-        if !self.table_exists()? {
+    /// alone (no sets), with the table's handle: `None` when no table of ours is installed.
+    /// Cheap enough to ask every second. The handle is read first: a table applied anew
+    /// between the two reads has its counters read under the old handle, and the next
+    /// reading, under the new one, tells it from the old.
+    pub fn refused_counters(&mut self) -> Result<Option<(u64, live::Refused)>, NftError> {
+        let Some((_, handle)) = self.table_attrs()? else {
             return Ok(None);
-        }
-        Ok(live::refused_counters(&self.read_rules()?))
+        };
+        Ok(live::refused_counters(&self.read_rules()?).map(|r| (handle, r)))
     }
 
     /// The rules of our table, decoded.

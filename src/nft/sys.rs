@@ -972,7 +972,7 @@ unsafe fn parse_with<T, R>(
 
 /// Parses one table message of a dump into its family, name and flags (`NFT_TABLE_F_*`:
 /// dormant, owner).
-pub fn parse_table(msg: &[u8]) -> Option<(u32, String, u32)> {
+pub fn parse_table(msg: &[u8]) -> Option<(u32, String, u32, u64)> {
     // SAFETY: the table functions belong together; attributes are read while `t` lives and
     // strings copied.
     unsafe {
@@ -986,6 +986,7 @@ pub fn parse_table(msg: &[u8]) -> Option<(u32, String, u32)> {
                     sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FAMILY as u16),
                     owned_str(sys::nftnl_table_get_str(t, sys::NFTNL_TABLE_NAME as u16)),
                     sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FLAGS as u16),
+                    sys::nftnl_table_get_u64(t, sys::NFTNL_TABLE_HANDLE as u16),
                 )
             },
         )

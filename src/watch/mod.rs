@@ -31,7 +31,7 @@ pub use hear::{Heard, hear};
 use nflog::ACK_TIMEOUT;
 pub use nflog::{COPY_RANGE, Watcher};
 pub use scope::{FencedScope, Host, HostLookup, ScopeMatched};
-pub use unlogged::{Unlogged, UnloggedEvent};
+pub use unlogged::{Counted, Unlogged, UnloggedEvent};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {

@@ -140,7 +140,7 @@ impl Watcher {
             if left.is_zero() {
                 return Err(WatchError::Timeout { group });
             }
-            match watcher.receive(Some(left)) {
+            match watcher.receive(Receive::Within(Some(left))) {
                 Ok(Some(acks)) => {
                     if let Some(&(_, errno)) = acks.iter().find(|(seq, _)| *seq == SEQ) {
                         return match errno {
@@ -168,10 +168,10 @@ impl Watcher {
         Arc::clone(&self.refused_read)
     }
 
-    /// How many times a wait with a timeout found nothing to hand out: read after a moment,
-    /// a larger value says everything the kernel sent before that moment has been handed out
-    /// (and counted in [`Watcher::refused_read`]). Only [`Watcher::next_event_timeout`] can
-    /// find the socket empty.
+    /// How many times a wait found nothing to hand out, nothing queued and the socket empty
+    /// (looked at without waiting before every wait, and when a wait times out): read after a
+    /// moment, a larger value says everything the kernel sent before that moment has been
+    /// handed out (and counted in [`Watcher::refused_read`]).
     pub fn drains(&self) -> Arc<AtomicU64> {
         Arc::clone(&self.drains)
     }
@@ -211,19 +211,33 @@ impl Watcher {
             if left.is_some_and(|l| l.is_zero()) {
                 return Ok(None);
             }
+            // First without waiting: the socket found empty now is a drain, also when the next
+            // message comes before the wait below would time out (a sandbox that keeps one
+            // logged refusal within every wait would otherwise never let a drain be seen, and
+            // the table's counters would never be read again).
             // Acknowledgements are not expected after the bind; they are ignored.
-            if self.receive(left)?.is_none() {
+            if self.receive(Receive::Now)?.is_some() {
+                continue;
+            }
+            if self.receive(Receive::Within(left))?.is_none() {
                 return Ok(None);
             }
         }
     }
 
     /// Reads one datagram, queues its packets (decoded) and returns its acknowledgements as
-    /// (sequence, errno). `None` on timeout or interruption.
-    fn receive(&mut self, timeout: Option<Duration>) -> Result<Option<Vec<Ack>>, WatchError> {
-        self.set_timeout(timeout)?;
+    /// (sequence, errno). `None` on timeout (at once for [`Receive::Now`] when
+    /// nothing is there) or interruption.
+    fn receive(&mut self, how: Receive) -> Result<Option<Vec<Ack>>, WatchError> {
         // MSG_TRUNC makes recv return the datagram's real length, so a cut one is detected.
-        let n = match self.socket.recv(&mut self.buf, MsgFlags::MSG_TRUNC) {
+        let flags = match how {
+            Receive::Now => MsgFlags::MSG_TRUNC | MsgFlags::MSG_DONTWAIT,
+            Receive::Within(timeout) => {
+                self.set_timeout(timeout)?;
+                MsgFlags::MSG_TRUNC
+            }
+        };
+        let n = match self.socket.recv(&mut self.buf, flags) {
             Ok(n) => n,
             Err(Errno::EAGAIN) => {
                 // Nothing on the socket, nothing queued: every message sent before now has
@@ -266,6 +280,15 @@ impl Watcher {
         self.rcv_timeout = timeout;
         Ok(())
     }
+}
+
+/// How [`Watcher::receive`] waits for a datagram.
+#[derive(Debug, Clone, Copy)]
+enum Receive {
+    /// Not at all: only what is on the socket now.
+    Now,
+    /// At most this long (`None`: until one comes or a signal).
+    Within(Option<Duration>),
 }
 
 /// Maps the kernel's answer to a bind. Another listener on the group and a missing capability

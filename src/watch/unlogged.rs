@@ -15,6 +15,20 @@ use std::fmt;
 
 use serde::Serialize;
 
+/// One reading of the table's refused counters: the packets of both families, and the
+/// table's handle, which a table applied anew changes (its counters start at 0 again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counted {
+    pub table: u64,
+    pub packets: u64,
+}
+
+impl Counted {
+    pub fn new(table: u64, packets: u64) -> Counted {
+        Counted { table, packets }
+    }
+}
+
 /// The bookkeeping: readings of the table's refused counter against the refused packets heard.
 #[derive(Debug, Default)]
 pub struct Unlogged {
@@ -25,7 +39,7 @@ pub struct Unlogged {
     heard_at_base: u64,
     /// The previous reading, judged at the next one; `None` before the first and while no
     /// table is installed.
-    last: Option<u64>,
+    last: Option<Counted>,
     /// Refused packets heard at the previous reading, table or not; `None` before the first.
     heard_before: Option<u64>,
     /// Unshown packets said so far, since `base`.
@@ -36,20 +50,25 @@ impl Unlogged {
     /// Takes a reading of the counter (`None`: no table) with the number of refused packets
     /// heard so far, and returns how many more refused packets went unshown since the last
     /// report, if any.
-    pub fn reading(&mut self, counted: Option<u64>, heard: u64) -> Option<u64> {
+    pub fn reading(&mut self, counted: Option<Counted>, heard: u64) -> Option<u64> {
         let heard_before = self.heard_before.replace(heard);
         let Some(counted) = counted else {
             self.last = None;
             return None;
         };
         let previous = match self.last.replace(counted) {
-            Some(previous) if counted >= previous => previous,
+            Some(previous)
+                if previous.table == counted.table && counted.packets >= previous.packets =>
+            {
+                previous.packets
+            }
             // The first reading, a table made since the last one, or one applied whole (a
-            // reload, a heal: its counter starts at 0 again, so it went down): start over.
+            // reload, a heal: its counter starts at 0 again, under another handle; told by
+            // the handle, since by now it may have counted past the old one): start over.
             _ => {
                 (self.base, self.heard_at_base) = match heard_before {
                     // What the table counted before anyone listened is not judged.
-                    None => (counted, heard),
+                    None => (counted.packets, heard),
                     // The new table counted from 0, and all it logged was heard after the
                     // last reading (with, at worst, the old table's last packets: a count
                     // too small, never too large).
@@ -109,48 +128,65 @@ impl fmt::Display for UnloggedEvent {
 mod tests {
     use super::*;
 
+    /// A reading of `packets` from the table of handle `table`.
+    fn c(table: u64, packets: u64) -> Option<Counted> {
+        Some(Counted::new(table, packets))
+    }
+
+    #[test]
+    fn a_table_applied_anew_is_told_by_its_handle_though_it_counted_past_the_old_one() {
+        let mut u = Unlogged::default();
+        assert_eq!(u.reading(c(1, 0), 0), None);
+        // 100 counted and heard.
+        assert_eq!(u.reading(c(1, 100), 100), None);
+        assert_eq!(u.reading(c(1, 100), 100), None);
+        // Applied anew: the new table counted 150 in its first second, none heard.
+        assert_eq!(u.reading(c(2, 150), 100), None);
+        assert_eq!(u.reading(c(2, 150), 100), Some(150));
+    }
+
     #[test]
     fn what_was_counted_and_not_heard_is_said_once_a_reading_later() {
         let mut u = Unlogged::default();
         // Started with 7 refusals counted and 2 heard: none of them is judged.
-        assert_eq!(u.reading(Some(7), 2), None);
+        assert_eq!(u.reading(c(1, 7), 2), None);
         // 20 logged and heard, 81 more counted: judged at the next reading.
-        assert_eq!(u.reading(Some(108), 22), None);
-        assert_eq!(u.reading(Some(108), 22), Some(81));
+        assert_eq!(u.reading(c(1, 108), 22), None);
+        assert_eq!(u.reading(c(1, 108), 22), Some(81));
         // Said once.
-        assert_eq!(u.reading(Some(108), 22), None);
+        assert_eq!(u.reading(c(1, 108), 22), None);
         // 3 more, all heard: nothing.
-        assert_eq!(u.reading(Some(111), 25), None);
-        assert_eq!(u.reading(Some(111), 25), None);
+        assert_eq!(u.reading(c(1, 111), 25), None);
+        assert_eq!(u.reading(c(1, 111), 25), None);
         // 5 more, 1 heard.
-        assert_eq!(u.reading(Some(116), 26), None);
-        assert_eq!(u.reading(Some(116), 26), Some(4));
+        assert_eq!(u.reading(c(1, 116), 26), None);
+        assert_eq!(u.reading(c(1, 116), 26), Some(4));
     }
 
     #[test]
     fn packets_heard_after_a_reading_count_for_it_and_nothing_is_said_early() {
         let mut u = Unlogged::default();
-        assert_eq!(u.reading(Some(0), 0), None);
+        assert_eq!(u.reading(c(1, 0), 0), None);
         // 10 counted at this reading, their messages read only after it.
-        assert_eq!(u.reading(Some(10), 0), None);
-        assert_eq!(u.reading(Some(12), 12), None);
-        assert_eq!(u.reading(Some(12), 12), None);
+        assert_eq!(u.reading(c(1, 10), 0), None);
+        assert_eq!(u.reading(c(1, 12), 12), None);
+        assert_eq!(u.reading(c(1, 12), 12), None);
     }
 
     #[test]
     fn a_new_table_is_judged_from_its_start() {
         let mut u = Unlogged::default();
-        assert_eq!(u.reading(Some(100), 0), None);
-        assert_eq!(u.reading(Some(150), 0), None);
+        assert_eq!(u.reading(c(1, 100), 0), None);
+        assert_eq!(u.reading(c(1, 150), 0), None);
         // Replaced (a reload): its counter started at 0 and counted 3, none heard.
-        assert_eq!(u.reading(Some(3), 0), None);
-        assert_eq!(u.reading(Some(3), 0), Some(3));
-        assert_eq!(u.reading(Some(13), 0), None);
-        assert_eq!(u.reading(Some(13), 0), Some(10));
+        assert_eq!(u.reading(c(2, 3), 0), None);
+        assert_eq!(u.reading(c(2, 3), 0), Some(3));
+        assert_eq!(u.reading(c(2, 13), 0), None);
+        assert_eq!(u.reading(c(2, 13), 0), Some(10));
         // Gone, then made again: 50 counted, 20 of them heard, all since the last reading.
         assert_eq!(u.reading(None, 0), None);
-        assert_eq!(u.reading(Some(50), 20), None);
-        assert_eq!(u.reading(Some(50), 20), Some(30));
+        assert_eq!(u.reading(c(3, 50), 20), None);
+        assert_eq!(u.reading(c(3, 50), 20), Some(30));
     }
 
     #[test]
@@ -159,8 +195,8 @@ mod tests {
         // second count too.
         let mut u = Unlogged::default();
         assert_eq!(u.reading(None, 0), None);
-        assert_eq!(u.reading(Some(201), 20), None);
-        assert_eq!(u.reading(Some(201), 20), Some(181));
+        assert_eq!(u.reading(c(1, 201), 20), None);
+        assert_eq!(u.reading(c(1, 201), 20), Some(181));
     }
 
     #[test]

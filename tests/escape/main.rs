@@ -31,6 +31,7 @@ mod readback_attack;
 mod repair;
 mod reset;
 mod revert_attack;
+mod review_f_attack;
 mod round2;
 mod round3;
 mod scope;

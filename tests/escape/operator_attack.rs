@@ -13,10 +13,10 @@ const DECOYS: usize = 200;
 /// Where the attempt it wants hidden goes.
 const HIDDEN_PORT: u16 = 4444;
 /// The decoys and the one that matters.
-const SENT: u64 = DECOYS as u64 + 1;
+pub(crate) const SENT: u64 = DECOYS as u64 + 1;
 
 /// A policy that logs refusals to NFLOG group 100 at the default rate.
-fn logging_policy(w: &World) -> std::path::PathBuf {
+pub(crate) fn logging_policy(w: &World) -> std::path::PathBuf {
     w.write_file(
         "policy.yaml",
         "version: 1\ndns:\n  resolvers: [192.0.2.53]\nlog:\n  group: 100\n",
@@ -24,7 +24,7 @@ fn logging_policy(w: &World) -> std::path::PathBuf {
 }
 
 /// As nobody: [`DECOYS`] refused datagrams at once, then the one to [`HIDDEN_PORT`].
-fn flood_then_hide(w: &World) {
+pub(crate) fn flood_then_hide(w: &World) {
     let flood = format!(
         "import socket\n\
      s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
@@ -101,7 +101,7 @@ fn a_burst_of_refusals_hides_no_later_one_from_watch() {
     assert_eq!(logged as u64 + unshown, SENT, "{}", watch.stdout());
 }
 
-fn events(out: &str) -> Vec<Value> {
+pub(crate) fn events(out: &str) -> Vec<Value> {
     out.lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
@@ -260,7 +260,7 @@ fn a_report_whose_directory_cmd_moved_is_said_not_to_be_there() {
 /// A DNS server for every name: answers each A question with ADDR (and nothing else), on UDP
 /// ADDRESS:53 bound with SO_REUSEADDR (as dnsmasq and systemd-resolved bind theirs). Prints
 /// `bound` once it listens. Arguments: ADDRESS ADDR.
-const SQUAT_DNS_PY: &str = r#"
+pub(crate) const SQUAT_DNS_PY: &str = r#"
 import socket, struct, sys
 listen, addr = sys.argv[1], sys.argv[2]
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -119,7 +119,7 @@ impl Policy {
             self.dns
                 .resolvers
                 .as_deref()
-                .and_then(|r| self.squattable_resolvers(r)),
+                .and_then(|r| self.squattable_resolvers(r, |_| false)),
         );
         if let Some(resolvers) = &self.dns.resolvers
             && resolvers.iter().all(|r| r.is_loopback())
@@ -158,35 +158,50 @@ impl Policy {
             .collect()
     }
 
-    /// Resolve mode without a scope, asking a resolver on loopback (`resolvers`: the policy's,
-    /// or those resolv.conf named): the warning that a local process may answer in its place.
-    /// UDP lets a second socket share the address of a stub bound with SO_REUSEADDR
+    /// Without a scope, asking a resolver on loopback or on an address of this host
+    /// (`is_host`; `resolvers`: the policy's, or those resolv.conf named; in guard mode the
+    /// guard's upstreams): the warning that a local process may answer in its place. UDP lets
+    /// a second socket share the address of a resolver bound with SO_REUSEADDR
     /// (systemd-resolved's and dnsmasq's are), and the later one gets the questions; a fenced
     /// process that may bind port 53 (root in a container on the host's network) then chooses
-    /// the addresses of the policy's names. The table cannot tell the stub's answers from the
-    /// squatter's when both are fenced; with a scope the fenced sockets may not answer from a
-    /// resolver's address, and in guard mode the guard asks its upstreams itself.
-    pub fn squattable_resolvers(&self, resolvers: &[IpAddr]) -> Option<String> {
-        if self.dns.guard.is_some() || self.scope.is_some() {
+    /// the addresses of the policy's names. The table cannot tell the resolver's answers from
+    /// the squatter's when both are fenced; with a scope the fenced sockets may not answer
+    /// from a resolver's address. The guard asks its upstreams as the service asks resolve
+    /// mode's: one of the host's is squatted the same way.
+    pub fn squattable_resolvers(
+        &self,
+        resolvers: &[IpAddr],
+        is_host: impl Fn(IpAddr) -> bool,
+    ) -> Option<String> {
+        if self.scope.is_some() {
             return None;
         }
-        let loopback: Vec<String> = resolvers
+        let (asked, what, answers) = match &self.dns.guard {
+            Some(g) => (&g.upstream[..], "upstream", "the guard's questions"),
+            None => (resolvers, "resolver", "the service's lookups"),
+        };
+        let local: Vec<IpAddr> = asked
             .iter()
-            .filter(|r| r.is_loopback())
-            .map(ToString::to_string)
+            .copied()
+            .filter(|&r| r.is_loopback() || is_host(r))
             .collect();
-        if loopback.is_empty() {
+        if local.is_empty() {
             return None;
         }
+        let where_ = match local.iter().all(IpAddr::is_loopback) {
+            true => "on loopback",
+            false => "on loopback or an address of this host",
+        };
+        let list: Vec<String> = local.iter().map(ToString::to_string).collect();
         Some(format!(
-            "resolver {} is on loopback: a local process that may bind port 53 there (root in \
+            "{what} {} is {where_}: a local process that may bind port 53 there (root in \
              a container on the host's network, or any user where \
              net.ipv4.ip_unprivileged_port_start allows it) can share the stub's address and \
-             answer the service's lookups, pointing allowed names at addresses of its choosing; \
-             use `dns.mode: guard`, name the upstream resolvers in `dns.resolvers`, or scope \
-             the fence to the agent (its sockets may then not answer from a resolver's \
-             address)",
-            loopback.join(", ")
+             answer {answers}, pointing allowed names at addresses of its choosing; \
+             use `dns.mode: guard` with upstream resolvers elsewhere, name the upstream \
+             resolvers in `dns.resolvers`, or scope the fence to the agent (its sockets may \
+             then not answer from a resolver's address)",
+            list.join(", ")
         ))
     }
 }
@@ -891,10 +906,12 @@ mod tests {
     fn a_loopback_resolver_in_resolve_mode_without_a_scope_is_squattable() {
         let stub: Vec<IpAddr> = vec!["127.0.0.53".parse().unwrap(), "192.0.2.53".parse().unwrap()];
         let plain = parse("version: 1\n").expect("valid");
-        let w = plain.squattable_resolvers(&stub).expect("warned");
+        let w = plain
+            .squattable_resolvers(&stub, |_| false)
+            .expect("warned");
         assert!(w.starts_with("resolver 127.0.0.53 is on loopback"), "{w}");
         assert_eq!(
-            plain.squattable_resolvers(&["192.0.2.53".parse().unwrap()]),
+            plain.squattable_resolvers(&["192.0.2.53".parse().unwrap()], |_| false),
             None
         );
         // The policy's own resolvers are warned about by `warnings`.
@@ -910,10 +927,26 @@ mod tests {
         // A scope refuses its sockets' answers from the resolver's address; the guard asks
         // its upstreams itself.
         let scoped = parse("version: 1\nscope:\n  users: [1001]\n").expect("valid");
-        assert_eq!(scoped.squattable_resolvers(&stub), None);
+        assert_eq!(scoped.squattable_resolvers(&stub, |_| true), None);
         let guard =
             parse("version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n").expect("valid");
-        assert_eq!(guard.squattable_resolvers(&stub), None);
+        assert_eq!(guard.squattable_resolvers(&stub, |_| false), None);
+        // A resolver, or the guard's upstream, on an address of this host is squatted the
+        // same way.
+        let host = |a: IpAddr| a == "192.0.2.53".parse::<IpAddr>().unwrap();
+        let w = plain
+            .squattable_resolvers(&["192.0.2.53".parse().unwrap()], host)
+            .expect("warned");
+        assert!(
+            w.starts_with("resolver 192.0.2.53 is on loopback or an address of this host"),
+            "{w}"
+        );
+        let w = guard.squattable_resolvers(&[], host).expect("warned");
+        assert!(
+            w.starts_with("upstream 192.0.2.53 is on loopback or an address"),
+            "{w}"
+        );
+        assert!(w.contains("the guard's questions"), "{w}");
     }
 
     #[test]
