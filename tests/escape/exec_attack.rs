@@ -330,26 +330,22 @@ fn the_report_is_never_written_through_a_linked_directory() {
     std::fs::write(&victim, "root's own\n").expect("root's file");
 
     // The earlier run: CMD leaves `out` pointing at root's directory.
-    let plant = exec_command(
+    let plant = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody"],
         &format!("ln -s {} out && echo planted", victims.display()),
-    )
-    .current_dir(&work)
-    .output()
-    .expect("run egress-fence exec");
+    );
     assert!(stdout_of(&plant).contains("planted"), "{}", show(&plant));
 
-    let out = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody", "--report", "out/report.json"],
         "exit 0",
-    )
-    .current_dir(&work)
-    .output()
-    .expect("run egress-fence exec");
+    );
     assert_eq!(
         std::fs::read_to_string(&victim).expect("the victim"),
         "root's own\n",

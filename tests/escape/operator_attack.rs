@@ -166,14 +166,11 @@ fn a_burst_of_refusals_hides_no_later_one_from_the_services_log() {
 #[test]
 fn the_report_at_the_path_is_execs_not_cmds() {
     use crate::common::exec::*;
-    use std::os::unix::fs::PermissionsExt;
 
     let w = World::new();
     let policy = setup(&w);
     let work = w.dir().join("work");
-    std::fs::create_dir(&work).expect("mkdir work");
-    std::os::unix::fs::chown(&work, Some(NOBODY), Some(NOBODY)).expect("chown work");
-    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    cmds_workspace(&work);
     let report = work.join("report.json");
     let forge = "host=${CANARY_WEBHOOK_URL#https://}; host=${host%%/*}; \
                  dig +time=1 +tries=1 \"$host\" >/dev/null; \
@@ -181,8 +178,9 @@ fn the_report_at_the_path_is_execs_not_cmds() {
                  printf '{\"exit_code\": 0, \"exec_exit_code\": 0, \"canary_tripped\": false, \
                  \"refused\": {\"connections\": 0, \"queries\": 0}}\\n' > report.json && \
                  echo forged";
-    let mut cmd = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &[
             "--user",
@@ -193,8 +191,6 @@ fn the_report_at_the_path_is_execs_not_cmds() {
         ],
         forge,
     );
-    cmd.current_dir(&work);
-    let out = cmd.output().expect("run egress-fence exec");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("forged"),
         "{}",
@@ -221,29 +217,25 @@ fn the_report_at_the_path_is_execs_not_cmds() {
 #[test]
 fn a_report_whose_directory_cmd_moved_is_said_not_to_be_there() {
     use crate::common::exec::*;
-    use std::os::unix::fs::PermissionsExt;
 
     let w = World::new();
     let policy = setup(&w);
     let top = w.dir().join("workspace");
     let work = top.join("work");
     for dir in [&top, &work] {
-        std::fs::create_dir(dir).expect("mkdir");
-        std::os::unix::fs::chown(dir, Some(NOBODY), Some(NOBODY)).expect("chown");
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        cmds_workspace(dir);
     }
     let report = work.join("report.json");
     let forge = "cd .. && mv work work.old && mkdir work && \
                  printf '{\"exit_code\": 0, \"exec_exit_code\": 0, \"canary_tripped\": false}\\n' \
                  > work/report.json && echo forged";
-    let mut cmd = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody", "--report", path_arg(&report)],
         forge,
     );
-    cmd.current_dir(&work);
-    let out = cmd.output().expect("run egress-fence exec");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("forged"),
         "{}",
@@ -428,26 +420,22 @@ fn a_loopback_resolver_a_fenced_process_could_squat_is_said_in_resolve_mode() {
 #[test]
 fn a_fifo_at_the_report_path_is_refused_not_waited_on() {
     use crate::common::exec::*;
-    use std::os::unix::fs::PermissionsExt;
 
     let w = World::new();
     let policy = setup(&w);
     let work = w.dir().join("work");
-    std::fs::create_dir(&work).expect("mkdir work");
-    std::os::unix::fs::chown(&work, Some(NOBODY), Some(NOBODY)).expect("chown work");
-    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    cmds_workspace(&work);
     let report = work.join("report.json");
     nix::unistd::mkfifo(&report, nix::sys::stat::Mode::from_bits_truncate(0o666)).expect("mkfifo");
     std::os::unix::fs::chown(&report, Some(NOBODY), Some(NOBODY)).expect("chown the FIFO");
     let started = std::time::Instant::now();
-    let mut cmd = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody", "--report", path_arg(&report)],
         "echo ran",
     );
-    cmd.current_dir(&work);
-    let out = cmd.output().expect("run egress-fence exec");
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "exec waited on the FIFO: {}",

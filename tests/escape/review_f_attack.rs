@@ -23,16 +23,13 @@ use crate::operator_attack::{
 #[test]
 fn a_relative_report_path_follows_no_move_of_the_working_directory() {
     use crate::common::exec::*;
-    use std::os::unix::fs::PermissionsExt;
 
     let w = World::new();
     let policy = setup(&w);
     let top = w.dir().join("workspace");
     let work = top.join("work");
     for dir in [&top, &work] {
-        std::fs::create_dir(dir).expect("mkdir");
-        std::os::unix::fs::chown(dir, Some(NOBODY), Some(NOBODY)).expect("chown");
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        cmds_workspace(dir);
     }
     let forge = "host=${CANARY_WEBHOOK_URL#https://}; host=${host%%/*}; \
                  dig +time=1 +tries=1 \"$host\" >/dev/null; \
@@ -40,14 +37,13 @@ fn a_relative_report_path_follows_no_move_of_the_working_directory() {
                  printf '{\"exit_code\": 0, \"exec_exit_code\": 0, \"canary_tripped\": false, \
                  \"refused\": {\"connections\": 0, \"queries\": 0}}\\n' > work/report.json && \
                  echo forged";
-    let mut cmd = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody", "--canary", "--report", "report.json"],
         forge,
     );
-    cmd.current_dir(&work);
-    let out = cmd.output().expect("run egress-fence exec");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("forged"),
         "{}",
