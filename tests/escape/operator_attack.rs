@@ -166,14 +166,11 @@ fn a_burst_of_refusals_hides_no_later_one_from_the_services_log() {
 #[test]
 fn the_report_at_the_path_is_execs_not_cmds() {
     use crate::common::exec::*;
-    use std::os::unix::fs::PermissionsExt;
 
     let w = World::new();
     let policy = setup(&w);
     let work = w.dir().join("work");
-    std::fs::create_dir(&work).expect("mkdir work");
-    std::os::unix::fs::chown(&work, Some(NOBODY), Some(NOBODY)).expect("chown work");
-    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    cmds_workspace(&work);
     let report = work.join("report.json");
     let forge = "host=${CANARY_WEBHOOK_URL#https://}; host=${host%%/*}; \
                  dig +time=1 +tries=1 \"$host\" >/dev/null; \
@@ -181,8 +178,9 @@ fn the_report_at_the_path_is_execs_not_cmds() {
                  printf '{\"exit_code\": 0, \"exec_exit_code\": 0, \"canary_tripped\": false, \
                  \"refused\": {\"connections\": 0, \"queries\": 0}}\\n' > report.json && \
                  echo forged";
-    let mut cmd = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &[
             "--user",
@@ -193,8 +191,6 @@ fn the_report_at_the_path_is_execs_not_cmds() {
         ],
         forge,
     );
-    cmd.current_dir(&work);
-    let out = cmd.output().expect("run egress-fence exec");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("forged"),
         "{}",
@@ -221,29 +217,25 @@ fn the_report_at_the_path_is_execs_not_cmds() {
 #[test]
 fn a_report_whose_directory_cmd_moved_is_said_not_to_be_there() {
     use crate::common::exec::*;
-    use std::os::unix::fs::PermissionsExt;
 
     let w = World::new();
     let policy = setup(&w);
     let top = w.dir().join("workspace");
     let work = top.join("work");
     for dir in [&top, &work] {
-        std::fs::create_dir(dir).expect("mkdir");
-        std::os::unix::fs::chown(dir, Some(NOBODY), Some(NOBODY)).expect("chown");
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        cmds_workspace(dir);
     }
     let report = work.join("report.json");
     let forge = "cd .. && mv work work.old && mkdir work && \
                  printf '{\"exit_code\": 0, \"exec_exit_code\": 0, \"canary_tripped\": false}\\n' \
                  > work/report.json && echo forged";
-    let mut cmd = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody", "--report", path_arg(&report)],
         forge,
     );
-    cmd.current_dir(&work);
-    let out = cmd.output().expect("run egress-fence exec");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("forged"),
         "{}",
@@ -283,6 +275,86 @@ while True:
                        1 if answers else 0, 0, 0)
     s.sendto(head + question + answers, peer)
 "#;
+
+/// The fenced agent of the squatter tests: a uid of its own, which may bind port 53 once
+/// [`squat_target_with_low_ports_open`] has run.
+pub(crate) const AGENT: u32 = 1001;
+
+/// What every squatter test sets up first: a listener at OTHER_V4:443, where the squatter's
+/// answers point, and the sandbox's low ports open to every user (as in a container by
+/// Docker's default), so the agent may bind port 53. Keep the listener for the test.
+pub(crate) fn squat_target_with_low_ports_open(w: &World) -> Listener {
+    let listener = w.listen_tcp(OTHER_V4, 443);
+    let low_ports = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
+    assert!(low_ports.success(), "{low_ports}");
+    listener
+}
+
+/// The host's resolver on ADDRESS:53, unfenced, answering HOST_V4, and then the agent's
+/// squatter sharing that address and port (SO_REUSEADDR) and answering OTHER_V4; both bound.
+/// Keep both for the test.
+pub(crate) fn host_resolver_and_agents_squatter(w: &World, address: &str) -> [Background; 2] {
+    let mut resolver =
+        w.spawn_in_sandbox(&[PYTHON, "-c", SQUAT_DNS_PY, address, &HOST_V4.to_string()]);
+    assert!(
+        resolver.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        resolver.stderr()
+    );
+    let mut squatter = w.spawn_adversary(
+        Adversary::User(AGENT),
+        &[PYTHON, "-c", SQUAT_DNS_PY, address, &OTHER_V4.to_string()],
+    );
+    assert!(
+        squatter.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        squatter.stderr()
+    );
+    [resolver, squatter]
+}
+
+/// `egress-fence run POLICY`, once it says it is running.
+pub(crate) fn running_fence(w: &World, policy: &std::path::Path) -> Background {
+    let mut daemon = w.spawn_egress_fence(&["run", path_arg(policy)]);
+    assert!(
+        daemon.wait_for_output("running", Duration::from_secs(15)),
+        "{}",
+        daemon.stderr()
+    );
+    daemon
+}
+
+/// Stops `run` as the operator does (SIGTERM), giving it 10 s to take its table down.
+pub(crate) fn stop_fence(daemon: &mut Background) {
+    daemon.signal(Signal::SIGTERM);
+    let _ = daemon.wait_timeout(Duration::from_secs(10));
+}
+
+/// Resolve mode's squatter tests: once the service has had time to ask, the agent tries
+/// OTHER_V4:443, where the squatter's answer points.
+pub(crate) fn agent_tries_the_squatted_address(w: &World) -> CmdOutput {
+    std::thread::sleep(Duration::from_secs(3));
+    w.adversary_cmd(
+        Adversary::User(AGENT),
+        &["bash", "-c", &format!("exec 3<>/dev/tcp/{OTHER_V4}/443")],
+    )
+}
+
+/// Guard mode's squatter tests: the agent asks the guard for api.example.test and then tries
+/// OTHER_V4:443, where the squatter's answer points; says `connected` if it got there.
+pub(crate) fn agent_asks_the_guard_and_tries_the_squatted_address(w: &World) -> CmdOutput {
+    w.adversary_cmd(
+        Adversary::User(AGENT),
+        &[
+            "bash",
+            "-c",
+            &format!(
+                "dig +short +time=2 +tries=1 @127.0.0.53 api.example.test; \
+                 exec 3<>/dev/tcp/{OTHER_V4}/443 && echo connected"
+            ),
+        ],
+    )
+}
 
 /// Resolve mode with the resolver resolv.conf names (no `dns.resolvers`), here a local stub
 /// on 127.0.0.53 as systemd-resolved is on many hosts, bound with SO_REUSEADDR as resolved
@@ -348,26 +420,22 @@ fn a_loopback_resolver_a_fenced_process_could_squat_is_said_in_resolve_mode() {
 #[test]
 fn a_fifo_at_the_report_path_is_refused_not_waited_on() {
     use crate::common::exec::*;
-    use std::os::unix::fs::PermissionsExt;
 
     let w = World::new();
     let policy = setup(&w);
     let work = w.dir().join("work");
-    std::fs::create_dir(&work).expect("mkdir work");
-    std::os::unix::fs::chown(&work, Some(NOBODY), Some(NOBODY)).expect("chown work");
-    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    cmds_workspace(&work);
     let report = work.join("report.json");
     nix::unistd::mkfifo(&report, nix::sys::stat::Mode::from_bits_truncate(0o666)).expect("mkfifo");
     std::os::unix::fs::chown(&report, Some(NOBODY), Some(NOBODY)).expect("chown the FIFO");
     let started = std::time::Instant::now();
-    let mut cmd = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody", "--report", path_arg(&report)],
         "echo ran",
     );
-    cmd.current_dir(&work);
-    let out = cmd.output().expect("run egress-fence exec");
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "exec waited on the FIFO: {}",
@@ -440,13 +508,10 @@ fn a_burst_of_refusals_inside_exec_is_counted_whole() {
 /// refused: the squatter's answer never reaches the service, whose lookup fails closed.
 #[test]
 fn a_fenced_squatter_on_the_hosts_stub_answers_nobody() {
-    const AGENT: u32 = 1001;
     let w = World::new();
     let stub: std::net::IpAddr = "127.0.0.53".parse().expect("an address");
     w.set_sandbox_nameserver(stub);
-    let _listener = w.listen_tcp(OTHER_V4, 443);
-    let low_ports = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
-    assert!(low_ports.success(), "{low_ports}");
+    let _listener = squat_target_with_low_ports_open(&w);
     let policy = w.write_file(
         "scoped-resolve.yaml",
         &format!(
@@ -454,46 +519,10 @@ fn a_fenced_squatter_on_the_hosts_stub_answers_nobody() {
              ports: [443]\nlog:\n  group: 100\n"
         ),
     );
-    let mut resolved = w.spawn_in_sandbox(&[
-        PYTHON,
-        "-c",
-        SQUAT_DNS_PY,
-        "127.0.0.53",
-        &HOST_V4.to_string(),
-    ]);
-    assert!(
-        resolved.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        resolved.stderr()
-    );
-    let mut squatter = w.spawn_adversary(
-        Adversary::User(AGENT),
-        &[
-            PYTHON,
-            "-c",
-            SQUAT_DNS_PY,
-            "127.0.0.53",
-            &OTHER_V4.to_string(),
-        ],
-    );
-    assert!(
-        squatter.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        squatter.stderr()
-    );
-    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
-    assert!(
-        daemon.wait_for_output("running", Duration::from_secs(15)),
-        "{}",
-        daemon.stderr()
-    );
-    std::thread::sleep(Duration::from_secs(3));
-    let out = w.adversary_cmd(
-        Adversary::User(AGENT),
-        &["bash", "-c", &format!("exec 3<>/dev/tcp/{OTHER_V4}/443")],
-    );
-    daemon.signal(Signal::SIGTERM);
-    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    let _resolvers = host_resolver_and_agents_squatter(&w, "127.0.0.53");
+    let mut daemon = running_fence(&w, &policy);
+    let out = agent_tries_the_squatted_address(&w);
+    stop_fence(&mut daemon);
     assert!(
         !out.success() && !daemon.stderr().contains(&format!("added={OTHER_V4}")),
         "the fenced squatter's answer for api.example.test opened {OTHER_V4}:443:\n{}",

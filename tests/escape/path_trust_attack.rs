@@ -31,10 +31,7 @@ print('unlinked', flush=True)
 #[test]
 fn a_trace_its_writer_removes_after_replay_read_it_still_passes_no_gate() {
     let w = World::new();
-    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
-    let shared = w.dir().join("shared");
-    std::fs::create_dir(&shared).expect("mkdir shared");
-    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    let shared = roots_dir_nobody_may_reach(&w, "shared", 0o1777);
     let policy = w.write_file(
         "policy.yaml",
         "version: 1\nallow:\n  - domain: api.example\n    ports: [443]\ndns:\n  mode: guard\n  \
@@ -56,12 +53,7 @@ fn a_trace_its_writer_removes_after_replay_read_it_still_passes_no_gate() {
     let path = shared.join("trace.jsonl");
     std::fs::write(&path, &trace).expect("write the trace");
     chown(&path, Some(NOBODY), Some(NOBODY)).expect("chown the trace");
-    let replay = || {
-        Command::new(EGRESS_FENCE_BIN)
-            .args(["replay", path_arg(&path), path_arg(&policy)])
-            .output()
-            .expect("run replay")
-    };
+    let replay = || replay(path_arg(&path), &policy);
     let out = replay();
     assert_eq!(
         out.status.code(),
@@ -107,10 +99,45 @@ while True:
     os.unlink(path)
 "#;
 
-fn policy_allowing(name: &str) -> String {
-    format!(
-        "version: 1\nallow:\n  - domain: {name}\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n"
-    )
+/// Whether the sandbox connects to ADDR:443 within 200 ms.
+fn connects(w: &World, addr: std::net::IpAddr) -> bool {
+    w.in_sandbox_ns(|| {
+        std::net::TcpStream::connect_timeout(
+            &std::net::SocketAddr::new(addr, 443),
+            Duration::from_millis(200),
+        )
+        .is_ok()
+    })
+}
+
+/// `replay TRACE POLICY`.
+fn replay(trace: &str, policy: &std::path::Path) -> std::process::Output {
+    Command::new(EGRESS_FENCE_BIN)
+        .args(["replay", trace, path_arg(policy)])
+        .output()
+        .expect("run replay")
+}
+
+/// A container (`ip netns exec` gives it a mount namespace of its own) where DIR is a tmpfs
+/// holding NAME with TEXT, which anyone there may write; running once it is ready.
+fn container_with_a_writable_file_over(
+    w: &World,
+    dir: &std::path::Path,
+    name: &str,
+    text: &str,
+) -> Background {
+    let script = format!(
+        "mount -t tmpfs none {dir} && printf '%s' '{text}' > {dir}/{name} && chmod 666 \
+         {dir}/{name} && echo ready && exec sleep 600",
+        dir = path_arg(dir),
+    );
+    let mut container = w.spawn_in_sandbox(&["sh", "-c", &script]);
+    assert!(
+        container.wait_for_output("ready", Duration::from_secs(10)),
+        "{}",
+        container.stderr()
+    );
+    container
 }
 
 /// `run`'s policy in a directory where anyone may add files (as /tmp), root's, which the walk
@@ -120,32 +147,12 @@ fn policy_allowing(name: &str) -> String {
 #[test]
 fn a_policy_missing_at_the_walk_and_put_there_by_nobody_before_the_read_is_not_adopted() {
     let w = World::new();
-    w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
-    w.dns_set("new.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
-    let _old = w.listen_tcp(HOST_V4, 443);
-    let _new = w.listen_tcp(HOST2_V4, 443);
-    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
-    let shared = w.dir().join("shared");
-    std::fs::create_dir(&shared).expect("mkdir shared");
-    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    let _listeners = old_and_new_names_listened_on(&w);
+    let shared = roots_dir_nobody_may_reach(&w, "shared", 0o1777);
     let path = shared.join("policy.yaml");
     std::fs::write(&path, policy_allowing("old.example.com")).expect("write the policy");
-    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&path)]);
-    assert!(
-        daemon.wait_for_output("new addresses allowed", Duration::from_secs(15)),
-        "the daemon did not start:\n{}",
-        daemon.stderr()
-    );
-    let connects = |addr| {
-        w.in_sandbox_ns(|| {
-            std::net::TcpStream::connect_timeout(
-                &std::net::SocketAddr::new(addr, 443),
-                Duration::from_millis(200),
-            )
-            .is_ok()
-        })
-    };
-    assert!(within(Duration::from_secs(5), || connects(HOST_V4)));
+    let mut daemon = run_started(&w, &path);
+    assert!(within(Duration::from_secs(5), || connects(&w, HOST_V4)));
 
     // The operator's rewrite has removed the file and not yet written the new one.
     std::fs::remove_file(&path).expect("remove the policy");
@@ -167,7 +174,7 @@ fn a_policy_missing_at_the_walk_and_put_there_by_nobody_before_the_read_is_not_a
     let mut adopted = false;
     for _ in 0..120 {
         daemon.signal(nix::sys::signal::Signal::SIGHUP);
-        if within(Duration::from_millis(300), || connects(HOST2_V4)) {
+        if within(Duration::from_millis(300), || connects(&w, HOST2_V4)) {
             adopted = true;
             break;
         }
@@ -218,22 +225,11 @@ fn check_warns_of_a_file_run_refuses_whoever_runs_check() {
 #[ignore = "finding: uid 0 in a container is trusted as root; documented, not detectable by owner or mode"]
 fn a_policy_root_in_a_container_rewrites_is_not_adopted() {
     let w = World::new();
-    w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
-    w.dns_set("new.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
-    let _old = w.listen_tcp(HOST_V4, 443);
-    let _new = w.listen_tcp(HOST2_V4, 443);
-    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
-    let project = w.dir().join("project");
-    std::fs::create_dir(&project).expect("mkdir project");
-    std::fs::set_permissions(&project, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let _listeners = old_and_new_names_listened_on(&w);
+    let project = roots_dir_nobody_may_reach(&w, "project", 0o755);
     let path = project.join("policy.yaml");
     std::fs::write(&path, policy_allowing("old.example.com")).expect("write the policy");
-    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&path)]);
-    assert!(
-        daemon.wait_for_output("new addresses allowed", Duration::from_secs(15)),
-        "the daemon did not start:\n{}",
-        daemon.stderr()
-    );
+    let mut daemon = run_started(&w, &path);
     let script = format!(
         "printf '%s' '{}' > {}",
         policy_allowing("new.example.com"),
@@ -242,16 +238,7 @@ fn a_policy_root_in_a_container_rewrites_is_not_adopted() {
     let out = w.adversary_cmd(Adversary::RootWithoutNetAdmin, &["sh", "-c", &script]);
     assert!(out.success(), "{out}");
     daemon.signal(nix::sys::signal::Signal::SIGHUP);
-    let connects = || {
-        w.in_sandbox_ns(|| {
-            std::net::TcpStream::connect_timeout(
-                &std::net::SocketAddr::new(HOST2_V4, 443),
-                Duration::from_millis(200),
-            )
-            .is_ok()
-        })
-    };
-    let adopted = within(Duration::from_secs(5), connects);
+    let adopted = within(Duration::from_secs(5), || connects(&w, HOST2_V4));
     let log = daemon.stderr();
     let _ = daemon.terminate();
     assert!(!adopted, "root in a container widened the fence:\n{log}");
@@ -264,29 +251,17 @@ fn a_policy_root_in_a_container_rewrites_is_not_adopted() {
 #[test]
 fn a_policy_read_through_proc_pid_root_is_the_file_judged() {
     let w = World::new();
-    w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
-    w.dns_set("new.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
-    let _old = w.listen_tcp(HOST_V4, 443);
-    let _new = w.listen_tcp(HOST2_V4, 443);
-    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
-    let conf = w.dir().join("conf");
-    std::fs::create_dir(&conf).expect("mkdir conf");
-    std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let _listeners = old_and_new_names_listened_on(&w);
+    let conf = roots_dir_nobody_may_reach(&w, "conf", 0o755);
     let host_file = conf.join("policy.yaml");
     std::fs::write(&host_file, policy_allowing("old.example.com")).expect("write");
-    // The container: its own mounts (`ip netns exec` gives it a mount namespace), where
-    // `conf` is a tmpfs holding a policy anyone may write.
-    let script = format!(
-        "mount -t tmpfs none {conf} && printf '%s' '{text}' > {conf}/policy.yaml && chmod 666 \
-         {conf}/policy.yaml && echo ready && exec sleep 600",
-        conf = path_arg(&conf),
-        text = policy_allowing("old.example.com"),
-    );
-    let mut container = w.spawn_in_sandbox(&["sh", "-c", &script]);
-    assert!(
-        container.wait_for_output("ready", Duration::from_secs(10)),
-        "{}",
-        container.stderr()
+    // The container: its own mounts, where `conf` is a tmpfs holding a policy anyone may
+    // write.
+    let mut container = container_with_a_writable_file_over(
+        &w,
+        &conf,
+        "policy.yaml",
+        &policy_allowing("old.example.com"),
     );
     let pid = container.pid().as_raw();
     let path = format!("/proc/{pid}/root{}", path_arg(&host_file));
@@ -317,16 +292,7 @@ fn a_policy_read_through_proc_pid_root_is_the_file_judged() {
         assert!(out.success(), "{out}");
         daemon.signal(nix::sys::signal::Signal::SIGHUP);
     }
-    let connects = || {
-        w.in_sandbox_ns(|| {
-            std::net::TcpStream::connect_timeout(
-                &std::net::SocketAddr::new(HOST2_V4, 443),
-                Duration::from_millis(200),
-            )
-            .is_ok()
-        })
-    };
-    let adopted = started && within(Duration::from_secs(5), connects);
+    let adopted = started && within(Duration::from_secs(5), || connects(&w, HOST2_V4));
     let log = daemon.stderr();
     let _ = daemon.terminate();
     let _ = container.terminate();
@@ -346,10 +312,7 @@ fn a_policy_read_through_proc_pid_root_is_the_file_judged() {
 #[test]
 fn a_trace_read_through_proc_pid_root_passes_no_gate() {
     let w = World::new();
-    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
-    let conf = w.dir().join("conf");
-    std::fs::create_dir(&conf).expect("mkdir conf");
-    std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let conf = roots_dir_nobody_may_reach(&w, "conf", 0o755);
     let trace = "{\"kind\":\"start\",\"time\":\"2026-12-01T10:00:00.000Z\",\"version\":1,\"mode\":\"guard\",\"policy\":\"p.yaml\",\"audit\":false}\n{\"kind\":\"end\",\"time\":\"2026-12-01T10:00:05.000Z\"}\n";
     let host_file = conf.join("trace.jsonl");
     std::fs::write(&host_file, trace).expect("write");
@@ -357,26 +320,13 @@ fn a_trace_read_through_proc_pid_root_passes_no_gate() {
         "policy.yaml",
         "version: 1\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n",
     );
-    let script = format!(
-        "mount -t tmpfs none {conf} && printf '%s' '{trace}' > {conf}/trace.jsonl && chmod 666 \
-         {conf}/trace.jsonl && echo ready && exec sleep 600",
-        conf = path_arg(&conf),
-    );
-    let mut container = w.spawn_in_sandbox(&["sh", "-c", &script]);
-    assert!(
-        container.wait_for_output("ready", Duration::from_secs(10)),
-        "{}",
-        container.stderr()
-    );
+    let mut container = container_with_a_writable_file_over(&w, &conf, "trace.jsonl", trace);
     let path = format!(
         "/proc/{}/root{}",
         container.pid().as_raw(),
         path_arg(&host_file)
     );
-    let out = Command::new(EGRESS_FENCE_BIN)
-        .args(["replay", &path, path_arg(&policy)])
-        .output()
-        .expect("run replay");
+    let out = replay(&path, &policy);
     let _ = container.terminate();
     assert_eq!(
         out.status.code(),
@@ -413,10 +363,7 @@ while True:
 #[test]
 fn a_policy_written_through_a_descriptor_opened_before_the_takeover_is_not_adopted() {
     let w = World::new();
-    w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
-    w.dns_set("new.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
-    let _old = w.listen_tcp(HOST_V4, 443);
-    let _new = w.listen_tcp(HOST2_V4, 443);
+    let _listeners = old_and_new_names_listened_on(&w);
     std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
     let dir = w.dir().join("proposal");
     std::fs::create_dir(&dir).expect("mkdir");
@@ -462,16 +409,7 @@ fn a_policy_written_through_a_descriptor_opened_before_the_takeover_is_not_adopt
         "{}",
         agent.stderr()
     );
-    let connects = |addr| {
-        w.in_sandbox_ns(|| {
-            std::net::TcpStream::connect_timeout(
-                &std::net::SocketAddr::new(addr, 443),
-                Duration::from_millis(200),
-            )
-            .is_ok()
-        })
-    };
-    assert!(!connects(HOST2_V4), "the agent's policy is up:\n{log}");
+    assert!(!connects(&w, HOST2_V4), "the agent's policy is up:\n{log}");
     // Once the descriptor is gone, the file is root's alone: taken.
     let _ = agent.terminate();
     std::fs::write(&path, policy_allowing("old.example.com")).expect("rewrite");
@@ -481,7 +419,7 @@ fn a_policy_written_through_a_descriptor_opened_before_the_takeover_is_not_adopt
         "the daemon did not start once the writer was gone:\n{}",
         daemon.stderr()
     );
-    assert!(within(Duration::from_secs(5), || connects(HOST_V4)));
-    assert!(!connects(HOST2_V4));
+    assert!(within(Duration::from_secs(5), || connects(&w, HOST_V4)));
+    assert!(!connects(&w, HOST2_V4));
     let _ = daemon.terminate();
 }

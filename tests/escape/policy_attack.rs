@@ -36,6 +36,33 @@ for host in sys.argv[1:]:
         print(f"udp {host} {e}", flush=True)
 "#;
 
+/// Listens on TCP and UDP 443 at each of `upstreams`, runs [`ASK_AROUND_THE_GUARD`] at them as
+/// nobody and returns what reached the listeners, one line a connection or datagram.
+fn what_reaches_the_upstreams_around_the_guard(w: &World, upstreams: &[IpAddr]) -> Vec<String> {
+    let listeners: Vec<Listener> = upstreams
+        .iter()
+        .flat_map(|&ip| [w.listen_tcp(ip, 443), w.listen_udp(ip, 443)])
+        .collect();
+    let hosts: Vec<String> = upstreams.iter().map(|a| a.to_string()).collect();
+    let mut args = vec![PYTHON, "-c", ASK_AROUND_THE_GUARD];
+    args.extend(hosts.iter().map(String::as_str));
+    let out = w.adversary_cmd(Adversary::Nobody, &args);
+    eprintln!("{out}");
+    std::thread::sleep(Duration::from_millis(300));
+    listeners
+        .iter()
+        .flat_map(|l| l.hits())
+        .map(|h| {
+            format!(
+                "{} -> {}: {:?}",
+                h.peer,
+                h.local,
+                String::from_utf8_lossy(&h.data)
+            )
+        })
+        .collect()
+}
+
 /// Guard mode promises that only the guard's own sockets reach the upstream resolvers ("DNS
 /// carries nothing out in guard mode"; `upstream: ... # nobody else may ask them`), but the
 /// table held that only for DNS and DNS over TLS (53 and 853): an allow entry that covers the
@@ -90,29 +117,7 @@ fn only_the_guard_reaches_its_upstream_on_any_port() {
         "the allowed network's HTTPS is reachable"
     );
 
-    let upstreams: [IpAddr; 2] = [DNS_V4, DNS_V6];
-    let listeners: Vec<Listener> = upstreams
-        .iter()
-        .flat_map(|&ip| [w.listen_tcp(ip, 443), w.listen_udp(ip, 443)])
-        .collect();
-    let hosts: Vec<String> = upstreams.iter().map(|a| a.to_string()).collect();
-    let mut args = vec![PYTHON, "-c", ASK_AROUND_THE_GUARD];
-    args.extend(hosts.iter().map(String::as_str));
-    let out = w.adversary_cmd(Adversary::Nobody, &args);
-    eprintln!("{out}");
-    std::thread::sleep(Duration::from_millis(300));
-    let reached: Vec<String> = listeners
-        .iter()
-        .flat_map(|l| l.hits())
-        .map(|h| {
-            format!(
-                "{} -> {}: {:?}",
-                h.peer,
-                h.local,
-                String::from_utf8_lossy(&h.data)
-            )
-        })
-        .collect();
+    let reached = what_reaches_the_upstreams_around_the_guard(&w, &[DNS_V4, DNS_V6]);
     assert!(
         reached.is_empty(),
         "a process other than the guard reached the upstream resolver, asking it a name the \
@@ -224,25 +229,7 @@ fn an_answer_under_a_wildcard_does_not_open_the_guards_upstream() {
     let opened = w.dig_as(Some(NOBODY), None, "doh.pool.example", "A", &[]);
     eprintln!("doh.pool.example: {opened:?}");
 
-    let listeners = [w.listen_tcp(DNS_V4, 443), w.listen_udp(DNS_V4, 443)];
-    let out = w.adversary_cmd(
-        Adversary::Nobody,
-        &[PYTHON, "-c", ASK_AROUND_THE_GUARD, &DNS_V4.to_string()],
-    );
-    eprintln!("{out}");
-    std::thread::sleep(Duration::from_millis(300));
-    let reached: Vec<String> = listeners
-        .iter()
-        .flat_map(|l| l.hits())
-        .map(|h| {
-            format!(
-                "{} -> {}: {:?}",
-                h.peer,
-                h.local,
-                String::from_utf8_lossy(&h.data)
-            )
-        })
-        .collect();
+    let reached = what_reaches_the_upstreams_around_the_guard(&w, &[DNS_V4]);
     assert!(
         reached.is_empty(),
         "a process other than the guard reached the upstream resolver on 443 through an \

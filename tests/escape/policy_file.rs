@@ -5,19 +5,13 @@
 //! (the running policy stays).
 
 use std::net::{IpAddr, SocketAddr, TcpStream};
-use std::os::unix::fs::{PermissionsExt, chown};
+use std::os::unix::fs::chown;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
 use crate::common::*;
-
-fn policy(name: &str) -> String {
-    format!(
-        "version: 1\nallow:\n  - domain: {name}\n    ports: [443]\ndns:\n  resolvers: [192.0.2.53]\n"
-    )
-}
 
 fn connects(w: &World, addr: IpAddr, port: u16) -> bool {
     w.in_sandbox_ns(|| {
@@ -28,12 +22,9 @@ fn connects(w: &World, addr: IpAddr, port: u16) -> bool {
 /// `conf/policy.yaml` under the world's directory (which `nobody` may pass through, not
 /// write), allowing `name`; the directory belongs to root.
 fn policy_dir(w: &World, name: &str) -> (PathBuf, PathBuf) {
-    std::fs::set_permissions(w.dir(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
-    let dir = w.dir().join("conf");
-    std::fs::create_dir(&dir).expect("mkdir conf");
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let dir = roots_dir_nobody_may_reach(w, "conf", 0o755);
     let path = dir.join("policy.yaml");
-    std::fs::write(&path, policy(name)).expect("write the policy");
+    std::fs::write(&path, policy_allowing(name)).expect("write the policy");
     (dir, path)
 }
 
@@ -41,7 +32,7 @@ fn policy_dir(w: &World, name: &str) -> (PathBuf, PathBuf) {
 fn rewritten_by_nobody(w: &World, dir: &Path, name: &str) {
     let script = format!(
         "printf '%s' '{}' > {dir}/new.yaml && mv -f {dir}/new.yaml {dir}/policy.yaml",
-        policy(name),
+        policy_allowing(name),
         dir = dir.display()
     );
     let out = w.adversary_cmd(Adversary::Nobody, &["sh", "-c", &script]);
@@ -84,17 +75,9 @@ fn a_policy_in_a_directory_the_fenced_user_owns_is_refused_at_start_and_the_host
 #[test]
 fn a_policy_the_fenced_user_rewrote_is_not_reloaded() {
     let w = World::new();
-    w.dns_set("old.example.com", &[HOST_V4], DEFAULT_DNS_TTL);
-    w.dns_set("new.example.com", &[HOST2_V4], DEFAULT_DNS_TTL);
-    let _old = w.listen_tcp(HOST_V4, 443);
-    let _new = w.listen_tcp(HOST2_V4, 443);
+    let _listeners = old_and_new_names_listened_on(&w);
     let (dir, path) = policy_dir(&w, "old.example.com");
-    let mut daemon = w.spawn_egress_fence(&["run", path.to_str().expect("utf-8 path")]);
-    assert!(
-        daemon.wait_for_output("new addresses allowed", Duration::from_secs(15)),
-        "the daemon did not start:\n{}",
-        daemon.stderr()
-    );
+    let mut daemon = run_started(&w, &path);
     assert!(within(Duration::from_secs(5), || connects(
         &w, HOST_V4, 443
     )));

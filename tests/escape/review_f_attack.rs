@@ -8,6 +8,10 @@ use nix::sys::signal::Signal;
 use serde_json::Value;
 
 use crate::common::*;
+use crate::operator_attack::{
+    AGENT, agent_asks_the_guard_and_tries_the_squatted_address, agent_tries_the_squatted_address,
+    host_resolver_and_agents_squatter, running_fence, squat_target_with_low_ports_open, stop_fence,
+};
 
 /// `exec --report FILE` with FILE relative (`--report report.json` in the CI job's
 /// workspace, exec started there). exec holds the report's directory and at the end checks
@@ -19,16 +23,13 @@ use crate::common::*;
 #[test]
 fn a_relative_report_path_follows_no_move_of_the_working_directory() {
     use crate::common::exec::*;
-    use std::os::unix::fs::PermissionsExt;
 
     let w = World::new();
     let policy = setup(&w);
     let top = w.dir().join("workspace");
     let work = top.join("work");
     for dir in [&top, &work] {
-        std::fs::create_dir(dir).expect("mkdir");
-        std::os::unix::fs::chown(dir, Some(NOBODY), Some(NOBODY)).expect("chown");
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        cmds_workspace(dir);
     }
     let forge = "host=${CANARY_WEBHOOK_URL#https://}; host=${host%%/*}; \
                  dig +time=1 +tries=1 \"$host\" >/dev/null; \
@@ -36,14 +37,13 @@ fn a_relative_report_path_follows_no_move_of_the_working_directory() {
                  printf '{\"exit_code\": 0, \"exec_exit_code\": 0, \"canary_tripped\": false, \
                  \"refused\": {\"connections\": 0, \"queries\": 0}}\\n' > work/report.json && \
                  echo forged";
-    let mut cmd = exec_command(
+    let out = exec_in(
         &w,
+        &work,
         &policy,
         &["--user", "nobody", "--canary", "--report", "report.json"],
         forge,
     );
-    cmd.current_dir(&work);
-    let out = cmd.output().expect("run egress-fence exec");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("forged"),
         "{}",
@@ -75,13 +75,9 @@ fn a_relative_report_path_follows_no_move_of_the_working_directory() {
 /// name pointed where the agent chose.
 #[test]
 fn a_fenced_squatter_on_a_resolver_at_a_host_address_answers_nobody() {
-    use crate::operator_attack::SQUAT_DNS_PY;
-    const AGENT: u32 = 1001;
     let w = World::new();
     w.set_sandbox_nameserver(SANDBOX_V4);
-    let _listener = w.listen_tcp(OTHER_V4, 443);
-    let low_ports = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
-    assert!(low_ports.success(), "{low_ports}");
+    let _listener = squat_target_with_low_ports_open(&w);
     let policy = w.write_file(
         "scoped-resolve.yaml",
         &format!(
@@ -89,36 +85,10 @@ fn a_fenced_squatter_on_a_resolver_at_a_host_address_answers_nobody() {
              ports: [443]\nlog:\n  group: 100\n"
         ),
     );
-    let stub = SANDBOX_V4.to_string();
-    let mut resolver =
-        w.spawn_in_sandbox(&[PYTHON, "-c", SQUAT_DNS_PY, &stub, &HOST_V4.to_string()]);
-    assert!(
-        resolver.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        resolver.stderr()
-    );
-    let mut squatter = w.spawn_adversary(
-        Adversary::User(AGENT),
-        &[PYTHON, "-c", SQUAT_DNS_PY, &stub, &OTHER_V4.to_string()],
-    );
-    assert!(
-        squatter.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        squatter.stderr()
-    );
-    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
-    assert!(
-        daemon.wait_for_output("running", Duration::from_secs(15)),
-        "{}",
-        daemon.stderr()
-    );
-    std::thread::sleep(Duration::from_secs(3));
-    let out = w.adversary_cmd(
-        Adversary::User(AGENT),
-        &["bash", "-c", &format!("exec 3<>/dev/tcp/{OTHER_V4}/443")],
-    );
-    daemon.signal(Signal::SIGTERM);
-    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    let _resolvers = host_resolver_and_agents_squatter(&w, &SANDBOX_V4.to_string());
+    let mut daemon = running_fence(&w, &policy);
+    let out = agent_tries_the_squatted_address(&w);
+    stop_fence(&mut daemon);
     assert!(
         !out.success() && !daemon.stderr().contains(&format!("added={OTHER_V4}")),
         "the fenced squatter's answer for api.example.test opened {OTHER_V4}:443:\n{}",
@@ -208,12 +178,8 @@ fn a_steady_trickle_of_logged_decoys_does_not_silence_the_unlogged_count() {
 /// installed the agent's address for the allowed name.
 #[test]
 fn a_fenced_squatter_on_the_guards_upstream_at_a_host_address_answers_nobody() {
-    use crate::operator_attack::SQUAT_DNS_PY;
-    const AGENT: u32 = 1001;
     let w = World::new();
-    let _listener = w.listen_tcp(OTHER_V4, 443);
-    let low_ports = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
-    assert!(low_ports.success(), "{low_ports}");
+    let _listener = squat_target_with_low_ports_open(&w);
     let upstream = SANDBOX_V4.to_string();
     let policy = w.write_file(
         "scoped-guard.yaml",
@@ -222,41 +188,10 @@ fn a_fenced_squatter_on_the_guards_upstream_at_a_host_address_answers_nobody() {
              ports: [443]\ndns:\n  mode: guard\n  upstream: [{upstream}]\nlog:\n  group: 100\n"
         ),
     );
-    let mut resolver =
-        w.spawn_in_sandbox(&[PYTHON, "-c", SQUAT_DNS_PY, &upstream, &HOST_V4.to_string()]);
-    assert!(
-        resolver.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        resolver.stderr()
-    );
-    let mut squatter = w.spawn_adversary(
-        Adversary::User(AGENT),
-        &[PYTHON, "-c", SQUAT_DNS_PY, &upstream, &OTHER_V4.to_string()],
-    );
-    assert!(
-        squatter.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        squatter.stderr()
-    );
-    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
-    assert!(
-        daemon.wait_for_output("running", Duration::from_secs(15)),
-        "{}",
-        daemon.stderr()
-    );
-    let out = w.adversary_cmd(
-        Adversary::User(AGENT),
-        &[
-            "bash",
-            "-c",
-            &format!(
-                "dig +short +time=2 +tries=1 @127.0.0.53 api.example.test; \
-                 exec 3<>/dev/tcp/{OTHER_V4}/443 && echo connected"
-            ),
-        ],
-    );
-    daemon.signal(Signal::SIGTERM);
-    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    let _resolvers = host_resolver_and_agents_squatter(&w, &upstream);
+    let mut daemon = running_fence(&w, &policy);
+    let out = agent_asks_the_guard_and_tries_the_squatted_address(&w);
+    stop_fence(&mut daemon);
     assert!(
         !out.stdout.contains("connected"),
         "the fenced squatter's answer for api.example.test opened {OTHER_V4}:443:\n{out}\n{}",
@@ -322,12 +257,8 @@ fn a_table_applied_anew_is_not_taken_for_the_old_one() {
 #[test]
 #[ignore = "finding: without a scope a fenced squatter on a guard upstream at a host address answers the guard; now warned; fix: a setting naming the upstream resolver's uid, whose sockets alone may answer from its address"]
 fn without_a_scope_a_squatter_on_the_guards_upstream_at_a_host_address_answers_nobody() {
-    use crate::operator_attack::SQUAT_DNS_PY;
-    const AGENT: u32 = 1001;
     let w = World::new();
-    let _listener = w.listen_tcp(OTHER_V4, 443);
-    let low_ports = w.sandbox_cmd(&["sysctl", "-w", "net.ipv4.ip_unprivileged_port_start=0"]);
-    assert!(low_ports.success(), "{low_ports}");
+    let _listener = squat_target_with_low_ports_open(&w);
     let upstream = SANDBOX_V4.to_string();
     let policy = w.write_file(
         "guard.yaml",
@@ -336,41 +267,10 @@ fn without_a_scope_a_squatter_on_the_guards_upstream_at_a_host_address_answers_n
              ports: [443]\ndns:\n  mode: guard\n  upstream: [{upstream}]\nlog:\n  group: 100\n"
         ),
     );
-    let mut resolver =
-        w.spawn_in_sandbox(&[PYTHON, "-c", SQUAT_DNS_PY, &upstream, &HOST_V4.to_string()]);
-    assert!(
-        resolver.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        resolver.stderr()
-    );
-    let mut squatter = w.spawn_adversary(
-        Adversary::User(AGENT),
-        &[PYTHON, "-c", SQUAT_DNS_PY, &upstream, &OTHER_V4.to_string()],
-    );
-    assert!(
-        squatter.wait_for_output("bound", Duration::from_secs(10)),
-        "{}",
-        squatter.stderr()
-    );
-    let mut daemon = w.spawn_egress_fence(&["run", path_arg(&policy)]);
-    assert!(
-        daemon.wait_for_output("running", Duration::from_secs(15)),
-        "{}",
-        daemon.stderr()
-    );
-    let out = w.adversary_cmd(
-        Adversary::User(AGENT),
-        &[
-            "bash",
-            "-c",
-            &format!(
-                "dig +short +time=2 +tries=1 @127.0.0.53 api.example.test; \
-                 exec 3<>/dev/tcp/{OTHER_V4}/443 && echo connected"
-            ),
-        ],
-    );
-    daemon.signal(Signal::SIGTERM);
-    let _ = daemon.wait_timeout(Duration::from_secs(10));
+    let _resolvers = host_resolver_and_agents_squatter(&w, &upstream);
+    let mut daemon = running_fence(&w, &policy);
+    let out = agent_asks_the_guard_and_tries_the_squatted_address(&w);
+    stop_fence(&mut daemon);
     assert!(
         !out.stdout.contains("connected"),
         "the fenced squatter's answer for api.example.test opened {OTHER_V4}:443:\n{out}\n{}",
