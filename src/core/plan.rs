@@ -1023,6 +1023,18 @@ pub(crate) mod tests {
     use std::path::Path;
 
     use super::*;
+
+    /// The networks of `rs`'s deny set of `family`.
+    fn deny_networks(rs: &Ruleset, family: Family) -> &[IpNet] {
+        match &rs
+            .set(SetId::new(SetRole::Deny, family))
+            .expect("a deny set")
+            .elements
+        {
+            Elements::Networks(networks) => networks,
+            other => panic!("the deny set holds networks, not {other:?}"),
+        }
+    }
     use crate::core::resolution::ResolvedAddr;
 
     fn policy(src: &str) -> Policy {
@@ -1238,13 +1250,7 @@ log:
         assert_eq!(warnings.len(), 2, "{warnings:?}");
         assert!(warnings.iter().all(|w| w.contains("registry.npmjs.org")));
         let rs = plan(&p, &r);
-        let Elements::Networks(deny) = &rs
-            .set(SetId::new(SetRole::Deny, Family::V4))
-            .unwrap()
-            .elements
-        else {
-            panic!("the deny set holds networks")
-        };
+        let deny = deny_networks(&rs, Family::V4);
         for addr in ["198.51.100.7", "169.254.169.254"] {
             let addr: IpAddr = addr.parse().unwrap();
             assert!(deny.iter().any(|n| n.contains(&addr)), "{addr} not denied");
@@ -1513,13 +1519,7 @@ log:
         assert!(w[0].contains("64:ff9b::a9fe:a9fe") && w[0].contains("cloud-metadata"));
         assert!(w[1].contains("64:ff9b::a00:5") && w[1].contains("deny wins"));
         let rs = plan(&p, &r);
-        let Elements::Networks(deny6) = &rs
-            .set(SetId::new(SetRole::Deny, Family::V6))
-            .unwrap()
-            .elements
-        else {
-            panic!()
-        };
+        let deny6 = deny_networks(&rs, Family::V6);
         for answer in ["64:ff9b::a9fe:a9fe", "64:ff9b::a00:5"] {
             let addr: IpAddr = answer.parse().unwrap();
             assert!(deny6.iter().any(|n| n.contains(&addr)), "{answer}");
@@ -1708,13 +1708,7 @@ log:
         }
         assert_eq!(rs.guard.len(), 8, "{:?}", rs.guard);
         // DNS over HTTPS to public resolvers goes to the deny set, where no allow reaches.
-        let Elements::Networks(deny4) = &rs
-            .set(SetId::new(SetRole::Deny, Family::V4))
-            .unwrap()
-            .elements
-        else {
-            panic!("deny4 holds networks");
-        };
+        let deny4 = deny_networks(&rs, Family::V4);
         assert!(
             deny4
                 .iter()
@@ -1727,13 +1721,7 @@ log:
             deny4.contains(&"192.0.2.53/32".parse().unwrap()),
             "{deny4:?}"
         );
-        let Elements::Networks(deny6) = &rs
-            .set(SetId::new(SetRole::Deny, Family::V6))
-            .unwrap()
-            .elements
-        else {
-            panic!("deny6 holds networks");
-        };
+        let deny6 = deny_networks(&rs, Family::V6);
         assert!(
             deny6.contains(&"64:ff9b::c000:235/128".parse().unwrap()),
             "{deny6:?}"
@@ -1745,13 +1733,7 @@ log:
              dns:\n  mode: guard\n  upstream: [192.0.2.53, 192.0.2.54]\n",
         );
         let rs_alone = plan(&alone, &res);
-        let Elements::Networks(deny4) = &rs_alone
-            .set(SetId::new(SetRole::Deny, Family::V4))
-            .unwrap()
-            .elements
-        else {
-            panic!("deny4 holds networks");
-        };
+        let deny4 = deny_networks(&rs_alone, Family::V4);
         assert!(
             !deny4
                 .iter()
@@ -1775,13 +1757,7 @@ log:
                  protocol: udp\ndns:\n  mode: guard\n  upstream: [192.0.2.53]\n"
             ));
             let rs_both = plan(&both, &res);
-            let Elements::Networks(deny4) = &rs_both
-                .set(SetId::new(SetRole::Deny, Family::V4))
-                .unwrap()
-                .elements
-            else {
-                panic!("deny4 holds networks");
-            };
+            let deny4 = deny_networks(&rs_both, Family::V4);
             assert!(
                 deny4.contains(&"192.0.2.53/32".parse().unwrap()),
                 "{other}: {deny4:?}"
