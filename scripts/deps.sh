@@ -2,16 +2,17 @@
 # Installs what egress-fence needs to build, test and demo on Debian 12: a C toolchain (the
 # linker), the C libraries the nftnl and mnl crates link against, nftables (nft, the
 # independent reader in tests), a real DNS server (dnsmasq), real clients (dig, nc, curl, ping),
-# ipset (benchmark baseline), python3 (the demo's web servers), systemd (systemd-analyze
-# checks the unit), passt (pasta connects `exec`'s namespace), bubblewrap (`exec` composed
-# with bwrap), dpkg-dev (dpkg-shlibdeps: the package's library dependencies) and cargo-deb
-# (scripts/package.sh builds the Debian package; tests/package.rs checks it). Only what is
-# missing is installed.
+# ipset (benchmark baseline), python3 (the demo's web servers), util-linux and mount (setpriv,
+# unshare, nsenter, mount: the escape tests' adversaries and mount namespaces), systemd
+# (systemd-analyze checks the unit), passt (pasta connects `exec`'s namespace), bubblewrap
+# (`exec` composed with bwrap), dpkg-dev (dpkg-shlibdeps: the package's library dependencies)
+# and cargo-deb (scripts/package.sh builds the Debian package; tests/package.rs checks it).
+# Only what is missing is installed.
 set -euo pipefail
 
 packages=(
   gcc libc6-dev pkg-config libnftnl-dev libmnl-dev nftables
-  dnsmasq-base dnsutils netcat-openbsd curl iputils-ping iproute2 ipset python3 util-linux procps
+  dnsmasq-base dnsutils netcat-openbsd curl iputils-ping iproute2 ipset python3 util-linux mount procps
   systemd passt bubblewrap dpkg-dev
 )
 

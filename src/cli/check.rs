@@ -12,9 +12,9 @@ use super::output::join_display;
 
 pub fn run(path: &Path) -> Result<u8, Failure> {
     let (policy, text) = load_with_text(path)?;
-    // Judged as for `run` as root, whoever runs `check`: its owner trying a policy before
-    // installing it would otherwise count as the user `run` runs as.
-    // Judged as `run` judges it: the file opened must be the one the walk judged.
+    // Judged as `run` judges it (the file opened must be the one the walk judged), and as
+    // for `run` as root whoever runs `check`: the owner trying a policy before installing it
+    // would otherwise count as the user `run` runs as.
     if let Err(egress_fence::path_trust::Refused::Open(found)) =
         egress_fence::path_trust::open_trusted(path, 0)
     {

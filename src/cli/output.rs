@@ -60,21 +60,16 @@ pub fn report_resolution(policy: &Policy, resolution: &Resolution) {
     for w in denied_answers(policy, &resolution.hosts) {
         eprintln!("warning: {w}");
     }
-    // Where resolv.conf named them, or any on an address of this host (the policy's own on
-    // loopback are warned about with the rest), and the guard's upstreams on this host.
+    // Resolvers (or the guard's upstreams) on loopback or an address of this host: said here
+    // unless it is what the policy's warnings said already of its own resolvers on loopback.
     let host = egress_fence::host::read_addrs_or_warn();
-    let is_host = |a| host.is_own(a);
-    let warned = match policy.dns.resolvers.is_none() || policy.dns.guard.is_some() {
-        true => policy.squattable_resolvers(&resolution.resolvers, is_host),
-        false => policy
-            .squattable_resolvers(&resolution.resolvers, is_host)
-            .filter(|_| {
-                policy
-                    .squattable_resolvers(&resolution.resolvers, |_| false)
-                    .is_none()
-            }),
-    };
-    if let Some(w) = warned {
+    let warning = policy.squattable_resolvers(&resolution.resolvers, |a| host.is_own(a));
+    let said = policy
+        .dns
+        .resolvers
+        .as_deref()
+        .and_then(|r| policy.squattable_resolvers(r, |_| false));
+    if let Some(w) = warning.filter(|w| said.as_ref() != Some(w)) {
         eprintln!("warning: {w}");
     }
 }
