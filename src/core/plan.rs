@@ -1023,6 +1023,7 @@ pub(crate) mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::core::resolution::ResolvedAddr;
 
     /// The networks of `rs`'s deny set of `family`.
     fn deny_networks(rs: &Ruleset, family: Family) -> &[IpNet] {
@@ -1035,7 +1036,6 @@ pub(crate) mod tests {
             other => panic!("the deny set holds networks, not {other:?}"),
         }
     }
-    use crate::core::resolution::ResolvedAddr;
 
     fn policy(src: &str) -> Policy {
         Policy::parse(src, Path::new("t.yaml")).expect("valid policy")
