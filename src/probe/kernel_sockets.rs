@@ -255,12 +255,13 @@ mod tests {
         assert!(odd.reason.contains("AF_RDS: EMFILE"), "{}", odd.reason);
     }
 
-    /// On this kernel: whatever opens is closed again, and nothing fails to be judged.
+    /// On this kernel: each family opens, or fails with an error the check knows (absent,
+    /// refused), never one it cannot judge.
     #[test]
     fn trying_the_families_here_gives_an_answer_for_each() {
         let opened = try_families();
         assert_eq!(opened.len(), FAMILIES.len());
         let check = kernel_sockets_check(&opened, true);
-        assert_ne!(check.outcome, Outcome::Skip, "{}", check.reason);
+        assert!(!check.reason.contains("could not tell"), "{}", check.reason);
     }
 }
