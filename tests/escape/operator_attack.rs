@@ -500,6 +500,66 @@ fn a_burst_of_refusals_inside_exec_is_counted_whole() {
     );
 }
 
+/// The same squat by root without CAP_NET_ADMIN (and without CAP_NET_RAW) in a listed cgroup:
+/// a container fenced by its cgroup, whose root may bind port 53 whatever
+/// `ip_unprivileged_port_start` says. Its socket is the cgroup's, and what it sends from the
+/// stub's address is refused as every scoped socket's is: the service's lookup fails closed.
+#[test]
+fn a_squatter_in_a_fenced_cgroup_on_the_hosts_stub_answers_nobody() {
+    let w = World::new();
+    let stub: std::net::IpAddr = "127.0.0.53".parse().expect("an address");
+    w.set_sandbox_nameserver(stub);
+    let _listener = w.listen_tcp(OTHER_V4, 443);
+    let mut cgroups = TestCgroups::new();
+    let fenced = cgroups.make("fenced");
+    let policy = w.write_file(
+        "cgroup-resolve.yaml",
+        &format!(
+            "version: 1\nscope:\n  cgroups: [{}]\nallow:\n  - domain: api.example.test\n    \
+             ports: [443]\nlog:\n  group: 100\n",
+            cgroups.policy_path("fenced")
+        ),
+    );
+    let mut resolver = w.spawn_in_sandbox(&[
+        PYTHON,
+        "-c",
+        SQUAT_DNS_PY,
+        "127.0.0.53",
+        &HOST_V4.to_string(),
+    ]);
+    assert!(
+        resolver.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        resolver.stderr()
+    );
+    let root = Adversary::RootWithoutNetAdminOrNetRaw;
+    let other = OTHER_V4.to_string();
+    let squat = root.command(&[PYTHON, "-c", SQUAT_DNS_PY, "127.0.0.53", &other]);
+    let mut squatter = w.spawn_net_only_in_cgroup(
+        &fenced,
+        &squat.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    assert!(
+        squatter.wait_for_output("bound", Duration::from_secs(10)),
+        "{}",
+        squatter.stderr()
+    );
+    let mut daemon = running_fence(&w, &policy);
+    std::thread::sleep(Duration::from_secs(3));
+    let connect = format!("exec 3<>/dev/tcp/{OTHER_V4}/443");
+    let attempt = root.command(&["bash", "-c", &connect]);
+    let out = w.sandbox_net_only_cmd_in_cgroup(
+        &fenced,
+        &attempt.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    stop_fence(&mut daemon);
+    assert!(
+        !out.success() && !daemon.stderr().contains(&format!("added={OTHER_V4}")),
+        "the squatter in the fenced cgroup chose api.example.test's address ({OTHER_V4}):\n{}",
+        daemon.stderr()
+    );
+}
+
 /// The same squat with a scope (the README's way: fence the agent, not the host), where the
 /// host's stub is not fenced and answers the service: the agent (uid 1001, where
 /// `ip_unprivileged_port_start` lets it bind port 53, as in a container by Docker's default)
